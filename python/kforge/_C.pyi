@@ -1,0 +1,71 @@
+"""kforge._C: the C++ core. libcuda and libnvrtc are dlopen'ed on first use."""
+
+from typing import Sequence
+
+class CudaError(RuntimeError):
+    """A CUDA driver call failed. str() starts with the CUDA error name, e.g. CUDA_ERROR_ILLEGAL_ADDRESS."""
+
+class NvrtcError(RuntimeError):
+    """NVRTC could not be loaded or failed outside compilation itself."""
+
+# ---- NVRTC -----------------------------------------------------------------------------
+def nvrtc_load(path: str) -> None:
+    """dlopen libnvrtc at `path` (or a soname). Raises NvrtcError with dlerror() on failure."""
+
+def nvrtc_loaded() -> bool: ...
+def nvrtc_version() -> tuple[int, int]: ...
+def nvrtc_supported_archs() -> list[int]: ...
+def nvrtc_compile(source: str, name: str, options: Sequence[str], want_cubin: bool = True) -> tuple[bool, bytes, str]:
+    """(ok, cubin or PTX image, log). ok=False means the source did not compile; see log."""
+
+# ---- driver ----------------------------------------------------------------------------
+def cuda_load(path: str = "libcuda.so.1") -> None:
+    """dlopen the driver and cuInit(0). Raises CudaError (no driver / no device)."""
+
+def cuda_loaded() -> bool: ...
+def driver_version() -> int: ...
+def device_count() -> int: ...
+def device_attributes(ordinal: int) -> dict:
+    """name, cc (major*10+minor), sm_count, l2_bytes, smem_per_block_optin, max_threads_per_block, mem_bytes."""
+
+def synchronize(ordinal: int) -> None: ...
+
+class Function:
+    name: str
+    def attributes(self) -> dict:
+        """num_regs, shared_bytes, local_bytes, max_threads_per_block."""
+    def set_max_dynamic_smem(self, nbytes: int) -> None: ...
+
+class Module:
+    def __init__(self, image: bytes, ordinal: int) -> None:
+        """Load a cubin into the device's primary context (the one PyTorch uses)."""
+    def function(self, name: str) -> Function: ...
+
+def launch(fn: Function, grid: Sequence[int], block: Sequence[int], smem: int, stream: int,
+           args: Sequence[tuple[str, int | float]]) -> None:
+    """Launch one kernel. args: ("ptr"|"i32"|"i64"|"f32"|"f64", value). Raises CudaError naming the kernel."""
+
+class Plan:
+    """A launch plan resolved to functions: the registry entry and the fast dispatch path.
+
+    kernels: [(fn, grid, block, smem, [(kind, value)])] with kind in in/out/ws/i32/i64/f32/f64.
+    workspace: [(bytes, zero)].
+    """
+    def __init__(self, kernels: Sequence[tuple], workspace: Sequence[tuple[int, bool]] = ()) -> None: ...
+    def launch(self, inputs: Sequence[int], outputs: Sequence[int], workspaces: Sequence[int], stream: int) -> None:
+        """Bind pointers, zero the workspaces that ask for it, and launch every kernel on `stream`."""
+
+def bench(plan: Plan, inputs: Sequence[Sequence[int]], outputs: Sequence[int], workspaces: Sequence[int],
+          stream: int, flush_ptr: int, flush_bytes: int, warmup_ms: float, min_reps: int, min_ms: float,
+          max_reps: int) -> list[float]:
+    """Time plan.launch with one CUDA event pair per rep, the L2 flushed (a write of
+    flush_bytes at flush_ptr) before each, inputs rotated among the given pointer sets;
+    warm-up sized by time. Returns per-rep times in milliseconds."""
+
+class Registry:
+    """Guarded dispatch table: integer variant id -> Plan."""
+    def __init__(self) -> None: ...
+    def add(self, plan: Plan) -> int: ...
+    def launch(self, id: int, inputs: Sequence[int], outputs: Sequence[int], workspaces: Sequence[int], stream: int) -> None: ...
+    def __len__(self) -> int: ...
+    def clear(self) -> None: ...

@@ -1,0 +1,41 @@
+"""kforge: make unmodified PyTorch models faster with generated, verified, guarded CUDA kernels.
+
+    import kforge
+    result = kforge.run(model, example_inputs, out="model.cast")
+    kforge.load("model.cast").apply()
+
+Submodules are imported on first use, so `import kforge` is cheap and works without a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .errors import (BudgetExhausted, CaptureError, CardError, CompileError, CudaUnavailableError, KforgeError,
+                     LaunchError, LLMError, PackageError, PlanError, ProposerError)
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "capture": ("kforge.capture", "capture"),
+    "run": ("kforge.runner", "run"),
+    "load": ("kforge.package", "load"),
+    "compile": ("kforge.compiler", "compile"),
+    "cuda_status": ("kforge.cuda", "cuda_status"),
+    "Card": ("kforge.cards", "Card"),
+    "Candidate": ("kforge.candidate", "Candidate"),
+    "LaunchPlan": ("kforge.candidate", "LaunchPlan"),
+}
+
+__all__ = list(_LAZY) + ["__version__", "BudgetExhausted", "CaptureError", "CardError", "CompileError",
+                         "CudaUnavailableError", "KforgeError", "LaunchError", "LLMError", "PackageError",
+                         "PlanError", "ProposerError"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        mod, attr = _LAZY[name]
+        value = getattr(importlib.import_module(mod), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'kforge' has no attribute {name!r}")

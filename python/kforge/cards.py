@@ -1,0 +1,482 @@
+"""Operator cards: one runtime-compatible variant of an aten call, with its evidence.
+
+A card is identified by a stable hash of the op overload, every argument's metadata
+(shape, stride, dtype, device type, pointer alignment, scalar values) and the device
+arch. It stores real sample inputs and eager reference outputs with safetensors, each
+tensor as the span of storage it views so strides and alignment survive the round trip.
+
+Tensor numbering used everywhere (launch plans, dispatch, evaluation):
+  inputs  = every tensor argument in schema order, tensor lists flattened;
+  outputs = every tensor the op returns, in order, tuples flattened.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import CardError
+
+CARD_FORMAT = 1
+
+FAMILIES = ("pointwise", "reduction", "normalization", "pooling", "vendor", "view", "other")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise CardError(f"unknown dtype {name!r} in card")
+    return dt
+
+
+def pointer_alignment(ptr: int) -> int:
+    """Largest power of two <= 16 that divides the address (what vector loads care about)."""
+    for a in (16, 8, 4, 2):
+        if ptr % a == 0:
+            return a
+    return 1
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str
+    device: str  # device type: "cuda" or "cpu"; the index is not part of a card
+    align: int = 16  # pointer alignment in bytes, capped at 16
+    storage_offset: int = 0  # informational; the kernel only sees data_ptr()
+    lo: float | None = None  # value range of integer/bool samples, for fresh inputs
+    hi: float | None = None
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "TensorMeta":
+        lo = hi = None
+        if not (t.is_floating_point() or t.is_complex()) and t.numel() and t.device.type != "meta":
+            lo, hi = float(t.min()), float(t.max())
+        return TensorMeta(
+            shape=tuple(t.shape),
+            stride=tuple(t.stride()),
+            dtype=dtype_name(t.dtype),
+            device=t.device.type,
+            align=pointer_alignment(t.data_ptr()) if t.device.type != "meta" else 16,
+            storage_offset=t.storage_offset(),
+            lo=lo,
+            hi=hi,
+        )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_name(self.dtype)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.torch_dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the elements this view addresses (what a kernel must read or write)."""
+        return self.numel * self.itemsize
+
+    def span(self) -> int:
+        """Elements of storage the view touches, from its first element."""
+        if self.numel == 0:
+            return 0
+        return 1 + sum((s - 1) * abs(st) for s, st in zip(self.shape, self.stride))
+
+    def is_contiguous(self) -> bool:
+        expected, acc = [], 1
+        for s in reversed(self.shape):
+            expected.append(acc)
+            acc *= max(s, 1)
+        return all(s == 1 or st == e for s, st, e in zip(self.shape, self.stride, reversed(expected)))
+
+    def key(self) -> tuple:
+        """What a guard compares: everything that changes what a kernel must do."""
+        return (self.shape, self.stride, self.dtype, self.device, self.align)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(d: dict) -> "TensorMeta":
+        d = dict(d)
+        d["shape"], d["stride"] = tuple(d["shape"]), tuple(d["stride"])
+        return TensorMeta(**d)
+
+
+# ---- non-tensor argument values, JSON encoded ----------------------------------------
+
+def encode_value(v: Any) -> Any:
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        return {"float": repr(v)} if not math.isfinite(v) else v
+    if isinstance(v, torch.dtype):
+        return {"dtype": dtype_name(v)}
+    if isinstance(v, torch.device):
+        return {"device": v.type}
+    if isinstance(v, torch.memory_format):
+        return {"memory_format": str(v).removeprefix("torch.")}
+    if isinstance(v, torch.layout):
+        return {"layout": str(v).removeprefix("torch.")}
+    if isinstance(v, (list, tuple)):
+        return [encode_value(x) for x in v]
+    if isinstance(v, torch.SymInt):
+        return int(v)
+    raise CardError(f"cannot record argument value of type {type(v).__name__}: {v!r}")
+
+
+def decode_value(v: Any, device: str | None = None) -> Any:
+    if isinstance(v, list):
+        return [decode_value(x, device) for x in v]
+    if isinstance(v, dict):
+        (k, x), = v.items()
+        if k == "float":
+            return float(x)
+        if k == "dtype":
+            return dtype_from_name(x)
+        if k == "device":
+            return torch.device(device or x)
+        if k == "memory_format":
+            return getattr(torch, x)
+        if k == "layout":
+            return getattr(torch, x)
+        raise CardError(f"unknown encoded value {v!r}")
+    return v
+
+
+@dataclass
+class ArgSpec:
+    """One schema argument: a tensor, a list of tensors (None items allowed), or a value."""
+
+    name: str
+    kind: str  # "tensor" | "tensors" | "value"
+    kwarg_only: bool = False
+    tensor: TensorMeta | None = None
+    tensors: list[TensorMeta | None] | None = None
+    value: Any = None  # JSON-encoded (encode_value)
+    written: bool = False  # schema alias info says the op writes it
+
+    def key(self) -> tuple:
+        if self.kind == "tensor":
+            return ("t", self.tensor.key(), self.written)
+        if self.kind == "tensors":
+            return ("l", tuple(m.key() if m else None for m in self.tensors), self.written)
+        return ("v", json.dumps(self.value, sort_keys=True))
+
+    def to_json(self) -> dict:
+        d = {"name": self.name, "kind": self.kind, "kwarg_only": self.kwarg_only, "written": self.written}
+        if self.kind == "tensor":
+            d["tensor"] = self.tensor.to_json()
+        elif self.kind == "tensors":
+            d["tensors"] = [m.to_json() if m else None for m in self.tensors]
+        else:
+            d["value"] = self.value
+        return d
+
+    @staticmethod
+    def from_json(d: dict) -> "ArgSpec":
+        return ArgSpec(
+            name=d["name"],
+            kind=d["kind"],
+            kwarg_only=d.get("kwarg_only", False),
+            tensor=TensorMeta.from_json(d["tensor"]) if d.get("tensor") else None,
+            tensors=[TensorMeta.from_json(m) if m else None for m in d["tensors"]] if d.get("tensors") is not None else None,
+            value=d.get("value"),
+            written=d.get("written", False),
+        )
+
+
+@dataclass
+class Card:
+    op: str  # qualified overload name, e.g. "aten::_softmax.default"
+    schema: str
+    args: list[ArgSpec]
+    outputs: list[TensorMeta]
+    arch: str  # "sm_90", or "cpu" for cards captured on the CPU
+    family: str = "other"
+    aliases: dict[int, int] = field(default_factory=dict)  # output index -> input index it is
+    device_name: str = ""
+    calls: int = 0
+    module_paths: list[str] = field(default_factory=list)
+    eager_us: float | None = None  # per call, measured by replaying the card
+    total_us: float | None = None  # eager_us * calls (or profiler time)
+    share: float | None = None  # of the captured runtime
+    samples: int = 0  # sample sets stored on disk
+    notes: list[str] = field(default_factory=list)
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            self.id = card_id(self.op, self.args, self.arch)
+
+    # ---- views of the arguments ---------------------------------------------------------
+    @property
+    def inputs(self) -> list[TensorMeta]:
+        """Tensor inputs in launch-plan order (None items of tensor lists are skipped)."""
+        out: list[TensorMeta] = []
+        for a in self.args:
+            if a.kind == "tensor":
+                out.append(a.tensor)
+            elif a.kind == "tensors":
+                out += [m for m in a.tensors if m is not None]
+        return out
+
+    @property
+    def written_inputs(self) -> set[int]:
+        """Indices (in `inputs`) of tensors the op writes: in-place and out= arguments."""
+        idx, written = 0, set()
+        for a in self.args:
+            metas = [a.tensor] if a.kind == "tensor" else [m for m in (a.tensors or []) if m] if a.kind == "tensors" else []
+            for _ in metas:
+                if a.written:
+                    written.add(idx)
+                idx += 1
+        return written
+
+    @property
+    def name(self) -> str:
+        return self.op.removeprefix("aten::")
+
+    @property
+    def device_type(self) -> str:
+        ins = self.inputs
+        return ins[0].device if ins else (self.outputs[0].device if self.outputs else "cpu")
+
+    def summary(self) -> str:
+        """One line for tables: op and its tensor shapes/dtypes."""
+        parts = [f"{'x'.join(map(str, m.shape)) or 'scalar'}:{m.dtype}" for m in self.inputs]
+        return f"{self.name}({', '.join(parts)})"
+
+    def io_bytes(self) -> int:
+        """Fewest bytes a kernel must move: every input read once, every output written once."""
+        written = self.written_inputs
+        aliased = set(self.aliases)
+        n = sum(m.nbytes for i, m in enumerate(self.inputs))
+        n += sum(m.nbytes for j, m in enumerate(self.outputs) if j not in aliased)
+        n += sum(self.inputs[i].nbytes for i in written if i < len(self.inputs) and i not in self.aliases.values())
+        return n
+
+    def key(self) -> tuple:
+        return (self.op, tuple(a.key() for a in self.args), self.arch)
+
+    # ---- the op itself ------------------------------------------------------------------
+    def overload(self) -> torch._ops.OpOverload:
+        ns, rest = self.op.split("::", 1)
+        name, _, ov = rest.partition(".")
+        try:
+            return getattr(getattr(getattr(torch.ops, ns), name), ov or "default")
+        except AttributeError as e:
+            raise CardError(f"op {self.op} does not exist in torch {torch.__version__}") from e
+
+    def build_call(self, tensors: list[torch.Tensor], device: str | torch.device | None = None) -> tuple[list, dict]:
+        """Put `tensors` (in `inputs` order) back into the schema's args and kwargs."""
+        it = iter(tensors)
+        args, kwargs = [], {}
+        dev = str(device) if device is not None else None
+        for a in self.args:
+            if a.kind == "tensor":
+                v = next(it)
+            elif a.kind == "tensors":
+                v = [next(it) if m is not None else None for m in a.tensors]
+            else:
+                v = decode_value(a.value, dev)
+            (kwargs.__setitem__(a.name, v) if a.kwarg_only else args.append(v))
+        return args, kwargs
+
+    def call_eager(self, tensors: list[torch.Tensor], device=None) -> list[torch.Tensor]:
+        """Run the op through PyTorch; returns its outputs flattened (aliases included)."""
+        args, kwargs = self.build_call(tensors, device)
+        return flatten_outputs(self.overload()(*args, **kwargs))
+
+    # ---- fresh inputs ---------------------------------------------------------------------
+    def random_inputs(self, seed: int, device: str | torch.device = "cuda") -> list[torch.Tensor]:
+        """Fresh inputs with the card's exact metadata and values drawn like the samples'."""
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        return [random_like(m, g, device) for m in self.inputs]
+
+    # ---- storage ----------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {
+            "format": CARD_FORMAT,
+            "id": self.id,
+            "op": self.op,
+            "schema": self.schema,
+            "args": [a.to_json() for a in self.args],
+            "outputs": [m.to_json() for m in self.outputs],
+            "aliases": {str(k): v for k, v in self.aliases.items()},
+            "arch": self.arch,
+            "family": self.family,
+            "device_name": self.device_name,
+            "calls": self.calls,
+            "module_paths": self.module_paths,
+            "eager_us": self.eager_us,
+            "total_us": self.total_us,
+            "share": self.share,
+            "samples": self.samples,
+            "notes": self.notes,
+        }
+
+    @staticmethod
+    def from_json(d: dict) -> "Card":
+        if d.get("format", 0) > CARD_FORMAT:
+            raise CardError(f"card format {d.get('format')} is newer than this kforge reads ({CARD_FORMAT}); upgrade kforge")
+        return Card(
+            op=d["op"],
+            schema=d["schema"],
+            args=[ArgSpec.from_json(a) for a in d["args"]],
+            outputs=[TensorMeta.from_json(m) for m in d["outputs"]],
+            aliases={int(k): v for k, v in d.get("aliases", {}).items()},
+            arch=d["arch"],
+            family=d.get("family", "other"),
+            device_name=d.get("device_name", ""),
+            calls=d.get("calls", 0),
+            module_paths=d.get("module_paths", []),
+            eager_us=d.get("eager_us"),
+            total_us=d.get("total_us"),
+            share=d.get("share"),
+            samples=d.get("samples", 0),
+            notes=d.get("notes", []),
+            id=d["id"],
+        )
+
+
+def card_id(op: str, args: list[ArgSpec], arch: str) -> str:
+    blob = json.dumps([op, [a.key() for a in args], arch], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def flatten_outputs(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        flat: list[torch.Tensor] = []
+        for o in out:
+            flat += flatten_outputs(o)
+        return flat
+    return []
+
+
+# ---- faithful tensors -----------------------------------------------------------------
+
+def _min_offset(m: TensorMeta) -> int:
+    """Lowest storage index the view touches, relative to its storage_offset (<= 0 for negative strides)."""
+    return sum((s - 1) * st for s, st in zip(m.shape, m.stride) if st < 0 and s > 0)
+
+
+def empty_like_meta(m: TensorMeta, device: str | torch.device) -> torch.Tensor:
+    """An uninitialised tensor with m's shape, stride, dtype and pointer alignment."""
+    item = m.itemsize
+    pad = (m.align % 16) // item if m.align < 16 else 0  # shift so data_ptr % 16 == align
+    lo = _min_offset(m)
+    base = torch.empty(m.span() + pad + 16, dtype=m.torch_dtype, device=device)
+    return base.as_strided(m.shape, m.stride, pad - lo)
+
+
+def random_like(m: TensorMeta, g: torch.Generator, device) -> torch.Tensor:
+    t = empty_like_meta(m, device)
+    dt = m.torch_dtype
+    if dt.is_floating_point or dt.is_complex:
+        vals = torch.randn(t.shape, generator=g, dtype=torch.float32)
+    elif dt == torch.bool:
+        vals = torch.rand(t.shape, generator=g) < 0.5
+    else:
+        lo = int(m.lo) if m.lo is not None else 0
+        hi = int(m.hi) if m.hi is not None else 100
+        vals = torch.randint(lo, hi + 1, t.shape, generator=g, dtype=torch.int64)
+    t.copy_(vals.to(dt))
+    return t
+
+
+def pack(t: torch.Tensor) -> torch.Tensor:
+    """The 1-D span of storage a view touches, as a contiguous CPU tensor (for safetensors)."""
+    m = TensorMeta.of(t) if t.device.type != "meta" else None
+    span = m.span() if m else 0
+    lo = _min_offset(m) if m else 0
+    flat = t.as_strided((span,), (1,), t.storage_offset() + lo) if span else t.new_empty(0)
+    return flat.detach().to("cpu", copy=True).contiguous()
+
+
+def unpack(flat: torch.Tensor, m: TensorMeta, device) -> torch.Tensor:
+    t = empty_like_meta(m, device)
+    if m.span():
+        lo = _min_offset(m)
+        t.as_strided((m.span(),), (1,), t.storage_offset() + lo).copy_(flat)
+    return t
+
+
+def faithful_clone(t: torch.Tensor) -> torch.Tensor:
+    """A copy that keeps shape, strides and alignment (clone() would make it contiguous)."""
+    return unpack(pack(t), TensorMeta.of(t), t.device) if t.numel() else t.clone()
+
+
+# ---- on disk --------------------------------------------------------------------------
+
+def card_dir(run_dir: str | Path, cid: str) -> Path:
+    return Path(run_dir) / "cards" / cid
+
+
+def save_card(card: Card, run_dir: str | Path) -> Path:
+    d = card_dir(run_dir, card.id)
+    d.mkdir(parents=True, exist_ok=True)
+    tmp = d / "card.json.tmp"
+    tmp.write_text(json.dumps(card.to_json(), indent=1))
+    tmp.replace(d / "card.json")
+    return d
+
+
+def save_sample(card: Card, run_dir: str | Path, index: int, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> Path:
+    """Store one sample set: inputs as seen before the call, outputs after it."""
+    from safetensors.torch import save_file
+
+    tensors = {f"in{i}": pack(t) for i, t in enumerate(inputs)}
+    tensors.update({f"out{j}": pack(t) for j, t in enumerate(outputs)})
+    path = card_dir(run_dir, card.id) / f"sample{index}.safetensors"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp), metadata={"card": card.id})
+    tmp.replace(path)
+    return path
+
+
+def load_card(run_dir: str | Path, cid: str) -> Card:
+    path = card_dir(run_dir, cid) / "card.json"
+    try:
+        return Card.from_json(json.loads(path.read_text()))
+    except FileNotFoundError as e:
+        raise CardError(f"no card {cid} in {run_dir}: run `kforge capture` first") from e
+    except (ValueError, KeyError) as e:
+        raise CardError(f"card {path} is corrupt ({e}); capture again") from e
+
+
+def load_cards(run_dir: str | Path) -> list[Card]:
+    root = Path(run_dir) / "cards"
+    cards = [load_card(run_dir, p.name) for p in sorted(root.iterdir()) if (p / "card.json").exists()] if root.exists() else []
+    return sorted(cards, key=lambda c: -(c.share or 0.0))
+
+
+def load_sample(card: Card, run_dir: str | Path, index: int = 0, device="cpu") -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(inputs, reference outputs) of a stored sample, rebuilt with their strides and alignment."""
+    from safetensors.torch import load_file
+
+    path = card_dir(run_dir, card.id) / f"sample{index}.safetensors"
+    if not path.exists():
+        raise CardError(f"card {card.id} has no sample {index} in {run_dir}")
+    data = load_file(str(path))
+    ins = [unpack(data[f"in{i}"], m, device) for i, m in enumerate(card.inputs)]
+    outs = [unpack(data[f"out{j}"], m, device) for j, m in enumerate(card.outputs)]
+    return ins, outs

@@ -1,0 +1,71 @@
+"""Error types. Each carries its evidence and a message that says what to do."""
+
+from __future__ import annotations
+
+
+class KforgeError(Exception):
+    """Base class of every error kforge raises on purpose."""
+
+
+class CudaUnavailableError(KforgeError):
+    """The CUDA driver, a GPU or NVRTC is missing for something that needs it."""
+
+
+def numbered(source: str, around: int | None = None, context: int = 3) -> str:
+    """Source with 1-based line numbers; with `around`, only the lines near it."""
+    lines = source.splitlines()
+    lo, hi = 0, len(lines)
+    if around is not None:
+        lo, hi = max(0, around - 1 - context), min(len(lines), around + context)
+    width = len(str(hi))
+    return "\n".join(f"{i + 1:>{width}} | {lines[i]}" for i in range(lo, hi))
+
+
+class CompileError(KforgeError):
+    """NVRTC rejected a kernel. Carries the log, the options, the name and the source."""
+
+    def __init__(self, log: str, source: str, name: str = "kernel.cu", options: list[str] | None = None):
+        self.log = log
+        self.source = source
+        self.name = name
+        self.options = list(options or [])
+        super().__init__(
+            f"NVRTC failed to compile {name} with options {self.options}:\n{log.strip()}\n\n"
+            f"source:\n{numbered(source)}"
+        )
+
+
+class LaunchError(KforgeError):
+    """A CUDA driver call failed while loading or launching a kernel."""
+
+    def __init__(self, message: str, cuda_error: str | None = None):
+        self.cuda_error = cuda_error
+        super().__init__(message)
+
+
+class PlanError(KforgeError):
+    """A launch plan is malformed or does not fit the card it is meant for."""
+
+
+class CaptureError(KforgeError):
+    """The model could not be run or recorded."""
+
+
+class CardError(KforgeError):
+    """An operator card is missing, corrupt or does not fit what it is used with."""
+
+
+class PackageError(KforgeError):
+    """A .cast package is malformed, corrupt or unsafe."""
+
+
+class ProposerError(KforgeError):
+    """A proposer could not produce a candidate (reply malformed, no template, ...)."""
+
+
+class LLMError(ProposerError):
+    """The LLM endpoint failed in a way retrying will not fix (auth, unknown model, budget)."""
+
+
+class BudgetExhausted(KforgeError):
+    """A search budget (iterations, wall time, tokens or cost) is spent."""
