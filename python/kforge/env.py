@@ -87,7 +87,9 @@ def libcuda_path() -> str:
 def cuda_include_dirs() -> list[str]:
     """Include directories holding cuda_fp16.h / cuda_bf16.h for NVRTC."""
     dirs = [d for d in os.environ.get("KFORGE_CUDA_INCLUDE", "").split(os.pathsep) if d]
+    # One header tree only: mixing two CUDA versions' headers breaks compiles. The pip
+    # wheels come first because they match the pip-installed NVRTC.
     for d in _nvidia_dirs("include") + _toolkit_dirs("include"):
-        if os.path.exists(os.path.join(d, "cuda_fp16.h")) and d not in dirs:
-            dirs.append(d)
+        if os.path.exists(os.path.join(d, "cuda_fp16.h")):
+            return dirs + [d]
     return dirs

@@ -199,10 +199,41 @@ class SearchLog:
             self.conn.execute("INSERT INTO events (run_id, card_id, created, level, kind, message) VALUES (?,?,?,?,?,?)",
                               (run_id, card_id, time.time(), level, kind, message))
 
+    def note_iteration(self, run_id: str, card_id: str, iterations: int) -> None:
+        """Record that `iterations` search iterations are done for a card. Iterations that
+        evaluated nothing (a duplicate, a proposer error) count too, so resume continues the count."""
+        with self.conn:
+            self.conn.execute("UPDATE cards SET iterations = MAX(iterations, ?) WHERE run_id=? AND card_id=?",
+                              (iterations, run_id, card_id))
+
     # ---- reads used by the search itself --------------------------------------------------
     def candidates(self, run_id: str, card_id: str) -> list[sqlite3.Row]:
         return self.conn.execute("SELECT * FROM candidates WHERE run_id=? AND card_id=? ORDER BY id",
                                  (run_id, card_id)).fetchall()
+
+    def card_iterations(self, run_id: str, card_id: str) -> int:
+        row = self.conn.execute("SELECT iterations FROM cards WHERE run_id=? AND card_id=?", (run_id, card_id)).fetchone()
+        return int(row[0]) if row else 0
+
+    def cards(self, run_id: str) -> list[sqlite3.Row]:
+        """The run's cards, largest share of runtime first."""
+        return self.conn.execute("SELECT * FROM cards WHERE run_id=? ORDER BY COALESCE(share, 0) DESC, card_id",
+                                 (run_id,)).fetchall()
+
+    def candidate(self, candidate_id: int) -> sqlite3.Row | None:
+        return self.conn.execute("SELECT * FROM candidates WHERE id=?", (candidate_id,)).fetchone()
+
+    def latest_run(self) -> str | None:
+        """The id of the most recently started run in this log, if any."""
+        row = self.conn.execute("SELECT id FROM runs ORDER BY created DESC, rowid DESC LIMIT 1").fetchone()
+        return row[0] if row else None
+
+    def llm_spend(self, run_id: str) -> tuple[int, float]:
+        """(tokens, cost in USD) the run's LLM calls have spent."""
+        row = self.conn.execute(
+            "SELECT COALESCE(SUM(prompt_tokens + completion_tokens), 0), COALESCE(SUM(cost_usd), 0.0) "
+            "FROM llm_calls WHERE run_id=?", (run_id,)).fetchone()
+        return int(row[0]), float(row[1])
 
     def rows(self, sql: str, params: Iterable = ()) -> list[sqlite3.Row]:
         return self.conn.execute(sql, tuple(params)).fetchall()

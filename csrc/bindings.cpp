@@ -1,0 +1,211 @@
+// Python bindings of the C++ core (kforge._C). See python/kforge/_C.pyi for the API.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "bench.h"
+#include "compiler.h"
+#include "cuda_api.h"
+#include "launcher.h"
+#include "registry.h"
+
+namespace py = pybind11;
+using namespace kforge;
+
+namespace {
+
+Dim3 to_dim3(const std::vector<unsigned>& v, const char* what) {
+  if (v.empty() || v.size() > 3) throw std::invalid_argument(std::string(what) + " needs 1 to 3 dimensions");
+  Dim3 d;
+  d.x = v[0];
+  if (v.size() > 1) d.y = v[1];
+  if (v.size() > 2) d.z = v[2];
+  return d;
+}
+
+Arg to_arg(const py::handle& item) {
+  auto t = item.cast<py::tuple>();
+  if (t.size() != 2) throw std::invalid_argument("a launch argument is a (kind, value) pair");
+  Arg a;
+  a.kind = parse_arg_kind(t[0].cast<std::string>());
+  if (a.kind == ArgKind::F32 || a.kind == ArgKind::F64)
+    a.f = t[1].cast<double>();
+  else
+    a.i = t[1].cast<int64_t>();
+  return a;
+}
+
+std::vector<Arg> to_args(const py::sequence& seq) {
+  std::vector<Arg> args;
+  for (auto item : seq) args.push_back(to_arg(item));
+  return args;
+}
+
+std::shared_ptr<Plan> make_plan(const py::sequence& kernels, const py::sequence& workspace) {
+  std::vector<KernelSpec> specs;
+  for (auto item : kernels) {
+    auto t = item.cast<py::tuple>();
+    if (t.size() != 5) throw std::invalid_argument("a plan kernel is (function, grid, block, smem, args)");
+    KernelSpec k;
+    k.fn = t[0].cast<Function>();
+    k.grid = to_dim3(t[1].cast<std::vector<unsigned>>(), "grid");
+    k.block = to_dim3(t[2].cast<std::vector<unsigned>>(), "block");
+    k.smem = t[3].cast<unsigned>();
+    k.args = to_args(t[4].cast<py::sequence>());
+    specs.push_back(std::move(k));
+  }
+  std::vector<WorkspaceSpec> ws;
+  for (auto item : workspace) {
+    auto t = item.cast<py::tuple>();
+    ws.push_back({t[0].cast<size_t>(), t[1].cast<bool>()});
+  }
+  return std::make_shared<Plan>(std::move(specs), std::move(ws));
+}
+
+int attr(int a, CUdevice dev) {
+  int v = 0;
+  check(driver().cuDeviceGetAttribute(&v, a, dev), "reading device attribute " + std::to_string(a));
+  return v;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "kforge C++ core: NVRTC compiler, driver-API launcher, CUDA-event harness, dispatch registry";
+
+  static py::exception<CudaError> cuda_error(m, "CudaError", PyExc_RuntimeError);
+  static py::exception<NvrtcError> nvrtc_error(m, "NvrtcError", PyExc_RuntimeError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const CudaError& e) {
+      py::set_error(cuda_error, e.what());
+    } catch (const NvrtcError& e) {
+      py::set_error(nvrtc_error, e.what());
+    }
+  });
+
+  // ---- NVRTC ----
+  m.def("nvrtc_load", &load_nvrtc, py::arg("path"));
+  m.def("nvrtc_loaded", &nvrtc_loaded);
+  m.def("nvrtc_version", &nvrtc_version);
+  m.def("nvrtc_supported_archs", &nvrtc_supported_archs);
+  m.def(
+      "nvrtc_compile",
+      [](const std::string& source, const std::string& name, const std::vector<std::string>& options, bool want_cubin) {
+        CompileOutput out;
+        {
+          py::gil_scoped_release release;  // compiles take 100s of ms; let other threads run
+          out = nvrtc_compile(source, name, options, want_cubin);
+        }
+        return py::make_tuple(out.ok, py::bytes(out.image), out.log);
+      },
+      py::arg("source"), py::arg("name"), py::arg("options"), py::arg("want_cubin") = true);
+
+  // ---- driver ----
+  m.def("cuda_load", &load_driver, py::arg("path") = "libcuda.so.1");
+  m.def("cuda_loaded", &driver_loaded);
+  m.def("driver_version", [] {
+    int v = 0;
+    check(driver().cuDriverGetVersion(&v), "reading the driver version");
+    return v;
+  });
+  m.def("device_count", [] {
+    int n = 0;
+    check(driver().cuDeviceGetCount(&n), "counting devices");
+    return n;
+  });
+  m.def("device_attributes", [](int ordinal) {
+    const DriverApi& d = driver();
+    CUdevice dev;
+    check(d.cuDeviceGet(&dev, ordinal), "getting device " + std::to_string(ordinal));
+    char name[256] = {0};
+    check(d.cuDeviceGetName(name, sizeof name, dev), "reading the device name");
+    size_t mem = 0;
+    check(d.cuDeviceTotalMem(&mem, dev), "reading the device memory size");
+    py::dict out;
+    out["name"] = std::string(name);
+    out["cc"] = attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev) * 10 +
+                attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev);
+    out["sm_count"] = attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev);
+    out["l2_bytes"] = attr(CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE, dev);
+    out["smem_per_block_optin"] = attr(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev);
+    out["max_threads_per_block"] = attr(CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK, dev);
+    out["mem_bytes"] = mem;
+    return out;
+  });
+  m.def("synchronize", [](int ordinal) {
+    ensure_context(primary_context(ordinal));
+    py::gil_scoped_release release;
+    check(driver().cuCtxSynchronize(), "synchronizing device " + std::to_string(ordinal));
+  });
+
+  py::class_<Function>(m, "Function")
+      .def_readonly("name", &Function::name)
+      .def("attributes",
+           [](const Function& f) {
+             auto get = [&](int a) {
+               int v = 0;
+               check(driver().cuFuncGetAttribute(&v, a, f.fn), "reading attributes of '" + f.name + "'");
+               return v;
+             };
+             py::dict out;
+             out["num_regs"] = get(CU_FUNC_ATTRIBUTE_NUM_REGS);
+             out["shared_bytes"] = get(CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES);
+             out["local_bytes"] = get(CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES);
+             out["max_threads_per_block"] = get(CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK);
+             return out;
+           })
+      .def("set_max_dynamic_smem", [](const Function& f, int nbytes) {
+        ensure_context(f.module->context());
+        check(driver().cuFuncSetAttribute(f.fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes),
+              "setting the dynamic shared memory limit of '" + f.name + "'");
+      });
+
+  py::class_<Module, std::shared_ptr<Module>>(m, "Module")
+      .def(py::init([](py::bytes image, int ordinal) { return std::make_shared<Module>(std::string(image), ordinal); }),
+           py::arg("image"), py::arg("ordinal"))
+      .def("function", [](std::shared_ptr<Module> self, const std::string& name) {
+        return Function{self, self->function(name), name};
+      });
+
+  m.def(
+      "launch",
+      [](const Function& fn, const std::vector<unsigned>& grid, const std::vector<unsigned>& block, unsigned smem,
+         uint64_t stream, const py::sequence& args) {
+        KernelSpec k{fn, to_dim3(grid, "grid"), to_dim3(block, "block"), smem, {}};
+        for (auto item : args) {
+          Arg a = to_arg(item);
+          if (a.kind == ArgKind::In || a.kind == ArgKind::Out || a.kind == ArgKind::Ws)
+            throw std::invalid_argument("launch() takes raw arguments: use ('ptr', address) for buffers");
+          k.args.push_back(a);
+        }
+        launch_one(k, {}, {}, {}, stream);
+      },
+      py::arg("fn"), py::arg("grid"), py::arg("block"), py::arg("smem"), py::arg("stream"), py::arg("args"));
+
+  py::class_<Plan, std::shared_ptr<Plan>>(m, "Plan")
+      .def(py::init(&make_plan), py::arg("kernels"), py::arg("workspace") = py::list())
+      .def("launch", &Plan::launch, py::arg("inputs"), py::arg("outputs"), py::arg("workspaces"), py::arg("stream"))
+      .def_property_readonly("num_kernels", [](const Plan& p) { return p.kernels().size(); });
+
+  m.def(
+      "bench",
+      [](const Plan& plan, const std::vector<std::vector<uint64_t>>& inputs, const std::vector<uint64_t>& outputs,
+         const std::vector<uint64_t>& workspaces, uint64_t stream, uint64_t flush_ptr, size_t flush_bytes,
+         double warmup_ms, int min_reps, double min_ms, int max_reps) {
+        BenchConfig cfg{flush_ptr, flush_bytes, warmup_ms, min_reps, min_ms, max_reps};
+        py::gil_scoped_release release;
+        return bench_plan(plan, inputs, outputs, workspaces, stream, cfg);
+      },
+      py::arg("plan"), py::arg("inputs"), py::arg("outputs"), py::arg("workspaces"), py::arg("stream"),
+      py::arg("flush_ptr"), py::arg("flush_bytes"), py::arg("warmup_ms") = 25.0, py::arg("min_reps") = 100,
+      py::arg("min_ms") = 200.0, py::arg("max_reps") = 10000);
+
+  py::class_<Registry>(m, "Registry")
+      .def(py::init<>())
+      .def("add", &Registry::add, py::arg("plan"))
+      .def("launch", &Registry::launch, py::arg("id"), py::arg("inputs"), py::arg("outputs"), py::arg("workspaces"),
+           py::arg("stream"))
+      .def("__len__", &Registry::size)
+      .def("clear", &Registry::clear);
+}

@@ -1,0 +1,123 @@
+#include "launcher.h"
+
+#include <cstring>
+
+namespace kforge {
+
+Module::Module(const std::string& image, int ordinal) : ordinal_(ordinal) {
+  ctx_ = primary_context(ordinal);
+  ensure_context(ctx_);
+  check(driver().cuModuleLoadData(&mod_, image.data()), "loading a cubin of " + std::to_string(image.size()) +
+                                                            " bytes on device " + std::to_string(ordinal));
+}
+
+Module::~Module() {
+  if (!mod_ || !driver_loaded()) return;
+  // Best effort: a module of a poisoned context cannot be unloaded, and a destructor must not throw.
+  CUcontext cur = nullptr;
+  driver().cuCtxGetCurrent(&cur);
+  if (cur != ctx_) driver().cuCtxSetCurrent(ctx_);
+  driver().cuModuleUnload(mod_);
+}
+
+CUfunction Module::function(const std::string& name) const {
+  CUfunction fn = nullptr;
+  check(driver().cuModuleGetFunction(&fn, mod_, name.c_str()),
+        "looking up kernel '" + name + "' (is it declared extern \"C\" __global__?)");
+  return fn;
+}
+
+ArgKind parse_arg_kind(const std::string& kind) {
+  if (kind == "in") return ArgKind::In;
+  if (kind == "out") return ArgKind::Out;
+  if (kind == "ws") return ArgKind::Ws;
+  if (kind == "ptr") return ArgKind::Ptr;
+  if (kind == "i32") return ArgKind::I32;
+  if (kind == "i64") return ArgKind::I64;
+  if (kind == "f32") return ArgKind::F32;
+  if (kind == "f64") return ArgKind::F64;
+  throw std::invalid_argument("unknown launch argument kind '" + kind + "' (in/out/ws/ptr/i32/i64/f32/f64)");
+}
+
+namespace {
+
+std::string describe(const KernelSpec& k) {
+  return "launching kernel '" + k.fn.name + "' grid=(" + std::to_string(k.grid.x) + "," + std::to_string(k.grid.y) +
+         "," + std::to_string(k.grid.z) + ") block=(" + std::to_string(k.block.x) + "," + std::to_string(k.block.y) +
+         "," + std::to_string(k.block.z) + ") smem=" + std::to_string(k.smem);
+}
+
+uint64_t pick(const std::vector<uint64_t>& v, int64_t i, const char* what, const KernelSpec& k) {
+  if (i < 0 || static_cast<size_t>(i) >= v.size())
+    throw std::out_of_range(std::string(what) + " index " + std::to_string(i) + " out of range (" +
+                            std::to_string(v.size()) + " given) for kernel '" + k.fn.name + "'");
+  return v[i];
+}
+
+}  // namespace
+
+void launch_one(const KernelSpec& k, const std::vector<uint64_t>& inputs, const std::vector<uint64_t>& outputs,
+                const std::vector<uint64_t>& workspaces, uint64_t stream) {
+  // One 8-byte slot per argument; cuLaunchKernel reads each parameter from its slot.
+  constexpr size_t kMaxArgs = 64;
+  if (k.args.size() > kMaxArgs) throw std::invalid_argument("kernel '" + k.fn.name + "' has more than 64 arguments");
+  uint64_t slots[kMaxArgs];
+  void* params[kMaxArgs];
+  for (size_t a = 0; a < k.args.size(); ++a) {
+    const Arg& arg = k.args[a];
+    switch (arg.kind) {
+      case ArgKind::In: slots[a] = pick(inputs, arg.i, "input", k); break;
+      case ArgKind::Out: slots[a] = pick(outputs, arg.i, "output", k); break;
+      case ArgKind::Ws: slots[a] = pick(workspaces, arg.i, "workspace", k); break;
+      case ArgKind::Ptr:
+      case ArgKind::I64: slots[a] = static_cast<uint64_t>(arg.i); break;
+      case ArgKind::I32: {
+        int32_t v = static_cast<int32_t>(arg.i);
+        std::memcpy(&slots[a], &v, sizeof v);
+        break;
+      }
+      case ArgKind::F32: {
+        float v = static_cast<float>(arg.f);
+        std::memcpy(&slots[a], &v, sizeof v);
+        break;
+      }
+      case ArgKind::F64: std::memcpy(&slots[a], &arg.f, sizeof arg.f); break;
+    }
+    params[a] = &slots[a];
+  }
+  const DriverApi& d = driver();
+  ensure_context(k.fn.module->context());
+  check(d.cuLaunchKernel(k.fn.fn, k.grid.x, k.grid.y, k.grid.z, k.block.x, k.block.y, k.block.z, k.smem,
+                         reinterpret_cast<CUstream>(stream), params, nullptr),
+        describe(k));
+}
+
+Plan::Plan(std::vector<KernelSpec> kernels, std::vector<WorkspaceSpec> workspace)
+    : kernels_(std::move(kernels)), workspace_(std::move(workspace)) {
+  if (kernels_.empty()) throw std::invalid_argument("a launch plan needs at least one kernel");
+  for (auto& k : kernels_) {
+    if (k.smem > 48 * 1024) {
+      ensure_context(k.fn.module->context());
+      // Dynamic shared memory above 48 KB must be opted into per function.
+      check(driver().cuFuncSetAttribute(k.fn.fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                        static_cast<int>(k.smem)),
+            "raising the dynamic shared memory limit of '" + k.fn.name + "' to " + std::to_string(k.smem));
+    }
+  }
+}
+
+void Plan::launch(const std::vector<uint64_t>& inputs, const std::vector<uint64_t>& outputs,
+                  const std::vector<uint64_t>& workspaces, uint64_t stream) const {
+  if (workspaces.size() < workspace_.size())
+    throw std::invalid_argument("the plan needs " + std::to_string(workspace_.size()) + " workspace buffer(s), got " +
+                                std::to_string(workspaces.size()));
+  const DriverApi& d = driver();
+  for (size_t w = 0; w < workspace_.size(); ++w) {
+    if (workspace_[w].zero && workspace_[w].bytes)
+      check(d.cuMemsetD8Async(workspaces[w], 0, workspace_[w].bytes, reinterpret_cast<CUstream>(stream)),
+            "zeroing workspace " + std::to_string(w));
+  }
+  for (const auto& k : kernels_) launch_one(k, inputs, outputs, workspaces, stream);
+}
+
+}  // namespace kforge

@@ -1,0 +1,91 @@
+"""Python side of the launcher: cubins -> modules -> resolved launch plans -> launches."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+
+from .candidate import Candidate, LaunchPlan
+from .errors import LaunchError
+
+_MAX_MODULES = 256  # bounded so a worker that loads hundreds of candidates keeps flat memory
+_modules: OrderedDict[tuple[str, int], object] = OrderedDict()
+_lock = threading.Lock()
+
+
+def _C():
+    from . import cuda
+
+    cuda.require()
+    from . import _C
+
+    return _C
+
+
+def load(cubin: bytes, device: int):
+    """Load a cubin into the device's primary context (cached per device and content)."""
+    C = _C()
+    key = (hashlib.sha256(cubin).hexdigest(), device)
+    with _lock:
+        mod = _modules.get(key)
+        if mod is not None:
+            _modules.move_to_end(key)
+            return mod
+    try:
+        mod = C.Module(cubin, device)
+    except C.CudaError as e:
+        raise LaunchError(f"could not load the cubin on device {device}: {e}", str(e).split(":")[0]) from e
+    with _lock:
+        _modules[key] = mod
+        while len(_modules) > _MAX_MODULES:
+            _modules.popitem(last=False)
+    return mod
+
+
+def clear_modules() -> None:
+    with _lock:
+        _modules.clear()
+
+
+def resolve(plan: LaunchPlan, module):
+    """A _C.Plan: every kernel name looked up in `module`, arguments as (kind, value) pairs."""
+    C = _C()
+    kernels = []
+    for k in plan.kernels:
+        try:
+            fn = module.function(k.name)
+        except C.CudaError as e:
+            raise LaunchError(f"kernel '{k.name}' named in the launch plan is not in the compiled module "
+                              f"(declare it extern \"C\" __global__): {e}", str(e).split(":")[0]) from e
+        args = [next(iter(a.items())) for a in k.args]
+        kernels.append((fn, list(k.grid), list(k.block), k.smem, args))
+    try:
+        return C.Plan(kernels, plan.workspace_bytes())
+    except C.CudaError as e:
+        raise LaunchError(f"could not prepare the launch plan: {e}", str(e).split(":")[0]) from e
+
+
+def build_plan(candidate: Candidate, cubin: bytes, device: int):
+    return resolve(candidate.plan, load(cubin, device))
+
+
+def alloc_workspaces(plan: LaunchPlan, device):
+    import torch
+
+    return [torch.empty(max(n, 1), dtype=torch.uint8, device=device) for n, _ in plan.workspace_bytes()]
+
+
+def launch(plan, inputs, outputs, workspaces=(), stream=None) -> None:
+    """Launch a resolved plan with torch tensors on `stream` (default: torch's current stream)."""
+    import torch
+
+    C = _C()
+    if stream is None:
+        dev = (inputs or outputs)[0].device
+        stream = torch.cuda.current_stream(dev).cuda_stream
+    try:
+        plan.launch([t.data_ptr() for t in inputs], [t.data_ptr() for t in outputs],
+                    [t.data_ptr() for t in workspaces], int(stream))
+    except C.CudaError as e:
+        raise LaunchError(str(e), str(e).split(":")[0]) from e

@@ -1,0 +1,309 @@
+"""Monte Carlo tree search over kernel revisions of one card.
+
+One iteration: select (UCT down the tree while progressive widening forbids a new child)
+-> expand (the proposer writes a first version or a revision; a candidate whose digest was
+already evaluated is skipped) -> evaluate -> bounded repair of compile/load/runtime errors
+-> backpropagate. Every evaluated candidate is one log row, committed before the loop moves
+on, and one backup, so a killed search resumes from the log without losing or repeating
+an evaluation. Proposer and evaluator exceptions are recorded, never a crashed search.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..candidate import Candidate
+from ..cards import Card
+from ..errors import BudgetExhausted
+from ..hardware import Hardware
+from ..log import SearchLog
+from ..proposers.base import Proposal, ProposalContext, Proposer, Tried
+from ..verdict import EvalResult, Evaluator, Verdict
+from . import policy as P
+from .tree import Node, Tree
+
+
+@dataclass(frozen=True)
+class Budget:
+    """When the search of one card stops. None means no limit."""
+
+    iterations: int = 50  # per card, counted across resumes; repairs belong to their iteration
+    wall_time_s: float | None = None  # per card, from when this session starts searching it
+    deadline: float | None = None  # time.monotonic() after which no card starts an iteration (run-wide)
+    max_cost_usd: float | None = None  # LLM spend, run-wide (see Spend)
+    max_tokens: int | None = None
+    near_floor: float = 0.9  # stop once the best kernel reaches this fraction of the HBM floor
+    stagnation: int = 10  # iterations without a new best before exploring harder from the root
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Tree-policy knobs. Rewards live in [0, 1] (policy.reward), so c is scale-free."""
+
+    c: float = 0.7  # UCT exploration
+    k: float = 1.5  # progressive widening: up to k * N^alpha children
+    alpha_start: float = 0.5  # alpha annealed from start to end over the iteration budget
+    alpha_end: float = 0.25
+    stagnation_boost: float = 2.0  # c is multiplied by this while the search is stagnant
+    proposer_retries: int = 2  # proposer failures (errors, duplicates) at a node before giving up on it
+
+
+class Spend:
+    """LLM tokens and cost spent so far, shared by every card of a run (thread-safe)."""
+
+    def __init__(self, tokens: int = 0, cost_usd: float = 0.0):
+        self._lock = threading.Lock()
+        self.tokens = tokens
+        self.cost_usd = cost_usd
+
+    @classmethod
+    def from_log(cls, log: SearchLog, run_id: str) -> "Spend":
+        tokens, cost = log.llm_spend(run_id)
+        return cls(tokens, cost)
+
+    def add(self, tokens: int, cost_usd: float) -> None:
+        with self._lock:
+            self.tokens += tokens
+            self.cost_usd += cost_usd
+
+    def over(self, budget: Budget) -> str | None:
+        """Which LLM budget is spent, if any."""
+        if budget.max_cost_usd is not None and self.cost_usd >= budget.max_cost_usd:
+            return "cost"
+        if budget.max_tokens is not None and self.tokens >= budget.max_tokens:
+            return "tokens"
+        return None
+
+
+@dataclass(frozen=True)
+class SearchProgress:
+    """What on_progress receives after every iteration."""
+
+    card_id: str
+    iteration: int  # iterations done, resumed ones included
+    iterations: int  # the budget
+    best_speedup: float | None
+    last_verdict: str | None  # None when the iteration evaluated nothing (duplicate, proposer error)
+
+
+@dataclass
+class SearchOutcome:
+    card_id: str
+    best: Tried | None  # fastest valid candidate (tried.id is its log row)
+    iterations: int  # done in total, resumed ones included
+    evaluated: int  # candidates evaluated by this call
+    stop_reason: str  # iterations | wall_time | cost | tokens | budget | near_floor | exhausted
+    tree: Tree = field(repr=False)
+
+    @property
+    def best_speedup(self) -> float | None:
+        return self.best.result.speedup if self.best else None
+
+
+def select(tree: Tree, rng: random.Random, c: float, k: float, alpha: float) -> Node | None:
+    """The node to expand: walk down by UCT while widening forbids a new child here.
+    None when nothing in the tree can be expanded any more."""
+    node = tree.root
+    if not node.open():
+        return None
+    while True:
+        kids = [ch for ch in node.children if not ch.failed and ch.open()]
+        if node.expandable and (not kids or P.may_widen(len(node.children), node.visits, k, alpha)):
+            return node
+        scores = [P.uct(ch.total, ch.visits, node.visits, c) for ch in kids]
+        node = kids[P.argmax_random(scores, rng)]
+
+
+class _CardSearch:
+    """The state of one card's search; search_card() is its entry point."""
+
+    def __init__(self, card: Card, proposer: Proposer, evaluator: Evaluator, log: SearchLog, run_id: str,
+                 budget: Budget, hardware: Hardware, policy: Policy, spend: Spend, repair_attempts: int):
+        self.card, self.proposer, self.evaluator, self.log, self.run_id = card, proposer, evaluator, log, run_id
+        self.budget, self.hardware, self.policy, self.spend = budget, hardware, policy, spend
+        self.repair_attempts = repair_attempts
+        self.floor_us = hardware.floor_us(card.io_bytes())
+        self.tree = Tree.replay(log.candidates(run_id, card.id))
+        self.best = self.tree.best()
+        self.evaluated = 0
+
+    # ---- the loop ---------------------------------------------------------------------
+    def run(self, rng_seed: int, on_progress: Callable[[SearchProgress], None] | None) -> SearchOutcome:
+        it = self.log.card_iterations(self.run_id, self.card.id)
+        # Seeded by where this session starts, so a resumed search is reproducible too.
+        rng = random.Random(f"{rng_seed}:{self.card.id}:{it}")
+        started = time.monotonic()
+        c, stagnant, from_root = self.policy.c, 0, False
+        while True:
+            stop = self._stop_reason(it, started)
+            if stop:
+                break
+            alpha = P.annealed_alpha(it / max(self.budget.iterations, 1), self.policy.alpha_start,
+                                     self.policy.alpha_end)
+            leaf = self.tree.root if from_root and self.tree.root.expandable else select(
+                self.tree, rng, c, self.policy.k, alpha)
+            from_root = False
+            if leaf is None:
+                stop = "exhausted"
+                break
+            previous_best = self.best
+            try:
+                last = self._expand(leaf, it, rng)
+            except BudgetExhausted as e:
+                self.log.event(self.run_id, "budget", str(e), card_id=self.card.id)
+                stop = "budget"
+                break
+            it += 1
+            self.log.note_iteration(self.run_id, self.card.id, it)
+            if self.best is not previous_best:
+                c, stagnant = self.policy.c, 0
+            else:
+                stagnant += 1
+                if stagnant >= self.budget.stagnation:
+                    c, stagnant, from_root = self.policy.c * self.policy.stagnation_boost, 0, True
+                    self.log.event(self.run_id, "stagnation",
+                                   f"no new best in {self.budget.stagnation} iterations: exploring from the root "
+                                   f"with c={c:g}", card_id=self.card.id)
+            if on_progress:
+                on_progress(SearchProgress(self.card.id, it, self.budget.iterations, self._best_speedup(),
+                                           last.result.verdict.value if last else None))
+        self.log.event(self.run_id, "search_done", f"stopped ({stop}) after {it} iterations", card_id=self.card.id)
+        return SearchOutcome(self.card.id, self.best.tried if self.best else None, it, self.evaluated, stop, self.tree)
+
+    def _stop_reason(self, it: int, started: float) -> str | None:
+        b, now = self.budget, time.monotonic()
+        if it >= b.iterations:
+            return "iterations"
+        if (b.wall_time_s is not None and now - started >= b.wall_time_s) or (b.deadline is not None and now >= b.deadline):
+            return "wall_time"
+        over = self.spend.over(b)
+        if over:
+            return over
+        best_us = self.best.tried.result.kernel_us if self.best else None
+        if best_us and self.floor_us > 0 and self.floor_us / best_us >= b.near_floor:
+            return "near_floor"
+        return None
+
+    def _best_speedup(self) -> float | None:
+        return self.best.tried.result.speedup if self.best else None
+
+    # ---- one expansion and its repairs ---------------------------------------------------
+    def _context(self, leaf: Node, it: int, rng: random.Random) -> ProposalContext:
+        return ProposalContext(
+            card=self.card, hardware=self.hardware, parent=leaf.tried, lineage=Tree.lineage(leaf),
+            best=self.best.tried if self.best else None,
+            sibling_failures=[ch.tried for ch in leaf.children if ch.failed],
+            tried_digests=set(self.tree.digests), iteration=it, rng=rng,
+        )
+
+    def _expand(self, leaf: Node, it: int, rng: random.Random) -> Tried | None:
+        """Propose under `leaf`, evaluate, repair; returns the last evaluated candidate, if any."""
+        ctx = self._context(leaf, it, rng)
+        proposal = self._ask(leaf, "propose", lambda: self.proposer.propose(ctx))
+        if proposal is None:
+            return None
+        tried = self._evaluate(leaf, proposal, it, repair_of=None)
+        if tried is None:
+            return None
+        for _ in range(self.repair_attempts):
+            if not tried.result.verdict.repairable or "evaluator_error" in tried.result.evidence:
+                break
+            ctx = self._context(leaf, it, rng)
+            failed = tried
+            proposal = self._ask(leaf, "repair", lambda: self.proposer.repair(ctx, failed))
+            repaired = self._evaluate(leaf, proposal, it, repair_of=failed.id) if proposal else None
+            if repaired is None:
+                break
+            tried = repaired
+        return tried
+
+    def _ask(self, leaf: Node, what: str, call: Callable[[], Proposal | None]) -> Proposal | None:
+        """Call the proposer; an exception is recorded against the node, never raised
+        (except BudgetExhausted and KeyboardInterrupt, which stop the search)."""
+        try:
+            return call()
+        except (BudgetExhausted, KeyboardInterrupt):
+            raise
+        except Exception as e:  # any proposer bug or bad reply becomes a recorded failure
+            self.log.event(self.run_id, "proposer_error", f"{what} failed: {type(e).__name__}: {e}",
+                           level="warning", card_id=self.card.id)
+            self._proposer_failed(leaf)
+            return None
+
+    def _proposer_failed(self, leaf: Node) -> None:
+        leaf.proposer_failures += 1
+        if leaf.proposer_failures >= self.policy.proposer_retries:
+            leaf.exhausted = True
+
+    def _evaluate(self, leaf: Node, proposal: Proposal, it: int, repair_of: int | None) -> Tried | None:
+        """Evaluate a proposal, log it, add it to the tree and back its reward up.
+        None when it was a duplicate of something already evaluated (not re-evaluated)."""
+        cand = proposal.candidate
+        tokens = proposal.prompt_tokens + proposal.completion_tokens
+        if tokens or proposal.cost_usd:
+            self.spend.add(tokens, proposal.cost_usd)
+        digest = cand.digest()
+        if digest in self.tree.digests:
+            self._record_llm(proposal, None)
+            self.log.event(self.run_id, "duplicate", f"candidate {digest} was already evaluated; skipped",
+                           card_id=self.card.id)
+            self._proposer_failed(leaf)
+            return None
+        result, eval_s = self._run_evaluator(cand)
+        reward = P.result_reward(result)
+        row = self.log.add_candidate(self.run_id, self.card.id, cand, result, parent_id=leaf.id, iteration=it,
+                                     reward=reward, repair_of=repair_of, eval_s=eval_s)
+        self._record_llm(proposal, row)
+        tried = Tried(cand, result, row)
+        node = self.tree.add(tried, leaf, digest)
+        Tree.backpropagate(node, reward)
+        self.evaluated += 1
+        if result.verdict is Verdict.VALID and (self.best is None or (result.speedup or 0) > self._best_speedup()):
+            self.best = node
+        return tried
+
+    def _run_evaluator(self, cand: Candidate) -> tuple[EvalResult, float]:
+        t0 = time.monotonic()
+        try:
+            result = self.evaluator.evaluate(self.card, cand)
+        except KeyboardInterrupt:
+            raise
+        except Exception as e:  # the evaluator must not raise, but one that does must not end the search
+            self.log.event(self.run_id, "evaluator_error", f"{type(e).__name__}: {e}", level="error",
+                           card_id=self.card.id)
+            result = EvalResult(Verdict.RUNTIME_ERROR, f"the evaluator raised {type(e).__name__}: {e}",
+                                evidence={"evaluator_error": repr(e)})
+        return result, time.monotonic() - t0
+
+    def _record_llm(self, proposal: Proposal, row: int | None) -> None:
+        if proposal.prompt_tokens or proposal.completion_tokens or proposal.cost_usd:
+            self.log.add_llm_call(self.run_id, self.card.id, proposal.candidate.proposer,
+                                  prompt_tokens=proposal.prompt_tokens, completion_tokens=proposal.completion_tokens,
+                                  cost_usd=proposal.cost_usd, candidate_id=row)
+
+
+def search_card(card: Card, proposer: Proposer, evaluator: Evaluator, log: SearchLog, run_id: str, *,
+                budget: Budget = Budget(), hardware: Hardware, rng_seed: int = 0, repair_attempts: int = 2,
+                on_progress: Callable[[SearchProgress], None] | None = None, policy: Policy = Policy(),
+                spend: Spend | None = None) -> SearchOutcome:
+    """Search kernels for one card, continuing whatever the log already holds for it.
+
+    The card is registered in the log (status 'searching', then 'done'). `spend` is shared
+    by the cards of a run so LLM budgets are run-wide; without it, it starts from what the
+    log says this run already spent. KeyboardInterrupt propagates after the current
+    candidate is logged; the card stays 'searching' and resumes later.
+    """
+    log.upsert_card(run_id, card, hardware.floor_us(card.io_bytes()))
+    log.set_card_status(run_id, card.id, "searching")
+    search = _CardSearch(card, proposer, evaluator, log, run_id, budget, hardware, policy,
+                         spend if spend is not None else Spend.from_log(log, run_id), repair_attempts)
+    outcome = search.run(rng_seed, on_progress)
+    log.set_card_status(run_id, card.id, "done")
+    return outcome
+
+
+__all__ = ["Budget", "Policy", "SearchOutcome", "SearchProgress", "Spend", "search_card", "select"]

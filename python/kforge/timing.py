@@ -1,0 +1,94 @@
+"""Timing on the GPU the way peers agree is honest: L2 flushed before every rep, one
+CUDA event pair per rep, warm-up sized by time, median and IQR of >= 100 reps or
+>= 200 ms. Several callables are interleaved rep by rep, so eager and a candidate see
+the same clocks and the same neighbours."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable, Sequence
+
+from .verdict import Measurement
+
+_flush: dict = {}
+
+
+def flush_buffer(device=None):
+    """A buffer of at least twice the L2 (>= 120 MB on an H200), one per device."""
+    import torch
+
+    dev = torch.device(device or "cuda")
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    if idx not in _flush:
+        l2 = torch.cuda.get_device_properties(idx).L2_cache_size
+        _flush[idx] = torch.empty(max(2 * l2, 64 * 2**20) // 4, dtype=torch.int32, device=f"cuda:{idx}")
+    return _flush[idx]
+
+
+def time_fns(fns: Sequence[Callable[[], object]], *, min_reps: int = 100, min_ms: float = 200.0,
+             warmup_ms: float = 25.0, max_reps: int = 5000, flush: bool = True, device=None) -> list[Measurement]:
+    """Median-ready samples for each callable, interleaved. GPU time per rep where the
+    device is CUDA (events around the call, host overhead hidden behind the flush), else
+    host wall time."""
+    import torch
+
+    on_gpu = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
+    if not on_gpu:
+        return _time_cpu(fns, min_reps=min(min_reps, 20), min_ms=min(min_ms, 50.0))
+    buf = flush_buffer(device) if flush else None
+    stream = torch.cuda.current_stream(device)
+
+    # Warm-up by time, which also estimates the cost of one round.
+    start = time.perf_counter()
+    rounds = 0
+    while rounds < 3 or (time.perf_counter() - start) * 1e3 < warmup_ms:
+        for fn in fns:
+            fn()
+        rounds += 1
+        torch.cuda.synchronize(device)
+    per_round_ms = max((time.perf_counter() - start) * 1e3 / rounds, 1e-3)
+    reps = int(min(max_reps, max(min_reps, math.ceil(min_ms / per_round_ms))))
+
+    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+              for _ in fns]
+    for r in range(reps):
+        for i, fn in enumerate(fns):
+            if buf is not None:
+                buf.fill_(r)
+            s, e = events[i][r]
+            s.record(stream)
+            fn()
+            e.record(stream)
+    torch.cuda.synchronize(device)
+    return [Measurement([s.elapsed_time(e) * 1e3 for s, e in evs]) for evs in events]
+
+
+def _time_cpu(fns, *, min_reps: int, min_ms: float) -> list[Measurement]:
+    samples: list[list[float]] = [[] for _ in fns]
+    for fn in fns:
+        fn()
+    start = time.perf_counter()
+    while len(samples[0]) < min_reps or (time.perf_counter() - start) * 1e3 < min_ms:
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            samples[i].append((time.perf_counter() - t0) * 1e6)
+        if len(samples[0]) >= 10 * min_reps:
+            break
+    return [Measurement(s) for s in samples]
+
+
+def bench_plan(plan, input_sets, outputs, workspaces=(), *, device=None, warmup_ms: float = 25.0,
+               min_reps: int = 100, min_ms: float = 200.0, max_reps: int = 10000) -> Measurement:
+    """GPU time of a resolved launch plan alone, through the C++ harness."""
+    import torch
+
+    from . import _C
+
+    buf = flush_buffer(device)
+    stream = torch.cuda.current_stream(device).cuda_stream
+    ms = _C.bench(plan, [[t.data_ptr() for t in s] for s in input_sets], [t.data_ptr() for t in outputs],
+                  [t.data_ptr() for t in workspaces], int(stream), buf.data_ptr(), buf.numel() * 4,
+                  warmup_ms, min_reps, min_ms, max_reps)
+    return Measurement([x * 1e3 for x in ms])

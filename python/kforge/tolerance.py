@@ -1,0 +1,133 @@
+"""Per-card tolerances, derived from eager's own error against a float64 reference.
+
+For one input set, eager runs again on the inputs upcast to float64 (on the same
+device; ops without float64 kernels fall back to float32 on the CPU, and when even that
+fails only the dtype floor is used). Eager's error in its own dtype against that
+reference says how exact this op can be in this dtype; a candidate may be somewhat
+less exact than eager, never much:
+
+    allowed |got - expected| <= atol + rtol * |expected|        (expected = eager's output)
+
+    rtol = the dtype's floor (about one ulp)
+    atol = scale * clamp(SLACK * excess / scale, floor, cap)
+
+`excess` is the smallest atol that lets eager itself pass against float64 with that
+rtol; `scale` is the RMS of the float64 reference's finite values. Scaling by the
+reference's magnitude is what makes a wrong answer fail at every magnitude: a softmax row
+of 4096 holds values near 2.4e-4, where a blanket atol of 1e-2 passes all zeros (GUARDS
+row 4). SLACK = 4: comparing a candidate with eager adds both their errors, so 4x lets a
+candidate be about 3x less exact than eager and still pass. The cap keeps an op whose
+eager is itself inexact from loosening the check into meaninglessness.
+
+Integer and bool outputs must match exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .cards import Card
+
+SLACK = 4.0
+
+# dtype: (rtol floor, atol floor / scale, atol cap / scale). The half-precision rtol floors
+# are one ulp at the bottom of a binade (2^-7 for bf16's 7 stored mantissa bits, 2^-10 for
+# fp16's 10): two roundings of the same exact value may differ by that much.
+_BOUNDS: dict[torch.dtype, tuple[float, float, float]] = {
+    torch.float64: (1e-12, 1e-12, 1e-9),
+    torch.float32: (1e-5, 1e-5, 1e-3),
+    torch.float16: (2.0**-10, 2.0**-11, 5e-2),
+    torch.bfloat16: (2.0**-7, 2.0**-8, 5e-2),
+}
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """What one output may differ from eager's: |got - expected| <= atol + rtol * |expected|."""
+
+    atol: float
+    rtol: float
+    how: str
+
+    @property
+    def exact(self) -> bool:
+        return self.atol == 0.0 and self.rtol == 0.0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def bounds(dtype: torch.dtype) -> tuple[float, float, float]:
+    """(rtol floor, atol floor, atol cap), the last two relative to the output's scale."""
+    if dtype in _BOUNDS:
+        return _BOUNDS[dtype]
+    eps = torch.finfo(dtype).eps  # fp8 and friends: a few ulps, capped like the half types
+    return (2 * eps, eps, max(5e-2, 4 * eps))
+
+
+def observed(card: Card, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What a candidate is judged on: the outputs, then the inputs the op writes that no
+    output aliases (e.g. running statistics updated in place)."""
+    aliased = set(card.aliases.values())
+    return list(outputs) + [inputs[i] for i in sorted(card.written_inputs) if i not in aliased]
+
+
+def derive(card: Card, inputs: list[torch.Tensor], reference: list[torch.Tensor]) -> list[Tolerance]:
+    """One Tolerance per observed tensor (see `observed`), for this input set.
+
+    `inputs` are the values eager ran on (they are not modified); `reference` is
+    `observed(card, inputs_after_eager, eager_outputs)`, in the card's dtypes. Derive per
+    input set: the scale follows that set's values."""
+    precise, how_ref = _precise_reference(card, inputs)
+    tols = []
+    for j, ref in enumerate(reference):
+        if not (ref.is_floating_point() or ref.is_complex()):
+            tols.append(Tolerance(0.0, 0.0, f"exact: {ref.dtype} output"))
+            continue
+        hi = precise[j] if precise is not None and j < len(precise) else None
+        tols.append(_from_error(ref, hi, how_ref))
+    return tols
+
+
+def _from_error(ref: torch.Tensor, hi: torch.Tensor | None, how_ref: str) -> Tolerance:
+    rtol, floor, cap = bounds(ref.dtype)
+    name = str(ref.dtype).removeprefix("torch.")
+    basis = (hi if hi is not None else ref).detach().to("cpu", torch.float64)
+    finite = basis[torch.isfinite(basis)]
+    scale = float(finite.square().mean().sqrt()) if finite.numel() else 0.0
+    scale = max(scale, torch.finfo(torch.float64).tiny)  # an all-zero output must be matched exactly
+    if hi is None:
+        return Tolerance(floor * scale, rtol, f"{name} floor x rms {scale:.3g} ({how_ref})")
+    got = ref.detach().to("cpu", torch.float64)
+    both = torch.isfinite(got) & torch.isfinite(basis)
+    excess = (got - basis).abs().sub(rtol * basis.abs()).clamp_min(0.0)[both]
+    measured = float(excess.max()) / scale if excess.numel() else 0.0
+    rel = min(max(SLACK * measured, floor), cap)
+    which = "floor" if rel == floor else "cap" if rel == cap else f"{SLACK:g}x eager's error"
+    how = (f"{name}: eager vs {how_ref} needs atol {measured:.3g} x rms {scale:.3g}; "
+           f"atol = {rel:.3g} x rms ({which}), rtol = {rtol:.3g} ({name} floor)")
+    return Tolerance(rel * scale, rtol, how)
+
+
+def _precise_reference(card: Card, inputs: list[torch.Tensor]) -> tuple[list[torch.Tensor] | None, str]:
+    """Eager on the inputs upcast to float64 on their device, else float32 on the CPU."""
+    errors = []
+    for dtype, device in ((torch.float64, None), (torch.float32, torch.device("cpu"))):
+        try:
+            ups = [_upcast(t, dtype, device) for t in inputs]
+            outs = card.call_eager(ups, device=device or (inputs[0].device if inputs else None))
+        except (RuntimeError, TypeError, NotImplementedError) as e:
+            errors.append(f"{dtype} failed: {str(e).splitlines()[0][:120]}")
+            continue
+        where = (device or (inputs[0].device if inputs else torch.device("cpu"))).type
+        return observed(card, ups, outs), f"{str(dtype).removeprefix('torch.')} eager on {where}"
+    return None, "no precise reference: " + "; ".join(errors)
+
+
+def _upcast(t: torch.Tensor, dtype: torch.dtype, device: torch.device | None) -> torch.Tensor:
+    # Copies always, so an in-place op never touches the caller's tensors.
+    if t.is_floating_point():
+        return t.detach().to(device=device or t.device, dtype=dtype, copy=True)
+    return t.detach().to(device=device or t.device, copy=True)
