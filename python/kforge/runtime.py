@@ -76,14 +76,21 @@ def alloc_workspaces(plan: LaunchPlan, device):
     return [torch.empty(max(n, 1), dtype=torch.uint8, device=device) for n, _ in plan.workspace_bytes()]
 
 
+def current_stream(device_index: int | None) -> int:
+    """torch's current stream on the device, as a raw handle (the fast path: no Stream object)."""
+    import torch
+
+    idx = torch.cuda.current_device() if device_index is None else device_index
+    return torch._C._cuda_getCurrentRawStream(idx)
+
+
 def launch(plan, inputs, outputs, workspaces=(), stream=None) -> None:
     """Launch a resolved plan with torch tensors on `stream` (default: torch's current stream)."""
     import torch
 
     C = _C()
     if stream is None:
-        dev = (inputs or outputs)[0].device
-        stream = torch.cuda.current_stream(dev).cuda_stream
+        stream = current_stream((inputs or outputs)[0].device.index)
     try:
         plan.launch([t.data_ptr() for t in inputs], [t.data_ptr() for t in outputs],
                     [t.data_ptr() for t in workspaces], int(stream))

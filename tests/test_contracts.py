@@ -1,0 +1,71 @@
+"""The data contracts every part shares: launch plans and faithful card tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kforge.candidate import Candidate, LaunchPlan
+from kforge.cards import TensorMeta, empty_like_meta, faithful_clone, pack, pointer_alignment, unpack
+from kforge.errors import PlanError
+
+PLAN = {"kernels": [{"name": "softmax_rows", "grid": [4096, 1, 1], "block": [256, 1, 1], "smem": 0,
+                     "args": [{"in": 0}, {"out": 0}, {"i32": 4096}]}], "workspace": [], "options": ["-default-device"]}
+
+
+def test_plan_round_trip_and_validation():
+    plan = LaunchPlan.from_json(PLAN)
+    plan.validate(n_inputs=1, n_outputs=1)
+    assert LaunchPlan.from_json(plan.dumps()).to_json() == plan.to_json()
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda p: p["kernels"][0].update(name="not an identifier"), "C identifier"),
+    (lambda p: p["kernels"][0].update(block=[2048]), "threads"),
+    (lambda p: p["kernels"][0].update(grid=[0]), "grid"),
+    (lambda p: p["kernels"][0]["args"].append({"in": 3}), "1 in buffer"),
+    (lambda p: p["kernels"][0]["args"].append({"i32": 2**40}), "32 bits"),
+    (lambda p: p["kernels"][0]["args"].append({"f32": "x"}), "needs a number"),
+    (lambda p: p["kernels"][0]["args"].append({"bogus": 1}), "kind in"),
+    (lambda p: p["kernels"][0].update(args=[{"in": 0}]), "never passed"),
+])
+def test_bad_plans_say_what_is_wrong(mutate, message):
+    import copy
+
+    p = copy.deepcopy(PLAN)
+    mutate(p)
+    with pytest.raises(PlanError, match=message):
+        LaunchPlan.from_json(p).validate(n_inputs=1, n_outputs=1)
+
+
+def test_candidate_digest_is_what_runs_not_who_proposed_it():
+    a = Candidate("src", LaunchPlan.from_json(PLAN), proposer="builtin")
+    b = Candidate("src", LaunchPlan.from_json(PLAN), proposer="llm:x", note="other")
+    c = Candidate("src2", LaunchPlan.from_json(PLAN))
+    assert a.digest() == b.digest() != c.digest()
+    with pytest.raises(PlanError):
+        Candidate("src", LaunchPlan.from_json(PLAN), kind="library")
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(5, 7),
+    lambda: torch.randn(6, 9)[1:, 2:7],
+    lambda: torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+    lambda: torch.randn(4, 1).expand(4, 6),
+    lambda: torch.randn(8, dtype=torch.bfloat16)[1:],
+    lambda: torch.randn(3, 4).t(),
+])
+def test_faithful_clone_keeps_strides_alignment_and_values(make):
+    t = make()
+    c = faithful_clone(t)
+    assert c.stride() == t.stride() and c.shape == t.shape and c.dtype == t.dtype
+    assert pointer_alignment(c.data_ptr()) == pointer_alignment(t.data_ptr())
+    assert torch.equal(c, t)
+    assert c.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+    m = TensorMeta.of(t)
+    assert TensorMeta.of(unpack(pack(t), m, "cpu")).key() == m.key()
+
+
+def test_empty_like_meta_honours_misalignment():
+    m = TensorMeta((4,), (1,), "float32", "cpu", align=4)
+    assert pointer_alignment(empty_like_meta(m, "cpu").data_ptr()) == 4
