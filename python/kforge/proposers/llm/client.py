@@ -96,6 +96,10 @@ class LLMClient:
         self._openai = openai
         self._client = openai.OpenAI(base_url=config.base_url, api_key=config.key_for_client(),
                                      timeout=config.timeout_s, max_retries=0)
+        # Sampling parameters; _adapt() rewrites them once if the model rejects one.
+        self._params: dict[str, float | int] = {"max_tokens": config.max_reply_tokens}
+        if config.temperature is not None:
+            self._params["temperature"] = config.temperature
 
     def close(self) -> None:
         self._client.close()
@@ -111,6 +115,10 @@ class LLMClient:
             try:
                 response = self._create(messages)
             except self._openai.OpenAIError as e:
+                adapted = self._adapt(e)
+                if adapted:
+                    self._record("retry", 0, 0, time.monotonic() - start, card_id, error=adapted)
+                    continue
                 failure = self._classify(e)
                 final = not isinstance(failure, _Transient) or attempt == attempts - 1
                 self._record("error" if final else "retry", 0, 0, time.monotonic() - start, card_id,
@@ -132,10 +140,22 @@ class LLMClient:
 
     # ---- one attempt ---------------------------------------------------------------------
     def _create(self, messages: list[dict[str, str]]):
-        kwargs = {"model": self.config.model, "messages": messages, "max_tokens": self.config.max_reply_tokens}
-        if self.config.temperature is not None:
-            kwargs["temperature"] = self.config.temperature
-        return self._client.chat.completions.create(**kwargs)
+        return self._client.chat.completions.create(model=self.config.model, messages=messages, **self._params)
+
+    def _adapt(self, e: Exception) -> str | None:
+        """Reasoning models (o-series, gpt-5) reject `max_tokens` for `max_completion_tokens`
+        and any temperature but the default. Rewrite the request once and say so; None when
+        the error is not one of these."""
+        if not isinstance(e, self._openai.BadRequestError):
+            return None
+        detail = _detail(e)
+        if "max_tokens" in self._params and "max_completion_tokens" in detail:
+            self._params["max_completion_tokens"] = self._params.pop("max_tokens")
+            return "endpoint wants max_completion_tokens instead of max_tokens; resent"
+        if "temperature" in self._params and "temperature" in detail:
+            del self._params["temperature"]
+            return "endpoint rejects a temperature for this model; resent without one"
+        return None
 
     def _accept(self, messages, response, duration: float, card_id: str | None) -> Reply:
         choice = response.choices[0] if response.choices else None

@@ -174,7 +174,7 @@ def _code(candidate: Candidate) -> str:
 
 def _timing(t: Tried, hw: Hardware, card: Card) -> str:
     r = t.result
-    if r.kernel_us is None:
+    if not r.kernel_us:  # failed, untimed, or a bogus zero: no ratio to show
         return f"verdict {r.verdict.value}"
     floor = hw.floor_us(card.io_bytes())
     parts = [f"{r.kernel_us:.2f} us"]

@@ -1,0 +1,78 @@
+"""LLMProposer: kernels from any OpenAI-compatible model.
+
+A proposal is one conversation: the prompt (first version, revision or repair), then, while
+the reply cannot be used (no code block, bad plan, unknown kernel, a kernel already
+evaluated), the reply and the reason are sent back, up to `max_repair_attempts` times.
+Compile, runtime and correctness failures come back from the evaluator through `repair`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from ...cards import Card
+from ...errors import ProposerError
+from ..base import Proposal, ProposalContext, Proposer, Tried
+from . import prompts
+from .client import CallRecord, LLMClient, log_recorder
+from .config import LLMConfig
+from .parse import parse_reply
+
+
+class LLMProposer(Proposer):
+    def __init__(self, config: LLMConfig | None = None, *, on_call: Callable[[CallRecord], None] | None = None,
+                 sleep: Callable[[float], None] = time.sleep, **settings):
+        """`config`, or settings (model=..., base_url=..., CLI flags) resolved with the
+        environment and config file by LLMConfig.resolve."""
+        if config is not None and settings:
+            raise ProposerError(f"pass either an LLMConfig or settings, not both (got {sorted(settings)})")
+        self.config = config if config is not None else LLMConfig.resolve(**settings)
+        self.name = f"llm:{self.config.model}"
+        self.client = LLMClient(self.config, on_call=on_call, sleep=sleep)
+
+    def record_calls(self, log, run_id: str) -> None:
+        """Write every call attempt (no key, no text) into the search log's llm_calls table."""
+        self.client.on_call = log_recorder(log, run_id)
+
+    def supports(self, card: Card) -> tuple[bool, str]:
+        if not card.outputs:
+            return False, "the op returns no tensor, so there is nothing for a kernel to write"
+        return True, ""
+
+    def propose(self, ctx: ProposalContext) -> Proposal:
+        return self._converse(ctx, prompts.proposal_messages(ctx), note="")
+
+    def repair(self, ctx: ProposalContext, failed: Tried) -> Proposal:
+        return self._converse(ctx, prompts.repair_messages(ctx, failed),
+                              note=f"repair of #{failed.id}" if failed.id is not None else "repair")
+
+    def close(self) -> None:
+        self.client.close()
+
+    def _converse(self, ctx: ProposalContext, messages: list[dict[str, str]], note: str) -> Proposal:
+        prompt_tokens = completion_tokens = 0
+        cost = 0.0
+        asks = self.config.max_repair_attempts + 1
+        for ask in range(1, asks + 1):
+            reply = self.client.chat(messages, card_id=ctx.card.id)
+            prompt_tokens += reply.prompt_tokens
+            completion_tokens += reply.completion_tokens
+            cost += reply.cost_usd
+            try:
+                candidate = parse_reply(reply.text, ctx.card, self.name)
+                if candidate.digest() in ctx.tried_digests:
+                    raise ProposerError("this source and plan are identical to a kernel already evaluated for "
+                                        "this card; change something that matters")
+            except ProposerError as e:
+                problem = str(e)
+                if reply.finish_reason == "length":
+                    problem += (f" (the reply was cut off at {self.config.max_reply_tokens} tokens; "
+                                "answer more briefly)")
+                messages = prompts.retry_messages(messages, reply.text, problem)
+                continue
+            candidate.knobs = {"model": self.config.model, "asks": ask}
+            candidate.note = "; ".join(x for x in (note, candidate.note) if x)
+            return Proposal(candidate, prompt_tokens, completion_tokens, cost)
+        raise ProposerError(f"{self.name} gave no usable answer in {asks} asks for card {ctx.card.id}; "
+                            f"the last problem: {problem}")
