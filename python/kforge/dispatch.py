@@ -1,0 +1,412 @@
+"""Guarded dispatch: route exact matches of a card's key to its kernel, everything else to PyTorch.
+
+One torch.library override per aten op, at the backend key (CUDA; CPU stands in for tests),
+below autograd, so autograd, no_grad and inference_mode behave as in eager and the op's
+saved outputs (mean/rstd of layer_norm, ...) are the ones we return. The override
+multiplexes every installed package's variants of the op: a call's guard key (per tensor
+argument shape, stride, dtype, device type and pointer alignment; every other argument's
+value) is looked up in one dict. A hit allocates outputs from the caching allocator and
+launches on the current stream, so the path records into CUDA graphs; a miss calls the
+kernel that was registered before the override (taken with torch.library.get_kernel) and
+counts why it missed. Removing the last variant of an op destroys its override, which
+restores the dispatcher's previous kernel exactly.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Protocol, Sequence
+
+import torch
+
+from .candidate import Candidate
+from .cards import Card, TensorMeta, decode_value, pointer_alignment
+from .errors import CardError, KforgeError, LaunchError
+
+# Why a call fell back, most fundamental first. "no-variant": no installed variant has the
+# call's argument structure (a tensor where the card has None, another list length).
+REASONS = ("no-variant", "device", "dtype", "scalar", "shape", "stride", "alignment")
+
+_OVERRIDE_WARNING = "(?s).*Overriding a previously registered kernel for the same operator.*"
+_ALIGN = tuple(pointer_alignment(low) for low in range(16))  # alignment (<= 16) depends on the low 4 bits
+_MISS_MEMO_LIMIT = 4096
+
+
+class DispatchError(KforgeError):
+    """A card cannot be dispatched, or the dispatcher was misused."""
+
+
+@dataclass
+class Counters:
+    """What the override did for one card; read by CastPackage.report().
+
+    Inside a CUDA graph only the capture goes through Python: replays are not counted.
+    """
+
+    hits: int = 0
+    fallbacks: collections.Counter = field(default_factory=collections.Counter)
+
+
+class Launcher(Protocol):
+    """Runs variant `vid` on `inputs` (Card.inputs order) into `outputs` (Card.outputs order)."""
+
+    def launch(self, vid: int, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
+               workspaces: Sequence[torch.Tensor], device: torch.device) -> None: ...
+
+
+class RegistryLauncher:
+    """Launches through the C++ registry (kforge._C.Registry), one registry per device.
+
+    Variant ids are the positions in `entries`. Plans are built for a device on first use;
+    call prepare() for the devices you will run on so that loading happens at install
+    time, not inside a model's forward (or a CUDA graph capture).
+    """
+
+    def __init__(self, entries: Sequence[tuple[Candidate, bytes]]):
+        from . import _C
+
+        self._entries = list(entries)
+        self._registries: dict[int, Any] = {}
+        self._cuda_error = _C.CudaError
+
+    def prepare(self, device: torch.device | int | str) -> Any:
+        from . import _C, runtime
+
+        ordinal = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        ordinal = ordinal.index if ordinal.index is not None else torch.cuda.current_device()
+        reg = self._registries.get(ordinal)
+        if reg is None:
+            reg = _C.Registry()
+            for i, (candidate, cubin) in enumerate(self._entries):
+                vid = reg.add(runtime.build_plan(candidate, cubin, ordinal))
+                if vid != i:
+                    raise LaunchError(f"registry gave id {vid} to entry {i}; a registry must start empty")
+            self._registries[ordinal] = reg
+        return reg
+
+    def launch(self, vid, inputs, outputs, workspaces, device) -> None:
+        reg = self._registries.get(device.index)
+        if reg is None:
+            reg = self.prepare(device)
+        try:
+            reg.launch(vid, [t.data_ptr() for t in inputs], [t.data_ptr() for t in outputs],
+                       [t.data_ptr() for t in workspaces], torch.cuda.current_stream(device).cuda_stream)
+        except self._cuda_error as e:
+            raise LaunchError(f"dispatched kernel {self._entries[vid][0].plan.kernels[0].name} (variant {vid}) "
+                              f"failed: {e}", str(e).split(":")[0]) from e
+
+
+class PlanLauncher:
+    """One resolved plan (kforge.runtime.build_plan), launched through kforge.runtime: what the
+    evaluation worker has in hand when it times a candidate as dispatched."""
+
+    def __init__(self, plan: Any):
+        self._plan = plan
+
+    def launch(self, vid, inputs, outputs, workspaces, device) -> None:
+        from . import runtime
+
+        runtime.launch(self._plan, inputs, outputs, workspaces, torch.cuda.current_stream(device).cuda_stream)
+
+
+# ---- guard keys -------------------------------------------------------------------------
+
+def _tensor_key(t: torch.Tensor | None) -> tuple | None:
+    if t is None:
+        return None
+    return (tuple(t.shape), t.stride(), t.dtype, t.device.type, _ALIGN[t.data_ptr() & 15])
+
+
+def _tensors_key(ts: Sequence[torch.Tensor | None]) -> tuple:
+    return tuple(_tensor_key(t) for t in ts)
+
+
+def _value_key(v: Any) -> Any:
+    """A hashable key that tells apart what encode_value tells apart (1, 1.0 and True differ)."""
+    if v is None or isinstance(v, (str, torch.dtype, torch.memory_format, torch.layout)):
+        return v
+    if isinstance(v, bool):
+        return ("b", v)
+    if isinstance(v, (int, torch.SymInt)):
+        return ("i", int(v))
+    if isinstance(v, float):
+        return ("f", v if not math.isnan(v) else "nan")
+    if isinstance(v, torch.device):
+        return ("device", v.type)
+    if isinstance(v, (list, tuple)):
+        return tuple(_value_key(x) for x in v)
+    return ("?", type(v).__name__, repr(v))  # never equal to a recorded value: the call falls back
+
+
+def _meta_key(m: TensorMeta | None) -> tuple | None:
+    return None if m is None else (tuple(m.shape), tuple(m.stride), m.torch_dtype, m.device, m.align)
+
+
+def _slot_kind(arg: torch.Argument) -> str:
+    t = str(arg.type)
+    if t in ("Tensor", "Optional[Tensor]"):
+        return "tensor"
+    if t in ("List[Tensor]", "List[Optional[Tensor]]"):
+        return "tensors"
+    return "value"
+
+
+_KEY_FNS: dict[str, Callable[[Any], Any]] = {"tensor": _tensor_key, "tensors": _tensors_key, "value": _value_key}
+
+
+def dispatch_blocker(card: Card) -> str | None:
+    """Why this card's kernel cannot be dispatched through an override, or None if it can."""
+    try:
+        schema = card.overload()._schema
+    except CardError as e:
+        return str(e)
+    if not all(str(r.type) == "Tensor" for r in schema.returns) or not schema.returns:
+        return f"cannot dispatch: {card.op} does not return plain tensors"
+    if len(card.outputs) != len(schema.returns):
+        return f"cannot dispatch: card has {len(card.outputs)} outputs, {card.op} returns {len(schema.returns)}"
+    if not card.inputs:
+        return "cannot dispatch: the op has no tensor inputs to guard on"
+    if any(not 0 <= i < len(card.inputs) for i in card.aliases.values()):
+        return f"cannot dispatch: aliases {card.aliases} name inputs the card does not have"
+    names = {a.name for a in schema.arguments}
+    if any(a.name not in names for a in card.args):
+        return f"cannot dispatch: card arguments do not match the schema of {card.op} in torch {torch.__version__}"
+    return None
+
+
+# ---- variants -----------------------------------------------------------------------------
+
+@dataclass(eq=False)
+class Variant:
+    """One card's kernel as the override sees it."""
+
+    card: Card
+    vid: int
+    launcher: Launcher
+    workspace: tuple[int, ...] = ()  # bytes per workspace buffer (the plan zeroes those that ask)
+    counters: Counters = field(default_factory=Counters)
+    out_specs: tuple = field(init=False)
+
+    def __post_init__(self) -> None:
+        why = dispatch_blocker(self.card)
+        if why:
+            raise DispatchError(f"card {self.card.id} ({self.card.summary()}): {why}")
+        # (aliased input index or None, shape, stride, dtype) per output, resolved once.
+        self.out_specs = tuple(
+            (self.card.aliases.get(j), tuple(m.shape), tuple(m.stride), m.torch_dtype)
+            for j, m in enumerate(self.card.outputs))
+
+
+def _guard_key(card: Card, schema: torch.FunctionSchema) -> tuple:
+    """The key a call must produce to hit this card: one entry per schema argument."""
+    by_name = {a.name: a for a in card.args}
+    key = []
+    for arg in schema.arguments:
+        spec, kind = by_name.get(arg.name), _slot_kind(arg)
+        if spec is None:  # the card omitted a defaulted argument: the call key sees the default
+            key.append(_KEY_FNS[kind](arg.default_value if arg.has_default_value() else None))
+        elif spec.kind == "tensor":
+            key.append(_meta_key(spec.tensor))
+        elif spec.kind == "tensors":
+            key.append(tuple(_meta_key(m) for m in spec.tensors))
+        else:
+            key.append(_value_key(decode_value(spec.value)))
+    return tuple(key)
+
+
+_TENSOR_FIELDS = ("shape", "stride", "dtype", "device", "alignment")  # order of _tensor_key
+
+
+def _tensor_differences(a: tuple | None, b: tuple | None) -> list[str]:
+    if a == b:
+        return []
+    if a is None or b is None:
+        return ["no-variant"]
+    return [n for n, x, y in zip(_TENSOR_FIELDS, a, b) if x != y]
+
+
+def differences(call_key: tuple, guard_key: tuple, kinds: Sequence[str]) -> list[str]:
+    """Every way (see REASONS) a call key differs from a guard key, most fundamental first."""
+    found: list[str] = []
+    for kind, a, b in zip(kinds, call_key, guard_key):
+        if a == b:
+            continue
+        if kind == "tensor":
+            found += _tensor_differences(a, b)
+        elif kind == "tensors":
+            found += ["no-variant"] if len(a) != len(b) else [r for x, y in zip(a, b) for r in _tensor_differences(x, y)]
+        else:
+            found.append("scalar")
+    return sorted(found, key=REASONS.index)
+
+
+# ---- the override of one op ---------------------------------------------------------------
+
+def _get_kernel(op: torch._ops.OpOverload, key: str):
+    get_kernel = getattr(torch.library, "get_kernel", None)
+    if get_kernel is None:
+        raise DispatchError(f"guarded dispatch needs torch.library.get_kernel (torch >= 2.9); "
+                            f"this is torch {torch.__version__}: upgrade torch")
+    return get_kernel(op, key)
+
+
+class _OpOverride:
+    """The torch.library kernel of one op at one dispatch key."""
+
+    def __init__(self, op: torch._ops.OpOverload, key: str):
+        self.op = op
+        schema = op._schema
+        self.kinds = tuple(_slot_kind(a) for a in schema.arguments)
+        self._key_fns = tuple(_KEY_FNS[k] for k in self.kinds)
+        # Arguments the dispatcher may leave out: trailing defaults and kwarg-only ones.
+        self._params = tuple((a.name, a.default_value if a.has_default_value() else None) for a in schema.arguments)
+        self._tensor_slots = tuple(i for i, k in enumerate(self.kinds) if k != "value")
+        self._single = len(schema.returns) == 1
+        self.table: dict[tuple, Variant] = {}
+        self._guards: list[tuple[tuple, Variant]] = []
+        self._misses: dict[tuple, tuple[Variant, str]] = {}
+        # Taken before the override exists: the kernel every miss goes to.
+        self.original = _get_kernel(op, key)
+        name = schema.name.split("::", 1)[1] + (f".{schema.overload_name}" if schema.overload_name else "")
+        self.lib = torch.library.Library(op.namespace, "IMPL")
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=_OVERRIDE_WARNING)
+                self.lib.impl(name, self, key, with_keyset=True, allow_override=True)
+        except BaseException:
+            self.lib._destroy()  # a failed registration must not leave half an override behind
+            raise
+
+    def set_variants(self, variants: list[Variant]) -> None:
+        """Later variants win on equal keys (the package installed last)."""
+        schema = self.op._schema
+        self._guards = [(_guard_key(v.card, schema), v) for v in variants]
+        self.table = dict(self._guards)
+        self._misses = {}
+
+    def destroy(self) -> None:
+        self.lib._destroy()
+
+    def __call__(self, keyset, *args, **kwargs):
+        params = self._params
+        vals = list(args)
+        for name, default in params[len(args):]:
+            vals.append(kwargs.get(name, default))
+        key = tuple(f(x) for f, x in zip(self._key_fns, vals))
+        v = self.table.get(key)
+        if v is None:
+            self._count_miss(key)
+            return self.original.call_boxed(keyset, *args, **kwargs)
+        v.counters.hits += 1
+        return self._run(v, vals)
+
+    def _run(self, v: Variant, vals: list) -> Any:
+        ins: list[torch.Tensor] = []
+        for i in self._tensor_slots:
+            x = vals[i]
+            if isinstance(x, torch.Tensor):
+                ins.append(x)
+            elif x is not None:
+                ins += [t for t in x if t is not None]
+        dev = ins[0].device
+        outs = [ins[src] if src is not None else torch.empty_strided(shape, stride, dtype=dt, device=dev)
+                for src, shape, stride, dt in v.out_specs]
+        ws = [torch.empty(n, dtype=torch.uint8, device=dev) for n in v.workspace]
+        v.launcher.launch(v.vid, ins, outs, ws, dev)
+        return outs[0] if self._single else tuple(outs)
+
+    def _count_miss(self, key: tuple) -> None:
+        hit = self._misses.get(key)
+        if hit is None:
+            # Charge the miss to the nearest variant: its most fundamental difference is the least
+            # fundamental, then it differs in the fewest ways, then it was installed first.
+            scored = []
+            for i, (guard, v) in enumerate(self._guards):
+                diffs = differences(key, guard, self.kinds) or ["no-variant"]
+                scored.append(((REASONS.index(diffs[0]), -len(diffs), -i), diffs[0], v))
+            _, reason, nearest = max(scored, key=lambda s: s[0])
+            hit = (nearest, reason)
+            if len(self._misses) >= _MISS_MEMO_LIMIT:
+                self._misses.clear()
+            self._misses[key] = hit
+        hit[0].counters.fallbacks[hit[1]] += 1
+
+
+# ---- the dispatcher ------------------------------------------------------------------------
+
+class Dispatcher:
+    """Every override kforge holds at one dispatch key, shared by all installed packages.
+
+    Owners (packages) add their variants together and remove them together; an op keeps
+    one override while any owner has a variant of it.
+    """
+
+    _shared: dict[str, "Dispatcher"] = {}
+
+    def __init__(self, key: str = "CUDA"):
+        self.key = key
+        self._owners: list[tuple[object, list[Variant]]] = []
+        self._ops: dict[str, _OpOverride] = {}
+
+    @classmethod
+    def shared(cls, key: str = "CUDA") -> "Dispatcher":
+        """The process-wide dispatcher for `key` (what CastPackage.install uses by default)."""
+        if key not in cls._shared:
+            cls._shared[key] = cls(key)
+        return cls._shared[key]
+
+    @property
+    def ops(self) -> list[str]:
+        """Ops overridden right now."""
+        return sorted(self._ops)
+
+    def owns(self, owner: object) -> bool:
+        return any(o is owner for o, _ in self._owners)
+
+    def add(self, owner: object, variants: Sequence[Variant]) -> None:
+        if self.owns(owner):
+            raise DispatchError(f"{owner!r} is already installed at {self.key}; uninstall it first")
+        self._owners.append((owner, list(variants)))
+        try:
+            self._sync({v.card.op for v in variants})
+        except Exception:
+            self.remove(owner)
+            raise
+
+    def remove(self, owner: object) -> None:
+        gone = [vs for o, vs in self._owners if o is owner]
+        self._owners = [(o, vs) for o, vs in self._owners if o is not owner]
+        self._sync({v.card.op for vs in gone for v in vs})
+
+    def _sync(self, ops: set[str]) -> None:
+        for name in sorted(ops):
+            variants = [v for _, vs in self._owners for v in vs if v.card.op == name]
+            override = self._ops.get(name)
+            if not variants:
+                if override is not None:
+                    override.destroy()
+                    del self._ops[name]
+                continue
+            if override is None:
+                override = self._ops[name] = _OpOverride(variants[0].card.overload(), self.key)
+            override.set_variants(variants)
+
+
+@contextlib.contextmanager
+def installed(card: Card, launcher: Launcher, *, vid: int = 0, workspace: Sequence[int] = (),
+              key: str = "CUDA") -> Iterator[Variant]:
+    """One card's kernel dispatched through the real override while the block runs: calling
+    the op (card.call_eager) inside takes the guard path exactly as a package would, so its
+    latency is the latency as dispatched. Eager timed inside the block would hit the kernel
+    too: time eager outside it."""
+    variant = Variant(card, vid, launcher, tuple(workspace))
+    dispatcher = Dispatcher(key)
+    dispatcher.add(variant, [variant])
+    try:
+        yield variant
+    finally:
+        dispatcher.remove(variant)

@@ -1,0 +1,599 @@
+"""The .cast package: per card the kernel that won or the reason it falls back, and a loader
+that treats every package as untrusted input.
+
+A .cast is a zip that holds no host code and no pickles:
+
+    manifest.json              format, kforge/torch/NVRTC versions, GPU, one entry per card:
+                               guard (the card key), decision and reason, kind, latencies,
+                               error and tolerance, launch plan, hashes
+    kernels/<card>.cu          source of each dispatched kernel
+    kernels/<card>.<sm>.cubin  its cubin, compiled for exactly that arch (never PTX)
+    checksums.sha256           sha256 of every other entry (`sha256sum -c` reads it)
+
+Loading decides two ways. A package that is corrupt, unsafe, malformed or newer than this
+kforge raises PackageError. A sound package built for another GPU, or loaded where there is
+no GPU, loads with every card falling back to PyTorch and a loud warning.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import sqlite3
+import stat
+import tempfile
+import warnings
+import zipfile
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any, Iterator
+
+import torch
+from rich.table import Table
+
+from .candidate import KINDS, Candidate, LaunchPlan
+from .cards import CARD_FORMAT, Card, card_id, load_card
+from .dispatch import Counters, Dispatcher, Launcher, RegistryLauncher, Variant, dispatch_blocker
+from .errors import CardError, CompileError, CudaUnavailableError, PackageError, PlanError
+from .log import LOG_NAME, SearchLog
+from .verdict import EvalResult, Verdict
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+CHECKSUMS = "checksums.sha256"
+# Limits for reading untrusted zips: cubins and sources are kilobytes, a manifest megabytes at most.
+MAX_ENTRY_BYTES = 64 << 20
+MAX_TOTAL_BYTES = 256 << 20
+MAX_ENTRIES = 4096
+# Without an IQR in the evidence a kernel must beat eager by this fraction to be dispatched.
+DEFAULT_MARGIN = 0.03
+
+_ARCH = re.compile(r"^sm_(\d+)a?$")
+_KERNEL_ENTRY = re.compile(r"^kernels/[0-9a-f]{16}\.(cu|sm_\d+a?\.cubin)$")
+_HOST_CODE = (".py", ".pyc", ".pyo", ".pkl", ".pickle", ".pt", ".pth", ".so", ".dll", ".dylib", ".sh")
+_ZIP_TIME = (1980, 1, 1, 0, 0, 0)  # fixed, so the same run packages to the same bytes
+_EM_CUDA = 190
+
+log = logging.getLogger("kforge.package")
+
+
+class PackageFallbackWarning(UserWarning):
+    """A package loaded, but some or all of its kernels will not run on this machine."""
+
+
+def _sha256(b: bytes) -> str:
+    return hashlib.sha256(b).hexdigest()
+
+
+def cubin_sm(image: bytes) -> int | None:
+    """The SM number a cubin was built for (90 for sm_90), or None if it is not a CUDA ELF (PTX, junk)."""
+    if len(image) < 52 or image[:4] != b"\x7fELF" or image[4] != 2:
+        return None
+    if int.from_bytes(image[18:20], "little") != _EM_CUDA:
+        return None
+    flags = int.from_bytes(image[48:52], "little")
+    # CUDA 12.8+ cubins (ELF ABI version >= 8) keep the SM in bits 8-15 of e_flags, older ones in bits 0-7.
+    return (flags >> 8) & 0xFF if image[8] >= 8 else flags & 0xFF
+
+
+def _arch_sm(arch: str) -> int | None:
+    m = _ARCH.match(arch or "")
+    return int(m.group(1)) if m else None
+
+
+# ---- choosing winners -------------------------------------------------------------------
+
+@dataclass
+class Choice:
+    """The candidate row to ship for a card (None: fall back) and why."""
+
+    row: sqlite3.Row | None
+    reason: str
+    eager_us: float | None = None  # eager as dispatched, the reference the kernel had to beat
+    noise_us: float | None = None
+
+
+def _summary(evidence: dict, *names: str) -> dict:
+    return next((evidence[n] for n in names if isinstance(evidence.get(n), dict)), {})
+
+
+def choose(rows: list[sqlite3.Row], skip_reason: str | None, *, noise_factor: float = 1.0,
+           margin: float = DEFAULT_MARGIN) -> Choice:
+    """Pick the valid candidate with the lowest latency as dispatched, and keep it only if it
+    beats eager as dispatched by more than the timing noise: noise_factor times half the sum
+    of the eager and dispatched IQRs (evidence["eager"/"dispatched"]["iqr_us"], the kernel's
+    IQR standing in for the dispatched one), or `margin` of eager when there are no IQRs."""
+    if skip_reason:
+        return Choice(None, f"not searched: {skip_reason}")
+    if not rows:
+        return Choice(None, "not searched: no candidate was evaluated")
+    valid = [r for r in rows if r["verdict"] == Verdict.VALID.value]
+    if not valid:
+        counts = collections.Counter(r["verdict"] for r in rows)
+        return Choice(None, f"no valid candidate ({len(rows)} tried: "
+                            + ", ".join(f"{n} {v}" for v, n in counts.most_common()) + ")")
+    trusted = [r for r in valid if "beyond_roofline" not in json.loads(r["flags_json"] or "[]")]
+    if not trusted:
+        return Choice(None, "every valid candidate is faster than the HBM floor (flagged beyond_roofline); needs review")
+    timed = [r for r in trusted if r["dispatched_us"] is not None]
+    if not timed:
+        return Choice(None, "valid, but never timed as dispatched (through the guard path)")
+    best = min(timed, key=lambda r: (r["dispatched_us"], r["id"]))
+    evidence = json.loads(best["evidence_json"] or "{}")
+    eager = _summary(evidence, "eager_dispatched").get("median_us") or best["eager_us"]
+    d = best["dispatched_us"]
+    if eager is None:
+        return Choice(None, "no eager timing to compare against")
+    e_iqr = _summary(evidence, "eager_dispatched", "eager").get("iqr_us")
+    d_iqr = _summary(evidence, "dispatched", "kernel").get("iqr_us")
+    noise = noise_factor * 0.5 * (e_iqr + d_iqr) if e_iqr is not None and d_iqr is not None else margin * eager
+    if d >= eager:
+        return Choice(None, f"slower than eager as dispatched ({d:.2f} µs vs {eager:.2f} µs)", eager, noise)
+    if eager - d <= noise:
+        return Choice(None, f"within timing noise of eager as dispatched ({d:.2f} µs vs {eager:.2f} µs, "
+                            f"noise {noise:.2f} µs)", eager, noise)
+    return Choice(best, f"{eager / d:.2f}x faster than eager as dispatched ({d:.2f} µs vs {eager:.2f} µs)", eager, noise)
+
+
+# ---- writing ------------------------------------------------------------------------------
+
+def _compile_cubin(source: str, name: str, options: list[str], arch: str) -> bytes:
+    from . import compiler
+
+    return compiler.compile(source, name=name, options=options, arch=arch).cubin
+
+
+def _nvrtc_version() -> str | None:
+    from . import compiler
+
+    try:
+        return compiler.nvrtc_version()
+    except CudaUnavailableError:
+        return None
+
+
+def _card_of(run_dir: Path, row: sqlite3.Row) -> Card:
+    """The card as saved under cards/, else as the log recorded it."""
+    try:
+        return load_card(run_dir, row["card_id"])
+    except CardError:
+        return Card.from_json(json.loads(row["card_json"]))
+
+
+def _guard_entry(card: Card) -> dict:
+    return {"id": card.id, "op": card.op, "schema": card.schema, "family": card.family, "summary": card.summary(),
+            "calls": card.calls, "share": card.share, "module_paths": card.module_paths,
+            "guard": {"args": [a.to_json() for a in card.args], "arch": card.arch},
+            "outputs": [m.to_json() for m in card.outputs], "aliases": {str(k): v for k, v in card.aliases.items()}}
+
+
+def _card_entry(card: Card, choice: Choice, arch: str) -> tuple[dict, dict[str, bytes]]:
+    """The manifest entry of one card and the files it adds."""
+    entry = _guard_entry(card)
+    row = choice.row
+    evidence = json.loads(row["evidence_json"] or "{}") if row is not None else {}
+    entry.update(
+        decision="fallback", reason=choice.reason, kind=row["kind"] if row is not None else None,
+        timing={"eager_us": row["eager_us"] if row is not None else card.eager_us,
+                "kernel_us": row["kernel_us"] if row is not None else None,
+                "eager_dispatched_us": choice.eager_us,
+                "dispatched_us": row["dispatched_us"] if row is not None else None,
+                "noise_us": choice.noise_us},
+        error={"max_abs_err": row["max_abs_err"] if row is not None else None,
+               "max_rel_err": row["max_rel_err"] if row is not None else None,
+               "tolerances": evidence.get("tolerances")},
+        flags=json.loads(row["flags_json"] or "[]") if row is not None else [],
+        candidate=None, plan=None, files=None, hashes=None)
+    if row is None:
+        return entry, {}
+    why = dispatch_blocker(card)
+    if card.arch != arch:
+        why = f"captured on {card.arch}, the package is for {arch}"
+    if why:
+        entry["reason"] = why
+        return entry, {}
+    plan = LaunchPlan.from_json(row["plan_json"])
+    try:
+        cubin = _compile_cubin(row["source"], f"{card.id}.cu", plan.options, arch)
+    except (CompileError, CudaUnavailableError) as e:
+        log.warning("card %s: recompiling its winner for %s failed; it falls back: %s", card.id, arch, e)
+        entry["reason"] = f"the winning kernel did not compile for {arch} at packaging time: {str(e).splitlines()[0]}"
+        return entry, {}
+    if cubin_sm(cubin) != _arch_sm(arch):
+        raise PackageError(f"the compiler returned no {arch} cubin for card {card.id} (got sm {cubin_sm(cubin)}); "
+                           "a package must carry cubins for its exact arch")
+    source = row["source"].encode()
+    files = {"source": f"kernels/{card.id}.cu", "cubin": f"kernels/{card.id}.{arch}.cubin"}
+    entry.update(decision="dispatched", plan=plan.to_json(), files=files,
+                 hashes={"source": _sha256(source), "cubin": _sha256(cubin)},
+                 candidate={"log_id": row["id"], "digest": row["digest"], "proposer": row["proposer"],
+                            "knobs": json.loads(row["knobs_json"] or "{}"), "note": row["note"]})
+    return entry, {files["source"]: source, files["cubin"]: cubin}
+
+
+def write_package(run_dir: str | Path, out: str | Path, *, run_id: str | None = None, noise_factor: float = 1.0,
+                  margin: float = DEFAULT_MARGIN) -> Path:
+    """Package a search run: per card its fastest valid kernel if it beats eager as dispatched
+    beyond noise (see choose()), else the reason it falls back. Returns the .cast path.
+
+    Raises PackageError when there is no log or run to package; a winner that no longer
+    compiles falls back (logged) instead of failing the package.
+    """
+    import kforge
+
+    run_dir, out = Path(run_dir), Path(out)
+    if not (run_dir / LOG_NAME).exists():
+        raise PackageError(f"no search log in {run_dir}: run `kforge search` (or kforge.run) first")
+    slog = SearchLog(run_dir)
+    try:
+        run_id = run_id or slog.latest_run()
+        runs = slog.rows("SELECT * FROM runs WHERE id=?", (run_id,))
+        if not runs:
+            raise PackageError(f"no run {run_id!r} in {run_dir / LOG_NAME}: pass a run id the log holds")
+        run = runs[0]
+        card_rows = slog.rows("SELECT * FROM cards WHERE run_id=? ORDER BY COALESCE(share, 0) DESC, card_id", (run_id,))
+        cards = [_card_of(run_dir, r) for r in card_rows]
+        arch = run["arch"] or (cards[0].arch if cards else "")
+        entries, members = [], {}
+        for card, row in zip(cards, card_rows):
+            choice = choose(slog.candidates(run_id, card.id), row["skip_reason"], noise_factor=noise_factor, margin=margin)
+            entry, files = _card_entry(card, choice, arch)
+            entries.append(entry)
+            members.update(files)
+    finally:
+        slog.close()
+    dispatched = sum(e["decision"] == "dispatched" for e in entries)
+    manifest = {
+        "format": FORMAT, "kforge": kforge.__version__, "torch": torch.__version__,
+        "cuda": {"nvrtc": _nvrtc_version() if dispatched else None, "torch_cuda": torch.version.cuda},
+        "gpu": {"name": run["device"] or next((c.device_name for c in cards if c.device_name), ""), "arch": arch},
+        "run_id": run_id, "selection": {"noise_factor": noise_factor, "margin": margin},
+        "cards": entries,
+    }
+    members[MANIFEST] = json.dumps(manifest, indent=1, sort_keys=True).encode()
+    _write_zip(out, members)
+    log.info("packaged %s: %d of %d cards dispatched, for %s", out, dispatched, len(entries), arch)
+    return out
+
+
+def _write_zip(out: Path, members: dict[str, bytes]) -> None:
+    members = dict(members)
+    members[CHECKSUMS] = "".join(f"{_sha256(b)}  {name}\n" for name, b in sorted(members.items())).encode()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
+        for name in sorted(members):
+            info = zipfile.ZipInfo(name, _ZIP_TIME)
+            info.external_attr = (stat.S_IFREG | 0o644) << 16
+            info.compress_type = zipfile.ZIP_DEFLATED
+            z.writestr(info, members[name])
+    os.replace(tmp, out)
+
+
+# ---- reading untrusted zips ---------------------------------------------------------------
+
+def _unsafe(path: Path, what: str) -> PackageError:
+    return PackageError(f"{path} is not a safe .cast package: {what}; refusing to load it. "
+                        "Use packages written by `kforge package` from a source you trust.")
+
+
+def _check_entry(path: Path, info: zipfile.ZipInfo) -> None:
+    name = info.filename
+    parts = PurePosixPath(name).parts
+    if name.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", name) or "\\" in name or ".." in parts or "\0" in name:
+        raise _unsafe(path, f"entry {name!r} has an absolute path or '..'")
+    if stat.S_ISLNK(info.external_attr >> 16):
+        raise _unsafe(path, f"entry {name!r} is a symlink")
+    if name.lower().endswith(_HOST_CODE):
+        raise _unsafe(path, f"entry {name!r} holds host code or a pickle; a .cast carries only CUDA source and cubins")
+    if info.is_dir():
+        return
+    if name not in (MANIFEST, CHECKSUMS) and not _KERNEL_ENTRY.match(name):
+        raise _unsafe(path, f"unexpected entry {name!r} (only {MANIFEST}, {CHECKSUMS} and kernels/<card>.cu/.cubin belong)")
+    if info.file_size > MAX_ENTRY_BYTES:
+        raise _unsafe(path, f"entry {name!r} is {info.file_size} bytes, over the {MAX_ENTRY_BYTES}-byte limit")
+
+
+def _read_members(path: Path) -> dict[str, bytes]:
+    try:
+        zf = zipfile.ZipFile(path)
+    except FileNotFoundError as e:
+        raise PackageError(f"no package at {path}") from e
+    except (zipfile.BadZipFile, OSError) as e:
+        raise PackageError(f"{path} is not a readable .cast package (corrupt zip: {e}); rebuild it with `kforge package`") from e
+    with zf:
+        infos = zf.infolist()
+        if len(infos) > MAX_ENTRIES:
+            raise _unsafe(path, f"{len(infos)} entries, over the limit of {MAX_ENTRIES}")
+        members: dict[str, bytes] = {}
+        total = 0
+        for info in infos:
+            _check_entry(path, info)
+            if info.is_dir():
+                continue
+            if info.filename in members:
+                raise _unsafe(path, f"entry {info.filename!r} appears twice")
+            total += info.file_size
+            if total > MAX_TOTAL_BYTES:
+                raise _unsafe(path, f"entries add up to more than {MAX_TOTAL_BYTES} bytes")
+            try:
+                members[info.filename] = zf.read(info)
+            except (zipfile.BadZipFile, zlib.error, EOFError, OSError, RuntimeError, NotImplementedError) as e:
+                raise PackageError(f"{path} is corrupt: entry {info.filename!r} cannot be read ({e}); "
+                                   "rebuild it with `kforge package`") from e
+    return members
+
+
+def _verify_checksums(path: Path, members: dict[str, bytes]) -> None:
+    if CHECKSUMS not in members:
+        raise PackageError(f"{path} has no {CHECKSUMS}: it is not a .cast written by kforge, or it was modified")
+    listed: dict[str, str] = {}
+    for line in members[CHECKSUMS].decode("utf-8", "replace").splitlines():
+        m = re.match(r"^([0-9a-f]{64})  (\S+)$", line)
+        if not m:
+            raise PackageError(f"{path}: malformed line in {CHECKSUMS}: {line[:80]!r}; rebuild the package")
+        listed[m.group(2)] = m.group(1)
+    for name, data in members.items():
+        if name == CHECKSUMS:
+            continue
+        if name not in listed:
+            raise PackageError(f"{path}: entry {name!r} has no checksum; the package was modified, rebuild it")
+        if _sha256(data) != listed[name]:
+            raise PackageError(f"{path}: checksum mismatch for {name!r}; the package is corrupt or was modified, "
+                               "rebuild it with `kforge package`")
+    missing = sorted(set(listed) - set(members))
+    if missing:
+        raise PackageError(f"{path}: {CHECKSUMS} lists entries that are missing: {missing}; rebuild the package")
+
+
+# ---- the manifest ---------------------------------------------------------------------------
+
+def _need(d: Any, key: str, types: type | tuple[type, ...], where: str) -> Any:
+    v = d.get(key) if isinstance(d, dict) else None
+    if not isinstance(v, types) or (isinstance(v, bool) and types is int):
+        names = "/".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+        raise PackageError(f"malformed manifest: {where}.{key} must be {names}; rebuild the package with `kforge package`")
+    return v
+
+
+@dataclass(eq=False)
+class PackagedCard:
+    """One card of a package as it stands on this machine (decision may differ from the manifest's)."""
+
+    card: Card
+    decision: str  # "dispatched" | "fallback"
+    reason: str
+    kind: str | None
+    entry: dict  # the manifest entry: guard, evidence, hashes
+    candidate: Candidate | None = None
+    cubin: bytes | None = None
+    counters: Counters = field(default_factory=Counters)
+
+    @property
+    def id(self) -> str:
+        return self.card.id
+
+    @property
+    def dispatched(self) -> bool:
+        return self.decision == "dispatched"
+
+
+def _parse_card(e: Any, i: int, arch: str, members: dict[str, bytes]) -> PackagedCard:
+    where = f"cards[{i}]"
+    cid = _need(e, "id", str, where)
+    guard = _need(e, "guard", dict, where)
+    decision = _need(e, "decision", str, where)
+    if decision not in ("dispatched", "fallback"):
+        raise PackageError(f"malformed manifest: {where}.decision is {decision!r}, not dispatched or fallback")
+    reason = _need(e, "reason", str, where)
+    try:
+        card = Card.from_json({"format": CARD_FORMAT, "id": cid, "op": e["op"], "schema": e["schema"],
+                               "args": guard["args"], "outputs": e["outputs"], "aliases": e["aliases"],
+                               "arch": guard["arch"], "family": e.get("family", "other"), "calls": e.get("calls", 0),
+                               "share": e.get("share"), "module_paths": e.get("module_paths", [])})
+    except (KeyError, TypeError, ValueError, AttributeError, CardError) as err:
+        raise PackageError(f"malformed manifest: {where} is not a valid card ({err!r}); rebuild the package") from err
+    if card_id(card.op, card.args, card.arch) != cid:
+        raise PackageError(f"malformed manifest: {where}'s guard does not hash to its id {cid}; the manifest was edited")
+    if decision == "fallback":
+        return PackagedCard(card, decision, reason, e.get("kind"), e)
+    kind = _need(e, "kind", str, where)
+    files, hashes = _need(e, "files", dict, where), _need(e, "hashes", dict, where)
+    want = {"source": f"kernels/{cid}.cu", "cubin": f"kernels/{cid}.{arch}.cubin"}
+    if kind not in KINDS or files != want or card.arch != arch:
+        raise PackageError(f"malformed manifest: {where} must name kind in {KINDS}, files {want} and arch {arch}")
+    for what, name in want.items():
+        if name not in members or _sha256(members[name]) != _need(hashes, what, str, f"{where}.hashes"):
+            raise PackageError(f"{where}: {name} is missing or does not match its hash in the manifest; rebuild the package")
+    cubin = members[want["cubin"]]
+    if cubin_sm(cubin) != _arch_sm(arch):
+        raise PackageError(f"{where}: {want['cubin']} is not a cubin for {arch} (PTX or another arch); rebuild the package")
+    try:
+        plan = LaunchPlan.from_json(_need(e, "plan", dict, where))
+        plan.validate(len(card.inputs), len(card.outputs))
+        source = members[want["source"]].decode()
+    except (PlanError, UnicodeDecodeError) as err:
+        raise PackageError(f"malformed manifest: {where}'s kernel is unusable: {err}") from err
+    return PackagedCard(card, decision, reason, kind, e, Candidate(source, plan, kind), cubin)
+
+
+def _parse_manifest(path: Path, members: dict[str, bytes]) -> tuple[dict, list[PackagedCard]]:
+    if MANIFEST not in members:
+        raise PackageError(f"{path} has no {MANIFEST}; it is not a .cast package")
+    try:
+        manifest = json.loads(members[MANIFEST])
+    except ValueError as e:
+        raise PackageError(f"malformed manifest in {path}: not JSON ({e}); rebuild the package") from e
+    fmt = _need(manifest, "format", int, "manifest")
+    if fmt > FORMAT:
+        raise PackageError(f"{path} was written by a newer kforge (package format {fmt}; this kforge reads up to "
+                           f"{FORMAT}): upgrade kforge")
+    if fmt < 1:
+        raise PackageError(f"malformed manifest in {path}: format {fmt}")
+    for key in ("kforge", "torch"):
+        _need(manifest, key, str, "manifest")
+    gpu = _need(manifest, "gpu", dict, "manifest")
+    _need(gpu, "name", str, "manifest.gpu")
+    arch = _need(gpu, "arch", str, "manifest.gpu")
+    cards = [_parse_card(e, i, arch, members) for i, e in enumerate(_need(manifest, "cards", list, "manifest"))]
+    referenced = {MANIFEST, CHECKSUMS} | {n for c in cards if c.dispatched for n in c.entry["files"].values()}
+    stray = sorted(set(members) - referenced)
+    if stray:
+        raise _unsafe(path, f"entries {stray} are not referenced by the manifest")
+    return manifest, cards
+
+
+def _device_arch() -> tuple[str | None, str]:
+    """(arch, name) of the current CUDA device, or (None, why there is none)."""
+    if not torch.cuda.is_available():
+        return None, "no CUDA GPU is visible"
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}", torch.cuda.get_device_name()
+
+
+def load(path: str | Path, *, arch: str | None = None) -> "CastPackage":
+    """Open a .cast. Raises PackageError if it is corrupt, unsafe, malformed or too new.
+
+    `arch` is the GPU the package will run on (default: the current CUDA device's). When it
+    differs from the package's, or there is no GPU, the package loads with every card
+    falling back, and a PackageFallbackWarning says why.
+    """
+    path = Path(path)
+    members = _read_members(path)
+    _verify_checksums(path, members)
+    manifest, cards = _parse_manifest(path, members)
+    pkg = CastPackage(path, manifest, cards)
+    here, name = (arch, arch) if arch else _device_arch()
+    if here is None:
+        pkg._fall_back(f"{name}; the package's kernels need a {pkg.arch} GPU")
+    elif here != pkg.arch:
+        pkg._fall_back(f"the package was built for {pkg.arch} ({pkg.gpu}), this GPU is {here} ({name}); "
+                       "rebuild the package on this GPU")
+    for c in pkg.cards:
+        why = c.dispatched and dispatch_blocker(c.card)
+        if why:  # e.g. the op changed in this torch version
+            c.decision, c.reason = "fallback", why
+            _warn(f"{path}: card {c.id} falls back: {why}")
+    return pkg
+
+
+def _warn(message: str) -> None:
+    log.warning(message)
+    warnings.warn(message, PackageFallbackWarning, stacklevel=3)
+
+
+# ---- the package -----------------------------------------------------------------------------
+
+class CastPackage:
+    """A loaded .cast: install() routes its dispatched cards' exact calls to its kernels."""
+
+    def __init__(self, path: Path, manifest: dict, cards: list[PackagedCard]):
+        self.path = path
+        self.manifest = manifest
+        self.cards = cards
+        self._dispatcher: Dispatcher | None = None
+
+    @property
+    def arch(self) -> str:
+        return self.manifest["gpu"]["arch"]
+
+    @property
+    def gpu(self) -> str:
+        return self.manifest["gpu"]["name"]
+
+    @property
+    def installed(self) -> bool:
+        return self._dispatcher is not None
+
+    def _fall_back(self, why: str) -> None:
+        active = [c for c in self.cards if c.dispatched]
+        for c in active:
+            c.decision, c.reason = "fallback", why
+        if active:
+            _warn(f"{self.path}: all {len(active)} kernels fall back to PyTorch: {why}")
+
+    # ---- installing -------------------------------------------------------------------
+    def install(self, *, dispatcher: Dispatcher | None = None, launcher: Launcher | None = None) -> None:
+        """Override the ops of the dispatched cards. `dispatcher` defaults to the shared CUDA one,
+        `launcher` to the C++ registry with this package's cubins loaded on the current device."""
+        if self.installed:
+            raise PackageError(f"{self.path} is already installed; call uninstall() first")
+        dispatcher = dispatcher or Dispatcher.shared("CUDA")
+        active = [c for c in self.cards if c.dispatched]
+        if active:
+            if launcher is None:
+                registry = RegistryLauncher([(c.candidate, c.cubin) for c in active])
+                registry.prepare(torch.cuda.current_device())  # load now, not inside a forward or a graph capture
+                launcher = registry
+            dispatcher.add(self, [Variant(c.card, i, launcher, tuple(n for n, _ in c.candidate.plan.workspace_bytes()),
+                                          c.counters) for i, c in enumerate(active)])
+        self._dispatcher = dispatcher
+        log.info("installed %s: %d kernels over %s", self.path, len(active), ", ".join(sorted({c.card.op for c in active})))
+
+    def uninstall(self) -> None:
+        """Remove this package's kernels; other installed packages keep theirs."""
+        if self._dispatcher is not None:
+            self._dispatcher.remove(self)
+            self._dispatcher = None
+
+    @contextlib.contextmanager
+    def apply(self, **install_options: Any) -> Iterator["CastPackage"]:
+        """`with pkg.apply(): model(x)`: installed inside the block, uninstalled after, even on error."""
+        self.install(**install_options)
+        try:
+            yield self
+        finally:
+            self.uninstall()
+
+    # ---- auditing ---------------------------------------------------------------------
+    def report(self, fmt: str = "dict") -> dict | Table:
+        """Per card: dispatched or fallback and why, kind, hits, fallbacks by reason.
+        fmt="table" gives a rich Table. Calls replayed from a CUDA graph are not counted."""
+        rows = [{"id": c.id, "op": c.card.op, "summary": c.card.summary(), "decision": c.decision,
+                 "reason": c.reason, "kind": c.kind, "hits": c.counters.hits,
+                 "fallbacks": dict(c.counters.fallbacks)} for c in self.cards]
+        if fmt == "dict":
+            return {"package": str(self.path), "gpu": self.gpu, "arch": self.arch, "installed": self.installed,
+                    "dispatched": sum(c.dispatched for c in self.cards), "cards": rows}
+        if fmt != "table":
+            raise ValueError(f"fmt must be 'dict' or 'table', got {fmt!r}")
+        table = Table(title=f"{self.path.name} ({self.arch}, {'installed' if self.installed else 'not installed'})")
+        for col in ("card", "op", "decision", "kind", "hits", "fallbacks", "why"):
+            table.add_column(col, justify="right" if col == "hits" else "left")
+        for r in rows:
+            falls = ", ".join(f"{k} {v}" for k, v in sorted(r["fallbacks"].items())) or "-"
+            table.add_row(r["id"], r["summary"], r["decision"], r["kind"] or "-", str(r["hits"]), falls, r["reason"])
+        return table
+
+    def verify(self, *, devices: list[int] | None = None, **evaluator_options: Any) -> dict[str, EvalResult]:
+        """Re-validate every dispatched kernel on this machine through kforge.evaluate (fresh
+        inputs, the same checks as the search). Kernels that fail fall back from now on.
+        Raises CudaUnavailableError without a GPU."""
+        if not torch.cuda.is_available():
+            raise CudaUnavailableError("verify() re-runs every dispatched kernel on this GPU, and no CUDA GPU is "
+                                       "visible here: run it on the machine that will use the package")
+        from . import evaluate
+
+        results: dict[str, EvalResult] = {}
+        with tempfile.TemporaryDirectory(prefix="kforge-verify-") as run_dir:
+            evaluator = evaluate.make_evaluator(run_dir, devices=devices, **evaluator_options)
+            try:
+                for c in [c for c in self.cards if c.dispatched]:
+                    results[c.id] = evaluator.evaluate(c.card, c.candidate)
+            finally:
+                evaluator.close()
+        failed = [c for c in self.cards if c.id in results and results[c.id].verdict.failed]
+        for c in failed:
+            c.decision, c.reason = "fallback", f"failed verification here: {results[c.id].verdict.value}: {results[c.id].message}"
+            _warn(f"{self.path}: card {c.id} {c.reason}")
+        if failed and self.installed:
+            dispatcher = self._dispatcher
+            self.uninstall()
+            self.install(dispatcher=dispatcher)
+        return results
