@@ -215,14 +215,6 @@ class SearchLog:
         row = self.conn.execute("SELECT iterations FROM cards WHERE run_id=? AND card_id=?", (run_id, card_id)).fetchone()
         return int(row[0]) if row else 0
 
-    def cards(self, run_id: str) -> list[sqlite3.Row]:
-        """The run's cards, largest share of runtime first."""
-        return self.conn.execute("SELECT * FROM cards WHERE run_id=? ORDER BY COALESCE(share, 0) DESC, card_id",
-                                 (run_id,)).fetchall()
-
-    def candidate(self, candidate_id: int) -> sqlite3.Row | None:
-        return self.conn.execute("SELECT * FROM candidates WHERE id=?", (candidate_id,)).fetchone()
-
     def latest_run(self) -> str | None:
         """The id of the most recently started run in this log, if any."""
         row = self.conn.execute("SELECT id FROM runs ORDER BY created DESC, rowid DESC LIMIT 1").fetchone()

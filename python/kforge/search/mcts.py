@@ -96,7 +96,7 @@ class SearchOutcome:
     best: Tried | None  # fastest valid candidate (tried.id is its log row)
     iterations: int  # done in total, resumed ones included
     evaluated: int  # candidates evaluated by this call
-    stop_reason: str  # iterations | wall_time | cost | tokens | budget | near_floor | exhausted
+    stop_reason: str  # iterations | wall_time | cost | tokens | budget | near_floor | exhausted | interrupted
     tree: Tree = field(repr=False)
 
     @property
@@ -122,8 +122,10 @@ class _CardSearch:
     """The state of one card's search; search_card() is its entry point."""
 
     def __init__(self, card: Card, proposer: Proposer, evaluator: Evaluator, log: SearchLog, run_id: str,
-                 budget: Budget, hardware: Hardware, policy: Policy, spend: Spend, repair_attempts: int):
+                 budget: Budget, hardware: Hardware, policy: Policy, spend: Spend, repair_attempts: int,
+                 cancel: threading.Event | None):
         self.card, self.proposer, self.evaluator, self.log, self.run_id = card, proposer, evaluator, log, run_id
+        self.cancel = cancel
         self.budget, self.hardware, self.policy, self.spend = budget, hardware, policy, spend
         self.repair_attempts = repair_attempts
         self.floor_us = hardware.floor_us(card.io_bytes())
@@ -176,6 +178,8 @@ class _CardSearch:
 
     def _stop_reason(self, it: int, started: float) -> str | None:
         b, now = self.budget, time.monotonic()
+        if self.cancel is not None and self.cancel.is_set():
+            return "interrupted"
         if it >= b.iterations:
             return "iterations"
         if (b.wall_time_s is not None and now - started >= b.wall_time_s) or (b.deadline is not None and now >= b.deadline):
@@ -289,20 +293,23 @@ class _CardSearch:
 def search_card(card: Card, proposer: Proposer, evaluator: Evaluator, log: SearchLog, run_id: str, *,
                 budget: Budget = Budget(), hardware: Hardware, rng_seed: int = 0, repair_attempts: int = 2,
                 on_progress: Callable[[SearchProgress], None] | None = None, policy: Policy = Policy(),
-                spend: Spend | None = None) -> SearchOutcome:
+                spend: Spend | None = None, cancel: threading.Event | None = None) -> SearchOutcome:
     """Search kernels for one card, continuing whatever the log already holds for it.
 
     The card is registered in the log (status 'searching', then 'done'). `spend` is shared
     by the cards of a run so LLM budgets are run-wide; without it, it starts from what the
-    log says this run already spent. KeyboardInterrupt propagates after the current
-    candidate is logged; the card stays 'searching' and resumes later.
+    log says this run already spent. Setting `cancel` (another thread's Ctrl-C) stops it
+    before the next iteration with stop_reason 'interrupted'; KeyboardInterrupt in this
+    thread propagates. Either way everything evaluated is in the log, the card stays
+    'searching' and resumes later.
     """
     log.upsert_card(run_id, card, hardware.floor_us(card.io_bytes()))
     log.set_card_status(run_id, card.id, "searching")
     search = _CardSearch(card, proposer, evaluator, log, run_id, budget, hardware, policy,
-                         spend if spend is not None else Spend.from_log(log, run_id), repair_attempts)
+                         spend if spend is not None else Spend.from_log(log, run_id), repair_attempts, cancel)
     outcome = search.run(rng_seed, on_progress)
-    log.set_card_status(run_id, card.id, "done")
+    if outcome.stop_reason != "interrupted":
+        log.set_card_status(run_id, card.id, "done")
     return outcome
 
 

@@ -25,7 +25,10 @@ def reward(speedup: float | None, s_max: float = S_MAX) -> float:
     """
     if speedup is None or not speedup > 0 or not math.isfinite(speedup):
         return 0.0
-    return min(1.0, max(0.0, 0.5 + math.log2(speedup) / (2.0 * math.log2(s_max))))
+    r = min(1.0, max(0.0, 0.5 + math.log2(speedup) / (2.0 * math.log2(s_max))))
+    # Rounded far below timing noise so that eager/kernel computed at another latency scale
+    # (7 µs vs 7 ms) gives bit-identical rewards, hence an identical tree.
+    return round(r, 9)
 
 
 def result_reward(result: EvalResult, s_max: float = S_MAX) -> float:

@@ -1,0 +1,7 @@
+"""`python -m kforge ...` is the `kforge` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,398 @@
+"""The main job: capture a model, choose its cards, search kernels for each, package the winners.
+
+    result = kforge.run(model, example_inputs, out="model.cast")
+
+Without a CUDA GPU the job still captures, generates and NVRTC-compiles candidates, then
+says that validation, timing and packaging need a GPU and returns without a package.
+Three module-level functions are the seams to the GPU-side modules (tests replace them):
+`gpu_devices`, `default_evaluator` and `package_run`.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import secrets
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from .cards import Card, load_cards
+from .errors import CardError, KforgeError
+from .hardware import Hardware, current
+from .log import SearchLog
+from .proposers.base import Proposer
+from .search.mcts import Budget, SearchProgress, Spend, search_card
+from .verdict import Evaluator
+
+# Without a GPU nothing can be ranked, so only a few first versions per card are compiled:
+# enough to check that the proposer's code builds, not a search.
+COMPILE_ONLY_ITERATIONS = 3
+
+EvaluatorFactory = Callable[[Path, "int | None"], Evaluator]
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a run: everything evaluated so far is in the run directory's log."""
+
+    def __init__(self, run_dir: Path, run_id: str):
+        super().__init__(f"run {run_id} interrupted; resume it from {run_dir}")
+        self.run_dir = run_dir
+        self.run_id = run_id
+
+
+@dataclass
+class CardResult:
+    card_id: str
+    op: str
+    family: str
+    summary: str
+    status: str  # done | skipped | searching (interrupted) | pending
+    iterations: int
+    eager_us: float | None
+    best_us: float | None
+    speedup: float | None
+    note: str  # why it was skipped, or what its candidates' verdicts were
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    run_dir: Path
+    table: list[CardResult]
+    package_path: Path | None
+    validated: bool  # a GPU validated and timed the candidates
+    message: str = ""
+    stop_reasons: dict[str, str] = field(default_factory=dict)  # card id -> why its search stopped
+
+    def rich_table(self) -> Table:
+        return results_table(self.table, f"run {self.run_id}")
+
+
+def results_table(rows: list[CardResult], title: str) -> Table:
+    t = Table(title=title, title_justify="left")
+    t.add_column("op", overflow="fold", ratio=3)
+    t.add_column("family")
+    t.add_column("status")
+    for col in ("iters", "eager µs", "best µs", "speedup"):
+        t.add_column(col, justify="right")
+    t.add_column("note", overflow="fold", ratio=2)
+    for r in rows:
+        t.add_row(r.summary, r.family, r.status, str(r.iterations), _us(r.eager_us), _us(r.best_us),
+                  _speedup(r.speedup), r.note)
+    return t
+
+
+def _us(v: float | None) -> str:
+    return f"{v:.2f}" if v is not None else "-"
+
+
+# ---- seams to the GPU-side modules ------------------------------------------------------------
+
+def gpu_devices(devices: Sequence[int] | None) -> list[int]:
+    """The GPU ordinals to evaluate on: `devices`, or every visible GPU; [] without CUDA."""
+    from . import cuda
+
+    if not cuda.available():
+        return []
+    if devices is not None:
+        return list(devices)
+    import torch
+
+    return list(range(torch.cuda.device_count()))
+
+
+def default_evaluator(run_dir: Path, device: int | None) -> Evaluator:
+    """One evaluator per GPU (a worker process that owns it); compile-only without a GPU."""
+    from . import evaluate
+
+    if device is None:
+        from .compiler import default_arch
+
+        return evaluate.CompileOnlyEvaluator(default_arch())
+    return evaluate.make_evaluator(run_dir, devices=[device])
+
+
+def package_run(run_dir: Path, out: str | Path, run_id: str) -> Path:
+    from .package import write_package
+
+    return write_package(run_dir, out, run_id=run_id)
+
+
+# ---- choosing cards -----------------------------------------------------------------------
+
+def skip_reason(card: Card, proposer: Proposer, *, min_share: float, include_vendor: bool) -> str | None:
+    """Why a card is not searched, or None."""
+    if card.family == "vendor":
+        if not include_vendor:
+            return "backed by a vendor library (cuBLAS/cuDNN); pass include_vendor=True (--include-vendor) to search it"
+    else:
+        from .capture import skip_reason as capture_skip_reason
+
+        why = capture_skip_reason(card)
+        if why:
+            return why
+    if (card.share or 0.0) < min_share:
+        return f"{100 * (card.share or 0.0):.2f}% of runtime is below min_share {100 * min_share:.2f}%"
+    ok, why = proposer.supports(card)
+    return None if ok else f"proposer {proposer.name} declines: {why}"
+
+
+def _make_proposer(spec: Any, options: dict) -> Proposer:
+    if isinstance(spec, str):
+        from .proposers import get_proposer
+
+        return get_proposer(spec, **options)
+    return spec()
+
+
+# ---- progress ----------------------------------------------------------------------------
+
+class _ProgressView:
+    """A rich Progress with one row per card: iterations, best speedup so far, ETA."""
+
+    def __init__(self, console: Console | None, enabled: bool):
+        self.progress = Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("best {task.fields[best]}"), TimeRemainingColumn(),
+            console=console, disable=not enabled, transient=False,
+        )
+        self.tasks: dict[str, Any] = {}
+
+    def add(self, card: Card, total: int, done: int, best: float | None) -> None:
+        self.tasks[card.id] = self.progress.add_task(card.summary()[:60], total=total, completed=min(done, total),
+                                                     best=_speedup(best))
+
+    def update(self, p: SearchProgress) -> None:
+        self.progress.update(self.tasks[p.card_id], completed=min(p.iteration, p.iterations),
+                             best=_speedup(p.best_speedup))
+
+    def finish(self, card_id: str) -> None:
+        task = self.tasks[card_id]
+        self.progress.update(task, total=self.progress.tasks[task].completed)
+
+
+def _speedup(s: float | None) -> str:
+    return f"{s:.2f}x" if s else "-"
+
+
+# ---- the job ------------------------------------------------------------------------------
+
+def run(model=None, example_inputs=None, out: str | Path | None = "model.cast", proposer: Any = "builtin",
+        iterations: int = 50, run_dir: str | Path | None = None, resume: bool = False, min_share: float = 0.0,
+        include_vendor: bool = False, devices: Sequence[int] | None = None, wall_time_s: float | None = None,
+        max_cost_usd: float | None = None, seed: int = 0, progress: bool = True, *,
+        proposer_options: dict | None = None, evaluator_factory: EvaluatorFactory | None = None,
+        cards: Sequence[str] | None = None, console: Console | None = None, model_name: str | None = None) -> RunResult:
+    """Capture `model` on `example_inputs`, search kernels for its cards and package the winners.
+
+    proposer: "builtin", "llm", "llm:<model>" (options in proposer_options), or a callable
+      returning a Proposer (called once per evaluation worker).
+    resume: continue the run in `run_dir` from its cards and search log, without capturing.
+    evaluator_factory(run_dir, device): the evaluator of one worker (device None: no GPU);
+      default `default_evaluator`.
+    cards: only search these card ids.
+    Ctrl-C raises RunInterrupted (a KeyboardInterrupt) after marking the run interrupted.
+    """
+    if resume:
+        if run_dir is None:
+            raise KforgeError("resume=True needs run_dir: the directory of the run to continue")
+    else:
+        if model is None:
+            raise KforgeError("run() needs a model and example inputs (or resume=True with a run_dir)")
+        from .capture import capture
+
+        run_dir = capture(model, example_inputs, run_dir).run_dir
+        model_name = model_name or type(model).__name__
+    return search_run(run_dir, out=out, proposer=proposer, iterations=iterations, min_share=min_share,
+                      include_vendor=include_vendor, devices=devices, wall_time_s=wall_time_s,
+                      max_cost_usd=max_cost_usd, seed=seed, progress=progress, proposer_options=proposer_options,
+                      evaluator_factory=evaluator_factory, cards=cards, console=console, model_name=model_name,
+                      resume=resume)
+
+
+def search_run(run_dir: str | Path, *, out: str | Path | None = None, proposer: Any = "builtin",
+               iterations: int = 50, min_share: float = 0.0, include_vendor: bool = False,
+               devices: Sequence[int] | None = None, wall_time_s: float | None = None,
+               max_cost_usd: float | None = None, seed: int = 0, progress: bool = True,
+               proposer_options: dict | None = None, evaluator_factory: EvaluatorFactory | None = None,
+               cards: Sequence[str] | None = None, console: Console | None = None,
+               model_name: str | None = None, resume: bool = True) -> RunResult:
+    """Search the cards captured in `run_dir`, then package the winners into `out` (when a GPU
+    validated them and `out` is set). With `resume`, the log's latest run is continued
+    (what it evaluated is never evaluated again); otherwise a new run starts."""
+    run_dir = Path(run_dir)
+    all_cards = load_cards(run_dir)
+    if not all_cards:
+        raise CardError(f"no cards in {run_dir}: run `kforge capture MODEL --run-dir {run_dir}` first")
+    if cards is not None:
+        unknown = set(cards) - {c.id for c in all_cards}
+        if unknown:
+            raise CardError(f"no card(s) {sorted(unknown)} in {run_dir}; `kforge inspect {run_dir}` lists them")
+        all_cards = [c for c in all_cards if c.id in set(cards)]
+    devs = gpu_devices(devices)
+    validated = bool(devs)
+    hardware = current(devs[0] if devs else None)
+    log = SearchLog(run_dir)
+    run_id = _open_run(log, resume, validated, model_name, hardware, dict(
+        proposer=proposer if isinstance(proposer, str) else getattr(proposer, "__name__", "custom"),
+        iterations=iterations, min_share=min_share, include_vendor=include_vendor, devices=devs,
+        wall_time_s=wall_time_s, max_cost_usd=max_cost_usd, seed=seed))
+    try:
+        budget = Budget(iterations=iterations if validated else min(iterations, COMPILE_ONLY_ITERATIONS),
+                        deadline=time.monotonic() + wall_time_s if wall_time_s else None, max_cost_usd=max_cost_usd)
+        factory = evaluator_factory or default_evaluator
+        first = _make_proposer(proposer, proposer_options or {})
+        try:
+            chosen = []
+            for card in all_cards:
+                log.upsert_card(run_id, card, hardware.floor_us(card.io_bytes()))
+                why = skip_reason(card, first, min_share=min_share, include_vendor=include_vendor)
+                if why:
+                    log.set_card_status(run_id, card.id, "skipped", why)
+                    log.event(run_id, "skip", why, card_id=card.id)
+                else:
+                    chosen.append(card)
+            stops = _search_all(chosen, first, proposer, proposer_options or {}, factory, run_dir, run_id, devs,
+                                budget, hardware, seed, progress, console, log)
+        finally:
+            first.close()
+        log.set_run_status(run_id, "done")
+        package_path = package_run(run_dir, out, run_id) if validated and out else None
+        table = card_results(log.conn, run_id)
+        message = "" if validated else _compile_only_message(log.conn, run_id)
+    except KeyboardInterrupt:
+        log.set_run_status(run_id, "interrupted")
+        log.event(run_id, "interrupted", "stopped by the user; resume with the same run directory", level="warning")
+        raise RunInterrupted(run_dir, run_id) from None
+    except BaseException as e:
+        log.set_run_status(run_id, "failed")
+        log.event(run_id, "failed", f"{type(e).__name__}: {e}", level="error")
+        raise
+    finally:
+        log.close()
+    return RunResult(run_id, run_dir, table, package_path, validated, message, stops)
+
+
+def _compile_only_message(conn: sqlite3.Connection, run_id: str) -> str:
+    """What a run without a GPU did, and that the rest needs one."""
+    verdicts = dict(conn.execute("SELECT verdict, COUNT(*) FROM candidates WHERE run_id=? GROUP BY verdict",
+                                 (run_id,)).fetchall())
+    searched = conn.execute("SELECT COUNT(DISTINCT card_id) FROM candidates WHERE run_id=?", (run_id,)).fetchone()[0]
+    total = sum(verdicts.values())
+    did = (f"{total} candidate(s) for {searched} card(s) were generated and {verdicts.get('untimed', 0)} compiled "
+           "with NVRTC" if total else "no card could be searched here (see the notes)")
+    return (f"No CUDA GPU here: {did}. Validation, timing and packaging need a GPU: run kforge on a machine "
+            "with an NVIDIA GPU to get a package.")
+
+
+def _open_run(log: SearchLog, resume: bool, validated: bool, model_name: str | None, hardware: Hardware,
+              config: dict) -> str:
+    """Continue the log's latest run (when resuming), or start one. A compile-only run is never
+    continued on a GPU: its untimed candidates would count as evaluated and never be measured."""
+    import torch
+
+    from . import __version__
+
+    run_id = log.latest_run() if resume else None
+    if run_id is not None:
+        previous = json.loads(log.rows("SELECT config_json FROM runs WHERE id=?", (run_id,))[0][0])
+        if previous.get("validated", True) or not validated:
+            log.start_run(run_id)
+            log.event(run_id, "resume", "search continued from the log")
+            return run_id
+    run_id = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
+    log.start_run(run_id, model=model_name or "", config=dict(config, validated=validated),
+                  device=hardware.name if validated else "cpu", arch=hardware.arch, torch=torch.__version__,
+                  kforge=__version__)
+    return run_id
+
+
+def _search_all(cards: list[Card], first: Proposer, proposer_spec: Any, proposer_options: dict,
+                factory: EvaluatorFactory, run_dir: Path, run_id: str, devs: list[int], budget: Budget,
+                hardware: Hardware, seed: int, progress: bool, console: Console | None,
+                log: SearchLog) -> dict[str, str]:
+    """Search every card: inline with one worker, or one thread per GPU pulling cards from a
+    queue, each with its own evaluator, proposer and log connection (SQLite serializes writes)."""
+    spend = Spend.from_log(log, run_id)
+    view = _ProgressView(console, progress)
+    for card in cards:
+        done = log.card_iterations(run_id, card.id)
+        best = log.rows("SELECT best_speedup FROM cards WHERE run_id=? AND card_id=?", (run_id, card.id))[0][0]
+        view.add(card, budget.iterations, done, best)
+    stops: dict[str, str] = {}
+    todo: queue.Queue[Card] = queue.Queue()
+    for card in cards:
+        todo.put(card)
+    cancel = threading.Event()
+
+    def work(device: int | None, proposer: Proposer, wlog: SearchLog) -> None:
+        evaluator = factory(run_dir, device)
+        try:
+            while not cancel.is_set():
+                try:
+                    card = todo.get_nowait()
+                except queue.Empty:
+                    return
+                outcome = search_card(card, proposer, evaluator, wlog, run_id, budget=budget, hardware=hardware,
+                                      rng_seed=seed, on_progress=view.update, spend=spend, cancel=cancel)
+                stops[card.id] = outcome.stop_reason
+                view.finish(card.id)
+        finally:
+            evaluator.close()
+
+    with view.progress:
+        if len(devs) <= 1:
+            work(devs[0] if devs else None, first, log)
+            return stops
+        errors: list[BaseException] = []
+
+        def thread_main(device: int) -> None:
+            proposer = _make_proposer(proposer_spec, proposer_options)
+            wlog = SearchLog(run_dir)
+            try:
+                work(device, proposer, wlog)
+            except BaseException as e:  # re-raised in the main thread below
+                errors.append(e)
+                cancel.set()
+            finally:
+                proposer.close()
+                wlog.close()
+
+        threads = [threading.Thread(target=thread_main, args=(d,), name=f"kforge-gpu{d}") for d in devs]
+        for t in threads:
+            t.start()
+        try:
+            for t in threads:
+                while t.is_alive():
+                    t.join(0.2)
+        except KeyboardInterrupt:
+            cancel.set()  # each worker stops after its current candidate is logged
+            for t in threads:
+                t.join()
+            raise
+        if errors:
+            raise errors[0]
+    return stops
+
+
+def card_results(conn: sqlite3.Connection, run_id: str) -> list[CardResult]:
+    """The per-card table of a run, from its log (a read-only connection is enough)."""
+    out = []
+    cards = conn.execute("SELECT * FROM cards WHERE run_id=? ORDER BY COALESCE(share, 0) DESC, card_id", (run_id,))
+    for row in cards.fetchall():
+        best = conn.execute("SELECT kernel_us FROM candidates WHERE id=?", (row["best_candidate"],)).fetchone()
+        counts = conn.execute("SELECT verdict, COUNT(*) FROM candidates WHERE run_id=? AND card_id=? GROUP BY verdict "
+                              "ORDER BY COUNT(*) DESC, verdict", (run_id, row["card_id"])).fetchall()
+        note = row["skip_reason"] or ", ".join(f"{n} {v}" for v, n in counts) or "no candidates"
+        out.append(CardResult(row["card_id"], row["op"], row["family"], row["summary"], row["status"],
+                              row["iterations"], row["eager_us"], best["kernel_us"] if best else None,
+                              row["best_speedup"], note))
+    return out

@@ -1,0 +1,43 @@
+"""The whole job on a real GPU: capture, MCTS with the builtin proposer and the real evaluator,
+package, load; then a resumed run that evaluates nothing twice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kforge
+from kforge import runner
+from kforge.log import connect
+
+pytestmark = pytest.mark.gpu
+
+
+class Block(torch.nn.Module):
+    def forward(self, x):
+        return torch.softmax(torch.relu(x) * 2.0, dim=-1)
+
+
+def test_run_searches_validates_and_packages(tmp_path):
+    x = torch.randn(64, 4096, device="cuda")
+    result = kforge.run(Block(), (x,), out=tmp_path / "block.cast", iterations=6, run_dir=tmp_path / "run",
+                        progress=False)
+    assert result.validated and result.package_path == tmp_path / "block.cast" and result.package_path.exists()
+    searched = [r for r in result.table if r.status == "done"]
+    assert searched, f"nothing was searched: {[(r.op, r.note) for r in result.table]}"
+    assert all(r.iterations == 6 for r in searched)
+    conn = connect(tmp_path / "run", readonly=True)
+    verdicts = {v for (v,) in conn.execute("SELECT verdict FROM candidates")}
+    assert verdicts & {"valid", "slower"}, f"no candidate was correct: {verdicts}"
+    assert "untimed" not in verdicts
+    report = kforge.load(result.package_path).report()
+    assert len(report["cards"]) == len(result.table)
+
+    # Resuming with a larger budget continues the same run and evaluates nothing twice.
+    before = {(c, d) for c, d in conn.execute("SELECT card_id, digest FROM candidates")}
+    again = runner.run(resume=True, run_dir=tmp_path / "run", out=tmp_path / "block2.cast", iterations=9,
+                       progress=False)
+    assert again.run_id == result.run_id
+    pairs = [(c, d) for c, d in conn.execute("SELECT card_id, digest FROM candidates")]
+    assert len(pairs) == len(set(pairs)) and before <= set(pairs)
+    assert all(r.iterations == 9 for r in again.table if r.status == "done")

@@ -1,0 +1,168 @@
+"""The `kforge` command on a CPU model: capture, run (compile-only here), inspect, Ctrl-C, errors.
+
+The proposer is the fake one (through kforge.proposers.get_proposer); evaluation is the real
+compile-only path (NVRTC, no GPU) unless a test says otherwise.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+import torch
+from fakes import FakeEvaluator, FakeProposer, toy_card
+
+from kforge import cuda, proposers, runner
+from kforge.cards import load_cards, save_card
+from kforge.cli import main
+from kforge.errors import CudaUnavailableError
+from kforge.log import connect
+
+MODEL = textwrap.dedent("""
+    import torch
+
+    class Tiny(torch.nn.Module):
+        def forward(self, x):
+            return torch.softmax(torch.relu(x) * 2.0, dim=-1)
+
+    def get_model():
+        return Tiny()
+
+    def get_inputs():
+        return (torch.randn(8, 64),)
+""")
+
+
+@pytest.fixture(autouse=True)
+def _wide_terminal(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # rich tables then fit on one line per card
+
+
+@pytest.fixture
+def model_file(tmp_path):
+    path = tmp_path / "tiny.py"
+    path.write_text(MODEL)
+    return path
+
+
+@pytest.fixture
+def cpu_only(monkeypatch):
+    """A CPU-only machine with the fake proposer standing in for the builtin one."""
+    monkeypatch.setattr(runner, "gpu_devices", lambda requested: [])
+    monkeypatch.setattr(proposers, "get_proposer", lambda name, **options: FakeProposer())
+
+
+def _nvrtc_or_skip():
+    try:
+        cuda.load_nvrtc()
+    except CudaUnavailableError as e:
+        pytest.skip(f"needs NVRTC for compile-only evaluation: {e}")
+
+
+def test_capture_prints_the_table_and_writes_cards(model_file, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["capture", str(model_file), "--run-dir", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    cards = load_cards(run_dir)
+    assert cards and f"{len(cards)} cards written to" in out
+    assert {"relu", "softmax"} <= {c.name.split(".")[0].lstrip("_") for c in cards}
+    assert "softmax" in out
+
+
+def test_run_on_a_cpu_machine_compiles_candidates_and_says_validation_needs_a_gpu(model_file, tmp_path, capsys,
+                                                                                   cpu_only):
+    _nvrtc_or_skip()
+    run_dir = tmp_path / "run"
+    rc = main(["run", str(model_file), "--run-dir", str(run_dir), "--out", str(tmp_path / "m.cast"),
+               "--iterations", "5", "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "Validation, timing and packaging need a GPU" in " ".join(out.split())
+    assert not (tmp_path / "m.cast").exists()
+    conn = connect(run_dir, readonly=True)
+    verdicts = {r[0] for r in conn.execute("SELECT verdict FROM candidates")}
+    assert "untimed" in verdicts  # really compiled by NVRTC
+    assert conn.execute("SELECT status FROM runs").fetchone()[0] == "done"
+
+    assert main(["inspect", str(run_dir)]) == 0
+    shown = capsys.readouterr().out
+    assert "(done)" in shown and "untimed" in shown and "softmax" in shown
+
+
+def test_inspect_a_captured_but_unsearched_directory(model_file, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    main(["capture", str(model_file), "--run-dir", str(run_dir)])
+    capsys.readouterr()
+    assert main(["inspect", str(run_dir)]) == 0
+    assert f"kforge search {run_dir}" in " ".join(capsys.readouterr().out.split())
+
+
+def test_ctrl_c_exits_130_with_how_to_resume_and_resume_finishes(model_file, tmp_path, capsys, cpu_only,
+                                                                 monkeypatch):
+    class Interrupting(FakeEvaluator):
+        def evaluate(self, card, cand):
+            if len(self.calls) == 2:
+                raise KeyboardInterrupt
+            return super().evaluate(card, cand)
+
+    monkeypatch.setattr(runner, "default_evaluator", lambda run_dir, device: Interrupting(untimed=True))
+    run_dir = tmp_path / "run"
+    assert main(["run", str(model_file), "--run-dir", str(run_dir), "--iterations", "3"]) == 130
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"kforge run --resume --run-dir {run_dir}" in err
+
+    monkeypatch.setattr(runner, "default_evaluator", lambda run_dir, device: FakeEvaluator(untimed=True))
+    assert main(["run", "--resume", "--run-dir", str(run_dir), "--iterations", "3", "--no-progress"]) == 0
+    capsys.readouterr()
+    main(["inspect", str(run_dir)])
+    assert "(done)" in capsys.readouterr().out
+
+
+def test_progress_rows_are_shown_per_card(model_file, tmp_path, capsys, cpu_only, monkeypatch):
+    monkeypatch.setattr(runner, "default_evaluator", lambda run_dir, device: FakeEvaluator(untimed=True))
+    assert main(["run", str(model_file), "--run-dir", str(tmp_path / "run"), "--iterations", "2"]) == 0
+    captured = capsys.readouterr()
+    assert "best" in captured.out + captured.err
+
+
+def test_package_then_inspect_and_verify_the_cast(tmp_path, capsys, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-only behaviour of verify")
+    monkeypatch.setattr(runner, "gpu_devices", lambda requested: [0])
+    monkeypatch.setattr(runner, "default_evaluator", lambda run_dir, device: FakeEvaluator())
+    monkeypatch.setattr(proposers, "get_proposer", lambda name, **options: FakeProposer())
+    run_dir, cast = tmp_path / "run", tmp_path / "m.cast"
+    card = toy_card()
+    save_card(card, run_dir)
+    assert main(["search", str(run_dir), "--iterations", "4", "--no-progress"]) == 0
+    assert main(["package", str(run_dir), "--out", str(cast)]) == 0 and cast.exists()
+    capsys.readouterr()
+    assert main(["inspect", str(cast)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "cards dispatched as packaged" in out and card.id in out
+    assert main(["verify", str(cast)]) == 1  # re-validation needs the GPU the package is for
+    assert "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_kforge_errors_exit_1_with_a_message_and_no_traceback(tmp_path, capsys):
+    assert main(["search", str(tmp_path / "nothing-here"), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "error:" in err and "kforge capture" in err and "Traceback" not in err
+    assert main(["run", "--resume"]) == 1
+    assert "--run-dir" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path / "x.txt")]) == 1
+
+
+def test_dash_without_dash_installed_says_how_to_get_it(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "dash", None)  # import dash now fails as if it were not installed
+    for name in [m for m in sys.modules if m in ("dash_app", "kforge.dash_app") or m.startswith("dash_app.")]:
+        monkeypatch.delitem(sys.modules, name)
+    assert main(["dash"]) == 1
+    assert "pip install 'kforge[dash]'" in capsys.readouterr().err
+
+
+def test_doctor_reports_what_it_finds(capsys):
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "nvrtc" in out and "driver" in out

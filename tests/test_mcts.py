@@ -1,0 +1,217 @@
+"""The MCTS loop on a seeded toy problem: saved tree, scale invariance, failures, dedupe, budgets.
+
+The saved tree (tests/data/toy_tree.json) pins the search's behaviour. Regenerate it only
+on purpose, after a deliberate change of the policy: KFORGE_REGENERATE_TOY_TREE=1 pytest tests/test_mcts.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from fakes import FAST_HW, FakeEvaluator, FakeProposer, toy_card
+
+from kforge.errors import BudgetExhausted
+from kforge.hardware import Hardware
+from kforge.log import SearchLog
+from kforge.search import Budget, search_card
+from kforge.verdict import Verdict
+
+TOY_TREE = Path(__file__).parent / "data" / "toy_tree.json"
+RUN = "run-1"
+
+
+def _search(tmp_path, card=None, proposer=None, evaluator=None, **kw):
+    log = SearchLog(tmp_path)
+    log.start_run(RUN)
+    kw.setdefault("budget", Budget(iterations=40))
+    kw.setdefault("hardware", FAST_HW)
+    outcome = search_card(card or toy_card(), proposer or FakeProposer(), evaluator or FakeEvaluator(), log, RUN, **kw)
+    return outcome, log
+
+
+def test_seeded_toy_search_matches_the_saved_tree(tmp_path):
+    outcome, _ = _search(tmp_path, rng_seed=3)
+    got = outcome.tree.to_json()
+    if os.environ.get("KFORGE_REGENERATE_TOY_TREE"):
+        TOY_TREE.write_text(json.dumps(got, indent=1) + "\n")
+    assert got == json.loads(TOY_TREE.read_text())
+
+
+def test_same_tree_at_microsecond_and_millisecond_scale(tmp_path):
+    micro, _ = _search(tmp_path / "us", card=toy_card(eager_us=7.0), rng_seed=3)
+    milli, _ = _search(tmp_path / "ms", card=toy_card(eager_us=7000.0), rng_seed=3)
+    assert micro.tree.to_json() == milli.tree.to_json()
+    assert micro.best_speedup == pytest.approx(milli.best_speedup)
+
+
+def test_seed_changes_the_tree_and_repeats_it(tmp_path):
+    a, _ = _search(tmp_path / "a", rng_seed=1)
+    b, _ = _search(tmp_path / "b", rng_seed=1)
+    c, _ = _search(tmp_path / "c", rng_seed=2)
+    assert a.tree.to_json() == b.tree.to_json()
+    assert a.tree.to_json() != c.tree.to_json()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_failures_are_recorded_but_never_expanded(tmp_path, seed):
+    outcome, log = _search(tmp_path, rng_seed=seed)
+    rows = {r["id"]: r for r in log.candidates(RUN, outcome.card_id)}
+    failed = {i for i, r in rows.items() if Verdict(r["verdict"]).failed}
+    assert failed, "the toy landscape has compile errors and incorrect kernels"
+    assert not any(r["parent_id"] in failed for r in rows.values())
+    for node in outcome.tree:
+        if node.failed:
+            assert node.children == [] and node.q == 0.0
+    # A repair is a sibling of what it repairs, and only errors are repaired.
+    for r in rows.values():
+        if r["repair_of"] is not None:
+            broken = rows[r["repair_of"]]
+            assert Verdict(broken["verdict"]).repairable
+            assert r["parent_id"] == broken["parent_id"] and r["iteration"] == broken["iteration"]
+
+
+def test_repair_loop_fixes_compile_errors_within_its_bound(tmp_path):
+    outcome, log = _search(tmp_path, rng_seed=0, budget=Budget(iterations=60))
+    rows = log.candidates(RUN, outcome.card_id)
+    repairs = [r for r in rows if r["repair_of"] is not None]
+    assert repairs and all(json.loads(r["knobs_json"])["unroll"] == 1 for r in repairs)
+    per_iteration: dict[int, int] = {}
+    for r in rows:
+        per_iteration[r["iteration"]] = per_iteration.get(r["iteration"], 0) + 1
+    assert max(per_iteration.values()) <= 1 + 2  # one expansion + repair_attempts
+
+
+def test_no_repair_when_repair_attempts_is_zero(tmp_path):
+    outcome, log = _search(tmp_path, rng_seed=0, repair_attempts=0)
+    assert all(r["repair_of"] is None for r in log.candidates(RUN, outcome.card_id))
+
+
+def test_duplicates_are_skipped_without_evaluation(tmp_path):
+    evaluator = FakeEvaluator()
+    outcome, log = _search(tmp_path, evaluator=evaluator, rng_seed=0)
+    assert len(evaluator.calls) == len(set(evaluator.calls)) == outcome.evaluated
+    digests = [r["digest"] for r in log.candidates(RUN, outcome.card_id)]
+    assert len(digests) == len(set(digests))
+    dupes = log.rows("SELECT * FROM events WHERE kind='duplicate'")
+    assert dupes and outcome.evaluated + len(dupes) >= outcome.iterations  # skipped iterations still count
+
+
+def test_evaluator_exception_becomes_a_recorded_failure(tmp_path):
+    evaluator = FakeEvaluator(raise_on=lambda k: k["threads"] == 128)
+    outcome, log = _search(tmp_path, evaluator=evaluator, rng_seed=0)
+    rows = log.candidates(RUN, outcome.card_id)
+    crashed = [r for r in rows if "evaluator_error" in json.loads(r["evidence_json"])]
+    assert crashed and all(r["verdict"] == "runtime_error" for r in crashed)
+    assert not any(r["repair_of"] in {c["id"] for c in crashed} for r in rows)  # not the kernel's fault: no repair
+    assert log.rows("SELECT * FROM events WHERE kind='evaluator_error'")
+    assert outcome.iterations == 40 and outcome.stop_reason == "iterations"
+
+
+class _BrokenProposer(FakeProposer):
+    def propose(self, ctx):
+        if ctx.parent is not None:
+            raise RuntimeError("no revision for you")
+        return super().propose(ctx)
+
+
+def test_proposer_exception_is_recorded_and_the_node_given_up(tmp_path):
+    outcome, log = _search(tmp_path, proposer=_BrokenProposer(), rng_seed=0, budget=Budget(iterations=30))
+    errors = log.rows("SELECT * FROM events WHERE kind='proposer_error'")
+    assert errors and "no revision for you" in errors[0]["message"]
+    rows = log.candidates(RUN, outcome.card_id)
+    assert all(r["parent_id"] is None for r in rows)  # only first versions could be made
+    assert outcome.iterations == 30
+
+
+def test_search_ends_when_nothing_is_left_to_expand(tmp_path):
+    class Nothing(FakeProposer):
+        def propose(self, ctx):
+            raise RuntimeError("nothing new")
+
+    outcome, _ = _search(tmp_path, proposer=Nothing())
+    assert outcome.stop_reason == "exhausted" and outcome.iterations == 2  # Policy.proposer_retries at the root
+
+
+# ---- budgets ------------------------------------------------------------------------------
+
+def test_iteration_budget(tmp_path):
+    outcome, log = _search(tmp_path, budget=Budget(iterations=12))
+    assert outcome.stop_reason == "iterations" and outcome.iterations == 12
+    assert log.card_iterations(RUN, outcome.card_id) == 12
+    assert max(r["iteration"] for r in log.candidates(RUN, outcome.card_id)) <= 11
+    assert log.rows("SELECT status FROM cards")[0][0] == "done"
+
+
+def test_wall_time_budget(tmp_path):
+    outcome, _ = _search(tmp_path, evaluator=FakeEvaluator(sleep_s=0.05), budget=Budget(iterations=1000, wall_time_s=0.4))
+    assert outcome.stop_reason == "wall_time" and 1 <= outcome.iterations < 30
+
+
+def test_cost_budget_and_llm_accounting(tmp_path):
+    proposer = FakeProposer(cost_usd=0.01, tokens=100)
+    outcome, log = _search(tmp_path, proposer=proposer, budget=Budget(iterations=100, max_cost_usd=0.035))
+    assert outcome.stop_reason == "cost"
+    calls = log.rows("SELECT * FROM llm_calls")
+    assert len(calls) == 4  # the 4th proposal crosses $0.035
+    assert log.llm_spend(RUN) == (400, pytest.approx(0.04))
+    assert {c["candidate_id"] for c in calls} <= {r["id"] for r in log.candidates(RUN, outcome.card_id)} | {None}
+
+
+def test_token_budget(tmp_path):
+    outcome, _ = _search(tmp_path, proposer=FakeProposer(tokens=1000), budget=Budget(iterations=100, max_tokens=2500))
+    assert outcome.stop_reason == "tokens" and outcome.iterations == 3
+
+
+def test_budget_exhausted_from_the_proposer_stops_the_search(tmp_path):
+    class Broke(FakeProposer):
+        def propose(self, ctx):
+            if ctx.iteration >= 5:
+                raise BudgetExhausted("LLM budget of $1 spent")
+            return super().propose(ctx)
+
+    outcome, log = _search(tmp_path, proposer=Broke())
+    assert outcome.stop_reason == "budget" and outcome.iterations == 5
+    assert "LLM budget" in log.rows("SELECT message FROM events WHERE kind='budget'")[0][0]
+
+
+def test_stops_near_the_hbm_floor(tmp_path):
+    card = toy_card(eager_us=7.0)
+    # Pick a bandwidth that puts the floor at 2.5 µs: speedup 2.52x or more is within 90% of it.
+    hw = Hardware("tight GPU", "sm_90", 132, 60 * 2**20, 227 * 1024, 141 * 10**9, card.io_bytes() / 2.5e-6)
+    outcome, _ = _search(tmp_path, card=card, hardware=hw, budget=Budget(iterations=200))
+    assert outcome.stop_reason == "near_floor" and outcome.iterations < 200
+    assert 2.5 / outcome.best.result.kernel_us >= 0.9
+
+
+def test_stagnation_restarts_from_the_root_with_more_exploration(tmp_path):
+    flat = FakeEvaluator(speedup=lambda card, knobs: 1.5)  # nothing ever beats the first valid kernel
+
+    def roots(budget):
+        outcome, log = _search(tmp_path / str(budget.stagnation), evaluator=flat, budget=budget, rng_seed=0)
+        stalls = log.rows("SELECT * FROM events WHERE kind='stagnation'")
+        return len(outcome.tree.root.children), stalls
+
+    stalled_roots, stalls = roots(Budget(iterations=40, stagnation=5))
+    steady_roots, no_stalls = roots(Budget(iterations=40, stagnation=10**6))
+    assert stalls and "c=1.4" in stalls[0]["message"] and not no_stalls
+    assert stalled_roots > steady_roots
+
+
+def test_progress_is_reported_every_iteration(tmp_path):
+    seen = []
+    outcome, _ = _search(tmp_path, budget=Budget(iterations=10), on_progress=seen.append)
+    assert [p.iteration for p in seen] == list(range(1, 11))
+    assert all(p.iterations == 10 and p.card_id == outcome.card_id for p in seen)
+    assert seen[-1].best_speedup == outcome.best_speedup
+
+
+def test_best_is_the_fastest_valid_candidate(tmp_path):
+    outcome, log = _search(tmp_path, rng_seed=5)
+    rows = log.candidates(RUN, outcome.card_id)
+    fastest = max((r for r in rows if r["verdict"] == "valid"), key=lambda r: r["speedup"])
+    assert outcome.best.id == fastest["id"]
+    card_row = log.rows("SELECT best_candidate, best_speedup FROM cards")[0]
+    assert card_row["best_candidate"] == fastest["id"] and card_row["best_speedup"] == pytest.approx(fastest["speedup"])

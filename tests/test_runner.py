@@ -1,0 +1,210 @@
+"""The main job over a run directory: choosing cards, one worker per GPU, packaging, compile-only
+machines, Ctrl-C and resume. GPU-side modules are replaced through runner's three seams."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+from fakes import FakeEvaluator, FakeProposer, toy_card
+
+from kforge import runner
+from kforge.cards import save_card
+from kforge.errors import CardError, KforgeError
+from kforge.log import SearchLog, connect
+
+CARDS = [
+    toy_card(op="aten::relu.default", share=0.5),
+    toy_card(op="aten::exp.default", n=4096, share=0.3),
+    toy_card(op="aten::view.default", family="view", share=0.1),
+    toy_card(op="aten::mm.default", family="vendor", share=0.1),
+]
+BY_OP = {c.op: c for c in CARDS}
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    d = tmp_path / "run"
+    for c in CARDS:
+        save_card(c, d)
+    return d
+
+
+class GPU:
+    """Stands in for the GPU side: devices, one fake evaluator per worker, the packager."""
+
+    def __init__(self, monkeypatch, devices, evaluator=FakeEvaluator):
+        self.evaluators: list[FakeEvaluator] = []
+        self.packaged: list[tuple] = []
+        self.lock = threading.Lock()
+        self.make = evaluator
+        monkeypatch.setattr(runner, "gpu_devices", lambda requested: list(devices))
+        monkeypatch.setattr(runner, "default_evaluator", self.evaluator)
+        monkeypatch.setattr(runner, "package_run", self.package)
+
+    def evaluator(self, run_dir, device):
+        ev = self.make()
+        ev.device = device
+        with self.lock:
+            self.evaluators.append(ev)
+        return ev
+
+    def package(self, run_dir, out, run_id):
+        self.packaged.append((run_dir, out, run_id))
+        out.write_text("{}")
+        return out
+
+    @property
+    def calls(self) -> list[tuple[str, str]]:
+        """(card id, digest) of every evaluation, over all workers."""
+        return [p for ev in self.evaluators for p in ev.pairs]
+
+
+def _rows(result):
+    return {r.op: r for r in result.table}
+
+
+def test_searches_the_chosen_cards_and_packages_the_winners(run_dir, monkeypatch, tmp_path):
+    gpu = GPU(monkeypatch, [0])
+    result = runner.search_run(run_dir, out=tmp_path / "m.cast", proposer=FakeProposer, iterations=8, progress=False)
+    rows = _rows(result)
+    assert result.validated and result.package_path == tmp_path / "m.cast" and result.message == ""
+    assert gpu.packaged == [(run_dir, tmp_path / "m.cast", result.run_id)]
+    for op in ("aten::relu.default", "aten::exp.default"):
+        assert rows[op].status == "done" and rows[op].iterations == 8
+        assert rows[op].speedup > 1 and rows[op].best_us == pytest.approx(rows[op].eager_us / rows[op].speedup)
+        assert result.stop_reasons[BY_OP[op].id] == "iterations"
+    assert rows["aten::view.default"].status == "skipped" and "view" in rows["aten::view.default"].note
+    assert rows["aten::mm.default"].status == "skipped" and "include_vendor" in rows["aten::mm.default"].note
+    assert all(ev.closed for ev in gpu.evaluators)
+    assert "speedup" in str(result.rich_table().columns[6].header)
+
+
+def test_vendor_cards_min_share_and_proposer_declines(run_dir, monkeypatch):
+    GPU(monkeypatch, [0])
+
+    def decline_exp():
+        return FakeProposer(decline=lambda c: "no template for exp" if c.op == "aten::exp.default" else None)
+
+    rows = _rows(runner.search_run(run_dir, proposer=decline_exp, iterations=3, include_vendor=True, progress=False))
+    assert rows["aten::mm.default"].status == "done"
+    assert rows["aten::exp.default"].status == "skipped"
+    assert rows["aten::exp.default"].note == "proposer fake declines: no template for exp"
+
+    rows = _rows(runner.search_run(run_dir, proposer=FakeProposer, iterations=3, min_share=0.4, progress=False))
+    assert rows["aten::exp.default"].status == "skipped" and "below min_share" in rows["aten::exp.default"].note
+
+
+def test_one_worker_per_gpu_searches_each_card_once(run_dir, monkeypatch):
+    gpu = GPU(monkeypatch, [0, 1])
+    result = runner.search_run(run_dir, proposer=FakeProposer, iterations=6, include_vendor=True, progress=False)
+    assert sorted(ev.device for ev in gpu.evaluators) == [0, 1]
+    assert len(gpu.calls) == len(set(gpu.calls))
+    searched = [r for r in result.table if r.status == "done"]
+    assert len(searched) == 3 and all(r.iterations == 6 for r in searched)
+    conn = connect(run_dir, readonly=True)
+    per_card = dict(conn.execute("SELECT card_id, COUNT(DISTINCT iteration) FROM candidates GROUP BY card_id").fetchall())
+    assert set(per_card) == {BY_OP[op].id for op in ("aten::relu.default", "aten::exp.default", "aten::mm.default")}
+
+
+def test_without_a_gpu_it_compiles_a_few_versions_and_says_what_needs_one(run_dir, monkeypatch, tmp_path):
+    gpu = GPU(monkeypatch, [], evaluator=lambda: FakeEvaluator(untimed=True))
+    result = runner.search_run(run_dir, out=tmp_path / "m.cast", proposer=FakeProposer, iterations=50, progress=False)
+    assert not result.validated and result.package_path is None and gpu.packaged == []
+    assert "Validation, timing and packaging need a GPU" in result.message
+    conn = connect(run_dir, readonly=True)
+    total, untimed = conn.execute("SELECT COUNT(*), SUM(verdict = 'untimed') FROM candidates").fetchone()
+    assert total >= 2 * runner.COMPILE_ONLY_ITERATIONS - 1  # relu and exp (a duplicate may skip one)
+    assert f"{total} candidate(s) for 2 card(s) were generated and {untimed} compiled" in result.message
+    assert [ev.device for ev in gpu.evaluators] == [None]
+    rows = _rows(result)
+    assert rows["aten::relu.default"].iterations == runner.COMPILE_ONLY_ITERATIONS
+    assert "untimed" in rows["aten::relu.default"].note and rows["aten::relu.default"].speedup is None
+
+    fresh = tmp_path / "fresh"
+    save_card(CARDS[0], fresh)
+    declined = runner.search_run(fresh, proposer=lambda: FakeProposer(decline=lambda c: "CUDA memory only"),
+                                 progress=False)
+    assert "no card could be searched here" in declined.message
+
+    # On a GPU later, the compile-only run is not continued: its candidates get measured for real.
+    gpu = GPU(monkeypatch, [0])
+    later = runner.search_run(run_dir, proposer=FakeProposer, iterations=5, progress=False)
+    assert later.run_id != result.run_id and later.validated
+    assert _rows(later)["aten::relu.default"].speedup > 1
+
+
+def test_ctrl_c_marks_the_run_interrupted_and_resume_finishes_it(run_dir, monkeypatch):
+    class Interrupting(FakeEvaluator):
+        def evaluate(self, card, cand):
+            if len(self.pairs) == 4:
+                raise KeyboardInterrupt
+            return super().evaluate(card, cand)
+
+    gpu = GPU(monkeypatch, [0], evaluator=Interrupting)
+    with pytest.raises(runner.RunInterrupted) as info:
+        runner.search_run(run_dir, proposer=FakeProposer, iterations=10, progress=False)
+    run_id = info.value.run_id
+    assert isinstance(info.value, KeyboardInterrupt) and info.value.run_dir == run_dir
+    log = SearchLog(run_dir)
+    assert log.rows("SELECT status FROM runs WHERE id=?", (run_id,))[0][0] == "interrupted"
+    logged = {(r["card_id"], r["digest"]) for r in log.rows("SELECT card_id, digest FROM candidates")}
+    assert len(logged) == 4
+    log.close()
+
+    gpu = GPU(monkeypatch, [0])
+    result = runner.search_run(run_dir, proposer=FakeProposer, iterations=10, progress=False)
+    assert result.run_id == run_id
+    assert not set(gpu.calls) & logged
+    assert all(r.iterations == 10 for r in result.table if r.status == "done")
+    conn = connect(run_dir, readonly=True)
+    assert conn.execute("SELECT status FROM runs WHERE id=?", (run_id,)).fetchone()[0] == "done"
+
+
+def test_worker_errors_fail_the_run_loudly(run_dir, monkeypatch):
+    def broken(run_dir, device):
+        raise RuntimeError("worker could not start")
+
+    GPU(monkeypatch, [0, 1])
+    monkeypatch.setattr(runner, "default_evaluator", broken)
+    with pytest.raises(RuntimeError, match="could not start"):
+        runner.search_run(run_dir, proposer=FakeProposer, iterations=3, progress=False)
+    conn = connect(run_dir, readonly=True)
+    assert conn.execute("SELECT status FROM runs").fetchone()[0] == "failed"
+
+
+def test_bad_run_dirs_and_card_ids_say_what_to_do(run_dir, tmp_path, monkeypatch):
+    GPU(monkeypatch, [0])
+    with pytest.raises(CardError, match="kforge capture"):
+        runner.search_run(tmp_path / "empty", proposer=FakeProposer)
+    with pytest.raises(CardError, match="kforge inspect"):
+        runner.search_run(run_dir, proposer=FakeProposer, cards=["nope"])
+    only = runner.search_run(run_dir, proposer=FakeProposer, cards=[BY_OP["aten::exp.default"].id], iterations=2,
+                             progress=False)
+    assert [r.op for r in only.table] == ["aten::exp.default"]
+
+
+def test_run_config_is_recorded_without_secrets(run_dir, monkeypatch):
+    GPU(monkeypatch, [0])
+    result = runner.search_run(run_dir, proposer=FakeProposer, iterations=2, progress=False, wall_time_s=60,
+                               proposer_options={"api_key": "sk-secret"})
+    conn = connect(run_dir, readonly=True)
+    config = json.loads(conn.execute("SELECT config_json FROM runs WHERE id=?", (result.run_id,)).fetchone()[0])
+    assert config["iterations"] == 2 and config["wall_time_s"] == 60 and config["validated"] is True
+    dump = "\n".join(str(tuple(r)) for t in ("runs", "events") for r in conn.execute(f"SELECT * FROM {t}"))
+    assert "sk-secret" not in dump
+
+
+def test_resume_continues_the_latest_run_and_a_fresh_search_starts_a_new_one(run_dir, monkeypatch):
+    GPU(monkeypatch, [0])
+    first = runner.search_run(run_dir, proposer=FakeProposer, iterations=2, progress=False)
+    again = runner.search_run(run_dir, proposer=FakeProposer, iterations=4, progress=False)
+    fresh = runner.search_run(run_dir, proposer=FakeProposer, iterations=2, progress=False, resume=False)
+    assert again.run_id == first.run_id and fresh.run_id != first.run_id
+    assert all(r.iterations == 4 for r in again.table if r.status == "done")
+    assert all(r.iterations == 2 for r in fresh.table if r.status == "done")
+    with pytest.raises(KforgeError, match="run_dir"):
+        runner.run(resume=True)
+    with pytest.raises(KforgeError, match="needs a model"):
+        runner.run(run_dir=run_dir)
