@@ -1,0 +1,218 @@
+"""Built-in templates vs eager and torch.compile on the benchmark shapes (run on the GPU).
+
+For each card: a hill-climbing knob sweep with the BuiltinProposer (default first, then
+revisions of the best so far, at most --budget candidates, each checked against eager
+before it is timed), then eager, torch.compile and the best kernel timed together with
+kforge.timing.time_fns (L2 flushed before every rep, one event pair per rep), and the
+HBM floor (bytes a kernel must move / 4.27 TB/s).
+
+    python bench/bench_builtin.py [--out bench/results/builtin_h200.json] [--budget 50] [--no-compile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "python"), str(ROOT / "tests")]
+
+from builtin_cards import A, BF16, F16, F32, gn, ln, make_card, meta, rms, softmax  # noqa: E402
+from kforge import compiler, runtime, timing  # noqa: E402
+from kforge.cards import empty_like_meta, faithful_clone  # noqa: E402
+from kforge.errors import KforgeError, ProposerError  # noqa: E402
+from kforge.hardware import current  # noqa: E402
+from kforge.proposers.base import ProposalContext, Tried  # noqa: E402
+from kforge.proposers.builtin import BuiltinProposer  # noqa: E402
+from kforge.verdict import EvalResult, Verdict  # noqa: E402
+
+BIG = (8192, 11008)
+# name -> (card factory, target): ("speedup", x) vs eager, or ("floor", fraction of the HBM floor).
+CASES = {
+    "group_norm 1x512x128x128 bf16": (lambda: gn(1, 512, 128, 128, 32, BF16), ("speedup", 8.0)),
+    "group_norm 1x128x512x512 fp32": (lambda: gn(1, 128, 512, 512, 32, F32), ("speedup", 6.0)),
+    "group_norm 2x512x64x64 fp16": (lambda: gn(2, 512, 64, 64, 32, F16), None),
+    "adaptive_avg_pool2d 1x2048x7x7 fp32": (lambda: make_card(A._adaptive_avg_pool2d.default, meta(1, 2048, 7, 7), [1, 1]), None),
+    "adaptive_avg_pool2d 32x2048x7x7 fp32": (lambda: make_card(A._adaptive_avg_pool2d.default, meta(32, 2048, 7, 7), [1, 1]), ("speedup", 3.0)),
+    "adaptive_avg_pool2d 128x2048x7x7 bf16": (lambda: make_card(A._adaptive_avg_pool2d.default, meta(128, 2048, 7, 7, dtype=BF16), [1, 1]), None),
+    "softmax 1x8x1024x1024 fp32": (lambda: softmax(1, 8, 1024, 1024), None),
+    "softmax 1x8x2048x2048 bf16": (lambda: softmax(1, 8, 2048, 2048, dtype=BF16), ("speedup", 2.0)),
+    "softmax 8x262144 fp32": (lambda: softmax(8, 262144), ("speedup", 8.0)),
+    "softmax 4096x256 fp32": (lambda: softmax(4096, 256), None),
+    "softmax 16384x128 fp32": (lambda: softmax(16384, 128), None),
+    "layer_norm 8192x4096 bf16": (lambda: ln(8192, 4096, BF16), ("floor", 0.8)),
+    "rms_norm 8192x4096 bf16": (lambda: rms(8192, 4096, BF16), ("floor", 0.8)),
+    "silu 8192x11008 bf16": (lambda: make_card(A.silu.default, meta(*BIG, dtype=BF16)), None),
+    "mul 8192x11008 bf16": (lambda: make_card(A.mul.Tensor, meta(*BIG, dtype=BF16), meta(*BIG, dtype=BF16)), None),
+    "gelu tanh 8192x11008 bf16": (lambda: make_card(A.gelu.default, meta(*BIG, dtype=BF16), approximate="tanh"), None),
+    "add_ 8192x11008 bf16": (lambda: make_card(A.add_.Tensor, meta(*BIG, dtype=BF16), meta(*BIG, dtype=BF16)), None),
+    "relu 32x256x56x56 fp32": (lambda: make_card(A.relu.default, meta(32, 256, 56, 56)), None),
+}
+TOL = {"float32": dict(rtol=2e-5, atol=2e-5), "float16": dict(rtol=2e-3, atol=1e-3),
+       "bfloat16": dict(rtol=1.6e-2, atol=1e-2)}
+SWEEP_TIMING = dict(min_reps=20, min_ms=10.0, warmup_ms=3.0)  # cheap ranking; the finalists are re-timed
+
+
+class Runner:
+    """A candidate bound to fixed inputs and outputs: `fn()` launches it."""
+
+    def __init__(self, card, cand, inputs):
+        dev = inputs[0].device
+        cubin = compiler.compile(cand.source, options=cand.plan.options).cubin
+        self.plan = runtime.build_plan(cand, cubin, dev.index or 0)
+        self.inputs = inputs
+        self.outputs = [inputs[card.aliases[j]] if j in card.aliases else empty_like_meta(m, dev)
+                        for j, m in enumerate(card.outputs)]
+        self.ws = runtime.alloc_workspaces(cand.plan, dev)
+
+    def __call__(self):
+        runtime.launch(self.plan, self.inputs, self.outputs, self.ws)
+
+
+def correct(card, cand, inputs) -> bool:
+    mine = [faithful_clone(t) for t in inputs]
+    run = Runner(card, cand, mine)
+    for t in run.outputs:
+        if not any(t is x for x in mine):
+            t.fill_(float("nan"))
+    run()
+    ref = card.call_eager([faithful_clone(t) for t in inputs], "cuda")
+    try:
+        for j, (got, want) in enumerate(zip(run.outputs, ref)):
+            torch.testing.assert_close(got, want, **TOL[card.outputs[j].dtype])
+    except AssertionError as e:
+        print(f"    incorrect {cand.knobs}: {str(e).splitlines()[0]}")
+        return False
+    return True
+
+
+def sweep(card, hw, inputs, budget: int):
+    """Hill climbing over knobs: returns (best candidate, its sweep time, candidates tried)."""
+    proposer = BuiltinProposer()
+    rng = random.Random(0)
+    tried: set[str] = set()
+    best, best_us, n = None, float("inf"), 0
+    failures: list[Tried] = []
+    while n < budget:
+        ctx = ProposalContext(card=card, hardware=hw, parent=best and Tried(best, EvalResult(Verdict.VALID)),
+                              sibling_failures=failures, tried_digests=tried, rng=rng)
+        try:
+            cand = proposer.propose(ctx).candidate
+        except ProposerError:
+            break
+        tried.add(cand.digest())
+        n += 1
+        try:
+            ok = correct(card, cand, inputs)
+            us = timing.time_fns([Runner(card, cand, [faithful_clone(t) for t in inputs])], **SWEEP_TIMING)[0].median if ok else None
+        except KforgeError as e:
+            print(f"    failed {cand.knobs}: {str(e).splitlines()[0]}")
+            ok, us = False, None
+        if not ok:
+            failures.append(Tried(cand, EvalResult(Verdict.INCORRECT)))
+            continue
+        if us < best_us:
+            best, best_us, failures = cand, us, []
+    return best, best_us, n
+
+
+def eager_fn(card, inputs):
+    args, kwargs = card.build_call(inputs, "cuda")
+    op = card.overload()
+    return lambda: op(*args, **kwargs)
+
+
+def compiled_fn(card, inputs):
+    op = card.overload()
+    args, kwargs = card.build_call(inputs, "cuda")
+    tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+
+    def f(*ts):
+        full = list(args)
+        for i, t in zip(tensor_pos, ts):
+            full[i] = t
+        return op(*full, **kwargs)
+
+    fn = torch.compile(f, dynamic=False)
+    ts = [args[i] for i in tensor_pos]
+    fn(*ts)
+    return lambda: fn(*ts)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "builtin_h200.json"))
+    ap.add_argument("--budget", type=int, default=50, help="candidates per card (default 50)")
+    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile (saves its compile time)")
+    ap.add_argument("--only", default="", help="run only cases whose name contains this")
+    opts = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    hw = current()
+    rows = []
+    start = time.perf_counter()
+    for name, (make, target) in CASES.items():
+        if opts.only not in name:
+            continue
+        card = make()
+        inputs = card.random_inputs(0, "cuda")
+        print(f"{name}: sweeping")
+        best, sweep_us, n = sweep(card, hw, inputs, opts.budget)
+        fns = [eager_fn(card, [faithful_clone(t) for t in inputs])]
+        if best is not None:
+            fns.append(Runner(card, best, [faithful_clone(t) for t in inputs]))
+        if not opts.no_compile:
+            fns.append(compiled_fn(card, [faithful_clone(t) for t in inputs]))
+        ms = timing.time_fns(fns)
+        eager_us = ms[0].median
+        kernel_us = ms[1].median if best is not None else None
+        compile_us = ms[-1].median if not opts.no_compile else None
+        floor = hw.floor_us(card.io_bytes())
+        row = {"name": name, "card": card.summary(), "eager_us": eager_us, "compile_us": compile_us,
+               "kernel_us": kernel_us, "kernel_iqr_us": ms[1].iqr if best is not None else None,
+               "floor_us": floor, "eager_frac": floor / eager_us,
+               "kernel_frac": floor / kernel_us if kernel_us else None,
+               "speedup": eager_us / kernel_us if kernel_us else None,
+               "speedup_vs_compile": compile_us / kernel_us if kernel_us and compile_us else None,
+               "knobs": best.knobs if best else None, "candidates": n, "target": target}
+        if target and kernel_us:
+            kind, value = target
+            row["target_met"] = (row["speedup"] if kind == "speedup" else row["kernel_frac"]) >= value
+        rows.append(row)
+        print(f"  eager {eager_us:.1f} us, kernel {kernel_us or float('nan'):.1f} us, floor {floor:.1f} us, "
+              f"{n} candidates, best {row['knobs']}")
+    out = Path(opts.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                               "bandwidth_Bps": hw.bandwidth, "seconds": time.perf_counter() - start,
+                               "rows": rows}, indent=1))
+    print_table(rows)
+    print(f"wrote {out} in {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+def print_table(rows) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="builtin templates vs eager and torch.compile (GPU time, median)")
+    for col in ("case", "eager us", "compile us", "kernel us", "x eager", "x compile", "% floor", "target"):
+        t.add_column(col, justify="left" if col == "case" else "right")
+    f = lambda v, fmt: format(v, fmt) if v is not None else "-"  # noqa: E731
+    for r in rows:
+        target = "-" if not r["target"] else f"{'ok' if r.get('target_met') else 'MISS'} ({r['target'][0]} {r['target'][1]})"
+        t.add_row(r["name"], f(r["eager_us"], ".1f"), f(r["compile_us"], ".1f"), f(r["kernel_us"], ".1f"),
+                  f(r["speedup"], ".2f"), f(r["speedup_vs_compile"], ".2f"),
+                  f(r["kernel_frac"] and 100 * r["kernel_frac"], ".0f"), target)
+    Console().print(t)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,294 @@
+"""softmax / log_softmax over the last dim of a contiguous tensor.
+
+Three algorithms, chosen by row length and row count:
+  warp        a warp per row, the row in registers (short rows, many of them);
+  block_regs  a block per row, the row in registers;
+  block_smem  a block per row, the row cached in shared memory (three passes, one read);
+  block_online  a block per row, online max/sum in one read, a second read to write;
+  split       very long rows over many blocks: kernel 1 writes each chunk's (max, sum of
+              exp) to a workspace, kernel 2 combines a row's chunks and writes its chunk.
+Every algorithm computes in fp32 and, like torch, divides exp(x - max) by the sum.
+"""
+
+from __future__ import annotations
+
+from ...cards import Card, decode_value
+from ...hardware import Hardware
+from .common import ceil_div, constants, ctype, legal_vecs, render, unsupported_dtype
+from .family import Family, Knobs, KnobSpace, candidate, launch, pick
+
+OPS = frozenset({"aten::_softmax.default", "aten::_log_softmax.default"})
+MAX_REGS = 64  # fp32 values a thread may hold for its rows
+SMEM_LIMIT = 48 * 1024  # dynamic shared memory without the opt-in attribute
+
+
+def _shape(card: Card) -> tuple[int, int] | str:
+    if card.op not in OPS:
+        return f"{card.op} is not softmax/log_softmax"
+    x, out = card.args[0].tensor, card.outputs[0]
+    why = unsupported_dtype([x, out])
+    if why:
+        return why
+    ndim = max(len(x.shape), 1)
+    dim = decode_value(card.args[1].value)
+    if dim % ndim != ndim - 1:
+        return "softmax over a dim other than the last is not templated"
+    if not (x.is_contiguous() and out.is_contiguous()) or x.shape != out.shape:
+        return "input and output must be contiguous with the same shape"
+    if x.numel == 0:
+        return "empty input"
+    cols = x.shape[-1] if x.shape else 1
+    return x.numel // cols, cols
+
+
+def check(card: Card) -> str | None:
+    r = _shape(card)
+    return r if isinstance(r, str) else None
+
+
+def _vecs(card: Card, cols: int) -> tuple:
+    return tuple(sorted(legal_vecs(cols, [card.args[0].tensor, card.outputs[0]])))
+
+
+def _regs(cols: int, lanes: int, v: int) -> int:
+    return ceil_div(cols, lanes * v) * v
+
+
+def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
+    rows, cols = _shape(card)
+    vecs = _vecs(card, cols)
+    out: list[KnobSpace] = []
+    worst = max(_regs(cols, 32, v) for v in vecs)
+    if worst <= MAX_REGS:
+        out.append({"algo": ("warp",), "warps": (1, 2, 4, 8), "rows": tuple(r for r in (1, 2, 4) if r * worst <= MAX_REGS),
+                    "vec": vecs})
+    useful = tuple(t for t in (64, 128, 256, 512, 1024) if t <= max(64, cols))
+    regs_threads = tuple(t for t in useful if all(_regs(cols, t, v) <= MAX_REGS for v in vecs))
+    if regs_threads:
+        out.append({"algo": ("block_regs",), "threads": regs_threads, "vec": vecs})
+    if cols * card.args[0].tensor.itemsize <= SMEM_LIMIT:
+        out.append({"algo": ("block_smem",), "threads": useful, "vec": vecs})
+    out.append({"algo": ("block_online",), "threads": useful, "vec": vecs})
+    splits = tuple(s for s in (4, 8, 16, 32, 64, 128, 256, 512) if cols // s >= 512)
+    if cols >= 8192 and rows <= 65535 and splits:
+        out.append({"algo": ("split",), "split": splits, "threads": (128, 256, 512), "vec": vecs})
+    return out
+
+
+def default(card: Card, hw: Hardware) -> Knobs:
+    rows, cols = _shape(card)
+    by_algo = {s["algo"][0]: s for s in spaces(card, hw)}
+    vec = _vecs(card, cols)[-1]
+    if "split" in by_algo and rows < 2 * hw.sm_count:
+        s = by_algo["split"]
+        return {"algo": "split", "split": pick(s["split"], 4 * hw.sm_count / rows), "threads": 256, "vec": vec}
+    if "warp" in by_algo and cols <= 1024:
+        return {"algo": "warp", "warps": 4, "rows": 1, "vec": vec}
+    if "block_regs" in by_algo:
+        return {"algo": "block_regs", "threads": pick(by_algo["block_regs"]["threads"], cols // 16), "vec": vec}
+    algo = "block_smem" if "block_smem" in by_algo else "block_online"
+    return {"algo": algo, "threads": pick(by_algo[algo]["threads"], 512), "vec": vec}
+
+
+# Rows held in registers: a warp (LANES=32) or a block (LANES=NT) per row.
+_REGS = r"""
+constexpr int IT = (C + LANES * V - 1) / (LANES * V);
+
+extern "C" __global__ void __launch_bounds__(NT) kf_softmax(const Tin* __restrict__ x, Tout* __restrict__ y) {
+  const int lane = threadIdx.x % LANES;
+  const kf_i64 row0 = ((kf_i64)blockIdx.x * (NT / LANES) + threadIdx.x / LANES) * ROWS;
+  float v[ROWS][IT][V];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+    for (int it = 0; it < IT; ++it) {
+      const int c = (it * LANES + lane) * V;
+      if (row0 + r < R && c < C) {
+        kf_load<Tin, V>(x + (row0 + r) * C + c, v[r][it]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) v[r][it][j] = -kf_inf();
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    float m = -kf_inf();
+#pragma unroll
+    for (int it = 0; it < IT; ++it)
+#pragma unroll
+      for (int j = 0; j < V; ++j) m = fmaxf(m, v[r][it][j]);
+    m = @MAX@(m);
+    float s = 0.f;
+#pragma unroll
+    for (int it = 0; it < IT; ++it)
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const float e = expf(v[r][it][j] - m);  // padding holds -inf: contributes 0
+        s += e;
+        if (!LOG) v[r][it][j] = e;
+      }
+    s = @SUM@(s);
+    const float ls = logf(s);
+    if (row0 + r >= R) continue;
+#pragma unroll
+    for (int it = 0; it < IT; ++it) {
+      const int c = (it * LANES + lane) * V;
+      if (c < C) {
+        float o[V];
+#pragma unroll
+        for (int j = 0; j < V; ++j) o[j] = LOG ? v[r][it][j] - m - ls : v[r][it][j] / s;
+        kf_store<Tout, V>(y + (row0 + r) * C + c, o);
+      }
+    }
+  }
+}
+"""
+
+# Online (max, sum) of a thread's strided part of [lo, hi), merged over the block.
+_ONLINE = r"""
+__device__ __forceinline__ void kf_online(const Tin* __restrict__ p, int lo, int hi, float& m, float& s) {
+  m = -kf_inf();
+  s = 0.f;
+#pragma unroll 4
+  for (int c = lo + threadIdx.x * V; c < hi; c += NT * V) {
+    float v[V];
+    kf_load<Tin, V>(p + c, v);
+    float vm = v[0];
+#pragma unroll
+    for (int j = 1; j < V; ++j) vm = fmaxf(vm, v[j]);
+    if (vm == -kf_inf()) continue;  // all -inf: adds nothing
+    if (vm > m) { s *= expf(m - vm); m = vm; }
+#pragma unroll
+    for (int j = 0; j < V; ++j) s += expf(v[j] - m);
+  }
+}
+
+__device__ __forceinline__ void kf_block_merge(float& m, float& s) {
+  const float bm = kf_block_max<NT>(m);
+  s = kf_block_sum<NT>(m == -kf_inf() ? 0.f : s * expf(m - bm));
+  m = bm;
+}
+
+__device__ __forceinline__ void kf_write(const Tin* __restrict__ p, Tout* __restrict__ q, int lo, int hi, float m, float s) {
+  const float ls = logf(s);
+#pragma unroll 4
+  for (int c = lo + threadIdx.x * V; c < hi; c += NT * V) {
+    float v[V];
+    kf_load<Tin, V>(p + c, v);
+#pragma unroll
+    for (int j = 0; j < V; ++j) v[j] = LOG ? v[j] - m - ls : expf(v[j] - m) / s;
+    kf_store<Tout, V>(q + c, v);
+  }
+}
+"""
+
+_BLOCK_ONLINE = r"""
+extern "C" __global__ void __launch_bounds__(NT) kf_softmax(const Tin* __restrict__ x, Tout* __restrict__ y) {
+  const kf_i64 base = (kf_i64)blockIdx.x * C;
+  float m, s;
+  kf_online(x + base, 0, C, m, s);
+  kf_block_merge(m, s);
+  kf_write(x + base, y + base, 0, C, m, s);
+}
+"""
+
+_BLOCK_SMEM = r"""
+extern "C" __global__ void __launch_bounds__(NT) kf_softmax(const Tin* __restrict__ x, Tout* __restrict__ y) {
+  extern __shared__ __align__(16) unsigned char kf_smem[];
+  Tin* row = reinterpret_cast<Tin*>(kf_smem);
+  const kf_i64 base = (kf_i64)blockIdx.x * C;
+  float m = -kf_inf();
+  for (int c = threadIdx.x * V; c < C; c += NT * V) {
+    const kf_vec<Tin, V> raw = *reinterpret_cast<const kf_vec<Tin, V>*>(x + base + c);
+    *reinterpret_cast<kf_vec<Tin, V>*>(row + c) = raw;
+#pragma unroll
+    for (int j = 0; j < V; ++j) m = fmaxf(m, kf_f32(raw.v[j]));
+  }
+  m = kf_block_max<NT>(m);  // its barrier also publishes the cached row
+  float s = 0.f;
+  for (int c = threadIdx.x * V; c < C; c += NT * V) {
+    float v[V];
+    kf_load<Tin, V>(row + c, v);
+#pragma unroll
+    for (int j = 0; j < V; ++j) s += expf(v[j] - m);
+  }
+  s = kf_block_sum<NT>(s);
+  const float ls = logf(s);
+  for (int c = threadIdx.x * V; c < C; c += NT * V) {
+    float v[V];
+    kf_load<Tin, V>(row + c, v);
+#pragma unroll
+    for (int j = 0; j < V; ++j) v[j] = LOG ? v[j] - m - ls : expf(v[j] - m) / s;
+    kf_store<Tout, V>(y + base + c, v);
+  }
+}
+"""
+
+_SPLIT = r"""
+constexpr int CH = (C / S + V - 1) / V * V;  // elements per chunk, whole vectors
+
+extern "C" __global__ void __launch_bounds__(NT) kf_softmax_partial(const Tin* __restrict__ x, float* __restrict__ ws) {
+  const int lo = blockIdx.x * CH, hi = min(C, lo + CH);
+  float m, s;
+  kf_online(x + (kf_i64)blockIdx.y * C, lo, hi, m, s);
+  kf_block_merge(m, s);
+  if (threadIdx.x == 0) {
+    ws[(blockIdx.y * S + blockIdx.x) * 2] = m;
+    ws[(blockIdx.y * S + blockIdx.x) * 2 + 1] = s;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(NT) kf_softmax_finish(const Tin* __restrict__ x, const float* __restrict__ ws,
+                                                                 Tout* __restrict__ y) {
+  float m = -kf_inf(), s = 0.f;
+  for (int j = threadIdx.x; j < S; j += NT) {
+    const float pm = ws[(blockIdx.y * S + j) * 2], ps = ws[(blockIdx.y * S + j) * 2 + 1];
+    if (pm == -kf_inf()) continue;
+    const float nm = fmaxf(m, pm);
+    s = (m == -kf_inf() ? 0.f : s * expf(m - nm)) + ps * expf(pm - nm);
+    m = nm;
+  }
+  kf_block_merge(m, s);
+  const int lo = blockIdx.x * CH, hi = min(C, lo + CH);
+  const kf_i64 base = (kf_i64)blockIdx.y * C;
+  kf_write(x + base, y + base, lo, hi, m, s);
+}
+"""
+
+
+def build(card: Card, knobs: Knobs, hw: Hardware):
+    rows, cols = _shape(card)
+    x, out = card.args[0].tensor, card.outputs[0]
+    algo, v = knobs["algo"], knobs["vec"]
+    log = card.op == "aten::_log_softmax.default"
+    types = constants(Tin=ctype(x.dtype), Tout=ctype(out.dtype))
+    io = [{"in": 0}, {"out": 0}]
+    if algo in ("warp", "block_regs"):
+        warp = algo == "warp"
+        nt = 32 * knobs["warps"] if warp else knobs["threads"]
+        per_block = knobs["warps"] * knobs["rows"] if warp else 1
+        consts = constants(R=rows, C=cols, NT=nt, V=v, LOG=log, LANES=32 if warp else nt,
+                           ROWS=knobs["rows"] if warp else 1)
+        red = ("kf_warp_max", "kf_warp_sum") if warp else (f"kf_block_max<{nt}>", f"kf_block_sum<{nt}>")
+        body = "\n".join([types, consts, render(_REGS, MAX=red[0], SUM=red[1])])
+        kernels = [launch("kf_softmax", [ceil_div(rows, per_block)], [nt], io)]
+        ws = []
+    elif algo in ("block_online", "block_smem"):
+        nt = knobs["threads"]
+        consts = constants(R=rows, C=cols, NT=nt, V=v, LOG=log)
+        smem = algo == "block_smem"
+        body = "\n".join([types, consts, _ONLINE, _BLOCK_SMEM if smem else _BLOCK_ONLINE])
+        kernels = [launch("kf_softmax", [rows], [nt], io, smem=cols * x.itemsize if smem else 0)]
+        ws = []
+    else:
+        nt, s = knobs["threads"], knobs["split"]
+        consts = constants(R=rows, C=cols, NT=nt, V=v, LOG=log, S=s)
+        body = "\n".join([types, consts, _ONLINE, _SPLIT])
+        kernels = [launch("kf_softmax_partial", [s, rows], [nt], [{"in": 0}, {"ws": 0}]),
+                   launch("kf_softmax_finish", [s, rows], [nt], [{"in": 0}, {"ws": 0}, {"out": 0}])]
+        ws = [rows * s * 2 * 4]
+    return candidate("softmax", card, knobs, {x.dtype, out.dtype}, body, kernels, ws)
+
+
+FAMILY = Family("softmax", OPS, check, spaces, default, build)

@@ -1,0 +1,94 @@
+"""The built-in templates on a real GPU: every algorithm of every family against eager on
+fresh inputs, with poisoned outputs, unchanged inputs (unless in-place) and bitwise
+repeatable results, over odd sizes, 1-element rows, rows longer than a block, widths that
+are not a multiple of the vector, channels_last, broadcast and in-place cards."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from builtin_cards import SPREAD, make_card, meta, A, BF16
+from kforge import compiler, runtime
+from kforge.cards import empty_like_meta, faithful_clone
+from kforge.hardware import current
+from kforge.proposers.builtin import family_for
+from kforge.proposers.builtin import space as knob_space
+
+pytestmark = pytest.mark.gpu
+
+# Tight: one rounding of the output plus fp32 reduction-order noise.
+TOL = {"float32": dict(rtol=2e-5, atol=2e-5), "float16": dict(rtol=2e-3, atol=1e-3),
+       "bfloat16": dict(rtol=1.6e-2, atol=1e-2)}
+
+
+def settings(card, n_random: int = 2):
+    """The default, each algorithm's two corners, and a few random settings (seeded)."""
+    hw = current()
+    fam = family_for(card)
+    out = [fam.default(card, hw)]
+    rng = random.Random(card.id)
+    for s in fam.spaces(card, hw):
+        configs = knob_space.configs(s)
+        out += [configs[0], configs[-1]] + rng.sample(configs, min(n_random, len(configs)))
+    unique = []
+    for k in out:
+        if k not in unique:
+            unique.append(k)
+    return fam, hw, unique
+
+
+def run(card, cand, inputs):
+    """Launch the candidate on copies of `inputs`; returns (outputs, inputs after the launch)."""
+    dev = inputs[0].device
+    ins = [faithful_clone(t) for t in inputs]
+    plan = runtime.build_plan(cand, compiler.compile(cand.source, options=cand.plan.options).cubin, dev.index or 0)
+    outs = []
+    for j, m in enumerate(card.outputs):
+        if j in card.aliases:
+            outs.append(ins[card.aliases[j]])
+        else:
+            t = empty_like_meta(m, dev)
+            t.fill_(float("nan"))  # every element must be written
+            outs.append(t)
+    runtime.launch(plan, ins, outs, runtime.alloc_workspaces(cand.plan, dev))
+    torch.cuda.synchronize()
+    return outs, ins
+
+
+def check_candidate(card, cand, seed: int) -> None:
+    inputs = card.random_inputs(seed, "cuda")
+    ref = card.call_eager([faithful_clone(t) for t in inputs], "cuda")
+    outs, after = run(card, cand, inputs)
+    for j, (got, want) in enumerate(zip(outs, ref)):
+        assert got.dtype == want.dtype and got.shape == want.shape and got.stride() == want.stride(), f"output {j}"
+        assert not got.isnan().any() or want.isnan().any(), f"output {j} has unwritten (NaN) elements"
+        torch.testing.assert_close(got, want, **TOL[card.outputs[j].dtype], msg=lambda m: f"{cand.knobs}: output {j}: {m}")
+    for i, (a, b) in enumerate(zip(inputs, after)):
+        if i not in card.aliases.values():
+            assert torch.equal(a, b), f"input {i} was modified"
+    again, _ = run(card, cand, inputs)
+    for j, (x, y) in enumerate(zip(outs, again)):
+        assert torch.equal(x, y), f"output {j} differs between two runs"
+
+
+@pytest.mark.parametrize("name", sorted(SPREAD))
+def test_template_matches_eager(name):
+    card = SPREAD[name]()
+    try:
+        card.overload()
+    except Exception as e:  # e.g. _fused_rms_norm on an older torch
+        pytest.skip(str(e))
+    fam, hw, knobs_list = settings(card)
+    for seed, knobs in enumerate(knobs_list):
+        check_candidate(card, fam.build(card, knobs, hw), seed)
+
+
+def test_unaligned_view_uses_narrow_vectors_and_is_correct():
+    card = make_card(A.gelu.default, meta(4097, dtype=BF16), align=2)
+    fam, hw, knobs_list = settings(card)
+    assert {k["vec"] for k in knobs_list} == {1}
+    for seed, knobs in enumerate(knobs_list):
+        check_candidate(card, fam.build(card, knobs, hw), seed)

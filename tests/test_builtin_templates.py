@@ -1,0 +1,224 @@
+"""The built-in templates on a machine without a GPU: every algorithm of every family
+compiles with NVRTC for sm_90 at the corners of its knob space, plans fit their cards,
+knob revisions give distinct sources, unsupported cards are declined with a reason, and
+the proposer's neighbourhood moves, exhaustion and repair behave."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from builtin_cards import A, BF16, SPREAD, gn, make_card, meta, softmax
+from kforge import compiler
+from kforge.candidate import Candidate
+from kforge.errors import ProposerError
+from kforge.hardware import H200
+from kforge.proposers import get_proposer
+from kforge.proposers.base import ProposalContext, Tried
+from kforge.proposers.builtin import BuiltinProposer, family_for
+from kforge.proposers.builtin import space as knob_space
+from kforge.verdict import EvalResult, Verdict
+
+
+def ctx(card, parent=None, tried=(), failures=(), seed=0) -> ProposalContext:
+    return ProposalContext(card=card, hardware=H200, parent=parent, sibling_failures=list(failures),
+                           tried_digests=set(tried), rng=random.Random(seed))
+
+
+def tried(cand: Candidate, verdict: Verdict = Verdict.VALID) -> Tried:
+    return Tried(cand, EvalResult(verdict))
+
+
+def corners(card):
+    """Each algorithm's most conservative and most aggressive settings, and the default."""
+    fam = family_for(card)
+    out = [fam.default(card, H200)]
+    for s in fam.spaces(card, H200):
+        out += [{k: v[0] for k, v in s.items()}, {k: v[-1] for k, v in s.items()}]
+    return fam, out
+
+
+@pytest.mark.parametrize("name", sorted(SPREAD))
+def test_template_compiles_for_sm90_and_plan_fits(name):
+    card = SPREAD[name]()
+    ok, why = BuiltinProposer().supports(card)
+    assert ok, why
+    fam, settings = corners(card)
+    for knobs in settings:
+        cand = fam.build(card, knobs, H200)
+        assert cand.kind == "custom" and cand.proposer == "builtin" and cand.knobs == knobs
+        cand.plan.validate(len(card.inputs), len(card.outputs))
+        assert compiler.compile(cand.source, options=cand.plan.options, arch="sm_90").cubin
+
+
+@pytest.mark.parametrize("name", sorted(SPREAD))
+def test_every_knob_setting_has_its_own_digest_and_a_valid_plan(name):
+    card = SPREAD[name]()
+    fam = family_for(card)
+    digests = set()
+    for s in fam.spaces(card, H200):
+        for knobs in knob_space.configs(s):
+            cand = fam.build(card, knobs, H200)
+            cand.plan.validate(len(card.inputs), len(card.outputs))
+            digests.add(cand.digest())
+    assert len(digests) == sum(len(knob_space.configs(s)) for s in fam.spaces(card, H200))
+
+
+@pytest.mark.parametrize("card, reason", [
+    (lambda: make_card(A.relu.default, meta(8, dtype=torch.float64)), "float64"),
+    (lambda: make_card(A.mm.default, meta(8, 8), meta(8, 8)), "no builtin template"),
+    (lambda: make_card(A._softmax.default, meta(8, 16), 0, False), "last"),
+    (lambda: make_card(A._softmax.default, meta(16, 8).t(), -1, False), "contiguous"),
+    (lambda: gn(1, 64, 8, 8, 32, channels_last=True), "channels_last"),
+    (lambda: make_card(A.mean.dim, meta(4, 10, 33), [0, 2], True), "not contiguous in memory"),
+    (lambda: make_card(A.gelu.default, meta(0, 4)), "empty"),
+    (lambda: make_card(A.mean.dim, meta(4, 8), [1], dtype=torch.float64), "dtype"),
+])
+def test_unsupported_cards_are_declined_with_a_reason(card, reason):
+    p = BuiltinProposer()
+    ok, why = p.supports(card())
+    assert not ok and reason in why
+    with pytest.raises(ProposerError, match="no template"):
+        p.propose(ctx(card()))
+
+
+def test_cpu_tensor_operand_is_declined():
+    card = make_card(A.mul.Tensor, meta(4, 4), meta())
+    card.args[1].tensor = dataclasses.replace(card.args[1].tensor, device="cpu")
+    ok, why = BuiltinProposer().supports(card)
+    assert not ok and "cpu" in why
+
+
+def test_get_proposer_gives_the_builtin():
+    assert isinstance(get_proposer("builtin"), BuiltinProposer)
+
+
+def test_in_place_binds_the_output_and_never_a_second_pointer_to_self():
+    card = SPREAD["add_inplace_bf16"]()
+    cand = BuiltinProposer().propose(ctx(card)).candidate
+    (k,) = cand.plan.kernels
+    assert k.args == [{"out": 0}, {"in": 1}]
+    assert "__restrict__ out" not in cand.source
+
+
+def test_mixed_dtype_operand_is_rounded_to_the_result_dtype():
+    # bf16 * fp32 0-dim tensor: torch casts the fp32 value to bf16 before the fp32 math.
+    cand = BuiltinProposer().propose(ctx(SPREAD["mul_0dim"]())).candidate
+    assert "kf_cast<Tout>(kf_f32(in1[0]))" in cand.source
+
+
+def test_defaults_are_designed_for_the_roofline():
+    p = BuiltinProposer()
+    # Long softmax rows are split over >= 132 blocks per kernel, through a workspace.
+    c = p.propose(ctx(SPREAD["softmax_long_rows"]())).candidate
+    assert c.knobs["algo"] == "split" and len(c.plan.kernels) == 2
+    assert all(k.grid[0] * k.grid[1] >= H200.sm_count for k in c.plan.kernels)
+    assert c.plan.workspace_bytes() == [(8 * c.knobs["split"] * 8, False)]
+    # Group norm at batch 1 fills the GPU and loads 16 bytes per thread.
+    for name in ("group_norm_bf16", "group_norm_f32_big"):
+        c = p.propose(ctx(SPREAD[name]())).candidate
+        assert all(k.grid[0] * k.grid[1] >= 2 * H200.sm_count for k in c.plan.kernels)
+        card = SPREAD[name]()
+        assert c.knobs["vec"] * card.inputs[0].itemsize == 16
+    # Row norms and big pointwise ops use 16-byte vectors.
+    for name in ("layer_norm_bf16", "rms_norm_bf16", "gelu_tanh_bf16", "add_inplace_bf16"):
+        assert p.propose(ctx(SPREAD[name]())).candidate.knobs["vec"] == 8
+
+
+def test_unaligned_pointer_falls_back_to_narrower_vectors():
+    card = make_card(A.relu.default, meta(1024, dtype=BF16), align=4)
+    fam = family_for(card)
+    assert fam.spaces(card, H200)[0]["vec"] == (1, 2)
+
+
+def test_revision_moves_one_or_two_knobs_and_never_repeats():
+    card = SPREAD["softmax_bf16_2048"]()
+    p = BuiltinProposer()
+    root = p.propose(ctx(card)).candidate
+    seen = {root.digest()}
+    for seed in range(30):
+        c = p.propose(ctx(card, parent=tried(root), tried=seen, seed=seed)).candidate
+        assert c.digest() not in seen
+        if c.knobs["algo"] == root.knobs["algo"]:
+            changed = [k for k in c.knobs if c.knobs[k] != root.knobs[k]]
+            assert 1 <= len(changed) <= 2
+        seen.add(c.digest())
+
+
+def test_first_proposal_is_the_default_then_a_neighbour_of_it():
+    card = SPREAD["layer_norm_bf16"]()
+    p = BuiltinProposer()
+    first = p.propose(ctx(card)).candidate
+    assert first.knobs == family_for(card).default(card, H200)
+    second = p.propose(ctx(card, tried={first.digest()})).candidate
+    assert second.digest() != first.digest()
+
+
+def test_sibling_failures_are_not_repeated():
+    card = SPREAD["relu_f32_4d"]()
+    p = BuiltinProposer()
+    parent = p.propose(ctx(card)).candidate
+    fam = family_for(card)
+    bad = fam.build(card, {**parent.knobs, "threads": 1024}, H200)
+    for seed in range(40):
+        c = p.propose(ctx(card, parent=tried(parent), failures=[tried(bad, Verdict.RUNTIME_ERROR)],
+                          tried={parent.digest(), bad.digest()}, seed=seed)).candidate
+        assert c.knobs["threads"] != 1024
+
+
+def test_exhausted_space_raises():
+    card = make_card(A._adaptive_avg_pool2d.default, meta(2, 3, 10, 9), [3, 4])  # 4 settings of "threads"
+    p = BuiltinProposer()
+    seen: set[str] = set()
+    parent = None
+    for _ in range(4):
+        c = p.propose(ctx(card, parent=parent, tried=seen)).candidate
+        seen.add(c.digest())
+        parent = tried(c)
+    with pytest.raises(ProposerError, match="every knob setting"):
+        p.propose(ctx(card, parent=parent, tried=seen))
+
+
+def test_repair_steps_toward_safety():
+    card = SPREAD["gelu_tanh_bf16"]()
+    p = BuiltinProposer()
+    failed = family_for(card).build(card, {"algo": "flat", "threads": 1024, "vec": 8, "items": 8, "grid": "exact"}, H200)
+    fix = p.repair(ctx(card, tried={failed.digest()}), tried(failed, Verdict.COMPILE_ERROR)).candidate
+    assert fix.knobs == {**failed.knobs, "vec": 4}
+    fix2 = p.repair(ctx(card, tried={failed.digest(), fix.digest()}), tried(failed, Verdict.COMPILE_ERROR)).candidate
+    assert fix2.knobs == {**failed.knobs, "threads": 512}
+    safest = family_for(card).build(card, {"algo": "flat", "threads": 64, "vec": 1, "items": 1, "grid": "exact"}, H200)
+    assert p.repair(ctx(card), tried(safest, Verdict.RUNTIME_ERROR)) is None
+
+
+def test_sources_are_specialized_to_shapes():
+    a = BuiltinProposer().propose(ctx(softmax(4096, 256))).candidate
+    b = BuiltinProposer().propose(ctx(softmax(4096, 128))).candidate
+    assert "constexpr int C = 256;" in a.source and "constexpr int C = 128;" in b.source
+
+
+def test_large_tensors_switch_to_64_bit_indexing():
+    small = BuiltinProposer().propose(ctx(make_card(A.relu.default, meta(1024)))).candidate
+    big = BuiltinProposer().propose(ctx(make_card(A.relu.default, meta(2**31 + 64, dtype=BF16)))).candidate
+    assert "typedef int kf_idx;" in small.source and "typedef kf_i64 kf_idx;" in big.source
+    assert compiler.compile(big.source, arch="sm_90").cubin
+
+
+def test_rms_norm_without_eps_uses_fp32_epsilon():
+    cand = BuiltinProposer().propose(ctx(SPREAD["rms_norm_no_eps"]())).candidate
+    assert "constexpr float EPS = 1.1920928955078125e-07f;" in cand.source
+
+
+def test_layer_norm_stats_follow_the_card_dtypes():
+    card = SPREAD["layer_norm_bf16"]()
+    assert [m.dtype for m in card.outputs] == ["bfloat16", "float32", "float32"]
+    src = BuiltinProposer().propose(ctx(card)).candidate.source
+    assert "typedef float Tm;" in src and "typedef float Tr;" in src and "typedef __nv_bfloat16 Ty;" in src
+
+
+def test_every_family_is_reachable():
+    names = {family_for(SPREAD[n]()).name for n in SPREAD}
+    assert names == {"pointwise", "softmax", "layer_norm", "rms_norm", "group_norm", "pooling"}
