@@ -1,0 +1,411 @@
+"""Read-only queries over search logs and .cast packages, for the dashboard.
+
+The dashboard never writes: every query opens its log with `log.connect(path, readonly=True)`
+and closes it again, so a search writing the same file (WAL) is never blocked and a log
+that appears while the dashboard runs is picked up. Results are cached for `ttl_s`
+(about the polling period of the live views), so many browser tabs polling the same run
+cost one query per period. Cached values are shared: callers must not mutate them.
+
+A path given to `Catalog` may be a run dir holding `search.sqlite`, the SQLite file itself,
+a folder whose immediate subfolders are run dirs (`kforge dash runs/`), or a .cast package
+(matched to its run by the manifest's run_id; packages in or next to a run dir are found
+without being named).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+import sqlite3
+import statistics
+import threading
+import time
+import zipfile
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from kforge.log import LOG_NAME, connect
+
+TTL_S = 1.5
+
+# Verdicts the search keeps (correct kernels); everything else is a failure.
+CORRECT = ("valid", "slower")
+
+
+class NotFound(LookupError):
+    """A run, card or candidate the URL names is not in any log the dashboard reads."""
+
+
+def _ttl(method: Callable) -> Callable:
+    """Cache a Catalog method's result per argument tuple for the catalog's TTL."""
+
+    @functools.wraps(method)
+    def wrapper(self: "Catalog", *args: Any) -> Any:
+        return self._cached((method.__name__, args), lambda: method(self, *args))
+
+    return wrapper
+
+
+def _loads(text: str | None, default: Any) -> Any:
+    if not text:
+        return default
+    try:
+        return json.loads(text)
+    except ValueError:
+        return default
+
+
+def first_line(text: str | None) -> str:
+    for line in (text or "").splitlines():
+        if line.strip():
+            return line.strip()
+    return ""
+
+
+# Numbers, hex addresses and quoted names vary between otherwise identical failures
+# ("max abs err 0.31 at index 17" vs "... 0.29 at index 4"); grouping ignores them.
+_VARYING = re.compile(r"0x[0-9a-fA-F]+|[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+
+
+def failure_kind(message: str | None) -> str:
+    return _VARYING.sub("N", first_line(message)) or "(no message)"
+
+
+class Catalog:
+    """The search logs and packages behind one dashboard."""
+
+    def __init__(self, run_dirs: Iterable[str | Path], ttl_s: float = TTL_S):
+        self.roots = [Path(p).expanduser().resolve() for p in run_dirs]
+        self.ttl_s = ttl_s
+        self._cache: dict[tuple, tuple[float, Any]] = {}
+        self._lock = threading.Lock()
+
+    def _cached(self, key: tuple, compute: Callable[[], Any]) -> Any:
+        now = time.monotonic()
+        with self._lock:
+            hit = self._cache.get(key)
+        if hit is not None and now - hit[0] < self.ttl_s:
+            return hit[1]
+        value = compute()
+        with self._lock:
+            self._cache[key] = (now, value)
+        return value
+
+    # ---- where the logs are ----------------------------------------------------------
+    def log_paths(self) -> list[Path]:
+        paths: list[Path] = []
+        for root in self.roots:
+            if root.suffix == ".cast":
+                continue  # a package, matched to its run by package()
+            if root.is_file():
+                paths.append(root)
+            elif (root / LOG_NAME).is_file():
+                paths.append(root / LOG_NAME)
+            elif root.is_dir():
+                paths += sorted(root.glob(f"*/{LOG_NAME}"))
+        return paths
+
+    @_ttl
+    def _run_index(self) -> dict[str, Path]:
+        """run id -> its log. A run id seen in two logs is read from the first one given."""
+        index: dict[str, Path] = {}
+        for path in self.log_paths():
+            try:
+                for row in self._read(path, "SELECT id FROM runs"):
+                    index.setdefault(row["id"], path)
+            except NotFound:  # a log being created, or not a log at all
+                continue
+        return index
+
+    def _log_of(self, run_id: str) -> Path:
+        path = self._run_index().get(run_id)
+        if path is None:
+            raise NotFound(f"no run {run_id!r} in {', '.join(map(str, self.roots)) or 'the given run dirs'}; "
+                           f"pick one on the runs page")
+        return path
+
+    @staticmethod
+    def _read(path: Path, sql: str, params: Iterable = ()) -> list[dict]:
+        try:
+            conn = connect(path, readonly=True)
+            try:
+                return [dict(r) for r in conn.execute(sql, tuple(params)).fetchall()]
+            finally:
+                conn.close()
+        except sqlite3.DatabaseError as e:
+            raise NotFound(f"cannot read {path}: {e}; is it a kforge search log, and readable?") from e
+
+    def _q(self, run_id: str, sql: str, params: Iterable = ()) -> list[dict]:
+        return self._read(self._log_of(run_id), sql, params)
+
+    # ---- runs ----------------------------------------------------------------------
+    @_ttl
+    def runs(self) -> list[dict]:
+        """Every run, newest first, with what the overview shows."""
+        out = []
+        for run_id, path in self._run_index().items():
+            (run,) = self._read(path, "SELECT * FROM runs WHERE id=?", (run_id,))
+            cards = self.cards(run_id)
+            (spend,) = self._read(path, "SELECT COALESCE(SUM(cost_usd), 0) AS cost, COUNT(*) AS calls, "
+                                        "COALESCE(SUM(prompt_tokens + completion_tokens), 0) AS tokens "
+                                        "FROM llm_calls WHERE run_id=?", (run_id,))
+            (last,) = self._read(path, "SELECT COUNT(*) AS n, MAX(created) AS t FROM candidates WHERE run_id=?",
+                                 (run_id,))
+            winners = sorted((c for c in cards if c["best_speedup"]), key=lambda c: -c["best_speedup"])
+            out.append({
+                "id": run_id, "model": run["model"] or "", "status": run["status"], "device": run["device"] or "",
+                "arch": run["arch"] or "", "torch": run["torch"] or "", "kforge": run["kforge"] or "",
+                "created": run["created"], "updated": last["t"] or run["created"],
+                "cards": len(cards), "searched": sum(c["status"] not in ("pending", "skipped") for c in cards),
+                "done": sum(c["status"] == "done" for c in cards), "candidates": last["n"],
+                "best": [(c["op_name"], c["best_speedup"]) for c in winners[:3]],
+                "est_speedup": estimated_speedup(cards),
+                "cost_usd": spend["cost"], "llm_calls": spend["calls"], "tokens": spend["tokens"],
+                "log": str(path),
+            })
+        return sorted(out, key=lambda r: -r["created"])
+
+    def run(self, run_id: str) -> dict:
+        for r in self.runs():
+            if r["id"] == run_id:
+                return r
+        raise NotFound(f"no run {run_id!r}; pick one on the runs page")
+
+    @_ttl
+    def run_config(self, run_id: str) -> dict:
+        (row,) = self._q(run_id, "SELECT config_json FROM runs WHERE id=?", (run_id,))
+        return _loads(row["config_json"], {})
+
+    # ---- cards ---------------------------------------------------------------------
+    _CARD_SQL = """
+        SELECT c.card_id, c.op, c.family, c.summary, c.calls, c.eager_us, c.share, c.status, c.skip_reason,
+               c.best_candidate, c.best_speedup, c.iterations, c.floor_us,
+               (SELECT COUNT(*) FROM candidates k WHERE k.run_id=c.run_id AND k.card_id=c.card_id) AS n_candidates,
+               (SELECT COUNT(*) FROM candidates k WHERE k.run_id=c.run_id AND k.card_id=c.card_id
+                  AND k.verdict='valid') AS n_valid,
+               (SELECT kernel_us FROM candidates k WHERE k.id=c.best_candidate) AS best_us,
+               (SELECT COALESCE(SUM(cost_usd), 0) FROM llm_calls l WHERE l.run_id=c.run_id
+                  AND l.card_id=c.card_id) AS cost_usd
+        FROM cards c WHERE c.run_id=? {where}
+        ORDER BY COALESCE(c.share, 0) DESC, c.card_id"""
+
+    @staticmethod
+    def _card_row(row: dict) -> dict:
+        row["op_name"] = row["op"].removeprefix("aten::").removesuffix(".default")
+        # Floor % = how close to the HBM floor a latency is (100 % = moves its bytes at copy bandwidth).
+        row["eager_floor_pct"] = _pct(row["floor_us"], row["eager_us"])
+        row["best_floor_pct"] = _pct(row["floor_us"], row["best_us"])
+        return row
+
+    @_ttl
+    def cards(self, run_id: str) -> list[dict]:
+        """Cards of a run ranked by share of runtime."""
+        return [self._card_row(r) for r in self._q(run_id, self._CARD_SQL.format(where=""), (run_id,))]
+
+    @_ttl
+    def card(self, run_id: str, card_id: str) -> dict:
+        rows = self._q(run_id, self._CARD_SQL.format(where="AND c.card_id=?"), (run_id, card_id))
+        if not rows:
+            raise NotFound(f"run {run_id!r} has no card {card_id!r}; pick one on the run's cards page")
+        row = self._card_row(rows[0])
+        (extra,) = self._q(run_id, "SELECT card_json FROM cards WHERE run_id=? AND card_id=?", (run_id, card_id))
+        card = _loads(extra["card_json"], {})
+        row["module_paths"] = card.get("module_paths", [])
+        row["arch"] = card.get("arch", "")
+        return row
+
+    # ---- candidates ----------------------------------------------------------------
+    _LIST_COLUMNS = ("id, card_id, parent_id, repair_of, iteration, created, proposer, kind, verdict, message, eager_us, "
+                     "kernel_us, dispatched_us, speedup, reward, max_abs_err, max_rel_err, eval_s, flags_json")
+
+    @_ttl
+    def candidates(self, run_id: str, card_id: str) -> list[dict]:
+        """Every candidate of a card in the order it was evaluated (no sources: they are large)."""
+        rows = self._q(run_id, f"SELECT {self._LIST_COLUMNS} FROM candidates WHERE run_id=? AND card_id=? ORDER BY id",
+                       (run_id, card_id))
+        for r in rows:
+            r["summary"] = first_line(r["message"])
+            r["flags"] = _loads(r.pop("flags_json"), [])
+        return rows
+
+    @_ttl
+    def candidate(self, run_id: str, cand_id: int) -> dict:
+        """One candidate with its parsed plan, knobs, evidence and the source it was derived from.
+
+        The diff base is the candidate it repairs if it is a repair, else its tree parent."""
+        rows = self._q(run_id, "SELECT * FROM candidates WHERE run_id=? AND id=?", (run_id, cand_id))
+        if not rows:
+            raise NotFound(f"run {run_id!r} has no candidate #{cand_id}; pick one on its card's page")
+        c = rows[0]
+        c["plan"] = _loads(c.pop("plan_json"), {})
+        c["knobs"] = _loads(c.pop("knobs_json"), {})
+        c["evidence"] = _loads(c.pop("evidence_json"), {})
+        c["flags"] = _loads(c.pop("flags_json"), [])
+        base_id = c["repair_of"] if c["repair_of"] is not None else c["parent_id"]
+        c["base_id"], c["base_source"] = base_id, None
+        if base_id is not None:
+            base = self._q(run_id, "SELECT source FROM candidates WHERE run_id=? AND id=?", (run_id, base_id))
+            c["base_source"] = base[0]["source"] if base else None
+        return c
+
+    def tree_edges(self, run_id: str, card_id: str) -> list[dict]:
+        """Edges of the search tree: `source` None is the root (eager). A repair hangs off the
+        failed candidate it repairs, so repair chains read top to bottom."""
+        edges = []
+        for c in self.candidates(run_id, card_id):
+            if c["repair_of"] is not None:
+                edges.append({"source": c["repair_of"], "target": c["id"], "kind": "repair"})
+            else:
+                edges.append({"source": c["parent_id"], "target": c["id"], "kind": "child"})
+        return edges
+
+    def latency_history(self, run_id: str, card_id: str) -> list[dict]:
+        """Per evaluated candidate, in order: its latency and the best correct latency so far."""
+        best = math.inf
+        out = []
+        for c in self.candidates(run_id, card_id):
+            if c["verdict"] in CORRECT and c["kernel_us"]:
+                best = min(best, c["kernel_us"])
+            out.append({"id": c["id"], "iteration": c["iteration"], "verdict": c["verdict"],
+                        "kernel_us": c["kernel_us"], "best_us": best if math.isfinite(best) else None})
+        return out
+
+    # ---- failures, events, providers ------------------------------------------------------
+    @_ttl
+    def failures(self, run_id: str) -> list[dict]:
+        """Failed candidates grouped by verdict and the first line of their message, biggest group first."""
+        rows = self._q(run_id, "SELECT k.id, k.card_id, k.verdict, k.message, c.summary FROM candidates k "
+                               "LEFT JOIN cards c ON c.run_id=k.run_id AND c.card_id=k.card_id "
+                               f"WHERE k.run_id=? AND k.verdict NOT IN ({','.join('?' * len(CORRECT))}) ORDER BY k.id",
+                       (run_id, *CORRECT))
+        groups: dict[tuple[str, str], dict] = {}
+        for r in rows:
+            key = (r["verdict"], failure_kind(r["message"]))
+            g = groups.setdefault(key, {"verdict": key[0], "kind": key[1], "example": first_line(r["message"]),
+                                        "count": 0, "cards": {}, "candidates": []})
+            g["count"] += 1
+            g["cards"].setdefault(r["card_id"], r["summary"] or r["card_id"])
+            g["candidates"].append((r["card_id"], r["id"]))
+        return sorted(groups.values(), key=lambda g: (-g["count"], g["verdict"], g["kind"]))
+
+    @_ttl
+    def events(self, run_id: str, limit: int = 30) -> list[dict]:
+        return self._q(run_id, "SELECT created, level, kind, card_id, message FROM events WHERE run_id=? "
+                               "ORDER BY id DESC LIMIT ?", (run_id, limit))
+
+    @_ttl
+    def providers(self, run_id: str) -> list[dict]:
+        """Each proposer (builtin, llm:<model>) compared: outcomes, speedups, cards won, LLM spend."""
+        cands = self._q(run_id, "SELECT card_id, id, proposer, verdict, speedup FROM candidates WHERE run_id=?",
+                        (run_id,))
+        winners = {r["best_candidate"] for r in self.cards(run_id) if r["best_candidate"] is not None}
+        spend = {r["model"]: r for r in self._q(
+            run_id, "SELECT model, COUNT(*) AS calls, SUM(status != 'ok') AS failed_calls, "
+                    "COALESCE(SUM(cost_usd), 0) AS cost_usd, "
+                    "COALESCE(SUM(prompt_tokens), 0) + COALESCE(SUM(completion_tokens), 0) AS tokens, "
+                    "COALESCE(SUM(duration_s), 0) AS llm_s FROM llm_calls WHERE run_id=? GROUP BY model", (run_id,))}
+        by: dict[str, list[dict]] = {}
+        for c in cands:
+            by.setdefault(c["proposer"], []).append(c)
+        for model in spend:  # a model whose calls produced nothing parseable still cost money
+            by.setdefault(f"llm:{model}", [])
+        out = []
+        for proposer, cs in by.items():
+            speedups = [c["speedup"] for c in cs if c["verdict"] == "valid" and c["speedup"]]
+            valid, slower = len(speedups), sum(c["verdict"] == "slower" for c in cs)
+            failed = len(cs) - valid - slower
+            s = spend.get(proposer.removeprefix("llm:"), {}) if proposer.startswith("llm:") else {}
+            cost = s.get("cost_usd", 0.0)
+            out.append({
+                "proposer": proposer, "candidates": len(cs), "valid": valid, "slower": slower, "failed": failed,
+                "failure_rate": failed / len(cs) if cs else None,
+                "best_speedup": max(speedups, default=None),
+                "median_speedup": statistics.median(speedups) if speedups else None,
+                "cards_won": sum(c["id"] in winners for c in cs),
+                "llm_calls": s.get("calls", 0), "failed_calls": s.get("failed_calls", 0) or 0,
+                "tokens": s.get("tokens", 0), "cost_usd": cost,
+                "cost_per_valid": cost / valid if valid and cost else None,
+            })
+        return sorted(out, key=lambda r: (r["proposer"] != "builtin", r["proposer"]))
+
+    # ---- packages ---------------------------------------------------------------------
+    def _package_files(self, run_id: str) -> list[Path]:
+        """Where a run's .cast may be, most likely first: .cast files given to the catalog, the
+        `out` of the run's config, then *.cast in the run dir and next to it (newest first)."""
+        run_dir = self._log_of(run_id).parent
+        given = [r for r in self.roots if r.suffix == ".cast"]
+        out = self.run_config(run_id).get("out")
+        configured = [(run_dir / Path(out).expanduser())] if isinstance(out, str) and out.endswith(".cast") else []
+        nearby = sorted((p for d in (run_dir, run_dir.parent) for p in d.glob("*.cast")),
+                        key=lambda p: -p.stat().st_mtime)
+        return list(dict.fromkeys(p for p in given + configured + nearby if p.is_file()))
+
+    @_ttl
+    def package(self, run_id: str) -> dict:
+        """The run's package manifest as rows (the first .cast found whose manifest names this
+        run), or why there is none to show."""
+        view: dict[str, Any] = {"path": None, "error": None, "header": {}, "cards": []}
+        problems = []
+        for path in self._package_files(run_id):
+            try:
+                with zipfile.ZipFile(path) as z:
+                    manifest = json.loads(z.read(MANIFEST))
+            except (zipfile.BadZipFile, KeyError, ValueError, OSError) as e:
+                problems.append(f"cannot read {path.name}: {e}; rebuild it with `kforge package`")
+                continue
+            if manifest.get("run_id", run_id) != run_id:
+                continue
+            view["path"] = str(path)
+            view["header"] = _flatten(manifest, skip=("cards",))
+            view["cards"] = [manifest_row(e) for e in manifest.get("cards", []) if isinstance(e, dict)]
+            return view
+        view["error"] = "; ".join(problems) or (
+            f"no package for this run yet: `kforge package {self._log_of(run_id).parent} --out model.cast` writes "
+            "one (on the GPU that searched it); give its path to the dashboard if it is elsewhere")
+        return view
+
+
+MANIFEST = "manifest.json"
+
+
+def _flatten(d: dict, skip: tuple[str, ...] = (), prefix: str = "") -> dict[str, Any]:
+    """Scalars of a manifest's header, nested keys joined ("gpu name")."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if k in skip:
+            continue
+        if isinstance(v, dict):
+            out.update(_flatten(v, prefix=f"{prefix}{k} "))
+        elif not isinstance(v, list) and v is not None:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def manifest_row(e: dict) -> dict:
+    """One card entry of a manifest (kforge.package format), flattened for a table."""
+    timing, error = e.get("timing") or {}, e.get("error") or {}
+    eager, kernel = timing.get("eager_us"), timing.get("kernel_us")
+    tolerances = error.get("tolerances")
+    if isinstance(tolerances, dict):
+        tolerances = ", ".join(f"{k}={v:g}" for k, v in tolerances.items() if isinstance(v, (int, float)))
+    return {
+        "card_id": e.get("id", ""), "op": e.get("op", ""), "summary": e.get("summary", ""),
+        "decision": e.get("decision", ""), "reason": e.get("reason") or "", "kind": e.get("kind") or "",
+        "eager_us": eager, "kernel_us": kernel, "dispatched_us": timing.get("dispatched_us"),
+        "eager_dispatched_us": timing.get("eager_dispatched_us"),
+        "speedup": eager / kernel if eager and kernel else None,
+        "max_abs_err": error.get("max_abs_err"), "tolerance": tolerances or "",
+        "candidate": (e.get("candidate") or {}).get("log_id"),
+    }
+
+
+def estimated_speedup(cards: list[dict]) -> float | None:
+    """Whole-model speedup implied by the winners and their shares (Amdahl), if any won."""
+    saved = sum((c["share"] or 0.0) * (1.0 - 1.0 / c["best_speedup"]) for c in cards if c["best_speedup"])
+    return 1.0 / (1.0 - saved) if saved > 0 and saved < 1 else None
+
+
+def _pct(floor_us: float | None, latency_us: float | None) -> float | None:
+    return 100.0 * floor_us / latency_us if floor_us and latency_us else None

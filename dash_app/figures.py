@@ -1,0 +1,74 @@
+"""Pure functions from catalog rows to plotly figures and cytoscape elements."""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+from .components import VERDICT_COLORS, fmt_us, fmt_x, speedup_color
+from .data import CORRECT
+
+ROOT = "root"
+
+TREE_STYLE = [
+    {"selector": "node", "style": {"background-color": "data(color)", "label": "data(label)", "font-size": "10px",
+                                   "text-valign": "bottom", "text-margin-y": "3px", "width": 18, "height": 18}},
+    {"selector": f"#{ROOT}", "style": {"shape": "round-rectangle", "width": 64, "height": 22, "text-valign": "center",
+                                       "color": "#fff", "text-margin-y": 0}},
+    {"selector": "node:selected", "style": {"border-width": 3, "border-color": "#f59e0b"}},
+    {"selector": "edge", "style": {"curve-style": "bezier", "target-arrow-shape": "triangle", "width": 1.5,
+                                   "line-color": "#cbd5e1", "target-arrow-color": "#cbd5e1"}},
+    {"selector": "edge.repair", "style": {"line-style": "dashed", "line-color": "#ef9a9a",
+                                          "target-arrow-color": "#ef9a9a"}},
+]
+TREE_LAYOUT = {"name": "breadthfirst", "roots": f"#{ROOT}", "directed": True, "spacingFactor": 1.0,
+               "animate": False}
+
+
+def node_id(cand_id: int) -> str:
+    return f"c{cand_id}"
+
+
+def tree_elements(card: dict, candidates: list[dict], edges: list[dict]) -> list[dict]:
+    """The MCTS tree: eager at the root, failures colored by verdict, valid ones by speedup."""
+    top = max((c["speedup"] for c in candidates if c["verdict"] == "valid" and c["speedup"]), default=2.0)
+    elements = [{"data": {"id": ROOT, "label": f"eager {fmt_us(card['eager_us'])}", "color": "#111827"}}]
+    for c in candidates:
+        valid = c["verdict"] == "valid" and c["speedup"]
+        label = f"#{c['id']}" + (f" {fmt_x(c['speedup'])}" if valid else "")
+        color = speedup_color(c["speedup"], top) if valid else VERDICT_COLORS.get(c["verdict"], "#9ca3af")
+        elements.append({"data": {"id": node_id(c["id"]), "cid": c["id"], "label": label, "color": color,
+                                  "verdict": c["verdict"]}})
+    known = {c["id"] for c in candidates}
+    for e in edges:
+        source = node_id(e["source"]) if e["source"] in known else ROOT
+        elements.append({"data": {"source": source, "target": node_id(e["target"])}, "classes": e["kind"]})
+    return elements
+
+
+def latency_figure(card: dict, history: list[dict]) -> go.Figure:
+    """Each correct candidate's latency and the best so far, against eager and the HBM floor."""
+    fig = go.Figure()
+    for verdict in CORRECT:
+        pts = [h for h in history if h["verdict"] == verdict and h["kernel_us"]]
+        if pts:
+            fig.add_scatter(x=[h["iteration"] for h in pts], y=[h["kernel_us"] for h in pts], mode="markers",
+                            name=verdict, marker={"color": VERDICT_COLORS[verdict], "size": 7},
+                            customdata=[h["id"] for h in pts],
+                            hovertemplate="#%{customdata}: %{y:.3g} µs<extra>" + verdict + "</extra>")
+    best = [h for h in history if h["best_us"] is not None]
+    if best:
+        fig.add_scatter(x=[h["iteration"] for h in best], y=[h["best_us"] for h in best], mode="lines",
+                        line={"shape": "hv", "color": "#1b5e20", "width": 2}, name="best so far",
+                        hovertemplate="best %{y:.3g} µs<extra></extra>")
+    # Reference levels as line traces, not add_hline: hline annotations misplace log axes' ranges.
+    xs = [h["iteration"] for h in history] or [0]
+    span = [min(xs), max(max(xs), min(xs) + 1)]
+    for value, name, color in ((card["eager_us"], "eager", "#111827"), (card["floor_us"], "HBM floor", "#b91c1c")):
+        if value:
+            fig.add_scatter(x=span, y=[value, value], mode="lines", name=f"{name} {fmt_us(value)}",
+                            line={"dash": "dash", "color": color, "width": 1}, hoverinfo="skip")
+    fig.update_layout(margin={"l": 50, "r": 20, "t": 30, "b": 40}, height=320, template="plotly_white",
+                      xaxis_title="iteration", yaxis_title="latency (µs)", legend={"orientation": "h", "y": 1.12},
+                      uirevision="keep")  # keep the user's zoom across live updates
+    fig.update_yaxes(type="log")
+    return fig

@@ -1,0 +1,283 @@
+"""The dashboard's read-only queries, against a search log written with SearchLog."""
+
+from __future__ import annotations
+
+import json
+import math
+import zipfile
+
+import pytest
+
+pytest.importorskip("dash")
+pytest.importorskip("dash_cytoscape")
+
+from conftest_dash import LLM, import_dash_app, kernel, write_demo_run  # noqa: E402
+
+from kforge.log import SearchLog  # noqa: E402
+from kforge.verdict import EvalResult, Verdict  # noqa: E402
+
+import_dash_app()
+from dash_app import figures  # noqa: E402
+from dash_app.components import highlight  # noqa: E402
+from dash_app.data import Catalog, NotFound, failure_kind  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    return write_demo_run(tmp_path_factory.mktemp("dash-data"))
+
+
+@pytest.fixture
+def cat(demo):
+    return Catalog([demo.run_dir], ttl_s=0)
+
+
+def by_key(rows, key="verdict"):
+    out = {}
+    for r in rows:
+        out.setdefault(r[key], []).append(r)
+    return out
+
+
+def test_runs_overview(cat, demo):
+    (run,) = cat.runs()
+    assert run["id"] == demo.run_id and run["model"] == "TinyModel" and run["status"] == "running"
+    assert run["device"] == "NVIDIA H200" and run["arch"] == "sm_90"
+    assert (run["cards"], run["searched"], run["done"], run["candidates"]) == (len(demo.card_ids), 3, 2, 15)
+    assert run["best"][0][1] == pytest.approx(2.9)
+    assert [s for _, s in run["best"]] == sorted((s for _, s in run["best"]), reverse=True)
+    assert run["cost_usd"] == pytest.approx(4 * 0.0125 + 0.01)
+    assert run["llm_calls"] == 6
+    # Amdahl over the three cards that have winners
+    shares = {c["card_id"]: (c["share"], c["best_speedup"]) for c in cat.cards(demo.run_id) if c["best_speedup"]}
+    saved = sum(s * (1 - 1 / x) for s, x in shares.values())
+    assert run["est_speedup"] == pytest.approx(1 / (1 - saved))
+
+
+def test_cards_ranked_with_progress_cost_and_floor(cat, demo):
+    cards = cat.cards(demo.run_id)
+    assert [c["card_id"] for c in cards] == demo.card_ids
+    assert [c["share"] for c in cards] == sorted((c["share"] for c in cards), reverse=True)
+    by_id = {c["card_id"]: c for c in cards}
+    main = by_id[demo.searched[0]]
+    assert main["status"] == "done" and main["n_candidates"] == 11 and main["n_valid"] == 4
+    assert main["iterations"] == 9  # last iteration 8, counted from 0
+    assert main["best_speedup"] == pytest.approx(2.9)
+    assert main["best_us"] == pytest.approx(main["eager_us"] / 2.9)
+    assert main["cost_usd"] == pytest.approx(4 * 0.0125)
+    assert main["best_floor_pct"] == pytest.approx(100 * main["floor_us"] / main["best_us"])
+    assert main["eager_floor_pct"] < main["best_floor_pct"]
+    third = by_id[demo.searched[2]]
+    assert third["status"] == "searching" and third["cost_usd"] == pytest.approx(0.01)
+    skipped = next(c for c in cards if c["family"] == "vendor")
+    assert skipped["status"] == "skipped" and "vendor" in skipped["skip_reason"]
+    assert skipped["best_speedup"] is None and skipped["best_floor_pct"] is None and skipped["n_candidates"] == 0
+    assert cat.card(demo.run_id, main["card_id"])["module_paths"]
+
+
+def test_candidates_and_one_candidate(cat, demo):
+    cands = cat.candidates(demo.run_id, demo.searched[0])
+    assert [c["id"] for c in cands] == sorted(c["id"] for c in cands) and len(cands) == 11
+    assert "source" not in cands[0]  # the list stays small; sources come with one candidate
+    verdicts = by_key(cands)
+    assert set(verdicts) == {v.value for v in Verdict} - {"untimed"}
+    compile_err = verdicts["compile_error"][0]
+    assert compile_err["summary"] == 'kernel.cu(5): error: identifier "blockDimx" is undefined'
+    repair = next(c for c in cands if c["repair_of"] == compile_err["id"])
+
+    full = cat.candidate(demo.run_id, repair["id"])
+    assert full["base_id"] == compile_err["id"]  # a repair diffs against what it repairs
+    assert "blockDimx" in full["base_source"] and "blockDimx" not in full["source"]
+    assert full["plan"]["kernels"][0]["name"] == "gelu_rows"
+    assert full["knobs"] == {"threads": 128, "vec": 2}
+    assert len(full["evidence"]["kernel_samples_us"]) == 100
+
+    child = cat.candidate(demo.run_id, verdicts["incorrect"][0]["id"])
+    assert child["base_id"] == child["parent_id"] is not None
+    assert child["evidence"]["worst"] == {"index": [0, 17], "got": 0.52, "expected": 0.21}
+    root_child = cat.candidate(demo.run_id, cands[0]["id"])
+    assert root_child["base_id"] is None and root_child["base_source"] is None
+
+
+def test_missing_things_raise_not_found_saying_what_to_do(cat, demo):
+    with pytest.raises(NotFound, match="no run 'nope'.*runs page"):
+        cat.cards("nope")
+    with pytest.raises(NotFound, match="no card"):
+        cat.card(demo.run_id, "0000")
+    with pytest.raises(NotFound, match="no candidate #99999"):
+        cat.candidate(demo.run_id, 99999)
+
+
+def test_tree_edges_hang_repairs_off_what_they_repair(cat, demo):
+    cands = {c["id"]: c for c in cat.candidates(demo.run_id, demo.searched[0])}
+    edges = cat.tree_edges(demo.run_id, demo.searched[0])
+    assert sorted(e["target"] for e in edges) == sorted(cands)
+    for e in edges:
+        c = cands[e["target"]]
+        if c["repair_of"] is not None:
+            assert e == {"source": c["repair_of"], "target": c["id"], "kind": "repair"}
+        else:
+            assert e == {"source": c["parent_id"], "target": c["id"], "kind": "child"}
+    assert sum(e["source"] is None for e in edges) == 2  # two first versions; the repair hangs off its failure
+    assert sum(e["kind"] == "repair" for e in edges) == 2
+
+
+def test_latency_history_tracks_best_correct_latency(cat, demo):
+    hist = cat.latency_history(demo.run_id, demo.searched[0])
+    bests = [h["best_us"] for h in hist if h["best_us"] is not None]
+    assert bests == sorted(bests, reverse=True)
+    eager = cat.card(demo.run_id, demo.searched[0])["eager_us"]
+    assert bests[0] == pytest.approx(eager / 1.3) and bests[-1] == pytest.approx(eager / 2.9)
+    slower = next(h for h in hist if h["verdict"] == "slower")
+    assert slower["kernel_us"] > slower["best_us"]  # a slower kernel never lowers the best
+
+
+def test_failures_grouped_by_verdict_and_normalized_first_line(cat, demo):
+    groups = cat.failures(demo.run_id)
+    assert sum(g["count"] for g in groups) == 7
+    assert [g["count"] for g in groups] == sorted((g["count"] for g in groups), reverse=True)
+    kinds = {(g["verdict"], g["kind"]): g for g in groups}
+    incorrect = kinds[("incorrect", "max abs err N > atol N at index N")]
+    assert incorrect["count"] == 2 and len(incorrect["cards"]) == 1
+    compile_err = next(g for g in groups if g["verdict"] == "compile_error")
+    assert compile_err["count"] == 2 and set(compile_err["cards"]) == set(demo.searched[:2])
+    assert all(v not in {g["verdict"] for g in groups} for v in ("valid", "slower"))
+
+
+def test_failure_kind_ignores_numbers_and_addresses():
+    assert failure_kind("fault at 0x7f00dead (block 12)\ndetails") == "fault at N (block N)"
+    assert failure_kind("") == "(no message)"
+    assert failure_kind("err 1.5e-3 vs 2") == failure_kind("err 0.2 vs 7")
+
+
+def test_providers_compared(cat, demo):
+    rows = {r["proposer"]: r for r in cat.providers(demo.run_id)}
+    assert list(rows) == ["builtin", LLM]
+    llm, builtin = rows[LLM], rows["builtin"]
+    assert (llm["candidates"], llm["valid"], llm["failed"]) == (5, 3, 2)
+    assert llm["failure_rate"] == pytest.approx(0.4)
+    assert llm["best_speedup"] == pytest.approx(2.9) and llm["median_speedup"] == pytest.approx(2.4)
+    assert llm["cards_won"] == 2 and builtin["cards_won"] == 1
+    assert llm["cost_usd"] == pytest.approx(0.06) and llm["llm_calls"] == 6 and llm["failed_calls"] == 1
+    assert llm["cost_per_valid"] == pytest.approx(0.02)
+    assert builtin["cost_usd"] == 0 and builtin["cost_per_valid"] is None
+    assert builtin["candidates"] == 10 and builtin["slower"] == 2
+
+
+def test_package_rows_and_missing_or_corrupt_package(cat, demo, tmp_path):
+    view = cat.package(demo.run_id)
+    assert view["error"] is None and view["path"].endswith("model.cast")
+    assert view["header"]["gpu name"] == "NVIDIA H200" and view["header"]["cuda nvrtc"] == "13.0"
+    rows = {r["decision"]: r for r in view["cards"]}
+    won, lost = rows["dispatched"], rows["fallback"]
+    assert won["kind"] == "custom" and won["speedup"] == pytest.approx(2.9) and won["candidate"] is not None
+    assert won["tolerance"] == "atol=1e-05, rtol=1e-05"
+    assert won["dispatched_us"] == pytest.approx(won["kernel_us"] + 2.0)
+    assert won["eager_dispatched_us"] == pytest.approx(won["eager_us"] + 3.0)
+    assert lost["reason"] == "not faster than eager as dispatched" and lost["kind"] == "vendor"
+    assert lost["candidate"] is None
+    assert won["summary"] == cat.card(demo.run_id, demo.searched[0])["summary"]
+
+    other = write_demo_run(tmp_path, run_id="no-package")
+    cast = other.run_dir / "model.cast"
+    moved = cast.rename(tmp_path / "elsewhere.cast.bak")
+    assert "no package for this run yet" in Catalog([other.run_dir], ttl_s=0).package("no-package")["error"]
+    named = tmp_path / "named" / "model.cast"  # a package given to the dashboard by path
+    named.parent.mkdir()
+    moved.rename(named)
+    assert Catalog([other.run_dir, named], ttl_s=0).package("no-package")["path"] == str(named)
+    assert Catalog([other.run_dir, named], ttl_s=0).runs()[0]["id"] == "no-package"  # not read as a log
+    cast.write_bytes(b"not a zip")
+    assert "cannot read model.cast" in Catalog([other.run_dir], ttl_s=0).package("no-package")["error"]
+    with zipfile.ZipFile(cast, "w") as z:
+        z.writestr("kernels/x.cu", "")
+    assert "manifest.json" in Catalog([other.run_dir], ttl_s=0).package("no-package")["error"]
+    assert Catalog([other.run_dir], ttl_s=0).package("no-package")["path"] is None
+
+
+def test_package_of_another_run_is_not_shown(demo, tmp_path):
+    other = write_demo_run(tmp_path, run_id="other-run")
+    (other.run_dir / "model.cast").unlink()
+    stray = demo.run_dir / "model.cast"
+    assert "no package for this run" in Catalog([other.run_dir, stray], ttl_s=0).package("other-run")["error"]
+
+
+def test_discovers_runs_in_subfolders_and_log_files(demo):
+    parent = demo.run_dir.parent
+    assert [r["id"] for r in Catalog([parent]).runs()] == [demo.run_id]
+    assert [r["id"] for r in Catalog([demo.run_dir / "search.sqlite"]).runs()] == [demo.run_id]
+    assert Catalog([parent / "does-not-exist"]).runs() == []
+
+
+def test_ttl_cache_serves_stale_rows_until_it_expires(tmp_path):
+    run = write_demo_run(tmp_path, run_id="live")
+    cached, fresh = Catalog([run.run_dir], ttl_s=3600), Catalog([run.run_dir], ttl_s=0)
+    card = run.searched[2]
+    before = len(cached.candidates("live", card))
+    assert len(fresh.candidates("live", card)) == before
+    log = SearchLog(run.run_dir)
+    log.add_candidate("live", card, kernel("gelu_rows", 64, 2), EvalResult(Verdict.VALID, eager_us=10, kernel_us=5),
+                      parent_id=None, iteration=1)
+    log.close()
+    assert len(cached.candidates("live", card)) == before
+    assert len(fresh.candidates("live", card)) == before + 1
+
+
+def test_tree_elements_color_failures_by_verdict_and_winners_by_speedup(cat, demo):
+    cid = demo.searched[0]
+    card, cands = cat.card(demo.run_id, cid), cat.candidates(demo.run_id, cid)
+    els = figures.tree_elements(card, cands, cat.tree_edges(demo.run_id, cid))
+    nodes = {e["data"]["id"]: e["data"] for e in els if "source" not in e["data"]}
+    edges = [e for e in els if "source" in e["data"]]
+    assert len(nodes) == 12 and len(edges) == 11 and figures.ROOT in nodes
+    assert {e["data"]["source"] for e in edges} <= set(nodes)
+    assert sum(e["classes"] == "repair" for e in edges) == 2
+    valid = sorted((c for c in cands if c["verdict"] == "valid"), key=lambda c: c["speedup"])
+    shades = [nodes[figures.node_id(c["id"])]["color"] for c in valid]
+    assert len(set(shades)) == len(shades)  # each speedup its own shade of green
+    darkness = [sum(int(x) for x in s.removeprefix("rgb(").rstrip(")").split(",")) for s in shades]
+    assert darkness == sorted(darkness, reverse=True)  # faster is darker
+    hang = next(c for c in cands if c["verdict"] == "hang")
+    assert nodes[figures.node_id(hang["id"])]["color"] == "#283593"
+    assert nodes[figures.node_id(valid[-1]["id"])]["label"].endswith("2.90×")
+
+
+def test_latency_figure_has_best_line_eager_and_floor(cat, demo):
+    cid = demo.searched[0]
+    fig = figures.latency_figure(cat.card(demo.run_id, cid), cat.latency_history(demo.run_id, cid))
+    card = cat.card(demo.run_id, cid)
+    names = [t.name for t in fig.data]
+    assert names[:3] == ["valid", "slower", "best so far"]
+    assert names[3].startswith("eager") and names[4].startswith("HBM floor")
+    assert list(fig.data[3].y) == [card["eager_us"]] * 2 and list(fig.data[4].y) == [card["floor_us"]] * 2
+    assert fig.layout.yaxis.type == "log"
+    assert not any(math.isnan(y) for y in fig.data[2].y)
+
+
+def test_highlight_keeps_text_and_adds_classes():
+    source = kernel("k", 256, 1).source
+    pre = highlight(source, "cuda")
+    spans = pre.children.children
+    text = "".join(s if isinstance(s, str) else s.children for s in spans)
+    assert text.rstrip("\n") == source.rstrip("\n")
+    assert {"k", "kt"} & {s.className for s in spans if not isinstance(s, str)}  # keywords / types styled
+
+
+def test_pretty_json_keeps_deep_values_on_one_line():
+    from dash_app.components import pretty_json
+
+    plan = kernel("k", 256, 1).plan.to_json()
+    text = pretty_json(plan)
+    assert json.loads(text) == plan
+    assert '      "args": [{"in": 0}, {"out": 0}, {"i32": 2048}]' in text.splitlines()
+    assert pretty_json({}) == "{}" and pretty_json([1, [2]], inline_from=1) == "[\n  1,\n  [2]\n]"
+
+
+def test_unreadable_log_is_skipped_and_reported(tmp_path):
+    bad = tmp_path / "bad" / "search.sqlite"
+    bad.parent.mkdir()
+    bad.write_bytes(b"this is not sqlite" * 100)
+    cat = Catalog([bad], ttl_s=0)
+    assert cat.runs() == []
+    with pytest.raises(NotFound, match="is it a kforge search log"):
+        cat._read(bad, "SELECT id FROM runs")
