@@ -274,6 +274,19 @@ class Card:
     def key(self) -> tuple:
         return (self.op, tuple(a.key() for a in self.args), self.arch)
 
+    def retarget(self, device: str, arch: str) -> "Card":
+        """The same call on another device type: what a CPU capture would be on the GPU.
+        Kernels can be generated and compiled for it; it has no samples of its own."""
+        from dataclasses import replace
+
+        def move(m: TensorMeta | None) -> TensorMeta | None:
+            return replace(m, device=device) if m is not None else None
+
+        args = [replace(a, tensor=move(a.tensor), tensors=[move(m) for m in a.tensors] if a.tensors is not None else None)
+                for a in self.args]
+        return replace(self, args=args, outputs=[move(m) for m in self.outputs], arch=arch, id="", samples=0,
+                       notes=self.notes + [f"retargeted from a {self.device_type} capture ({self.id}) to {device} {arch}"])
+
     # ---- the op itself ------------------------------------------------------------------
     def overload(self) -> torch._ops.OpOverload:
         ns, rest = self.op.split("::", 1)

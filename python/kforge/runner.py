@@ -240,6 +240,10 @@ def search_run(run_dir: str | Path, *, out: str | Path | None = None, proposer: 
     devs = gpu_devices(devices)
     validated = bool(devs)
     hardware = current(devs[0] if devs else None)
+    if not validated:
+        # Without a GPU, kernels are still generated and compiled for the GPU the cards
+        # would run on; a CPU capture is retargeted to it.
+        all_cards = [c.retarget("cuda", hardware.arch) if c.device_type != "cuda" else c for c in all_cards]
     log = SearchLog(run_dir)
     run_id = _open_run(log, resume, validated, model_name, hardware, dict(
         proposer=proposer if isinstance(proposer, str) else getattr(proposer, "__name__", "custom"),
