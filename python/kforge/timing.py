@@ -92,3 +92,28 @@ def bench_plan(plan, input_sets, outputs, workspaces=(), *, device=None, warmup_
                   [t.data_ptr() for t in workspaces], int(stream), buf.data_ptr(), buf.numel() * 4,
                   warmup_ms, min_reps, min_ms, max_reps)
     return Measurement([x * 1e3 for x in ms])
+
+
+def time_as_called(entries, *, calls: int = 32, rounds: int = 25, device=None) -> list[Measurement]:
+    """Latency per call as a model sees it: `calls` back-to-back calls between one event pair,
+    host overhead included and no flush between calls (so both sides see the same warm L2).
+    `entries` are (context factory, fn): the context (e.g. a package installed) is entered
+    outside the timed region; rounds interleave the entries."""
+    import torch
+
+    stream = torch.cuda.current_stream(device)
+    samples: list[list[float]] = [[] for _ in entries]
+    for r in range(rounds + 2):  # the first two rounds warm up
+        for i, (ctx, fn) in enumerate(entries):
+            with ctx():
+                fn()
+                torch.cuda.synchronize(device)
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record(stream)
+                for _ in range(calls):
+                    fn()
+                e.record(stream)
+                e.synchronize()
+            if r >= 2:
+                samples[i].append(s.elapsed_time(e) * 1e3 / calls)
+    return [Measurement(x) for x in samples]

@@ -63,6 +63,8 @@ def bounds(dtype: torch.dtype) -> tuple[float, float, float]:
     """(rtol floor, atol floor, atol cap), the last two relative to the output's scale."""
     if dtype in _BOUNDS:
         return _BOUNDS[dtype]
+    if dtype.is_complex:
+        return bounds(dtype.to_real())
     eps = torch.finfo(dtype).eps  # fp8 and friends: a few ulps, capped like the half types
     return (2 * eps, eps, max(5e-2, 4 * eps))
 
@@ -94,13 +96,13 @@ def derive(card: Card, inputs: list[torch.Tensor], reference: list[torch.Tensor]
 def _from_error(ref: torch.Tensor, hi: torch.Tensor | None, how_ref: str) -> Tolerance:
     rtol, floor, cap = bounds(ref.dtype)
     name = str(ref.dtype).removeprefix("torch.")
-    basis = (hi if hi is not None else ref).detach().to("cpu", torch.float64)
+    basis = _real64(hi if hi is not None else ref)
     finite = basis[torch.isfinite(basis)]
     scale = float(finite.square().mean().sqrt()) if finite.numel() else 0.0
     scale = max(scale, torch.finfo(torch.float64).tiny)  # an all-zero output must be matched exactly
     if hi is None:
         return Tolerance(floor * scale, rtol, f"{name} floor x rms {scale:.3g} ({how_ref})")
-    got = ref.detach().to("cpu", torch.float64)
+    got = _real64(ref)
     both = torch.isfinite(got) & torch.isfinite(basis)
     excess = (got - basis).abs().sub(rtol * basis.abs()).clamp_min(0.0)[both]
     measured = float(excess.max()) / scale if excess.numel() else 0.0
@@ -109,6 +111,14 @@ def _from_error(ref: torch.Tensor, hi: torch.Tensor | None, how_ref: str) -> Tol
     how = (f"{name}: eager vs {how_ref} needs atol {measured:.3g} x rms {scale:.3g}; "
            f"atol = {rel:.3g} x rms ({which}), rtol = {rtol:.3g} ({name} floor)")
     return Tolerance(rel * scale, rtol, how)
+
+
+def _real64(t: torch.Tensor) -> torch.Tensor:
+    """float64 values on the CPU; complex numbers as (real, imag) pairs."""
+    t = t.detach().to("cpu")
+    if t.is_complex():
+        return torch.view_as_real(t.to(torch.complex128).resolve_conj())
+    return t.to(torch.float64)
 
 
 def _precise_reference(card: Card, inputs: list[torch.Tensor]) -> tuple[list[torch.Tensor] | None, str]:
@@ -130,4 +140,6 @@ def _upcast(t: torch.Tensor, dtype: torch.dtype, device: torch.device | None) ->
     # Copies always, so an in-place op never touches the caller's tensors.
     if t.is_floating_point():
         return t.detach().to(device=device or t.device, dtype=dtype, copy=True)
+    if t.is_complex():
+        return t.detach().to(device=device or t.device, dtype=torch.complex128 if dtype == torch.float64 else torch.complex64, copy=True)
     return t.detach().to(device=device or t.device, copy=True)

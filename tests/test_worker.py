@@ -1,0 +1,263 @@
+"""The worker protocol end to end, in real spawned processes, with the FakeBackend: good
+kernels get timed verdicts, cheats are caught, crashes and hangs cost one worker and the
+pool goes on, and processes and memory stay bounded."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from evalkit import fake, relu_card, softmax_card
+from kforge.cards import save_card, save_sample
+from kforge.errors import CardError
+from kforge.evaluate import CompileOnlyEvaluator, make_evaluator
+from kforge.verdict import Verdict
+from kforge.worker import FATAL_EXIT
+
+pytestmark = pytest.mark.timeout(300)
+
+FAST = dict(min_reps=5, min_ms=0.0, warmup_ms=0.0, fresh_sets=3)
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    with make_evaluator(tmp_path_factory.mktemp("run"), backend="fake", timeout_s=2.0, **FAST) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def card():
+    return relu_card()
+
+
+def _restarts(pool) -> int:
+    return pool.handles[0].starts
+
+
+def test_good_kernel_is_timed_against_eager(pool, card):
+    r = pool.evaluate(card, fake("relu_good"))
+    assert r.verdict in (Verdict.VALID, Verdict.SLOWER), r.message
+    assert r.eager_us > 0 and r.kernel_us > 0 and r.max_abs_err == 0.0
+    assert r.evidence["input_sets"] == ["seed1", "seed2", "seed3"]
+    assert len(r.evidence["kernel_samples_us"]) == 5 and r.evidence["tolerance"]["rtol"] == 1e-5
+    assert r.dispatched_us is None
+
+
+def test_slow_kernel_is_slower(pool, card):
+    r = pool.evaluate(card, fake("relu_sleepy"))
+    assert r.verdict is Verdict.SLOWER, r.message
+
+
+@pytest.mark.parametrize("name, check", [
+    ("relu_partial", "unwritten"),
+    ("relu_zeros", "constant"),
+    ("relu_nan", "nonfinite"),
+    ("relu_mutates", "inputs_mutated"),
+    ("relu_jitter", "nondeterministic"),
+    ("relu_overfit", "mismatch"),
+])
+def test_cheats_are_incorrect(pool, card, name, check):
+    r = pool.evaluate(card, fake(name))
+    assert r.verdict is Verdict.INCORRECT, r.message
+    assert r.evidence["check"] == check, r.evidence
+
+
+def test_declared_atomics_allow_tiny_run_to_run_differences(pool, card):
+    r = pool.evaluate(card, fake("relu_jitter", atomics=True))
+    assert r.verdict in (Verdict.VALID, Verdict.SLOWER), r.message
+
+
+def test_fp16_math_in_an_fp32_softmax_is_incorrect(pool):
+    card = softmax_card(8, 4096)
+    assert pool.evaluate(card, fake("softmax_good")).verdict in (Verdict.VALID, Verdict.SLOWER)
+    r = pool.evaluate(card, fake("softmax_half"))
+    assert r.verdict is Verdict.INCORRECT and r.evidence["check"] == "mismatch"
+    assert r.evidence["worst"]["got"] != r.evidence["worst"]["expected"]
+
+
+def test_kernel_that_stops_working_after_the_checks_is_caught_after_timing(pool, card):
+    r = pool.evaluate(card, fake("relu_counter"))
+    assert r.verdict is Verdict.INCORRECT, r.message
+    assert r.evidence["after_timing"] and r.evidence["check"] == "unwritten"
+
+
+def test_compile_error_for_an_unknown_kernel(pool, card):
+    r = pool.evaluate(card, fake("no_such_kernel"))
+    assert r.verdict is Verdict.COMPILE_ERROR and "no_such_kernel" in r.compile_log
+
+
+def test_mislabelled_vendor_wrapper_never_reaches_a_worker(pool, card):
+    cand = fake("relu_good")
+    cand.source += "\n#include <cudnn.h>"
+    before = pool.handles[0].served
+    r = pool.evaluate(card, cand)
+    assert r.verdict is Verdict.INCORRECT and "mislabelled vendor wrapper" in r.message
+    assert pool.handles[0].served == before
+
+
+def test_crash_exit_is_a_runtime_error_and_the_pool_goes_on(pool, card):
+    starts = _restarts(pool)
+    r = pool.evaluate(card, fake("relu_exit"))
+    assert r.verdict is Verdict.RUNTIME_ERROR and r.evidence["exitcode"] == 7, r.message
+    assert pool.evaluate(card, fake("relu_good")).verdict in (Verdict.VALID, Verdict.SLOWER)
+    assert _restarts(pool) == starts + 1
+
+
+def test_segfault_is_a_runtime_error_naming_the_signal(pool, card):
+    r = pool.evaluate(card, fake("relu_segv"))
+    assert r.verdict is Verdict.RUNTIME_ERROR and r.evidence["signal"] == "SIGSEGV", r.message
+    assert "SIGSEGV" in r.message
+
+
+def test_poisoning_cuda_error_ends_the_worker_after_it_reports(pool, card):
+    pid = pool.handles[0].ping()["pid"]
+    r = pool.evaluate(card, fake("relu_illegal_address"))
+    assert r.verdict is Verdict.RUNTIME_ERROR and r.evidence["cuda_error"] == "CUDA_ERROR_ILLEGAL_ADDRESS"
+    assert r.evidence["worker_exit"] == FATAL_EXIT
+    assert pool.handles[0].ping()["pid"] != pid
+
+
+def test_recoverable_cuda_error_keeps_the_worker(pool, card):
+    pid = pool.handles[0].ping()["pid"]
+    r = pool.evaluate(card, fake("relu_out_of_resources"))
+    assert r.verdict is Verdict.RUNTIME_ERROR and r.evidence["cuda_error"] == "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"
+    assert pool.handles[0].ping()["pid"] == pid
+
+
+def test_hang_is_killed_within_the_timeout(pool, card):
+    pool.evaluate(card, fake("relu_good"))  # card prepared, worker warm: only the launch is timed
+    t0 = time.monotonic()
+    r = pool.evaluate(card, fake("relu_hang"))
+    took = time.monotonic() - t0
+    assert r.verdict is Verdict.HANG, r.message
+    assert r.evidence["phase"] == "compiled" and r.evidence["timeout_s"] == 2.0
+    assert 2.0 <= took < 6.0
+    assert pool.evaluate(card, fake("relu_good")).verdict in (Verdict.VALID, Verdict.SLOWER)
+
+
+def test_captured_sample_is_checked_first(tmp_path):
+    card = relu_card((32, 32))
+    card.samples = 1
+    x = card.random_inputs(99, "cpu")
+    save_card(card, tmp_path)
+    save_sample(card, tmp_path, 0, x, card.call_eager(x))
+    with make_evaluator(tmp_path, backend="fake", **FAST) as p:
+        r = p.evaluate(card, fake("relu_good"))
+        assert r.evidence["input_sets"][0] == "sample0", r.evidence
+
+
+def test_card_that_eager_cannot_run_raises_card_error(tmp_path):
+    card = relu_card((8,))
+    card.op = "aten::cholesky.default"  # rejects a 1-D input: the card, not the kernel, is broken
+    with make_evaluator(tmp_path, backend="fake", **FAST) as p:
+        with pytest.raises(CardError, match="eager aten::cholesky.default fails"):
+            p.evaluate(card, fake("relu_good"))
+
+
+def test_beyond_roofline_is_flagged_and_kept_when_revalidation_passes(tmp_path, card):
+    slow_hbm = dict(FAST, backend_options={"bandwidth": 1.0})  # 1 B/s: every kernel beats the "floor"
+    with make_evaluator(tmp_path, backend="fake", **slow_hbm) as p:
+        r = p.evaluate(card, fake("relu_good"))
+        assert "beyond_roofline" in r.flags and r.verdict in (Verdict.VALID, Verdict.SLOWER)
+
+
+def test_vendor_label_is_flagged(pool, card):
+    r = pool.evaluate(card, fake("relu_good", kind="vendor"))
+    assert "vendor_wrapper" in r.flags
+
+
+def test_processes_and_memory_stay_bounded(tmp_path, card):
+    others = set(mp.active_children())  # the module's pool
+    with make_evaluator(tmp_path, backend="fake", restart_every=4, **FAST) as p:
+        h = p.handles[0]
+        rss = []
+        for i in range(10):
+            r = p.evaluate(card, fake("relu_good"))
+            assert r.verdict in (Verdict.VALID, Verdict.SLOWER)
+            assert len(set(mp.active_children()) - others) <= 1
+            if h.pid is not None:
+                rss.append(h.ping()["rss_bytes"])
+        assert h.starts == 3  # restarted after candidates 4 and 8
+        assert max(rss) < 2 * min(rss)
+    assert set(mp.active_children()) - others == set()
+
+
+def test_pool_is_thread_safe_across_devices(tmp_path, card):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with make_evaluator(tmp_path, backend="fake", devices=[0, 1], **FAST) as p:
+        with ThreadPoolExecutor(4) as ex:
+            results = list(ex.map(lambda n: p.evaluate(card, fake(n)), ["relu_good", "relu_zeros"] * 3))
+        assert [r.verdict is Verdict.INCORRECT for r in results] == [False, True] * 3
+        assert {h.starts for h in p.handles} == {1}
+
+
+def test_make_evaluator_rejects_unknown_options(tmp_path):
+    with pytest.raises(TypeError, match="min_rep"):
+        make_evaluator(tmp_path, backend="fake", min_rep=3)
+
+
+def test_cuda_backend_without_a_gpu_raises(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    from kforge.errors import CudaUnavailableError
+
+    with pytest.raises(CudaUnavailableError):
+        make_evaluator(tmp_path)
+
+
+# ---- compile only (NVRTC, no GPU) ---------------------------------------------------------
+
+FAULT_KERNELS = Path(__file__).parent / "gpu" / "kernels"
+
+
+def _nvrtc_or_skip():
+    from kforge import cuda
+    from kforge.errors import CudaUnavailableError
+
+    try:
+        cuda.load_nvrtc()
+    except CudaUnavailableError as e:
+        pytest.skip(f"NVRTC unavailable: {e}")
+
+
+@pytest.mark.parametrize("case", json.loads((FAULT_KERNELS / "cases.json").read_text())["cases"], ids=lambda c: c["name"])
+def test_fault_injection_kernels_compile_only(case):
+    """The GPU suite only means something if its bad kernels fail at run time, not at compile time."""
+    _nvrtc_or_skip()
+    from kforge.candidate import Candidate, LaunchPlan
+
+    plan = {"kernels": [{"name": n, "grid": g, "block": b, "args": a} for n, g, b, a in case["kernels"]],
+            "workspace": case.get("workspace", [])}
+    cand = Candidate((FAULT_KERNELS / case["file"]).read_text(), LaunchPlan.from_json(plan))
+    card = {"relu": relu_card, "softmax": softmax_card, "row_sum": _row_sum_card}[case["card"]]()
+    r = CompileOnlyEvaluator("sm_90").evaluate(card, cand)
+    if case["name"] == "vendor_cub":
+        assert r.verdict is Verdict.INCORRECT and r.evidence["check"] == "mislabelled_vendor"
+    else:
+        assert r.verdict is Verdict.UNTIMED, r.message
+        assert r.evidence["cubin_bytes"] > 0 and r.evidence["arch"] == "sm_90"
+
+
+def _row_sum_card():
+    from evalkit import make_card
+
+    return make_card(torch.ops.aten.sum.dim_IntList, torch.randn(4, 8), [-1])
+
+
+def test_compile_only_reports_the_log_and_missing_kernels():
+    _nvrtc_or_skip()
+    from kforge.candidate import Candidate, LaunchPlan
+
+    plan = LaunchPlan.from_json({"kernels": [{"name": "relu", "grid": [1], "block": [32], "args": [{"in": 0}, {"out": 0}]}]})
+    broken = Candidate('extern "C" __global__ void relu(const float* x, float* y) { y[0] = x[0] +; }', plan)
+    r = CompileOnlyEvaluator("sm_90").evaluate(relu_card(), broken)
+    assert r.verdict is Verdict.COMPILE_ERROR and "expected an expression" in r.compile_log
+    misnamed = Candidate('extern "C" __global__ void relu2(const float* x, float* y) { y[0] = x[0]; }', plan)
+    r = CompileOnlyEvaluator("sm_90").evaluate(relu_card(), misnamed)
+    assert r.verdict is Verdict.LOAD_ERROR and r.evidence["missing_kernels"] == ["relu"]
