@@ -406,3 +406,19 @@ def test_skip_reasons_and_table(tmp_path):
     assert r.cards[0].summary() in text and "3 of" not in text
     assert f"{len(r.cards) - 3} more cards not shown" in text
     assert sum(line.startswith("│") for line in text.splitlines()) == 3
+
+
+class ScalarArith(nn.Module):
+    """Python scalars in Tensor slots (wrapped numbers) at the backend key."""
+
+    def forward(self, x, i):
+        return (x.pow(2).mean(-1, keepdim=True) + 1e-6).rsqrt() * x, i + 2, i * 0.5
+
+
+def test_python_scalars_in_tensor_slots_are_captured_and_replay(tmp_path):
+    x, i = torch.randn(3, 8, dtype=torch.bfloat16), torch.arange(6, dtype=torch.int32)
+    want = ScalarArith()(x, i)
+    res = capture(ScalarArith(), (x, i), tmp_path / "run")
+    got = ScalarArith()(x, i)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got, want))
+    assert any(c.op == "aten::add.Tensor" for c in res.cards)

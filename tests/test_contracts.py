@@ -69,3 +69,15 @@ def test_faithful_clone_keeps_strides_alignment_and_values(make):
 def test_empty_like_meta_honours_misalignment():
     m = TensorMeta((4,), (1,), "float32", "cpu", align=4)
     assert pointer_alignment(empty_like_meta(m, "cpu").data_ptr()) == 4
+
+
+def test_io_bytes_counts_in_place_writes_once():
+    from kforge.cards import ArgSpec, Card
+
+    m = TensorMeta((1024,), (1,), "float32", "cuda")
+    add_ = Card("aten::add_.Tensor", "", [ArgSpec("self", "tensor", tensor=m, written=True),
+                                          ArgSpec("other", "tensor", tensor=m), ArgSpec("alpha", "value", value=1)],
+                [m], "sm_90", aliases={0: 0})
+    add = Card("aten::add.Tensor", "", [ArgSpec("self", "tensor", tensor=m), ArgSpec("other", "tensor", tensor=m),
+                                        ArgSpec("alpha", "value", value=1)], [m], "sm_90")
+    assert add_.io_bytes() == add.io_bytes() == 3 * 4096

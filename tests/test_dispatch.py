@@ -307,3 +307,22 @@ def test_installed_times_one_kernel_as_dispatched_and_restores():
     card.call_eager([x])
     assert variant.counters.hits == 1 and len(launcher.calls) == 1
     assert torch._C._dispatch_dump("aten::relu") == before
+
+
+@pytest.mark.parametrize("x, scalar", [
+    (torch.randn(4, 8).to(torch.bfloat16), 1e-6),
+    (torch.arange(6, dtype=torch.int32), 2),
+    (torch.arange(6, dtype=torch.int32), 0.5),
+    (torch.tensor([True, False]), 1),
+])
+def test_python_scalar_in_a_tensor_slot_falls_back_like_eager(cpu, x, scalar):
+    """`x + 1e-6` reaches a Python kernel with a float where add.Tensor says Tensor; the
+    fallback must still compute what eager does, with eager's result dtype."""
+    want = x + scalar
+    y = torch.randn(4, 8, dtype=torch.bfloat16)
+    card = make_card(aten.add.Tensor, y, y.clone())
+    v = Variant(card, 0, FakeLauncher(lambda ins, outs: outs[0].copy_(ins[0] + ins[1])))
+    cpu.add("pkg", [v])
+    got = x + scalar
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    assert v.counters.hits == 0 and sum(v.counters.fallbacks.values()) >= 1

@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .boxing import call_original
 from .cards import (ArgSpec, Card, TensorMeta, encode_value, flatten_outputs, pack, save_card, save_sample, unpack)
 from .errors import CaptureError, CardError
 from .families import family_of
@@ -376,13 +377,13 @@ class _Recorder:
 
         def recorded(keyset, *args, **kwargs):
             if self.quiet:
-                return original.call_boxed(keyset, *args, **kwargs)
+                return call_original(original, op, keyset, args, kwargs)
             call = self._begin(op, args, kwargs)
             if call is not None:
                 self._stack.append(call)
             try:
                 with _SeeOps(self):
-                    out = original.call_boxed(keyset, *args, **kwargs)
+                    out = call_original(original, op, keyset, args, kwargs)
             except Exception as e:
                 self.failed(e, op)
                 raise

@@ -264,12 +264,11 @@ class Card:
 
     def io_bytes(self) -> int:
         """Fewest bytes a kernel must move: every input read once, every output written once."""
-        written = self.written_inputs
-        aliased = set(self.aliases)
-        n = sum(m.nbytes for i, m in enumerate(self.inputs))
-        n += sum(m.nbytes for j, m in enumerate(self.outputs) if j not in aliased)
-        n += sum(self.inputs[i].nbytes for i in written if i < len(self.inputs) and i not in self.aliases.values())
-        return n
+        reads = sum(m.nbytes for m in self.inputs)
+        writes = sum(m.nbytes for m in self.outputs)  # an in-place output is still a write
+        returned = set(self.aliases.values())
+        writes += sum(self.inputs[i].nbytes for i in self.written_inputs if i not in returned)
+        return reads + writes
 
     def key(self) -> tuple:
         return (self.op, tuple(a.key() for a in self.args), self.arch)

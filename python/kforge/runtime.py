@@ -81,7 +81,9 @@ def current_stream(device_index: int | None) -> int:
     import torch
 
     idx = torch.cuda.current_device() if device_index is None else device_index
-    return torch._C._cuda_getCurrentRawStream(idx)
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    # The raw getter skips building a Stream object: ~2 us less on the dispatch hot path.
+    return raw(idx) if raw is not None else torch.cuda.current_stream(idx).cuda_stream
 
 
 def launch(plan, inputs, outputs, workspaces=(), stream=None) -> None:
