@@ -45,6 +45,9 @@ CASES = {
     "softmax 1x8x2048x2048 bf16": (lambda: softmax(1, 8, 2048, 2048, dtype=BF16), ("speedup", 2.0)),
     "softmax 8x262144 fp32": (lambda: softmax(8, 262144), ("speedup", 8.0)),
     "softmax 4096x256 fp32": (lambda: softmax(4096, 256), None),
+    # The softmaxes of the example models: Gemma's fp32 attention scores, the Qwen-MoE router.
+    "softmax 1x8x2048x2048 fp32 (gemma attention)": (lambda: softmax(1, 8, 2048, 2048), None),
+    "softmax 1024x128 fp32 (qwen-moe router)": (lambda: softmax(1024, 128), None),
     "softmax 16384x128 fp32": (lambda: softmax(16384, 128), None),
     "layer_norm 8192x4096 bf16": (lambda: ln(8192, 4096, BF16), ("floor", 0.8)),
     "rms_norm 8192x4096 bf16": (lambda: rms(8192, 4096, BF16), ("floor", 0.8)),
@@ -188,11 +191,13 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"  eager {eager_us:.1f} us, kernel {kernel_us or float('nan'):.1f} us, floor {floor:.1f} us, "
               f"{n} candidates, best {row['knobs']}")
-    out = Path(opts.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                               "bandwidth_Bps": hw.bandwidth, "seconds": time.perf_counter() - start,
-                               "rows": rows}, indent=1))
+        # Written after every case, so a run cut short by its time limit keeps what it measured.
+        out = Path(opts.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                   "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                   "budget": opts.budget, "bandwidth_Bps": hw.bandwidth,
+                                   "seconds": time.perf_counter() - start, "rows": rows}, indent=1))
     print_table(rows)
     print(f"wrote {out} in {time.perf_counter() - start:.0f} s")
     return 0

@@ -1,0 +1,118 @@
+"""One model end to end on the GPU: capture, search with the built-in proposer, package,
+then measure in the same process: per card eager vs kforge as dispatched and % of the
+HBM floor, and the model's forward latency eager, with the package applied, and (with
+--compile) under torch.compile. Outputs with the package must equal eager within
+tolerance.
+
+    python bench/bench_model.py examples/sd_vae_decoder.py --iterations 50 --out bench/results/model_sd_vae.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+import kforge
+from kforge import timing
+from kforge.cards import flatten_outputs
+from kforge.hardware import current
+from kforge.modelspec import load_model_spec
+
+
+def forward(model, inputs):
+    args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+    with torch.inference_mode():
+        return model(*args)
+
+
+def max_rel_err(got, ref) -> float:
+    """Largest |got - ref| over the reference's RMS, across every output tensor."""
+    worst = 0.0
+    for g, r in zip(flatten_outputs(got), flatten_outputs(ref)):
+        scale = r.float().pow(2).mean().sqrt().clamp_min(1e-12)
+        worst = max(worst, float((g.float() - r.float()).abs().max() / scale))
+    return worst
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model", help="model.py (get_model/get_inputs) or pkg.module:factory")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--iterations", type=int, default=50)
+    ap.add_argument("--min-share", type=float, default=0.0)
+    ap.add_argument("--wall-time", type=float, default=None, help="search wall-time budget in seconds")
+    ap.add_argument("--compile", action="store_true", help="also time the model under torch.compile")
+    ap.add_argument("--run-dir", default=None)
+    args = ap.parse_args(argv)
+
+    model, inputs = load_model_spec(args.model)
+    run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="kforge-bench-"))
+    cast = run_dir / "model.cast"
+    t0 = time.perf_counter()
+    result = kforge.run(model, inputs, out=cast, iterations=args.iterations, run_dir=run_dir,
+                        min_share=args.min_share, wall_time_s=args.wall_time, progress=False,
+                        model_name=Path(args.model).stem)
+    wall_s = time.perf_counter() - t0
+    pkg = kforge.load(result.package_path)
+    decisions = {c.id: c for c in pkg.cards}
+    hw = current()
+
+    ref = forward(model, inputs)
+    with pkg.apply():
+        got = forward(model, inputs)
+    err = max_rel_err(got, ref)
+
+    entries = [("eager", contextlib.nullcontext, lambda: forward(model, inputs)),
+               ("kforge", pkg.apply, lambda: forward(model, inputs))]
+    compile_s = None
+    if args.compile:
+        compiled = torch.compile(model)
+        t1 = time.perf_counter()
+        forward(compiled, inputs)
+        compile_s = time.perf_counter() - t1
+        entries.append(("torch.compile", contextlib.nullcontext, lambda: forward(compiled, inputs)))
+    ms = timing.time_as_called([(ctx, fn) for _, ctx, fn in entries], calls=3, rounds=15)
+    model_us = {name: m.summary() for (name, _, _), m in zip(entries, ms)}
+    report = pkg.report()
+
+    cards = []
+    for row in result.table:
+        c = decisions.get(row.card_id)
+        entry = c.entry if c is not None else {}
+        timing_ = entry.get("timing", {}) if isinstance(entry, dict) else {}
+        cards.append({
+            "card": row.card_id, "op": row.summary, "family": row.family, "status": row.status,
+            "iterations": row.iterations, "eager_us": row.eager_us, "best_kernel_us": row.best_us,
+            "best_speedup": row.speedup, "decision": c.decision if c else "not searched",
+            "reason": c.reason if c else row.note, "timing": timing_,
+        })
+    out = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
+        "iterations": args.iterations, "search_wall_s": wall_s, "run_dir": str(run_dir),
+        "dispatched": report["dispatched"], "cards_total": len(result.table),
+        "model_us": model_us, "torch_compile_s": compile_s,
+        "speedup_vs_eager": model_us["eager"]["median_us"] / model_us["kforge"]["median_us"],
+        "max_rel_err_vs_eager": err, "hits": {r["id"]: r["hits"] for r in report["cards"] if r["hits"]},
+        "hbm_bw": hw.bandwidth, "cards": cards, "stop_reasons": result.stop_reasons,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1, default=str))
+    print(f"{args.model}: {len(result.table)} cards, {report['dispatched']} dispatched, search {wall_s:.0f} s")
+    for name, m in model_us.items():
+        print(f"  {name:14s} {m['median_us']:10.1f} us  (iqr {m['iqr_us']:.1f})")
+    print(f"  speedup vs eager {out['speedup_vs_eager']:.3f}x, max rel err {err:.2e}")
+    for c in cards:
+        if c["decision"] == "dispatched" or (c["best_speedup"] or 0) > 1:
+            print(f"  {c['op'][:60]:60s} {c['decision']:10s} {c['best_speedup'] or 0:.2f}x  {c['reason'][:60]}")
+
+
+if __name__ == "__main__":
+    main()
