@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "python"), str(ROOT / "tests")]
 
 from builtin_cards import A, BF16, F16, F32, gn, ln, make_card, meta, rms, softmax  # noqa: E402
-from kforge import compiler, runtime, timing  # noqa: E402
+from kforge import compiler, runtime, timing, tolerance, validate  # noqa: E402
 from kforge.cards import empty_like_meta, faithful_clone  # noqa: E402
 from kforge.errors import KforgeError, ProposerError  # noqa: E402
 from kforge.hardware import current  # noqa: E402
@@ -57,8 +57,6 @@ CASES = {
     "add_ 8192x11008 bf16": (lambda: make_card(A.add_.Tensor, meta(*BIG, dtype=BF16), meta(*BIG, dtype=BF16)), None),
     "relu 32x256x56x56 fp32": (lambda: make_card(A.relu.default, meta(32, 256, 56, 56)), None),
 }
-TOL = {"float32": dict(rtol=2e-5, atol=2e-5), "float16": dict(rtol=2e-3, atol=1e-3),
-       "bfloat16": dict(rtol=1.6e-2, atol=1e-2)}
 SWEEP_TIMING = dict(min_reps=20, min_ms=10.0, warmup_ms=3.0)  # cheap ranking; the finalists are re-timed
 
 
@@ -85,13 +83,15 @@ def correct(card, cand, inputs) -> bool:
         if not any(t is x for x in mine):
             t.fill_(float("nan"))
     run()
-    ref = card.call_eager([faithful_clone(t) for t in inputs], "cuda")
-    try:
-        for j, (got, want) in enumerate(zip(run.outputs, ref)):
-            torch.testing.assert_close(got, want, **TOL[card.outputs[j].dtype])
-    except AssertionError as e:
-        print(f"    incorrect {cand.knobs}: {str(e).splitlines()[0]}")
-        return False
+    ref_inputs = [faithful_clone(t) for t in inputs]
+    ref = card.call_eager(ref_inputs, "cuda")
+    # The product's own rule (kforge.tolerance): eager's error against float64 sets the bound.
+    tols = tolerance.derive(card, [faithful_clone(t) for t in inputs], tolerance.observed(card, ref_inputs, ref))
+    for j, (got, want, tol) in enumerate(zip(run.outputs, ref, tols)):
+        cmp = validate.compare(got, want, tol)
+        if not cmp.ok:
+            print(f"    incorrect {cand.knobs}: output {j}: {cmp.failure.message}")
+            return False
     return True
 
 
