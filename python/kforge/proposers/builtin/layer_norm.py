@@ -9,9 +9,7 @@ from __future__ import annotations
 import math
 
 from ...cards import Card, decode_value
-from ...hardware import Hardware
 from . import rownorm
-from .family import Family, Knobs
 
 OPS = frozenset({"aten::native_layer_norm.default"})
 
@@ -32,21 +30,4 @@ def _problem(card: Card) -> rownorm.RowNorm | str:
     return rownorm.checked(card, rn)
 
 
-def check(card: Card) -> str | None:
-    p = _problem(card)
-    return p if isinstance(p, str) else None
-
-
-def spaces(card: Card, hw: Hardware):
-    return rownorm.spaces(card, _problem(card))
-
-
-def default(card: Card, hw: Hardware) -> Knobs:
-    return rownorm.default(card, _problem(card), hw)
-
-
-def build(card: Card, knobs: Knobs, hw: Hardware):
-    return rownorm.build("layer_norm", card, _problem(card), knobs)
-
-
-FAMILY = Family("layer_norm", OPS, check, spaces, default, build)
+FAMILY = rownorm.family("layer_norm", OPS, _problem)

@@ -12,9 +12,7 @@ import math
 import torch
 
 from ...cards import Card, decode_value
-from ...hardware import Hardware
 from . import rownorm
-from .family import Family, Knobs
 
 OPS = frozenset({"aten::_fused_rms_norm.default"})
 FP32_EPS = float(torch.finfo(torch.float32).eps)
@@ -38,21 +36,4 @@ def _problem(card: Card) -> rownorm.RowNorm | str:
     return rownorm.checked(card, rn)
 
 
-def check(card: Card) -> str | None:
-    p = _problem(card)
-    return p if isinstance(p, str) else None
-
-
-def spaces(card: Card, hw: Hardware):
-    return rownorm.spaces(card, _problem(card))
-
-
-def default(card: Card, hw: Hardware) -> Knobs:
-    return rownorm.default(card, _problem(card), hw)
-
-
-def build(card: Card, knobs: Knobs, hw: Hardware):
-    return rownorm.build("rms_norm", card, _problem(card), knobs)
-
-
-FAMILY = Family("rms_norm", OPS, check, spaces, default, build)
+FAMILY = rownorm.family("rms_norm", OPS, _problem)

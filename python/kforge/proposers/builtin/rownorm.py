@@ -229,3 +229,17 @@ def build(family: str, card: Card, rn: RowNorm, knobs: Knobs):
     body = "\n".join([decls, consts, absent, render(_STORE, PARAMS=params), kernel])
     plan_args = [a for _, _, a in names]
     return candidate(family, card, knobs, dtypes, body, [launch("kf_rownorm", [grid], [nt], plan_args)])
+
+
+def family(name: str, ops: frozenset[str], problem):
+    """The Family of a row norm whose arguments `problem(card)` reads (RowNorm, or why not)."""
+    from .family import Family
+
+    def check(card: Card) -> str | None:
+        p = problem(card)
+        return p if isinstance(p, str) else None
+
+    return Family(name, ops, check,
+                  lambda card, hw: spaces(card, problem(card)),
+                  lambda card, hw: default(card, problem(card), hw),
+                  lambda card, knobs, hw: build(name, card, problem(card), knobs))
