@@ -7,6 +7,7 @@ import json
 import threading
 
 import pytest
+import torch
 from fakes import FakeEvaluator, FakeProposer, toy_card
 
 from kforge import runner
@@ -208,3 +209,23 @@ def test_resume_continues_the_latest_run_and_a_fresh_search_starts_a_new_one(run
         runner.run(resume=True)
     with pytest.raises(KforgeError, match="needs a model"):
         runner.run(run_dir=run_dir)
+
+
+def test_cpu_only_run_generates_and_compiles_real_kernels_for_the_cuda_twin(tmp_path, monkeypatch):
+    """No fakes: a CPU model, the builtin proposer and NVRTC. The CPU cards are retargeted to
+    the GPU they would run on, so kernels are generated and compiled; nothing is packaged."""
+    from kforge import cuda
+
+    monkeypatch.setattr(cuda, "available", lambda: False)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.LayerNorm(64), torch.nn.Softmax(-1))
+    result = runner.run(model, (torch.randn(8, 32),), out=tmp_path / "m.cast", iterations=2,
+                        run_dir=tmp_path / "run", progress=False)
+    assert not result.validated and result.package_path is None
+    assert "need a GPU" in result.message
+    rows = connect(tmp_path / "run", readonly=True).execute(
+        "SELECT c.op, x.verdict FROM candidates x JOIN cards c ON c.card_id = x.card_id").fetchall()
+    ops = {op for op, verdict in rows if verdict == "untimed"}
+    assert {"aten::_softmax.default", "aten::native_layer_norm.default"} <= ops
+    assert all(v in ("untimed", "compile_error") for _, v in rows)
+    cards = connect(tmp_path / "run", readonly=True).execute("SELECT card_json FROM cards").fetchall()
+    assert all('"device": "cuda"' in c[0] for c in cards)
