@@ -248,7 +248,8 @@ def search_run(run_dir: str | Path, *, out: str | Path | None = None, proposer: 
     run_id = _open_run(log, resume, validated, model_name, hardware, dict(
         proposer=proposer if isinstance(proposer, str) else getattr(proposer, "__name__", "custom"),
         iterations=iterations, min_share=min_share, include_vendor=include_vendor, devices=devs,
-        wall_time_s=wall_time_s, max_cost_usd=max_cost_usd, seed=seed))
+        wall_time_s=wall_time_s, max_cost_usd=max_cost_usd, seed=seed,
+        out=str(Path(out).resolve()) if out else None))  # where the dashboard finds the package
     try:
         budget = Budget(iterations=iterations if validated else min(iterations, COMPILE_ONLY_ITERATIONS),
                         deadline=time.monotonic() + wall_time_s if wall_time_s else None, max_cost_usd=max_cost_usd)
