@@ -21,7 +21,7 @@ import torch
 
 import kforge
 from kforge import timing
-from kforge.cards import flatten_outputs
+from kforge.cards import flatten_outputs, load_cards
 from kforge.hardware import current
 from kforge.modelspec import load_model_spec
 
@@ -82,6 +82,10 @@ def main(argv=None) -> None:
     model_us = {name: m.summary() for (name, _, _), m in zip(entries, ms)}
     report = pkg.report()
 
+    captured = {c.id: c for c in load_cards(run_dir)}
+    by_family: dict[str, float] = {}
+    for c in captured.values():
+        by_family[c.family] = by_family.get(c.family, 0.0) + (c.share or 0.0)
     cards = []
     for row in result.table:
         c = decisions.get(row.card_id)
@@ -89,6 +93,8 @@ def main(argv=None) -> None:
         timing_ = entry.get("timing", {}) if isinstance(entry, dict) else {}
         cards.append({
             "card": row.card_id, "op": row.summary, "family": row.family, "status": row.status,
+            "calls": getattr(captured.get(row.card_id), "calls", None),
+            "share": getattr(captured.get(row.card_id), "share", None),
             "iterations": row.iterations, "eager_us": row.eager_us, "best_kernel_us": row.best_us,
             "best_speedup": row.speedup, "decision": c.decision if c else "not searched",
             "reason": c.reason if c else row.note, "timing": timing_,
@@ -101,7 +107,7 @@ def main(argv=None) -> None:
         "model_us": model_us, "torch_compile_s": compile_s,
         "speedup_vs_eager": model_us["eager"]["median_us"] / model_us["kforge"]["median_us"],
         "max_rel_err_vs_eager": err, "hits": {r["id"]: r["hits"] for r in report["cards"] if r["hits"]},
-        "hbm_bw": hw.bandwidth, "cards": cards, "stop_reasons": result.stop_reasons,
+        "hbm_bw": hw.bandwidth, "share_by_family": by_family, "cards": cards, "stop_reasons": result.stop_reasons,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1, default=str))
