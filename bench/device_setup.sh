@@ -9,6 +9,7 @@ if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site
 fi
-python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 || { tail -50 "$OUT/install.log"; exit 1; }
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1 || true
+# Logs stay out of $OUT: only 8 files come back from a device call, and they are for results.
+python3 -m pip install -q --no-build-isolation --no-deps -e . > /tmp/kforge-install.log 2>&1 || { tail -50 /tmp/kforge-install.log; exit 1; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv 2>&1 || true
 python3 -c "import torch, kforge; print('torch', torch.__version__, torch.cuda.get_device_name()); print(kforge.cuda_status())"
