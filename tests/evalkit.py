@@ -133,3 +133,24 @@ def softmax_good(ins, outs, ws):
 def softmax_half(ins, outs, ws):
     """Computes an fp32 op in fp16: silent precision loss."""
     outs[0].copy_(torch.softmax(ins[0].half(), -1).float())
+
+
+class _Faulted(torch.Tensor):
+    """A tensor whose every use raises the device error its kernel left behind."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise FakeFault("CUDA_ERROR_ILLEGAL_ADDRESS")
+
+
+def relu_late_fault(ins, outs, ws):
+    """Its fault surfaces only when the checks read the output, outside any guarded launch."""
+    relu_good(ins, outs, ws)
+    outs[0] = outs[0].as_subclass(_Faulted)
+
+
+def sign_skips_minus_one(ins, outs, ws):
+    """Leaves alone the elements whose answer is -1: exactly the first poison's bit pattern."""
+    s = ins[0].sign()
+    keep = s != -1
+    outs[0][keep] = s[keep]

@@ -45,6 +45,17 @@ def test_int_output_unwritten_uses_the_bit_pattern():
     assert V.check_written(out, ref_with_minus_one) is None
 
 
+def test_second_poison_catches_what_the_first_cannot_see():
+    ref = torch.tensor([3, -1, 0, -1], dtype=torch.int32)
+    skips = ref != -1  # a kernel that never writes the elements whose answer is -1
+    for byte, caught in ((V.POISON_BYTE, False), (V.SECOND_POISON_BYTE, True)):
+        out = V.poison(torch.empty_like(ref), byte)
+        out[skips] = ref[skips]
+        f = V.check_written(out, ref, byte)
+        assert (f is not None) is caught
+    assert f.evidence["count"] == 2 and f.evidence["index"] == 1
+
+
 def test_zeros_and_constants_fail_the_canary():
     ref = _ref()
     assert V.check_not_constant(torch.zeros_like(ref), ref).check == "constant"

@@ -6,18 +6,21 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
+import signal
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from evalkit import fake, relu_card, softmax_card
+from evalkit import fake, make_card, relu_card, softmax_card
 from kforge.cards import save_card, save_sample
 from kforge.errors import CardError
-from kforge.evaluate import CompileOnlyEvaluator, make_evaluator
+from kforge.evaluate import CompileOnlyEvaluator, WorkerHandle, make_evaluator
 from kforge.verdict import Verdict
-from kforge.worker import FATAL_EXIT
+from kforge.timing import as_called_calls
+from kforge.worker import FATAL_EXIT, EvalOptions, FakeBackend, Judge, NotDispatched, prepare
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -65,6 +68,13 @@ def test_cheats_are_incorrect(pool, card, name, check):
     r = pool.evaluate(card, fake(name))
     assert r.verdict is Verdict.INCORRECT, r.message
     assert r.evidence["check"] == check, r.evidence
+
+
+def test_skipping_elements_that_look_like_the_poison_is_caught(pool):
+    card = make_card(torch.ops.aten.sign.default, torch.randint(-5, 6, (64, 64), dtype=torch.int32))
+    r = pool.evaluate(card, fake("sign_skips_minus_one"))
+    assert r.verdict is Verdict.INCORRECT and r.evidence["check"] == "unwritten", r.message
+    assert "second run" in r.message
 
 
 def test_declared_atomics_allow_tiny_run_to_run_differences(pool, card):
@@ -129,6 +139,23 @@ def test_recoverable_cuda_error_keeps_the_worker(pool, card):
     assert pool.handles[0].ping()["pid"] == pid
 
 
+def test_device_error_outside_a_guarded_launch_still_ends_the_worker(pool, card):
+    pid = pool.handles[0].ping()["pid"]
+    r = pool.evaluate(card, fake("relu_late_fault"))
+    assert r.verdict is Verdict.RUNTIME_ERROR and r.evidence["cuda_error"] == "CUDA_ERROR_ILLEGAL_ADDRESS", r.message
+    assert r.evidence["worker_exit"] == FATAL_EXIT
+    assert pool.handles[0].ping()["pid"] != pid
+
+
+def test_unreadable_card_is_a_card_error_and_the_worker_stays(pool, card, monkeypatch):
+    pid = pool.handles[0].ping()["pid"]
+    newer = dict(card.to_json(), format=10**6)
+    monkeypatch.setattr(card, "to_json", lambda: newer)
+    with pytest.raises(CardError, match="newer than this kforge reads"):
+        pool.evaluate(card, fake("relu_good"))
+    assert pool.handles[0].ping()["pid"] == pid
+
+
 def test_hang_is_killed_within_the_timeout(pool, card):
     pool.evaluate(card, fake("relu_good"))  # card prepared, worker warm: only the launch is timed
     t0 = time.monotonic()
@@ -166,6 +193,41 @@ def test_beyond_roofline_is_flagged_and_kept_when_revalidation_passes(tmp_path, 
         assert "beyond_roofline" in r.flags and r.verdict in (Verdict.VALID, Verdict.SLOWER)
 
 
+def test_latency_as_dispatched_goes_through_the_guard_path(tmp_path, card):
+    with make_evaluator(tmp_path, backend="fake", backend_options={"dispatch": True}, **FAST) as p:
+        r = p.evaluate(card, fake("relu_good"))
+    assert r.verdict in (Verdict.VALID, Verdict.SLOWER), r.message
+    assert r.dispatched_us > 0 and r.eager_dispatched_us > 0 and "not_dispatched" not in r.evidence
+    assert r.evidence["dispatched"]["n"] == 5  # FakeBackend.time_as_called's rounds
+
+
+def test_guard_misses_are_not_reported_as_latency_as_dispatched(card):
+    """Every call falling back to eager would time eager under the kernel's name."""
+    backend, cand = FakeBackend(dispatch=True), fake("relu_good")
+    kernel = backend.load(cand, backend.compile(cand))
+    eager, dispatched = backend.time_dispatched(card, cand, kernel, card.random_inputs(1, "cpu"), EvalOptions())
+    assert eager.n == dispatched.n == 5
+    other_shape = [torch.randn(3, 5)]
+    with pytest.raises(NotDispatched, match=r"35 of 35 calls fell back to eager \({'shape': 35}\)"):
+        backend.time_dispatched(card, cand, kernel, other_shape, EvalOptions())
+
+
+def test_each_timing_phase_has_a_heartbeat_that_fits_its_work(tmp_path):
+    """Timing as dispatched calls a kernel (rounds + 2) x (calls + 1) times: a kernel of a
+    few ms must not be killed as a hang under a budget sized for the timed reps."""
+    card = relu_card()
+    opts = EvalOptions(timeout_s=2.0, far_slower=1e9, **FAST)
+    backend = FakeBackend()
+    sets, holdout = prepare(card, tmp_path, backend.device, opts.fresh_sets)
+    beats: list[tuple[str, float]] = []
+    judge = Judge(backend, card, sets, holdout, fake("relu_sleepy"), opts, lambda ph, b: beats.append((ph, b)))
+    result, fatal = judge.run()
+    assert result.verdict is Verdict.SLOWER and not fatal, result.message
+    budgets = dict(beats)
+    assert list(budgets)[-4:] == ["timing", "timing (kernel alone)", "timing as dispatched", "revalidating"]
+    assert budgets["timing as dispatched"] >= 2.0 + 3 * as_called_calls() * 0.005
+
+
 def test_vendor_label_is_flagged(pool, card):
     r = pool.evaluate(card, fake("relu_good", kind="vendor"))
     assert "vendor_wrapper" in r.flags
@@ -185,6 +247,19 @@ def test_processes_and_memory_stay_bounded(tmp_path, card):
         assert h.starts == 3  # restarted after candidates 4 and 8
         assert max(rss) < 2 * min(rss)
     assert set(mp.active_children()) - others == set()
+
+
+def test_worker_that_does_not_leave_is_killed_not_abandoned(monkeypatch):
+    """A worker told to go (or leaving after a poisoned context) that hangs on its way out
+    must not keep holding its GPU once the handle moves on."""
+    monkeypatch.setattr(WorkerHandle, "join_s", 0.5)
+    h = WorkerHandle(0, "fake", EvalOptions())
+    h._proc = h._ctx.Process(target=time.sleep, args=(60,), daemon=True)
+    h._proc.start()
+    pid = h._proc.pid
+    assert h._reap() == -signal.SIGKILL
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
 
 
 def test_pool_is_thread_safe_across_devices(tmp_path, card):
@@ -261,3 +336,16 @@ def test_compile_only_reports_the_log_and_missing_kernels():
     misnamed = Candidate('extern "C" __global__ void relu2(const float* x, float* y) { y[0] = x[0]; }', plan)
     r = CompileOnlyEvaluator("sm_90").evaluate(relu_card(), misnamed)
     assert r.verdict is Verdict.LOAD_ERROR and r.evidence["missing_kernels"] == ["relu"]
+
+
+def test_ctrl_c_in_the_terminal_does_not_kill_a_worker(tmp_path, card):
+    """SIGINT reaches the whole process group; the parent decides when to stop, so a worker
+    must outlive it rather than leave a false "worker died" verdict behind."""
+    with make_evaluator(tmp_path, backend="fake", **FAST) as p:
+        assert p.evaluate(card, fake("relu_good")).verdict in (Verdict.VALID, Verdict.SLOWER)
+        pid = p.handles[0].pid
+        os.kill(pid, signal.SIGINT)
+        time.sleep(0.5)
+        r = p.evaluate(card, fake("relu_good"))
+        assert r.verdict in (Verdict.VALID, Verdict.SLOWER), r.message
+        assert p.handles[0].pid == pid and p.handles[0].starts == 1

@@ -62,6 +62,8 @@ class WorkerHandle:
     """One worker process on one device, started lazily and restarted after a crash, a
     hang, a poisoned context or every `restart_every` candidates."""
 
+    join_s = 10.0  # how long a worker that should be leaving gets before SIGKILL
+
     def __init__(self, device: int, backend: str, opts: EvalOptions):
         self.device, self.backend, self.opts = device, backend, opts
         self._ctx = mp.get_context("spawn")  # fork would copy a CUDA context, which CUDA forbids
@@ -104,7 +106,11 @@ class WorkerHandle:
     def _reap(self) -> int | None:
         code = None
         if self._proc is not None:
-            self._proc.join(timeout=10)
+            self._proc.join(timeout=self.join_s)
+            if self._proc.is_alive():
+                # E.g. stuck tearing down a poisoned context: it must not keep the GPU.
+                self._proc.kill()
+                self._proc.join(timeout=self.join_s)
             code = self._proc.exitcode
             if code is not None:
                 self._proc.close()
@@ -171,9 +177,9 @@ class WorkerHandle:
         if self._proc is not None and self._proc.is_alive():
             try:
                 self._conn.send(Request("shutdown").__dict__)
-            except (OSError, BrokenPipeError):
+            except OSError:  # BrokenPipeError included
                 pass
-            self._proc.join(timeout=10)
+            self._proc.join(timeout=self.join_s)
         self._kill()
 
 

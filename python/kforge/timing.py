@@ -26,6 +26,12 @@ def flush_buffer(device=None):
     return _flush[idx]
 
 
+def _on_gpu(device) -> bool:
+    import torch
+
+    return torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
+
+
 def time_fns(fns: Sequence[Callable[[], object]], *, min_reps: int = 100, min_ms: float = 200.0,
              warmup_ms: float = 25.0, max_reps: int = 5000, flush: bool = True, device=None) -> list[Measurement]:
     """Median-ready samples for each callable, interleaved. GPU time per rep where the
@@ -33,7 +39,7 @@ def time_fns(fns: Sequence[Callable[[], object]], *, min_reps: int = 100, min_ms
     host wall time."""
     import torch
 
-    on_gpu = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
+    on_gpu = _on_gpu(device)
     if not on_gpu:
         return _time_cpu(fns, min_reps=min(min_reps, 20), min_ms=min(min_ms, 50.0))
     buf = flush_buffer(device) if flush else None
@@ -94,26 +100,45 @@ def bench_plan(plan, input_sets, outputs, workspaces=(), *, device=None, warmup_
     return Measurement([x * 1e3 for x in ms])
 
 
-def time_as_called(entries, *, calls: int = 32, rounds: int = 25, device=None) -> list[Measurement]:
+AS_CALLED_CALLS = 32
+AS_CALLED_ROUNDS = 25
+
+
+def as_called_calls(calls: int = AS_CALLED_CALLS, rounds: int = AS_CALLED_ROUNDS) -> int:
+    """How many times time_as_called calls each entry (warm-up included)."""
+    return (rounds + 2) * (calls + 1)
+
+
+def time_as_called(entries, *, calls: int = AS_CALLED_CALLS, rounds: int = AS_CALLED_ROUNDS,
+                   device=None) -> list[Measurement]:
     """Latency per call as a model sees it: `calls` back-to-back calls between one event pair,
     host overhead included and no flush between calls (so both sides see the same warm L2).
     `entries` are (context factory, fn): the context (e.g. a package installed) is entered
-    outside the timed region; rounds interleave the entries."""
+    outside the timed region; rounds interleave the entries. Host wall time where the
+    device is not CUDA."""
     import torch
 
-    stream = torch.cuda.current_stream(device)
+    on_gpu = _on_gpu(device)
+    stream = torch.cuda.current_stream(device) if on_gpu else None
     samples: list[list[float]] = [[] for _ in entries]
     for r in range(rounds + 2):  # the first two rounds warm up
         for i, (ctx, fn) in enumerate(entries):
             with ctx():
                 fn()
-                torch.cuda.synchronize(device)
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record(stream)
-                for _ in range(calls):
-                    fn()
-                e.record(stream)
-                e.synchronize()
+                if on_gpu:
+                    torch.cuda.synchronize(device)
+                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    s.record(stream)
+                    for _ in range(calls):
+                        fn()
+                    e.record(stream)
+                    e.synchronize()
+                    us = s.elapsed_time(e) * 1e3
+                else:
+                    t0 = time.perf_counter()
+                    for _ in range(calls):
+                        fn()
+                    us = (time.perf_counter() - t0) * 1e6
             if r >= 2:
-                samples[i].append(s.elapsed_time(e) * 1e3 / calls)
+                samples[i].append(us / calls)
     return [Measurement(x) for x in samples]

@@ -24,6 +24,10 @@ from .verdict import Measurement, Verdict
 # 0xFF in every byte is a NaN in every IEEE float format and -1 (or the maximum) in
 # every integer format: a written element is unlikely to hold it where eager does not.
 POISON_BYTE = 0xFF
+# The second kernel run's poison: no element can equal both patterns, so a kernel that
+# skips the elements where eager's value is the first (-1 in an int output, 255 in a
+# uint8 one) is still caught.
+SECOND_POISON_BYTE = 0x7F
 
 # Speedups above this are physically suspicious for the memory-bound ops kforge targets.
 SUSPICIOUS_SPEEDUP = 10.0
@@ -76,11 +80,11 @@ def _item(x: torch.Tensor) -> Any:
     return repr(v) if isinstance(v, float) and not math.isfinite(v) else v
 
 
-def poison(t: torch.Tensor) -> torch.Tensor:
-    """Fill every byte of t's whole storage with POISON_BYTE (in place); returns t.
+def poison(t: torch.Tensor, byte: int = POISON_BYTE) -> torch.Tensor:
+    """Fill every byte of t's whole storage with `byte` (in place); returns t.
     Meant for buffers kforge allocated for one output: the storage is t's alone."""
     raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
-    raw.fill_(POISON_BYTE)
+    raw.fill_(byte)
     return t
 
 
@@ -102,11 +106,12 @@ def check_meta(out: torch.Tensor, ref: torch.Tensor) -> Failure | None:
     return None
 
 
-def check_written(out: torch.Tensor, ref: torch.Tensor) -> Failure | None:
-    """Every element was written: none still holds the poison where eager's does not."""
+def check_written(out: torch.Tensor, ref: torch.Tensor, byte: int = POISON_BYTE) -> Failure | None:
+    """Every element was written: none still holds the poison (`out` was filled with
+    `byte`) where eager's does not."""
     if not out.numel():
         return None
-    left = _rows_of_bytes(out).eq(POISON_BYTE).all(1) & ~_rows_of_bytes(ref, out.device).eq(POISON_BYTE).all(1)
+    left = _rows_of_bytes(out).eq(byte).all(1) & ~_rows_of_bytes(ref, out.device).eq(byte).all(1)
     n = int(left.sum())
     if not n:
         return None

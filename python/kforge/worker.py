@@ -16,7 +16,8 @@ Protocol, over a multiprocessing Pipe; messages are plain dicts of the dataclass
 
 Per candidate: compile (cached) -> "compiled" -> load -> for each input set (the captured
 sample, then `fresh_sets` fresh ones) kernel -> eager reference -> kernel, every run on
-fresh copies of the inputs with fresh poisoned outputs and workspaces -> "validated" ->
+fresh copies of the inputs with fresh poisoned outputs (the second kernel run with another
+poison) and workspaces -> "validated" ->
 timing (eager and kernel interleaved, L2 flushed, inputs rotated) -> a last kernel run on
 a held-out input set, so a kernel that stops working after the checks (a launch counter,
 work hidden from the timer) is caught -> verdict.
@@ -25,12 +26,14 @@ work hidden from the timer) is caught -> verdict.
 from __future__ import annotations
 
 import abc
+import collections
+import contextlib
 import dataclasses
 import importlib
-import logging
 import math
 import os
 import resource
+import signal
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -40,6 +43,7 @@ from typing import Any, Callable
 import torch
 
 from . import cards as cards_mod
+from . import timing
 from . import validate as V
 from .candidate import Candidate
 from .cards import Card
@@ -118,12 +122,17 @@ class Compiled:
     cached: bool = False
 
 
+class NotDispatched(Exception):
+    """The kernel could not be timed through kforge.dispatch; the message says why."""
+
+
 class Backend(abc.ABC):
     """How the worker compiles, loads, launches and times; the CUDA backend is the product,
     the fake one lets CPU tests drive the real worker protocol."""
 
     device: torch.device
     hardware: Hardware
+    dispatch_key: str | None = None  # where kforge.dispatch overrides ops; None: no dispatch path
 
     @abc.abstractmethod
     def compile(self, candidate: Candidate) -> Compiled:
@@ -153,12 +162,52 @@ class Backend(abc.ABC):
         """GPU time of the kernel alone (the C++ harness); None where there is none."""
         return None
 
+    def dispatch_launcher(self, kernel: Any) -> Any:
+        """A kforge.dispatch Launcher for `kernel` (backends with a dispatch_key)."""
+        raise NotImplementedError
+
+    def time_as_called(self, entries: list) -> list[Measurement]:
+        """timing.time_as_called on this backend's device."""
+        raise NotImplementedError
+
     def time_dispatched(self, card: Card, candidate: Candidate, kernel: Any, inputs: list[torch.Tensor],
                         opts: EvalOptions) -> tuple[Measurement, Measurement] | None:
         """(eager, dispatched) latency per call as a model sees it: the op called through
         PyTorch, and through kforge.dispatch's guard path with this kernel installed. None
-        where the backend has no dispatch path."""
-        return None
+        where the backend has no dispatch path; raises NotDispatched where the op cannot
+        take the guard path, and device errors as they come."""
+        if self.dispatch_key is None:
+            return None
+        from . import dispatch
+
+        ws = [n for n, _ in candidate.plan.workspace_bytes()]
+        variants: list = []
+
+        def call() -> None:
+            card.call_eager(inputs, device=self.device)
+
+        @contextlib.contextmanager
+        def through_kforge():
+            with dispatch.installed(card, self.dispatch_launcher(kernel), workspace=ws, key=self.dispatch_key) as v:
+                variants.append(v)
+                yield
+
+        try:
+            eager, dispatched = self.time_as_called([(contextlib.nullcontext, call), (through_kforge, call)])
+        except Exception as e:
+            if self.fault(e) is not None or isinstance(e, LaunchError):
+                raise
+            # E.g. an overload dispatch cannot override: the candidate stays valid but will
+            # not be packaged, and its evidence says why.
+            raise NotDispatched(f"timing {card.op} as dispatched failed: {type(e).__name__}: {e}") from e
+        hits = sum(v.counters.hits for v in variants)
+        missed = sum((v.counters.fallbacks for v in variants), collections.Counter())
+        if missed or not hits:
+            # Every miss ran eager inside the override: "dispatched" would be eager's latency
+            # under the kernel's name, and a package would miss the same way.
+            raise NotDispatched(f"the guard did not take the kernel: {sum(missed.values())} of "
+                                f"{hits + sum(missed.values())} calls fell back to eager ({dict(missed)})")
+        return eager, dispatched
 
 
 class CudaBackend(Backend):
@@ -206,38 +255,20 @@ class CudaBackend(Backend):
         return None
 
     def time(self, fns, opts):
-        from . import timing
-
         return timing.time_fns(fns, min_reps=opts.min_reps, min_ms=opts.min_ms, warmup_ms=opts.warmup_ms,
                                flush=True, device=self.index)
 
-    def time_dispatched(self, card, candidate, kernel, inputs, opts):
-        import contextlib
+    dispatch_key = "CUDA"
 
-        from . import dispatch, timing
+    def dispatch_launcher(self, kernel):
+        from . import dispatch
 
-        ws = [n for n, _ in candidate.plan.workspace_bytes()]
+        return dispatch.PlanLauncher(kernel)
 
-        def call() -> None:
-            card.call_eager(inputs, device=self.device)
-
-        def through_kforge():
-            return dispatch.installed(card, dispatch.PlanLauncher(kernel), workspace=ws)
-
-        try:
-            return tuple(timing.time_as_called([(contextlib.nullcontext, call), (through_kforge, call)],
-                                               device=self.index))
-        except Exception as e:
-            if self.fault(e) is not None or isinstance(e, LaunchError):
-                raise
-            # The op cannot take the guard path (e.g. an overload dispatch cannot override):
-            # the candidate stays valid but will not be packaged, and the log says why.
-            logging.getLogger("kforge.worker").warning("timing %s as dispatched failed: %s", card.op, e)
-            return None
+    def time_as_called(self, entries):
+        return timing.time_as_called(entries, device=self.index)
 
     def bench(self, kernel, input_sets, outputs, workspaces, opts):
-        from . import timing
-
         return timing.bench_plan(kernel, input_sets, outputs, workspaces, device=self.index, warmup_ms=opts.warmup_ms,
                                  min_reps=opts.min_reps, min_ms=opts.min_ms)
 
@@ -261,14 +292,25 @@ class FakeFault(RuntimeError):
         super().__init__(cuda_error)
 
 
+class _FakeLauncher:
+    def __init__(self, kernel: Callable) -> None:
+        self.kernel = kernel
+
+    def launch(self, vid, inputs, outputs, workspaces, device) -> None:
+        self.kernel(inputs, outputs, workspaces)
+
+
 class FakeBackend(Backend):
     """CPU stand-in for tests: a candidate's source is "module:function" naming a Python
     function fn(inputs, outputs, workspaces) that plays the kernel. It may sleep (hang),
-    os._exit or raise a signal (crash), or raise FakeFault (a CUDA error)."""
+    os._exit or raise a signal (crash), or raise FakeFault (a CUDA error). With
+    dispatch=True it times as dispatched through an override at the CPU key (the kernel
+    must then not call the card's own op)."""
 
-    def __init__(self, device: int = 0, bandwidth: float = 1e12):
+    def __init__(self, device: int = 0, bandwidth: float = 1e12, dispatch: bool = False):
         self.device = torch.device("cpu")
         self.hardware = Hardware("fake CPU device", "cpu", 1, 0, 0, 0, bandwidth)
+        self.dispatch_key = "CPU" if dispatch else None
 
     def compile(self, candidate: Candidate) -> Compiled:
         mod, _, name = candidate.source.strip().partition(":")
@@ -300,6 +342,12 @@ class FakeBackend(Backend):
                 fn()
                 s.append((time.perf_counter() - t0) * 1e6)
         return [Measurement(s) for s in samples]
+
+    def dispatch_launcher(self, kernel):
+        return _FakeLauncher(kernel)
+
+    def time_as_called(self, entries):
+        return timing.time_as_called(entries, calls=4, rounds=5, device="cpu")
 
 
 def make_backend(name: str, device: int, options: dict) -> Backend:
@@ -436,9 +484,10 @@ class Judge:
                                       {"cuda_error": name, "phase": what}, compile_log=self.compile_log),
                            fatal=bool(fault and fault.fatal))
 
-    def _outputs(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Fresh poisoned outputs with the card's strides; in-place outputs are their input."""
-        return [inputs[self.card.aliases[j]] if j in self.card.aliases else V.poison(cards_mod.empty_like_meta(m, self.b.device))
+    def _outputs(self, inputs: list[torch.Tensor], byte: int = V.POISON_BYTE) -> list[torch.Tensor]:
+        """Fresh outputs poisoned with `byte`, with the card's strides; in-place outputs are their input."""
+        return [inputs[self.card.aliases[j]] if j in self.card.aliases
+                else V.poison(cards_mod.empty_like_meta(m, self.b.device), byte)
                 for j, m in enumerate(self.card.outputs)]
 
     def _workspaces(self) -> list[torch.Tensor]:
@@ -446,10 +495,12 @@ class Judge:
         return [V.poison(torch.empty(max(n, 1), dtype=torch.uint8, device=self.b.device))
                 for n, _ in self.cand.plan.workspace_bytes()]
 
-    def _kernel_run(self, s: InputSet, what: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(inputs after the run, observed results) of one launch on fresh copies."""
+    def _kernel_run(self, s: InputSet, what: str,
+                    byte: int = V.POISON_BYTE) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(inputs after the run, observed results) of one launch on fresh copies, the
+        outputs poisoned with `byte`."""
         ins = s.materialize(self.card, self.b.device)
-        outs = self._outputs(ins)
+        outs = self._outputs(ins, byte)
         ws = self._workspaces()
 
         def go() -> None:
@@ -479,7 +530,7 @@ class Judge:
         pristine = s.materialize(self.card, self.b.device)
         ins1, got1 = self._kernel_run(s, f"kernel on {s.name}")
         ref = self._eager_run(s)  # between the two kernel runs: stale buffers now hold eager's data
-        ins2, got2 = self._kernel_run(s, f"second kernel run on {s.name}")
+        ins2, got2 = self._kernel_run(s, f"second kernel run on {s.name}", V.SECOND_POISON_BYTE)
         fresh = [j < len(self.card.outputs) and j not in self.card.aliases for j in range(len(ref))]
         for j, (g, r, tol) in enumerate(zip(got1, ref, s.tolerances)):
             for f in (V.check_meta(g, r), fresh[j] and V.check_written(g, r), V.check_not_constant(g, r)):
@@ -495,7 +546,7 @@ class Judge:
         if f:
             self._reject(f, s)
         for j, (g, r) in enumerate(zip(got2, ref)):
-            f = fresh[j] and V.check_written(g, r)
+            f = fresh[j] and V.check_written(g, r, V.SECOND_POISON_BYTE)
             if f:
                 self._reject(V.Failure(f.check, "second run on a fresh output: " + f.message, f.evidence), s, output=j)
         f = V.check_repeatable(got1, got2, s.tolerances if self.cand.knobs.get("atomics") else None)
@@ -528,13 +579,21 @@ class Judge:
             card.call_eager(copies[i], device=self.b.device)
 
         fns = [eager_fn, kernel_fn]
-        per_rep = self.kernel_wall_s + self.eager_wall_s + 1e-3
-        estimate = 2 * (o.warmup_ms / 1e3 + max(o.min_reps * per_rep, o.min_ms / 1e3))
-        self.progress("timing", o.timeout_s + 3 * estimate)
+        # One heartbeat per phase, each with room for its own work: a kernel of a few ms
+        # needs far longer as dispatched (time_as_called's fixed count of calls) than in
+        # the timed reps, and one budget for all three would call it a hang.
+        k, e = self.kernel_wall_s, self.eager_wall_s
+        self.progress("timing", self._budget(k + e + 1e-3, sides=2))
         ms = self._guarded("timing", lambda: self.b.time(fns, o))
+        self.progress("timing (kernel alone)", self._budget(k + 1e-3))
         bench = self._guarded("timing (kernel alone)", lambda: self.b.bench(self.kernel, copies, outs[0], ws, o))
-        as_called = self._guarded("timing as dispatched",
-                                  lambda: self.b.time_dispatched(card, self.cand, self.kernel, copies[0], o))
+        self.progress("timing as dispatched", o.timeout_s + 3 * timing.as_called_calls() * (k + e))
+        not_dispatched = None
+        try:
+            as_called = self._guarded("timing as dispatched",
+                                      lambda: self.b.time_dispatched(card, self.cand, self.kernel, copies[0], o))
+        except NotDispatched as nd:
+            as_called, not_dispatched = None, str(nd)
         eager_m, kernel_m = ms[0], ms[1]
         verdict, message = V.speed_verdict(kernel_m, eager_m)
         flags = V.speed_flags(kernel_m.median, eager_m.median, floor)
@@ -542,11 +601,19 @@ class Judge:
                     "input_copies": n, "eager_samples_us": _rounded(eager_m), "kernel_samples_us": _rounded(kernel_m)}
         if as_called is not None:
             evidence["eager_dispatched"], evidence["dispatched"] = as_called[0].summary(), as_called[1].summary()
+        if not_dispatched:
+            evidence["not_dispatched"] = not_dispatched
         if bench is not None:
             evidence["kernel_alone"] = bench.summary()  # GPU time alone, the C++ harness
         return EvalResult(verdict, message, evidence, eager_us=eager_m.median, kernel_us=kernel_m.median,
                           dispatched_us=as_called[1].median if as_called else None,
                           eager_dispatched_us=as_called[0].median if as_called else None, flags=flags, **common)
+
+    def _budget(self, per_rep_s: float, sides: int = 1) -> float:
+        """Heartbeat budget of a timing phase of `per_rep_s` a rep for each of `sides`
+        callables: their warm-up and reps, three times over, on top of the launch timeout."""
+        o = self.opts
+        return o.timeout_s + 3 * sides * (o.warmup_ms / 1e3 + max(o.min_reps * per_rep_s, o.min_ms / 1e3))
 
     def _revalidate(self, result: EvalResult) -> None:
         """One more run on a held-out set after timing. A kernel that computes only on its
@@ -598,6 +665,9 @@ def _rss_bytes() -> int:
 
 def main(conn, backend_name: str, device: int, opts_json: dict) -> None:
     """Entry point of the worker process: serve requests until shutdown or EOF."""
+    # Ctrl-C in the terminal reaches the whole process group. The parent decides when the
+    # search stops; a worker killed mid-candidate would log a false "worker died" verdict.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     opts = EvalOptions(**opts_json)
     backend = make_backend(backend_name, device, opts.backend_options)
     cache = _CardCache()
@@ -613,23 +683,26 @@ def main(conn, backend_name: str, device: int, opts_json: dict) -> None:
             conn.send(dataclasses.asdict(Reply("pong", req.id, info={"pid": os.getpid(), "rss_bytes": _rss_bytes(),
                                                                      "evaluated": evaluated})))
             continue
-        card = Card.from_json(req.card)
-        candidate = Candidate.from_json(req.candidate)
-
         def progress(phase: str, budget_s: float, _id: int = req.id) -> None:
             conn.send(dataclasses.asdict(Reply("progress", _id, phase=phase, budget_s=budget_s)))
 
         try:
+            card = Card.from_json(req.card)
+            candidate = Candidate.from_json(req.candidate)
             sets, holdout = cache.get(card, req.run_dir, backend, opts)
             result, fatal = Judge(backend, card, sets, holdout, candidate, opts, progress).run()
         except CardError as e:
             conn.send(dataclasses.asdict(Reply("error", req.id, error="CardError", message=str(e))))
             continue
         except Exception as e:
-            # A bug of ours (or a case we do not handle), not a device fault: like a failed
-            # trial in Optuna it becomes a failed record with the traceback, and the search goes on.
-            result, fatal = EvalResult(Verdict.RUNTIME_ERROR, f"evaluation failed inside kforge: {type(e).__name__}: {e}",
-                                       {"evaluator_error": traceback.format_exc()}), False
+            # A bug of ours (or a case we do not handle): like a failed trial in Optuna it
+            # becomes a failed record with the traceback, and the search goes on. A device
+            # error that surfaced outside a guarded launch still poisons the context.
+            fault = backend.fault(e)
+            result = EvalResult(Verdict.RUNTIME_ERROR, f"evaluation failed inside kforge: {type(e).__name__}: {e}",
+                                {"evaluator_error": traceback.format_exc(),
+                                 **({"cuda_error": fault.cuda_error} if fault else {})})
+            fatal = bool(fault and fault.fatal)
         evaluated += 1
         conn.send(dataclasses.asdict(Reply("result", req.id, result=result.to_json(), fatal=fatal)))
         if fatal:
