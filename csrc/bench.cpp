@@ -30,7 +30,7 @@ std::vector<float> bench_plan(const Plan& plan, const std::vector<std::vector<ui
   if (input_sets.empty()) throw std::invalid_argument("bench needs at least one input set");
   const DriverApi& d = driver();
   CUstream s = reinterpret_cast<CUstream>(stream);
-  ensure_context(plan.kernels().front().fn.module->context());
+  ContextGuard guard(plan.context());  // declared before the events, so it outlives them
   auto flush = [&] {
     if (cfg.flush_bytes >= 4)
       check(d.cuMemsetD32Async(cfg.flush_ptr, 0x5a5a5a5a, cfg.flush_bytes / 4, s), "flushing the L2 cache");
@@ -40,6 +40,11 @@ std::vector<float> bench_plan(const Plan& plan, const std::vector<std::vector<ui
     check(d.cuEventElapsedTime(&ms, a, b), "reading CUDA event times");
     return ms;
   };
+
+  // The first launch of a function may load it (CUDA's lazy loading); that must not be
+  // the launch that sizes the warm-up and the rep count.
+  plan.launch(input_sets[0], outputs, workspaces, stream);
+  check(d.cuStreamSynchronize(s), "synchronizing after the first launch");
 
   // Size the warm-up by time: one timed launch estimates the cost of a rep.
   Events probe(2);
@@ -56,8 +61,9 @@ std::vector<float> bench_plan(const Plan& plan, const std::vector<std::vector<ui
   }
   check(d.cuStreamSynchronize(s), "synchronizing after warm-up");
 
-  int reps = static_cast<int>(std::ceil(cfg.min_ms / est));
-  reps = std::max(cfg.min_reps, std::min(cfg.max_reps, reps));
+  // Clamped as a double first: min_ms / est can exceed INT_MAX. At least one rep, so there is a time.
+  double want = std::min<double>(cfg.max_reps, std::ceil(cfg.min_ms / est));
+  int reps = std::max({1, cfg.min_reps, static_cast<int>(want)});
   Events ev(2 * static_cast<size_t>(reps));
   for (int i = 0; i < reps; ++i) {
     flush();

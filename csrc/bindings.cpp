@@ -132,12 +132,12 @@ PYBIND11_MODULE(_C, m) {
     out["max_threads_per_block"] = attr(CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK, dev);
     out["mem_bytes"] = mem;
     return out;
-  });
+  }, py::arg("ordinal"));
   m.def("synchronize", [](int ordinal) {
-    ensure_context(primary_context(ordinal));
+    ContextGuard guard(primary_context(ordinal));
     py::gil_scoped_release release;
     check(driver().cuCtxSynchronize(), "synchronizing device " + std::to_string(ordinal));
-  });
+  }, py::arg("ordinal"));
 
   py::class_<Function>(m, "Function")
       .def_readonly("name", &Function::name)
@@ -156,17 +156,21 @@ PYBIND11_MODULE(_C, m) {
              return out;
            })
       .def("set_max_dynamic_smem", [](const Function& f, int nbytes) {
-        ensure_context(f.module->context());
+        ContextGuard guard(f.module->context());
         check(driver().cuFuncSetAttribute(f.fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes),
               "setting the dynamic shared memory limit of '" + f.name + "'");
-      });
+      }, py::arg("nbytes"));
 
   py::class_<Module, std::shared_ptr<Module>>(m, "Module")
-      .def(py::init([](py::bytes image, int ordinal) { return std::make_shared<Module>(std::string(image), ordinal); }),
+      .def(py::init([](py::bytes image, int ordinal) {
+             std::string bytes(image);
+             py::gil_scoped_release release;  // loading a large cubin takes milliseconds
+             return std::make_shared<Module>(bytes, ordinal);
+           }),
            py::arg("image"), py::arg("ordinal"))
       .def("function", [](std::shared_ptr<Module> self, const std::string& name) {
         return Function{self, self->function(name), name};
-      });
+      }, py::arg("name"));
 
   m.def(
       "launch",
@@ -179,6 +183,7 @@ PYBIND11_MODULE(_C, m) {
             throw std::invalid_argument("launch() takes raw arguments: use ('ptr', address) for buffers");
           k.args.push_back(a);
         }
+        ContextGuard guard(fn.module->context());
         launch_one(k, {}, {}, {}, stream);
       },
       py::arg("fn"), py::arg("grid"), py::arg("block"), py::arg("smem"), py::arg("stream"), py::arg("args"));

@@ -2,6 +2,7 @@
 
 #include <dlfcn.h>
 
+#include <atomic>
 #include <mutex>
 #include <unordered_map>
 
@@ -10,8 +11,10 @@ namespace {
 
 DriverApi g_driver{};
 NvrtcApi g_nvrtc{};
-void* g_driver_handle = nullptr;
-void* g_nvrtc_handle = nullptr;
+// Published with release after the tables are filled, read with acquire without the lock:
+// other threads launch while one thread may still be loading.
+std::atomic<void*> g_driver_handle{nullptr};
+std::atomic<void*> g_nvrtc_handle{nullptr};
 std::mutex g_mutex;
 
 template <typename Fn>
@@ -38,7 +41,9 @@ void load_driver(const std::string& path) {
   }
   DriverApi d{};
   try {
-    // _v2 names are what cuda.h maps the plain names to since CUDA 4/12.x.
+    // cuda.h maps cuDeviceTotalMem, cuEventDestroy and cuEventElapsedTime to their _v2 symbols.
+    // The plain cuEventDestroy/cuEventElapsedTime share the signature (older drivers lack
+    // cuEventElapsedTime_v2); the plain cuDeviceTotalMem takes an unsigned int*, so it is no fallback.
     resolve(h, d.cuInit, {"cuInit"}, path);
     resolve(h, d.cuDriverGetVersion, {"cuDriverGetVersion"}, path);
     resolve(h, d.cuGetErrorName, {"cuGetErrorName"}, path);
@@ -47,7 +52,7 @@ void load_driver(const std::string& path) {
     resolve(h, d.cuDeviceGet, {"cuDeviceGet"}, path);
     resolve(h, d.cuDeviceGetName, {"cuDeviceGetName"}, path);
     resolve(h, d.cuDeviceGetAttribute, {"cuDeviceGetAttribute"}, path);
-    resolve(h, d.cuDeviceTotalMem, {"cuDeviceTotalMem_v2", "cuDeviceTotalMem"}, path);
+    resolve(h, d.cuDeviceTotalMem, {"cuDeviceTotalMem_v2"}, path);
     resolve(h, d.cuDevicePrimaryCtxRetain, {"cuDevicePrimaryCtxRetain"}, path);
     resolve(h, d.cuCtxGetCurrent, {"cuCtxGetCurrent"}, path);
     resolve(h, d.cuCtxSetCurrent, {"cuCtxSetCurrent"}, path);
@@ -79,13 +84,13 @@ void load_driver(const std::string& path) {
                            ": cuInit failed: no usable NVIDIA GPU (check nvidia-smi and CUDA_VISIBLE_DEVICES)");
   }
   g_driver = d;
-  g_driver_handle = h;
+  g_driver_handle.store(h, std::memory_order_release);
 }
 
-bool driver_loaded() { return g_driver_handle != nullptr; }
+bool driver_loaded() { return g_driver_handle.load(std::memory_order_acquire) != nullptr; }
 
 const DriverApi& driver() {
-  if (!g_driver_handle) throw CudaError(-1, "CUDA_ERROR_NOT_INITIALIZED: the CUDA driver is not loaded; call kforge.cuda.require()");
+  if (!driver_loaded()) throw CudaError(-1, "CUDA_ERROR_NOT_INITIALIZED: the CUDA driver is not loaded; call kforge.cuda.require()");
   return g_driver;
 }
 
@@ -117,26 +122,26 @@ void load_nvrtc(const std::string& path) {
     throw NvrtcError(e.what());
   }
   g_nvrtc = n;
-  g_nvrtc_handle = h;
+  g_nvrtc_handle.store(h, std::memory_order_release);
 }
 
-bool nvrtc_loaded() { return g_nvrtc_handle != nullptr; }
+bool nvrtc_loaded() { return g_nvrtc_handle.load(std::memory_order_acquire) != nullptr; }
 
 const NvrtcApi& nvrtc() {
-  if (!g_nvrtc_handle) throw NvrtcError("NVRTC is not loaded; call kforge.compiler.compile(), which finds it");
+  if (!nvrtc_loaded()) throw NvrtcError("NVRTC is not loaded; call kforge.compiler.compile(), which finds it");
   return g_nvrtc;
 }
 
 std::string error_name(CUresult r) {
   const char* name = nullptr;
-  if (g_driver_handle && g_driver.cuGetErrorName(r, &name) == CUDA_SUCCESS && name) return name;
+  if (driver_loaded() && g_driver.cuGetErrorName(r, &name) == CUDA_SUCCESS && name) return name;
   return "CUDA_ERROR_" + std::to_string(r);
 }
 
 void check(CUresult r, const std::string& what) {
   if (r == CUDA_SUCCESS) return;
   const char* desc = nullptr;
-  if (g_driver_handle) g_driver.cuGetErrorString(r, &desc);
+  if (driver_loaded()) g_driver.cuGetErrorString(r, &desc);
   throw CudaError(r, error_name(r) + ": " + (desc ? desc : "unknown error") + " (while " + what + ")");
 }
 
@@ -154,11 +159,17 @@ CUcontext primary_context(int ordinal) {
   return ctx;
 }
 
-void ensure_context(CUcontext ctx) {
+ContextGuard::ContextGuard(CUcontext ctx) {
   const DriverApi& d = driver();
   CUcontext cur = nullptr;
   check(d.cuCtxGetCurrent(&cur), "querying the current context");
-  if (cur != ctx) check(d.cuCtxSetCurrent(ctx), "making the primary context current");
+  if (cur == ctx) return;
+  check(d.cuCtxSetCurrent(ctx), "making the primary context current");
+  prev_ = cur;
+}
+
+ContextGuard::~ContextGuard() {
+  if (prev_) driver().cuCtxSetCurrent(prev_);  // best effort: a destructor must not throw
 }
 
 }  // namespace kforge

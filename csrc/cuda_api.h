@@ -119,7 +119,20 @@ void check(CUresult r, const std::string& what);
 
 // The primary context of `ordinal` (retained once, never released: PyTorch shares it).
 CUcontext primary_context(int ordinal);
-// Make the device's primary context current on this thread if it is not already.
-void ensure_context(CUcontext ctx);
+
+// Makes `ctx` current on this thread for the scope, then puts back the context that was
+// current before, so a launch on another device does not silently move PyTorch's current
+// device. Costs one cuCtxGetCurrent when `ctx` is already current. A thread that had no
+// context keeps `ctx` (what the CUDA runtime would make current there anyway).
+class ContextGuard {
+ public:
+  explicit ContextGuard(CUcontext ctx);
+  ~ContextGuard();
+  ContextGuard(const ContextGuard&) = delete;
+  ContextGuard& operator=(const ContextGuard&) = delete;
+
+ private:
+  CUcontext prev_ = nullptr;
+};
 
 }  // namespace kforge

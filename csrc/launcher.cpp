@@ -6,7 +6,7 @@ namespace kforge {
 
 Module::Module(const std::string& image, int ordinal) : ordinal_(ordinal) {
   ctx_ = primary_context(ordinal);
-  ensure_context(ctx_);
+  ContextGuard guard(ctx_);
   check(driver().cuModuleLoadData(&mod_, image.data()), "loading a cubin of " + std::to_string(image.size()) +
                                                             " bytes on device " + std::to_string(ordinal));
 }
@@ -14,10 +14,13 @@ Module::Module(const std::string& image, int ordinal) : ordinal_(ordinal) {
 Module::~Module() {
   if (!mod_ || !driver_loaded()) return;
   // Best effort: a module of a poisoned context cannot be unloaded, and a destructor must not throw.
+  // The last reference may drop on any thread, so that thread's own context is put back.
+  const DriverApi& d = driver();
   CUcontext cur = nullptr;
-  driver().cuCtxGetCurrent(&cur);
-  if (cur != ctx_) driver().cuCtxSetCurrent(ctx_);
-  driver().cuModuleUnload(mod_);
+  d.cuCtxGetCurrent(&cur);
+  if (cur != ctx_) d.cuCtxSetCurrent(ctx_);
+  d.cuModuleUnload(mod_);
+  if (cur && cur != ctx_) d.cuCtxSetCurrent(cur);
 }
 
 CUfunction Module::function(const std::string& name) const {
@@ -85,19 +88,22 @@ void launch_one(const KernelSpec& k, const std::vector<uint64_t>& inputs, const 
     }
     params[a] = &slots[a];
   }
-  const DriverApi& d = driver();
-  ensure_context(k.fn.module->context());
-  check(d.cuLaunchKernel(k.fn.fn, k.grid.x, k.grid.y, k.grid.z, k.block.x, k.block.y, k.block.z, k.smem,
-                         reinterpret_cast<CUstream>(stream), params, nullptr),
+  check(driver().cuLaunchKernel(k.fn.fn, k.grid.x, k.grid.y, k.grid.z, k.block.x, k.block.y, k.block.z, k.smem,
+                                reinterpret_cast<CUstream>(stream), params, nullptr),
         describe(k));
 }
 
 Plan::Plan(std::vector<KernelSpec> kernels, std::vector<WorkspaceSpec> workspace)
     : kernels_(std::move(kernels)), workspace_(std::move(workspace)) {
   if (kernels_.empty()) throw std::invalid_argument("a launch plan needs at least one kernel");
+  // One context per plan lets launch() make it current once, before the workspace memsets.
+  ctx_ = kernels_.front().fn.module->context();
+  ContextGuard guard(ctx_);
   for (auto& k : kernels_) {
+    if (k.fn.module->context() != ctx_)
+      throw std::invalid_argument("kernel '" + k.fn.name + "' is loaded on another device than '" +
+                                  kernels_.front().fn.name + "': a plan runs on one device");
     if (k.smem > 48 * 1024) {
-      ensure_context(k.fn.module->context());
       // Dynamic shared memory above 48 KB must be opted into per function.
       check(driver().cuFuncSetAttribute(k.fn.fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                         static_cast<int>(k.smem)),
@@ -112,6 +118,7 @@ void Plan::launch(const std::vector<uint64_t>& inputs, const std::vector<uint64_
     throw std::invalid_argument("the plan needs " + std::to_string(workspace_.size()) + " workspace buffer(s), got " +
                                 std::to_string(workspaces.size()));
   const DriverApi& d = driver();
+  ContextGuard guard(ctx_);
   for (size_t w = 0; w < workspace_.size(); ++w) {
     if (workspace_[w].zero && workspace_[w].bytes)
       check(d.cuMemsetD8Async(workspaces[w], 0, workspace_[w].bytes, reinterpret_cast<CUstream>(stream)),

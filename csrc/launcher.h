@@ -68,12 +68,15 @@ class Plan {
               const std::vector<uint64_t>& workspaces, uint64_t stream) const;
   const std::vector<KernelSpec>& kernels() const { return kernels_; }
   const std::vector<WorkspaceSpec>& workspace() const { return workspace_; }
+  CUcontext context() const { return ctx_; }
 
  private:
   std::vector<KernelSpec> kernels_;
   std::vector<WorkspaceSpec> workspace_;
+  CUcontext ctx_ = nullptr;
 };
 
+// The caller makes the function's context current (a ContextGuard).
 void launch_one(const KernelSpec& k, const std::vector<uint64_t>& inputs, const std::vector<uint64_t>& outputs,
                 const std::vector<uint64_t>& workspaces, uint64_t stream);
 

@@ -6,6 +6,7 @@
 namespace kforge {
 
 int Registry::add(std::shared_ptr<Plan> plan) {
+  if (!plan) throw std::invalid_argument("Registry.add needs a Plan, got None");
   std::lock_guard<std::mutex> lock(mu_);
   plans_.push_back(std::move(plan));
   return static_cast<int>(plans_.size() - 1);

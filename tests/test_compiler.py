@@ -110,3 +110,23 @@ def test_launch_without_gpu_gives_a_clear_error():
     k = compiler.compile(MIXED, arch="sm_90")
     with pytest.raises(CudaUnavailableError, match="needs an NVIDIA GPU"):
         runtime.load(k.cubin, 0)
+
+
+def test_memory_cache_is_bounded_and_keeps_the_recently_used(monkeypatch):
+    monkeypatch.setattr(compiler, "_MEMORY_ENTRIES", 2)
+    src = [f'extern "C" __global__ void f{i}(float* x) {{ x[0] = {i}; }}' for i in range(3)]
+    keys = [compiler.compile(s, arch="sm_90").key for s in src[:2]]
+    compiler.compile(src[0], arch="sm_90")  # used again: now the most recent
+    keys.append(compiler.compile(src[2], arch="sm_90").key)
+    assert list(compiler._memory) == [keys[0], keys[2]]
+
+
+def test_failed_cache_write_leaves_no_temp_file(monkeypatch, tmp_path):
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(compiler.os, "replace", full_disk)
+    cache = compiler.DiskCache(tmp_path)
+    cache.put("ab" + "0" * 62, b"cubin")
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+    assert cache.get("ab" + "0" * 62) is None

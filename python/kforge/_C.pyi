@@ -48,19 +48,21 @@ def launch(fn: Function, grid: Sequence[int], block: Sequence[int], smem: int, s
 class Plan:
     """A launch plan resolved to functions: the registry entry and the fast dispatch path.
 
-    kernels: [(fn, grid, block, smem, [(kind, value)])] with kind in in/out/ws/i32/i64/f32/f64.
-    workspace: [(bytes, zero)].
+    kernels: [(fn, grid, block, smem, [(kind, value)])] with kind in in/out/ws/ptr/i32/i64/f32/f64,
+    every fn loaded on one device. workspace: [(bytes, zero)].
     """
     def __init__(self, kernels: Sequence[tuple], workspace: Sequence[tuple[int, bool]] = ()) -> None: ...
+    @property
+    def num_kernels(self) -> int: ...
     def launch(self, inputs: Sequence[int], outputs: Sequence[int], workspaces: Sequence[int], stream: int) -> None:
         """Bind pointers, zero the workspaces that ask for it, and launch every kernel on `stream`."""
 
 def bench(plan: Plan, inputs: Sequence[Sequence[int]], outputs: Sequence[int], workspaces: Sequence[int],
-          stream: int, flush_ptr: int, flush_bytes: int, warmup_ms: float, min_reps: int, min_ms: float,
-          max_reps: int) -> list[float]:
+          stream: int, flush_ptr: int, flush_bytes: int, warmup_ms: float = 25.0, min_reps: int = 100,
+          min_ms: float = 200.0, max_reps: int = 10000) -> list[float]:
     """Time plan.launch with one CUDA event pair per rep, the L2 flushed (a write of
     flush_bytes at flush_ptr) before each, inputs rotated among the given pointer sets;
-    warm-up sized by time. Returns per-rep times in milliseconds."""
+    warm-up sized by time after one untimed launch. Returns per-rep times in milliseconds."""
 
 class Registry:
     """Guarded dispatch table: integer variant id -> Plan."""

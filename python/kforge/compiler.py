@@ -4,17 +4,19 @@ Flow: memory cache -> disk cache -> compile -> atomic write. The cache key hashe
 source, the options, the arch, the NVRTC version and kforge's CACHE_VERSION, so changing
 any one of them is a miss. A corrupt entry (its stored hash does not match) is a miss,
 never a crash. Only `compile` raises: CompileError for a kernel NVRTC rejects,
-CudaUnavailableError when NVRTC itself is missing.
+CudaUnavailableError when NVRTC itself is missing, ValueError for an arch that is not sm_XY.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import re
 import tempfile
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,6 +94,7 @@ class DiskCache:
 
     def put(self, key: str, payload: bytes) -> None:
         path = self._path(key)
+        tmp = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
@@ -99,11 +102,24 @@ class DiskCache:
                 f.write(hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)
             os.replace(tmp, path)
         except OSError:
-            pass  # a read-only or full cache only costs a recompile next time
+            # A read-only or full cache only costs a recompile next time; a half-written
+            # temp file must not stay behind to fill the disk further.
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
 
 
-_memory: dict[str, bytes] = {}
+_MEMORY_ENTRIES = 512  # bounded: a long search compiles thousands of candidates
+_memory: OrderedDict[str, bytes] = OrderedDict()
 _memory_lock = threading.Lock()
+
+
+def _remember(key: str, cubin: bytes) -> None:
+    with _memory_lock:
+        _memory[key] = cubin
+        _memory.move_to_end(key)
+        while len(_memory) > _MEMORY_ENTRIES:
+            _memory.popitem(last=False)
 
 
 def compile(source: str, name: str = "kernel.cu", options: tuple[str, ...] | list[str] = (),
@@ -122,15 +138,13 @@ def compile(source: str, name: str = "kernel.cu", options: tuple[str, ...] | lis
         if hit is None:
             hit = DiskCache(env.kernel_cache_dir()).get(key)
         if hit is not None:
-            with _memory_lock:
-                _memory[key] = hit
+            _remember(key, hit)
             return CompiledKernel(hit, "", arch, key, True)
     ok, image, log = _C.nvrtc_compile(source, name, opts, True)
     if not ok:
         raise CompileError(log, source, name, opts)
     if use_cache:
-        with _memory_lock:
-            _memory[key] = image
+        _remember(key, image)
         DiskCache(env.kernel_cache_dir()).put(key, image)
     return CompiledKernel(image, log, arch, key, False)
 

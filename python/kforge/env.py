@@ -77,7 +77,7 @@ def nvrtc_candidates() -> list[str]:
         out += sorted(glob.glob(os.path.join(d, "libnvrtc.so.1[0-9]*")), reverse=True)
     # Bare sonames last: the dynamic loader's own search path.
     out += ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
-    return [p for p in out if "builtins" not in p]
+    return out
 
 
 def libcuda_path() -> str:

@@ -1,0 +1,132 @@
+/* A stand-in for libcuda.so.1 with two fake devices, so that the C++ core's context
+ * handling, resource lifetimes and benchmark protocol can be tested without a GPU
+ * (tests/test_core_fake_driver.py). Every stream operation checks that the stream's
+ * context is current, as the real driver does, and is logged as one letter:
+ * F flush (cuMemsetD32Async), Z workspace zeroing (cuMemsetD8Async), L kernel launch,
+ * R event record, S stream synchronize, E event synchronize.
+ * Streams are 0x1000 * (device + 1); stream 0 belongs to the current context. */
+#include <stdlib.h>
+#include <string.h>
+
+typedef int CUresult;
+enum { OK = 0, INVALID_VALUE = 1, INVALID_CONTEXT = 201, INVALID_HANDLE = 400, NOT_FOUND = 500, LAUNCH_FAILED = 719 };
+
+struct ctx { int device; };
+struct mod { struct ctx* ctx; };
+struct fn { struct mod* mod; };
+struct ev { int recorded; };
+
+static struct ctx g_ctx[2] = {{0}, {1}};
+static __thread struct ctx* t_current = 0;
+static char g_log[1 << 16];
+static size_t g_log_len = 0;
+static int g_live_events = 0, g_live_modules = 0, g_fail_launch_after = -1;
+static float g_elapsed_ms = 1.0f;
+
+static void log_op(char c) {
+  if (g_log_len + 1 < sizeof g_log) g_log[g_log_len++] = c, g_log[g_log_len] = 0;
+}
+
+static CUresult on_stream(void* stream, char op) {
+  size_t s = (size_t)stream;
+  if (!t_current) return INVALID_CONTEXT;
+  if (s && s != 0x1000u * (size_t)(t_current->device + 1)) return INVALID_CONTEXT;
+  log_op(op);
+  return OK;
+}
+
+/* ---- test hooks ---- */
+const char* fake_log(void) { return g_log; }
+void fake_reset(void) { g_log_len = 0; g_log[0] = 0; g_fail_launch_after = -1; }
+int fake_live_events(void) { return g_live_events; }
+int fake_live_modules(void) { return g_live_modules; }
+void fake_set_current(int device) { t_current = device < 0 ? 0 : &g_ctx[device]; }
+int fake_current(void) { return t_current ? t_current->device : -1; }
+void fake_fail_launch_after(int n) { g_fail_launch_after = n; }
+void fake_set_elapsed_ms(float ms) { g_elapsed_ms = ms; }
+
+/* ---- driver API ---- */
+CUresult cuInit(unsigned flags) { return OK; }
+CUresult cuDriverGetVersion(int* v) { *v = 13000; return OK; }
+CUresult cuGetErrorName(CUresult r, const char** s) {
+  switch (r) {
+    case INVALID_VALUE: *s = "CUDA_ERROR_INVALID_VALUE"; return OK;
+    case INVALID_CONTEXT: *s = "CUDA_ERROR_INVALID_CONTEXT"; return OK;
+    case INVALID_HANDLE: *s = "CUDA_ERROR_INVALID_HANDLE"; return OK;
+    case NOT_FOUND: *s = "CUDA_ERROR_NOT_FOUND"; return OK;
+    case LAUNCH_FAILED: *s = "CUDA_ERROR_LAUNCH_FAILED"; return OK;
+  }
+  *s = 0;
+  return INVALID_VALUE;
+}
+CUresult cuGetErrorString(CUresult r, const char** s) { *s = "fake driver error"; return OK; }
+CUresult cuDeviceGetCount(int* n) { *n = 2; return OK; }
+CUresult cuDeviceGet(int* dev, int ordinal) {
+  if (ordinal < 0 || ordinal > 1) return INVALID_VALUE;
+  *dev = ordinal;
+  return OK;
+}
+CUresult cuDeviceGetName(char* name, int len, int dev) { strncpy(name, "Fake GPU", len); return OK; }
+CUresult cuDeviceGetAttribute(int* v, int attr, int dev) { *v = attr == 75 ? 9 : 0; return OK; }
+CUresult cuDeviceTotalMem_v2(size_t* bytes, int dev) { *bytes = (size_t)80 << 30; return OK; }
+CUresult cuDevicePrimaryCtxRetain(struct ctx** c, int dev) { *c = &g_ctx[dev]; return OK; }
+CUresult cuCtxGetCurrent(struct ctx** c) { *c = t_current; return OK; }
+CUresult cuCtxSetCurrent(struct ctx* c) { t_current = c; return OK; }
+CUresult cuCtxSynchronize(void) { return t_current ? OK : INVALID_CONTEXT; }
+CUresult cuModuleLoadData(struct mod** m, const void* image) {
+  if (!t_current) return INVALID_CONTEXT;
+  *m = malloc(sizeof **m);
+  (*m)->ctx = t_current;
+  g_live_modules++;
+  return OK;
+}
+CUresult cuModuleUnload(struct mod* m) {
+  if (t_current != m->ctx) return INVALID_CONTEXT;
+  free(m);
+  g_live_modules--;
+  return OK;
+}
+CUresult cuModuleGetFunction(struct fn** f, struct mod* m, const char* name) {
+  if (strncmp(name, "missing", 7) == 0) return NOT_FOUND;
+  *f = malloc(sizeof **f); /* leaked on purpose: a real CUfunction lives as long as its module */
+  (*f)->mod = m;
+  return OK;
+}
+CUresult cuFuncGetAttribute(int* v, int attr, struct fn* f) { *v = 0; return OK; }
+CUresult cuFuncSetAttribute(struct fn* f, int attr, int value) {
+  return t_current == f->mod->ctx ? OK : INVALID_CONTEXT;
+}
+CUresult cuLaunchKernel(struct fn* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                        unsigned smem, void* stream, void** params, void** extra) {
+  if (t_current != f->mod->ctx) return INVALID_CONTEXT;
+  if (g_fail_launch_after == 0) return LAUNCH_FAILED;
+  if (g_fail_launch_after > 0) g_fail_launch_after--;
+  return on_stream(stream, 'L');
+}
+CUresult cuMemsetD8Async(unsigned long long p, unsigned char v, size_t n, void* stream) { return on_stream(stream, 'Z'); }
+CUresult cuMemsetD32Async(unsigned long long p, unsigned v, size_t n, void* stream) { return on_stream(stream, 'F'); }
+CUresult cuEventCreate(struct ev** e, unsigned flags) {
+  if (!t_current) return INVALID_CONTEXT;
+  *e = calloc(1, sizeof **e);
+  g_live_events++;
+  return OK;
+}
+CUresult cuEventDestroy_v2(struct ev* e) {
+  free(e);
+  g_live_events--;
+  return OK;
+}
+CUresult cuEventRecord(struct ev* e, void* stream) {
+  e->recorded = 1;
+  return on_stream(stream, 'R');
+}
+CUresult cuEventSynchronize(struct ev* e) {
+  log_op('E');
+  return e->recorded ? OK : INVALID_HANDLE;
+}
+CUresult cuEventElapsedTime_v2(float* ms, struct ev* a, struct ev* b) {
+  if (!a->recorded || !b->recorded) return INVALID_HANDLE;
+  *ms = g_elapsed_ms;
+  return OK;
+}
+CUresult cuStreamSynchronize(void* stream) { return on_stream(stream, 'S'); }

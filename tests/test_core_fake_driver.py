@@ -1,0 +1,224 @@
+"""The C++ core without a GPU: against a fake libcuda (tests/data/fake_libcuda.c) for
+context handling, resource lifetimes and the benchmark protocol, each test in a subprocess
+because a loaded driver stays loaded for the life of the process; and the .pyi stub
+against the bindings."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+PRELUDE = """
+import ctypes, gc, json, os
+from kforge import _C as C, cuda, runtime
+cuda.require()
+fake = ctypes.CDLL(os.environ["KFORGE_LIBCUDA_PATH"])
+fake.fake_log.restype = ctypes.c_char_p
+fake.fake_set_elapsed_ms.argtypes = [ctypes.c_float]
+DEV0 = 0x1000  # device 0's stream in the fake driver
+
+def log():
+    return fake.fake_log().decode()
+
+def plan(module, zero_ws=True):
+    fn = module.function("k")
+    return C.Plan([(fn, [1], [32], 0, [("in", 0), ("out", 0), ("ws", 0), ("i32", 5)])], [(64, zero_ws)])
+"""
+
+
+@pytest.fixture(scope="module")
+def fake_driver(tmp_path_factory) -> Path:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("needs a C compiler to build the fake driver")
+    out = tmp_path_factory.mktemp("fake-cuda") / "libcuda_fake.so"
+    src = Path(__file__).parent / "data" / "fake_libcuda.c"
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(out), str(src)], check=True)
+    return out
+
+
+def _run(fake_driver: Path, body: str) -> dict:
+    env = dict(os.environ, KFORGE_LIBCUDA_PATH=str(fake_driver))
+    code = PRELUDE + textwrap.dedent(body)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_loading_and_launching_on_another_device_keep_the_callers_context(fake_driver):
+    # PyTorch's current device is the current context: a launch for device 0 while the
+    # caller is on device 1 must not move the caller to device 0.
+    out = _run(fake_driver, """
+    fake.fake_set_current(1)
+    mod = runtime.load(b"cubin", 0)
+    after_load = fake.fake_current()
+    p = plan(mod)
+    after_plan = fake.fake_current()
+    p.launch([11], [12], [13], DEV0)  # the workspace memset, too, must run in device 0's context
+    after_launch = fake.fake_current()
+    C.synchronize(0)
+    print(json.dumps({"load": after_load, "plan": after_plan, "launch": after_launch,
+                      "sync": fake.fake_current(), "log": log()}))
+    """)
+    assert out == {"load": 1, "plan": 1, "launch": 1, "sync": 1, "log": "ZL"}
+
+
+def test_a_thread_without_a_context_keeps_the_one_made_current(fake_driver):
+    out = _run(fake_driver, """
+    fake.fake_set_current(-1)
+    plan(runtime.load(b"cubin", 0)).launch([1], [2], [3], DEV0)
+    print(json.dumps({"current": fake.fake_current()}))
+    """)
+    assert out == {"current": 0}
+
+
+def test_module_is_unloaded_in_its_context_when_the_last_reference_goes(fake_driver):
+    out = _run(fake_driver, """
+    p = plan(C.Module(b"cubin", 0))
+    loaded = fake.fake_live_modules()
+    fake.fake_set_current(1)
+    del p
+    gc.collect()
+    print(json.dumps({"loaded": loaded, "left": fake.fake_live_modules(), "current": fake.fake_current()}))
+    """)
+    assert out == {"loaded": 1, "left": 0, "current": 1}
+
+
+def test_bench_protocol_warms_up_by_time_and_flushes_before_each_rep(fake_driver):
+    out = _run(fake_driver, """
+    p = plan(C.Module(b"cubin", 0))
+    fake.fake_set_current(1)
+    times = C.bench(p, [[1], [2]], [3], [4], DEV0, 0xf1, 4096, warmup_ms=3.0, min_reps=2, min_ms=5.0, max_reps=10)
+    print(json.dumps({"times": times, "log": log(), "events": fake.fake_live_events(),
+                      "current": fake.fake_current()}))
+    """)
+    # The fake times every launch at 1 ms: one untimed launch, one timed probe, then
+    # 3 warm-up launches for warmup_ms=3 and 5 reps for min_ms=5, each after a flush.
+    untimed, probe = "ZLS", "FRZLRE"
+    warmup = "FZL" * 3 + "S"
+    reps = "FRZLR" * 5 + "E"
+    assert out["log"] == untimed + probe + warmup + reps
+    assert out["times"] == [1.0] * 5
+    assert out["events"] == 0 and out["current"] == 1
+
+
+def test_bench_rep_count_is_clamped_and_never_zero(fake_driver):
+    out = _run(fake_driver, """
+    p = plan(C.Module(b"cubin", 0))
+    fake.fake_set_elapsed_ms(0.0)  # est floors at 1e-4 ms: min_ms / est overflows an int
+    many = C.bench(p, [[1]], [2], [3], DEV0, 0, 0, warmup_ms=0.0, min_reps=1, min_ms=1e9, max_reps=7)
+    none = C.bench(p, [[1]], [2], [3], DEV0, 0, 0, warmup_ms=0.0, min_reps=0, min_ms=0.0, max_reps=0)
+    print(json.dumps({"many": len(many), "none": len(none), "events": fake.fake_live_events()}))
+    """)
+    assert out == {"many": 7, "none": 1, "events": 0}
+
+
+def test_a_failing_launch_in_bench_leaks_no_events(fake_driver):
+    out = _run(fake_driver, """
+    p = plan(C.Module(b"cubin", 0))
+    fake.fake_fail_launch_after(6)
+    try:
+        C.bench(p, [[1]], [2], [3], DEV0, 0xf1, 4096, warmup_ms=2.0, min_reps=4, min_ms=4.0, max_reps=10)
+        err = None
+    except C.CudaError as e:
+        err = str(e)
+    print(json.dumps({"err": err, "events": fake.fake_live_events()}))
+    """)
+    assert out["err"].startswith("CUDA_ERROR_LAUNCH_FAILED") and "launching kernel 'k'" in out["err"]
+    assert out["events"] == 0
+
+
+def test_registry_refuses_none_and_names_missing_ids(fake_driver):
+    out = _run(fake_driver, """
+    reg = C.Registry()
+    try:
+        reg.add(None)
+        added = "accepted"
+    except ValueError as e:
+        added = str(e)
+    vid = reg.add(plan(C.Module(b"cubin", 0)))
+    reg.launch(vid, [1], [2], [3], DEV0)
+    try:
+        reg.launch(vid + 1, [1], [2], [3], DEV0)
+        missing = "launched"
+    except IndexError as e:
+        missing = str(e)
+    print(json.dumps({"added": added, "len": len(reg), "missing": missing, "log": log()}))
+    """)
+    assert out == {"added": "Registry.add needs a Plan, got None", "len": 1,
+                   "missing": "no launch plan with id 1 in the registry", "log": "ZL"}
+
+
+def test_plan_kernels_must_share_one_device(fake_driver):
+    out = _run(fake_driver, """
+    a, b = C.Module(b"cubin", 0).function("k"), C.Module(b"cubin", 1).function("k")
+    try:
+        C.Plan([(a, [1], [1], 0, []), (b, [1], [1], 0, [])])
+        err = None
+    except ValueError as e:
+        err = str(e)
+    print(json.dumps({"err": err}))
+    """)
+    assert out["err"] == "kernel 'k' is loaded on another device than 'k': a plan runs on one device"
+
+
+def _pybind_params(doc: str) -> list[tuple[str, bool]]:
+    """(name, has default) of a pybind11 signature line, self left out."""
+    sig = doc.splitlines()[0]
+    inner = sig[sig.index("(") + 1:sig.rindex(") ->")]
+    parts, depth, cur = [], 0, ""
+    for ch in inner:
+        if ch in "([":
+            depth += 1
+        elif ch in ")]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur)
+    params = [(p.split(":")[0].strip(), " = " in p) for p in parts if p.strip()]
+    return [p for p in params if p[0] != "self"]
+
+
+def _stub_params(fn) -> list[tuple[str, bool]]:
+    args = fn.args.args
+    defaults = [False] * (len(args) - len(fn.args.defaults)) + [True] * len(fn.args.defaults)
+    return [(a.arg, d) for a, d in zip(args, defaults) if a.arg != "self"]
+
+
+def test_stub_matches_the_bindings():
+    import ast
+
+    import kforge
+    from kforge import _C
+
+    tree = ast.parse((Path(kforge.__file__).parent / "_C.pyi").read_text())
+    stubbed = {node.name: node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    public = {n for n in dir(_C) if not n.startswith("_")}
+    assert set(stubbed) == public
+    for name, node in stubbed.items():
+        obj = getattr(_C, name)
+        if isinstance(node, ast.FunctionDef):
+            assert _stub_params(node) == _pybind_params(obj.__doc__), name
+            continue
+        members = {m.name: m for m in node.body if isinstance(m, ast.FunctionDef)}
+        members.update({m.target.id: None for m in node.body if isinstance(m, ast.AnnAssign)})
+        if issubclass(obj, BaseException):
+            continue
+        bound = {n for n in vars(obj) if not n.startswith("_") or n == "__len__"}
+        if "__init__" in vars(obj) and (obj.__init__.__doc__ or "").startswith("__init__("):
+            bound.add("__init__")  # a constructor bound with py::init, not pybind's refusing default
+        assert set(members) == bound, name
+        for mname, m in members.items():
+            if m is None or any(isinstance(d, ast.Name) and d.id == "property" for d in m.decorator_list):
+                continue
+            assert _stub_params(m) == _pybind_params(getattr(obj, mname).__doc__), f"{name}.{mname}"
