@@ -15,7 +15,7 @@ from fakes import FakeEvaluator, FakeProposer, toy_card
 
 from kforge import cuda, proposers, runner
 from kforge.cards import load_cards, save_card
-from kforge.cli import main
+from kforge.cli import _resume_command, build_parser, main
 from kforge.errors import CudaUnavailableError
 from kforge.log import connect
 
@@ -108,15 +108,23 @@ def test_ctrl_c_exits_130_with_how_to_resume_and_resume_finishes(model_file, tmp
 
     monkeypatch.setattr(runner, "default_evaluator", lambda run_dir, device: Interrupting(untimed=True))
     run_dir = tmp_path / "run"
-    assert main(["run", str(model_file), "--run-dir", str(run_dir), "--iterations", "3"]) == 130
+    assert main(["run", str(model_file), "--run-dir", str(run_dir), "--iterations", "3", "--seed", "7"]) == 130
     err = " ".join(capsys.readouterr().err.split())
-    assert f"kforge run --resume --run-dir {run_dir}" in err
+    # The hint repeats the options that differ from the defaults: a plain resume would change the budget.
+    assert f"kforge run --resume --run-dir {run_dir} --iterations 3 --seed 7" in err
 
     monkeypatch.setattr(runner, "default_evaluator", lambda run_dir, device: FakeEvaluator(untimed=True))
     assert main(["run", "--resume", "--run-dir", str(run_dir), "--iterations", "3", "--no-progress"]) == 0
     capsys.readouterr()
     main(["inspect", str(run_dir)])
     assert "(done)" in capsys.readouterr().out
+
+
+def test_resume_hint_of_a_search_keeps_its_cards_and_options(tmp_path):
+    args = build_parser().parse_args(["search", "r", "--cards", "a", "b", "--devices", "0,1", "--include-vendor",
+                                      "--proposer", "llm:coder", "--max-cost", "5"])
+    assert _resume_command(args, tmp_path / "r") == (f"kforge search {tmp_path / 'r'} --cards a b --proposer llm:coder "
+                                                     "--max-cost 5.0 --include-vendor --devices 0,1")
 
 
 def test_progress_rows_are_shown_per_card(model_file, tmp_path, capsys, cpu_only, monkeypatch):
@@ -152,6 +160,13 @@ def test_kforge_errors_exit_1_with_a_message_and_no_traceback(tmp_path, capsys):
     assert main(["run", "--resume"]) == 1
     assert "--run-dir" in capsys.readouterr().err
     assert main(["inspect", str(tmp_path / "x.txt")]) == 1
+
+
+def test_bad_devices_are_a_usage_error_that_shows_the_format(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["search", "run", "--devices", "0,gpu1"])
+    assert exit_info.value.code == 2
+    assert "like 0,1 (got '0,gpu1')" in capsys.readouterr().err
 
 
 def test_dash_without_dash_installed_says_how_to_get_it(monkeypatch, capsys):

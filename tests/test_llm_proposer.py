@@ -9,12 +9,12 @@ from kforge import compiler
 from kforge.errors import CompileError, ProposerError
 from kforge.hardware import H200
 from kforge.proposers import get_proposer
-from kforge.proposers.base import ProposalContext, Tried
+from kforge.proposers.base import ProposalContext, ProposalFailed, Tried
 from kforge.proposers.llm import LLMConfig, LLMProposer, prompts
 from kforge.proposers.llm.parse import parse_reply
 from kforge.verdict import EvalResult, Verdict
 from llm_cards import answer, plan, softmax_card, source
-from llm_server import ScriptedLLMServer, reply
+from llm_server import ScriptedLLMServer, error, reply
 
 # What the fake evaluator "measures" for each kernel (us); eager takes 14 us.
 KERNEL_US = {"softmax_rows_block": 21.0, "softmax_thread_per_row": 360.0, "softmax_warp_row": 11.6}
@@ -101,6 +101,19 @@ def test_duplicates_and_truncation_are_explained_and_asks_are_bounded(server, pr
     feedback = [r.last_user for r in server.requests[1:]]
     assert "identical to a kernel already evaluated" in feedback[0]
     assert "cut off at 8192 tokens" in feedback[1]
+
+
+def test_a_conversation_without_a_candidate_still_reports_what_it_cost(server, proposer):
+    server.push(reply("no idea"), reply("still none"), reply("nothing"))
+    with pytest.raises(ProposalFailed) as failed:
+        proposer.propose(ProposalContext(softmax_card(), H200))
+    assert (failed.value.prompt_tokens, failed.value.completion_tokens) == (300, 150)
+    assert failed.value.cost_usd == pytest.approx(0.0006)  # $1 / $2 per million tokens
+
+    server.push(reply("no idea"), error(401, "bad key"))  # the endpoint gives up after a paid ask
+    with pytest.raises(ProposalFailed, match="stopped after 1 ask.*refused the API key") as failed:
+        proposer.propose(ProposalContext(softmax_card(), H200))
+    assert (failed.value.prompt_tokens, failed.value.completion_tokens) == (100, 50)
 
 
 def test_get_proposer_builds_it_from_the_environment(server, monkeypatch):

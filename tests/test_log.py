@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from fakes import candidate, toy_card
 
+from kforge.errors import KforgeError
 from kforge.log import LOG_NAME, SCHEMA_VERSION, SearchLog, connect
 from kforge.verdict import EvalResult, Verdict
 
@@ -31,7 +32,7 @@ def test_schema_version_is_recorded_and_newer_logs_are_refused(tmp_path):
     log.conn.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION + 1),))
     log.conn.commit()
     log.close()
-    with pytest.raises(RuntimeError, match="newer kforge"):
+    with pytest.raises(KforgeError, match="newer kforge"):  # the CLI prints it, no traceback
         SearchLog(tmp_path)
 
 

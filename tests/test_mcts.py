@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,10 @@ from fakes import FAST_HW, FakeEvaluator, FakeProposer, toy_card
 from kforge.errors import BudgetExhausted
 from kforge.hardware import Hardware
 from kforge.log import SearchLog
+from kforge.proposers.base import ProposalFailed
 from kforge.search import Budget, search_card
-from kforge.verdict import Verdict
+from kforge.search.tree import Tree
+from kforge.verdict import EvalResult, Verdict
 
 TOY_TREE = Path(__file__).parent / "data" / "toy_tree.json"
 RUN = "run-1"
@@ -160,6 +163,24 @@ def test_cost_budget_and_llm_accounting(tmp_path):
     assert {c["candidate_id"] for c in calls} <= {r["id"] for r in log.candidates(RUN, outcome.card_id)} | {None}
 
 
+def test_llm_conversations_that_gave_nothing_usable_still_count_against_the_budget(tmp_path):
+    class Unusable(FakeProposer):
+        """Every other conversation costs $0.01 and 100 tokens and yields no candidate."""
+        asked = 0
+
+        def propose(self, ctx):
+            self.asked += 1
+            if self.asked % 2:
+                raise ProposalFailed("no usable answer in 3 asks", prompt_tokens=100, cost_usd=0.01)
+            return super().propose(ctx)
+
+    outcome, log = _search(tmp_path, proposer=Unusable(), budget=Budget(iterations=100, max_cost_usd=0.025))
+    assert outcome.stop_reason == "cost" and outcome.iterations < 10
+    assert log.llm_spend(RUN) == (300, pytest.approx(0.03))
+    for call in log.rows("SELECT * FROM llm_calls"):
+        assert call["status"] == "error" and call["candidate_id"] is None and "no usable answer" in call["error"]
+
+
 def test_token_budget(tmp_path):
     outcome, _ = _search(tmp_path, proposer=FakeProposer(tokens=1000), budget=Budget(iterations=100, max_tokens=2500))
     assert outcome.stop_reason == "tokens" and outcome.iterations == 3
@@ -198,6 +219,36 @@ def test_stagnation_restarts_from_the_root_with_more_exploration(tmp_path):
     steady_roots, no_stalls = roots(Budget(iterations=40, stagnation=10**6))
     assert stalls and "c=1.4" in stalls[0]["message"] and not no_stalls
     assert stalled_roots > steady_roots
+
+
+def test_cancel_stops_after_the_candidate_in_flight_without_repairing_it(tmp_path):
+    cancel = threading.Event()
+
+    class CtrlCDuringAFailure(FakeEvaluator):
+        def evaluate(self, card, cand):
+            result = super().evaluate(card, cand)
+            if result.verdict.repairable:
+                cancel.set()  # another thread's Ctrl-C arrives while this candidate is evaluated
+            return result
+
+    outcome, log = _search(tmp_path, evaluator=CtrlCDuringAFailure(), rng_seed=0, cancel=cancel)
+    rows = log.candidates(RUN, outcome.card_id)
+    assert outcome.stop_reason == "interrupted" and rows[-1]["verdict"] == "compile_error"
+    assert all(r["repair_of"] is None for r in rows)
+    assert log.rows("SELECT status FROM cards")[0][0] == "searching"  # resumes later
+
+
+def test_a_valid_verdict_without_timings_never_becomes_the_best(tmp_path):
+    class FirstUntimed(FakeEvaluator):
+        def evaluate(self, card, cand):
+            result = super().evaluate(card, cand)
+            if len(self.calls) == 1:
+                return EvalResult(Verdict.VALID, "timing lost")
+            return result
+
+    outcome, log = _search(tmp_path, evaluator=FirstUntimed(), rng_seed=0, budget=Budget(iterations=10))
+    assert outcome.stop_reason == "iterations" and outcome.best_speedup > 1
+    assert outcome.best.id == Tree.replay(log.candidates(RUN, outcome.card_id)).best().id
 
 
 def test_progress_is_reported_every_iteration(tmp_path):

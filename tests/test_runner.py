@@ -229,3 +229,14 @@ def test_cpu_only_run_generates_and_compiles_real_kernels_for_the_cuda_twin(tmp_
     assert all(v in ("untimed", "compile_error") for _, v in rows)
     cards = connect(tmp_path / "run", readonly=True).execute("SELECT card_json FROM cards").fetchall()
     assert all('"device": "cuda"' in c[0] for c in cards)
+
+
+def test_devices_are_checked_against_the_visible_gpus(monkeypatch):
+    from kforge import cuda
+
+    monkeypatch.setattr(cuda, "available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert runner.gpu_devices(None) == [0, 1]
+    assert runner.gpu_devices([1, 1, 0]) == [1, 0]  # never two workers timing on one GPU
+    with pytest.raises(KforgeError, match="no GPU 2 here: 2 visible.*--devices"):
+        runner.gpu_devices([0, 2])

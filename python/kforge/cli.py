@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import shlex
 import warnings
 from pathlib import Path
 from typing import Sequence
@@ -19,6 +20,14 @@ from rich.table import Table
 from .errors import KforgeError
 
 
+def _devices(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected GPU ordinals separated by commas, like 0,1 (got {text!r})") from None
+
+
 def _search_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("search")
     g.add_argument("--proposer", default="builtin", help="builtin (default), llm or llm:<model>")
@@ -27,7 +36,7 @@ def _search_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-cost", type=float, metavar="USD", help="stop once LLM calls cost this much")
     g.add_argument("--min-share", type=float, default=0.0, help="skip cards below this share of runtime (0-1)")
     g.add_argument("--include-vendor", action="store_true", help="also search cards backed by cuBLAS/cuDNN")
-    g.add_argument("--devices", type=lambda s: [int(x) for x in s.split(",")], metavar="0,1",
+    g.add_argument("--devices", type=_devices, metavar="0,1",
                    help="GPU ordinals to evaluate on (default: all)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-progress", action="store_true", help="no live progress display")
@@ -80,6 +89,34 @@ def _search_kwargs(args: argparse.Namespace) -> dict:
     return dict(proposer=args.proposer, iterations=args.iterations, wall_time_s=args.wall_time,
                 max_cost_usd=args.max_cost, min_share=args.min_share, include_vendor=args.include_vendor,
                 devices=args.devices, seed=args.seed, progress=not args.no_progress, proposer_options=options)
+
+
+# Search options as (dest, flag): a resume hint repeats those that differ from the defaults.
+_SEARCH_FLAGS = (("proposer", "--proposer"), ("iterations", "--iterations"), ("wall_time", "--wall-time"),
+                 ("max_cost", "--max-cost"), ("min_share", "--min-share"), ("include_vendor", "--include-vendor"),
+                 ("devices", "--devices"), ("seed", "--seed"), ("llm_base_url", "--llm-base-url"),
+                 ("llm_model", "--llm-model"))
+
+
+def _resume_command(args: argparse.Namespace, run_dir: Path) -> str:
+    """The command that continues an interrupted run with the options it was started with:
+    with the defaults it would go on under another proposer, budget or set of cards."""
+    if args.command == "search":
+        words = ["kforge", "search", str(run_dir)] + (["--cards", *args.cards] if args.cards else [])
+    else:
+        words = ["kforge", "run", "--resume", "--run-dir", str(run_dir)]
+        if args.out != "model.cast":
+            words += ["--out", str(args.out)]
+    defaults = vars(build_parser().parse_args(["search", "."]))
+    for dest, flag in _SEARCH_FLAGS:
+        value = getattr(args, dest)
+        if value == defaults[dest]:
+            continue
+        if value is True:
+            words.append(flag)
+        else:
+            words += [flag, ",".join(map(str, value)) if isinstance(value, list) else str(value)]
+    return shlex.join(words)
 
 
 def _report(result, console: Console) -> int:
@@ -258,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return COMMANDS[args.command](args, console)
     except RunInterrupted as e:
         err.print(f"[yellow]interrupted[/]: everything evaluated so far is in {escape(str(e.run_dir))}. "
-                  f"Resume with:\n  kforge run --resume --run-dir {escape(str(e.run_dir))}", soft_wrap=True)
+                  f"Resume with:\n  {escape(_resume_command(args, e.run_dir))}", soft_wrap=True, highlight=False)
         return 130
     except KeyboardInterrupt:
         err.print("[yellow]interrupted[/]")

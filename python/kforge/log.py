@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
+from .errors import KforgeError
+
 SCHEMA_VERSION = 1
 LOG_NAME = "search.sqlite"
 
@@ -115,7 +117,7 @@ class SearchLog:
             if row is None:
                 self.conn.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
             elif int(row[0]) > SCHEMA_VERSION:
-                raise RuntimeError(f"{self.run_dir} was written by a newer kforge (log schema {row[0]}); upgrade kforge")
+                raise KforgeError(f"{self.run_dir} was written by a newer kforge (log schema {row[0]}); upgrade kforge")
 
     def close(self) -> None:
         self.conn.close()

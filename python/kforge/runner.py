@@ -102,11 +102,18 @@ def gpu_devices(devices: Sequence[int] | None) -> list[int]:
 
     if not cuda.available():
         return []
-    if devices is not None:
-        return list(devices)
     import torch
 
-    return list(range(torch.cuda.device_count()))
+    count = torch.cuda.device_count()
+    if devices is None:
+        return list(range(count))
+    # One worker per GPU: a repeated ordinal would time two candidates on one GPU at once.
+    chosen = list(dict.fromkeys(devices))
+    missing = [d for d in chosen if not 0 <= d < count]
+    if missing:
+        raise KforgeError(f"no GPU {', '.join(map(str, missing))} here: {count} visible (ordinals 0 to {count - 1}); "
+                          "check --devices and CUDA_VISIBLE_DEVICES")
+    return chosen
 
 
 def default_evaluator(run_dir: Path, device: int | None) -> Evaluator:

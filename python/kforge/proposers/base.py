@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from ..candidate import Candidate
 from ..cards import Card
+from ..errors import ProposerError
 from ..hardware import Hardware
 from ..verdict import EvalResult
 
@@ -43,6 +44,17 @@ class Proposal:
     cost_usd: float = 0.0
 
 
+class ProposalFailed(ProposerError):
+    """No usable candidate, after calls that cost tokens: the search still counts them
+    against its budgets and logs them."""
+
+    def __init__(self, message: str, *, prompt_tokens: int = 0, completion_tokens: int = 0, cost_usd: float = 0.0):
+        super().__init__(message)
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = completion_tokens
+        self.cost_usd = cost_usd
+
+
 class Proposer(abc.ABC):
     name: str = "proposer"
 
@@ -53,7 +65,7 @@ class Proposer(abc.ABC):
     @abc.abstractmethod
     def propose(self, ctx: ProposalContext) -> Proposal:
         """A new candidate: a first version when ctx.parent is None, else a revision of it.
-        Raises ProposerError when it has nothing new to offer."""
+        Raises ProposerError when it has nothing new to offer (ProposalFailed when that cost tokens)."""
 
     def repair(self, ctx: ProposalContext, failed: Tried) -> Proposal | None:
         """A fix for a candidate that failed to compile, load or run; None if it cannot."""

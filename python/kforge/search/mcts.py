@@ -21,7 +21,7 @@ from ..cards import Card
 from ..errors import BudgetExhausted
 from ..hardware import Hardware
 from ..log import SearchLog
-from ..proposers.base import Proposal, ProposalContext, Proposer, Tried
+from ..proposers.base import Proposal, ProposalContext, ProposalFailed, Proposer, Tried
 from ..verdict import EvalResult, Evaluator, Verdict
 from . import policy as P
 from .tree import Node, Tree
@@ -178,7 +178,7 @@ class _CardSearch:
 
     def _stop_reason(self, it: int, started: float) -> str | None:
         b, now = self.budget, time.monotonic()
-        if self.cancel is not None and self.cancel.is_set():
+        if self._cancelled():
             return "interrupted"
         if it >= b.iterations:
             return "iterations"
@@ -194,6 +194,9 @@ class _CardSearch:
 
     def _best_speedup(self) -> float | None:
         return self.best.tried.result.speedup if self.best else None
+
+    def _cancelled(self) -> bool:
+        return self.cancel is not None and self.cancel.is_set()
 
     # ---- one expansion and its repairs ---------------------------------------------------
     def _context(self, leaf: Node, it: int, rng: random.Random) -> ProposalContext:
@@ -216,6 +219,8 @@ class _CardSearch:
         for _ in range(self.repair_attempts):
             if not tried.result.verdict.repairable or "evaluator_error" in tried.result.evidence:
                 break
+            if self._cancelled():  # stop after the candidate in flight, not after its repairs
+                break
             ctx = self._context(leaf, it, rng)
             failed = tried
             proposal = self._ask(leaf, "repair", lambda: self.proposer.repair(ctx, failed))
@@ -233,6 +238,9 @@ class _CardSearch:
         except (BudgetExhausted, KeyboardInterrupt):
             raise
         except Exception as e:  # any proposer bug or bad reply becomes a recorded failure
+            if isinstance(e, ProposalFailed):
+                self._charge(e)
+                self._record_llm(self.proposer.name, e, None, error=str(e))
             self.log.event(self.run_id, "proposer_error", f"{what} failed: {type(e).__name__}: {e}",
                            level="warning", card_id=self.card.id)
             self._proposer_failed(leaf)
@@ -247,12 +255,10 @@ class _CardSearch:
         """Evaluate a proposal, log it, add it to the tree and back its reward up.
         None when it was a duplicate of something already evaluated (not re-evaluated)."""
         cand = proposal.candidate
-        tokens = proposal.prompt_tokens + proposal.completion_tokens
-        if tokens or proposal.cost_usd:
-            self.spend.add(tokens, proposal.cost_usd)
+        self._charge(proposal)
         digest = cand.digest()
         if digest in self.tree.digests:
-            self._record_llm(proposal, None)
+            self._record_llm(cand.proposer, proposal, None)
             self.log.event(self.run_id, "duplicate", f"candidate {digest} was already evaluated; skipped",
                            card_id=self.card.id)
             self._proposer_failed(leaf)
@@ -261,12 +267,14 @@ class _CardSearch:
         reward = P.result_reward(result)
         row = self.log.add_candidate(self.run_id, self.card.id, cand, result, parent_id=leaf.id, iteration=it,
                                      reward=reward, repair_of=repair_of, eval_s=eval_s)
-        self._record_llm(proposal, row)
+        self._record_llm(cand.proposer, proposal, row)
         tried = Tried(cand, result, row)
         node = self.tree.add(tried, leaf, digest)
         Tree.backpropagate(node, reward)
         self.evaluated += 1
-        if result.verdict is Verdict.VALID and (self.best is None or (result.speedup or 0) > self._best_speedup()):
+        # The same rule as Tree.best, so a resumed search keeps the same best.
+        if result.verdict is Verdict.VALID and result.speedup and (self.best is None or
+                                                                   result.speedup > self._best_speedup()):
             self.best = node
         return tried
 
@@ -283,11 +291,19 @@ class _CardSearch:
                                 evidence={"evaluator_error": repr(e)})
         return result, time.monotonic() - t0
 
-    def _record_llm(self, proposal: Proposal, row: int | None) -> None:
-        if proposal.prompt_tokens or proposal.completion_tokens or proposal.cost_usd:
-            self.log.add_llm_call(self.run_id, self.card.id, proposal.candidate.proposer,
-                                  prompt_tokens=proposal.prompt_tokens, completion_tokens=proposal.completion_tokens,
-                                  cost_usd=proposal.cost_usd, candidate_id=row)
+    def _charge(self, usage: Proposal | ProposalFailed) -> None:
+        """Count LLM spend against the run-wide budgets, before the (slow) evaluation."""
+        tokens = usage.prompt_tokens + usage.completion_tokens
+        if tokens or usage.cost_usd:
+            self.spend.add(tokens, usage.cost_usd)
+
+    def _record_llm(self, proposer: str, usage: Proposal | ProposalFailed, row: int | None,
+                    error: str | None = None) -> None:
+        """Log LLM spend (linked to the candidate it produced, if any), so a resume counts it."""
+        if usage.prompt_tokens or usage.completion_tokens or usage.cost_usd:
+            self.log.add_llm_call(self.run_id, self.card.id, proposer, prompt_tokens=usage.prompt_tokens,
+                                  completion_tokens=usage.completion_tokens, cost_usd=usage.cost_usd,
+                                  candidate_id=row, status="error" if error else "ok", error=error)
 
 
 def search_card(card: Card, proposer: Proposer, evaluator: Evaluator, log: SearchLog, run_id: str, *,

@@ -12,8 +12,8 @@ import time
 from typing import Callable
 
 from ...cards import Card
-from ...errors import ProposerError
-from ..base import Proposal, ProposalContext, Proposer, Tried
+from ...errors import BudgetExhausted, LLMError, ProposerError
+from ..base import Proposal, ProposalContext, ProposalFailed, Proposer, Tried
 from . import prompts
 from .client import CallRecord, LLMClient, log_recorder
 from .config import LLMConfig
@@ -55,7 +55,15 @@ class LLMProposer(Proposer):
         cost = 0.0
         asks = self.config.max_repair_attempts + 1
         for ask in range(1, asks + 1):
-            reply = self.client.chat(messages, card_id=ctx.card.id)
+            try:
+                reply = self.client.chat(messages, card_id=ctx.card.id)
+            except (LLMError, BudgetExhausted) as e:
+                if not (prompt_tokens or completion_tokens or cost):
+                    raise
+                # The earlier asks were paid for: the error carries their cost to the search's budget.
+                raise ProposalFailed(f"{self.name} stopped after {ask - 1} ask(s) for card {ctx.card.id}: {e}",
+                                     prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                     cost_usd=cost) from e
             prompt_tokens += reply.prompt_tokens
             completion_tokens += reply.completion_tokens
             cost += reply.cost_usd
@@ -74,5 +82,6 @@ class LLMProposer(Proposer):
             candidate.knobs = {"model": self.config.model, "asks": ask}
             candidate.note = "; ".join(x for x in (note, candidate.note) if x)
             return Proposal(candidate, prompt_tokens, completion_tokens, cost)
-        raise ProposerError(f"{self.name} gave no usable answer in {asks} asks for card {ctx.card.id}; "
-                            f"the last problem: {problem}")
+        raise ProposalFailed(f"{self.name} gave no usable answer in {asks} asks for card {ctx.card.id}; "
+                             f"the last problem: {problem}", prompt_tokens=prompt_tokens,
+                             completion_tokens=completion_tokens, cost_usd=cost)
