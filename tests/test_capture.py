@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 
 import pytest
 import torch
@@ -314,6 +315,13 @@ def test_model_error_names_module_and_op_and_restores_dispatch(tmp_path):
     assert "module 'blocks.1.1' (Linear)" in msg and "aten::addmm.default" in msg, msg
     assert isinstance(info.value.__cause__, RuntimeError)
     assert dispatch_state(OPS) == before
+
+
+def test_failed_capture_leaves_no_temporary_run_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(CaptureError):
+        capture(Broken(), torch.randn(3, 8))
+    assert not list(tmp_path.glob("kforge-capture-*"))
 
 
 def test_error_while_overrides_are_installed_restores_dispatch(tmp_path):

@@ -148,6 +148,7 @@ def test_defaults_the_dispatcher_strips_still_hit(cpu):
 def test_value_keys_tell_apart_what_cards_tell_apart():
     assert len({_value_key(1), _value_key(1.0), _value_key(True)}) == 3
     assert _value_key(float("nan")) == _value_key(float("nan"))
+    assert _value_key(0.0) != _value_key(-0.0) and _value_key([0.0]) != _value_key([-0.0])
     assert _value_key(torch.device("cuda", 1)) == _value_key(torch.device("cuda"))
     assert _value_key([1, 2]) == _value_key((1, 2)) != _value_key([2, 1])
 
@@ -314,6 +315,13 @@ def test_installed_times_one_kernel_as_dispatched_and_restores():
     (torch.arange(6, dtype=torch.int32), 2),
     (torch.arange(6, dtype=torch.int32), 0.5),
     (torch.tensor([True, False]), 1),
+    # The stand-in 0-dim tensor must keep eager's double precision and eager's result dtype.
+    (torch.tensor([1.0, 3.0], dtype=torch.float64), 0.1),
+    (torch.tensor([1.0, 3.0], dtype=torch.complex128), 0.1),
+    (torch.tensor([1.0, 3.0], dtype=torch.float64), 0.1j),
+    (torch.tensor(1.0, dtype=torch.float64), 0.1),
+    (torch.tensor(1.0, dtype=torch.float16), 0.1),
+    (torch.tensor(7, dtype=torch.int32), 2),
 ])
 def test_python_scalar_in_a_tensor_slot_falls_back_like_eager(cpu, x, scalar):
     """`x + 1e-6` reaches a Python kernel with a float where add.Tensor says Tensor; the
@@ -326,3 +334,31 @@ def test_python_scalar_in_a_tensor_slot_falls_back_like_eager(cpu, x, scalar):
     got = x + scalar
     assert got.dtype == want.dtype and torch.equal(got, want)
     assert v.counters.hits == 0 and sum(v.counters.fallbacks.values()) >= 1
+
+
+def test_python_scalar_falls_back_like_eager_in_place_and_with_out(cpu):
+    y = torch.randn(4, 8, dtype=torch.bfloat16)
+    cpu.add("pkg", [Variant(make_card(aten.add_.Tensor, y.clone(), y, aliases={0: 0}), 0, FakeLauncher()),
+                    Variant(make_card(aten.add.out, y, y, out=y.clone(), aliases={0: 2}), 0, FakeLauncher())])
+    x = torch.tensor([1.0, 3.0], dtype=torch.float64)
+    assert torch.equal(x.clone().add_(0.1), torch.tensor([1.0 + 0.1, 3.0 + 0.1], dtype=torch.float64))
+    # out= does not take part in type promotion: int32 + 0.1 computes in float32, then casts.
+    out = torch.empty(2, dtype=torch.float64)
+    torch.add(torch.tensor([1, 3], dtype=torch.int32), 0.1, out=out)
+    assert torch.equal(out, torch.tensor([1, 3], dtype=torch.float32).add(0.1).double())
+
+
+def test_conjugate_and_negative_views_never_hit(cpu):
+    # copy_ and clone take these views unresolved: a kernel for the plain layout would drop the bit.
+    x, z = torch.randn(4, 8), torch.randn(4, 8, dtype=torch.complex64)
+    launcher = FakeLauncher(lambda ins, outs: None, lambda ins, outs: None)
+    real = Variant(make_card(aten.copy_.default, torch.empty(4, 8), x, aliases={0: 0}), 0, launcher)
+    cplx = Variant(make_card(aten.copy_.default, torch.empty_like(z), z, aliases={0: 0}), 1, launcher)
+    cpu.add("pkg", [real, cplx])
+    y, w = torch.empty(4, 8), torch.empty_like(z)
+    y.copy_(x._neg_view())
+    w.copy_(z.conj())
+    assert real.counters.fallbacks == {"no-variant": 1} and cplx.counters.fallbacks == {"no-variant": 1}
+    assert not launcher.calls and torch.equal(y, -x) and torch.equal(w, z.conj())
+    y.copy_(x)
+    assert real.counters.hits == 1

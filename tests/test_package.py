@@ -291,12 +291,21 @@ def _dispatched(m):
     (lambda m: _dispatched(m).update(outputs="x"), "is not a valid card"),
     (lambda m: _dispatched(m).update(kind="magic"), "must name kind in"),
     (lambda m: _dispatched(m)["plan"]["kernels"][0]["args"].append({"in": 5}), "kernel is unusable"),
+    # Fields only install() reads must fail the load too, as a PackageError.
+    (lambda m: _dispatched(m).update(aliases={"0": "x"}), "must map output indices"),
+    (lambda m: _dispatched(m)["outputs"][0].update(shape=["a"], stride=[1]), "metadata .* is malformed"),
+    (lambda m: _dispatched(m)["outputs"][0].update(dtype="nope"), "unknown dtype"),
+    (lambda m: _dispatched(m)["guard"]["args"].append({"name": "v", "kind": "value", "value": {"memory_format": "load"}}),
+     "unknown encoded value"),
+    (lambda m: _dispatched(m)["guard"]["args"].append({"name": "t", "kind": "tensor"}), "no tensor metadata"),
 ])
 def test_malformed_manifest_is_a_package_error(cast, edit, words):
     with pytest.raises(PackageError, match=words):
         load(rewrite(cast, edit_manifest(edit)), arch="sm_90")
     with pytest.raises(PackageError, match="not JSON"):
         load(rewrite(cast, lambda m: m.update({MANIFEST: b"{"})), arch="sm_90")
+    with pytest.raises(PackageError, match="not JSON"):
+        load(rewrite(cast, lambda m: m.update({MANIFEST: b"[" * 100_000 + b"]" * 100_000})), arch="sm_90")
 
 
 def test_ptx_in_place_of_the_cubin_is_refused(cast):

@@ -92,7 +92,6 @@ def capture(model: torch.nn.Module, example_inputs: Any, run_dir: str | Path | N
         model.to(device)
     args, kwargs = _as_call(example_inputs, None if device is None else torch.device(device))
     dev = _model_device(model, args, kwargs)
-    run_dir = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="kforge-capture-"))
     target = _Target.of(dev)
 
     with _model_state(model, eval_mode), (torch.no_grad() if no_grad else contextlib.nullcontext()):
@@ -105,6 +104,8 @@ def capture(model: torch.nn.Module, example_inputs: Any, run_dir: str | Path | N
             _time_entry(entry, dev)
     total_us = _assign_shares(rec)
     cards.sort(key=lambda c: -(c.share or 0.0))
+    # Made only now: a capture that fails must not leave an empty directory behind.
+    run_dir = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="kforge-capture-"))
     result = CaptureResult(cards, run_dir, total_us, model_us, str(dev), notes)
     _write(result, rec)
     return result

@@ -141,20 +141,25 @@ def encode_value(v: Any) -> Any:
 
 
 def decode_value(v: Any, device: str | None = None) -> Any:
+    """encode_value's inverse; raises CardError for anything encode_value does not write
+    (cards also come from packages, which are untrusted)."""
     if isinstance(v, list):
         return [decode_value(x, device) for x in v]
     if isinstance(v, dict):
-        (k, x), = v.items()
-        if k == "float":
-            return float(x)
-        if k == "dtype":
-            return dtype_from_name(x)
-        if k == "device":
-            return torch.device(device or x)
-        if k == "memory_format":
-            return getattr(torch, x)
-        if k == "layout":
-            return getattr(torch, x)
+        k, x = next(iter(v.items())) if len(v) == 1 else (None, None)
+        if isinstance(x, str):
+            if k == "float" and x.lstrip("+-") in ("inf", "nan"):
+                return float(x)
+            if k == "dtype":
+                return dtype_from_name(x)
+            if k == "device":
+                try:
+                    return torch.device(device or x)
+                except RuntimeError as e:
+                    raise CardError(f"unknown device {x!r} in card") from e
+            kinds = {"memory_format": torch.memory_format, "layout": torch.layout}
+            if k in kinds and isinstance(getattr(torch, x, None), kinds[k]):
+                return getattr(torch, x)
         raise CardError(f"unknown encoded value {v!r}")
     return v
 

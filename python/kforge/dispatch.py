@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol, Sequence
@@ -133,6 +132,18 @@ def _tensors_key(ts: Sequence[torch.Tensor | None]) -> tuple:
     return tuple(_tensor_key(t) for t in ts)
 
 
+# Ops with a kernel at the Conjugate or Negative key (copy_, clone, mm, ...) receive conjugate
+# and negative views unresolved: the bit is part of what the kernel must do, and no card has one.
+def _lazy_view_key(t: torch.Tensor | None) -> tuple | None:
+    if isinstance(t, torch.Tensor) and (t.is_conj() or t.is_neg()):
+        return ("conjugate or negative view",)
+    return _tensor_key(t)
+
+
+def _lazy_views_key(ts: Sequence[torch.Tensor | None]) -> tuple:
+    return tuple(_lazy_view_key(t) for t in ts)
+
+
 def _value_key(v: Any) -> Any:
     """A hashable key that tells apart what encode_value tells apart (1, 1.0 and True differ)."""
     fast = _VALUE_KEY_BY_TYPE.get(type(v))
@@ -145,7 +156,7 @@ def _value_key(v: Any) -> Any:
     if isinstance(v, (int, torch.SymInt)):
         return ("i", int(v))
     if isinstance(v, float):
-        return ("f", v if not math.isnan(v) else "nan")
+        return _float_key(v)
     if isinstance(v, torch.device):
         return ("device", v.type)
     if isinstance(v, (list, tuple)):
@@ -153,12 +164,17 @@ def _value_key(v: Any) -> Any:
     return ("?", type(v).__name__, repr(v))  # never equal to a recorded value: the call falls back
 
 
+def _float_key(v: float) -> tuple:
+    # 0.0 == -0.0 and nan != nan, but cards tell the zeros apart and every nan from a number.
+    return ("f", v) if v and v == v else ("f", repr(v))
+
+
 # Exact-type fast paths for the values calls carry most (the isinstance chain is the slow path).
 _VALUE_KEY_BY_TYPE: dict[type, Callable[[Any], Any]] = {
     type(None): lambda v: None,
     bool: lambda v: ("b", v),
     int: lambda v: ("i", v),
-    float: lambda v: ("f", v) if v == v else ("f", "nan"),
+    float: _float_key,
     list: lambda v: tuple([_value_key(x) for x in v]),
     tuple: lambda v: tuple([_value_key(x) for x in v]),
 }
@@ -246,8 +262,8 @@ _TENSOR_FIELDS = ("shape", "stride", "dtype", "device", "alignment")  # order of
 def _tensor_differences(a: tuple | None, b: tuple | None) -> list[str]:
     if a == b:
         return []
-    if a is None or b is None:
-        return ["no-variant"]
+    if a is None or b is None or len(a) != len(_TENSOR_FIELDS) or len(b) != len(_TENSOR_FIELDS):
+        return ["no-variant"]  # None, a Python scalar or a lazy view where the other has a tensor
     return [n for n, x, y in zip(_TENSOR_FIELDS, a, b) if x != y]
 
 
@@ -283,7 +299,9 @@ class _OpOverride:
         self.op = op
         schema = op._schema
         self.kinds = tuple(_slot_kind(a) for a in schema.arguments)
-        self._key_fns = tuple(_KEY_FNS[k] for k in self.kinds)
+        lazy_views = any(torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), k) for k in ("Conjugate", "Negative"))
+        key_fns = {**_KEY_FNS, "tensor": _lazy_view_key, "tensors": _lazy_views_key} if lazy_views else _KEY_FNS
+        self._key_fns = tuple(key_fns[k] for k in self.kinds)
         # Arguments the dispatcher may leave out: trailing defaults and kwarg-only ones.
         self._params = tuple((a.name, a.default_value if a.has_default_value() else None) for a in schema.arguments)
         self._tensor_slots = tuple(i for i, k in enumerate(self.kinds) if k != "value")

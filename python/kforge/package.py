@@ -38,7 +38,7 @@ import torch
 from rich.table import Table
 
 from .candidate import KINDS, Candidate, LaunchPlan
-from .cards import CARD_FORMAT, Card, card_id, load_card
+from .cards import CARD_FORMAT, Card, card_id, decode_value, load_card
 from .dispatch import Counters, Dispatcher, Launcher, RegistryLauncher, Variant, dispatch_blocker
 from .errors import CardError, CompileError, CudaUnavailableError, PackageError, PlanError
 from .log import LOG_NAME, SearchLog
@@ -362,6 +362,28 @@ def _need(d: Any, key: str, types: type | tuple[type, ...], where: str) -> Any:
     return v
 
 
+def _check_card(card: Card) -> None:
+    """Raise CardError unless every field install() and report() read has the type they expect:
+    a manifest is untrusted, and a bad field must fail the load, not a later install."""
+    def ints(xs: Any, lo: int | None = None) -> bool:
+        return isinstance(xs, tuple) and all(type(x) is int and (lo is None or x >= lo) for x in xs)
+
+    if not isinstance(card.op, str) or not all(isinstance(a.name, str) for a in card.args):
+        raise CardError("op and argument names must be strings")
+    for a in card.args:
+        if a.kind == "value":
+            decode_value(a.value)
+        elif not ((a.kind == "tensor" and a.tensor is not None) or (a.kind == "tensors" and isinstance(a.tensors, list))):
+            raise CardError(f"argument {a.name!r} of kind {a.kind!r} carries no tensor metadata")
+    for m in card.inputs + card.outputs:
+        if not (ints(m.shape, 0) and ints(m.stride) and len(m.shape) == len(m.stride) and isinstance(m.device, str)
+                and m.align in (1, 2, 4, 8, 16)):
+            raise CardError(f"tensor metadata {m} is malformed")
+        m.torch_dtype  # raises CardError for a dtype this torch does not have
+    if not all(type(k) is int and type(v) is int for k, v in card.aliases.items()):
+        raise CardError(f"aliases {card.aliases} must map output indices to input indices")
+
+
 @dataclass(eq=False)
 class PackagedCard:
     """One card of a package as it stands on this machine (decision may differ from the manifest's)."""
@@ -397,9 +419,11 @@ def _parse_card(e: Any, i: int, arch: str, members: dict[str, bytes]) -> Package
                                "args": guard["args"], "outputs": e["outputs"], "aliases": e["aliases"],
                                "arch": guard["arch"], "family": e.get("family", "other"), "calls": e.get("calls", 0),
                                "share": e.get("share"), "module_paths": e.get("module_paths", [])})
+        _check_card(card)
+        hashes_to_id = card_id(card.op, card.args, card.arch) == cid
     except (KeyError, TypeError, ValueError, AttributeError, CardError) as err:
         raise PackageError(f"malformed manifest: {where} is not a valid card ({err!r}); rebuild the package") from err
-    if card_id(card.op, card.args, card.arch) != cid:
+    if not hashes_to_id:
         raise PackageError(f"malformed manifest: {where}'s guard does not hash to its id {cid}; the manifest was edited")
     if decision == "fallback":
         return PackagedCard(card, decision, reason, e.get("kind"), e)
@@ -428,7 +452,7 @@ def _parse_manifest(path: Path, members: dict[str, bytes]) -> tuple[dict, list[P
         raise PackageError(f"{path} has no {MANIFEST}; it is not a .cast package")
     try:
         manifest = json.loads(members[MANIFEST])
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: nesting deep enough to exhaust the stack
         raise PackageError(f"malformed manifest in {path}: not JSON ({e}); rebuild the package") from e
     fmt = _need(manifest, "format", int, "manifest")
     if fmt > FORMAT:
