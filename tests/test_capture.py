@@ -211,7 +211,7 @@ def test_stored_samples_replay_to_stored_outputs(tmp_path, model, x):
         for g, e in zip(got, ref):
             torch.testing.assert_close(g, e, msg=lambda m: f"{card.summary()}: {m}")
         replayed += 1
-    assert replayed >= 5, [c.op for c in r.cards]
+    assert replayed >= 4, [c.op for c in r.cards]
 
 
 def test_inplace_sample_inputs_are_taken_before_the_call(tmp_path):
@@ -430,3 +430,21 @@ def test_python_scalars_in_tensor_slots_are_captured_and_replay(tmp_path):
     got = ScalarArith()(x, i)
     assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got, want))
     assert any(c.op == "aten::add.Tensor" for c in res.cards)
+
+
+def test_vendor_calls_keep_no_sample_and_a_big_call_does_not_starve_later_ones(tmp_path):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+
+        def forward(self, x, small):
+            return self.lin(x).relu(), small.exp()
+
+    x, small = torch.randn(512, 64), torch.randn(8)
+    # Room for the small exp sample, not for the 512x64 relu one that runs first.
+    r = capture(Net(), (x, small), tmp_path, time_cards=False, max_sample_bytes=4096)
+    assert all(c.samples == 0 for c in r.cards if c.family == "vendor")
+    assert any("vendor op" in n for c in r.cards if c.family == "vendor" for n in c.notes)
+    assert one(r, "aten::relu.default").samples == 0
+    assert one(r, "aten::exp.default").samples == 1

@@ -426,7 +426,11 @@ class _Recorder:
             return _Call(entry, op, copies)
 
     def _wants_sample(self, entry: _Entry, tensors: list[torch.Tensor]) -> bool:
-        if entry.card.family == "view" or len(entry.samples) >= self.max_samples or self.budget_hit:
+        # Vendor-backed calls (matmul/conv inputs and weights) are the largest and are not
+        # searched by default: spending the budget on them left later norm and softmax
+        # cards of big models without a sample. A call that does not fit is skipped, but
+        # smaller later ones still get theirs.
+        if entry.card.family in _NO_SAMPLE or len(entry.samples) >= self.max_samples:
             return False
         if self.bytes_used + _bytes(tensors) > self.byte_budget:
             self.budget_hit = True
@@ -458,8 +462,8 @@ class _Recorder:
         for e in self.entries.values():
             c = e.card
             c.samples = len(e.samples)
-            if c.family == "view":
-                c.notes.append("no sample stored: view/metadata op")
+            if c.family in _NO_SAMPLE:
+                c.notes.append(f"no sample stored: {c.family} op (evaluated on fresh inputs when searched)")
             elif not e.samples:
                 c.notes.append(f"no sample stored: the {budget_mib:g} MiB sample budget was spent "
                                f"(raise max_sample_bytes to keep one)")
@@ -474,8 +478,11 @@ class _Recorder:
     def notes(self) -> list[str]:
         out = [f"{op}: {n} call(s) not recorded ({self.unrecorded_why[op]})" for op, n in self.unrecorded.items()]
         if self.budget_hit:
-            out.append(f"sample budget of {self.byte_budget / 2**20:g} MiB spent: later cards have no stored sample")
+            out.append(f"sample budget of {self.byte_budget / 2**20:g} MiB spent: some cards have no stored sample")
         return out
+
+
+_NO_SAMPLE = frozenset({"view", "vendor"})
 
 
 class _SeeOps(TorchDispatchMode):
