@@ -109,13 +109,17 @@ def as_called_calls(calls: int = AS_CALLED_CALLS, rounds: int = AS_CALLED_ROUNDS
     return (rounds + 2) * (calls + 1)
 
 
-def time_as_called(entries, *, calls: int = AS_CALLED_CALLS, rounds: int = AS_CALLED_ROUNDS,
+AS_CALLED_TARGET_S = 1e-3  # back-to-back calls per sample: about this long, 4 to AS_CALLED_CALLS
+
+
+def time_as_called(entries, *, calls: int | None = None, rounds: int = AS_CALLED_ROUNDS,
                    device=None) -> list[Measurement]:
     """Latency per call as a model sees it: `calls` back-to-back calls between one event pair,
     host overhead included and no flush between calls (so both sides see the same warm L2).
     `entries` are (context factory, fn): the context (e.g. a package installed) is entered
     outside the timed region; rounds interleave the entries. Host wall time where the
-    device is not CUDA."""
+    device is not CUDA. calls=None sizes the batch from the first call (about 1 ms a
+    sample): host overhead matters for µs ops, and ms ops need no long batches."""
     import torch
 
     on_gpu = _on_gpu(device)
@@ -124,9 +128,16 @@ def time_as_called(entries, *, calls: int = AS_CALLED_CALLS, rounds: int = AS_CA
     for r in range(rounds + 2):  # the first two rounds warm up
         for i, (ctx, fn) in enumerate(entries):
             with ctx():
+                t0 = time.perf_counter()
                 fn()
                 if on_gpu:
                     torch.cuda.synchronize(device)
+                if calls is None and r == 1:  # sized on the second round: the first may compile or load
+                    one = max(time.perf_counter() - t0, 1e-7)
+                    calls = int(min(AS_CALLED_CALLS, max(4, math.ceil(AS_CALLED_TARGET_S / one))))
+                if calls is None:
+                    continue  # first warm-up round: nothing timed yet
+                if on_gpu:
                     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     s.record(stream)
                     for _ in range(calls):
