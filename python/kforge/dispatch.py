@@ -22,8 +22,9 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
-from .candidate import Candidate
+from . import runtime
 from .boxing import call_original
+from .candidate import Candidate
 from .cards import Card, TensorMeta, decode_value, pointer_alignment
 from .errors import CardError, KforgeError, LaunchError
 
@@ -74,7 +75,7 @@ class RegistryLauncher:
         self._cuda_error = _C.CudaError
 
     def prepare(self, device: torch.device | int | str) -> Any:
-        from . import _C, runtime
+        from . import _C
 
         ordinal = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         ordinal = ordinal.index if ordinal.index is not None else torch.cuda.current_device()
@@ -89,8 +90,6 @@ class RegistryLauncher:
         return reg
 
     def launch(self, vid, inputs, outputs, workspaces, device) -> None:
-        from . import runtime
-
         reg = self._registries.get(device.index)
         if reg is None:
             reg = self.prepare(device)
@@ -110,8 +109,6 @@ class PlanLauncher:
         self._plan = plan
 
     def launch(self, vid, inputs, outputs, workspaces, device) -> None:
-        from . import runtime
-
         runtime.launch(self._plan, inputs, outputs, workspaces, runtime.current_stream(device.index))
 
 

@@ -6,6 +6,8 @@ import hashlib
 import threading
 from collections import OrderedDict
 
+import torch
+
 from .candidate import Candidate, LaunchPlan
 from .errors import LaunchError
 
@@ -71,19 +73,17 @@ def build_plan(candidate: Candidate, cubin: bytes, device: int):
 
 
 def alloc_workspaces(plan: LaunchPlan, device):
-    import torch
-
     return [torch.empty(max(n, 1), dtype=torch.uint8, device=device) for n, _ in plan.workspace_bytes()]
+
+
+# The raw getter skips building a Stream object: ~2 us less on the dispatch hot path.
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def current_stream(device_index: int | None) -> int:
     """torch's current stream on the device, as a raw handle (the fast path: no Stream object)."""
-    import torch
-
     idx = torch.cuda.current_device() if device_index is None else device_index
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    # The raw getter skips building a Stream object: ~2 us less on the dispatch hot path.
-    return raw(idx) if raw is not None else torch.cuda.current_stream(idx).cuda_stream
+    return _RAW_STREAM(idx) if _RAW_STREAM is not None else torch.cuda.current_stream(idx).cuda_stream
 
 
 def launch(plan, inputs, outputs, workspaces=(), stream=None) -> None:
