@@ -97,8 +97,8 @@ class RegistryLauncher:
             reg.launch(vid, [t.data_ptr() for t in inputs], [t.data_ptr() for t in outputs],
                        [t.data_ptr() for t in workspaces], runtime.current_stream(device.index))
         except self._cuda_error as e:
-            raise LaunchError(f"dispatched kernel {self._entries[vid][0].plan.kernels[0].name} (variant {vid}) "
-                              f"failed: {e}", str(e).split(":")[0]) from e
+            raise LaunchError.from_cuda(f"dispatched kernel {self._entries[vid][0].plan.kernels[0].name} "
+                                        f"(variant {vid}) failed: {e}", e) from e
 
 
 class PlanLauncher:

@@ -42,6 +42,16 @@ class LaunchError(KforgeError):
         self.cuda_error = cuda_error
         super().__init__(message)
 
+    @classmethod
+    def from_cuda(cls, message: str, err: BaseException) -> "LaunchError":
+        """Wrap a kforge._C.CudaError, whose text starts with the CUDA error name."""
+        return cls(message, cuda_error_name(err))
+
+
+def cuda_error_name(err: BaseException) -> str:
+    """CUDA_ERROR_ILLEGAL_ADDRESS from "CUDA_ERROR_ILLEGAL_ADDRESS: an illegal ... (while ...)"."""
+    return str(err).split(":")[0].split()[0] if str(err) else type(err).__name__
+
 
 class PlanError(KforgeError):
     """A launch plan is malformed or does not fit the card it is meant for."""

@@ -37,7 +37,7 @@ def load(cubin: bytes, device: int):
     try:
         mod = C.Module(cubin, device)
     except C.CudaError as e:
-        raise LaunchError(f"could not load the cubin on device {device}: {e}", str(e).split(":")[0]) from e
+        raise LaunchError.from_cuda(f"could not load the cubin on device {device}: {e}", e) from e
     with _lock:
         _modules[key] = mod
         while len(_modules) > _MAX_MODULES:
@@ -58,14 +58,14 @@ def resolve(plan: LaunchPlan, module):
         try:
             fn = module.function(k.name)
         except C.CudaError as e:
-            raise LaunchError(f"kernel '{k.name}' named in the launch plan is not in the compiled module "
-                              f"(declare it extern \"C\" __global__): {e}", str(e).split(":")[0]) from e
+            raise LaunchError.from_cuda(f"kernel '{k.name}' named in the launch plan is not in the compiled module "
+                                        f"(declare it extern \"C\" __global__): {e}", e) from e
         args = [next(iter(a.items())) for a in k.args]
         kernels.append((fn, list(k.grid), list(k.block), k.smem, args))
     try:
         return C.Plan(kernels, plan.workspace_bytes())
     except C.CudaError as e:
-        raise LaunchError(f"could not prepare the launch plan: {e}", str(e).split(":")[0]) from e
+        raise LaunchError.from_cuda(f"could not prepare the launch plan: {e}", e) from e
 
 
 def build_plan(candidate: Candidate, cubin: bytes, device: int):
@@ -95,4 +95,4 @@ def launch(plan, inputs, outputs, workspaces=(), stream=None) -> None:
         plan.launch([t.data_ptr() for t in inputs], [t.data_ptr() for t in outputs],
                     [t.data_ptr() for t in workspaces], int(stream))
     except C.CudaError as e:
-        raise LaunchError(str(e), str(e).split(":")[0]) from e
+        raise LaunchError.from_cuda(str(e), e) from e

@@ -47,7 +47,7 @@ from . import timing
 from . import validate as V
 from .candidate import Candidate
 from .cards import Card
-from .errors import CardError, CompileError, LaunchError
+from .errors import CardError, CompileError, LaunchError, cuda_error_name
 from .hardware import Hardware
 from .tolerance import Tolerance, derive, observed
 from .verdict import EvalResult, Measurement, Verdict
@@ -247,7 +247,7 @@ class CudaBackend(Backend):
         if isinstance(exc, LaunchError) and exc.cuda_error:
             return Fault(exc.cuda_error, str(exc))
         if isinstance(exc, _C.CudaError):
-            return Fault(str(exc).split(":")[0].split()[0], str(exc))
+            return Fault(cuda_error_name(exc), str(exc))
         text = str(exc)
         if isinstance(exc, RuntimeError) and ("CUDA error" in text or "CUDA kernel errors" in text):
             name = next((n for phrase, n in _TORCH_CUDA_ERRORS if phrase in text), "CUDA_ERROR_UNKNOWN")
