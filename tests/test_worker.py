@@ -193,12 +193,33 @@ def test_beyond_roofline_is_flagged_and_kept_when_revalidation_passes(tmp_path, 
         assert "beyond_roofline" in r.flags and r.verdict in (Verdict.VALID, Verdict.SLOWER)
 
 
-def test_latency_as_dispatched_goes_through_the_guard_path(tmp_path, card):
-    with make_evaluator(tmp_path, backend="fake", backend_options={"dispatch": True}, **FAST) as p:
-        r = p.evaluate(card, fake("relu_good"))
-    assert r.verdict in (Verdict.VALID, Verdict.SLOWER), r.message
+def _judge(tmp_path, card, kernel: str, beats: list, **opts):
+    o = EvalOptions(**{**FAST, **opts})
+    backend = FakeBackend(dispatch=True)
+    sets, holdout = prepare(card, tmp_path, backend.device, o.fresh_sets)
+    return Judge(backend, card, sets, holdout, fake(kernel), o, lambda ph, b: beats.append((ph, b)))
+
+
+def _always(verdict):
+    return lambda kernel, eager: (verdict, f"forced {verdict.value}")
+
+
+def test_latency_as_dispatched_goes_through_the_guard_path(tmp_path, card, monkeypatch):
+    monkeypatch.setattr("kforge.validate.speed_verdict", _always(Verdict.VALID))  # CPU timing is noise
+    r, fatal = _judge(tmp_path, card, "relu_good", []).run()
+    assert r.verdict is Verdict.VALID and not fatal, r.message
     assert r.dispatched_us > 0 and r.eager_dispatched_us > 0 and "not_dispatched" not in r.evidence
     assert r.evidence["dispatched"]["n"] == 5  # FakeBackend.time_as_called's rounds
+
+
+def test_a_kernel_slower_than_eager_is_not_timed_as_dispatched(tmp_path, card, monkeypatch):
+    """A loser on the GPU can only lose as dispatched: the search does not pay for that timing."""
+    monkeypatch.setattr("kforge.validate.speed_verdict", _always(Verdict.SLOWER))
+    beats: list = []
+    r, _ = _judge(tmp_path, card, "relu_good", beats).run()
+    assert r.verdict is Verdict.SLOWER and r.dispatched_us is None
+    assert "not faster than eager" in r.evidence["not_dispatched"]
+    assert [p for p, _ in beats][-2:] == ["timing", "revalidating"]
 
 
 def test_guard_misses_are_not_reported_as_latency_as_dispatched(card):
@@ -212,17 +233,13 @@ def test_guard_misses_are_not_reported_as_latency_as_dispatched(card):
         backend.time_dispatched(card, cand, kernel, other_shape, EvalOptions())
 
 
-def test_each_timing_phase_has_a_heartbeat_that_fits_its_work(tmp_path):
+def test_each_timing_phase_has_a_heartbeat_that_fits_its_work(tmp_path, monkeypatch):
     """Timing as dispatched calls a kernel (rounds + 2) x (calls + 1) times: a kernel of a
     few ms must not be killed as a hang under a budget sized for the timed reps."""
-    card = relu_card()
-    opts = EvalOptions(timeout_s=2.0, far_slower=1e9, **FAST)
-    backend = FakeBackend()
-    sets, holdout = prepare(card, tmp_path, backend.device, opts.fresh_sets)
+    monkeypatch.setattr("kforge.validate.speed_verdict", _always(Verdict.VALID))  # winners get every phase
     beats: list[tuple[str, float]] = []
-    judge = Judge(backend, card, sets, holdout, fake("relu_sleepy"), opts, lambda ph, b: beats.append((ph, b)))
-    result, fatal = judge.run()
-    assert result.verdict is Verdict.SLOWER and not fatal, result.message
+    result, fatal = _judge(tmp_path, relu_card(), "relu_sleepy", beats, timeout_s=2.0, far_slower=1e9).run()
+    assert not fatal, result.message
     budgets = dict(beats)
     assert list(budgets)[-4:] == ["timing", "timing (kernel alone)", "timing as dispatched", "revalidating"]
     assert budgets["timing as dispatched"] >= 2.0 + 3 * as_called_calls() * 0.005
