@@ -21,6 +21,7 @@ import torch
 
 import kforge
 from kforge import timing
+from kforge.capture import shares_by_family
 from kforge.cards import flatten_outputs, load_cards
 from kforge.hardware import current
 from kforge.modelspec import load_model_spec
@@ -41,12 +42,29 @@ def max_rel_err(got, ref) -> float:
     return worst
 
 
+def phase_seconds(run_dir: Path, run_id: str) -> dict:
+    """Where the search's evaluation time went: seconds per worker phase, summed over candidates."""
+    from kforge.log import connect
+
+    totals: dict[str, float] = {}
+    conn = connect(run_dir, readonly=True)
+    try:
+        for (evidence,) in conn.execute("SELECT evidence_json FROM candidates WHERE run_id=?", (run_id,)):
+            for name, sec in json.loads(evidence or "{}").get("phase_s", {}).items():
+                totals[name] = totals.get(name, 0.0) + sec
+        n = conn.execute("SELECT COUNT(*), COALESCE(SUM(eval_s), 0) FROM candidates WHERE run_id=?", (run_id,)).fetchone()
+    finally:
+        conn.close()
+    return {"candidates": n[0], "eval_s": round(n[1], 2), **{k: round(v, 2) for k, v in totals.items()}}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model", help="model.py (get_model/get_inputs) or pkg.module:factory")
     ap.add_argument("--out", required=True)
     ap.add_argument("--iterations", type=int, default=50)
     ap.add_argument("--min-share", type=float, default=0.0)
+    ap.add_argument("--ops", default="", help="only search cards of these ops (comma-separated name parts)")
     ap.add_argument("--wall-time", type=float, default=None, help="search wall-time budget in seconds")
     ap.add_argument("--compile", action="store_true", help="also time the model under torch.compile")
     ap.add_argument("--run-dir", default=None)
@@ -58,6 +76,7 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     result = kforge.run(model, inputs, out=cast, iterations=args.iterations, run_dir=run_dir,
                         min_share=args.min_share, wall_time_s=args.wall_time, progress=False,
+                        ops=[o for o in args.ops.split(",") if o] or None,
                         model_name=Path(args.model).stem)
     wall_s = time.perf_counter() - t0
     pkg = kforge.load(result.package_path)
@@ -83,9 +102,8 @@ def main(argv=None) -> None:
     report = pkg.report()
 
     captured = {c.id: c for c in load_cards(run_dir)}
-    by_family: dict[str, float] = {}
-    for c in captured.values():
-        by_family[c.family] = by_family.get(c.family, 0.0) + (c.share or 0.0)
+    by_family = shares_by_family(list(captured.values()))
+    phases = phase_seconds(run_dir, result.run_id)
     cards = []
     for row in result.table:
         c = decisions.get(row.card_id)
@@ -95,7 +113,7 @@ def main(argv=None) -> None:
             "card": row.card_id, "op": row.summary, "family": row.family, "status": row.status,
             "calls": getattr(captured.get(row.card_id), "calls", None),
             "share": getattr(captured.get(row.card_id), "share", None),
-            "iterations": row.iterations, "eager_us": row.eager_us, "best_kernel_us": row.best_us,
+            "iterations": row.iterations, "search_s": row.search_s, "eager_us": row.eager_us, "best_kernel_us": row.best_us,
             "best_speedup": row.speedup, "decision": c.decision if c else "not searched",
             "reason": c.reason if c else row.note, "timing": timing_,
         })
@@ -107,7 +125,7 @@ def main(argv=None) -> None:
         "model_us": model_us, "torch_compile_s": compile_s,
         "speedup_vs_eager": model_us["eager"]["median_us"] / model_us["kforge"]["median_us"],
         "max_rel_err_vs_eager": err, "hits": {r["id"]: r["hits"] for r in report["cards"] if r["hits"]},
-        "hbm_bw": hw.bandwidth, "share_by_family": by_family, "cards": cards, "stop_reasons": result.stop_reasons,
+        "hbm_bw": hw.bandwidth, "share_by_family": by_family, "eval_phase_s": phases, "cards": cards, "stop_reasons": result.stop_reasons,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1, default=str))
@@ -115,6 +133,8 @@ def main(argv=None) -> None:
     for name, m in model_us.items():
         print(f"  {name:14s} {m['median_us']:10.1f} us  (iqr {m['iqr_us']:.1f})")
     print(f"  speedup vs eager {out['speedup_vs_eager']:.3f}x, max rel err {err:.2e}")
+    print(f"  evaluation: {phases}")
+    print("  share by family: " + ", ".join(f"{f} {100 * v:.1f}%" for f, v in by_family.items()))
     for c in cards:
         if c["decision"] == "dispatched" or (c["best_speedup"] or 0) > 1:
             print(f"  {c['op'][:60]:60s} {c['decision']:10s} {c['best_speedup'] or 0:.2f}x  {c['reason'][:60]}")

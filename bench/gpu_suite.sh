@@ -2,24 +2,51 @@
 # Everything GPU-side in one device call: install, the GPU tests, then the benchmarks, each
 # step under its own time limit so one slow step cannot starve the rest. Results go to $OUT.
 #   bash bench/gpu_suite.sh            (on the GPU machine, from the repo root)
+# Two lanes: A = GPU tests + built-in templates, B = the example models + dispatch overhead.
+# With two GPUs the lanes run at the same time, one GPU each; with one GPU, one after the other.
+# Sizing: T_TESTS, T_BUILTIN, T_MODEL (per model), T_DISPATCH seconds; BUDGET (candidates per
+# built-in card), ITERS (search iterations per model card), COMPILE=1 (time torch.compile too),
+# GPU_TESTS (test paths), SKIP_TESTS=1, MODELS (names from the list below).
 source bench/device_setup.sh
 set +e  # a step that fails or runs out of time must not stop the steps after it
-step() {  # step NAME SECONDS CMD...
-  local name=$1 limit=$2; shift 2
-  echo "=== $name (limit ${limit}s)"
+step() {  # step LOG NAME SECONDS CMD...
+  local log=$1 name=$2 limit=$3; shift 3
+  echo "=== $name (limit ${limit}s)" | tee -a "$log"
   local t0=$(date +%s)
-  timeout --signal=INT --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$OUT/suite.log" | tail -40
-  echo "=== $name: rc=${PIPESTATUS[0]} in $(( $(date +%s) - t0 ))s" | tee -a "$OUT/suite.log"
+  timeout --signal=INT --kill-after=10 "$limit" "$@" >> "$log" 2>&1
+  echo "=== $name: rc=$? in $(( $(date +%s) - t0 ))s" | tee -a "$log"
 }
-[ -n "$SKIP_TESTS" ] || step gpu-tests "${T_TESTS:-100}" python3 -m pytest -q -p no:cacheprovider --timeout 60 \
-  ${GPU_TESTS:-tests/gpu/test_run_gpu.py tests/gpu/test_dispatch_gpu.py tests/gpu/test_builtin_gpu.py}
-step builtin "${T_BUILTIN:-120}" python3 bench/bench_builtin.py --budget "${BUDGET:-12}" --no-compile --out "$OUT/builtin_h200.json"
-step model-vae "${T_MODEL:-90}" python3 bench/bench_model.py examples/sd_vae_decoder.py --iterations "${ITERS:-6}" \
-  --min-share 0.02 --out "$OUT/model_sd_vae_h200.json"
-step model-gemma "${T_MODEL:-90}" python3 bench/bench_model.py examples/gemma_decoder.py --iterations "${ITERS:-6}" \
-  --min-share 0.02 --out "$OUT/model_gemma_h200.json"
-step model-resnet50 "${T_MODEL:-90}" python3 bench/bench_model.py examples/resnet50.py --iterations "${ITERS:-6}" \
-  --min-share 0.01 --out "$OUT/model_resnet50_h200.json"
-step model-qwen-moe "${T_MODEL:-90}" python3 bench/bench_model.py examples/qwen_moe.py --iterations "${ITERS:-6}" \
-  --min-share 0.02 --out "$OUT/model_qwen_moe_h200.json"
-step dispatch "${T_DISPATCH:-40}" python3 bench/bench_dispatch.py --iterations 4 --out "$OUT/dispatch_h200.json"
+compile_flag=${COMPILE:+--compile}
+no_compile_flag=--no-compile; [ -z "$COMPILE" ] || no_compile_flag=
+lane_a() {
+  local log=$OUT/lane_a.log
+  [ -n "$SKIP_TESTS" ] || step "$log" gpu-tests "${T_TESTS:-100}" python3 -m pytest -q -p no:cacheprovider --timeout 120 \
+    ${GPU_TESTS:-tests/gpu/test_run_gpu.py tests/gpu/test_dispatch_gpu.py tests/gpu/test_builtin_gpu.py}
+  step "$log" builtin "${T_BUILTIN:-120}" python3 bench/bench_builtin.py --budget "${BUDGET:-12}" \
+    $no_compile_flag ${ONLY:+--only "$ONLY"} --out "$OUT/builtin_h200.json"
+}
+model() {  # model LOG NAME FILE MIN_SHARE [ENV=VALUE...]
+  local log=$1 name=$2 file=$3 share=$4; shift 4
+  step "$log" "model-$name" "${T_MODEL:-90}" env "$@" python3 bench/bench_model.py "$file" --iterations "${ITERS:-6}" \
+    --min-share "$share" $compile_flag --out "$OUT/model_${name}_h200.json"
+}
+lane_b() {
+  local log=$OUT/lane_b.log
+  for m in ${MODELS:-sd_vae gemma resnet50 qwen_moe}; do
+    case $m in
+      sd_vae) model "$log" sd_vae examples/sd_vae_decoder.py 0.02 ;;
+      gemma) model "$log" gemma examples/gemma_decoder.py 0.02 ;;
+      resnet50) model "$log" resnet50 examples/resnet50.py 0.01 ;;
+      resnet50_bf16) model "$log" resnet50_bf16 examples/resnet50.py 0.01 DTYPE=bfloat16 ;;
+      qwen_moe) model "$log" qwen_moe examples/qwen_moe.py 0.02 ;;
+    esac
+  done
+  step "$log" dispatch "${T_DISPATCH:-40}" python3 bench/bench_dispatch.py --iterations 4 --out "$OUT/dispatch_h200.json"
+}
+ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+if [ "$ngpu" -ge 2 ]; then
+  CUDA_VISIBLE_DEVICES=0 lane_a & CUDA_VISIBLE_DEVICES=1 lane_b & wait
+else
+  lane_a; lane_b
+fi
+tail -n 30 "$OUT"/lane_*.log

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from rich.console import Console
 from torch import nn
 
-from kforge.capture import SEARCHABLE, CaptureResult, capture, cards_table, skip_reason
+from kforge.capture import SEARCHABLE, CaptureResult, capture, cards_table, shares_by_family, skip_reason
 from kforge.cards import FAMILIES, load_cards, load_sample
 from kforge.errors import CaptureError
 from kforge.families import family_of
@@ -248,6 +248,8 @@ def test_timing_shares_and_files(tmp_path):
     assert [c.share for c in r.cards] == sorted((c.share for c in r.cards), reverse=True)
     assert sum(c.share for c in r.cards if not is_nested(c)) == pytest.approx(1.0)
     assert sum(c.total_us for c in r.cards if not is_nested(c)) == pytest.approx(r.total_us)
+    by_family = shares_by_family(load_cards(tmp_path))  # from the stored cards: top_calls round-trips
+    assert sum(by_family.values()) == pytest.approx(1.0) and set(by_family) == {c.family for c in r.cards}
 
     assert sorted(c.id for c in load_cards(tmp_path)) == sorted(c.id for c in r.cards)  # stale card removed
     summary = json.loads((tmp_path / "capture.json").read_text())
@@ -262,7 +264,8 @@ def test_nested_calls_are_cards_too(tmp_path):
     r = capture(Clone(), torch.randn(3, 4), tmp_path, time_cards=False)
     copy = one(r, "aten::copy_.default")  # clone's kernel calls empty_strided + copy_
     assert is_nested(copy) and copy.args[0].written and copy.inputs[1].stride == (1, 4)
-    assert not is_nested(one(r, "aten::clone.default"))
+    assert (copy.calls, copy.top_calls) == (1, 0)
+    assert not is_nested(one(r, "aten::clone.default")) and one(r, "aten::clone.default").top_calls == 1
 
 
 def test_calls_with_unrecordable_arguments_are_counted_in_the_notes(tmp_path):

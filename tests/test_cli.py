@@ -122,9 +122,9 @@ def test_ctrl_c_exits_130_with_how_to_resume_and_resume_finishes(model_file, tmp
 
 def test_resume_hint_of_a_search_keeps_its_cards_and_options(tmp_path):
     args = build_parser().parse_args(["search", "r", "--cards", "a", "b", "--devices", "0,1", "--include-vendor",
-                                      "--proposer", "llm:coder", "--max-cost", "5"])
+                                      "--proposer", "llm:coder", "--max-cost", "5", "--ops", "softmax,add_"])
     assert _resume_command(args, tmp_path / "r") == (f"kforge search {tmp_path / 'r'} --cards a b --proposer llm:coder "
-                                                     "--max-cost 5.0 --include-vendor --devices 0,1")
+                                                     "--max-cost 5.0 --include-vendor --ops softmax,add_ --devices 0,1")
 
 
 def test_progress_rows_are_shown_per_card(model_file, tmp_path, capsys, cpu_only, monkeypatch):

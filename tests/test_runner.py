@@ -97,6 +97,14 @@ def test_vendor_cards_min_share_and_proposer_declines(run_dir, monkeypatch):
     assert rows["aten::exp.default"].status == "skipped" and "below min_share" in rows["aten::exp.default"].note
 
 
+def test_ops_selects_cards_by_op_name(run_dir, monkeypatch):
+    GPU(monkeypatch, [0])
+    rows = _rows(runner.search_run(run_dir, proposer=FakeProposer, iterations=2, ops=["exp"], progress=False))
+    assert rows["aten::exp.default"].status == "done"
+    others = [r for op, r in rows.items() if op != "aten::exp.default"]
+    assert others and all(r.status == "skipped" and r.note == "not among the ops asked for (exp)" for r in others)
+
+
 def test_one_worker_per_gpu_searches_each_card_once(run_dir, monkeypatch):
     gpu = GPU(monkeypatch, [0, 1])
     result = runner.search_run(run_dir, proposer=FakeProposer, iterations=6, include_vendor=True, progress=False)

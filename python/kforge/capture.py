@@ -26,7 +26,7 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -462,6 +462,7 @@ class _Recorder:
         for e in self.entries.values():
             c = e.card
             c.samples = len(e.samples)
+            c.top_calls = e.top_calls
             if c.family in _NO_SAMPLE:
                 c.notes.append(f"no sample stored: {c.family} op (evaluated on fresh inputs when searched)")
             elif not e.samples:
@@ -632,6 +633,18 @@ def _assign_shares(rec: _Recorder) -> float:
         c = e.card
         c.share = c.total_us / total if c.total_us is not None and total > 0 else None
     return total
+
+
+def shares_by_family(cards: Sequence[Card]) -> dict[str, float]:
+    """Share of the captured runtime per family, counting only calls not nested in another
+    recorded call (a nested call's time is inside its parent's), so the shares add up to 1."""
+    times: dict[str, float] = {}
+    for c in cards:
+        if c.eager_us is not None:
+            top = c.calls if c.top_calls is None else c.top_calls
+            times[c.family] = times.get(c.family, 0.0) + c.eager_us * top
+    total = sum(times.values())
+    return {f: t / total for f, t in sorted(times.items(), key=lambda kv: -kv[1])} if total > 0 else {}
 
 
 # ---- output -----------------------------------------------------------------------------

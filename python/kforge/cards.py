@@ -217,6 +217,7 @@ class Card:
     aliases: dict[int, int] = field(default_factory=dict)  # output index -> input index it is
     device_name: str = ""
     calls: int = 0
+    top_calls: int | None = None  # calls not nested inside another recorded call (None: not recorded)
     module_paths: list[str] = field(default_factory=list)
     eager_us: float | None = None  # per call, measured by replaying the card
     total_us: float | None = None  # eager_us * calls (or profiler time)
@@ -340,6 +341,7 @@ class Card:
             "family": self.family,
             "device_name": self.device_name,
             "calls": self.calls,
+            "top_calls": self.top_calls,
             "module_paths": self.module_paths,
             "eager_us": self.eager_us,
             "total_us": self.total_us,
@@ -362,6 +364,7 @@ class Card:
             family=d.get("family", "other"),
             device_name=d.get("device_name", ""),
             calls=d.get("calls", 0),
+            top_calls=d.get("top_calls"),
             module_paths=d.get("module_paths", []),
             eager_us=d.get("eager_us"),
             total_us=d.get("total_us"),

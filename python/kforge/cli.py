@@ -28,6 +28,13 @@ def _devices(text: str) -> list[int]:
             f"expected GPU ordinals separated by commas, like 0,1 (got {text!r})") from None
 
 
+def _names(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("expected op names separated by commas, like softmax,group_norm")
+    return names
+
+
 def _search_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("search")
     g.add_argument("--proposer", default="builtin", help="builtin (default), llm or llm:<model>")
@@ -36,6 +43,8 @@ def _search_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-cost", type=float, metavar="USD", help="stop once LLM calls cost this much")
     g.add_argument("--min-share", type=float, default=0.0, help="skip cards below this share of runtime (0-1)")
     g.add_argument("--include-vendor", action="store_true", help="also search cards backed by cuBLAS/cuDNN")
+    g.add_argument("--ops", type=_names, metavar="softmax,group_norm",
+                   help="only search cards whose op name contains one of these")
     g.add_argument("--devices", type=_devices, metavar="0,1",
                    help="GPU ordinals to evaluate on (default: all)")
     g.add_argument("--seed", type=int, default=0)
@@ -88,12 +97,14 @@ def _search_kwargs(args: argparse.Namespace) -> dict:
     options = {k: v for k, v in (("base_url", args.llm_base_url), ("model", args.llm_model)) if v}
     return dict(proposer=args.proposer, iterations=args.iterations, wall_time_s=args.wall_time,
                 max_cost_usd=args.max_cost, min_share=args.min_share, include_vendor=args.include_vendor,
-                devices=args.devices, seed=args.seed, progress=not args.no_progress, proposer_options=options)
+                devices=args.devices, seed=args.seed, progress=not args.no_progress, proposer_options=options,
+                ops=args.ops)
 
 
 # Search options as (dest, flag): a resume hint repeats those that differ from the defaults.
 _SEARCH_FLAGS = (("proposer", "--proposer"), ("iterations", "--iterations"), ("wall_time", "--wall-time"),
                  ("max_cost", "--max-cost"), ("min_share", "--min-share"), ("include_vendor", "--include-vendor"),
+                 ("ops", "--ops"),
                  ("devices", "--devices"), ("seed", "--seed"), ("llm_base_url", "--llm-base-url"),
                  ("llm_model", "--llm-model"))
 

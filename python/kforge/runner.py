@@ -60,6 +60,7 @@ class CardResult:
     best_us: float | None
     speedup: float | None
     note: str  # why it was skipped, or what its candidates' verdicts were
+    search_s: float = 0.0  # evaluation wall time spent on the card (sum over its candidates)
 
 
 @dataclass
@@ -81,12 +82,12 @@ def results_table(rows: list[CardResult], title: str) -> Table:
     t.add_column("op", overflow="fold", ratio=3)
     t.add_column("family")
     t.add_column("status")
-    for col in ("iters", "eager µs", "best µs", "speedup"):
+    for col in ("iters", "time", "eager µs", "best µs", "speedup"):
         t.add_column(col, justify="right")
     t.add_column("note", overflow="fold", ratio=2)
     for r in rows:
-        t.add_row(r.summary, r.family, r.status, str(r.iterations), _us(r.eager_us), _us(r.best_us),
-                  _speedup(r.speedup), r.note)
+        t.add_row(r.summary, r.family, r.status, str(r.iterations), f"{r.search_s:.0f} s" if r.search_s else "-",
+                  _us(r.eager_us), _us(r.best_us), _speedup(r.speedup), r.note)
     return t
 
 
@@ -135,8 +136,11 @@ def package_run(run_dir: Path, out: str | Path, run_id: str) -> Path:
 
 # ---- choosing cards -----------------------------------------------------------------------
 
-def skip_reason(card: Card, proposer: Proposer, *, min_share: float, include_vendor: bool) -> str | None:
-    """Why a card is not searched, or None."""
+def skip_reason(card: Card, proposer: Proposer, *, min_share: float, include_vendor: bool,
+                ops: Sequence[str] | None = None) -> str | None:
+    """Why a card is not searched, or None. `ops`: only cards whose op name contains one of these."""
+    if ops and not any(o in card.op for o in ops):
+        return f"not among the ops asked for ({', '.join(ops)})"
     if card.family == "vendor":
         if not include_vendor:
             return "backed by a vendor library (cuBLAS/cuDNN); pass include_vendor=True (--include-vendor) to search it"
@@ -197,7 +201,8 @@ def run(model=None, example_inputs=None, out: str | Path | None = "model.cast", 
         include_vendor: bool = False, devices: Sequence[int] | None = None, wall_time_s: float | None = None,
         max_cost_usd: float | None = None, seed: int = 0, progress: bool = True, *,
         proposer_options: dict | None = None, evaluator_factory: EvaluatorFactory | None = None,
-        cards: Sequence[str] | None = None, console: Console | None = None, model_name: str | None = None) -> RunResult:
+        cards: Sequence[str] | None = None, ops: Sequence[str] | None = None, console: Console | None = None,
+        model_name: str | None = None) -> RunResult:
     """Capture `model` on `example_inputs`, search kernels for its cards and package the winners.
 
     proposer: "builtin", "llm", "llm:<model>" (options in proposer_options), or a callable
@@ -206,6 +211,7 @@ def run(model=None, example_inputs=None, out: str | Path | None = "model.cast", 
     evaluator_factory(run_dir, device): the evaluator of one worker (device None: no GPU);
       default `default_evaluator`.
     cards: only search these card ids.
+    ops: only search cards whose op name contains one of these (e.g. ["softmax", "group_norm"]).
     Ctrl-C raises RunInterrupted (a KeyboardInterrupt) after marking the run interrupted.
     """
     if resume:
@@ -221,8 +227,8 @@ def run(model=None, example_inputs=None, out: str | Path | None = "model.cast", 
     return search_run(run_dir, out=out, proposer=proposer, iterations=iterations, min_share=min_share,
                       include_vendor=include_vendor, devices=devices, wall_time_s=wall_time_s,
                       max_cost_usd=max_cost_usd, seed=seed, progress=progress, proposer_options=proposer_options,
-                      evaluator_factory=evaluator_factory, cards=cards, console=console, model_name=model_name,
-                      resume=resume)
+                      evaluator_factory=evaluator_factory, cards=cards, ops=ops, console=console,
+                      model_name=model_name, resume=resume)
 
 
 def search_run(run_dir: str | Path, *, out: str | Path | None = None, proposer: Any = "builtin",
@@ -230,8 +236,8 @@ def search_run(run_dir: str | Path, *, out: str | Path | None = None, proposer: 
                devices: Sequence[int] | None = None, wall_time_s: float | None = None,
                max_cost_usd: float | None = None, seed: int = 0, progress: bool = True,
                proposer_options: dict | None = None, evaluator_factory: EvaluatorFactory | None = None,
-               cards: Sequence[str] | None = None, console: Console | None = None,
-               model_name: str | None = None, resume: bool = True) -> RunResult:
+               cards: Sequence[str] | None = None, ops: Sequence[str] | None = None,
+               console: Console | None = None, model_name: str | None = None, resume: bool = True) -> RunResult:
     """Search the cards captured in `run_dir`, then package the winners into `out` (when a GPU
     validated them and `out` is set). With `resume`, the log's latest run is continued
     (what it evaluated is never evaluated again); otherwise a new run starts."""
@@ -255,7 +261,7 @@ def search_run(run_dir: str | Path, *, out: str | Path | None = None, proposer: 
     run_id = _open_run(log, resume, validated, model_name, hardware, dict(
         proposer=proposer if isinstance(proposer, str) else getattr(proposer, "__name__", "custom"),
         iterations=iterations, min_share=min_share, include_vendor=include_vendor, devices=devs,
-        wall_time_s=wall_time_s, max_cost_usd=max_cost_usd, seed=seed,
+        wall_time_s=wall_time_s, max_cost_usd=max_cost_usd, seed=seed, ops=list(ops) if ops else None,
         out=str(Path(out).resolve()) if out else None))  # where the dashboard finds the package
     try:
         budget = Budget(iterations=iterations if validated else min(iterations, COMPILE_ONLY_ITERATIONS),
@@ -266,7 +272,7 @@ def search_run(run_dir: str | Path, *, out: str | Path | None = None, proposer: 
             chosen = []
             for card in all_cards:
                 log.upsert_card(run_id, card, hardware.floor_us(card.io_bytes()))
-                why = skip_reason(card, first, min_share=min_share, include_vendor=include_vendor)
+                why = skip_reason(card, first, min_share=min_share, include_vendor=include_vendor, ops=ops)
                 if why:
                     log.set_card_status(run_id, card.id, "skipped", why)
                     log.event(run_id, "skip", why, card_id=card.id)
@@ -404,7 +410,9 @@ def card_results(conn: sqlite3.Connection, run_id: str) -> list[CardResult]:
         counts = conn.execute("SELECT verdict, COUNT(*) FROM candidates WHERE run_id=? AND card_id=? GROUP BY verdict "
                               "ORDER BY COUNT(*) DESC, verdict", (run_id, row["card_id"])).fetchall()
         note = row["skip_reason"] or ", ".join(f"{n} {v}" for v, n in counts) or "no candidates"
+        spent = conn.execute("SELECT COALESCE(SUM(eval_s), 0) FROM candidates WHERE run_id=? AND card_id=?",
+                             (run_id, row["card_id"])).fetchone()[0]
         out.append(CardResult(row["card_id"], row["op"], row["family"], row["summary"], row["status"],
                               row["iterations"], row["eager_us"], best["kernel_us"] if best else None,
-                              row["best_speedup"], note))
+                              row["best_speedup"], note, spent))
     return out
