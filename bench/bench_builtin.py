@@ -35,22 +35,22 @@ from kforge.verdict import EvalResult, Verdict  # noqa: E402
 BIG = (8192, 11008)
 # name -> (card factory, target): ("speedup", x) vs eager, or ("floor", fraction of the HBM floor).
 CASES = {
+    # The issue's targets and the paper's ops first: a run cut short by its time limit keeps them.
     "group_norm 1x512x128x128 bf16": (lambda: gn(1, 512, 128, 128, 32, BF16), ("speedup", 8.0)),
     "group_norm 1x128x512x512 fp32": (lambda: gn(1, 128, 512, 512, 32, F32), ("speedup", 6.0)),
-    "group_norm 2x512x64x64 fp16": (lambda: gn(2, 512, 64, 64, 32, F16), None),
-    "adaptive_avg_pool2d 1x2048x7x7 fp32": (lambda: make_card(A._adaptive_avg_pool2d.default, meta(1, 2048, 7, 7), [1, 1]), None),
     "adaptive_avg_pool2d 32x2048x7x7 fp32": (lambda: make_card(A._adaptive_avg_pool2d.default, meta(32, 2048, 7, 7), [1, 1]), ("speedup", 3.0)),
-    "adaptive_avg_pool2d 128x2048x7x7 bf16": (lambda: make_card(A._adaptive_avg_pool2d.default, meta(128, 2048, 7, 7, dtype=BF16), [1, 1]), None),
-    "softmax 1x8x1024x1024 fp32": (lambda: softmax(1, 8, 1024, 1024), None),
-    "softmax 1x8x2048x2048 bf16": (lambda: softmax(1, 8, 2048, 2048, dtype=BF16), ("speedup", 2.0)),
     "softmax 8x262144 fp32": (lambda: softmax(8, 262144), ("speedup", 8.0)),
-    "softmax 4096x256 fp32": (lambda: softmax(4096, 256), None),
-    # The softmaxes of the example models: Gemma's fp32 attention scores, the Qwen-MoE router.
-    "softmax 1x8x2048x2048 fp32 (gemma attention)": (lambda: softmax(1, 8, 2048, 2048), None),
-    "softmax 1024x128 fp32 (qwen-moe router)": (lambda: softmax(1024, 128), None),
-    "softmax 16384x128 fp32": (lambda: softmax(16384, 128), None),
+    "softmax 1x8x2048x2048 bf16": (lambda: softmax(1, 8, 2048, 2048, dtype=BF16), ("speedup", 2.0)),
     "layer_norm 8192x4096 bf16": (lambda: ln(8192, 4096, BF16), ("floor", 0.8)),
     "rms_norm 8192x4096 bf16": (lambda: rms(8192, 4096, BF16), ("floor", 0.8)),
+    "softmax 1x8x2048x2048 fp32 (gemma attention)": (lambda: softmax(1, 8, 2048, 2048), None),
+    "softmax 1024x128 fp32 (qwen-moe router)": (lambda: softmax(1024, 128), None),
+    "group_norm 2x512x64x64 fp16": (lambda: gn(2, 512, 64, 64, 32, F16), None),
+    "adaptive_avg_pool2d 1x2048x7x7 fp32": (lambda: make_card(A._adaptive_avg_pool2d.default, meta(1, 2048, 7, 7), [1, 1]), None),
+    "adaptive_avg_pool2d 128x2048x7x7 bf16": (lambda: make_card(A._adaptive_avg_pool2d.default, meta(128, 2048, 7, 7, dtype=BF16), [1, 1]), None),
+    "softmax 1x8x1024x1024 fp32": (lambda: softmax(1, 8, 1024, 1024), None),
+    "softmax 4096x256 fp32": (lambda: softmax(4096, 256), None),
+    "softmax 16384x128 fp32": (lambda: softmax(16384, 128), None),
     "silu 8192x11008 bf16": (lambda: make_card(A.silu.default, meta(*BIG, dtype=BF16)), None),
     "mul 8192x11008 bf16": (lambda: make_card(A.mul.Tensor, meta(*BIG, dtype=BF16), meta(*BIG, dtype=BF16)), None),
     "gelu tanh 8192x11008 bf16": (lambda: make_card(A.gelu.default, meta(*BIG, dtype=BF16), approximate="tanh"), None),
@@ -142,6 +142,9 @@ def compiled_fn(card, inputs):
             full[i] = t
         return op(*full, **kwargs)
 
+    # A fresh dynamo cache per card: `f`'s code object is shared by every card, and past
+    # dynamo's recompile limit a compiled call silently runs eager.
+    torch._dynamo.reset()
     fn = torch.compile(f, dynamic=False)
     ts = [args[i] for i in tensor_pos]
     fn(*ts)
