@@ -2,12 +2,11 @@
 # Everything GPU-side in one device call: install, the GPU tests, then the benchmarks, each
 # step under its own time limit so one slow step cannot starve the rest. Results go to $OUT.
 #   bash bench/gpu_suite.sh            (on the GPU machine, from the repo root)
-# Two lanes: A = GPU tests + built-in templates, B = the example models + dispatch overhead.
-# With two GPUs the lanes run at the same time, one GPU each; with one GPU, one after the other.
-# Sizing: T_TESTS, T_BUILTIN, T_MODEL (per model), T_DISPATCH seconds; BUDGET (candidates per
-# built-in card), ITERS (search iterations per model card), COMPILE=1 (time torch.compile too),
-# GPU_TESTS (test paths), SKIP_TESTS=1, SKIP_BUILTIN=1, SKIP_DISPATCH=1, MODELS (lane B) and
-# MODELS_A (lane A, after the rest) from the list below, WALL (search wall-time budget per model, seconds).
+# Two lanes of items (LANE_A, LANE_B; names in `lane` below). With two GPUs the lanes run at
+# the same time, one GPU each; with one GPU, one after the other. Sizing: T_TESTS, T_BUILTIN,
+# T_MODEL (per model), T_DISPATCH seconds; BUDGET (candidates per built-in card), ITERS
+# (search iterations per model card), WALL (search seconds per model), COMPILE=1 (time
+# torch.compile too), GPU_TESTS (test paths) and TESTS_K (a pytest -k expression).
 source bench/device_setup.sh
 set +e  # a step that fails or runs out of time must not stop the steps after it
 step() {  # step LOG NAME SECONDS CMD...
@@ -19,41 +18,37 @@ step() {  # step LOG NAME SECONDS CMD...
 }
 compile_flag=${COMPILE:+--compile}
 no_compile_flag=--no-compile; [ -z "$COMPILE" ] || no_compile_flag=
-lane_a() {
-  local log=$OUT/lane_a.log
-  [ -n "$SKIP_TESTS" ] || step "$log" gpu-tests "${T_TESTS:-100}" python3 -m pytest -q -p no:cacheprovider --timeout 120 \
-    ${GPU_TESTS:-tests/gpu/test_run_gpu.py tests/gpu/test_dispatch_gpu.py tests/gpu/test_builtin_gpu.py}
-  [ -n "$SKIP_BUILTIN" ] || step "$log" builtin "${T_BUILTIN:-120}" python3 bench/bench_builtin.py --budget "${BUDGET:-12}" \
-    $no_compile_flag ${ONLY:+--only "$ONLY"} --out "$OUT/builtin_h200.json"
-  models "$log" $MODELS_A
-}
 model() {  # model LOG NAME FILE [bench_model.py args...]; DTYPE etc. pass through the environment
   local log=$1 name=$2 file=$3; shift 3
   step "$log" "model-$name" "${T_MODEL:-90}" python3 bench/bench_model.py "$file" --iterations "${ITERS:-6}" \
     ${WALL:+--wall-time "$WALL"} $compile_flag --out "$OUT/model_${name}_h200.json" "$@"
 }
-models() {  # models LOG NAME...
-  local log=$1 m; shift
-  for m in "$@"; do
-    case $m in
+lane() {  # lane LOG ITEM...: run the items in order
+  local log=$1 item; shift
+  for item in "$@"; do
+    case $item in
+      tests) step "$log" gpu-tests "${T_TESTS:-100}" python3 -m pytest -q -p no:cacheprovider --timeout 120 \
+               ${GPU_TESTS:-tests/gpu} ${TESTS_K:+-k "$TESTS_K"} ;;
+      builtin) step "$log" builtin "${T_BUILTIN:-120}" python3 bench/bench_builtin.py --budget "${BUDGET:-12}" \
+                 $no_compile_flag ${ONLY:+--only "$ONLY"} --out "$OUT/builtin_h200.json" ;;
+      dispatch) step "$log" dispatch "${T_DISPATCH:-40}" python3 bench/bench_dispatch.py --iterations 4 \
+                  --out "$OUT/dispatch_h200.json" ;;
       sd_vae) model "$log" sd_vae examples/sd_vae_decoder.py --min-share 0.02 ;;
       gemma) model "$log" gemma examples/gemma_decoder.py --min-share 0.02 ;;
       resnet50) model "$log" resnet50 examples/resnet50.py --min-share 0.01 ;;
       resnet50_bf16) DTYPE=bfloat16 model "$log" resnet50_bf16 examples/resnet50.py --min-share 0.01 ;;
       # The router softmax is ~0.1 % of this block's runtime: searched by name, not by share.
       qwen_moe) model "$log" qwen_moe examples/qwen_moe.py --ops _softmax ;;
+      *) echo "unknown item $item" | tee -a "$log" ;;
     esac
   done
 }
-lane_b() {
-  local log=$OUT/lane_b.log
-  models "$log" ${MODELS:-sd_vae gemma resnet50 qwen_moe}
-  [ -n "$SKIP_DISPATCH" ] || step "$log" dispatch "${T_DISPATCH:-40}" python3 bench/bench_dispatch.py --iterations 4 --out "$OUT/dispatch_h200.json"
-}
+LANE_A=${LANE_A:-tests builtin}
+LANE_B=${LANE_B:-sd_vae gemma resnet50 qwen_moe dispatch}
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 if [ "$ngpu" -ge 2 ]; then
-  CUDA_VISIBLE_DEVICES=0 lane_a & CUDA_VISIBLE_DEVICES=1 lane_b & wait
+  CUDA_VISIBLE_DEVICES=0 lane "$OUT/lane_a.log" $LANE_A & CUDA_VISIBLE_DEVICES=1 lane "$OUT/lane_b.log" $LANE_B & wait
 else
-  lane_a; lane_b
+  lane "$OUT/lane_a.log" $LANE_A; lane "$OUT/lane_b.log" $LANE_B
 fi
 tail -n 30 "$OUT"/lane_*.log
