@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from builtin_cards import A, BF16, SPREAD, gn, make_card, meta, softmax
+from builtin_cards import A, BF16, F16, SPREAD, gn, make_card, meta, softmax
 from kforge import compiler
 from kforge.candidate import Candidate
 from kforge.errors import ProposerError
@@ -19,6 +19,7 @@ from kforge.hardware import H200
 from kforge.proposers import get_proposer
 from kforge.proposers.base import ProposalContext, Tried
 from kforge.proposers.builtin import BuiltinProposer, family_for
+from kforge.proposers.builtin import softmax as softmax_family
 from kforge.proposers.builtin import space as knob_space
 from kforge.verdict import EvalResult, Verdict
 
@@ -112,11 +113,14 @@ def test_mixed_dtype_operand_is_rounded_to_the_result_dtype():
 
 def test_defaults_are_designed_for_the_roofline():
     p = BuiltinProposer()
-    # Long softmax rows are split over >= 132 blocks per kernel, through a workspace.
+    # Long softmax rows are split over >= 4 blocks per SM per kernel, through a workspace,
+    # each chunk in registers: 16-byte loads, 4 to 8 per thread issued back to back.
     c = p.propose(ctx(SPREAD["softmax_long_rows"]())).candidate
-    assert c.knobs["algo"] == "split" and len(c.plan.kernels) == 2
-    assert all(k.grid[0] * k.grid[1] >= H200.sm_count for k in c.plan.kernels)
+    assert c.knobs["algo"] == "split_regs" and len(c.plan.kernels) == 2
+    assert all(k.grid[0] * k.grid[1] >= 4 * H200.sm_count for k in c.plan.kernels)
     assert c.plan.workspace_bytes() == [(8 * c.knobs["split"] * 8, False)]
+    assert c.knobs["vec"] * 4 == 16 and any(f"constexpr int IT = {it};" in c.source for it in range(4, 9))
+    assert "constexpr bool IN_CHUNK" in c.source and f"constexpr int CH = {262144 // c.knobs['split']};" in c.source
     # Group norm at batch 1 fills the GPU and loads 16 bytes per thread.
     for name in ("group_norm_bf16", "group_norm_f32_big"):
         c = p.propose(ctx(SPREAD[name]())).candidate
@@ -126,6 +130,75 @@ def test_defaults_are_designed_for_the_roofline():
     # Row norms and big pointwise ops use 16-byte vectors.
     for name in ("layer_norm_bf16", "rms_norm_bf16", "gelu_tanh_bf16", "add_inplace_bf16"):
         assert p.propose(ctx(SPREAD[name]())).candidate.knobs["vec"] == 8
+
+
+# Long rows for split_regs: fp32 and bf16 at the benchmark shape, a prime-ish length (scalar
+# loads, ragged chunks), log_softmax, fp16 in with fp32 out, and the shortest legal row.
+LONG_ROWS = {
+    "f32_8x262144": lambda: softmax(8, 262144),
+    "bf16_8x262144": lambda: softmax(8, 262144, dtype=BF16),
+    "odd_3x100003": lambda: softmax(3, 100003),
+    "log_3x70000": lambda: softmax(3, 70000, log=True),
+    "half_to_float_4x65536": lambda: softmax(4, 65536, dtype=F16, half_to_float=True),
+    "shortest_2x8192": lambda: softmax(2, 8192),
+}
+
+
+def split_regs_space(card):
+    (s,) = [s for s in softmax_family.spaces(card, H200) if s["algo"] == ("split_regs",)]
+    return s
+
+
+@pytest.mark.parametrize("name", sorted(LONG_ROWS))
+def test_split_regs_compiles_across_its_knobs(name):
+    """The default, each knob swept alone from it, and the corners compile for sm_90; the
+    plan launches one block per chunk per row and holds every chunk in registers."""
+    card = LONG_ROWS[name]()
+    rows, cols = card.args[0].tensor.numel // card.args[0].tensor.shape[-1], card.args[0].tensor.shape[-1]
+    s = split_regs_space(card)
+    base = softmax_family.default(card, H200)
+    assert base["algo"] == "split_regs"
+    settings = [base] + [{**base, k: v} for k in ("split", "threads", "vec") for v in s[k]]
+    settings += [{k: v[0] for k, v in s.items()}, {k: v[-1] for k, v in s.items()}]
+    for knobs in [k for i, k in enumerate(settings) if k not in settings[:i]]:
+        cand = softmax_family.build(card, knobs, H200)
+        cand.plan.validate(len(card.inputs), len(card.outputs))
+        ch, it, n = softmax_family._split_geometry(cols, knobs["split"], knobs["threads"], knobs["vec"])
+        assert [k.name for k in cand.plan.kernels] == ["kf_softmax_partial", "kf_softmax_finish"]
+        assert all(k.grid == (n, rows, 1) and k.block == (knobs["threads"], 1, 1) for k in cand.plan.kernels)
+        assert cand.plan.workspace_bytes() == [(rows * n * 8, False)]
+        assert f"constexpr int IT = {it};" in cand.source and f"constexpr int CH = {ch};" in cand.source
+        assert compiler.compile(cand.source, options=cand.plan.options, arch="sm_90").cubin
+
+
+@pytest.mark.parametrize("name", sorted(LONG_ROWS))
+def test_split_regs_chunks_cover_each_row_once_from_registers(name):
+    """Mirror of the kernels' kf_live predicate: over the whole knob space every column is
+    loaded (and written) by exactly one (block, thread, load), and no thread holds more than
+    SPLIT_REGS values."""
+    card = LONG_ROWS[name]()
+    cols = card.args[0].tensor.shape[-1]
+    for knobs in knob_space.configs(split_regs_space(card)):
+        nt, v = knobs["threads"], knobs["vec"]
+        ch, it, n = softmax_family._split_geometry(cols, knobs["split"], nt, v)
+        assert it * v <= softmax_family.SPLIT_REGS and n <= knobs["split"] and ch % v == 0
+        assert (n - 1) * ch < cols <= n * ch
+        k = ((torch.arange(it)[:, None] * nt + torch.arange(nt)[None, :]) * v).flatten()  # vector starts in a chunk
+        starts = (torch.arange(n)[:, None] * ch + k[None, :]).flatten()
+        live = (k[None, :] < ch) & (starts.view(n, -1) < cols)
+        starts = starts[live.flatten()]
+        covered = torch.zeros(cols, dtype=torch.int32)
+        for j in range(v):
+            covered.index_add_(0, starts + j, torch.ones_like(starts, dtype=torch.int32))
+        assert bool((covered == 1).all()), knobs
+
+
+def test_split_regs_needs_long_rows_and_registers_bound_the_split():
+    assert not any(s["algo"] == ("split_regs",) for s in softmax_family.spaces(softmax(64, 8191), H200))
+    assert split_regs_space(softmax(8, 262144))["split"] == (64, 128, 256, 512)
+    assert split_regs_space(softmax(1, 2**22))["split"] == (1024, 2048, 4096)
+    # Many rows: one block per row is already enough blocks.
+    assert softmax_family.default(softmax(512, 16384), H200)["algo"] != "split_regs"
 
 
 def test_unaligned_pointer_falls_back_to_narrower_vectors():

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from builtin_cards import SPREAD, make_card, meta, A, BF16
+from builtin_cards import SPREAD, make_card, meta, softmax, A, BF16, F16
 from kforge import compiler, runtime
 from kforge.cards import empty_like_meta, faithful_clone
 from kforge.hardware import current
@@ -92,3 +92,60 @@ def test_unaligned_view_uses_narrow_vectors_and_is_correct():
     assert {k["vec"] for k in knobs_list} == {1}
     for seed, knobs in enumerate(knobs_list):
         check_candidate(card, fam.build(card, knobs, hw), seed)
+
+
+# Long softmax rows through split_regs (two kernels, chunks in registers): every setting of
+# the benchmark shape, a sample of the others.
+LONG_ROWS = {
+    "f32_8x262144": (lambda: softmax(8, 262144), None),
+    "bf16_8x262144": (lambda: softmax(8, 262144, dtype=BF16), 12),
+    "odd_3x100003": (lambda: softmax(3, 100003), None),
+    "log_3x70000": (lambda: softmax(3, 70000, log=True), 12),
+    "log_bf16_4x131072": (lambda: softmax(4, 131072, dtype=BF16, log=True), 8),
+    "half_to_float_4x65536": (lambda: softmax(4, 65536, dtype=F16, half_to_float=True), 8),
+    "shortest_2x8192": (lambda: softmax(2, 8192), None),
+}
+
+
+def split_regs_settings(card, n: int | None):
+    hw = current()
+    fam = family_for(card)
+    (s,) = [s for s in fam.spaces(card, hw) if s["algo"] == ("split_regs",)]
+    configs = knob_space.configs(s)
+    picked = configs if n is None else [configs[0], configs[-1]] + random.Random(card.id).sample(configs, min(n, len(configs)))
+    default = fam.default(card, hw)
+    assert default["algo"] == "split_regs"
+    return fam, hw, [default] + [k for i, k in enumerate(picked) if k not in picked[:i] and k != default]
+
+
+@pytest.mark.parametrize("name", sorted(LONG_ROWS))
+def test_split_regs_matches_eager_on_long_rows(name):
+    factory, n = LONG_ROWS[name]
+    card = factory()
+    fam, hw, knobs_list = split_regs_settings(card, n)
+    for seed, knobs in enumerate(knobs_list):
+        check_candidate(card, fam.build(card, knobs, hw), seed)
+
+
+@pytest.mark.parametrize("log", [False, True])
+@pytest.mark.parametrize("shape, dtype", [((4, 262144), torch.float32), ((3, 100003), torch.float32),
+                                          ((4, 65536), torch.bfloat16)])
+def test_split_regs_handles_minus_inf_like_torch(shape, dtype, log):
+    """Whole chunks of -inf contribute nothing, scattered -inf give 0 (or -inf), a row of
+    -inf gives NaN, and a row whose only finite value sits in the last chunk gives one 1."""
+    card = softmax(*shape, dtype=dtype, log=log)
+    rows, cols = shape
+    x = torch.randn(shape, device="cuda", dtype=torch.float32).mul_(8).to(dtype)
+    x[0, : cols // 2] = -float("inf")
+    x[1, ::7] = -float("inf")
+    x[2] = -float("inf")
+    if rows > 3:
+        x[3] = -float("inf")
+        x[3, -1] = 1.0
+    want = (torch.log_softmax if log else torch.softmax)(x, -1)
+    fam, hw, knobs_list = split_regs_settings(card, 6)
+    for knobs in knobs_list:
+        (got,), _ = run(card, fam.build(card, knobs, hw), [x])
+        assert got[2].isnan().all()
+        torch.testing.assert_close(got, want, equal_nan=True, **TOL[card.outputs[0].dtype],
+                                   msg=lambda m: f"{knobs}: {m}")

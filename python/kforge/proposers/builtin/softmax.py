@@ -1,12 +1,16 @@
 """softmax / log_softmax over the last dim of a contiguous tensor.
 
-Three algorithms, chosen by row length and row count:
+The algorithms, chosen by row length and row count:
   warp        a warp per row, the row in registers (short rows, many of them);
   block_regs  a block per row, the row in registers;
   block_smem  a block per row, the row cached in shared memory (three passes, one read);
   block_online  a block per row, online max/sum in one read, a second read to write;
   split       very long rows over many blocks: kernel 1 writes each chunk's (max, sum of
-              exp) to a workspace, kernel 2 combines a row's chunks and writes its chunk.
+              exp) to a workspace, kernel 2 combines a row's chunks and writes its chunk;
+  split_regs  split with each chunk in registers: every thread issues all its loads back to
+              back before any arithmetic (many bytes in flight), kernel 1 takes the chunk's
+              exact max then its sum of exp, kernel 2 loads its chunk (an L2 hit) before it
+              reads the row's partials, which each warp combines without a barrier.
 Every algorithm computes in fp32 and, like torch, divides exp(x - max) by the sum.
 """
 
@@ -19,6 +23,9 @@ from .family import Family, Knobs, KnobSpace, candidate, launch, pick
 
 OPS = frozenset({"aten::_softmax.default", "aten::_log_softmax.default"})
 MAX_REGS = 64  # fp32 values a thread may hold for its rows
+SPLIT_REGS = 32  # fp32 values a split_regs thread holds for its chunk (with 128 threads, the fewest)
+SPLIT_THREADS = (128, 256, 512)
+SPLITS = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 SMEM_LIMIT = 48 * 1024  # dynamic shared memory without the opt-in attribute
 
 
@@ -72,13 +79,32 @@ def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
     splits = tuple(s for s in (4, 8, 16, 32, 64, 128, 256, 512) if cols // s >= 512)
     if cols >= 8192 and rows <= 65535 and splits:
         out.append({"algo": ("split",), "split": splits, "threads": (128, 256, 512), "vec": vecs})
+    # Every split whose chunk fits SPLIT_REGS values per thread at the fewest threads (more
+    # threads only hold fewer) and keeps >= 512 elements per chunk.
+    reg_splits = tuple(s for s in SPLITS if cols // s >= 512 and ceil_div(cols, s * SPLIT_THREADS[0]) <= SPLIT_REGS)
+    if cols >= 8192 and rows <= 65535 and reg_splits:
+        out.append({"algo": ("split_regs",), "split": reg_splits, "threads": SPLIT_THREADS, "vec": vecs})
     return out
+
+
+def _split_geometry(cols: int, split: int, nt: int, v: int) -> tuple[int, int, int]:
+    """(CH, IT, S): chunks of CH elements (whole vectors, about cols/split), IT vector loads
+    per thread to cover one, and S = the number of chunks a row really has (<= split)."""
+    ch = ceil_div(ceil_div(cols, split), v) * v
+    return ch, ceil_div(ch, nt * v), ceil_div(cols, ch)
 
 
 def default(card: Card, hw: Hardware) -> Knobs:
     rows, cols = _shape(card)
     by_algo = {s["algo"][0]: s for s in spaces(card, hw)}
     vec = _vecs(card, cols)[-1]
+    if "split_regs" in by_algo and rows < 2 * hw.sm_count:
+        # >= 4 blocks per SM in each kernel, then ~16 values (IT = 4 fp32 16-byte loads) per
+        # thread: the whole tensor is in flight at once, loads issued before any arithmetic.
+        s = by_algo["split_regs"]
+        split = next((v for v in s["split"] if rows * v >= 4 * hw.sm_count), s["split"][-1])
+        return {"algo": "split_regs", "split": split, "threads": pick(s["threads"], ceil_div(cols, split) / 16),
+                "vec": vec}
     if "split" in by_algo and rows < 2 * hw.sm_count:
         s = by_algo["split"]
         return {"algo": "split", "split": pick(s["split"], 4 * hw.sm_count / rows), "threads": 256, "vec": vec}
@@ -257,6 +283,94 @@ extern "C" __global__ void __launch_bounds__(NT) kf_softmax_finish(const Tin* __
 """
 
 
+# Each chunk of CH elements lives in registers: IT vector loads per thread, all issued
+# before any arithmetic. IN_CHUNK / IN_ROW are false when the loads cover the chunk / the
+# chunks cover the row exactly, which removes the predicate.
+_SPLIT_REGS = r"""
+constexpr bool IN_CHUNK = CH % (NT * V) != 0, IN_ROW = C % CH != 0;
+constexpr int KP = (S + 31) / 32;  // partials per lane when a warp combines a row's S
+
+__device__ __forceinline__ bool kf_live(int lo, int it) {
+  const int k = (it * NT + (int)threadIdx.x) * V;
+  return (!IN_CHUNK || k < CH) && (!IN_ROW || lo + k < C);
+}
+
+__device__ __forceinline__ void kf_load_chunk(const Tin* __restrict__ p, int lo, float (&v)[IT][V]) {
+#pragma unroll
+  for (int it = 0; it < IT; ++it) {
+    if (kf_live(lo, it)) {
+      kf_load<Tin, V>(p + lo + (it * NT + threadIdx.x) * V, v[it]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < V; ++j) v[it][j] = -kf_inf();
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(NT) kf_softmax_partial(const Tin* __restrict__ x, float2* __restrict__ ws) {
+  const int lo = blockIdx.x * CH;
+  float v[IT][V];
+  kf_load_chunk(x + (kf_i64)blockIdx.y * C, lo, v);
+  float m = -kf_inf();
+#pragma unroll
+  for (int it = 0; it < IT; ++it)
+#pragma unroll
+    for (int j = 0; j < V; ++j) m = fmaxf(m, v[it][j]);
+  m = kf_block_max<NT>(m);
+  const float ref = m == -kf_inf() ? 0.f : m;  // an all -inf chunk sums exp(-inf) = 0
+  float s = 0.f;
+#pragma unroll
+  for (int it = 0; it < IT; ++it)
+#pragma unroll
+    for (int j = 0; j < V; ++j) s += expf(v[it][j] - ref);
+  s = kf_block_sum<NT>(s);
+  if (threadIdx.x == 0) ws[blockIdx.y * S + blockIdx.x] = make_float2(m, s);
+}
+
+extern "C" __global__ void __launch_bounds__(NT) kf_softmax_finish(const Tin* __restrict__ x, const float2* __restrict__ ws,
+                                                                 Tout* __restrict__ y) {
+  const int lo = blockIdx.x * CH;
+  const kf_i64 base = (kf_i64)blockIdx.y * C;
+  float v[IT][V];
+  kf_load_chunk(x + base, lo, v);  // in flight while the partials are combined
+  // Every warp combines the row's S partials itself (no barrier; after the first warp of
+  // the SM the reads hit L1): the row max, then the partial sums rescaled to it.
+  const int lane = threadIdx.x & 31;
+  const float2* part = ws + blockIdx.y * S;
+  float m = -kf_inf(), s = 0.f;
+  if constexpr (KP <= 8) {  // up to 8 partials per lane: one round of loads into registers
+    float2 p[KP];
+#pragma unroll
+    for (int k = 0; k < KP; ++k) p[k] = S % 32 == 0 || k * 32 + lane < S ? part[k * 32 + lane] : make_float2(-kf_inf(), 0.f);
+#pragma unroll
+    for (int k = 0; k < KP; ++k) m = fmaxf(m, p[k].x);
+    m = kf_warp_max(m);
+#pragma unroll
+    for (int k = 0; k < KP; ++k) s += p[k].y * (p[k].x == -kf_inf() ? 0.f : expf(p[k].x - m));
+  } else {
+#pragma unroll 4
+    for (int j = lane; j < S; j += 32) m = fmaxf(m, part[j].x);
+    m = kf_warp_max(m);
+#pragma unroll 4
+    for (int j = lane; j < S; j += 32) s += part[j].y * (part[j].x == -kf_inf() ? 0.f : expf(part[j].x - m));
+  }
+  // A NaN partial sum stays NaN; a row of -inf sums to 0, and exp(nan) / 0 is NaN like torch.
+  s = kf_warp_sum(s);
+  const float ls = logf(s);
+  Tout* q = y + base + lo;
+#pragma unroll
+  for (int it = 0; it < IT; ++it) {
+    if (kf_live(lo, it)) {
+      float o[V];
+#pragma unroll
+      for (int j = 0; j < V; ++j) o[j] = LOG ? v[it][j] - m - ls : expf(v[it][j] - m) / s;
+      kf_store<Tout, V>(q + (it * NT + threadIdx.x) * V, o);
+    }
+  }
+}
+"""
+
+
 def build(card: Card, knobs: Knobs, hw: Hardware):
     rows, cols = _shape(card)
     x, out = card.args[0].tensor, card.outputs[0]
@@ -281,6 +395,14 @@ def build(card: Card, knobs: Knobs, hw: Hardware):
         body = "\n".join([types, consts, _ONLINE, _BLOCK_SMEM if smem else _BLOCK_ONLINE])
         kernels = [launch("kf_softmax", [rows], [nt], io, smem=cols * x.itemsize if smem else 0)]
         ws = []
+    elif algo == "split_regs":
+        nt = knobs["threads"]
+        ch, it, s = _split_geometry(cols, knobs["split"], nt, v)
+        consts = constants(R=rows, C=cols, NT=nt, V=v, LOG=log, S=s, CH=ch, IT=it)
+        body = "\n".join([types, consts, _SPLIT_REGS])
+        kernels = [launch("kf_softmax_partial", [s, rows], [nt], [{"in": 0}, {"ws": 0}]),
+                   launch("kf_softmax_finish", [s, rows], [nt], [{"in": 0}, {"ws": 0}, {"out": 0}])]
+        ws = [rows * s * 2 * 4]
     else:
         nt, s = knobs["threads"], knobs["split"]
         consts = constants(R=rows, C=cols, NT=nt, V=v, LOG=log, S=s)
