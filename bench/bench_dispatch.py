@@ -79,13 +79,14 @@ def overhead(calls: int) -> dict:
     dispatcher, owner = Dispatcher.shared("CUDA"), object()
     variant = Variant(card, 0, launcher)
     dispatcher.add(owner, [variant])
+    path, why = dispatcher.path(card.op)  # "native" (kforge._dispatch) or "python", and why
     try:
         assert torch.equal(torch.relu(x), x.clamp(min=0)), "dispatched relu disagrees with eager"
         out["dispatched_hit"] = host_us_per_call(lambda: torch.relu(x), calls)
         out["dispatched_miss"] = host_us_per_call(lambda: torch.relu(other), calls)
     finally:
         dispatcher.remove(owner)
-    return {"host_us_per_call": out, "calls": calls,
+    return {"host_us_per_call": out, "calls": calls, "dispatch_path": path, "dispatch_path_why": why,
             "hit_over_direct_us": out["dispatched_hit"] - out["registry_direct"],
             "hit_over_eager_us": out["dispatched_hit"] - out["eager_hit_shape"],
             "miss_over_eager_us": out["dispatched_miss"] - out["eager_miss_shape"],
@@ -151,6 +152,7 @@ def main(argv=None) -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     o = result["overhead"]["host_us_per_call"]
+    print(f"dispatch path: {result['overhead']['dispatch_path']} ({result['overhead']['dispatch_path_why']})")
     print(f"host µs/call: direct {o['registry_direct']:.2f}, dispatched hit {o['dispatched_hit']:.2f}, "
           f"eager {o['eager_hit_shape']:.2f}, miss {o['dispatched_miss']:.2f} (eager {o['eager_miss_shape']:.2f})")
     m = result["model"]

@@ -212,5 +212,9 @@ PYBIND11_MODULE(_C, m) {
       .def("launch", &Registry::launch, py::arg("id"), py::arg("inputs"), py::arg("outputs"), py::arg("workspaces"),
            py::arg("stream"))
       .def("__len__", &Registry::size)
-      .def("clear", &Registry::clear);
+      .def("clear", &Registry::clear)
+      // For kforge._dispatch: launch_address() is kforge_registry_launch (registry.h), address() this
+      // registry, valid while the Python object lives.
+      .def("address", [](const Registry& self) { return reinterpret_cast<uintptr_t>(&self); })
+      .def_static("launch_address", [] { return reinterpret_cast<uintptr_t>(&kforge_registry_launch); });
 }

@@ -1,5 +1,6 @@
 #include "registry.h"
 
+#include <cstdio>
 #include <stdexcept>
 #include <string>
 
@@ -35,3 +36,31 @@ void Registry::clear() {
 }
 
 }  // namespace kforge
+
+namespace {
+
+int report(char* err, size_t err_len, int code, const char* what) {
+  if (err && err_len) std::snprintf(err, err_len, "%s", what);
+  return code;
+}
+
+}  // namespace
+
+extern "C" int kforge_registry_launch(const void* registry, int vid, const uint64_t* inputs, int n_in,
+                                      const uint64_t* outputs, int n_out, const uint64_t* workspaces, int n_ws,
+                                      uint64_t stream, char* err, size_t err_len) {
+  if (err && err_len) err[0] = '\0';
+  try {
+    if (!registry) return report(err, err_len, KFORGE_LAUNCH_ERROR, "no registry to launch from");
+    static_cast<const kforge::Registry*>(registry)->launch(
+        vid, std::vector<uint64_t>(inputs, inputs + n_in), std::vector<uint64_t>(outputs, outputs + n_out),
+        std::vector<uint64_t>(workspaces, workspaces + n_ws), stream);
+    return KFORGE_LAUNCH_OK;
+  } catch (const kforge::CudaError& e) {
+    return report(err, err_len, KFORGE_LAUNCH_CUDA_ERROR, e.what());
+  } catch (const std::exception& e) {
+    return report(err, err_len, KFORGE_LAUNCH_ERROR, e.what());
+  } catch (...) {
+    return report(err, err_len, KFORGE_LAUNCH_ERROR, "unknown C++ exception");
+  }
+}

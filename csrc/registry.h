@@ -1,7 +1,9 @@
-// The guarded dispatch registry: variant id -> launch plan. Guards are matched in
-// Python (a tuple key and a dict lookup); the launch path from here on is C++.
+// The guarded dispatch registry: variant id -> launch plan. Guards are matched by
+// kforge._dispatch (C++) or kforge.dispatch (Python); the launch path from here on is C++.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -24,3 +26,13 @@ class Registry {
 };
 
 }  // namespace kforge
+
+// Registry::launch behind a plain C ABI, so that kforge._dispatch (built against libtorch,
+// without CUDA headers) can launch through a function pointer taken from Registry.launch_address().
+// `registry` is a kforge::Registry*. Returns 0 on success, KFORGE_LAUNCH_CUDA_ERROR when the
+// driver failed (err holds the CudaError text, which starts with the CUDA error name) and
+// KFORGE_LAUNCH_ERROR for anything else; err is always NUL-terminated. Never throws.
+enum { KFORGE_LAUNCH_OK = 0, KFORGE_LAUNCH_CUDA_ERROR = 1, KFORGE_LAUNCH_ERROR = 2 };
+extern "C" int kforge_registry_launch(const void* registry, int vid, const uint64_t* inputs, int n_in,
+                                      const uint64_t* outputs, int n_out, const uint64_t* workspaces, int n_ws,
+                                      uint64_t stream, char* err, size_t err_len);

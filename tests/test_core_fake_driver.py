@@ -156,6 +156,29 @@ def test_registry_refuses_none_and_names_missing_ids(fake_driver):
                    "missing": "no launch plan with id 1 in the registry", "log": "ZL"}
 
 
+def test_registry_c_entry_launches_and_reports_errors_as_codes(fake_driver):
+    # What kforge._dispatch calls: Registry.launch behind a C ABI that never throws.
+    out = _run(fake_driver, """
+    reg = C.Registry()
+    reg.add(plan(C.Module(b"cubin", 0)))
+    u64 = ctypes.c_uint64
+    launch = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(u64), ctypes.c_int,
+                              ctypes.POINTER(u64), ctypes.c_int, ctypes.POINTER(u64), ctypes.c_int, u64,
+                              ctypes.c_char_p, ctypes.c_size_t)(C.Registry.launch_address())
+    err = ctypes.create_string_buffer(256)
+    ptrs = lambda *p: (u64 * len(p))(*p)
+    call = lambda vid: (launch(reg.address(), vid, ptrs(1), 1, ptrs(2), 1, ptrs(3), 1, DEV0, err, 256), err.value.decode())
+    ok = call(0)
+    missing = call(1)
+    fake.fake_fail_launch_after(0)
+    failed = call(0)
+    print(json.dumps({"ok": ok, "missing": missing, "failed": failed, "log": log()}))
+    """)
+    assert out["ok"] == [0, ""] and out["missing"] == [2, "no launch plan with id 1 in the registry"]
+    assert out["failed"][0] == 1 and out["failed"][1].startswith("CUDA_ERROR_LAUNCH_FAILED")
+    assert out["log"].startswith("ZL")
+
+
 def test_plan_kernels_must_share_one_device(fake_driver):
     out = _run(fake_driver, """
     a, b = C.Module(b"cubin", 0).function("k"), C.Module(b"cubin", 1).function("k")

@@ -366,3 +366,17 @@ def test_ctrl_c_in_the_terminal_does_not_kill_a_worker(tmp_path, card):
         r = p.evaluate(card, fake("relu_good"))
         assert r.verdict in (Verdict.VALID, Verdict.SLOWER), r.message
         assert p.handles[0].pid == pid and p.handles[0].starts == 1
+
+
+@pytest.mark.parametrize("text, name", [
+    ("CUDA error in kforge's kernel for aten::relu.default: CUDA_ERROR_MISALIGNED_ADDRESS: misaligned address",
+     "CUDA_ERROR_MISALIGNED_ADDRESS"),  # the C++ dispatch path names the driver's error
+    ("CUDA error: an illegal memory access was encountered", "CUDA_ERROR_ILLEGAL_ADDRESS"),  # torch's wording
+    ("CUDA error: something new", "CUDA_ERROR_UNKNOWN"),
+])
+def test_device_errors_raised_as_runtime_errors_get_their_driver_name(text, name):
+    from kforge.worker import CudaBackend
+
+    fault = CudaBackend.fault(None, RuntimeError(text))
+    assert fault is not None and fault.cuda_error == name
+    assert CudaBackend.fault(None, RuntimeError("shape mismatch")) is None

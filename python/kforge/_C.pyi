@@ -71,3 +71,11 @@ class Registry:
     def launch(self, id: int, inputs: Sequence[int], outputs: Sequence[int], workspaces: Sequence[int], stream: int) -> None: ...
     def __len__(self) -> int: ...
     def clear(self) -> None: ...
+    def address(self) -> int:
+        """This registry's address, for kforge._dispatch; valid while this object lives."""
+    @staticmethod
+    def launch_address() -> int:
+        """Address of `int kforge_registry_launch(const void* registry, int id, const uint64_t* inputs, int n_in,
+        const uint64_t* outputs, int n_out, const uint64_t* workspaces, int n_ws, uint64_t stream, char* err,
+        size_t err_len)`: Registry.launch behind a C ABI, 0 on success, 1 on a CUDA error, 2 on another error
+        (err holds the message)."""

@@ -289,6 +289,10 @@ def cmd_doctor(args: argparse.Namespace, console: Console) -> int:
     t.add_column("status")
     for key, value in cuda_status().items():
         t.add_row(str(key), value if isinstance(value, str) else json.dumps(value, default=str))
+    from .dispatch import native_status
+
+    native, why = native_status("CUDA")
+    t.add_row("dispatch", f"{'C++' if native else 'Python'}: {why}")
     console.print(t)
     return 0
 

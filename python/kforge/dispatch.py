@@ -10,12 +10,21 @@ launches on the current stream, so the path records into CUDA graphs; a miss cal
 kernel that was registered before the override (taken with torch.library.get_kernel) and
 counts why it missed. Removing the last variant of an op destroys its override, which
 restores the dispatcher's previous kernel exactly.
+
+Two implementations of the override, the same guards and counts: a boxed C++ kernel
+(kforge._dispatch, csrc/torch_dispatch.cpp) wherever it is built, every variant of the op
+launches through the C++ registry (a launcher with native()) and every card argument has a
+C++ guard; else a Python torch.library kernel (_OpOverride). KFORGE_DISPATCH=python forces
+Python, KFORGE_DISPATCH=native makes a missing C++ path an error; native_status() says
+which path an override at a key takes and why.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import logging
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol, Sequence
@@ -25,7 +34,7 @@ import torch
 from . import runtime
 from .boxing import call_original
 from .candidate import Candidate
-from .cards import Card, TensorMeta, decode_value, pointer_alignment
+from .cards import Card, TensorMeta, decode_value, dtype_name, pointer_alignment
 from .errors import CardError, KforgeError, LaunchError
 
 # Why a call fell back, most fundamental first. "no-variant": no installed variant has the
@@ -36,20 +45,53 @@ _OVERRIDE_WARNING = "(?s).*Overriding a previously registered kernel for the sam
 _ALIGN = tuple(pointer_alignment(low) for low in range(16))  # alignment (<= 16) depends on the low 4 bits
 _MISS_MEMO_LIMIT = 4096
 
+log = logging.getLogger("kforge.dispatch")
+
 
 class DispatchError(KforgeError):
     """A card cannot be dispatched, or the dispatcher was misused."""
 
 
-@dataclass
 class Counters:
     """What the override did for one card; read by CastPackage.report().
 
-    Inside a CUDA graph only the capture goes through Python: replays are not counted.
+    Calls served in C++ count into a kforge._dispatch.Counts cell, which `hits` and
+    `fallbacks` read through. Inside a CUDA graph only the capture goes through the
+    override: replays are not counted.
     """
 
-    hits: int = 0
-    fallbacks: collections.Counter = field(default_factory=collections.Counter)
+    __slots__ = ("_hits", "_fallbacks", "_cell")
+
+    def __init__(self, hits: int = 0, fallbacks: dict[str, int] | None = None):
+        self._hits = hits
+        self._fallbacks = collections.Counter(fallbacks or {})
+        self._cell: Any = None
+
+    @property
+    def hits(self) -> int:
+        return self._hits + (self._cell.hits if self._cell is not None else 0)
+
+    @property
+    def fallbacks(self) -> collections.Counter:
+        """Fallbacks by reason (see REASONS); a snapshot."""
+        if self._cell is None:
+            return collections.Counter(self._fallbacks)
+        return self._fallbacks + collections.Counter(self._cell.fallbacks())
+
+    def hit(self) -> None:
+        self._hits += 1
+
+    def fell_back(self, reason: str) -> None:
+        self._fallbacks[reason] += 1
+
+    def native_cell(self, native: Any) -> Any:
+        """The C++ counts of these counters (created on first use, kept for good)."""
+        if self._cell is None:
+            self._cell = native.Counts()
+        return self._cell
+
+    def __repr__(self) -> str:
+        return f"Counters(hits={self.hits}, fallbacks={dict(self.fallbacks)})"
 
 
 class Launcher(Protocol):
@@ -73,6 +115,7 @@ class RegistryLauncher:
         self._entries = list(entries)
         self._registries: dict[int, Any] = {}
         self._cuda_error = _C.CudaError
+        self._launch_address = _C.Registry.launch_address()
 
     def prepare(self, device: torch.device | int | str) -> Any:
         from . import _C
@@ -88,6 +131,14 @@ class RegistryLauncher:
                     raise LaunchError(f"registry gave id {vid} to entry {i}; a registry must start empty")
             self._registries[ordinal] = reg
         return reg
+
+    def native(self, vid: int) -> tuple[int, int, Callable[[int], int]]:
+        """How kforge._dispatch launches variant `vid`: (address of the C launch function, id,
+        device index -> launcher context, here the device's registry)."""
+        return self._launch_address, vid, self._registry_address
+
+    def _registry_address(self, index: int) -> int:
+        return self.prepare(index).address()
 
     def launch(self, vid, inputs, outputs, workspaces, device) -> None:
         reg = self._registries.get(device.index)
@@ -107,6 +158,18 @@ class PlanLauncher:
 
     def __init__(self, plan: Any):
         self._plan = plan
+        self._registry: Any = None
+
+    def native(self, vid: int) -> tuple[int, int, Callable[[int], int]] | None:
+        """The plan as entry 0 of a registry of its own, for kforge._dispatch (see RegistryLauncher.native)."""
+        from . import _C
+
+        if not isinstance(self._plan, _C.Plan):
+            return None
+        if self._registry is None:
+            self._registry = _C.Registry()
+            self._registry.add(self._plan)
+        return _C.Registry.launch_address(), 0, lambda index: self._registry.address()
 
     def launch(self, vid, inputs, outputs, workspaces, device) -> None:
         runtime.launch(self._plan, inputs, outputs, workspaces, runtime.current_stream(device.index))
@@ -290,7 +353,9 @@ def _get_kernel(op: torch._ops.OpOverload, key: str):
 
 
 class _OpOverride:
-    """The torch.library kernel of one op at one dispatch key."""
+    """The torch.library kernel of one op at one dispatch key, in Python."""
+
+    path = "python"
 
     def __init__(self, op: torch._ops.OpOverload, key: str):
         self.op = op
@@ -338,7 +403,7 @@ class _OpOverride:
         if v is None:
             self._count_miss(key)
             return call_original(self.original, self.op, keyset, args, kwargs)
-        v.counters.hits += 1
+        v.counters.hit()
         return self._run(v, vals)
 
     def _run(self, v: Variant, vals: list) -> Any:
@@ -370,7 +435,165 @@ class _OpOverride:
             if len(self._misses) >= _MISS_MEMO_LIMIT:
                 self._misses.clear()
             self._misses[key] = hit
-        hit[0].counters.fallbacks[hit[1]] += 1
+        hit[0].counters.fell_back(hit[1])
+
+
+# ---- the override of one op in C++ (kforge._dispatch) ---------------------------------------
+
+class _NotNative(Exception):
+    """Why a variant cannot be served by the C++ override (the op stays on the Python path)."""
+
+
+_native: tuple[Any, str] | None = None  # (kforge._dispatch or None, why)
+_stream_checked = False
+
+
+def _native_module() -> tuple[Any, str]:
+    global _native
+    if _native is None:
+        try:
+            from . import _dispatch as mod
+        except ImportError as e:
+            _native = None, (f"kforge._dispatch is not built or does not load ({e}); build it with "
+                              "`pip install --no-build-isolation -e .` where torch is installed")
+        else:
+            if mod.TORCH_VERSION != torch.__version__:
+                _native = None, (f"kforge._dispatch was built against torch {mod.TORCH_VERSION}, this is torch "
+                                 f"{torch.__version__}: rebuild kforge (`pip install --no-build-isolation -e .`)")
+            elif tuple(mod.REASONS) != REASONS:
+                _native = None, "kforge._dispatch counts other fallback reasons than kforge.dispatch: rebuild kforge"
+            else:
+                _native = mod, f"kforge._dispatch, built against torch {mod.TORCH_VERSION}"
+    return _native
+
+
+def _check_stream(mod: Any) -> str | None:
+    """The stream the C++ path launches on must be torch's current stream: checked once, on
+    the current device, against the handle torch itself gives Python."""
+    global _stream_checked
+    if _stream_checked or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    index = torch.cuda.current_device()
+    ours, torchs = mod.current_stream("cuda", index), runtime.current_stream(index)
+    if ours != torchs:
+        return (f"kforge._dispatch reads stream {ours:#x} on cuda:{index} where torch's current stream is "
+                f"{torchs:#x}; a torch API changed: dispatching in Python")
+    _stream_checked = True
+    return None
+
+
+def native_status(key: str = "CUDA") -> tuple[bool, str]:
+    """Whether overrides at `key` can run in C++ (kforge._dispatch), and why or why not.
+    Per op, the C++ path also needs every variant's launcher to have native() and every
+    card argument a C++ guard."""
+    if os.environ.get("KFORGE_DISPATCH", "").lower() == "python":
+        return False, "KFORGE_DISPATCH=python"
+    if key not in ("CPU", "CUDA"):
+        return False, f"kforge._dispatch serves the CPU and CUDA keys, not {key}"
+    mod, why = _native_module()
+    if mod is None:
+        return False, why
+    if key == "CUDA":
+        bad = _check_stream(mod)
+        if bad:
+            return False, bad
+    return True, why
+
+
+def _native_tensor(m: TensorMeta | None) -> tuple | None:
+    return None if m is None else (list(m.shape), list(m.stride), m.dtype, m.device, m.align)
+
+
+def _native_value(v: Any) -> tuple:
+    """The C++ guard of a value: what _value_key tells apart, it tells apart."""
+    if v is None:
+        return ("none",)
+    if isinstance(v, bool):
+        return ("bool", v)
+    if isinstance(v, (int, torch.SymInt)):
+        return ("int", int(v))
+    if isinstance(v, float):
+        return ("float", v)
+    if isinstance(v, str):
+        return ("str", v)
+    if isinstance(v, torch.dtype):
+        return ("enum", dtype_name(v))
+    if isinstance(v, (torch.memory_format, torch.layout)):
+        return ("enum", str(v).removeprefix("torch."))
+    if isinstance(v, torch.device):
+        return ("device", v.type)
+    if isinstance(v, (list, tuple)) and all(isinstance(x, (int, torch.SymInt)) and not isinstance(x, bool) for x in v):
+        return ("ints", [int(x) for x in v])
+    raise _NotNative(f"no C++ guard for the value {v!r}")
+
+
+def _native_slot(kind: str, arg: torch.Argument, spec: Any) -> tuple:
+    if spec is None:  # the card omitted a defaulted argument: the call key sees the default
+        default = arg.default_value if arg.has_default_value() else None
+        if kind == "value":
+            return ("value", _native_value(default))
+        if kind == "tensor" and default is None:
+            return ("tensor", None)
+        raise _NotNative(f"argument {arg.name} is left out of the card")
+    if spec.kind == kind == "tensor":
+        return ("tensor", _native_tensor(spec.tensor))
+    if spec.kind == kind == "tensors":
+        return ("tensors", [_native_tensor(m) for m in spec.tensors])
+    value = decode_value(spec.value) if spec.kind == "value" else spec
+    if kind == "value":
+        return ("value", _native_value(value))
+    if kind == "tensor" and value is None:  # a card records None in a Tensor? slot as a value
+        return ("tensor", None)
+    if kind == "tensors" and isinstance(value, list) and not value:
+        return ("tensors", [])
+    raise _NotNative(f"argument {arg.name} is a {spec.kind} in the card and a {kind} in the schema")
+
+
+def _native_variant(v: Variant, schema: torch.FunctionSchema, native: Any) -> tuple:
+    """The description kforge._dispatch.Override.set_variants takes, or _NotNative."""
+    how = getattr(v.launcher, "native", None)
+    info = how(v.vid) if how is not None else None
+    if info is None:
+        raise _NotNative(f"{type(v.launcher).__name__} launches from Python only")
+    fn, vid, context = info
+    by_name = {a.name: a for a in v.card.args}
+    slots = [_native_slot(_slot_kind(arg), arg, by_name.get(arg.name)) for arg in schema.arguments]
+    outputs = [(src, list(shape), list(stride), dtype_name(dt)) for src, shape, stride, dt in v.out_specs]
+    return slots, outputs, list(v.workspace), fn, vid, context, v.counters.native_cell(native)
+
+
+def _native_variants(variants: Sequence[Variant], key: str) -> tuple[list | None, str]:
+    """(descriptions for kforge._dispatch, why) or (None, why the op stays in Python)."""
+    ok, why = native_status(key)
+    if not ok:
+        return None, why
+    native, _ = _native_module()
+    schema = variants[0].card.overload()._schema
+    descriptions = []
+    for v in variants:
+        try:
+            descriptions.append(_native_variant(v, schema, native))
+        except (_NotNative, CardError) as e:
+            return None, f"card {v.card.id}: {e}"
+    return descriptions, why
+
+
+class _NativeOverride:
+    """The boxed C++ kernel of one op at one dispatch key (kforge._dispatch.Override)."""
+
+    path = "native"
+
+    def __init__(self, op: torch._ops.OpOverload, key: str):
+        self.op = op
+        native, _ = _native_module()
+        schema = op._schema
+        self._impl = native.Override(schema.name, schema.overload_name, key)
+
+    def set_variants(self, descriptions: list) -> None:
+        self._impl.set_variants(descriptions)
+
+    def destroy(self) -> None:
+        self._impl.destroy()
 
 
 # ---- the dispatcher ------------------------------------------------------------------------
@@ -387,7 +610,8 @@ class Dispatcher:
     def __init__(self, key: str = "CUDA"):
         self.key = key
         self._owners: list[tuple[object, list[Variant]]] = []
-        self._ops: dict[str, _OpOverride] = {}
+        self._ops: dict[str, _OpOverride | _NativeOverride] = {}
+        self._why: dict[str, str] = {}
 
     @classmethod
     def shared(cls, key: str = "CUDA") -> "Dispatcher":
@@ -400,6 +624,11 @@ class Dispatcher:
     def ops(self) -> list[str]:
         """Ops overridden right now."""
         return sorted(self._ops)
+
+    def path(self, op: str) -> tuple[str, str] | None:
+        """("native" or "python", why) for an overridden op, None if it is not overridden."""
+        override = self._ops.get(op)
+        return None if override is None else (override.path, self._why[op])
 
     def owns(self, owner: object) -> bool:
         return any(o is owner for o, _ in self._owners)
@@ -423,14 +652,31 @@ class Dispatcher:
         for name in sorted(ops):
             variants = [v for _, vs in self._owners for v in vs if v.card.op == name]
             override = self._ops.get(name)
+            descriptions, why = _native_variants(variants, self.key) if variants else (None, "")
+            if override is not None and (not variants or override.path != ("native" if descriptions else "python")):
+                override.destroy()  # gone, or moving between C++ and Python: the original kernel comes back first
+                del self._ops[name]
+                override = None
             if not variants:
-                if override is not None:
-                    override.destroy()
-                    del self._ops[name]
+                self._why.pop(name, None)
                 continue
-            if override is None:
-                override = self._ops[name] = _OpOverride(variants[0].card.overload(), self.key)
-            override.set_variants(variants)
+            if descriptions is not None:
+                try:
+                    override = override or _NativeOverride(variants[0].card.overload(), self.key)
+                    override.set_variants(descriptions)
+                except Exception as e:  # the C++ side refused a guard: the Python path serves the op
+                    if override is not None:
+                        override.destroy()
+                    override, descriptions = None, None
+                    why = f"kforge._dispatch refused the variants ({type(e).__name__}: {e})"
+                    log.warning("%s dispatches in Python: %s", name, why)
+            if descriptions is None:
+                if os.environ.get("KFORGE_DISPATCH", "").lower() == "native":
+                    raise DispatchError(f"KFORGE_DISPATCH=native, but {name} cannot dispatch in C++: {why}")
+                override = override or _OpOverride(variants[0].card.overload(), self.key)
+                override.set_variants(variants)
+            self._ops[name] = override
+            self._why[name] = why
 
 
 @contextlib.contextmanager

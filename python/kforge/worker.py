@@ -32,6 +32,7 @@ import dataclasses
 import importlib
 import math
 import os
+import re
 import resource
 import signal
 import time
@@ -250,7 +251,9 @@ class CudaBackend(Backend):
             return Fault(cuda_error_name(exc), str(exc))
         text = str(exc)
         if isinstance(exc, RuntimeError) and ("CUDA error" in text or "CUDA kernel errors" in text):
-            name = next((n for phrase, n in _TORCH_CUDA_ERRORS if phrase in text), "CUDA_ERROR_UNKNOWN")
+            named = _CUDA_ERROR_NAME.search(text)  # kforge._dispatch names the driver's error
+            name = named.group(0) if named else next((n for phrase, n in _TORCH_CUDA_ERRORS if phrase in text),
+                                                     "CUDA_ERROR_UNKNOWN")
             return Fault(name, text.splitlines()[0])
         return None
 
@@ -273,6 +276,7 @@ class CudaBackend(Backend):
                                  min_reps=opts.min_reps, min_ms=opts.min_ms)
 
 
+_CUDA_ERROR_NAME = re.compile(r"\bCUDA_ERROR_[A-Z_]+\b")
 # How PyTorch words the CUDA errors a kernel of ours can leave behind for its next call.
 _TORCH_CUDA_ERRORS = (
     ("illegal memory access", "CUDA_ERROR_ILLEGAL_ADDRESS"),

@@ -163,6 +163,52 @@ def test_cuda_graph_capture_and_replay(packages):
     assert hits == [2, 2], "warm-up and capture both went through the kernels"
 
 
+def test_the_cpp_path_dispatches_on_the_current_stream_and_records_into_a_cuda_graph(packages):
+    from kforge import dispatch
+
+    m = model()
+    native, why = dispatch.native_status("CUDA")
+    if not native:
+        pytest.skip(f"guarded dispatch runs in Python here: {why}")
+    from kforge import _dispatch
+
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert _dispatch.current_stream("cuda", torch.cuda.current_device()) == side.cuda_stream
+    static_x = torch.randn(ROWS, D, device="cuda")
+    pkg = load(packages["both"])
+    with torch.no_grad(), pkg.apply():
+        shared = Dispatcher.shared("CUDA")
+        paths = {op: shared.path(op)[0] for op in shared.ops}
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            m(static_x.clone())
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = m(static_x)
+        hits = [c.counters.hits for c in pkg.cards]
+    assert paths == {"aten::native_layer_norm.default": "native", "aten::relu_.default": "native"}
+    fresh = torch.randn(ROWS, D, device="cuda")
+    want = eager(m, fresh)
+    static_x.copy_(fresh)
+    graph.replay()
+    torch.testing.assert_close(static_y, want, atol=1e-4, rtol=1e-4)
+    assert hits == [2, 2]
+
+
+def test_the_python_path_still_serves_packages(packages, monkeypatch):
+    monkeypatch.setenv("KFORGE_DISPATCH", "python")
+    m, x = model(), torch.randn(ROWS, D, device="cuda")
+    want = eager(m, x)
+    pkg = load(packages["both"])
+    with torch.no_grad(), pkg.apply():
+        assert Dispatcher.shared("CUDA").path("aten::relu_.default") == ("python", "KFORGE_DISPATCH=python")
+        got = m(x.clone())
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert all(c.counters.hits == 1 for c in pkg.cards)
+
+
 def test_two_packages_at_once_and_uninstall_in_any_order(packages):
     dumps = {op: torch._C._dispatch_dump(op) for op in ("aten::native_layer_norm", "aten::relu_")}
     m, x = model(), torch.randn(ROWS, D, device="cuda")
