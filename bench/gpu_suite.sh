@@ -4,7 +4,7 @@
 #   bash bench/gpu_suite.sh            (on the GPU machine, from the repo root)
 # Two lanes of items (LANE_A, LANE_B; names in `lane` below). With two GPUs the lanes run at
 # the same time, one GPU each; with one GPU, one after the other. Sizing: T_TESTS, T_BUILTIN,
-# T_MODEL (per model), T_DISPATCH seconds; BUDGET (candidates per built-in card), ITERS
+# T_MODEL (per model; T_<name> for one), T_DISPATCH seconds; BUDGET (candidates per built-in card), ITERS
 # (search iterations per model card), WALL (search seconds per model), COMPILE=1 (time
 # torch.compile too), GPU_TESTS (test paths) and TESTS_K (a pytest -k expression).
 source bench/device_setup.sh
@@ -20,7 +20,8 @@ compile_flag=${COMPILE:+--compile}
 no_compile_flag=--no-compile; [ -z "$COMPILE" ] || no_compile_flag=
 model() {  # model LOG NAME FILE [bench_model.py args...]; DTYPE etc. pass through the environment
   local log=$1 name=$2 file=$3; shift 3
-  step "$log" "model-$name" "${T_MODEL:-90}" python3 bench/bench_model.py "$file" --iterations "${ITERS:-6}" \
+  local limit_var="T_$name"  # T_gemma=200 overrides T_MODEL for one model
+  step "$log" "model-$name" "${!limit_var:-${T_MODEL:-90}}" python3 bench/bench_model.py "$file" --iterations "${ITERS:-6}" \
     ${WALL:+--wall-time "$WALL"} $compile_flag --out "$OUT/model_${name}_h200.json" "$@"
 }
 lane() {  # lane LOG ITEM...: run the items in order
