@@ -266,3 +266,16 @@ def test_best_is_the_fastest_valid_candidate(tmp_path):
     assert outcome.best.id == fastest["id"]
     card_row = log.rows("SELECT best_candidate, best_speedup FROM cards")[0]
     assert card_row["best_candidate"] == fastest["id"] and card_row["best_speedup"] == pytest.approx(fastest["speedup"])
+
+
+def test_a_card_with_no_kernel_faster_than_eager_is_given_up(tmp_path):
+    """Eager at the roofline (add_ on big tensors): after `give_up` iterations without a
+    valid kernel the card stops, leaving the run's time to cards that can still win."""
+    outcome, _ = _search(tmp_path, evaluator=FakeEvaluator(speedup=lambda card, k: 0.9),
+                         budget=Budget(iterations=50, give_up=12))
+    assert outcome.stop_reason == "no_gain" and outcome.iterations == 12
+    outcome, _ = _search(tmp_path / "never", evaluator=FakeEvaluator(speedup=lambda card, k: 0.9),
+                         budget=Budget(iterations=30, give_up=0))
+    assert outcome.stop_reason == "iterations"
+    outcome, _ = _search(tmp_path / "wins", budget=Budget(iterations=30, give_up=5))
+    assert outcome.stop_reason != "no_gain"  # one valid kernel is enough to go on

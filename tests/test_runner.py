@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -248,3 +249,18 @@ def test_devices_are_checked_against_the_visible_gpus(monkeypatch):
     assert runner.gpu_devices([1, 1, 0]) == [1, 0]  # never two workers timing on one GPU
     with pytest.raises(KforgeError, match="no GPU 2 here: 2 visible.*--devices"):
         runner.gpu_devices([0, 2])
+
+
+def test_a_run_deadline_is_shared_fairly_between_the_cards_left():
+    from kforge.search.mcts import Budget
+
+    now = time.monotonic()
+    b = Budget(deadline=now + 100.0)
+    assert runner.fair_share(b, cards_left=4, workers=1).wall_time_s == pytest.approx(25.0, abs=0.5)
+    assert runner.fair_share(b, cards_left=4, workers=2).wall_time_s == pytest.approx(50.0, abs=0.5)
+    assert runner.fair_share(b, cards_left=1, workers=1).wall_time_s == pytest.approx(100.0, abs=0.5)
+    capped = Budget(deadline=now + 100.0, wall_time_s=10.0)
+    assert runner.fair_share(capped, cards_left=2, workers=1).wall_time_s == 10.0  # a per-card cap still holds
+    assert runner.fair_share(Budget(), cards_left=3, workers=1) == Budget()  # no deadline: unchanged
+    late = Budget(deadline=now - 1.0)
+    assert runner.fair_share(late, cards_left=3, workers=1).wall_time_s == 0.0

@@ -10,7 +10,9 @@ Three module-level functions are the seams to the GPU-side modules (tests replac
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import queue
 import secrets
 import sqlite3
@@ -333,6 +335,17 @@ def _open_run(log: SearchLog, resume: bool, validated: bool, model_name: str | N
     return run_id
 
 
+def fair_share(budget: Budget, cards_left: int, workers: int) -> Budget:
+    """The budget of the next card when the run has a deadline: an equal slice of the time
+    left, per worker, over the cards not yet started (this one included), so the first cards
+    cannot spend the whole run. Time a card leaves unused goes to the cards after it."""
+    if budget.deadline is None:
+        return budget
+    slice_s = max(budget.deadline - time.monotonic(), 0.0) / max(math.ceil(cards_left / workers), 1)
+    per_card = slice_s if budget.wall_time_s is None else min(budget.wall_time_s, slice_s)
+    return dataclasses.replace(budget, wall_time_s=per_card)
+
+
 def _search_all(cards: list[Card], first: Proposer, proposer_spec: Any, proposer_options: dict,
                 factory: EvaluatorFactory, run_dir: Path, run_id: str, devs: list[int], budget: Budget,
                 hardware: Hardware, seed: int, progress: bool, console: Console | None,
@@ -359,8 +372,10 @@ def _search_all(cards: list[Card], first: Proposer, proposer_spec: Any, proposer
                     card = todo.get_nowait()
                 except queue.Empty:
                     return
-                outcome = search_card(card, proposer, evaluator, wlog, run_id, budget=budget, hardware=hardware,
-                                      rng_seed=seed, on_progress=view.update, spend=spend, cancel=cancel)
+                outcome = search_card(card, proposer, evaluator, wlog, run_id, budget=fair_share(budget, todo.qsize() + 1,
+                                                                                                  max(len(devs), 1)),
+                                      hardware=hardware, rng_seed=seed, on_progress=view.update, spend=spend,
+                                      cancel=cancel)
                 stops[card.id] = outcome.stop_reason
                 view.finish(card.id)
         finally:

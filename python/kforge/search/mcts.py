@@ -38,6 +38,7 @@ class Budget:
     max_tokens: int | None = None
     near_floor: float = 0.9  # stop once the best kernel reaches this fraction of the HBM floor
     stagnation: int = 10  # iterations without a new best before exploring harder from the root
+    give_up: int = 20  # stop a card whose first this-many iterations gave no kernel faster than eager (0: never)
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ class SearchOutcome:
     best: Tried | None  # fastest valid candidate (tried.id is its log row)
     iterations: int  # done in total, resumed ones included
     evaluated: int  # candidates evaluated by this call
-    stop_reason: str  # iterations | wall_time | cost | tokens | budget | near_floor | exhausted | interrupted
+    stop_reason: str  # iterations | wall_time | cost | tokens | budget | near_floor | no_gain | exhausted | interrupted
     tree: Tree = field(repr=False)
 
     @property
@@ -190,6 +191,8 @@ class _CardSearch:
         best_us = self.best.tried.result.kernel_us if self.best else None
         if best_us and self.floor_us > 0 and self.floor_us / best_us >= b.near_floor:
             return "near_floor"
+        if b.give_up and it >= b.give_up and self.best is None:
+            return "no_gain"  # e.g. eager is already at the roofline: the budget is better spent elsewhere
         return None
 
     def _best_speedup(self) -> float | None:
