@@ -44,9 +44,11 @@ using LaunchFn = int (*)(const void* ctx, int vid, const uint64_t* inputs, int n
 constexpr int kLaunchCudaError = 1;
 
 // Why a call fell back, most fundamental first: the order of kforge.dispatch.REASONS.
-enum Reason { kNoVariant, kDevice, kDtype, kScalar, kShape, kStride, kAlignment, kNumReasons };
-constexpr std::array<const char*, kNumReasons> kReasons = {"no-variant", "device", "dtype", "scalar",
-                                                           "shape",      "stride", "alignment"};
+// The last, aliasing, is not a guard difference: a call that matched a guard but whose
+// written input shares memory with another input (a kernel would read what it writes).
+enum Reason { kNoVariant, kDevice, kDtype, kScalar, kShape, kStride, kAlignment, kAliasing, kNumReasons };
+constexpr std::array<const char*, kNumReasons> kReasons = {"no-variant", "device",    "dtype",   "scalar",
+                                                           "shape",      "stride",    "alignment", "aliasing"};
 
 // What the override did for one card. Shared with Python (kforge.dispatch.Counters reads it),
 // and kept across set_variants, so counts survive other packages coming and going.
@@ -111,6 +113,7 @@ struct Variant {
   std::vector<Slot> slots;  // one per schema argument
   std::vector<OutSpec> outputs;
   std::vector<int64_t> workspace;  // bytes per workspace buffer
+  std::vector<int> written;        // inputs (card order) the kernel writes: in-place and out= arguments
   LaunchFn fn = nullptr;
   int vid = 0;
   std::shared_ptr<Resolver> resolver;
@@ -268,17 +271,25 @@ class State {
     const auto args = torch::jit::last(*stack, num_args_);
     const auto& vs = table->variants;
     for (auto it = vs.rbegin(); it != vs.rend(); ++it) {
-      if (compare(**it, args, /*stop=*/true).count == 0) return run(**it, args, stack);
+      if (compare(**it, args, /*stop=*/true).count != 0) continue;
+      const Variant& v = **it;
+      Inputs ins = inputs(v, args);
+      const int why = unrunnable(v, ins);
+      if (why == kNumReasons) return run(v, args, ins, stack);
+      v.counts->fallbacks[why].fetch_add(1, std::memory_order_relaxed);
+      original_.callBoxed(op, ks, stack);
+      return;
     }
     count_miss(vs, args);
     original_.callBoxed(op, ks, stack);
   }
 
  private:
-  void run(const Variant& v, c10::ArrayRef<c10::IValue> args, torch::jit::Stack* stack) const {
-    v.counts->hits.fetch_add(1, std::memory_order_relaxed);
-    // Inputs in card order: tensor arguments and the tensors of list arguments, None left out.
-    c10::SmallVector<const at::Tensor*, 8> ins;
+  using Inputs = c10::SmallVector<const at::Tensor*, 8>;
+
+  // Inputs in card order: tensor arguments and the tensors of list arguments, None left out.
+  static Inputs inputs(const Variant& v, c10::ArrayRef<c10::IValue> args) {
+    Inputs ins;
     for (size_t a = 0; a < args.size(); ++a) {
       if (v.slots[a].kind == SlotKind::Tensor && defined(args[a])) {
         ins.push_back(&args[a].toTensor());
@@ -287,6 +298,27 @@ class State {
           if (defined(item)) ins.push_back(&item.toTensor());
       }
     }
+    return ins;
+  }
+
+  // What the guard key cannot see: every input on one device (the key holds the device
+  // type, not the index, and a kernel launched on one device cannot read another's memory),
+  // and no written input sharing memory with another input. kNumReasons when runnable.
+  static int unrunnable(const Variant& v, const Inputs& ins) {
+    const c10::Device device = ins.front()->device();
+    for (const at::Tensor* t : ins)
+      if (t->device() != device) return kDevice;
+    for (int w : v.written) {
+      for (size_t i = 0; i < ins.size(); ++i) {
+        if (static_cast<int>(i) != w && ins[i]->storage().is_alias_of(ins[w]->storage())) return kAliasing;
+      }
+    }
+    return kNumReasons;
+  }
+
+  void run(const Variant& v, c10::ArrayRef<c10::IValue> args, const Inputs& ins, torch::jit::Stack* stack) const {
+    (void)args;
+    v.counts->hits.fetch_add(1, std::memory_order_relaxed);
     const c10::Device device = ins.front()->device();
     c10::SmallVector<at::Tensor, 4> outs;
     for (const auto& o : v.outputs) {
@@ -469,8 +501,8 @@ ValueGuard to_value_guard(const py::handle& h) {
 
 std::shared_ptr<const Variant> to_variant(const py::handle& h, const State& state) {
   auto t = h.cast<py::tuple>();
-  if (t.size() != 7)
-    throw std::invalid_argument("a variant is (slots, outputs, workspace, launch_address, vid, resolve, counts)");
+  if (t.size() != 7 && t.size() != 8)
+    throw std::invalid_argument("a variant is (slots, outputs, workspace, launch_address, vid, resolve, counts[, written])");
   auto v = std::make_shared<Variant>();
   size_t inputs = 0;
   for (auto item : t[0].cast<py::sequence>()) {
@@ -523,6 +555,12 @@ std::shared_ptr<const Variant> to_variant(const py::handle& h, const State& stat
   v->vid = t[4].cast<int>();
   v->resolver = std::make_shared<Resolver>(py::reinterpret_borrow<py::object>(t[5]));
   v->counts = t[6].cast<std::shared_ptr<Counts>>();
+  if (t.size() > 7) {
+    for (auto w : t[7].cast<std::vector<int>>()) {
+      if (w < 0 || static_cast<size_t>(w) >= inputs) throw std::invalid_argument("written input " + std::to_string(w) + " names no input");
+      v->written.push_back(w);
+    }
+  }
   return v;
 }
 
@@ -552,6 +590,7 @@ class Override {
   Override& operator=(const Override&) = delete;
 
   void set_variants(const py::sequence& variants) {
+    if (!state_) throw std::runtime_error("this override was destroyed: create a new one");
     auto table = std::make_shared<Table>();
     for (auto item : variants) table->variants.push_back(to_variant(item, *state_));
     state_->set_table(std::move(table));
@@ -559,6 +598,7 @@ class Override {
 
   py::list counters() const {
     py::list out;
+    if (!state_) return out;
     for (const auto& v : state_->table()->variants) out.append(py::make_tuple(v->counts->hits.load(), fallbacks(*v->counts)));
     return out;
   }
@@ -576,7 +616,15 @@ class Override {
   // the kernel finish on the state they hold.
   void destroy() {
     lib_.reset();
-    if (state_) state_->set_table(std::make_shared<Table>());
+    if (state_) {
+      state_->set_table(std::make_shared<Table>());  // the variants (and their registries) go now
+      // The state itself is never freed: a call that entered the kernel just before the
+      // registration went may still be running on it. It is small once its table is empty.
+      static std::mutex mu;
+      static std::vector<std::shared_ptr<State>> retired;
+      std::lock_guard<std::mutex> lock(mu);
+      retired.push_back(std::move(state_));
+    }
   }
 
   bool active() const { return lib_ != nullptr; }

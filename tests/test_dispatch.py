@@ -362,3 +362,28 @@ def test_conjugate_and_negative_views_never_hit(cpu):
     assert not launcher.calls and torch.equal(y, -x) and torch.equal(w, z.conj())
     y.copy_(x)
     assert real.counters.hits == 1
+
+
+def test_python_path_out_argument_that_is_also_an_input_falls_back(monkeypatch):
+    monkeypatch.setenv("KFORGE_DISPATCH", "python")
+    a, b, out = torch.randn(16), torch.randn(16), torch.empty(16)
+    card = make_card(torch.ops.aten.add.out, a, b, out=out, aliases={0: 2})
+    v = Variant(card, 0, FakeLauncher(lambda ins, outs: outs[0].copy_(ins[0] + ins[1])))
+    d = Dispatcher("CPU")
+    d.add("pkg", [v])
+    try:
+        expected = a + b
+        assert torch.add(a, b, out=a) is a and torch.equal(a, expected)
+        assert v.counters.hits == 0 and v.counters.fallbacks == {"aliasing": 1}
+        torch.add(b, b.clone(), out=out)
+        assert v.counters.hits == 1
+    finally:
+        d.remove("pkg")
+
+
+def test_cards_with_inputs_on_two_device_types_are_not_dispatched():
+    import dataclasses
+
+    card = make_card(torch.ops.aten.mul.Tensor, torch.randn(4), torch.tensor(2.0))
+    card.args[1] = dataclasses.replace(card.args[1], tensor=dataclasses.replace(card.args[1].tensor, device="cuda"))
+    assert "more than one device type" in dispatch_blocker(card)

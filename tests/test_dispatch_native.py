@@ -375,3 +375,44 @@ def test_stub_names_what_the_module_has():
     stubbed = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     stubbed |= {n.target.id for n in tree.body if isinstance(n, ast.AnnAssign)}
     assert stubbed == {n for n in dir(_dispatch) if not n.startswith("_")}
+
+
+def test_an_out_argument_that_is_also_an_input_falls_back(cpu):
+    """add.out(a, b, out=a) matches a card recorded as add.out(a, b, out=c) key for key, but
+    the kernel would write what it reads: eager serves it, counted as aliasing."""
+    a, b, out = torch.randn(16), torch.randn(16), torch.empty(16)
+    v = Variant(make_card(aten.add.out, a, b, out=out, aliases={0: 2}), 0, NativeLauncher(COPY, nbytes=a.nbytes))
+    cpu.add("pkg", [v])
+    expected = a + b
+    r = torch.add(a, b, out=a)
+    assert r is a and torch.equal(a, expected)
+    assert v.counters.hits == 0 and v.counters.fallbacks == {"aliasing": 1}
+    torch.add(b, b.clone(), out=out)  # no sharing: the kernel runs
+    assert v.counters.hits == 1
+
+
+def test_a_refused_native_override_is_not_kept(cpu, monkeypatch):
+    x = torch.randn(4, 8)
+    v, _ = relu_variant(x)
+
+    def refuse(self, descriptions):
+        raise ValueError("no")
+
+    monkeypatch.setattr(dispatch._NativeOverride, "set_variants", refuse)
+    cpu.add("pkg", [v])  # served in Python instead
+    path, why = cpu.path("aten::relu.default")
+    assert path == "python" and "refused" in why
+    cpu.remove("pkg")
+    monkeypatch.setenv("KFORGE_DISPATCH", "native")
+    with pytest.raises(dispatch.DispatchError, match="KFORGE_DISPATCH=native"):
+        cpu.add("pkg", [v])
+    assert not cpu.ops and torch.equal(torch.relu(x), x.clamp(min=0))  # nothing half-installed
+
+
+def test_a_destroyed_override_refuses_new_variants_without_crashing():
+    o = _dispatch.Override("aten::relu", "", "CPU")
+    o.destroy()
+    with pytest.raises(RuntimeError, match="destroyed"):
+        o.set_variants([])
+    assert o.counters() == [] and not o.active
+    o.destroy()  # twice is fine

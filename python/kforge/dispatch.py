@@ -25,6 +25,7 @@ import collections
 import contextlib
 import logging
 import os
+import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol, Sequence
@@ -39,7 +40,9 @@ from .errors import CardError, KforgeError, LaunchError
 
 # Why a call fell back, most fundamental first. "no-variant": no installed variant has the
 # call's argument structure (a tensor where the card has None, another list length).
-REASONS = ("no-variant", "device", "dtype", "scalar", "shape", "stride", "alignment")
+# "aliasing" is not a guard difference: the call matched, but an input the kernel writes shares
+# memory with another input (add.out(a, b, out=a)), which the captured call did not do.
+REASONS = ("no-variant", "device", "dtype", "scalar", "shape", "stride", "alignment", "aliasing")
 
 _OVERRIDE_WARNING = "(?s).*Overriding a previously registered kernel for the same operator.*"
 _ALIGN = tuple(pointer_alignment(low) for low in range(16))  # alignment (<= 16) depends on the low 4 bits
@@ -114,6 +117,9 @@ class RegistryLauncher:
 
         self._entries = list(entries)
         self._registries: dict[int, Any] = {}
+        # One registry per device, built once: kforge._dispatch caches a registry's raw
+        # address, so a registry must never be replaced (and freed) once handed out.
+        self._lock = threading.Lock()
         self._cuda_error = _C.CudaError
         self._launch_address = _C.Registry.launch_address()
 
@@ -123,13 +129,17 @@ class RegistryLauncher:
         ordinal = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         ordinal = ordinal.index if ordinal.index is not None else torch.cuda.current_device()
         reg = self._registries.get(ordinal)
-        if reg is None:
-            reg = _C.Registry()
-            for i, (candidate, cubin) in enumerate(self._entries):
-                vid = reg.add(runtime.build_plan(candidate, cubin, ordinal))
-                if vid != i:
-                    raise LaunchError(f"registry gave id {vid} to entry {i}; a registry must start empty")
-            self._registries[ordinal] = reg
+        if reg is not None:
+            return reg
+        with self._lock:
+            reg = self._registries.get(ordinal)
+            if reg is None:
+                reg = _C.Registry()
+                for i, (candidate, cubin) in enumerate(self._entries):
+                    vid = reg.add(runtime.build_plan(candidate, cubin, ordinal))
+                    if vid != i:
+                        raise LaunchError(f"registry gave id {vid} to entry {i}; a registry must start empty")
+                self._registries[ordinal] = reg
         return reg
 
     def native(self, vid: int) -> tuple[int, int, Callable[[int], int]]:
@@ -156,8 +166,9 @@ class PlanLauncher:
     """One resolved plan (kforge.runtime.build_plan), launched through kforge.runtime: what the
     evaluation worker has in hand when it times a candidate as dispatched."""
 
-    def __init__(self, plan: Any):
+    def __init__(self, plan: Any, device: int | None = None):
         self._plan = plan
+        self._device = device  # the plan's device, when known: other devices are refused
         self._registry: Any = None
 
     def native(self, vid: int) -> tuple[int, int, Callable[[int], int]] | None:
@@ -169,7 +180,12 @@ class PlanLauncher:
         if self._registry is None:
             self._registry = _C.Registry()
             self._registry.add(self._plan)
-        return _C.Registry.launch_address(), 0, lambda index: self._registry.address()
+        return _C.Registry.launch_address(), 0, self._registry_address
+
+    def _registry_address(self, index: int) -> int:
+        if self._device is not None and index != self._device:
+            raise LaunchError(f"this plan was loaded on cuda:{self._device}, not cuda:{index}")
+        return self._registry.address()
 
     def launch(self, vid, inputs, outputs, workspaces, device) -> None:
         runtime.launch(self._plan, inputs, outputs, workspaces, runtime.current_stream(device.index))
@@ -268,6 +284,8 @@ def dispatch_blocker(card: Card) -> str | None:
         return f"cannot dispatch: card has {len(card.outputs)} outputs, {card.op} returns {len(schema.returns)}"
     if not card.inputs:
         return "cannot dispatch: the op has no tensor inputs to guard on"
+    if len({m.device for m in card.inputs}) > 1:
+        return "cannot dispatch: its inputs are on more than one device type (a CPU scalar tensor beside GPU tensors)"
     if any(not 0 <= i < len(card.inputs) for i in card.aliases.values()):
         return f"cannot dispatch: aliases {card.aliases} name inputs the card does not have"
     names = {a.name for a in schema.arguments}
@@ -287,12 +305,14 @@ class Variant:
     launcher: Launcher
     workspace: tuple[int, ...] = ()  # bytes per workspace buffer (the plan zeroes those that ask)
     counters: Counters = field(default_factory=Counters)
+    written: tuple = field(init=False)
     out_specs: tuple = field(init=False)
 
     def __post_init__(self) -> None:
         why = dispatch_blocker(self.card)
         if why:
             raise DispatchError(f"card {self.card.id} ({self.card.summary()}): {why}")
+        self.written = tuple(sorted(self.card.written_inputs))  # inputs the kernel writes
         # (aliased input index or None, shape, stride, dtype) per output, resolved once.
         self.out_specs = tuple(
             (self.card.aliases.get(j), tuple(m.shape), tuple(m.stride), m.torch_dtype)
@@ -352,6 +372,20 @@ def _get_kernel(op: torch._ops.OpOverload, key: str):
     return get_kernel(op, key)
 
 
+def _unrunnable(v: Variant, ins: Sequence[torch.Tensor]) -> str | None:
+    """What a guard key cannot see (as kforge._dispatch checks it): every input on one device
+    (the key holds the device type, not its index), and no input the kernel writes sharing
+    memory with another input. None when the kernel may run."""
+    dev = ins[0].device
+    if any(t.device != dev for t in ins):
+        return "device"
+    for w in v.written:
+        storage = ins[w].untyped_storage()
+        if any(i != w and t.untyped_storage().data_ptr() == storage.data_ptr() for i, t in enumerate(ins)):
+            return "aliasing"
+    return None
+
+
 class _OpOverride:
     """The torch.library kernel of one op at one dispatch key, in Python."""
 
@@ -403,10 +437,6 @@ class _OpOverride:
         if v is None:
             self._count_miss(key)
             return call_original(self.original, self.op, keyset, args, kwargs)
-        v.counters.hit()
-        return self._run(v, vals)
-
-    def _run(self, v: Variant, vals: list) -> Any:
         ins: list[torch.Tensor] = []
         for i in self._tensor_slots:
             x = vals[i]
@@ -414,6 +444,14 @@ class _OpOverride:
                 ins.append(x)
             elif x is not None:
                 ins += [t for t in x if t is not None]
+        why = _unrunnable(v, ins)
+        if why:
+            v.counters.fell_back(why)
+            return call_original(self.original, self.op, keyset, args, kwargs)
+        v.counters.hit()
+        return self._run(v, ins)
+
+    def _run(self, v: Variant, ins: list[torch.Tensor]) -> Any:
         dev = ins[0].device
         outs = [ins[src] if src is not None else torch.empty_strided(shape, stride, dtype=dt, device=dev)
                 for src, shape, stride, dt in v.out_specs]
@@ -559,7 +597,7 @@ def _native_variant(v: Variant, schema: torch.FunctionSchema, native: Any) -> tu
     by_name = {a.name: a for a in v.card.args}
     slots = [_native_slot(_slot_kind(arg), arg, by_name.get(arg.name)) for arg in schema.arguments]
     outputs = [(src, list(shape), list(stride), dtype_name(dt)) for src, shape, stride, dt in v.out_specs]
-    return slots, outputs, list(v.workspace), fn, vid, context, v.counters.native_cell(native)
+    return slots, outputs, list(v.workspace), fn, vid, context, v.counters.native_cell(native), list(v.written)
 
 
 def _native_variants(variants: Sequence[Variant], key: str) -> tuple[list | None, str]:
@@ -646,37 +684,50 @@ class Dispatcher:
     def remove(self, owner: object) -> None:
         gone = [vs for o, vs in self._owners if o is owner]
         self._owners = [(o, vs) for o, vs in self._owners if o is not owner]
-        self._sync({v.card.op for vs in gone for v in vs})
+        self._sync({v.card.op for vs in gone for v in vs}, removing=True)
 
-    def _sync(self, ops: set[str]) -> None:
+    def _sync(self, ops: set[str], removing: bool = False) -> None:
+        """Bring each op's override in line with the owners' variants. Every op is synced
+        even when one fails (the first error is raised after), so a package being removed
+        never leaves kernels of its own installed."""
+        errors: list[BaseException] = []
         for name in sorted(ops):
-            variants = [v for _, vs in self._owners for v in vs if v.card.op == name]
-            override = self._ops.get(name)
-            descriptions, why = _native_variants(variants, self.key) if variants else (None, "")
-            if override is not None and (not variants or override.path != ("native" if descriptions else "python")):
-                override.destroy()  # gone, or moving between C++ and Python: the original kernel comes back first
-                del self._ops[name]
-                override = None
-            if not variants:
-                self._why.pop(name, None)
-                continue
-            if descriptions is not None:
-                try:
-                    override = override or _NativeOverride(variants[0].card.overload(), self.key)
-                    override.set_variants(descriptions)
-                except Exception as e:  # the C++ side refused a guard: the Python path serves the op
-                    if override is not None:
-                        override.destroy()
-                    override, descriptions = None, None
-                    why = f"kforge._dispatch refused the variants ({type(e).__name__}: {e})"
-                    log.warning("%s dispatches in Python: %s", name, why)
-            if descriptions is None:
-                if os.environ.get("KFORGE_DISPATCH", "").lower() == "native":
-                    raise DispatchError(f"KFORGE_DISPATCH=native, but {name} cannot dispatch in C++: {why}")
-                override = override or _OpOverride(variants[0].card.overload(), self.key)
-                override.set_variants(variants)
-            self._ops[name] = override
-            self._why[name] = why
+            try:
+                self._sync_op(name, removing)
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def _sync_op(self, name: str, removing: bool) -> None:
+        variants = [v for _, vs in self._owners for v in vs if v.card.op == name]
+        override = self._ops.get(name)
+        descriptions, why = _native_variants(variants, self.key) if variants else (None, "")
+        if override is not None and (not variants or override.path != ("native" if descriptions else "python")):
+            override.destroy()  # gone, or moving between C++ and Python: the original kernel comes back first
+            del self._ops[name]
+            override = None
+        if not variants:
+            self._why.pop(name, None)
+            return
+        if descriptions is not None:
+            try:
+                override = override or _NativeOverride(variants[0].card.overload(), self.key)
+                override.set_variants(descriptions)
+            except Exception as e:  # the C++ side refused a guard: the Python path serves the op
+                if override is not None:
+                    override.destroy()
+                self._ops.pop(name, None)  # never keep a destroyed override
+                override, descriptions = None, None
+                why = f"kforge._dispatch refused the variants ({type(e).__name__}: {e})"
+                log.warning("%s dispatches in Python: %s", name, why)
+        if descriptions is None:
+            if os.environ.get("KFORGE_DISPATCH", "").lower() == "native" and not removing:
+                raise DispatchError(f"KFORGE_DISPATCH=native, but {name} cannot dispatch in C++: {why}")
+            override = override or _OpOverride(variants[0].card.overload(), self.key)
+            override.set_variants(variants)
+        self._ops[name] = override
+        self._why[name] = why
 
 
 @contextlib.contextmanager

@@ -266,7 +266,7 @@ class CudaBackend(Backend):
     def dispatch_launcher(self, kernel):
         from . import dispatch
 
-        return dispatch.PlanLauncher(kernel)
+        return dispatch.PlanLauncher(kernel, device=self.index)
 
     def time_as_called(self, entries):
         return timing.time_as_called(entries, device=self.index)
