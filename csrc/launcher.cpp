@@ -88,8 +88,17 @@ void launch_one(const KernelSpec& k, const std::vector<uint64_t>& inputs, const 
     }
     params[a] = &slots[a];
   }
-  check(driver().cuLaunchKernel(k.fn.fn, k.grid.x, k.grid.y, k.grid.z, k.block.x, k.block.y, k.block.z, k.smem,
-                                reinterpret_cast<CUstream>(stream), params, nullptr),
+  const CUstream s = reinterpret_cast<CUstream>(stream);
+  if (k.cooperative) {
+    // Refused (CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE) rather than run when the grid cannot
+    // be resident at once, so a grid-wide barrier never waits on a block that never starts.
+    check(driver().cuLaunchCooperativeKernel(k.fn.fn, k.grid.x, k.grid.y, k.grid.z, k.block.x, k.block.y, k.block.z,
+                                             k.smem, s, params),
+          describe(k));
+    return;
+  }
+  check(driver().cuLaunchKernel(k.fn.fn, k.grid.x, k.grid.y, k.grid.z, k.block.x, k.block.y, k.block.z, k.smem, s,
+                                params, nullptr),
         describe(k));
 }
 

@@ -51,6 +51,7 @@ struct KernelSpec {
   Dim3 grid, block;
   unsigned smem = 0;
   std::vector<Arg> args;
+  bool cooperative = false;  // cuLaunchCooperativeKernel: all blocks resident, so grid-wide barriers are safe
 };
 
 struct WorkspaceSpec {

@@ -193,6 +193,31 @@ def test_split_regs_chunks_cover_each_row_once_from_registers(name):
         assert bool((covered == 1).all()), knobs
 
 
+@pytest.mark.parametrize("name", sorted(LONG_ROWS))
+def test_split_coop_is_one_cooperative_launch_that_compiles(name):
+    """One kernel launched cooperatively, a grid of at most 2 blocks per SM, its counters
+    and partials in one zeroed workspace; every setting compiles for sm_90."""
+    card = LONG_ROWS[name]()
+    rows, cols = card.args[0].tensor.numel // card.args[0].tensor.shape[-1], card.args[0].tensor.shape[-1]
+    (s,) = [s for s in softmax_family.spaces(card, H200) if s["algo"] == ("split_coop",)]
+    for knobs in knob_space.configs(s):
+        cand = softmax_family.build(card, knobs, H200)
+        cand.plan.validate(len(card.inputs), len(card.outputs))
+        ch, it, n = softmax_family._split_geometry(cols, knobs["split"], knobs["threads"], knobs["vec"])
+        (k,) = cand.plan.kernels
+        assert k.name == "kf_softmax_coop" and k.cooperative and k.grid == (n, rows, 1)
+        assert rows * n <= softmax_family.COOP_BLOCKS_PER_SM * H200.sm_count and it * knobs["vec"] <= softmax_family.SPLIT_REGS
+        words = (rows + 1) // 2 * 2
+        assert cand.plan.workspace_bytes() == [(words * 4 + rows * n * 8, True)]
+        assert compiler.compile(cand.source, options=cand.plan.options, arch="sm_90").cubin
+
+
+def test_split_coop_is_offered_only_where_the_grid_can_be_resident():
+    assert not any(s["algo"] == ("split_coop",) for s in softmax_family.spaces(softmax(512, 16384), H200))
+    (s,) = [s for s in softmax_family.spaces(softmax(8, 262144), H200) if s["algo"] == ("split_coop",)]
+    assert s["split"] == (16, 32) and s["threads"] == (512, 1024)
+
+
 def test_split_regs_needs_long_rows_and_registers_bound_the_split():
     assert not any(s["algo"] == ("split_regs",) for s in softmax_family.spaces(softmax(64, 8191), H200))
     assert split_regs_space(softmax(8, 262144))["split"] == (64, 128, 256, 512)

@@ -19,6 +19,18 @@ def test_plan_round_trip_and_validation():
     assert LaunchPlan.from_json(plan.dumps()).to_json() == plan.to_json()
 
 
+def test_cooperative_kernels_round_trip_and_ordinary_plans_keep_their_digest():
+    import copy
+
+    coop = copy.deepcopy(PLAN)
+    coop["kernels"][0]["cooperative"] = True
+    plan = LaunchPlan.from_json(coop)
+    assert plan.kernels[0].cooperative and LaunchPlan.from_json(plan.dumps()).kernels[0].cooperative
+    plain = LaunchPlan.from_json(PLAN)
+    assert not plain.kernels[0].cooperative and "cooperative" not in plain.dumps()  # digests of old plans hold
+    assert Candidate("src", plan).digest() != Candidate("src", plain).digest()
+
+
 @pytest.mark.parametrize("mutate, message", [
     (lambda p: p["kernels"][0].update(name="not an identifier"), "C identifier"),
     (lambda p: p["kernels"][0].update(block=[2048]), "threads"),
@@ -28,6 +40,7 @@ def test_plan_round_trip_and_validation():
     (lambda p: p["kernels"][0]["args"].append({"f32": "x"}), "needs a number"),
     (lambda p: p["kernels"][0]["args"].append({"bogus": 1}), "kind in"),
     (lambda p: p["kernels"][0].update(args=[{"in": 0}]), "never passed"),
+    (lambda p: p["kernels"][0].update(cooperative="yes"), "cooperative"),
 ])
 def test_bad_plans_say_what_is_wrong(mutate, message):
     import copy

@@ -245,3 +245,17 @@ def test_stub_matches_the_bindings():
             if m is None or any(isinstance(d, ast.Name) and d.id == "property" for d in m.decorator_list):
                 continue
             assert _stub_params(m) == _pybind_params(getattr(obj, mname).__doc__), f"{name}.{mname}"
+
+
+def test_a_cooperative_kernel_goes_through_cu_launch_cooperative_kernel(fake_driver):
+    # After its workspace is zeroed (the counters of a grid-wide barrier), like any plan.
+    out = _run(fake_driver, """
+    mod = runtime.load(b"cubin", 0)
+    fn = mod.function("k")
+    args = [("in", 0), ("out", 0), ("ws", 0)]
+    p = C.Plan([(fn, [4, 2], [128], 0, args, True), (fn, [1], [32], 0, args, False), (fn, [1], [32], 0, args)],
+               [(64, True)])
+    p.launch([1], [2], [3], DEV0)
+    print(json.dumps({"log": log()}))
+    """)
+    assert out == {"log": "ZCLL"}

@@ -34,9 +34,15 @@ class KernelLaunch:
     block: tuple[int, int, int]
     smem: int = 0
     args: list[dict[str, Any]] = field(default_factory=list)
+    # Launched with cuLaunchCooperativeKernel: every block resident at once, so the kernel may
+    # wait on other blocks (a grid-wide barrier); a grid too large to be resident is refused.
+    cooperative: bool = False
 
     def to_json(self) -> dict:
-        return {"name": self.name, "grid": list(self.grid), "block": list(self.block), "smem": self.smem, "args": self.args}
+        d = {"name": self.name, "grid": list(self.grid), "block": list(self.block), "smem": self.smem, "args": self.args}
+        if self.cooperative:  # only when set: plans (and digests) of ordinary kernels stay as they were
+            d["cooperative"] = True
+        return d
 
 
 def _dim3(v: Any, what: str) -> tuple[int, int, int]:
@@ -96,7 +102,11 @@ class LaunchPlan:
             smem = k.get("smem", 0)
             if not isinstance(smem, int) or smem < 0:
                 raise PlanError(f"kernel {k['name']}: smem must be a non-negative integer")
-            kernels.append(KernelLaunch(k["name"], _dim3(k.get("grid"), "grid"), _dim3(k.get("block"), "block"), smem, list(args)))
+            coop = k.get("cooperative", False)
+            if not isinstance(coop, bool):
+                raise PlanError(f"kernel {k['name']}: \"cooperative\" must be true or false")
+            kernels.append(KernelLaunch(k["name"], _dim3(k.get("grid"), "grid"), _dim3(k.get("block"), "block"), smem,
+                                        list(args), coop))
         ws = d.get("workspace", [])
         opts = d.get("options", [])
         if not isinstance(ws, list) or not isinstance(opts, list) or not all(isinstance(o, str) for o in opts):

@@ -57,7 +57,8 @@ from .verdict import EvalResult, Measurement, Verdict
 # errors: illegal address, trap, misaligned access, ...) and the worker must exit.
 RECOVERABLE = frozenset({"CUDA_ERROR_INVALID_VALUE", "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES", "CUDA_ERROR_NOT_FOUND",
                          "CUDA_ERROR_INVALID_IMAGE", "CUDA_ERROR_NO_BINARY_FOR_GPU", "CUDA_ERROR_INVALID_PTX",
-                         "CUDA_ERROR_UNSUPPORTED_PTX_VERSION", "CUDA_ERROR_INVALID_HANDLE"})
+                         "CUDA_ERROR_UNSUPPORTED_PTX_VERSION", "CUDA_ERROR_INVALID_HANDLE",
+                         "CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE"})
 
 HOLDOUT_SEED = 1_000_003  # fresh input set used only after timing, never during the checks
 FATAL_EXIT = 3  # exit status of a worker that left after a context-poisoning CUDA error

@@ -103,6 +103,11 @@ CUresult cuLaunchKernel(struct fn* f, unsigned gx, unsigned gy, unsigned gz, uns
   if (g_fail_launch_after > 0) g_fail_launch_after--;
   return on_stream(stream, 'L');
 }
+CUresult cuLaunchCooperativeKernel(struct fn* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                                   unsigned bz, unsigned smem, void* stream, void** params) {
+  if (t_current != f->mod->ctx) return INVALID_CONTEXT;
+  return on_stream(stream, 'C');
+}
 CUresult cuMemsetD8Async(unsigned long long p, unsigned char v, size_t n, void* stream) { return on_stream(stream, 'Z'); }
 CUresult cuMemsetD32Async(unsigned long long p, unsigned v, size_t n, void* stream) { return on_stream(stream, 'F'); }
 CUresult cuEventCreate(struct ev** e, unsigned flags) {

@@ -13,6 +13,7 @@ import torch
 from builtin_cards import SPREAD, make_card, meta, softmax, A, BF16, F16
 from kforge import compiler, runtime
 from kforge.cards import empty_like_meta, faithful_clone
+from kforge.errors import LaunchError
 from kforge.hardware import current
 from kforge.proposers.builtin import family_for
 from kforge.proposers.builtin import space as knob_space
@@ -149,3 +150,50 @@ def test_split_regs_handles_minus_inf_like_torch(shape, dtype, log):
         assert got[2].isnan().all()
         torch.testing.assert_close(got, want, equal_nan=True, **TOL[card.outputs[0].dtype],
                                    msg=lambda m: f"{knobs}: {m}")
+
+
+# split_coop: one cooperative launch with a grid-wide wait per row. Every setting of every
+# long-row card; a grid the GPU cannot hold resident is refused at launch (a recoverable
+# error), never run, so those settings must fail cleanly or pass.
+def split_coop_settings(card):
+    hw = current()
+    fam = family_for(card)
+    spaces = [s for s in fam.spaces(card, hw) if s["algo"] == ("split_coop",)]
+    return fam, hw, [k for s in spaces for k in knob_space.configs(s)]
+
+
+@pytest.mark.parametrize("name", sorted(LONG_ROWS))
+def test_split_coop_matches_eager_or_is_refused_cleanly(name):
+    card = LONG_ROWS[name][0]()
+    fam, hw, knobs_list = split_coop_settings(card)
+    ran = 0
+    for seed, knobs in enumerate(knobs_list):
+        cand = fam.build(card, knobs, hw)
+        try:
+            check_candidate(card, cand, seed)
+            ran += 1
+        except LaunchError as e:
+            assert "COOPERATIVE_LAUNCH_TOO_LARGE" in str(e), f"{knobs}: {e}"
+        torch.cuda.synchronize()  # a refused launch leaves the context usable
+    assert ran, "no split_coop setting could run"
+
+
+@pytest.mark.parametrize("log", [False, True])
+def test_split_coop_handles_minus_inf_like_torch(log):
+    card = softmax(4, 262144, log=log)
+    x = torch.randn(4, 262144, device="cuda").mul_(8)
+    x[0, : 262144 // 2] = -float("inf")
+    x[1, ::7] = -float("inf")
+    x[2] = -float("inf")
+    x[3] = -float("inf")
+    x[3, -1] = 1.0
+    want = (torch.log_softmax if log else torch.softmax)(x, -1)
+    fam, hw, knobs_list = split_coop_settings(card)
+    for knobs in knobs_list:
+        try:
+            (got,), _ = run(card, fam.build(card, knobs, hw), [x])
+        except LaunchError as e:
+            assert "COOPERATIVE_LAUNCH_TOO_LARGE" in str(e)
+            continue
+        assert got[2].isnan().all()
+        torch.testing.assert_close(got, want, equal_nan=True, **TOL[card.outputs[0].dtype], msg=lambda m: f"{knobs}: {m}")

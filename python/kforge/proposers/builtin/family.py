@@ -31,10 +31,10 @@ class Family:
     build: Callable[[Card, Knobs, Hardware], Candidate]
 
 
-def launch(name: str, grid, block, args: list[dict], smem: int = 0) -> KernelLaunch:
+def launch(name: str, grid, block, args: list[dict], smem: int = 0, cooperative: bool = False) -> KernelLaunch:
     grid = tuple(grid) + (1,) * (3 - len(grid))
     block = tuple(block) + (1,) * (3 - len(block))
-    return KernelLaunch(name, grid, block, smem, args)
+    return KernelLaunch(name, grid, block, smem, args, cooperative)
 
 
 def candidate(family: str, card: Card, knobs: Knobs, dtypes, body: str, kernels: list[KernelLaunch],

@@ -7,6 +7,8 @@ The algorithms, chosen by row length and row count:
   block_online  a block per row, online max/sum in one read, a second read to write;
   split       very long rows over many blocks: kernel 1 writes each chunk's (max, sum of
               exp) to a workspace, kernel 2 combines a row's chunks and writes its chunk;
+  split_coop  split_regs in one cooperative launch: each block waits for its row's other
+              chunks on a counter, so x is read once and there is one launch;
   split_regs  split with each chunk in registers: every thread issues all its loads back to
               back before any arithmetic (many bytes in flight), kernel 1 takes the chunk's
               exact max then its sum of exp, kernel 2 loads its chunk (an L2 hit) before it
@@ -26,6 +28,8 @@ MAX_REGS = 64  # fp32 values a thread may hold for its rows
 SPLIT_REGS = 32  # fp32 values a split_regs thread holds for its chunk (with 128 threads, the fewest)
 SPLIT_THREADS = (128, 256, 512)
 SPLITS = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+COOP_THREADS = (512, 1024)
+COOP_BLOCKS_PER_SM = 2
 SMEM_LIMIT = 48 * 1024  # dynamic shared memory without the opt-in attribute
 
 
@@ -84,6 +88,13 @@ def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
     reg_splits = tuple(s for s in SPLITS if cols // s >= 512 and ceil_div(cols, s * SPLIT_THREADS[0]) <= SPLIT_REGS)
     if cols >= 8192 and rows <= 65535 and reg_splits:
         out.append({"algo": ("split_regs",), "split": reg_splits, "threads": SPLIT_THREADS, "vec": vecs})
+    # split_coop: every block of the grid resident at once, at most COOP_BLOCKS_PER_SM per SM
+    # (a launch that cannot be resident is refused, never run), the chunk in registers at
+    # the fewest threads.
+    coop_splits = tuple(s for s in SPLITS if rows * s <= COOP_BLOCKS_PER_SM * hw.sm_count and cols // s >= 512
+                        and ceil_div(cols, s * COOP_THREADS[0]) <= SPLIT_REGS)
+    if cols >= 8192 and coop_splits:
+        out.append({"algo": ("split_coop",), "split": coop_splits, "threads": COOP_THREADS, "vec": vecs})
     return out
 
 
@@ -286,7 +297,7 @@ extern "C" __global__ void __launch_bounds__(NT) kf_softmax_finish(const Tin* __
 # Each chunk of CH elements lives in registers: IT vector loads per thread, all issued
 # before any arithmetic. IN_CHUNK / IN_ROW are false when the loads cover the chunk / the
 # chunks cover the row exactly, which removes the predicate.
-_SPLIT_REGS = r"""
+_CHUNKS = r"""
 constexpr bool IN_CHUNK = CH % (NT * V) != 0, IN_ROW = C % CH != 0;
 constexpr int KP = (S + 31) / 32;  // partials per lane when a warp combines a row's S
 
@@ -307,6 +318,9 @@ __device__ __forceinline__ void kf_load_chunk(const Tin* __restrict__ p, int lo,
   }
 }
 
+"""
+
+_SPLIT_REGS = r"""
 extern "C" __global__ void __launch_bounds__(NT) kf_softmax_partial(const Tin* __restrict__ x, float2* __restrict__ ws) {
   const int lo = blockIdx.x * CH;
   float v[IT][V];
@@ -371,6 +385,65 @@ extern "C" __global__ void __launch_bounds__(NT) kf_softmax_finish(const Tin* __
 """
 
 
+# split_coop: one cooperative launch (every block resident). A block publishes its chunk's
+# (max, sum of exp), counts itself in on its row's counter (zeroed before the launch) and
+# waits for the row's other chunks, then combines the row's partials (read from L2: L1 is
+# not coherent across SMs) and writes its chunk from registers: x is read once.
+_SPLIT_COOP = r"""
+extern "C" __global__ void __launch_bounds__(NT) kf_softmax_coop(const Tin* __restrict__ x, unsigned* __restrict__ ws,
+                                                               Tout* __restrict__ y) {
+  unsigned* count = ws;                                      // R counters
+  float2* part = reinterpret_cast<float2*>(ws + CNT_WORDS);  // then R x S partials, 8-byte aligned
+  const int lo = blockIdx.x * CH;
+  const kf_i64 base = (kf_i64)blockIdx.y * C;
+  float v[IT][V];
+  kf_load_chunk(x + base, lo, v);
+  float m = -kf_inf();
+#pragma unroll
+  for (int it = 0; it < IT; ++it)
+#pragma unroll
+    for (int j = 0; j < V; ++j) m = fmaxf(m, v[it][j]);
+  m = kf_block_max<NT>(m);
+  const float ref = m == -kf_inf() ? 0.f : m;  // an all -inf chunk sums exp(-inf) = 0
+  float s = 0.f;
+#pragma unroll
+  for (int it = 0; it < IT; ++it)
+#pragma unroll
+    for (int j = 0; j < V; ++j) s += expf(v[it][j] - ref);
+  s = kf_block_sum<NT>(s);
+  if (threadIdx.x == 0) {
+    __stcg(&part[blockIdx.y * S + blockIdx.x], make_float2(m, s));
+    __threadfence();  // the partial is visible before the count says so
+    atomicAdd(&count[blockIdx.y], 1u);
+    while (*reinterpret_cast<volatile unsigned*>(&count[blockIdx.y]) < (unsigned)S) __nanosleep(64);
+    __threadfence();
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  const float2* p = part + blockIdx.y * S;
+  float rm = -kf_inf(), rs = 0.f;
+  for (int j = lane; j < S; j += 32) rm = fmaxf(rm, __ldcg(&p[j]).x);
+  rm = kf_warp_max(rm);
+  for (int j = lane; j < S; j += 32) {
+    const float2 q = __ldcg(&p[j]);
+    rs += q.y * (q.x == -kf_inf() ? 0.f : expf(q.x - rm));
+  }
+  rs = kf_warp_sum(rs);  // a NaN partial stays NaN; a row of -inf gives 0 and then NaN, like torch
+  const float ls = logf(rs);
+  Tout* q = y + base + lo;
+#pragma unroll
+  for (int it = 0; it < IT; ++it) {
+    if (kf_live(lo, it)) {
+      float o[V];
+#pragma unroll
+      for (int j = 0; j < V; ++j) o[j] = LOG ? v[it][j] - rm - ls : expf(v[it][j] - rm) / rs;
+      kf_store<Tout, V>(q + (it * NT + threadIdx.x) * V, o);
+    }
+  }
+}
+"""
+
+
 def build(card: Card, knobs: Knobs, hw: Hardware):
     rows, cols = _shape(card)
     x, out = card.args[0].tensor, card.outputs[0]
@@ -399,10 +472,18 @@ def build(card: Card, knobs: Knobs, hw: Hardware):
         nt = knobs["threads"]
         ch, it, s = _split_geometry(cols, knobs["split"], nt, v)
         consts = constants(R=rows, C=cols, NT=nt, V=v, LOG=log, S=s, CH=ch, IT=it)
-        body = "\n".join([types, consts, _SPLIT_REGS])
+        body = "\n".join([types, consts, _CHUNKS, _SPLIT_REGS])
         kernels = [launch("kf_softmax_partial", [s, rows], [nt], [{"in": 0}, {"ws": 0}]),
                    launch("kf_softmax_finish", [s, rows], [nt], [{"in": 0}, {"ws": 0}, {"out": 0}])]
         ws = [rows * s * 2 * 4]
+    elif algo == "split_coop":
+        nt = knobs["threads"]
+        ch, it, s = _split_geometry(cols, knobs["split"], nt, v)
+        cnt_words = ceil_div(rows, 2) * 2
+        consts = constants(R=rows, C=cols, NT=nt, V=v, LOG=log, S=s, CH=ch, IT=it, CNT_WORDS=cnt_words)
+        body = "\n".join([types, consts, _CHUNKS, _SPLIT_COOP])
+        kernels = [launch("kf_softmax_coop", [s, rows], [nt], [{"in": 0}, {"ws": 0}, {"out": 0}], cooperative=True)]
+        ws = [{"bytes": cnt_words * 4 + rows * s * 8, "zero": True}]
     else:
         nt, s = knobs["threads"], knobs["split"]
         consts = constants(R=rows, C=cols, NT=nt, V=v, LOG=log, S=s)

@@ -63,7 +63,10 @@ Kernel ABI
                            {"bytes": n, "zero": true} to have it zeroed before the first kernel
     {"i32": v} int   {"i64": v} long long   {"f32": v} float   {"f64": v} double
 - "grid" and "block" are [x, y, z]; at most 1024 threads per block; "smem" is dynamic
-  shared memory in bytes. "options" are extra NVRTC flags (may be empty).
+  shared memory in bytes. "options" are extra NVRTC flags (may be empty). A kernel with
+  "cooperative": true is launched with every block resident at once, so its blocks may
+  wait for each other (a grid-wide barrier on a zeroed workspace counter); a grid too
+  large to be resident is refused, so keep it to a few blocks per SM.
 
 Correctness rules
 - Write every element of every output on every call; never modify an input unless the
