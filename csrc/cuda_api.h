@@ -26,6 +26,7 @@ using CUstream = CUstream_st*;
 using CUevent = CUevent_st*;
 
 constexpr CUresult CUDA_SUCCESS = 0;
+constexpr CUresult CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE = 720;
 constexpr int CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK = 1;
 constexpr int CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16;
 constexpr int CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE = 38;
@@ -101,6 +102,13 @@ class CudaError : public std::runtime_error {
  public:
   CudaError(CUresult code, const std::string& msg) : std::runtime_error(msg), code(code) {}
   CUresult code;
+};
+
+// A launch the driver refused before any kernel of the plan ran (a cooperative grid that
+// cannot be resident on this GPU right now): the caller may serve the call another way.
+class LaunchRefused : public CudaError {
+ public:
+  using CudaError::CudaError;
 };
 
 class NvrtcError : public std::runtime_error {

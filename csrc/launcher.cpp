@@ -133,7 +133,17 @@ void Plan::launch(const std::vector<uint64_t>& inputs, const std::vector<uint64_
       check(d.cuMemsetD8Async(workspaces[w], 0, workspace_[w].bytes, reinterpret_cast<CUstream>(stream)),
             "zeroing workspace " + std::to_string(w));
   }
-  for (const auto& k : kernels_) launch_one(k, inputs, outputs, workspaces, stream);
+  for (size_t i = 0; i < kernels_.size(); ++i) {
+    try {
+      launch_one(kernels_[i], inputs, outputs, workspaces, stream);
+    } catch (const CudaError& e) {
+      // Only the first kernel: after it, some of the plan has run (an in-place output may
+      // be half written) and nothing else may take over the call.
+      if (i == 0 && e.code == CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE)
+        throw LaunchRefused(e.code, std::string(e.what()) + " (refused before any kernel ran)");
+      throw;
+    }
+  }
 }
 
 }  // namespace kforge

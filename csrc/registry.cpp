@@ -56,6 +56,8 @@ extern "C" int kforge_registry_launch(const void* registry, int vid, const uint6
         vid, std::vector<uint64_t>(inputs, inputs + n_in), std::vector<uint64_t>(outputs, outputs + n_out),
         std::vector<uint64_t>(workspaces, workspaces + n_ws), stream);
     return KFORGE_LAUNCH_OK;
+  } catch (const kforge::LaunchRefused& e) {
+    return report(err, err_len, KFORGE_LAUNCH_REFUSED, e.what());
   } catch (const kforge::CudaError& e) {
     return report(err, err_len, KFORGE_LAUNCH_CUDA_ERROR, e.what());
   } catch (const std::exception& e) {

@@ -42,13 +42,16 @@ namespace {
 using LaunchFn = int (*)(const void* ctx, int vid, const uint64_t* inputs, int n_in, const uint64_t* outputs,
                          int n_out, const uint64_t* workspaces, int n_ws, uint64_t stream, char* err, size_t err_len);
 constexpr int kLaunchCudaError = 1;
+constexpr int kLaunchRefused = 3;  // nothing ran: the call can still go to eager
 
 // Why a call fell back, most fundamental first: the order of kforge.dispatch.REASONS.
 // The last, aliasing, is not a guard difference: a call that matched a guard but whose
 // written input shares memory with another input (a kernel would read what it writes).
-enum Reason { kNoVariant, kDevice, kDtype, kScalar, kShape, kStride, kAlignment, kAliasing, kNumReasons };
-constexpr std::array<const char*, kNumReasons> kReasons = {"no-variant", "device",    "dtype",   "scalar",
-                                                           "shape",      "stride",    "alignment", "aliasing"};
+// The last two are not guard differences either: "refused", the driver refused the kernel
+// before it ran (a cooperative grid that cannot be resident right now), and eager took over.
+enum Reason { kNoVariant, kDevice, kDtype, kScalar, kShape, kStride, kAlignment, kAliasing, kRefused, kNumReasons };
+constexpr std::array<const char*, kNumReasons> kReasons = {"no-variant", "device",    "dtype",    "scalar",  "shape",
+                                                           "stride",     "alignment", "aliasing", "refused"};
 
 // What the override did for one card. Shared with Python (kforge.dispatch.Counters reads it),
 // and kept across set_variants, so counts survive other packages coming and going.
@@ -274,8 +277,9 @@ class State {
       if (compare(**it, args, /*stop=*/true).count != 0) continue;
       const Variant& v = **it;
       Inputs ins = inputs(v, args);
-      const int why = unrunnable(v, ins);
-      if (why == kNumReasons) return run(v, args, ins, stack);
+      int why = unrunnable(v, ins);
+      if (why == kNumReasons && run(v, ins, stack)) return;
+      if (why == kNumReasons) why = kRefused;
       v.counts->fallbacks[why].fetch_add(1, std::memory_order_relaxed);
       original_.callBoxed(op, ks, stack);
       return;
@@ -316,9 +320,9 @@ class State {
     return kNumReasons;
   }
 
-  void run(const Variant& v, c10::ArrayRef<c10::IValue> args, const Inputs& ins, torch::jit::Stack* stack) const {
-    (void)args;
-    v.counts->hits.fetch_add(1, std::memory_order_relaxed);
+  // Launches the variant and replaces the arguments on the stack with its outputs; false
+  // (the stack untouched) when the driver refused the launch before anything ran.
+  bool run(const Variant& v, const Inputs& ins, torch::jit::Stack* stack) const {
     const c10::Device device = ins.front()->device();
     c10::SmallVector<at::Tensor, 4> outs;
     for (const auto& o : v.outputs) {
@@ -343,14 +347,17 @@ class State {
     const int rc = v.fn(reinterpret_cast<const void*>(context(v, device.index())), v.vid, in_ptrs.data(),
                         static_cast<int>(in_ptrs.size()), out_ptrs.data(), static_cast<int>(out_ptrs.size()),
                         ws_ptrs.data(), static_cast<int>(ws_ptrs.size()), stream, err, sizeof err);
+    if (rc == kLaunchRefused) return false;
     if (rc != 0) {
       err[sizeof err - 1] = '\0';
       // "CUDA error" lets kforge.worker (and people) tell a device fault from a refused launch.
       TORCH_CHECK(false, rc == kLaunchCudaError ? "CUDA error in" : "launch failed in", " kforge's kernel for ", name_,
                   " (variant ", v.vid, "): ", err);
     }
+    v.counts->hits.fetch_add(1, std::memory_order_relaxed);
     torch::jit::drop(*stack, num_args_);
     for (auto& t : outs) stack->emplace_back(std::move(t));
+    return true;
   }
 
   static uint64_t context(const Variant& v, c10::DeviceIndex index) {
@@ -665,6 +672,10 @@ int kforge_test_launch(const void* ctx, int vid, const uint64_t* inputs, int n_i
     log.in0 = n_in ? inputs[0] : 0;
     log.out0 = n_out ? outputs[0] : 0;
     log.ctx = n;
+  }
+  if (vid == 3) {  // acts out a driver refusing the launch before anything ran
+    std::snprintf(err, err_len, "CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE (refused before any kernel ran)");
+    return kLaunchRefused;
   }
   if (vid == 2 || n_in < 1 || n_out < 1) {
     std::snprintf(err, err_len, "the test launcher was told to fail (vid %d, %d inputs, %d outputs)", vid, n_in, n_out);

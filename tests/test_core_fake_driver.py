@@ -259,3 +259,35 @@ def test_a_cooperative_kernel_goes_through_cu_launch_cooperative_kernel(fake_dri
     print(json.dumps({"log": log()}))
     """)
     assert out == {"log": "ZCLL"}
+
+
+def test_a_refused_cooperative_first_kernel_is_a_refusal_later_ones_are_errors(fake_driver):
+    # The driver refusing a cooperative grid before anything ran lets dispatch hand the
+    # call to eager (code 3); once an earlier kernel of the plan ran, it is a CUDA error.
+    out = _run(fake_driver, """
+    mod = C.Module(b"cubin", 0)
+    fn = mod.function("k")
+    args = [("in", 0), ("out", 0)]
+    reg = C.Registry()
+    reg.add(C.Plan([(fn, [4], [128], 0, args, True)]))
+    reg.add(C.Plan([(fn, [1], [32], 0, args), (fn, [4], [128], 0, args, True)]))
+    u64 = ctypes.c_uint64
+    launch = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(u64), ctypes.c_int,
+                              ctypes.POINTER(u64), ctypes.c_int, ctypes.POINTER(u64), ctypes.c_int, u64,
+                              ctypes.c_char_p, ctypes.c_size_t)(C.Registry.launch_address())
+    err = ctypes.create_string_buffer(256)
+    ptrs = lambda *p: (u64 * len(p))(*p)
+    call = lambda vid: (launch(reg.address(), vid, ptrs(1), 1, ptrs(2), 1, ptrs(), 0, DEV0, err, 256), err.value.decode())
+    fake.fake_refuse_cooperative(1)
+    first, later = call(0), call(1)
+    try:
+        reg.launch(0, [1], [2], [], DEV0)
+        raised = None
+    except C.CudaError as e:
+        raised = str(e)
+    print(json.dumps({"first": first, "later": later, "raised": raised, "log": log()}))
+    """)
+    assert out["first"][0] == 3 and "refused before any kernel ran" in out["first"][1]
+    assert out["later"][0] == 1 and out["later"][1].startswith("CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE")
+    assert "refused before any kernel ran" not in out["later"][1]
+    assert out["raised"].startswith("CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE") and out["log"] == "L"

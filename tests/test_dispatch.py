@@ -387,3 +387,33 @@ def test_cards_with_inputs_on_two_device_types_are_not_dispatched():
     card = make_card(torch.ops.aten.mul.Tensor, torch.randn(4), torch.tensor(2.0))
     card.args[1] = dataclasses.replace(card.args[1], tensor=dataclasses.replace(card.args[1].tensor, device="cuda"))
     assert "more than one device type" in dispatch_blocker(card)
+
+
+def test_python_path_a_launch_refused_before_it_ran_falls_back_to_eager(monkeypatch):
+    from kforge.errors import LaunchError
+
+    monkeypatch.setenv("KFORGE_DISPATCH", "python")
+
+    def refused(ins, outs):
+        raise LaunchError("CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE: too large (refused before any kernel ran)",
+                          "CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE")
+
+    def failed(ins, outs):
+        raise LaunchError("CUDA_ERROR_ILLEGAL_ADDRESS: boom", "CUDA_ERROR_ILLEGAL_ADDRESS")
+
+    x = torch.randn(4, 8)
+    d = Dispatcher("CPU")
+    v = Variant(make_card(torch.ops.aten.relu.default, x), 0, FakeLauncher(refused))
+    d.add("pkg", [v])
+    try:
+        assert torch.equal(torch.relu(x), x.clamp(min=0))
+        assert v.counters.hits == 0 and v.counters.fallbacks == {"refused": 1}
+    finally:
+        d.remove("pkg")
+    w = Variant(make_card(torch.ops.aten.relu.default, x), 0, FakeLauncher(failed))
+    d.add("pkg2", [w])
+    try:
+        with pytest.raises(LaunchError, match="ILLEGAL_ADDRESS"):  # a kernel that ran and failed is not hidden
+            torch.relu(x)
+    finally:
+        d.remove("pkg2")

@@ -280,7 +280,7 @@ def test_a_failing_launch_raises_and_the_process_goes_on(cpu):
         torch.relu(x)
     z = torch.randn(5, 8)
     assert torch.equal(torch.relu(z), z.clamp(min=0))
-    assert v.counters.hits == 1 and v.counters.fallbacks == {"shape": 1}
+    assert v.counters.hits == 0 and v.counters.fallbacks == {"shape": 1}  # a failed launch served nothing
 
 
 def test_python_launchers_keep_the_op_in_python_and_it_moves_when_they_go(cpu):
@@ -416,3 +416,12 @@ def test_a_destroyed_override_refuses_new_variants_without_crashing():
         o.set_variants([])
     assert o.counters() == [] and not o.active
     o.destroy()  # twice is fine
+
+
+def test_a_launch_refused_before_it_ran_falls_back_to_eager(cpu):
+    """A cooperative grid the GPU cannot hold right now: eager serves the call, counted."""
+    x = torch.randn(4, 8)
+    v, _ = relu_variant(x, 3)  # the test launcher's "refused" mode
+    cpu.add("pkg", [v])
+    assert torch.equal(torch.relu(x), x.clamp(min=0))
+    assert v.counters.hits == 0 and v.counters.fallbacks == {"refused": 1}

@@ -42,7 +42,10 @@ from .errors import CardError, KforgeError, LaunchError
 # call's argument structure (a tensor where the card has None, another list length).
 # "aliasing" is not a guard difference: the call matched, but an input the kernel writes shares
 # memory with another input (add.out(a, b, out=a)), which the captured call did not do.
-REASONS = ("no-variant", "device", "dtype", "scalar", "shape", "stride", "alignment", "aliasing")
+# "refused": the driver refused the kernel before it ran (a cooperative grid that cannot be
+# resident on the GPU right now); eager served the call.
+REASONS = ("no-variant", "device", "dtype", "scalar", "shape", "stride", "alignment", "aliasing", "refused")
+_REFUSED = "(refused before any kernel ran)"  # kforge._C's mark on such a launch error
 
 _OVERRIDE_WARNING = "(?s).*Overriding a previously registered kernel for the same operator.*"
 _ALIGN = tuple(pointer_alignment(low) for low in range(16))  # alignment (<= 16) depends on the low 4 bits
@@ -445,11 +448,18 @@ class _OpOverride:
             elif x is not None:
                 ins += [t for t in x if t is not None]
         why = _unrunnable(v, ins)
-        if why:
-            v.counters.fell_back(why)
-            return call_original(self.original, self.op, keyset, args, kwargs)
-        v.counters.hit()
-        return self._run(v, ins)
+        if not why:
+            try:
+                out = self._run(v, ins)
+            except LaunchError as e:
+                if _REFUSED not in str(e):
+                    raise
+                why = "refused"
+            else:
+                v.counters.hit()
+                return out
+        v.counters.fell_back(why)
+        return call_original(self.original, self.op, keyset, args, kwargs)
 
     def _run(self, v: Variant, ins: list[torch.Tensor]) -> Any:
         dev = ins[0].device

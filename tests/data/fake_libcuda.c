@@ -20,7 +20,7 @@ static struct ctx g_ctx[2] = {{0}, {1}};
 static __thread struct ctx* t_current = 0;
 static char g_log[1 << 16];
 static size_t g_log_len = 0;
-static int g_live_events = 0, g_live_modules = 0, g_fail_launch_after = -1;
+static int g_live_events = 0, g_live_modules = 0, g_fail_launch_after = -1, g_coop_too_large = 0;
 static float g_elapsed_ms = 1.0f;
 
 static void log_op(char c) {
@@ -43,6 +43,7 @@ int fake_live_modules(void) { return g_live_modules; }
 void fake_set_current(int device) { t_current = device < 0 ? 0 : &g_ctx[device]; }
 int fake_current(void) { return t_current ? t_current->device : -1; }
 void fake_fail_launch_after(int n) { g_fail_launch_after = n; }
+void fake_refuse_cooperative(int on) { g_coop_too_large = on; }
 void fake_set_elapsed_ms(float ms) { g_elapsed_ms = ms; }
 
 /* ---- driver API ---- */
@@ -55,6 +56,7 @@ CUresult cuGetErrorName(CUresult r, const char** s) {
     case INVALID_HANDLE: *s = "CUDA_ERROR_INVALID_HANDLE"; return OK;
     case NOT_FOUND: *s = "CUDA_ERROR_NOT_FOUND"; return OK;
     case LAUNCH_FAILED: *s = "CUDA_ERROR_LAUNCH_FAILED"; return OK;
+    case 720: *s = "CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE"; return OK;
   }
   *s = 0;
   return INVALID_VALUE;
@@ -106,6 +108,7 @@ CUresult cuLaunchKernel(struct fn* f, unsigned gx, unsigned gy, unsigned gz, uns
 CUresult cuLaunchCooperativeKernel(struct fn* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                                    unsigned bz, unsigned smem, void* stream, void** params) {
   if (t_current != f->mod->ctx) return INVALID_CONTEXT;
+  if (g_coop_too_large) return 720; /* CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE */
   return on_stream(stream, 'C');
 }
 CUresult cuMemsetD8Async(unsigned long long p, unsigned char v, size_t n, void* stream) { return on_stream(stream, 'Z'); }
