@@ -124,6 +124,7 @@ struct Variant {
   // Launcher context by device index + 1 (CPU tensors have index -1), resolved on first use.
   mutable std::array<std::atomic<uint64_t>, kMaxDevices + 1> ctx{};
   mutable std::array<std::atomic<bool>, kMaxDevices + 1> ctx_known{};
+  mutable std::array<std::atomic<bool>, kMaxDevices + 1> ctx_failed{};  // could not be prepared there: eager serves
 };
 
 // The differences of a call from one variant: the most fundamental reason and how many.
@@ -278,8 +279,8 @@ class State {
       const Variant& v = **it;
       Inputs ins = inputs(v, args);
       int why = unrunnable(v, ins);
-      if (why == kNumReasons && run(v, ins, stack)) return;
-      if (why == kNumReasons) why = kRefused;
+      if (why == kNumReasons) why = run(v, ins, stack);
+      if (why == kNumReasons) return;
       v.counts->fallbacks[why].fetch_add(1, std::memory_order_relaxed);
       original_.callBoxed(op, ks, stack);
       return;
@@ -320,10 +321,14 @@ class State {
     return kNumReasons;
   }
 
-  // Launches the variant and replaces the arguments on the stack with its outputs; false
-  // (the stack untouched) when the driver refused the launch before anything ran.
-  bool run(const Variant& v, const Inputs& ins, torch::jit::Stack* stack) const {
+  // Launches the variant and replaces the arguments on the stack with its outputs
+  // (kNumReasons); or, with the stack untouched, why eager must serve the call: the kernel
+  // could not be prepared on this device (kDevice), or the driver refused the launch
+  // before anything ran (kRefused).
+  int run(const Variant& v, const Inputs& ins, torch::jit::Stack* stack) const {
     const c10::Device device = ins.front()->device();
+    uint64_t ctx = 0;
+    if (!context(v, device.index(), ctx)) return kDevice;
     c10::SmallVector<at::Tensor, 4> outs;
     for (const auto& o : v.outputs) {
       outs.push_back(o.alias >= 0 ? *ins[o.alias]
@@ -344,10 +349,10 @@ class State {
     }
     char err[2048];
     err[0] = '\0';
-    const int rc = v.fn(reinterpret_cast<const void*>(context(v, device.index())), v.vid, in_ptrs.data(),
+    const int rc = v.fn(reinterpret_cast<const void*>(ctx), v.vid, in_ptrs.data(),
                         static_cast<int>(in_ptrs.size()), out_ptrs.data(), static_cast<int>(out_ptrs.size()),
                         ws_ptrs.data(), static_cast<int>(ws_ptrs.size()), stream, err, sizeof err);
-    if (rc == kLaunchRefused) return false;
+    if (rc == kLaunchRefused) return kRefused;
     if (rc != 0) {
       err[sizeof err - 1] = '\0';
       // "CUDA error" lets kforge.worker (and people) tell a device fault from a refused launch.
@@ -357,13 +362,21 @@ class State {
     v.counts->hits.fetch_add(1, std::memory_order_relaxed);
     torch::jit::drop(*stack, num_args_);
     for (auto& t : outs) stack->emplace_back(std::move(t));
-    return true;
+    return kNumReasons;
   }
 
-  static uint64_t context(const Variant& v, c10::DeviceIndex index) {
+  // The launcher context for a device, resolved once through Python. False when it cannot be
+  // had there (a module that does not load on that GPU): remembered, warned about once, and
+  // every call on that device goes to eager.
+  static bool context(const Variant& v, c10::DeviceIndex index, uint64_t& out) {
     const size_t slot = static_cast<size_t>(index + 1);
-    if (slot < v.ctx.size() && v.ctx_known[slot].load(std::memory_order_acquire))
-      return v.ctx[slot].load(std::memory_order_relaxed);
+    if (slot < v.ctx.size()) {
+      if (v.ctx_failed[slot].load(std::memory_order_acquire)) return false;
+      if (v.ctx_known[slot].load(std::memory_order_acquire)) {
+        out = v.ctx[slot].load(std::memory_order_relaxed);
+        return true;
+      }
+    }
     uint64_t ctx = 0;
     std::string error;
     {
@@ -376,12 +389,18 @@ class State {
         error = e.what();
       }
     }
-    TORCH_CHECK(error.empty(), "kforge could not prepare its kernel on device ", static_cast<int>(index), ": ", error);
+    if (!error.empty()) {
+      TORCH_WARN("kforge could not prepare its kernel on device ", static_cast<int>(index), " (", error,
+                 "); calls there run PyTorch's kernel");
+      if (slot < v.ctx.size()) v.ctx_failed[slot].store(true, std::memory_order_release);
+      return false;
+    }
     if (slot < v.ctx.size()) {
       v.ctx[slot].store(ctx, std::memory_order_relaxed);
       v.ctx_known[slot].store(true, std::memory_order_release);
     }
-    return ctx;
+    out = ctx;
+    return true;
   }
 
   // Charged to the nearest variant: its most fundamental difference is the least fundamental,

@@ -417,3 +417,26 @@ def test_python_path_a_launch_refused_before_it_ran_falls_back_to_eager(monkeypa
             torch.relu(x)
     finally:
         d.remove("pkg2")
+
+
+@pytest.mark.parametrize("path", ["python", "native"])
+def test_kernels_that_cannot_be_loaded_on_a_device_leave_it_to_pytorch(monkeypatch, path):
+    """A registry whose kernels cannot be prepared where the call runs (here: no CUDA at all)
+    warns once and falls back, on either dispatch path, instead of failing the model."""
+    from kforge.dispatch import RegistryLauncher, native_status
+
+    if path == "native" and not native_status("CPU")[0]:
+        pytest.skip("kforge._dispatch is not built")
+    monkeypatch.setenv("KFORGE_DISPATCH", path)
+    x = torch.randn(4, 8)
+    v = Variant(make_card(torch.ops.aten.relu.default, x), 0, RegistryLauncher([(None, b"")]))
+    d = Dispatcher("CPU")
+    d.add("pkg", [v])
+    try:
+        assert d.path("aten::relu.default")[0] == path
+        with pytest.warns(UserWarning, match="could not prepare"):
+            assert torch.equal(torch.relu(x), x.clamp(min=0))
+        assert torch.equal(torch.relu(x), x.clamp(min=0))
+        assert v.counters.hits == 0 and v.counters.fallbacks == {"device": 2}
+    finally:
+        d.remove("pkg")

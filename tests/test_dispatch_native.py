@@ -425,3 +425,23 @@ def test_a_launch_refused_before_it_ran_falls_back_to_eager(cpu):
     cpu.add("pkg", [v])
     assert torch.equal(torch.relu(x), x.clamp(min=0))
     assert v.counters.hits == 0 and v.counters.fallbacks == {"refused": 1}
+
+
+def test_a_kernel_that_cannot_be_prepared_on_a_device_leaves_that_device_to_eager(cpu):
+    x = torch.randn(4, 8)
+    asked = []
+
+    class Unpreparable(NativeLauncher):
+        def native(self, vid):
+            def resolve(index):
+                asked.append(index)
+                raise RuntimeError("CUDA_ERROR_NO_BINARY_FOR_GPU: not this architecture")
+            return _dispatch.test_launcher_address(), self.modes[vid], resolve
+
+    v = Variant(make_card(aten.relu.default, x), 0, Unpreparable(RELU, nbytes=x.nbytes))
+    cpu.add("pkg", [v])
+    with pytest.warns(UserWarning, match="could not prepare its kernel on device -1"):
+        assert torch.equal(torch.relu(x), x.clamp(min=0))
+    assert torch.equal(torch.relu(x), x.clamp(min=0))
+    assert asked == [-1]  # asked once, remembered
+    assert v.counters.hits == 0 and v.counters.fallbacks == {"device": 2}

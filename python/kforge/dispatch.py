@@ -58,6 +58,11 @@ class DispatchError(KforgeError):
     """A card cannot be dispatched, or the dispatcher was misused."""
 
 
+class NotPrepared(LaunchError):
+    """The kernels could not be loaded on this device (another GPU architecture, ...):
+    nothing ran, and calls on that device go to PyTorch."""
+
+
 class Counters:
     """What the override did for one card; read by CastPackage.report().
 
@@ -123,6 +128,7 @@ class RegistryLauncher:
         # One registry per device, built once: kforge._dispatch caches a registry's raw
         # address, so a registry must never be replaced (and freed) once handed out.
         self._lock = threading.Lock()
+        self._unprepared: dict[int | None, str] = {}  # device index -> why its kernels could not load
         self._cuda_error = _C.CudaError
         self._launch_address = _C.Registry.launch_address()
 
@@ -156,7 +162,14 @@ class RegistryLauncher:
     def launch(self, vid, inputs, outputs, workspaces, device) -> None:
         reg = self._registries.get(device.index)
         if reg is None:
-            reg = self.prepare(device)
+            if device.index in self._unprepared:
+                raise NotPrepared(self._unprepared[device.index])
+            try:
+                reg = self.prepare(device)
+            except Exception as e:  # nothing has run yet: whatever stopped the load, PyTorch serves the call
+                self._unprepared[device.index] = f"kforge could not prepare its kernels on {device}: {e}"
+                warnings.warn(self._unprepared[device.index] + "; calls there run PyTorch's kernel", stacklevel=2)
+                raise NotPrepared(self._unprepared[device.index]) from e
         try:
             reg.launch(vid, [t.data_ptr() for t in inputs], [t.data_ptr() for t in outputs],
                        [t.data_ptr() for t in workspaces], runtime.current_stream(device.index))
@@ -451,6 +464,8 @@ class _OpOverride:
         if not why:
             try:
                 out = self._run(v, ins)
+            except NotPrepared:
+                why = "device"
             except LaunchError as e:
                 if _REFUSED not in str(e):
                     raise
