@@ -27,6 +27,17 @@ DEV0 = 0x1000  # device 0's stream in the fake driver
 def log():
     return fake.fake_log().decode()
 
+def c_launch(reg, vid, ins, outs, ws):
+    # Registry.launch through its C entry (what kforge._dispatch calls): (code, error text).
+    u64 = ctypes.c_uint64
+    launch = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(u64), ctypes.c_int,
+                              ctypes.POINTER(u64), ctypes.c_int, ctypes.POINTER(u64), ctypes.c_int, u64,
+                              ctypes.c_char_p, ctypes.c_size_t)(C.Registry.launch_address())
+    err = ctypes.create_string_buffer(256)
+    ptrs = lambda p: (u64 * len(p))(*p)
+    rc = launch(reg.address(), vid, ptrs(ins), len(ins), ptrs(outs), len(outs), ptrs(ws), len(ws), DEV0, err, 256)
+    return rc, err.value.decode()
+
 def plan(module, zero_ws=True):
     fn = module.function("k")
     return C.Plan([(fn, [1], [32], 0, [("in", 0), ("out", 0), ("ws", 0), ("i32", 5)])], [(64, zero_ws)])
@@ -161,13 +172,7 @@ def test_registry_c_entry_launches_and_reports_errors_as_codes(fake_driver):
     out = _run(fake_driver, """
     reg = C.Registry()
     reg.add(plan(C.Module(b"cubin", 0)))
-    u64 = ctypes.c_uint64
-    launch = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(u64), ctypes.c_int,
-                              ctypes.POINTER(u64), ctypes.c_int, ctypes.POINTER(u64), ctypes.c_int, u64,
-                              ctypes.c_char_p, ctypes.c_size_t)(C.Registry.launch_address())
-    err = ctypes.create_string_buffer(256)
-    ptrs = lambda *p: (u64 * len(p))(*p)
-    call = lambda vid: (launch(reg.address(), vid, ptrs(1), 1, ptrs(2), 1, ptrs(3), 1, DEV0, err, 256), err.value.decode())
+    call = lambda vid: c_launch(reg, vid, [1], [2], [3])
     ok = call(0)
     missing = call(1)
     fake.fake_fail_launch_after(0)
@@ -271,13 +276,7 @@ def test_a_refused_cooperative_first_kernel_is_a_refusal_later_ones_are_errors(f
     reg = C.Registry()
     reg.add(C.Plan([(fn, [4], [128], 0, args, True)]))
     reg.add(C.Plan([(fn, [1], [32], 0, args), (fn, [4], [128], 0, args, True)]))
-    u64 = ctypes.c_uint64
-    launch = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(u64), ctypes.c_int,
-                              ctypes.POINTER(u64), ctypes.c_int, ctypes.POINTER(u64), ctypes.c_int, u64,
-                              ctypes.c_char_p, ctypes.c_size_t)(C.Registry.launch_address())
-    err = ctypes.create_string_buffer(256)
-    ptrs = lambda *p: (u64 * len(p))(*p)
-    call = lambda vid: (launch(reg.address(), vid, ptrs(1), 1, ptrs(2), 1, ptrs(), 0, DEV0, err, 256), err.value.decode())
+    call = lambda vid: c_launch(reg, vid, [1], [2], [])
     fake.fake_refuse_cooperative(1)
     first, later = call(0), call(1)
     try:

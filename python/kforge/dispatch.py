@@ -392,9 +392,10 @@ def _unrunnable(v: Variant, ins: Sequence[torch.Tensor]) -> str | None:
     """What a guard key cannot see (as kforge._dispatch checks it): every input on one device
     (the key holds the device type, not its index), and no input the kernel writes sharing
     memory with another input. None when the kernel may run."""
-    dev = ins[0].device
-    if any(t.device != dev for t in ins):
-        return "device"
+    if len(ins) > 1:
+        dev = ins[0].device
+        if any(t.device != dev for t in ins):
+            return "device"
     for w in v.written:
         storage = ins[w].untyped_storage()
         if any(i != w and t.untyped_storage().data_ptr() == storage.data_ptr() for i, t in enumerate(ins)):

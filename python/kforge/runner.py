@@ -372,10 +372,9 @@ def _search_all(cards: list[Card], first: Proposer, proposer_spec: Any, proposer
                     card = todo.get_nowait()
                 except queue.Empty:
                     return
-                outcome = search_card(card, proposer, evaluator, wlog, run_id, budget=fair_share(budget, todo.qsize() + 1,
-                                                                                                  max(len(devs), 1)),
-                                      hardware=hardware, rng_seed=seed, on_progress=view.update, spend=spend,
-                                      cancel=cancel)
+                share = fair_share(budget, todo.qsize() + 1, max(len(devs), 1))
+                outcome = search_card(card, proposer, evaluator, wlog, run_id, budget=share, hardware=hardware,
+                                      rng_seed=seed, on_progress=view.update, spend=spend, cancel=cancel)
                 stops[card.id] = outcome.stop_reason
                 view.finish(card.id)
         finally:

@@ -318,6 +318,37 @@ __device__ __forceinline__ void kf_load_chunk(const Tin* __restrict__ p, int lo,
   }
 }
 
+// The chunk's exact max over the block, then its sum of exp(x - max).
+__device__ __forceinline__ void kf_chunk_stats(const float (&v)[IT][V], float& m, float& s) {
+  m = -kf_inf();
+#pragma unroll
+  for (int it = 0; it < IT; ++it)
+#pragma unroll
+    for (int j = 0; j < V; ++j) m = fmaxf(m, v[it][j]);
+  m = kf_block_max<NT>(m);
+  const float ref = m == -kf_inf() ? 0.f : m;  // an all -inf chunk sums exp(-inf) = 0
+  s = 0.f;
+#pragma unroll
+  for (int it = 0; it < IT; ++it)
+#pragma unroll
+    for (int j = 0; j < V; ++j) s += expf(v[it][j] - ref);
+  s = kf_block_sum<NT>(s);
+}
+
+// The chunk held in registers, normalized by its row's (max, sum of exp), into the row at q.
+__device__ __forceinline__ void kf_store_chunk(Tout* __restrict__ q, int lo, const float (&v)[IT][V], float m, float s) {
+  const float ls = logf(s);
+#pragma unroll
+  for (int it = 0; it < IT; ++it) {
+    if (kf_live(lo, it)) {
+      float o[V];
+#pragma unroll
+      for (int j = 0; j < V; ++j) o[j] = LOG ? v[it][j] - m - ls : expf(v[it][j] - m) / s;
+      kf_store<Tout, V>(q + lo + (it * NT + threadIdx.x) * V, o);
+    }
+  }
+}
+
 """
 
 _SPLIT_REGS = r"""
@@ -325,19 +356,8 @@ extern "C" __global__ void __launch_bounds__(NT) kf_softmax_partial(const Tin* _
   const int lo = blockIdx.x * CH;
   float v[IT][V];
   kf_load_chunk(x + (kf_i64)blockIdx.y * C, lo, v);
-  float m = -kf_inf();
-#pragma unroll
-  for (int it = 0; it < IT; ++it)
-#pragma unroll
-    for (int j = 0; j < V; ++j) m = fmaxf(m, v[it][j]);
-  m = kf_block_max<NT>(m);
-  const float ref = m == -kf_inf() ? 0.f : m;  // an all -inf chunk sums exp(-inf) = 0
-  float s = 0.f;
-#pragma unroll
-  for (int it = 0; it < IT; ++it)
-#pragma unroll
-    for (int j = 0; j < V; ++j) s += expf(v[it][j] - ref);
-  s = kf_block_sum<NT>(s);
+  float m, s;
+  kf_chunk_stats(v, m, s);
   if (threadIdx.x == 0) ws[blockIdx.y * S + blockIdx.x] = make_float2(m, s);
 }
 
@@ -370,17 +390,7 @@ extern "C" __global__ void __launch_bounds__(NT) kf_softmax_finish(const Tin* __
   }
   // A NaN partial sum stays NaN; a row of -inf sums to 0, and exp(nan) / 0 is NaN like torch.
   s = kf_warp_sum(s);
-  const float ls = logf(s);
-  Tout* q = y + base + lo;
-#pragma unroll
-  for (int it = 0; it < IT; ++it) {
-    if (kf_live(lo, it)) {
-      float o[V];
-#pragma unroll
-      for (int j = 0; j < V; ++j) o[j] = LOG ? v[it][j] - m - ls : expf(v[it][j] - m) / s;
-      kf_store<Tout, V>(q + (it * NT + threadIdx.x) * V, o);
-    }
-  }
+  kf_store_chunk(y + base, lo, v, m, s);
 }
 """
 
@@ -398,19 +408,8 @@ extern "C" __global__ void __launch_bounds__(NT) kf_softmax_coop(const Tin* __re
   const kf_i64 base = (kf_i64)blockIdx.y * C;
   float v[IT][V];
   kf_load_chunk(x + base, lo, v);
-  float m = -kf_inf();
-#pragma unroll
-  for (int it = 0; it < IT; ++it)
-#pragma unroll
-    for (int j = 0; j < V; ++j) m = fmaxf(m, v[it][j]);
-  m = kf_block_max<NT>(m);
-  const float ref = m == -kf_inf() ? 0.f : m;  // an all -inf chunk sums exp(-inf) = 0
-  float s = 0.f;
-#pragma unroll
-  for (int it = 0; it < IT; ++it)
-#pragma unroll
-    for (int j = 0; j < V; ++j) s += expf(v[it][j] - ref);
-  s = kf_block_sum<NT>(s);
+  float m, s;
+  kf_chunk_stats(v, m, s);
   if (threadIdx.x == 0) {
     __stcg(&part[blockIdx.y * S + blockIdx.x], make_float2(m, s));
     __threadfence();  // the partial is visible before the count says so
@@ -429,17 +428,7 @@ extern "C" __global__ void __launch_bounds__(NT) kf_softmax_coop(const Tin* __re
     rs += q.y * (q.x == -kf_inf() ? 0.f : expf(q.x - rm));
   }
   rs = kf_warp_sum(rs);  // a NaN partial stays NaN; a row of -inf gives 0 and then NaN, like torch
-  const float ls = logf(rs);
-  Tout* q = y + base + lo;
-#pragma unroll
-  for (int it = 0; it < IT; ++it) {
-    if (kf_live(lo, it)) {
-      float o[V];
-#pragma unroll
-      for (int j = 0; j < V; ++j) o[j] = LOG ? v[it][j] - rm - ls : expf(v[it][j] - rm) / rs;
-      kf_store<Tout, V>(q + (it * NT + threadIdx.x) * V, o);
-    }
-  }
+  kf_store_chunk(y + base, lo, v, rm, rs);
 }
 """
 
