@@ -278,7 +278,7 @@ class State {
       if (compare(**it, args, /*stop=*/true).count != 0) continue;
       const Variant& v = **it;
       Inputs ins = inputs(v, args);
-      int why = unrunnable(v, ins);
+      int why = unrunnable(v, ins, args);
       if (why == kNumReasons) why = run(v, ins, stack);
       if (why == kNumReasons) return;
       v.counts->fallbacks[why].fetch_add(1, std::memory_order_relaxed);
@@ -306,13 +306,16 @@ class State {
     return ins;
   }
 
-  // What the guard key cannot see: every input on one device (the key holds the device
-  // type, not the index, and a kernel launched on one device cannot read another's memory),
-  // and no written input sharing memory with another input. kNumReasons when runnable.
-  static int unrunnable(const Variant& v, const Inputs& ins) {
+  // What the guard key cannot see: every input on one device, and any device argument
+  // naming that device (the key holds device types, not indices, and a kernel launched on
+  // one device cannot read or write another's memory: x.to("cuda:1") of a cuda:0 tensor is
+  // eager's), and no written input sharing memory with another input. kNumReasons when runnable.
+  static int unrunnable(const Variant& v, const Inputs& ins, c10::ArrayRef<c10::IValue> args) {
     const c10::Device device = ins.front()->device();
     for (const at::Tensor* t : ins)
       if (t->device() != device) return kDevice;
+    for (const auto& a : args)
+      if (a.isDevice() && a.toDevice().has_index() && a.toDevice() != device) return kDevice;
     for (int w : v.written) {
       for (size_t i = 0; i < ins.size(); ++i) {
         if (static_cast<int>(i) != w && ins[i]->storage().is_alias_of(ins[w]->storage())) return kAliasing;

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 import pytest
@@ -440,3 +442,24 @@ def test_kernels_that_cannot_be_loaded_on_a_device_leave_it_to_pytorch(monkeypat
         assert v.counters.hits == 0 and v.counters.fallbacks == {"device": 2}
     finally:
         d.remove("pkg")
+
+
+def to_copy_card(x: torch.Tensor, device: torch.device) -> Card:
+    """_to_copy(x, dtype=x.dtype, device=device) as recorded (make_card's own `device`
+    keyword is the recorded tensors' device type, so the argument is set afterwards)."""
+    card = make_card(torch.ops.aten._to_copy.default, x, dtype=x.dtype)
+    args = [dataclasses.replace(a, value=encode_value(device)) if a.name == "device" else a for a in card.args]
+    return dataclasses.replace(card, args=args, id="")
+
+
+def test_a_device_argument_naming_another_device_index_falls_back(cpu):
+    """Cards hold device types: x.to("cuda:1") of a cuda:0 tensor matches a card recorded
+    from x.to("cuda:0"), and a kernel would write it on the wrong device. Eager serves it."""
+    x = torch.randn(4, 8)
+    launcher = FakeLauncher(lambda ins, outs: outs[0].copy_(ins[0]))
+    v = Variant(to_copy_card(x, torch.device("cpu")), 0, launcher)
+    cpu.add("pkg", [v])
+    y = torch.ops.aten._to_copy.default(x, dtype=x.dtype, device=torch.device("cpu"))
+    assert torch.equal(y, x) and v.counters.hits == 1
+    z = torch.ops.aten._to_copy.default(x, dtype=x.dtype, device=torch.device("cpu", 1))
+    assert torch.equal(z, x) and len(launcher.calls) == 1 and v.counters.fallbacks == {"device": 1}

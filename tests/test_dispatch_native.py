@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from test_dispatch import FakeLauncher, make_card, relu_kernel
+from test_dispatch import FakeLauncher, make_card, relu_kernel, to_copy_card
 
 from kforge import dispatch
 from kforge.cards import encode_value
@@ -445,3 +445,17 @@ def test_a_kernel_that_cannot_be_prepared_on_a_device_leaves_that_device_to_eage
     assert torch.equal(torch.relu(x), x.clamp(min=0))
     assert asked == [-1]  # asked once, remembered
     assert v.counters.hits == 0 and v.counters.fallbacks == {"device": 2}
+
+
+def test_a_device_argument_naming_another_device_index_falls_back(cpu):
+    """As on the Python path: the guard key holds device types, so the index is checked."""
+    x = torch.randn(4, 8)
+    v = Variant(to_copy_card(x, torch.device("cpu")), 0, NativeLauncher(COPY))
+    cpu.add("pkg", [v])
+    assert cpu.path("aten::_to_copy.default")[0] == "native"
+    before = calls()
+    y = torch.ops.aten._to_copy.default(x, dtype=x.dtype, device=torch.device("cpu"))
+    assert torch.equal(y, x) and calls() == before + 1 and v.counters.hits == 1
+    z = torch.ops.aten._to_copy.default(x, dtype=x.dtype, device=torch.device("cpu", 1))
+    assert torch.equal(z, x) and calls() == before + 1 and v.counters.fallbacks == {"device": 1}
+

@@ -388,13 +388,17 @@ def _get_kernel(op: torch._ops.OpOverload, key: str):
     return get_kernel(op, key)
 
 
-def _unrunnable(v: Variant, ins: Sequence[torch.Tensor]) -> str | None:
-    """What a guard key cannot see (as kforge._dispatch checks it): every input on one device
-    (the key holds the device type, not its index), and no input the kernel writes sharing
+def _unrunnable(v: Variant, ins: Sequence[torch.Tensor], vals: Sequence = ()) -> str | None:
+    """What a guard key cannot see (as kforge._dispatch checks it): every input on one device,
+    and any device argument naming that device (the key holds device types, not indices:
+    x.to("cuda:1") of a cuda:0 tensor is eager's), and no input the kernel writes sharing
     memory with another input. None when the kernel may run."""
     if len(ins) > 1:
         dev = ins[0].device
         if any(t.device != dev for t in ins):
+            return "device"
+    for x in vals:
+        if isinstance(x, torch.device) and x.index is not None and x != ins[0].device:
             return "device"
     for w in v.written:
         storage = ins[w].untyped_storage()
@@ -461,7 +465,7 @@ class _OpOverride:
                 ins.append(x)
             elif x is not None:
                 ins += [t for t in x if t is not None]
-        why = _unrunnable(v, ins)
+        why = _unrunnable(v, ins, vals)
         if not why:
             try:
                 out = self._run(v, ins)
