@@ -70,9 +70,15 @@ def softmax(*shape: int, dtype=F32, log: bool = False, half_to_float: bool = Fal
     return make_card(op, meta(*shape, dtype=dtype), -1, half_to_float)
 
 
+def to_copy(x: torch.Tensor, dtype=None, **kw) -> Card:
+    """x.to(dtype) as aten records it (memory_format etc. as keyword arguments)."""
+    return make_card(A._to_copy.default, x, dtype=dtype, **kw)
+
+
 # A spread of shapes every family must handle: odd sizes, 1-element rows, rows longer
 # than a block, widths that are not a multiple of the vector, channels_last, broadcast,
-# in-place, mixed dtypes, and the benchmark shapes.
+# in-place, mixed dtypes, dtype casts (_to_copy, to a new memory format too), and the
+# benchmark shapes.
 SPREAD = {
     "relu_f32_4d": lambda: make_card(A.relu.default, meta(32, 256, 56, 56)),
     "relu_inplace_f16_odd": lambda: make_card(A.relu_.default, meta(1001, dtype=F16)),
@@ -87,12 +93,24 @@ SPREAD = {
     "add_row_bias_bf16": lambda: make_card(A.add.Tensor, meta(64, 256, dtype=BF16), meta(256, dtype=BF16)),
     "sub_mixed_dtypes": lambda: make_card(A.sub.Tensor, meta(16, 8, dtype=BF16), meta(16, 8)),
     "mul_0dim": lambda: make_card(A.mul.Tensor, meta(6, 4, dtype=BF16), meta()),
+    "add_inplace_bf16_fp32_other": lambda: make_card(A.add_.Tensor, meta(6, 40, dtype=BF16), meta(6, 40)),
     "div_channels_last": lambda: make_card(A.div.Tensor, meta(2, 8, 5, 5, channels_last=True),
                                            meta(2, 8, 5, 5, channels_last=True)),
     "add_inplace_bf16": lambda: make_card(A.add_.Tensor, meta(8192, 11008, dtype=BF16), meta(8192, 11008, dtype=BF16)),
     "mul_inplace_broadcast": lambda: make_card(A.mul_.Tensor, meta(4, 6, 10), meta(6, 1)),
     "add_scalar": lambda: make_card(A.add.Scalar, meta(999, dtype=F16), 0.5, 3),
     "div_scalar": lambda: make_card(A.div.Scalar, meta(64, 64), 3.0),
+    "to_copy_bf16_to_f32": lambda: to_copy(meta(1, 8, 2048, 2048, dtype=BF16), F32),
+    "to_copy_f32_to_bf16": lambda: to_copy(meta(1, 8, 2048, 2048), BF16),
+    "to_copy_f16_to_f32_odd": lambda: to_copy(meta(1001, 3, dtype=F16), F32),
+    "to_copy_f32_to_f16": lambda: to_copy(meta(64, 1000), F16),
+    "to_copy_f16_to_bf16": lambda: to_copy(meta(37, 129, dtype=F16), BF16),
+    "to_copy_same_dtype_bf16": lambda: to_copy(meta(999, dtype=BF16), BF16),
+    "to_copy_0dim": lambda: to_copy(meta(dtype=BF16), F32),
+    "to_copy_transposed": lambda: to_copy(meta(48, 64, dtype=BF16).t(), F32),
+    "to_copy_transposed_to_contiguous": lambda: to_copy(meta(48, 64).t(), BF16, memory_format=torch.contiguous_format),
+    "to_copy_sliced": lambda: to_copy(meta(64, 100, dtype=F16)[:, :50], F32),
+    "to_copy_to_channels_last": lambda: to_copy(meta(2, 8, 5, 5, dtype=BF16), F32, memory_format=torch.channels_last),
     "softmax_long_rows": lambda: softmax(8, 262144),
     "softmax_bf16_2048": lambda: softmax(1, 8, 2048, 2048, dtype=BF16),
     "softmax_f32_1024": lambda: softmax(1, 8, 1024, 1024),
@@ -107,8 +125,10 @@ SPREAD = {
     "layer_norm_odd": lambda: ln(5, 231),
     "layer_norm_no_affine_f16": lambda: ln(17, 768, F16, affine=False),
     "layer_norm_long": lambda: ln(3, 50000),
+    "layer_norm_many_rows": lambda: ln(1111, 1000),  # block_pipe: ragged rows per block and row tail
     "rms_norm_bf16": lambda: rms(8192, 4096, BF16),
     "rms_norm_no_eps": lambda: rms(9, 100, eps=None),
+    "rms_norm_many_rows_f16": lambda: rms(3000, 777, F16, affine=False),
     "rms_norm_long_f16": lambda: rms(2, 100000, F16, affine=False),
     "group_norm_bf16": lambda: gn(1, 512, 128, 128, 32, BF16),
     "group_norm_f32_big": lambda: gn(1, 128, 512, 512, 32),
@@ -122,4 +142,14 @@ SPREAD = {
     "mean_hw_keepdim": lambda: make_card(A.mean.dim, meta(4, 64, 9, 9, dtype=F16), [-1, -2], True),
     "mean_hw_channels_last": lambda: make_card(A.mean.dim, meta(4, 64, 9, 9, channels_last=True), [2, 3]),
     "mean_middle_dim": lambda: make_card(A.mean.dim, meta(4, 10, 33), [1]),
+}
+
+
+# group_norm coop: the benchmark shapes, no affine, a ragged last chunk, a tiny group.
+GN_COOP = {
+    "bf16_1x512x128x128": lambda: gn(1, 512, 128, 128, 32, BF16),
+    "f32_1x128x512x512": lambda: gn(1, 128, 512, 512, 32),
+    "f16_2x512x64x64_no_affine": lambda: gn(2, 512, 64, 64, 32, F16, affine=False),
+    "ragged_2x40x33x31": lambda: gn(2, 40, 33, 31, 8),
+    "tiny_3x6x5x7": lambda: gn(3, 6, 5, 7, 3),
 }

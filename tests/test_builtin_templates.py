@@ -11,14 +11,17 @@ import random
 import pytest
 import torch
 
-from builtin_cards import A, BF16, F16, SPREAD, gn, make_card, meta, softmax
+from builtin_cards import A, BF16, F16, GN_COOP, SPREAD, gn, make_card, meta, softmax, to_copy
 from kforge import compiler
 from kforge.candidate import Candidate
+from kforge.cards import encode_value
 from kforge.errors import ProposerError
 from kforge.hardware import H200
 from kforge.proposers import get_proposer
 from kforge.proposers.base import ProposalContext, Tried
 from kforge.proposers.builtin import BuiltinProposer, family_for
+from kforge.proposers.builtin import pointwise as pointwise_family
+from kforge.proposers.builtin import group_norm as gn_family
 from kforge.proposers.builtin import softmax as softmax_family
 from kforge.proposers.builtin import space as knob_space
 from kforge.verdict import EvalResult, Verdict
@@ -77,6 +80,9 @@ def test_every_knob_setting_has_its_own_digest_and_a_valid_plan(name):
     (lambda: make_card(A.mean.dim, meta(4, 10, 33), [0, 2], True), "not contiguous in memory"),
     (lambda: make_card(A.gelu.default, meta(0, 4)), "empty"),
     (lambda: make_card(A.mean.dim, meta(4, 8), [1], dtype=torch.float64), "dtype"),
+    (lambda: to_copy(meta(8, 4), torch.int64), "int64"),
+    (lambda: to_copy(meta(8, 4, dtype=BF16), torch.bool), "bool"),
+    (lambda: to_copy(meta(8, 4), torch.float64), "float64"),
 ])
 def test_unsupported_cards_are_declined_with_a_reason(card, reason):
     p = BuiltinProposer()
@@ -91,6 +97,97 @@ def test_cpu_tensor_operand_is_declined():
     card.args[1].tensor = dataclasses.replace(card.args[1].tensor, device="cpu")
     ok, why = BuiltinProposer().supports(card)
     assert not ok and "cpu" in why
+
+
+def with_value(card, name: str, value):
+    """The card with one non-tensor argument replaced (calls meta tensors cannot make)."""
+    args = [dataclasses.replace(a, value=encode_value(value)) if a.name == name else a for a in card.args]
+    return dataclasses.replace(card, args=args, id="")
+
+
+@pytest.mark.parametrize("name, value, reason", [
+    ("device", torch.device("cpu"), "device cpu"),
+    ("pin_memory", True, "pin_memory"),
+    ("layout", torch.sparse_coo, "sparse_coo"),
+    ("dtype", F16, "output is bfloat16"),
+])
+def test_to_copy_that_is_not_an_on_device_copy_is_declined(name, value, reason):
+    p = BuiltinProposer()
+    assert p.supports(to_copy(meta(8, 4), BF16)) == (True, "")
+    ok, why = p.supports(with_value(to_copy(meta(8, 4), BF16), name, value))
+    assert not ok and reason in why, why
+
+
+@pytest.mark.parametrize("name, value", [("device", torch.device("cuda")), ("layout", torch.strided),
+                                         ("non_blocking", True), ("memory_format", torch.preserve_format)])
+def test_to_copy_on_its_own_device_is_taken_whatever_else_it_says(name, value):
+    # F.softmax(x, dtype=...) casts through x.to(options): device and layout set to x's own.
+    assert BuiltinProposer().supports(with_value(to_copy(meta(8, 4), BF16), name, value)) == (True, "")
+
+
+@pytest.mark.parametrize("src, dst, rounding", [(BF16, torch.float32, None), (torch.float32, BF16, "__float2bfloat16_rn"),
+                                                (F16, torch.float32, None), (torch.float32, F16, "__float2half_rn"),
+                                                (F16, BF16, "__float2bfloat16_rn")])
+def test_to_copy_is_the_identity_rounded_once_on_store(src, dst, rounding):
+    """Loaded to fp32 exactly, never rounded before the store, which rounds to nearest even
+    with the intrinsic c10's Half/BFloat16 use on sm_80+ (so the bits match torch's cast)."""
+    card = to_copy(meta(64, 1000, dtype=src), dst)
+    fam, settings = corners(card)
+    for knobs in settings:
+        src_text = fam.build(card, knobs, H200).source
+        assert "const float a = x0[k][j];" in src_text and "r[j] = a;" in src_text
+        assert "kf_cast<Tout>(x0" not in src_text and "kf_cast<Tout>(kf_f32" not in src_text
+        assert "kf_store<Tout, V>(out + off[k][0], r);" in src_text
+        if rounding:
+            assert f"kf_cast<{'__nv_bfloat16' if dst == BF16 else '__half'}>(float x) {{ return {rounding}(x); }}" in src_text
+        assert compiler.compile(src_text, arch="sm_90").cubin
+
+
+def emulate_pointwise_copy(card, knobs, x: torch.Tensor) -> torch.Tensor:
+    """The storage the pointwise kernel writes for a one-operand card, with its indexing done
+    on the CPU the way kf_offsets, the vector loop and the tail do it (values cast by torch)."""
+    out = card.outputs[0]
+    lay = pointwise_family._layout(out, [card.args[0].tensor])
+    v, numel = knobs["vec"], out.numel
+    nv = numel // v
+
+    def offsets(e: torch.Tensor) -> list[torch.Tensor]:
+        o = [torch.zeros_like(e) for _ in lay.strides]
+        for d in range(len(lay.sizes) - 1, -1, -1):
+            c = e % lay.sizes[d] if d else e
+            e = e // lay.sizes[d]
+            for t, st in enumerate(lay.strides):
+                o[t] += c * st[d]
+        return o
+
+    o_out, o_in = offsets(torch.arange(nv) * v)
+    j = torch.arange(v)
+    o_out = (o_out[:, None] + j * lay.strides[0][-1]).flatten()
+    o_in = (o_in[:, None] + j * lay.strides[1][-1]).flatten()
+    t_out, t_in = offsets(nv * v + torch.arange(numel - nv * v))
+    o_out, o_in = torch.cat([o_out, t_out]), torch.cat([o_in, t_in])
+    assert bool((torch.bincount(o_out, minlength=numel) == 1).all()), "every output element written once"
+    storage = torch.empty(numel, dtype=out.torch_dtype)
+    storage[o_out] = x.as_strided((card.args[0].tensor.span(),), (1,))[o_in].to(out.torch_dtype)
+    return storage
+
+
+@pytest.mark.parametrize("name", ["to_copy_f16_to_f32_odd", "to_copy_f32_to_f16", "to_copy_f16_to_bf16",
+                                  "to_copy_same_dtype_bf16", "to_copy_0dim", "to_copy_transposed",
+                                  "to_copy_transposed_to_contiguous", "to_copy_sliced", "to_copy_to_channels_last"])
+def test_to_copy_indexing_matches_torch_on_the_cpu(name):
+    """For every vector width, the kernel's offsets put each element where torch's _to_copy
+    does, in the output strides the card records (new memory formats included)."""
+    card = SPREAD[name]()
+    m = card.args[0].tensor
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m.span(), generator=g).to(m.torch_dtype).as_strided(m.shape, m.stride)
+    args, kwargs = card.build_call([x], "cpu")
+    want = card.overload()(*args, **kwargs)
+    assert want.stride() == card.outputs[0].stride and want.dtype == card.outputs[0].torch_dtype
+    for vec in family_for(card).spaces(card, H200)[0]["vec"]:
+        got = emulate_pointwise_copy(card, {"vec": vec}, x)
+        assert torch.equal(got, want.as_strided((want.numel(),), (1,))), vec
 
 
 def test_get_proposer_gives_the_builtin():
@@ -109,6 +206,9 @@ def test_mixed_dtype_operand_is_rounded_to_the_result_dtype():
     # bf16 * fp32 0-dim tensor: torch casts the fp32 value to bf16 before the fp32 math.
     cand = BuiltinProposer().propose(ctx(SPREAD["mul_0dim"]())).candidate
     assert "kf_cast<Tout>(kf_f32(in1[0]))" in cand.source
+    # bf16 += fp32 tensor: the common dtype is fp32, so other is not rounded before the add.
+    cand = BuiltinProposer().propose(ctx(SPREAD["add_inplace_bf16_fp32_other"]())).candidate
+    assert "kf_f32(kf_cast<Tout>(" not in cand.source and "const float b = x1[k][j];" in cand.source
 
 
 def test_defaults_are_designed_for_the_roofline():
@@ -216,6 +316,66 @@ def test_split_coop_is_offered_only_where_the_grid_can_be_resident():
     assert not any(s["algo"] == ("split_coop",) for s in softmax_family.spaces(softmax(512, 16384), H200))
     (s,) = [s for s in softmax_family.spaces(softmax(8, 262144), H200) if s["algo"] == ("split_coop",)]
     assert s["split"] == (16, 32) and s["threads"] == (512, 1024)
+
+
+@pytest.mark.parametrize("name", sorted(GN_COOP))
+def test_group_norm_coop_grid_is_resident_and_covers_each_element_once(name):
+    card = GN_COOP[name]()
+    p = gn_family._problem(card)
+    group = p["C"] // p["G"] * p["HW"]
+    (s,) = [s for s in gn_family.spaces(card, H200) if s["algo"] == ("coop",)]
+    for knobs in knob_space.configs(s):
+        nt, v = knobs["threads"], knobs["vec"]
+        n, ch, it, minb = gn_family._coop_geometry(p, H200, nt, knobs["hold"], v)
+        assert ch == it * nt * v and (n - 1) * ch < group <= n * ch, knobs
+        # Resident at once: the blocks per SM it needs fit the threads per SM its registers allow.
+        assert n * p["N"] * p["G"] <= minb * H200.sm_count and minb * nt <= gn_family._resident(knobs["hold"]), knobs
+        cand = gn_family.build(card, knobs, H200)
+        cand.plan.validate(len(card.inputs), len(card.outputs))
+        (k,) = cand.plan.kernels
+        assert k.name == "kf_gn_coop" and k.cooperative and k.grid == (n, p["N"] * p["G"], 1)
+        words = (p["N"] * p["G"] + 1) // 2 * 2
+        assert cand.plan.workspace_bytes() == [(words * 4 + p["N"] * p["G"] * n * 8, True)]
+
+
+@pytest.mark.parametrize("name", ["bf16_1x512x128x128", "f32_1x128x512x512", "ragged_2x40x33x31"])
+def test_group_norm_coop_compiles_without_spilling(name):
+    """Every setting fits the registers __launch_bounds__ leaves it (held values included)."""
+    card = GN_COOP[name]()
+    (s,) = [s for s in gn_family.spaces(card, H200) if s["algo"] == ("coop",)]
+    for knobs in knob_space.configs(s):
+        cand = gn_family.build(card, knobs, H200)
+        out = compiler.compile(cand.source, options=(*cand.plan.options, "--ptxas-options=-v"), arch="sm_90",
+                               use_cache=False)
+        assert out.cubin and " 0 bytes spill stores" in out.log, (knobs, out.log)
+
+
+def test_group_norm_coop_needs_a_grid_that_can_be_resident():
+    # 1024 (sample, group) pairs: more blocks than 132 SMs hold at 1024 threads each.
+    assert not any(s["algo"] == ("coop",) for s in gn_family.spaces(gn(32, 512, 8, 8, 32), H200))
+    (s,) = [s for s in gn_family.spaces(gn(16, 512, 8, 8, 32), H200) if s["algo"] == ("coop",)]
+    assert s["threads"] == (256,)  # 512 pairs: only 4 blocks per SM are enough
+    (s,) = [s for s in gn_family.spaces(gn(1, 512, 128, 128, 32, BF16), H200) if s["algo"] == ("coop",)]
+    assert s["threads"] == (256, 512, 1024) and s["hold"] == gn_family.HOLDS
+
+
+@pytest.mark.parametrize("name", ["layer_norm_bf16", "layer_norm_many_rows", "rms_norm_many_rows_f16"])
+def test_block_pipe_loops_a_fixed_grid_over_the_rows(name):
+    card = SPREAD[name]()
+    fam = family_for(card)
+    (s,) = [s for s in fam.spaces(card, H200) if s["algo"] == ("block_pipe",)]
+    rows = card.inputs[0].numel // card.inputs[0].shape[-1]
+    for knobs in knob_space.configs(s):
+        cand = fam.build(card, knobs, H200)
+        (k,) = cand.plan.kernels
+        assert k.grid == (min(rows, knobs["blocks"] * H200.sm_count), 1, 1) and k.block[0] == knobs["threads"]
+        assert f"constexpr int GRID = {k.grid[0]};" in cand.source
+    assert compiler.compile(cand.source, options=cand.plan.options, arch="sm_90").cubin
+
+
+def test_block_pipe_needs_rows_for_every_block():
+    assert not any(s["algo"] == ("block_pipe",) for s in family_for(SPREAD["layer_norm_odd"]()).spaces(
+        SPREAD["layer_norm_odd"](), H200))
 
 
 def test_split_regs_needs_long_rows_and_registers_bound_the_split():

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from builtin_cards import SPREAD, make_card, meta, softmax, A, BF16, F16
+from builtin_cards import GN_COOP, SPREAD, make_card, meta, softmax, A, BF16, F16
 from kforge import compiler, runtime
 from kforge.cards import empty_like_meta, faithful_clone
 from kforge.errors import LaunchError
@@ -197,3 +197,19 @@ def test_split_coop_handles_minus_inf_like_torch(log):
             continue
         assert got[2].isnan().all()
         torch.testing.assert_close(got, want, equal_nan=True, **TOL[card.outputs[0].dtype], msg=lambda m: f"{knobs}: {m}")
+
+
+# group_norm coop: one cooperative launch, a wait per (sample, group), part of each chunk
+# held in registers. Every setting of the small cards, a sample of the benchmark shapes';
+# the geometry keeps every grid resident, so a refused launch is a failure here.
+@pytest.mark.parametrize("name", sorted(GN_COOP))
+def test_group_norm_coop_matches_eager(name):
+    card = GN_COOP[name]()
+    hw = current()
+    fam = family_for(card)
+    (s,) = [s for s in fam.spaces(card, hw) if s["algo"] == ("coop",)]
+    configs = knob_space.configs(s)
+    if card.inputs[0].numel > 2**22:
+        configs = [configs[0], configs[-1]] + random.Random(card.id).sample(configs, 6)
+    for seed, knobs in enumerate(configs):
+        check_candidate(card, fam.build(card, knobs, hw), seed)

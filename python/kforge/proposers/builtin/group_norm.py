@@ -8,16 +8,27 @@ Here each group is split into S chunks so N*G*S blocks fill every SM:
                 rstd, weight and bias into a per-channel scale and shift in shared memory,
                 and normalizes its chunk: y = x * scale[c] + shift[c] (as torch does).
 The second read of x mostly hits L2 when the tensor fits in it.
+
+  coop          both in one cooperative launch (every block resident): a block keeps the
+                first HOLD floats per thread of its chunk in registers, publishes its
+                chunk's (mean, M2), counts itself in on its group's counter (zeroed before
+                the launch) and waits for the group's other chunks, then normalizes the
+                streamed part last-read-first (those lines are the likeliest still in L2)
+                and the held part from registers. x is read from HBM once plus whatever of
+                it neither registers nor L2 kept, and there is one launch.
 """
 
 from __future__ import annotations
 
 from ...cards import Card, decode_value
 from ...hardware import Hardware
-from .common import constants, ctype, legal_vecs, render, unsupported_dtype
+from .common import ceil_div, constants, ctype, legal_vecs, render, unsupported_dtype
 from .family import Family, Knobs, KnobSpace, candidate, launch, pick
 
 OPS = frozenset({"aten::native_group_norm.default"})
+HOLDS = (0, 8, 16, 32)  # coop: fp32 values a thread keeps in registers between its two passes
+COOP_THREADS = (256, 512, 1024)
+STREAM = 16  # coop: values of streamed loads a thread keeps in flight beside HOLD (half at 32 registers)
 
 
 def _problem(card: Card):
@@ -61,10 +72,36 @@ def _splits(p, vmax: int) -> tuple:
     return tuple(s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if group % (s * vmax) == 0 and group // s >= 256)
 
 
+def _resident(hold: int) -> int:
+    """coop: threads per SM the register budget allows (65536 registers) with `hold` values
+    held per thread on top of ~30 for the rest of the kernel."""
+    return 2048 if hold == 0 else 1024
+
+
+def _coop_geometry(p, hw: Hardware, nt: int, hold: int, v: int) -> tuple[int, int, int, int]:
+    """(S, CH, ITER, MINB): chunks per group so that every block is resident at once, the
+    chunk length (whole vector loads of the block), the vector loads per thread, and the
+    blocks per SM that __launch_bounds__ must leave room for."""
+    bps = _resident(hold) // nt
+    group = p["C"] // p["G"] * p["HW"]
+    most = max(1, bps * hw.sm_count // (p["N"] * p["G"]))
+    # Whole chunks (no bounds checks) if a split of at least half the most allows them.
+    s = next((s for s in range(most, (most - 1) // 2, -1) if group % (s * nt * v) == 0), most)
+    ch = ceil_div(ceil_div(group, s), nt * v) * nt * v
+    s = ceil_div(group, ch)
+    return s, ch, ch // (nt * v), ceil_div(s * p["N"] * p["G"], hw.sm_count)
+
+
 def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
     p = _problem(card)
     vecs = _vecs(card, p)
-    return [{"algo": ("split",), "split": _splits(p, vecs[-1]) or (1,), "threads": (128, 256, 512), "vec": vecs}]
+    out = [{"algo": ("split",), "split": _splits(p, vecs[-1]) or (1,), "threads": (128, 256, 512), "vec": vecs}]
+    # Every (threads, hold) pair must leave the whole grid resident: at least one block per
+    # SM for each (sample, group) at the smallest residency (1024 threads per SM).
+    coop_threads = tuple(t for t in COOP_THREADS if (1024 // t) * hw.sm_count >= p["N"] * p["G"])
+    if coop_threads:
+        out.append({"algo": ("coop",), "threads": coop_threads, "hold": HOLDS, "vec": vecs})
+    return out
 
 
 def default(card: Card, hw: Hardware) -> Knobs:
@@ -74,9 +111,29 @@ def default(card: Card, hw: Hardware) -> Knobs:
     return {"algo": "split", "split": pick(space["split"], want), "threads": 256, "vec": space["vec"][-1]}
 
 
-_KERNELS = r"""
+_HEAD = r"""
 constexpr int CG = C / G;
 constexpr kf_i64 GROUP = (kf_i64)CG * HW;  // elements of one (n, g)
+
+// Writes mean/rstd once per (n, g) and folds rstd, weight and bias into the per-channel
+// scale and shift of y = x * scale[c] + shift[c] (as torch does), then a barrier.
+__device__ __forceinline__ void kf_gn_fold(const Tw* weight, const Tb* bias, Tm* mean_out, Tr* rstd_out, kf_i64 ng,
+                                           float mean, float rstd, float* scale, float* shift) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    mean_out[ng] = kf_cast<Tm>(mean);
+    rstd_out[ng] = kf_cast<Tr>(rstd);
+  }
+  const int c0 = (ng % G) * CG;
+  for (int c = threadIdx.x; c < CG; c += NT) {
+    const float a = HAS_W ? rstd * kf_f32(weight[c0 + c]) : rstd;
+    scale[c] = a;
+    shift[c] = (HAS_B ? kf_f32(bias[c0 + c]) : 0.f) - a * mean;
+  }
+  __syncthreads();
+}
+"""
+
+_KERNELS = r"""
 constexpr kf_i64 CH = GROUP / S;            // elements of one chunk
 
 extern "C" __global__ void __launch_bounds__(NT) kf_gn_stats(const Tx* __restrict__ x, float* __restrict__ ws) {
@@ -104,17 +161,7 @@ extern "C" __global__ void __launch_bounds__(NT) kf_gn_apply(@PARAMS@) {
     w = kf_welford_merge(w, kf_welford{float(CH), ws[(ng * S + j) * 2], ws[(ng * S + j) * 2 + 1]});
   w = kf_block_welford<NT>(w);
   const float mean = w.mean, rstd = rsqrtf(fmaxf(w.m2 / GROUP, 0.f) + EPS);
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    mean_out[ng] = kf_cast<Tm>(mean);
-    rstd_out[ng] = kf_cast<Tr>(rstd);
-  }
-  const int c0 = (ng % G) * CG;
-  for (int c = threadIdx.x; c < CG; c += NT) {
-    const float a = HAS_W ? rstd * kf_f32(weight[c0 + c]) : rstd;
-    scale[c] = a;
-    shift[c] = (HAS_B ? kf_f32(bias[c0 + c]) : 0.f) - a * mean;
-  }
-  __syncthreads();
+  kf_gn_fold(weight, bias, mean_out, rstd_out, ng, mean, rstd, scale, shift);
   const kf_i64 base = ng * GROUP + blockIdx.x * CH;
 #pragma unroll 4
   for (kf_i64 i = threadIdx.x * V; i < CH; i += NT * V) {
@@ -130,6 +177,87 @@ extern "C" __global__ void __launch_bounds__(NT) kf_gn_apply(@PARAMS@) {
 """
 
 
+_COOP = r"""
+constexpr bool EXACT = GROUP % CH == 0;   // every chunk full: no bounds checks
+constexpr int KEEP = HOLD / V < ITER ? HOLD / V : ITER;  // vector loads held in registers
+constexpr int UNROLL = STREAM / V;  // streamed loads in flight per thread: STREAM values
+
+extern "C" __global__ void __launch_bounds__(NT, MINB) kf_gn_coop(@PARAMS@) {
+  __shared__ float scale[CG], shift[CG];
+  unsigned* count = reinterpret_cast<unsigned*>(ws);                   // N*G counters
+  float2* part = reinterpret_cast<float2*>(ws + CNT_WORDS);           // then N*G x S partials
+  const kf_i64 ng = blockIdx.y;
+  const kf_i64 lo = (kf_i64)blockIdx.x * CH;                           // chunk start in the group
+  const kf_i64 base = ng * GROUP + lo;
+  const kf_i64 len = EXACT ? CH : (GROUP - lo < CH ? GROUP - lo : CH);
+  float r[KEEP > 0 ? KEEP : 1][V];
+#pragma unroll
+  for (int k = 0; k < KEEP; ++k) {  // every held load issued before any arithmetic
+    const kf_i64 i = ((kf_i64)k * NT + threadIdx.x) * V;
+    if (EXACT || i < len) kf_load<Tx, V>(x + base + i, r[k]);
+  }
+  kf_welford w = {0.f, 0.f, 0.f};
+#pragma unroll
+  for (int k = 0; k < KEEP; ++k) {
+    const kf_i64 i = ((kf_i64)k * NT + threadIdx.x) * V;
+    if (EXACT || i < len) w = kf_welford_merge(w, kf_welford_of<V>(r[k]));
+  }
+#pragma unroll UNROLL
+  for (int k = KEEP; k < ITER; ++k) {
+    const kf_i64 i = ((kf_i64)k * NT + threadIdx.x) * V;
+    if (EXACT || i < len) {
+      float v[V];
+      kf_load<Tx, V>(x + base + i, v);
+      w = kf_welford_merge(w, kf_welford_of<V>(v));
+    }
+  }
+  w = kf_block_welford<NT>(w);
+  if (threadIdx.x == 0) {
+    __stcg(&part[ng * S + blockIdx.x], make_float2(w.mean, w.m2));
+    __threadfence();  // the partial is visible before the count says so
+    atomicAdd(&count[ng], 1u);
+    while (*reinterpret_cast<volatile unsigned*>(&count[ng]) < (unsigned)S) __nanosleep(64);
+    __threadfence();
+  }
+  // Every block of the group has published: merge its S partials (from L2: L1 is not
+  // coherent across SMs). The last chunk may be short; its count is what it covered.
+  kf_welford t = {0.f, 0.f, 0.f};
+  for (int j = threadIdx.x; j < S; j += NT) {
+    const float2 q = __ldcg(&part[ng * S + j]);
+    const float n = float(EXACT || (kf_i64)(j + 1) * CH <= GROUP ? CH : GROUP - (kf_i64)j * CH);
+    t = kf_welford_merge(t, kf_welford{n, q.x, q.y});
+  }
+  t = kf_block_welford<NT>(t);  // its leading barrier also orders the spin before the reads
+  const float mean = t.mean, rstd = rsqrtf(fmaxf(t.m2 / GROUP, 0.f) + EPS);
+  kf_gn_fold(weight, bias, mean_out, rstd_out, ng, mean, rstd, scale, shift);
+#pragma unroll UNROLL
+  for (int k = ITER - 1; k >= KEEP; --k) {  // last read first
+    const kf_i64 i = ((kf_i64)k * NT + threadIdx.x) * V;
+    if (EXACT || i < len) {
+      float v[V];
+      kf_load<Tx, V>(x + base + i, v);
+      const int c = (int)((lo + i) / HW);
+      const float a = scale[c], b = shift[c];
+#pragma unroll
+      for (int j = 0; j < V; ++j) v[j] = v[j] * a + b;
+      kf_store<Ty, V>(y + base + i, v);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < KEEP; ++k) {
+    const kf_i64 i = ((kf_i64)k * NT + threadIdx.x) * V;
+    if (EXACT || i < len) {
+      const int c = (int)((lo + i) / HW);
+      const float a = scale[c], b = shift[c];
+#pragma unroll
+      for (int j = 0; j < V; ++j) r[k][j] = r[k][j] * a + b;
+      kf_store<Ty, V>(y + base + i, r[k]);
+    }
+  }
+}
+"""
+
+
 def build(card: Card, knobs: Knobs, hw: Hardware):
     p = _problem(card)
     x, y = p["x"], card.outputs[0]
@@ -138,23 +266,38 @@ def build(card: Card, knobs: Knobs, hw: Hardware):
         names.append(("weight", "Tw", {"in": p["wi"]}))
     if p["bias"]:
         names.append(("bias", "Tb", {"in": p["bi"]}))
-    names += [("ws", "float", {"ws": 0}), ("y", "Ty", {"out": 0}), ("mean_out", "Tm", {"out": 1}),
-              ("rstd_out", "Tr", {"out": 2})]
-    params = ", ".join(f"{'const ' if n in ('x', 'weight', 'bias', 'ws') else ''}{t}* __restrict__ {n}" for n, t, _ in names)
+    coop = knobs["algo"] == "coop"  # its workspace is counters it writes, then partials
+    names += [("ws", "unsigned" if coop else "float", {"ws": 0}), ("y", "Ty", {"out": 0}),
+              ("mean_out", "Tm", {"out": 1}), ("rstd_out", "Tr", {"out": 2})]
+    read_only = ("x", "weight", "bias") if coop else ("x", "weight", "bias", "ws")
+    params = ", ".join(f"{'const ' if n in read_only else ''}{t}* __restrict__ {n}" for n, t, _ in names)
     types = {"Tx": ctype(x.dtype), "Ty": ctype(y.dtype), "Tm": ctype(card.outputs[1].dtype),
              "Tr": ctype(card.outputs[2].dtype), "Tw": ctype(p["weight"].dtype if p["weight"] else "float32"),
              "Tb": ctype(p["bias"].dtype if p["bias"] else "float32")}
     absent = "".join(f"constexpr const {t}* {n} = nullptr;\n" for n, t, m in (("weight", "Tw", p["weight"]),
                                                                              ("bias", "Tb", p["bias"])) if m is None)
-    nt, s = knobs["threads"], knobs["split"]
-    consts = constants(C=p["C"], HW=p["HW"], G=p["G"], S=s, NT=nt, V=knobs["vec"], EPS=p["eps"],
-                       HAS_W=p["weight"] is not None, HAS_B=p["bias"] is not None)
-    body = "\n".join([constants(**types), consts, absent, render(_KERNELS, PARAMS=params)])
-    grid = [s, p["N"] * p["G"]]
-    kernels = [launch("kf_gn_stats", grid, [nt], [{"in": 0}, {"ws": 0}]),
-               launch("kf_gn_apply", grid, [nt], [a for _, _, a in names])]
+    nt, v = knobs["threads"], knobs["vec"]
+    common = dict(C=p["C"], HW=p["HW"], G=p["G"], NT=nt, V=v, EPS=p["eps"],
+                  HAS_W=p["weight"] is not None, HAS_B=p["bias"] is not None)
+    args = [a for _, _, a in names]
+    if coop:
+        s, ch, it, minb = _coop_geometry(p, hw, nt, knobs["hold"], v)
+        ng = p["N"] * p["G"]
+        cnt_words = ceil_div(ng, 2) * 2
+        consts = constants(S=s, CH=ch, ITER=it, HOLD=knobs["hold"], MINB=minb, CNT_WORDS=cnt_words,
+                           STREAM=max(STREAM // 2 if knobs["hold"] == 0 else STREAM, v), **common)
+        body = "\n".join([constants(**types), consts, absent, render(_HEAD + _COOP, PARAMS=params)])
+        kernels = [launch("kf_gn_coop", [s, ng], [nt], args, cooperative=True)]
+        ws = [{"bytes": cnt_words * 4 + ng * s * 8, "zero": True}]
+    else:
+        s = knobs["split"]
+        consts = constants(S=s, **common)
+        body = "\n".join([constants(**types), consts, absent, render(_HEAD + _KERNELS, PARAMS=params)])
+        grid = [s, p["N"] * p["G"]]
+        kernels = [launch("kf_gn_stats", grid, [nt], [{"in": 0}, {"ws": 0}]), launch("kf_gn_apply", grid, [nt], args)]
+        ws = [p["N"] * p["G"] * s * 2 * 4]
     dtypes = {x.dtype, *(m.dtype for m in card.outputs)} | {m.dtype for m in (p["weight"], p["bias"]) if m}
-    return candidate("group_norm", card, knobs, dtypes, body, kernels, [p["N"] * p["G"] * s * 2 * 4])
+    return candidate("group_norm", card, knobs, dtypes, body, kernels, ws)
 
 
 FAMILY = Family("group_norm", OPS, check, spaces, default, build)

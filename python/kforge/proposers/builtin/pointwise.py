@@ -1,11 +1,15 @@
-"""Elementwise unary and binary ops with broadcasting, type promotion and in-place forms.
+"""Elementwise unary and binary ops with broadcasting, type promotion and in-place forms,
+and `_to_copy` (a dtype and/or layout change on the same device: the identity map).
 
 The layout is reduced the way TensorIterator does it: dims of size 1 dropped, dims put
 in the output's memory order, neighbours merged wherever every tensor is contiguous
 across them. A fully contiguous op becomes one flat dim (16-byte vectors, scalar tail);
 anything else (broadcast, transposed, strided inputs) keeps its coalesced dims as
 compile-time sizes and strides, vectorized along the inner dim when it is legal.
-Values are computed in fp32 (torch's opmath) and rounded once on store.
+Values are computed in fp32 (torch's opmath) and rounded once on store, so a copy is
+exactly torch's cast: fp16/bf16 -> fp32 is exact and fp32 -> fp16/bf16 rounds to nearest
+even (__float2half_rn, __float2bfloat16_rn: the intrinsics c10's Half and BFloat16 use on
+sm_80+); fp16 <-> bf16 goes through fp32 like torch's copy kernel.
 """
 
 from __future__ import annotations
@@ -13,8 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
-from ...cards import Card, TensorMeta, decode_value
+from ...cards import Card, TensorMeta, decode_value, dtype_name
 from ...hardware import Hardware
 from .common import ceil_div, constants, ctype, f32, render, unsupported_dtype
 from .family import Family, Knobs, KnobSpace, candidate, launch
@@ -34,6 +39,7 @@ BINARY = {"add": "a + @ALPHA@ * b", "sub": "a - @ALPHA@ * b", "mul": "a * b", "d
 OPS = frozenset(
     [f"aten::{n}.default" for n in ("relu", "relu_", "gelu", "silu", "silu_", "sigmoid", "tanh")]
     + [f"aten::{n}{ip}.{ov}" for n in BINARY for ip in ("", "_") for ov in ("Tensor", "Scalar")]
+    + ["aten::_to_copy.default"]
 )
 
 
@@ -44,6 +50,29 @@ class _Op:
     in_place: bool
 
 
+def _copy_declined(card: Card, args: dict) -> str | None:
+    """Why a _to_copy call is more than a copy on the input's device, or None.
+
+    dtype and memory_format need nothing here: the card's output records the dtype and the
+    strides torch chose, and the layout reduction writes any dense output order. non_blocking
+    only matters for host<->device copies; on one device a kernel is stream-ordered anyway."""
+    src = args["self"].tensor
+
+    def value(name: str):
+        return decode_value(args[name].value) if name in args else None
+
+    device, layout, dtype = value("device"), value("layout"), value("dtype")
+    if device is not None and device.type != src.device:
+        return f"_to_copy to device {device.type} from {src.device}: only copies on the input's device are templated"
+    if value("pin_memory"):
+        return "_to_copy with pin_memory=True makes a pinned host tensor"
+    if layout is not None and layout != torch.strided:
+        return f"_to_copy to layout {layout} is not templated (only torch.strided is)"
+    if dtype is not None and dtype_name(dtype) != card.outputs[0].dtype:
+        return f"_to_copy dtype={dtype_name(dtype)} but the card's output is {card.outputs[0].dtype}"
+    return None
+
+
 def _parse(card: Card) -> _Op | str:
     name, _, overload = card.name.partition(".")
     in_place = name.endswith("_")
@@ -51,6 +80,9 @@ def _parse(card: Card) -> _Op | str:
     args = {a.name: a for a in card.args}
     if any(a.kind == "tensors" for a in card.args):
         return "tensor-list arguments are not elementwise"
+    if base == "_to_copy":
+        why = _copy_declined(card, args)
+        return why or _Op("a", [args["self"].tensor], in_place=False)
     if base in UNARY or base == "gelu":
         approx = decode_value(args["approximate"].value) if "approximate" in args else "none"
         if base == "gelu" and approx not in _GELU:
@@ -253,8 +285,13 @@ def build(card: Card, knobs: Knobs, hw: Hardware):
         ptr = "out" if (op.in_place and i == 0) else f"in{i}"
         if ptr != "out":
             params.append(f"const T{i}* __restrict__ {ptr}")
-        # A 0-dim operand of another dtype is cast to the result dtype before the math.
-        conv = (lambda x: f"kf_f32(kf_cast<Tout>({x}))") if m.dtype != out.dtype != "float32" else (lambda x: x)
+        # A 0-dim operand beside a dimensioned one takes no part in type promotion: torch
+        # casts it to the result dtype before the math. Dimensioned operands of another
+        # dtype (add_(bf16, fp32)) are computed in fp32 and only rounded on store, as is a
+        # copy's one operand.
+        mixed = (len(op.operands) > 1 and not m.shape and any(isinstance(o, TensorMeta) and o.shape for o in op.operands)
+                 and m.dtype != out.dtype != "float32")
+        conv = (lambda x: f"kf_f32(kf_cast<Tout>({x}))") if mixed else (lambda x: x)
         st = lay.strides[ti]
         if not any(st):  # one value for the whole op
             hoist.append(f"  const float s{i} = {conv(f'kf_f32({ptr}[0])')};")

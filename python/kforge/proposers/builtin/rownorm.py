@@ -5,6 +5,9 @@ Algorithms:
   warp        a warp per row, row in registers, two-pass statistics (mean, then squared
               deviations from it: exact where sum/sum-of-squares would cancel);
   block_regs  a block per row, row in registers, two-pass;
+  block_pipe  block_regs with a fixed grid of BLOCKS per SM looping over rows: the next
+              row's loads are issued before this row's reductions and stores, so HBM
+              reads never wait on a reduction (two rows in registers);
   block_online  a block per row for rows too long for registers: Welford (or sum of
               squares for RMS) in one read, a second read (mostly from L2) to write.
 rstd = rsqrt(var + eps) with the biased variance, as torch computes it on CUDA.
@@ -61,7 +64,7 @@ def _regs(cols: int, lanes: int, v: int) -> int:
     return ceil_div(cols, lanes * v) * v
 
 
-def spaces(card: Card, rn: RowNorm) -> list[KnobSpace]:
+def spaces(card: Card, rn: RowNorm, hw: Hardware) -> list[KnobSpace]:
     vecs = _vecs(card, rn)
     out: list[KnobSpace] = []
     if max(_regs(rn.cols, 32, v) for v in vecs) <= MAX_REGS:
@@ -70,12 +73,16 @@ def spaces(card: Card, rn: RowNorm) -> list[KnobSpace]:
     regs_threads = tuple(t for t in useful if all(_regs(rn.cols, t, v) <= MAX_REGS for v in vecs))
     if regs_threads:
         out.append({"algo": ("block_regs",), "threads": regs_threads, "vec": vecs})
+    # Two rows in registers; worth a loop only when every block gets a few rows.
+    pipe_threads = tuple(t for t in useful if all(2 * _regs(rn.cols, t, v) <= MAX_REGS for v in vecs))
+    if pipe_threads and rn.rows >= 4 * hw.sm_count:
+        out.append({"algo": ("block_pipe",), "threads": pipe_threads, "blocks": (1, 2, 4, 8), "vec": vecs})
     out.append({"algo": ("block_online",), "threads": useful, "vec": vecs})
     return out
 
 
 def default(card: Card, rn: RowNorm, hw: Hardware) -> Knobs:
-    by_algo = {s["algo"][0]: s for s in spaces(card, rn)}
+    by_algo = {s["algo"][0]: s for s in spaces(card, rn, hw)}
     vec = _vecs(card, rn)[-1]
     if "warp" in by_algo and rn.cols <= 1024:
         return {"algo": "warp", "warps": 4, "vec": vec}
@@ -107,13 +114,12 @@ __device__ __forceinline__ void kf_stats(@PARAMS@, kf_i64 row, float mean, float
 }
 """
 
-_REGS = r"""
+# One row held in registers by LANES threads: two-pass statistics, then the normalized
+# store (shared by warp, block_regs and block_pipe). Every lane takes part in the sums.
+_ROW = r"""
 constexpr int IT = (C + LANES * V - 1) / (LANES * V);
 
-extern "C" __global__ void __launch_bounds__(NT) kf_rownorm(@PARAMS@) {
-  const int lane = threadIdx.x % LANES;
-  const kf_i64 row = (kf_i64)blockIdx.x * (NT / LANES) + threadIdx.x / LANES;
-  float v[IT][V];
+__device__ __forceinline__ void kf_row_load(const Tx* __restrict__ x, kf_i64 row, int lane, float (&v)[IT][V]) {
 #pragma unroll
   for (int it = 0; it < IT; ++it) {
     const int c = (it * LANES + lane) * V;
@@ -124,6 +130,9 @@ extern "C" __global__ void __launch_bounds__(NT) kf_rownorm(@PARAMS@) {
       for (int j = 0; j < V; ++j) v[it][j] = 0.f;
     }
   }
+}
+
+__device__ __forceinline__ void kf_row(@PARAMS@, kf_i64 row, int lane, float (&v)[IT][V]) {
   float mean = 0.f;
   if (!RMS) {
     float s = 0.f;
@@ -148,6 +157,35 @@ extern "C" __global__ void __launch_bounds__(NT) kf_rownorm(@PARAMS@) {
   for (int it = 0; it < IT; ++it) {
     const int c = (it * LANES + lane) * V;
     if (c < C) kf_emit(@ARGS@, row, c, v[it], mean, rstd);
+  }
+}
+"""
+
+_REGS = r"""
+extern "C" __global__ void __launch_bounds__(NT) kf_rownorm(@PARAMS@) {
+  const int lane = threadIdx.x % LANES;
+  const kf_i64 row = (kf_i64)blockIdx.x * (NT / LANES) + threadIdx.x / LANES;
+  float v[IT][V];
+  kf_row_load(x, row, lane, v);
+  kf_row(@ARGS@, row, lane, v);
+}
+"""
+
+# A fixed grid of GRID blocks, rows row, row + GRID, ...: two register buffers in turn,
+# the next row's loads in flight while this row is reduced and stored.
+_PIPE = r"""
+extern "C" __global__ void __launch_bounds__(NT) kf_rownorm(@PARAMS@) {
+  float a[IT][V], b[IT][V];
+  kf_i64 row = blockIdx.x;
+  kf_row_load(x, row, threadIdx.x, a);
+  while (row < R) {
+    kf_row_load(x, row + GRID, threadIdx.x, b);  // zeros past the last row
+    kf_row(@ARGS@, row, threadIdx.x, a);
+    row += GRID;
+    if (row >= R) break;
+    kf_row_load(x, row + GRID, threadIdx.x, a);
+    kf_row(@ARGS@, row, threadIdx.x, b);
+    row += GRID;
   }
 }
 """
@@ -188,7 +226,7 @@ extern "C" __global__ void __launch_bounds__(NT) kf_rownorm(@PARAMS@) {
 """
 
 
-def build(family: str, card: Card, rn: RowNorm, knobs: Knobs):
+def build(family: str, card: Card, rn: RowNorm, knobs: Knobs, hw: Hardware):
     algo, v = knobs["algo"], knobs["vec"]
     y = card.outputs[0]
     names = [("x", "Tx", {"in": 0})]
@@ -214,13 +252,16 @@ def build(family: str, card: Card, rn: RowNorm, knobs: Knobs):
         absent += "constexpr Tm* mean_out = nullptr;\n"
     common = dict(R=rn.rows, C=rn.cols, V=v, EPS=float(rn.eps), RMS=rn.rms, HAS_W=rn.weight is not None,
                   HAS_B=rn.bias is not None)
-    if algo in ("warp", "block_regs"):
+    if algo in ("warp", "block_regs", "block_pipe"):
         warp = algo == "warp"
         nt = 32 * knobs["warps"] if warp else knobs["threads"]
-        consts = constants(NT=nt, LANES=32 if warp else nt, **common)
-        sum_fn = "kf_warp_sum" if warp else f"kf_block_sum<{nt}>"
-        kernel = render(_REGS, PARAMS=params, ARGS=args, SUM=sum_fn)
         grid = ceil_div(rn.rows, nt // (32 if warp else nt))
+        if algo == "block_pipe":
+            grid = min(grid, knobs["blocks"] * hw.sm_count)
+        pipe = {"GRID": grid} if algo == "block_pipe" else {}
+        consts = constants(NT=nt, LANES=32 if warp else nt, **pipe, **common)
+        sum_fn = "kf_warp_sum" if warp else f"kf_block_sum<{nt}>"
+        kernel = render(_ROW + (_PIPE if algo == "block_pipe" else _REGS), PARAMS=params, ARGS=args, SUM=sum_fn)
     else:
         nt = knobs["threads"]
         consts = constants(NT=nt, **common)
@@ -240,6 +281,6 @@ def family(name: str, ops: frozenset[str], problem):
         return p if isinstance(p, str) else None
 
     return Family(name, ops, check,
-                  lambda card, hw: spaces(card, problem(card)),
+                  lambda card, hw: spaces(card, problem(card), hw),
                   lambda card, hw: default(card, problem(card), hw),
-                  lambda card, knobs, hw: build(name, card, problem(card), knobs))
+                  lambda card, knobs, hw: build(name, card, problem(card), knobs, hw))
