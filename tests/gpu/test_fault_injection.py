@@ -81,4 +81,6 @@ def test_every_guard_row_in_one_pool(tmp_path):
     assert restarts >= 5  # two faults and two hangs each cost a worker; the pool went on
     for name in ("relu_good", "softmax_good"):
         r = results[name]
-        assert r.max_abs_err is not None and r.kernel_us and r.eager_us and "kernel_alone" in r.evidence
+        assert r.max_abs_err is not None and r.kernel_us and r.eager_us
+        # Only a candidate faster than eager is timed alone too; a slower one stops there.
+        assert ("kernel_alone" in r.evidence) == (r.verdict.value == "valid"), (name, r.verdict, r.evidence)
