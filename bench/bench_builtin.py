@@ -29,7 +29,8 @@ from kforge.cards import empty_like_meta, faithful_clone  # noqa: E402
 from kforge.errors import KforgeError, ProposerError  # noqa: E402
 from kforge.hardware import current  # noqa: E402
 from kforge.proposers.base import ProposalContext, Tried  # noqa: E402
-from kforge.proposers.builtin import BuiltinProposer  # noqa: E402
+from kforge.proposers.builtin import BuiltinProposer, space  # noqa: E402
+from kforge.proposers.builtin.proposer import family_for  # noqa: E402
 from kforge.verdict import EvalResult, Verdict  # noqa: E402
 
 BIG = (8192, 11008)
@@ -45,6 +46,9 @@ CASES = {
     "rms_norm 8192x4096 bf16": (lambda: rms(8192, 4096, BF16), ("floor", 0.8)),
     "softmax 1x8x2048x2048 fp32 (gemma attention)": (lambda: softmax(1, 8, 2048, 2048), None),
     "softmax 1024x128 fp32 (qwen-moe router)": (lambda: softmax(1024, 128), None),
+    # The casts around Gemma's fp32 softmax (F.softmax(x, dtype=torch.float32).to(bf16)).
+    "_to_copy 1x8x2048x2048 bf16->fp32": (lambda: make_card(A._to_copy.default, meta(1, 8, 2048, 2048, dtype=BF16), dtype=F32), None),
+    "_to_copy 1x8x2048x2048 fp32->bf16": (lambda: make_card(A._to_copy.default, meta(1, 8, 2048, 2048), dtype=BF16), None),
     "group_norm 2x512x64x64 fp16": (lambda: gn(2, 512, 64, 64, 32, F16), None),
     "adaptive_avg_pool2d 1x2048x7x7 fp32": (lambda: make_card(A._adaptive_avg_pool2d.default, meta(1, 2048, 7, 7), [1, 1]), None),
     "adaptive_avg_pool2d 128x2048x7x7 bf16": (lambda: make_card(A._adaptive_avg_pool2d.default, meta(128, 2048, 7, 7, dtype=BF16), [1, 1]), None),
@@ -95,18 +99,42 @@ def correct(card, cand, inputs) -> bool:
     return True
 
 
+def survey(card, hw) -> list[dict]:
+    """One setting of each algorithm besides the default's, as near the default as its knob
+    space allows (the widest vector, else the middle value), so a short sweep measures every
+    algorithm once before it climbs from the best."""
+    fam = family_for(card)
+    first = fam.default(card, hw)
+    out = []
+    for sp in fam.spaces(card, hw):
+        if sp["algo"][0] == first["algo"]:
+            continue
+        out.append({n: first[n] if first.get(n) in vals else vals[-1] if n == "vec" else vals[len(vals) // 2]
+                    for n, vals in sp.items()})
+    return out
+
+
 def sweep(card, hw, inputs, budget: int):
-    """Hill climbing over knobs: returns (best candidate, its sweep time, candidates tried)."""
+    """Hill climbing over knobs: (best candidate, its sweep time, candidates tried, what
+    each measured). The default comes first, then one setting of every other algorithm,
+    then revisions of the best so far."""
     proposer = BuiltinProposer()
     rng = random.Random(0)
     tried: set[str] = set()
     best, best_us, n = None, float("inf"), 0
     failures: list[Tried] = []
+    log: list[dict] = []
+    queued = survey(card, hw)
     while n < budget:
         ctx = ProposalContext(card=card, hardware=hw, parent=best and Tried(best, EvalResult(Verdict.VALID)),
                               sibling_failures=failures, tried_digests=tried, rng=rng)
         try:
-            cand = proposer.propose(ctx).candidate
+            if n and queued:
+                cand = family_for(card).build(card, queued.pop(0), hw)
+                if cand.digest() in tried:
+                    continue
+            else:
+                cand = proposer.propose(ctx).candidate
         except ProposerError:
             break
         tried.add(cand.digest())
@@ -114,15 +142,28 @@ def sweep(card, hw, inputs, budget: int):
         try:
             ok = correct(card, cand, inputs)
             us = timing.time_fns([Runner(card, cand, [faithful_clone(t) for t in inputs])], **SWEEP_TIMING)[0].median if ok else None
+            log.append({"knobs": cand.knobs, "us": us, "error": None if ok else "incorrect"})
         except KforgeError as e:
             print(f"    failed {cand.knobs}: {str(e).splitlines()[0]}")
             ok, us = False, None
+            log.append({"knobs": cand.knobs, "us": None, "error": str(e).splitlines()[0][:200]})
         if not ok:
             failures.append(Tried(cand, EvalResult(Verdict.INCORRECT)))
             continue
         if us < best_us:
             best, best_us, failures = cand, us, []
-    return best, best_us, n
+    return best, best_us, n, log
+
+
+def best_per_algo(tried: list[dict]) -> dict:
+    """algorithm -> its fastest sweep time (None where every setting of it failed)."""
+    out: dict = {}
+    for t in tried:
+        a, us = t["knobs"].get("algo"), t["us"]
+        if us is not None and (out.get(a) is None or us < out[a]):
+            out[a] = us
+        out.setdefault(a, None)
+    return out
 
 
 def eager_fn(card, inputs):
@@ -156,7 +197,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "builtin_h200.json"))
     ap.add_argument("--budget", type=int, default=50, help="candidates per card (default 50)")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile (saves its compile time)")
-    ap.add_argument("--only", default="", help="run only cases whose name contains this")
+    ap.add_argument("--only", default="", help="run only cases whose name contains one of these '|'-separated strings")
     opts = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -165,12 +206,12 @@ def main(argv=None) -> int:
     rows = []
     start = time.perf_counter()
     for name, (make, target) in CASES.items():
-        if opts.only not in name:
+        if not any(part in name for part in opts.only.split("|")):
             continue
         card = make()
         inputs = card.random_inputs(0, "cuda")
         print(f"{name}: sweeping")
-        best, sweep_us, n = sweep(card, hw, inputs, opts.budget)
+        best, sweep_us, n, tried = sweep(card, hw, inputs, opts.budget)
         fns = [eager_fn(card, [faithful_clone(t) for t in inputs])]
         if best is not None:
             fns.append(Runner(card, best, [faithful_clone(t) for t in inputs]))
@@ -187,13 +228,16 @@ def main(argv=None) -> int:
                "kernel_frac": floor / kernel_us if kernel_us else None,
                "speedup": eager_us / kernel_us if kernel_us else None,
                "speedup_vs_compile": compile_us / kernel_us if kernel_us and compile_us else None,
-               "knobs": best.knobs if best else None, "candidates": n, "target": target}
+               "knobs": best.knobs if best else None, "candidates": n, "target": target,
+               "best_per_algo": best_per_algo(tried), "tried": tried}
         if target and kernel_us:
             kind, value = target
             row["target_met"] = (row["speedup"] if kind == "speedup" else row["kernel_frac"]) >= value
         rows.append(row)
         print(f"  eager {eager_us:.1f} us, kernel {kernel_us or float('nan'):.1f} us, floor {floor:.1f} us, "
               f"{n} candidates, best {row['knobs']}")
+        print("  best per algorithm (sweep us): " + ", ".join(f"{a} {'failed' if u is None else f'{u:.1f}'}"
+                                                          for a, u in row["best_per_algo"].items()))
         # Written after every case, so a run cut short by its time limit keeps what it measured.
         out = Path(opts.out)
         out.parent.mkdir(parents=True, exist_ok=True)

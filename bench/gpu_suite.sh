@@ -6,7 +6,8 @@
 # the same time, one GPU each; with one GPU, one after the other. Sizing: T_TESTS, T_BUILTIN,
 # T_MODEL (per model; T_<name> for one), T_DISPATCH seconds; BUDGET (candidates per built-in card), ITERS
 # (search iterations per model card), WALL (search seconds per model), COMPILE=1 (time
-# torch.compile too), GPU_TESTS (test paths) and TESTS_K (a pytest -k expression).
+# torch.compile too), GPU_TESTS (test paths) and TESTS_K (a pytest -k expression). ONLY and
+# ONLY2 pick the built-in cases of items builtin and builtin2 ('|' between name parts).
 source bench/device_setup.sh
 set +e  # a step that fails or runs out of time must not stop the steps after it
 step() {  # step LOG NAME SECONDS CMD...
@@ -32,6 +33,9 @@ lane() {  # lane LOG ITEM...: run the items in order
                ${GPU_TESTS:-tests/gpu} ${TESTS_K:+-k "$TESTS_K"} ;;
       builtin) step "$log" builtin "${T_BUILTIN:-120}" python3 bench/bench_builtin.py --budget "${BUDGET:-12}" \
                  $no_compile_flag ${ONLY:+--only "$ONLY"} --out "$OUT/builtin_h200.json" ;;
+      # The same with its own case filter and file, for splitting the cases over both lanes.
+      builtin2) step "$log" builtin2 "${T_BUILTIN2:-${T_BUILTIN:-120}}" python3 bench/bench_builtin.py --budget "${BUDGET:-12}" \
+                  $no_compile_flag ${ONLY2:+--only "$ONLY2"} --out "$OUT/builtin2_h200.json" ;;
       dispatch) step "$log" dispatch "${T_DISPATCH:-40}" python3 bench/bench_dispatch.py --iterations 4 \
                   --out "$OUT/dispatch_h200.json" ;;
       sd_vae) model "$log" sd_vae examples/sd_vae_decoder.py --min-share 0.02 ;;
