@@ -125,7 +125,7 @@ SPREAD = {
     "layer_norm_odd": lambda: ln(5, 231),
     "layer_norm_no_affine_f16": lambda: ln(17, 768, F16, affine=False),
     "layer_norm_long": lambda: ln(3, 50000),
-    "layer_norm_many_rows": lambda: ln(1111, 1000),  # block_pipe: ragged rows per block and row tail
+    "layer_norm_many_rows": lambda: ln(1111, 1000),
     "rms_norm_bf16": lambda: rms(8192, 4096, BF16),
     "rms_norm_no_eps": lambda: rms(9, 100, eps=None),
     "rms_norm_many_rows_f16": lambda: rms(3000, 777, F16, affine=False),

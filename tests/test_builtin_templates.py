@@ -359,23 +359,21 @@ def test_group_norm_coop_needs_a_grid_that_can_be_resident():
     assert s["threads"] == (256, 512, 1024) and s["hold"] == gn_family.HOLDS
 
 
-@pytest.mark.parametrize("name", ["layer_norm_bf16", "layer_norm_many_rows", "rms_norm_many_rows_f16"])
-def test_block_pipe_loops_a_fixed_grid_over_the_rows(name):
+@pytest.mark.parametrize("name", ["layer_norm_bf16", "layer_norm_many_rows", "layer_norm_odd"])
+def test_layer_norm_welford_stats_are_one_block_reduction(name):
+    """block_regs offers two-pass and Welford statistics for layer_norm (rms_norm has no
+    mean to take); each compiles and differs only in that."""
     card = SPREAD[name]()
     fam = family_for(card)
-    (s,) = [s for s in fam.spaces(card, H200) if s["algo"] == ("block_pipe",)]
-    rows = card.inputs[0].numel // card.inputs[0].shape[-1]
-    for knobs in knob_space.configs(s):
-        cand = fam.build(card, knobs, H200)
-        (k,) = cand.plan.kernels
-        assert k.grid == (min(rows, knobs["blocks"] * H200.sm_count), 1, 1) and k.block[0] == knobs["threads"]
-        assert f"constexpr int GRID = {k.grid[0]};" in cand.source
-    assert compiler.compile(cand.source, options=cand.plan.options, arch="sm_90").cubin
-
-
-def test_block_pipe_needs_rows_for_every_block():
-    assert not any(s["algo"] == ("block_pipe",) for s in family_for(SPREAD["layer_norm_odd"]()).spaces(
-        SPREAD["layer_norm_odd"](), H200))
+    (s,) = [s for s in fam.spaces(card, H200) if s["algo"] == ("block_regs",)]
+    assert s["stats"] == ("two_pass", "welford")
+    base = {k: v[-1] for k, v in s.items()}
+    two, one = (fam.build(card, {**base, "stats": st}, H200) for st in s["stats"])
+    assert "constexpr bool WELFORD = false;" in two.source and "constexpr bool WELFORD = true;" in one.source
+    assert f"kf_block_welford<{base['threads']}>(kf_welford{{" in one.source
+    assert compiler.compile(one.source, options=one.plan.options, arch="sm_90").cubin
+    rms = SPREAD["rms_norm_many_rows_f16"]()
+    assert all("stats" not in s for s in family_for(rms).spaces(rms, H200))
 
 
 def test_split_regs_needs_long_rows_and_registers_bound_the_split():

@@ -219,6 +219,7 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) kf_gn_coop(@PARAMS@) {
     while (*reinterpret_cast<volatile unsigned*>(&count[ng]) < (unsigned)S) __nanosleep(64);
     __threadfence();
   }
+  __syncthreads();  // no thread reads a partial before thread 0 has seen them all published
   // Every block of the group has published: merge its S partials (from L2: L1 is not
   // coherent across SMs). The last chunk may be short; its count is what it covered.
   kf_welford t = {0.f, 0.f, 0.f};
@@ -227,7 +228,7 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) kf_gn_coop(@PARAMS@) {
     const float n = float(EXACT || (kf_i64)(j + 1) * CH <= GROUP ? CH : GROUP - (kf_i64)j * CH);
     t = kf_welford_merge(t, kf_welford{n, q.x, q.y});
   }
-  t = kf_block_welford<NT>(t);  // its leading barrier also orders the spin before the reads
+  t = kf_block_welford<NT>(t);
   const float mean = t.mean, rstd = rsqrtf(fmaxf(t.m2 / GROUP, 0.f) + EPS);
   kf_gn_fold(weight, bias, mean_out, rstd_out, ng, mean, rstd, scale, shift);
 #pragma unroll UNROLL

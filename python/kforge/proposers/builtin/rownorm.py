@@ -5,9 +5,6 @@ Algorithms:
   warp        a warp per row, row in registers, two-pass statistics (mean, then squared
               deviations from it: exact where sum/sum-of-squares would cancel);
   block_regs  a block per row, row in registers, two-pass;
-  block_pipe  block_regs with a fixed grid of BLOCKS per SM looping over rows: the next
-              row's loads are issued before this row's reductions and stores, so HBM
-              reads never wait on a reduction (two rows in registers);
   block_online  a block per row for rows too long for registers: Welford (or sum of
               squares for RMS) in one read, a second read (mostly from L2) to write.
 rstd = rsqrt(var + eps) with the biased variance, as torch computes it on CUDA.
@@ -64,7 +61,7 @@ def _regs(cols: int, lanes: int, v: int) -> int:
     return ceil_div(cols, lanes * v) * v
 
 
-def spaces(card: Card, rn: RowNorm, hw: Hardware) -> list[KnobSpace]:
+def spaces(card: Card, rn: RowNorm) -> list[KnobSpace]:
     vecs = _vecs(card, rn)
     out: list[KnobSpace] = []
     if max(_regs(rn.cols, 32, v) for v in vecs) <= MAX_REGS:
@@ -72,23 +69,23 @@ def spaces(card: Card, rn: RowNorm, hw: Hardware) -> list[KnobSpace]:
     useful = tuple(t for t in (64, 128, 256, 512, 1024) if t <= max(64, rn.cols))
     regs_threads = tuple(t for t in useful if all(_regs(rn.cols, t, v) <= MAX_REGS for v in vecs))
     if regs_threads:
-        out.append({"algo": ("block_regs",), "threads": regs_threads, "vec": vecs})
-    # Two rows in registers; worth a loop only when every block gets a few rows.
-    pipe_threads = tuple(t for t in useful if all(2 * _regs(rn.cols, t, v) <= MAX_REGS for v in vecs))
-    if pipe_threads and rn.rows >= 4 * hw.sm_count:
-        out.append({"algo": ("block_pipe",), "threads": pipe_threads, "blocks": (1, 2, 4, 8), "vec": vecs})
+        # layer_norm: mean then squared deviations (two block reductions), or each thread's
+        # exact (count, mean, M2) merged in one Welford block reduction (one barrier round).
+        stats = {} if rn.rms else {"stats": ("two_pass", "welford")}
+        out.append({"algo": ("block_regs",), "threads": regs_threads, "vec": vecs, **stats})
     out.append({"algo": ("block_online",), "threads": useful, "vec": vecs})
     return out
 
 
 def default(card: Card, rn: RowNorm, hw: Hardware) -> Knobs:
-    by_algo = {s["algo"][0]: s for s in spaces(card, rn, hw)}
+    by_algo = {s["algo"][0]: s for s in spaces(card, rn)}
     vec = _vecs(card, rn)[-1]
     if "warp" in by_algo and rn.cols <= 1024:
         return {"algo": "warp", "warps": 4, "vec": vec}
     if "block_regs" in by_algo:
         # ~16 values per thread: enough bytes in flight per SM without spilling.
-        return {"algo": "block_regs", "threads": pick(by_algo["block_regs"]["threads"], rn.cols // 16), "vec": vec}
+        stats = {} if rn.rms else {"stats": "two_pass"}
+        return {"algo": "block_regs", "threads": pick(by_algo["block_regs"]["threads"], rn.cols // 16), "vec": vec, **stats}
     return {"algo": "block_online", "threads": pick(by_algo["block_online"]["threads"], 512), "vec": vec}
 
 
@@ -115,7 +112,7 @@ __device__ __forceinline__ void kf_stats(@PARAMS@, kf_i64 row, float mean, float
 """
 
 # One row held in registers by LANES threads: two-pass statistics, then the normalized
-# store (shared by warp, block_regs and block_pipe). Every lane takes part in the sums.
+# store (shared by warp and block_regs). Every lane takes part in the sums.
 _ROW = r"""
 constexpr int IT = (C + LANES * V - 1) / (LANES * V);
 
@@ -133,24 +130,50 @@ __device__ __forceinline__ void kf_row_load(const Tx* __restrict__ x, kf_i64 row
 }
 
 __device__ __forceinline__ void kf_row(@PARAMS@, kf_i64 row, int lane, float (&v)[IT][V]) {
-  float mean = 0.f;
-  if (!RMS) {
+  float mean = 0.f, rstd;
+  if (WELFORD) {
+    // This thread's values exactly (two-pass), then one merge across the row.
     float s = 0.f;
+    int n = 0;
 #pragma unroll
-    for (int it = 0; it < IT; ++it)
+    for (int it = 0; it < IT; ++it) {
+      if ((it * LANES + lane) * V < C) {
+        n += V;
 #pragma unroll
-      for (int j = 0; j < V; ++j) s += v[it][j];
-    mean = @SUM@(s) / C;
-  }
-  float q = 0.f;
-#pragma unroll
-  for (int it = 0; it < IT; ++it) {
-    if ((it * LANES + lane) * V < C) {
-#pragma unroll
-      for (int j = 0; j < V; ++j) q += (v[it][j] - mean) * (v[it][j] - mean);
+        for (int j = 0; j < V; ++j) s += v[it][j];
+      }
     }
+    const float m = n ? s / n : 0.f;
+    float q = 0.f;
+#pragma unroll
+    for (int it = 0; it < IT; ++it) {
+      if ((it * LANES + lane) * V < C) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) q += (v[it][j] - m) * (v[it][j] - m);
+      }
+    }
+    const kf_welford w = @WELFORD_FN@(kf_welford{float(n), m, q});
+    mean = w.mean;
+    rstd = rsqrtf(w.m2 / C + EPS);
+  } else {
+    if (!RMS) {
+      float s = 0.f;
+#pragma unroll
+      for (int it = 0; it < IT; ++it)
+#pragma unroll
+        for (int j = 0; j < V; ++j) s += v[it][j];
+      mean = @SUM@(s) / C;
+    }
+    float q = 0.f;
+#pragma unroll
+    for (int it = 0; it < IT; ++it) {
+      if ((it * LANES + lane) * V < C) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) q += (v[it][j] - mean) * (v[it][j] - mean);
+      }
+    }
+    rstd = rsqrtf(@SUM@(q) / C + EPS);
   }
-  const float rstd = rsqrtf(@SUM@(q) / C + EPS);
   if (row >= R) return;
   if (lane == 0) kf_stats(@ARGS@, row, mean, rstd);
 #pragma unroll
@@ -168,25 +191,6 @@ extern "C" __global__ void __launch_bounds__(NT) kf_rownorm(@PARAMS@) {
   float v[IT][V];
   kf_row_load(x, row, lane, v);
   kf_row(@ARGS@, row, lane, v);
-}
-"""
-
-# A fixed grid of GRID blocks, rows row, row + GRID, ...: two register buffers in turn,
-# the next row's loads in flight while this row is reduced and stored.
-_PIPE = r"""
-extern "C" __global__ void __launch_bounds__(NT) kf_rownorm(@PARAMS@) {
-  float a[IT][V], b[IT][V];
-  kf_i64 row = blockIdx.x;
-  kf_row_load(x, row, threadIdx.x, a);
-  while (row < R) {
-    kf_row_load(x, row + GRID, threadIdx.x, b);  // zeros past the last row
-    kf_row(@ARGS@, row, threadIdx.x, a);
-    row += GRID;
-    if (row >= R) break;
-    kf_row_load(x, row + GRID, threadIdx.x, a);
-    kf_row(@ARGS@, row, threadIdx.x, b);
-    row += GRID;
-  }
 }
 """
 
@@ -226,7 +230,7 @@ extern "C" __global__ void __launch_bounds__(NT) kf_rownorm(@PARAMS@) {
 """
 
 
-def build(family: str, card: Card, rn: RowNorm, knobs: Knobs, hw: Hardware):
+def build(family: str, card: Card, rn: RowNorm, knobs: Knobs):
     algo, v = knobs["algo"], knobs["vec"]
     y = card.outputs[0]
     names = [("x", "Tx", {"in": 0})]
@@ -252,16 +256,15 @@ def build(family: str, card: Card, rn: RowNorm, knobs: Knobs, hw: Hardware):
         absent += "constexpr Tm* mean_out = nullptr;\n"
     common = dict(R=rn.rows, C=rn.cols, V=v, EPS=float(rn.eps), RMS=rn.rms, HAS_W=rn.weight is not None,
                   HAS_B=rn.bias is not None)
-    if algo in ("warp", "block_regs", "block_pipe"):
+    if algo in ("warp", "block_regs"):
         warp = algo == "warp"
         nt = 32 * knobs["warps"] if warp else knobs["threads"]
         grid = ceil_div(rn.rows, nt // (32 if warp else nt))
-        if algo == "block_pipe":
-            grid = min(grid, knobs["blocks"] * hw.sm_count)
-        pipe = {"GRID": grid} if algo == "block_pipe" else {}
-        consts = constants(NT=nt, LANES=32 if warp else nt, **pipe, **common)
+        welford = knobs.get("stats") == "welford"
+        consts = constants(NT=nt, LANES=32 if warp else nt, WELFORD=welford, **common)
         sum_fn = "kf_warp_sum" if warp else f"kf_block_sum<{nt}>"
-        kernel = render(_ROW + (_PIPE if algo == "block_pipe" else _REGS), PARAMS=params, ARGS=args, SUM=sum_fn)
+        welford_fn = "kf_warp_welford" if warp else f"kf_block_welford<{nt}>"
+        kernel = render(_ROW + _REGS, PARAMS=params, ARGS=args, SUM=sum_fn, WELFORD_FN=welford_fn)
     else:
         nt = knobs["threads"]
         consts = constants(NT=nt, **common)
@@ -281,6 +284,6 @@ def family(name: str, ops: frozenset[str], problem):
         return p if isinstance(p, str) else None
 
     return Family(name, ops, check,
-                  lambda card, hw: spaces(card, problem(card), hw),
+                  lambda card, hw: spaces(card, problem(card)),
                   lambda card, hw: default(card, problem(card), hw),
-                  lambda card, knobs, hw: build(name, card, problem(card), knobs, hw))
+                  lambda card, knobs, hw: build(name, card, problem(card), knobs))
