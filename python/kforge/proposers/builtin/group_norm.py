@@ -27,6 +27,7 @@ from .family import Family, Knobs, KnobSpace, candidate, launch, pick
 
 OPS = frozenset({"aten::native_group_norm.default"})
 HOLDS = (0, 8, 16, 32)  # coop: fp32 values a thread keeps in registers between its two passes
+STASHES = (0, 16, 32, 48)  # coop: fp32 values a thread keeps in shared memory between them
 COOP_THREADS = (256, 512, 1024)
 STREAM = 16  # coop: values of streamed loads a thread keeps in flight beside HOLD (half at 32 registers)
 
@@ -78,11 +79,22 @@ def _resident(hold: int) -> int:
     return 2048 if hold == 0 else 1024
 
 
-def _coop_geometry(p, hw: Hardware, nt: int, hold: int, v: int) -> tuple[int, int, int, int]:
+def _block_smem(p, nt: int, stash: int) -> int:
+    """coop: shared memory of a block: its stash, scale/shift, reduction scratch, and the
+    1 KB the driver reserves per block."""
+    return stash * nt * 4 + 8 * (p["C"] // p["G"]) + 512 + 1024
+
+
+def _blocks_per_sm(p, hw: Hardware, nt: int, hold: int, stash: int) -> int:
+    """coop: blocks of nt threads an SM holds at once, by registers and by shared memory."""
+    return min(_resident(hold) // nt, (hw.smem_per_block + 1024) // _block_smem(p, nt, stash))
+
+
+def _coop_geometry(p, hw: Hardware, nt: int, hold: int, v: int, stash: int = 0) -> tuple[int, int, int, int]:
     """(S, CH, ITER, MINB): chunks per group so that every block is resident at once, the
     chunk length (whole vector loads of the block), the vector loads per thread, and the
     blocks per SM that __launch_bounds__ must leave room for."""
-    bps = _resident(hold) // nt
+    bps = _blocks_per_sm(p, hw, nt, hold, stash)
     group = p["C"] // p["G"] * p["HW"]
     most = max(1, bps * hw.sm_count // (p["N"] * p["G"]))
     # Whole chunks (no bounds checks) if a split of at least half the most allows them.
@@ -98,15 +110,23 @@ def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
     out = [{"algo": ("split",), "split": _splits(p, vecs[-1]) or (1,), "threads": (128, 256, 512), "vec": vecs}]
     # Every (threads, hold) pair must leave the whole grid resident: at least one block per
     # SM for each (sample, group) at the smallest residency (1024 threads per SM).
+    # A stash must leave each of those blocks room in shared memory too.
     coop_threads = tuple(t for t in COOP_THREADS if (1024 // t) * hw.sm_count >= p["N"] * p["G"])
-    if coop_threads:
-        out.append({"algo": ("coop",), "threads": coop_threads, "hold": HOLDS, "vec": vecs})
+    stashes = tuple(st for st in STASHES if all(_blocks_per_sm(p, hw, t, h, st) * hw.sm_count >= p["N"] * p["G"]
+                                                 for t in coop_threads for h in HOLDS))
+    if coop_threads and stashes:
+        out.append({"algo": ("coop",), "threads": coop_threads, "hold": HOLDS, "stash": stashes, "vec": vecs})
     return out
 
 
 def default(card: Card, hw: Hardware) -> Knobs:
     p = _problem(card)
-    space = spaces(card, hw)[0]
+    by_algo = {s["algo"][0]: s for s in spaces(card, hw)}
+    if "coop" in by_algo:
+        # Measured on the H200 (2026-11-30): ahead of split at all three benchmark shapes.
+        s = by_algo["coop"]
+        return {"algo": "coop", "threads": pick(s["threads"], 512), "hold": 32, "stash": 0, "vec": s["vec"][-1]}
+    space = by_algo["split"]
     want = 4 * hw.sm_count / (p["N"] * p["G"])  # ~4 blocks per SM
     return {"algo": "split", "split": pick(space["split"], want), "threads": 256, "vec": space["vec"][-1]}
 
@@ -180,10 +200,14 @@ extern "C" __global__ void __launch_bounds__(NT) kf_gn_apply(@PARAMS@) {
 _COOP = r"""
 constexpr bool EXACT = GROUP % CH == 0;   // every chunk full: no bounds checks
 constexpr int KEEP = HOLD / V < ITER ? HOLD / V : ITER;  // vector loads held in registers
+constexpr int KS = STASH / V < ITER - KEEP ? STASH / V : ITER - KEEP;  // then in shared memory
 constexpr int UNROLL = STREAM / V;  // streamed loads in flight per thread: STREAM values
+constexpr int UNROLL_STASH = (UNROLL + 1) / 2;  // half as many where each also goes to shared memory
 
 extern "C" __global__ void __launch_bounds__(NT, MINB) kf_gn_coop(@PARAMS@) {
   __shared__ float scale[CG], shift[CG];
+  extern __shared__ float4 kf_stash_[];  // KS vectors per thread, [k][thread][V]
+  float* stash = reinterpret_cast<float*>(kf_stash_);
   unsigned* count = reinterpret_cast<unsigned*>(ws);                   // N*G counters
   float2* part = reinterpret_cast<float2*>(ws + CNT_WORDS);           // then N*G x S partials
   const kf_i64 ng = blockIdx.y;
@@ -202,8 +226,18 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) kf_gn_coop(@PARAMS@) {
     const kf_i64 i = ((kf_i64)k * NT + threadIdx.x) * V;
     if (EXACT || i < len) w = kf_welford_merge(w, kf_welford_of<V>(r[k]));
   }
+#pragma unroll UNROLL_STASH
+  for (int k = KEEP; k < KEEP + KS; ++k) {  // to shared memory
+    const kf_i64 i = ((kf_i64)k * NT + threadIdx.x) * V;
+    if (EXACT || i < len) {
+      float v[V];
+      kf_load<Tx, V>(x + base + i, v);
+      w = kf_welford_merge(w, kf_welford_of<V>(v));
+      kf_store<float, V>(stash + ((k - KEEP) * NT + threadIdx.x) * V, v);
+    }
+  }
 #pragma unroll UNROLL
-  for (int k = KEEP; k < ITER; ++k) {
+  for (int k = KEEP + KS; k < ITER; ++k) {  // streamed
     const kf_i64 i = ((kf_i64)k * NT + threadIdx.x) * V;
     if (EXACT || i < len) {
       float v[V];
@@ -232,11 +266,24 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) kf_gn_coop(@PARAMS@) {
   const float mean = t.mean, rstd = rsqrtf(fmaxf(t.m2 / GROUP, 0.f) + EPS);
   kf_gn_fold(weight, bias, mean_out, rstd_out, ng, mean, rstd, scale, shift);
 #pragma unroll UNROLL
-  for (int k = ITER - 1; k >= KEEP; --k) {  // last read first
+  for (int k = ITER - 1; k >= KEEP + KS; --k) {  // last read first
     const kf_i64 i = ((kf_i64)k * NT + threadIdx.x) * V;
     if (EXACT || i < len) {
       float v[V];
       kf_load<Tx, V>(x + base + i, v);
+      const int c = (int)((lo + i) / HW);
+      const float a = scale[c], b = shift[c];
+#pragma unroll
+      for (int j = 0; j < V; ++j) v[j] = v[j] * a + b;
+      kf_store<Ty, V>(y + base + i, v);
+    }
+  }
+#pragma unroll UNROLL
+  for (int k = KEEP; k < KEEP + KS; ++k) {  // from shared memory (each thread its own)
+    const kf_i64 i = ((kf_i64)k * NT + threadIdx.x) * V;
+    if (EXACT || i < len) {
+      float v[V];
+      kf_load<float, V>(stash + ((k - KEEP) * NT + threadIdx.x) * V, v);
       const int c = (int)((lo + i) / HW);
       const float a = scale[c], b = shift[c];
 #pragma unroll
@@ -282,13 +329,14 @@ def build(card: Card, knobs: Knobs, hw: Hardware):
                   HAS_W=p["weight"] is not None, HAS_B=p["bias"] is not None)
     args = [a for _, _, a in names]
     if coop:
-        s, ch, it, minb = _coop_geometry(p, hw, nt, knobs["hold"], v)
+        stash = knobs.get("stash", 0)
+        s, ch, it, minb = _coop_geometry(p, hw, nt, knobs["hold"], v, stash)
         ng = p["N"] * p["G"]
         cnt_words = ceil_div(ng, 2) * 2
-        consts = constants(S=s, CH=ch, ITER=it, HOLD=knobs["hold"], MINB=minb, CNT_WORDS=cnt_words,
+        consts = constants(S=s, CH=ch, ITER=it, HOLD=knobs["hold"], STASH=stash, MINB=minb, CNT_WORDS=cnt_words,
                            STREAM=max(STREAM // 2 if knobs["hold"] == 0 else STREAM, v), **common)
         body = "\n".join([constants(**types), consts, absent, render(_HEAD + _COOP, PARAMS=params)])
-        kernels = [launch("kf_gn_coop", [s, ng], [nt], args, cooperative=True)]
+        kernels = [launch("kf_gn_coop", [s, ng], [nt], args, smem=stash * nt * 4, cooperative=True)]
         ws = [{"bytes": cnt_words * 4 + ng * s * 8, "zero": True}]
     else:
         s = knobs["split"]
