@@ -112,8 +112,13 @@ Plan::Plan(std::vector<KernelSpec> kernels, std::vector<WorkspaceSpec> workspace
     if (k.fn.module->context() != ctx_)
       throw std::invalid_argument("kernel '" + k.fn.name + "' is loaded on another device than '" +
                                   kernels_.front().fn.name + "': a plan runs on one device");
-    if (k.smem > 48 * 1024) {
-      // Dynamic shared memory above 48 KB must be opted into per function.
+    int static_smem = 0;
+    if (k.smem > 0)
+      check(driver().cuFuncGetAttribute(&static_smem, CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, k.fn.fn),
+            "reading the static shared memory of '" + k.fn.name + "'");
+    if (k.smem + static_cast<size_t>(static_smem) > 48 * 1024) {
+      // A block's shared memory (static plus dynamic) above 48 KB must be opted into per
+      // function; without it even exactly 48 KB of dynamic memory cannot launch.
       check(driver().cuFuncSetAttribute(k.fn.fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                         static_cast<int>(k.smem)),
             "raising the dynamic shared memory limit of '" + k.fn.name + "' to " + std::to_string(k.smem));

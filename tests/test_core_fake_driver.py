@@ -290,3 +290,20 @@ def test_a_refused_cooperative_first_kernel_is_a_refusal_later_ones_are_errors(f
     assert out["later"][0] == 1 and out["later"][1].startswith("CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE")
     assert "refused before any kernel ran" not in out["later"][1]
     assert out["raised"].startswith("CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE") and out["log"] == "L"
+
+
+def test_shared_memory_over_48_kb_with_the_static_part_is_opted_into(fake_driver):
+    # Exactly 48 KB of dynamic shared memory plus a few hundred static bytes cannot launch
+    # without the opt-in (the H200 refused such a cooperative grid as too large).
+    out = _run(fake_driver, """
+    mod = runtime.load(b"cubin", 0)
+    fn = mod.function("k")
+    raised = {}
+    for static, dynamic in [(0, 48 * 1024), (400, 48 * 1024), (0, 100 * 1024), (400, 0)]:
+        fake.fake_set_static_smem(static)
+        C.Plan([(fn, [1], [32], dynamic, [("in", 0)])])
+        raised[f"{static}+{dynamic}"] = fake.fake_max_dynamic_smem()
+    print(json.dumps(raised))
+    """)
+    assert out == {"0+49152": -1, "400+49152": 49152, "0+102400": 102400, "400+0": -1}
+

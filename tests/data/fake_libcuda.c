@@ -22,6 +22,7 @@ static char g_log[1 << 16];
 static size_t g_log_len = 0;
 static int g_live_events = 0, g_live_modules = 0, g_fail_launch_after = -1, g_coop_too_large = 0;
 static float g_elapsed_ms = 1.0f;
+static int g_static_smem = 0, g_max_dynamic_smem = -1; /* per process: every function alike */
 
 static void log_op(char c) {
   if (g_log_len + 1 < sizeof g_log) g_log[g_log_len++] = c, g_log[g_log_len] = 0;
@@ -45,6 +46,8 @@ int fake_current(void) { return t_current ? t_current->device : -1; }
 void fake_fail_launch_after(int n) { g_fail_launch_after = n; }
 void fake_refuse_cooperative(int on) { g_coop_too_large = on; }
 void fake_set_elapsed_ms(float ms) { g_elapsed_ms = ms; }
+void fake_set_static_smem(int bytes) { g_static_smem = bytes; g_max_dynamic_smem = -1; }
+int fake_max_dynamic_smem(void) { return g_max_dynamic_smem; } /* -1: never raised */
 
 /* ---- driver API ---- */
 CUresult cuInit(unsigned flags) { return OK; }
@@ -94,9 +97,11 @@ CUresult cuModuleGetFunction(struct fn** f, struct mod* m, const char* name) {
   (*f)->mod = m;
   return OK;
 }
-CUresult cuFuncGetAttribute(int* v, int attr, struct fn* f) { *v = 0; return OK; }
+CUresult cuFuncGetAttribute(int* v, int attr, struct fn* f) { *v = attr == 1 ? g_static_smem : 0; return OK; }
 CUresult cuFuncSetAttribute(struct fn* f, int attr, int value) {
-  return t_current == f->mod->ctx ? OK : INVALID_CONTEXT;
+  if (t_current != f->mod->ctx) return INVALID_CONTEXT;
+  if (attr == 8) g_max_dynamic_smem = value; /* CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES */
+  return OK;
 }
 CUresult cuLaunchKernel(struct fn* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                         unsigned smem, void* stream, void** params, void** extra) {
