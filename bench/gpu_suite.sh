@@ -49,8 +49,8 @@ lane() {  # lane LOG ITEM...: run the items in order
     esac
   done
 }
-LANE_A=${LANE_A:-tests builtin}
-LANE_B=${LANE_B:-sd_vae gemma resnet50 qwen_moe dispatch}
+LANE_A=${LANE_A-tests builtin}  # set but empty: the lane runs nothing
+LANE_B=${LANE_B-sd_vae gemma resnet50 qwen_moe dispatch}
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 if [ "$ngpu" -ge 2 ]; then
   CUDA_VISIBLE_DEVICES=0 lane "$OUT/lane_a.log" $LANE_A & CUDA_VISIBLE_DEVICES=1 lane "$OUT/lane_b.log" $LANE_B & wait
