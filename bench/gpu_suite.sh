@@ -36,6 +36,7 @@ lane() {  # lane LOG ITEM...: run the items in order
       # The same with its own case filter and file, for splitting the cases over both lanes.
       builtin2) step "$log" builtin2 "${T_BUILTIN2:-${T_BUILTIN:-120}}" python3 bench/bench_builtin.py --budget "${BUDGET:-12}" \
                   $no_compile_flag ${ONLY2:+--only "$ONLY2"} --out "$OUT/builtin2_h200.json" ;;
+      probe) step "$log" probe "${T_PROBE:-60}" python3 bench/probe_long_rows.py --out "$OUT/probe_long_rows_h200.json" ;;
       dispatch) step "$log" dispatch "${T_DISPATCH:-40}" python3 bench/bench_dispatch.py --iterations 4 \
                   --out "$OUT/dispatch_h200.json" ;;
       sd_vae) model "$log" sd_vae examples/sd_vae_decoder.py --min-share 0.02 ;;

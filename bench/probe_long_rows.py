@@ -1,0 +1,114 @@
+"""Where the time of a long-row softmax goes (run on the GPU): softmax 8x262144 fp32 is at
+27 % of its HBM floor, so fixed costs, not bytes, decide it. This times the pieces apart,
+all in one interleaved run (GPU time, median, L2 flushed before every rep):
+
+  eager                 torch's softmax
+  empty launch          a kernel that does nothing, same grid as split_coop
+  copy                  8 MB in, 8 MB out in one launch: the best one kernel can do
+  split_regs            both kernels, then kernel 1 alone, then kernel 2 alone
+  split_coop            as shipped (workspace zeroed by a memset, then the kernel)
+  split_coop, no memset the same kernel with its counters left at S from the last launch:
+                        no memset and no waiting (its output is wrong; timing only)
+
+    python bench/probe_long_rows.py [--out bench/results/probe_long_rows_h200.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "python"), str(ROOT / "tests")]
+
+from builtin_cards import softmax  # noqa: E402
+from kforge import compiler, runtime, timing  # noqa: E402
+from kforge.candidate import Candidate, KernelLaunch, LaunchPlan  # noqa: E402
+from kforge.hardware import current  # noqa: E402
+from kforge.proposers.builtin import softmax as softmax_family  # noqa: E402
+
+ROWS, COLS = 8, 262144
+_COPY = r"""
+extern "C" __global__ void __launch_bounds__(256) kf_copy(const float4* __restrict__ x, float4* __restrict__ y) {
+  const long long i = (long long)blockIdx.x * 256 + threadIdx.x;
+  if (i < N4) y[i] = x[i];
+}
+extern "C" __global__ void kf_empty(const float* x, float* y) {}
+"""
+
+
+class Launch:
+    """A plan bound to fixed tensors: `fn()` launches it (workspaces allocated once)."""
+
+    def __init__(self, cand: Candidate, x: torch.Tensor, y: torch.Tensor):
+        cubin = compiler.compile(cand.source, options=cand.plan.options).cubin
+        self.plan = runtime.build_plan(cand, cubin, x.device.index or 0)
+        self.ws = runtime.alloc_workspaces(cand.plan, x.device)
+        self.x, self.y = x, y
+
+    def __call__(self):
+        runtime.launch(self.plan, [self.x], [self.y], self.ws)
+
+
+def with_plan(cand: Candidate, **changes) -> Candidate:
+    return dataclasses.replace(cand, plan=dataclasses.replace(cand.plan, **changes))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "probe_long_rows_h200.json"))
+    opts = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    hw = current()
+    card = softmax(ROWS, COLS)
+    x = torch.randn(ROWS, COLS, device="cuda")
+    y = torch.empty_like(x)
+
+    regs = softmax_family.build(card, {"algo": "split_regs", "split": 64, "threads": 256, "vec": 4}, hw)
+    coop = softmax_family.build(card, {"algo": "split_coop", "split": 32, "threads": 1024, "vec": 4}, hw)
+    n4 = ROWS * COLS // 4
+    io = [{"in": 0}, {"out": 0}]
+    plain = Candidate(source=f"constexpr long long N4 = {n4};\n" + _COPY, kind="custom", proposer="probe",
+                      plan=LaunchPlan([KernelLaunch("kf_copy", ((n4 + 255) // 256, 1, 1), (256, 1, 1), 0, io)]))
+    empty = with_plan(plain, kernels=[KernelLaunch("kf_empty", coop.plan.kernels[0].grid, coop.plan.kernels[0].block,
+                                                   0, io)])
+    (ws_bytes, _), = coop.plan.workspace_bytes()
+    no_memset = with_plan(coop, workspace=[{"bytes": ws_bytes, "zero": False}])
+    runs = {
+        "eager": lambda: torch._softmax(x, -1, False),
+        "empty launch": Launch(empty, x, y),
+        "copy 8 MB -> 8 MB": Launch(plain, x, y),
+        "split_regs": Launch(regs, x, y),
+        "split_regs kernel 1": Launch(with_plan(regs, kernels=regs.plan.kernels[:1]), x, y),
+        "split_regs kernel 2": Launch(with_plan(regs, kernels=regs.plan.kernels[1:]), x, y),
+        "split_coop": Launch(coop, x, y),
+    }
+    # The counters stay at S after one zeroed launch: every later launch passes its wait at once.
+    nm = Launch(no_memset, x, y)
+    for w in nm.ws:
+        w.zero_()
+    nm()
+    torch.cuda.synchronize()
+    runs["split_coop, no memset, no wait"] = nm
+    ms = timing.time_fns(list(runs.values()))
+    rows = {name: {"median_us": m.median, "iqr_us": m.iqr} for name, m in zip(runs, ms)}
+    floor = hw.floor_us(2 * ROWS * COLS * 4)
+    for name, r in rows.items():
+        print(f"{name:32s} {r['median_us']:8.2f} us  (iqr {r['iqr_us']:.2f})")
+    print(f"{'HBM floor':32s} {floor:8.2f} us")
+    out = Path(opts.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                               "card": card.summary(), "floor_us": floor, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
