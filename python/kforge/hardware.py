@@ -15,6 +15,15 @@ class Hardware:
     mem_bytes: int
     bandwidth: float  # bytes/s, measured copy bandwidth where known
 
+    @property
+    def max_threads_per_sm(self) -> int:
+        """Resident threads an SM holds: 2048 on sm_80/sm_90/sm_100, 1536 on the consumer
+        and workstation parts (sm_86, sm_87, sm_89, sm_12x), 1024 on sm_75."""
+        cc = int(self.arch.removeprefix("sm_").rstrip("a"))
+        if cc in (86, 87, 89) or cc >= 120:
+            return 1536
+        return 1024 if cc == 75 else 2048
+
     def floor_us(self, nbytes: int) -> float:
         """Time to move nbytes at the copy bandwidth: no kernel that must move them beats it."""
         return nbytes / self.bandwidth * 1e6

@@ -73,10 +73,10 @@ def _splits(p, vmax: int) -> tuple:
     return tuple(s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if group % (s * vmax) == 0 and group // s >= 256)
 
 
-def _resident(hold: int) -> int:
+def _resident(hold: int, hw: Hardware) -> int:
     """coop: threads per SM the register budget allows (65536 registers) with `hold` values
-    held per thread on top of ~30 for the rest of the kernel."""
-    return 2048 if hold == 0 else 1024
+    held per thread on top of ~30 for the rest of the kernel, at most what the SM holds."""
+    return min(2048 if hold == 0 else 1024, hw.max_threads_per_sm)
 
 
 def _block_smem(p, nt: int, stash: int) -> int:
@@ -87,7 +87,7 @@ def _block_smem(p, nt: int, stash: int) -> int:
 
 def _blocks_per_sm(p, hw: Hardware, nt: int, hold: int, stash: int) -> int:
     """coop: blocks of nt threads an SM holds at once, by registers and by shared memory."""
-    return min(_resident(hold) // nt, (hw.smem_per_block + 1024) // _block_smem(p, nt, stash))
+    return min(_resident(hold, hw) // nt, (hw.smem_per_block + 1024) // _block_smem(p, nt, stash))
 
 
 def _coop_geometry(p, hw: Hardware, nt: int, hold: int, v: int, stash: int = 0) -> tuple[int, int, int, int]:
@@ -111,7 +111,7 @@ def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
     # Every (threads, hold) pair must leave the whole grid resident: at least one block per
     # SM for each (sample, group) at the smallest residency (1024 threads per SM).
     # A stash must leave each of those blocks room in shared memory too.
-    coop_threads = tuple(t for t in COOP_THREADS if (1024 // t) * hw.sm_count >= p["N"] * p["G"])
+    coop_threads = tuple(t for t in COOP_THREADS if (_resident(32, hw) // t) * hw.sm_count >= p["N"] * p["G"])
     stashes = tuple(st for st in STASHES if all(_blocks_per_sm(p, hw, t, h, st) * hw.sm_count >= p["N"] * p["G"]
                                                  for t in coop_threads for h in HOLDS))
     if coop_threads and stashes:
@@ -122,8 +122,10 @@ def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
 def default(card: Card, hw: Hardware) -> Knobs:
     p = _problem(card)
     by_algo = {s["algo"][0]: s for s in spaces(card, hw)}
-    if "coop" in by_algo:
-        # Measured on the H200 (2026-11-30): ahead of split at all three benchmark shapes.
+    if "coop" in by_algo and p["N"] * p["G"] <= hw.sm_count:
+        # Measured on the H200 (2026-11-30): ahead of split at all three benchmark shapes,
+        # which have a few chunks per (sample, group); with more groups than SMs a group
+        # gets one block and the wait buys nothing.
         s = by_algo["coop"]
         return {"algo": "coop", "threads": pick(s["threads"], 512), "hold": 32, "stash": 0, "vec": s["vec"][-1]}
     space = by_algo["split"]
