@@ -179,6 +179,8 @@ __device__ __forceinline__ kf_welford kf_welford_of(const float (&x)[V]) {
   return {float(V), mean, m2};
 }
 
+// Every lane gets lane 0's result: Chan's merge is not commutative in rounding, so the
+// butterfly can leave lanes an ulp apart, and one row must use one mean and rstd.
 __device__ __forceinline__ kf_welford kf_warp_welford(kf_welford w) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
@@ -186,7 +188,7 @@ __device__ __forceinline__ kf_welford kf_warp_welford(kf_welford w) {
                           __shfl_xor_sync(0xffffffffu, w.m2, o)};
     w = kf_welford_merge(w, b);
   }
-  return w;
+  return {__shfl_sync(0xffffffffu, w.n, 0), __shfl_sync(0xffffffffu, w.mean, 0), __shfl_sync(0xffffffffu, w.m2, 0)};
 }
 
 template <int NT>
