@@ -307,15 +307,22 @@ class State {
   }
 
   // What the guard key cannot see: every input on one device, and any device argument
-  // naming that device (the key holds device types, not indices, and a kernel launched on
-  // one device cannot read or write another's memory: x.to("cuda:1") of a cuda:0 tensor is
-  // eager's), and no written input sharing memory with another input. kNumReasons when runnable.
+  // naming that device, an index-less one meaning the current device (the key holds device
+  // types, not indices, and a kernel launched on one device cannot read or write another's
+  // memory: x.to("cuda:1") of a cuda:0 tensor is eager's), and no written input sharing
+  // memory with another input. kNumReasons when runnable.
   static int unrunnable(const Variant& v, const Inputs& ins, c10::ArrayRef<c10::IValue> args) {
     const c10::Device device = ins.front()->device();
     for (const at::Tensor* t : ins)
       if (t->device() != device) return kDevice;
-    for (const auto& a : args)
-      if (a.isDevice() && a.toDevice().has_index() && a.toDevice() != device) return kDevice;
+    for (const auto& a : args) {
+      if (!a.isDevice()) continue;
+      c10::Device d = a.toDevice();
+      // An index-less device means the current one ("cuda" is whichever device is current).
+      if (!d.has_index() && d.type() != c10::DeviceType::CPU)
+        d = c10::impl::getDeviceGuardImpl(d.type())->getDevice();
+      if (d.has_index() && d != device) return kDevice;
+    }
     for (int w : v.written) {
       for (size_t i = 0; i < ins.size(); ++i) {
         if (static_cast<int>(i) != w && ins[i]->storage().is_alias_of(ins[w]->storage())) return kAliasing;

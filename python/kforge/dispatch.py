@@ -390,16 +390,20 @@ def _get_kernel(op: torch._ops.OpOverload, key: str):
 
 def _unrunnable(v: Variant, ins: Sequence[torch.Tensor], vals: Sequence = ()) -> str | None:
     """What a guard key cannot see (as kforge._dispatch checks it): every input on one device,
-    and any device argument naming that device (the key holds device types, not indices:
-    x.to("cuda:1") of a cuda:0 tensor is eager's), and no input the kernel writes sharing
-    memory with another input. None when the kernel may run."""
+    and any device argument naming that device, an index-less one meaning the current device
+    (the key holds device types, not indices: x.to("cuda:1") of a cuda:0 tensor is eager's),
+    and no input the kernel writes sharing memory with another input. None when the kernel
+    may run."""
     if len(ins) > 1:
         dev = ins[0].device
         if any(t.device != dev for t in ins):
             return "device"
     for x in vals:
-        if isinstance(x, torch.device) and x.index is not None and x != ins[0].device:
-            return "device"
+        if isinstance(x, torch.device):
+            if x.index is None and x.type == "cuda":  # "cuda" is whichever device is current
+                x = torch.device("cuda", torch.cuda.current_device())
+            if x.index is not None and x != ins[0].device:
+                return "device"
     for w in v.written:
         storage = ins[w].untyped_storage()
         if any(i != w and t.untyped_storage().data_ptr() == storage.data_ptr() for i, t in enumerate(ins)):
