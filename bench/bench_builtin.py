@@ -29,7 +29,7 @@ from kforge.cards import empty_like_meta, faithful_clone  # noqa: E402
 from kforge.errors import KforgeError, ProposerError  # noqa: E402
 from kforge.hardware import current  # noqa: E402
 from kforge.proposers.base import ProposalContext, Tried  # noqa: E402
-from kforge.proposers.builtin import BuiltinProposer, space  # noqa: E402
+from kforge.proposers.builtin import BuiltinProposer  # noqa: E402
 from kforge.proposers.builtin.proposer import family_for  # noqa: E402
 from kforge.verdict import EvalResult, Verdict  # noqa: E402
 
@@ -129,8 +129,10 @@ def sweep(card, hw, inputs, budget: int):
         ctx = ProposalContext(card=card, hardware=hw, parent=best and Tried(best, EvalResult(Verdict.VALID)),
                               sibling_failures=failures, tried_digests=tried, rng=rng)
         try:
-            if n and queued:
+            surveyed = bool(n and queued)
+            if surveyed:
                 cand = family_for(card).build(card, queued.pop(0), hw)
+                cand.plan.validate(len(card.inputs), len(card.outputs))
                 if cand.digest() in tried:
                     continue
             else:
@@ -148,7 +150,8 @@ def sweep(card, hw, inputs, budget: int):
             ok, us = False, None
             log.append({"knobs": cand.knobs, "us": None, "error": str(e).splitlines()[0][:200]})
         if not ok:
-            failures.append(Tried(cand, EvalResult(Verdict.INCORRECT)))
+            if not surveyed:  # a failed survey entry is not a neighbour of the best: it prunes nothing
+                failures.append(Tried(cand, EvalResult(Verdict.INCORRECT)))
             continue
         if us < best_us:
             best, best_us, failures = cand, us, []
@@ -206,7 +209,7 @@ def main(argv=None) -> int:
     rows = []
     start = time.perf_counter()
     for name, (make, target) in CASES.items():
-        if not any(part in name for part in opts.only.split("|")):
+        if not any(part in name for part in opts.only.split("|") if part or not opts.only):
             continue
         card = make()
         inputs = card.random_inputs(0, "cuda")
