@@ -6,6 +6,7 @@ all in one interleaved run (GPU time, median, L2 flushed before every rep):
   empty launch          a kernel that does nothing, same grid as split_coop
   copy                  8 MB in, 8 MB out in one launch: the best one kernel can do
   split_regs            both kernels, then kernel 1 alone, then kernel 2 alone
+  split_regs, pdl       kernel 2 by programmatic dependent launch (starts as kernel 1 ends)
   split_coop            as shipped (workspace zeroed by a memset, then the kernel)
   split_coop, no memset the same kernel with its counters left at S from the last launch:
                         no memset and no waiting (its output is wrong; timing only)
@@ -71,7 +72,8 @@ def main(argv=None) -> int:
     x = torch.randn(ROWS, COLS, device="cuda")
     y = torch.empty_like(x)
 
-    regs = softmax_family.build(card, {"algo": "split_regs", "split": 64, "threads": 256, "vec": 4}, hw)
+    regs = softmax_family.build(card, {"algo": "split_regs", "split": 64, "threads": 256, "vec": 4, "pdl": False}, hw)
+    regs_pdl = softmax_family.build(card, {"algo": "split_regs", "split": 64, "threads": 256, "vec": 4, "pdl": True}, hw)
     coop = softmax_family.build(card, {"algo": "split_coop", "split": 32, "threads": 1024, "vec": 4}, hw)
     n4 = ROWS * COLS // 4
     io = [{"in": 0}, {"out": 0}]
@@ -86,6 +88,7 @@ def main(argv=None) -> int:
         "empty launch": Launch(empty, x, y),
         "copy 8 MB -> 8 MB": Launch(plain, x, y),
         "split_regs": Launch(regs, x, y),
+        "split_regs, pdl": Launch(regs_pdl, x, y),
         "split_regs kernel 1": Launch(with_plan(regs, kernels=regs.plan.kernels[:1]), x, y),
         "split_regs kernel 2": Launch(with_plan(regs, kernels=regs.plan.kernels[1:]), x, y),
         "split_coop": Launch(coop, x, y),

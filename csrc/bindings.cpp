@@ -44,15 +44,17 @@ std::shared_ptr<Plan> make_plan(const py::sequence& kernels, const py::sequence&
   std::vector<KernelSpec> specs;
   for (auto item : kernels) {
     auto t = item.cast<py::tuple>();
-    if (t.size() != 5 && t.size() != 6)
-      throw std::invalid_argument("a plan kernel is (function, grid, block, smem, args[, cooperative])");
+    if (t.size() < 5 || t.size() > 7)
+      throw std::invalid_argument("a plan kernel is (function, grid, block, smem, args[, cooperative[, pdl]])");
     KernelSpec k;
     k.fn = t[0].cast<Function>();
     k.grid = to_dim3(t[1].cast<std::vector<unsigned>>(), "grid");
     k.block = to_dim3(t[2].cast<std::vector<unsigned>>(), "block");
     k.smem = t[3].cast<unsigned>();
     k.args = to_args(t[4].cast<py::sequence>());
-    k.cooperative = t.size() == 6 && t[5].cast<bool>();
+    k.cooperative = t.size() >= 6 && t[5].cast<bool>();
+    k.pdl = t.size() == 7 && t[6].cast<bool>();
+    if (k.cooperative && k.pdl) throw std::invalid_argument("a plan kernel is cooperative or pdl, not both");
     specs.push_back(std::move(k));
   }
   std::vector<WorkspaceSpec> ws;

@@ -64,6 +64,7 @@ void load_driver(const std::string& path) {
     resolve(h, d.cuFuncSetAttribute, {"cuFuncSetAttribute"}, path);
     resolve(h, d.cuLaunchKernel, {"cuLaunchKernel"}, path);
     resolve(h, d.cuLaunchCooperativeKernel, {"cuLaunchCooperativeKernel"}, path);
+    d.cuLaunchKernelEx = reinterpret_cast<decltype(d.cuLaunchKernelEx)>(dlsym(h, "cuLaunchKernelEx"));
     resolve(h, d.cuMemsetD8Async, {"cuMemsetD8Async"}, path);
     resolve(h, d.cuMemsetD32Async, {"cuMemsetD32Async"}, path);
     resolve(h, d.cuEventCreate, {"cuEventCreate"}, path);

@@ -89,6 +89,14 @@ void launch_one(const KernelSpec& k, const std::vector<uint64_t>& inputs, const 
     params[a] = &slots[a];
   }
   const CUstream s = reinterpret_cast<CUstream>(stream);
+  if (k.pdl && driver().cuLaunchKernelEx) {
+    CUlaunchAttribute attr{};
+    attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmatic_stream_serialization_allowed = 1;
+    const CUlaunchConfig cfg{k.grid.x, k.grid.y, k.grid.z, k.block.x, k.block.y, k.block.z, k.smem, s, &attr, 1};
+    check(driver().cuLaunchKernelEx(&cfg, k.fn.fn, params, nullptr), describe(k));
+    return;
+  }
   if (k.cooperative) {
     // Refused (CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE) rather than run when the grid cannot
     // be resident at once, so a grid-wide barrier never waits on a block that never starts.

@@ -52,6 +52,10 @@ struct KernelSpec {
   unsigned smem = 0;
   std::vector<Arg> args;
   bool cooperative = false;  // cuLaunchCooperativeKernel: all blocks resident, so grid-wide barriers are safe
+  // Programmatic dependent launch (sm_90+): may start while the previous kernel on the stream
+  // finishes; the kernel must execute griddepcontrol.wait before it reads anything that
+  // kernel wrote. Launched plainly (fully ordered) where the driver lacks cuLaunchKernelEx.
+  bool pdl = false;
 };
 
 struct WorkspaceSpec {

@@ -407,6 +407,24 @@ def test_layer_norm_welford_stats_are_one_block_reduction(name):
     assert all("stats" not in s for s in family_for(rms).spaces(rms, H200))
 
 
+def test_split_regs_pdl_launches_kernel_2_early_on_sm_90_only():
+    """pdl: kernel 1 lets kernel 2 start once its loads are issued, and kernel 2 loads x
+    before it waits for kernel 1's partials; only offered where griddepcontrol exists."""
+    card = softmax(8, 262144)
+    space = split_regs_space(card)
+    assert space["pdl"] == (False, True) and softmax_family.default(card, H200)["pdl"] is False
+    cand = softmax_family.build(card, {**softmax_family.default(card, H200), "pdl": True}, H200)
+    first, second = cand.plan.kernels
+    assert not first.pdl and second.pdl and not second.cooperative
+    src = cand.source
+    assert src.index("kf_load_chunk(x + base, lo, v);") < src.index('asm volatile("griddepcontrol.wait;"')
+    assert "constexpr bool PDL = true;" in src and "__ldcg(p)" in src
+    assert compiler.compile(src, options=cand.plan.options, arch="sm_90").cubin
+    a100 = dataclasses.replace(H200, name="NVIDIA A100", arch="sm_80")
+    (s80,) = [s for s in softmax_family.spaces(card, a100) if s["algo"] == ("split_regs",)]
+    assert "pdl" not in s80 and "pdl" not in softmax_family.default(card, a100)
+
+
 def test_split_regs_needs_long_rows_and_registers_bound_the_split():
     assert not any(s["algo"] == ("split_regs",) for s in softmax_family.spaces(softmax(64, 8191), H200))
     assert split_regs_space(softmax(8, 262144))["split"] == (64, 128, 256, 512)

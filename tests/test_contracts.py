@@ -31,6 +31,19 @@ def test_cooperative_kernels_round_trip_and_ordinary_plans_keep_their_digest():
     assert Candidate("src", plan).digest() != Candidate("src", plain).digest()
 
 
+def test_pdl_kernels_round_trip_and_are_not_also_cooperative():
+    import copy
+
+    pdl = copy.deepcopy(PLAN)
+    pdl["kernels"][0]["pdl"] = True
+    plan = LaunchPlan.from_json(pdl)
+    assert plan.kernels[0].pdl and LaunchPlan.from_json(plan.dumps()).kernels[0].pdl
+    assert "pdl" not in LaunchPlan.from_json(PLAN).dumps()
+    pdl["kernels"][0]["cooperative"] = True
+    with pytest.raises(PlanError, match="cooperative or pdl"):
+        LaunchPlan.from_json(pdl)
+
+
 @pytest.mark.parametrize("mutate, message", [
     (lambda p: p["kernels"][0].update(name="not an identifier"), "C identifier"),
     (lambda p: p["kernels"][0].update(block=[2048]), "threads"),

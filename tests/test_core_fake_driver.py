@@ -307,3 +307,20 @@ def test_shared_memory_over_48_kb_with_the_static_part_is_opted_into(fake_driver
     """)
     assert out == {"0+49152": -1, "400+49152": 49152, "0+102400": 102400, "400+0": -1}
 
+
+def test_a_pdl_kernel_goes_through_cu_launch_kernel_ex_with_programmatic_serialization(fake_driver):
+    out = _run(fake_driver, """
+    mod = runtime.load(b"cubin", 0)
+    fn = mod.function("k")
+    args = [("in", 0), ("out", 0)]
+    p = C.Plan([(fn, [4], [128], 0, args), (fn, [4], [128], 0, args, False, True)])
+    p.launch([1], [2], [], DEV0)
+    try:
+        C.Plan([(fn, [4], [128], 0, args, True, True)])
+        both = None
+    except ValueError as e:
+        both = str(e)
+    print(json.dumps({"log": log(), "both": both}))
+    """)
+    assert out["log"] == "LP" and "cooperative or pdl, not both" in out["both"]
+

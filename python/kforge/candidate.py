@@ -37,11 +37,16 @@ class KernelLaunch:
     # Launched with cuLaunchCooperativeKernel: every block resident at once, so the kernel may
     # wait on other blocks (a grid-wide barrier); a grid too large to be resident is refused.
     cooperative: bool = False
+    # Programmatic dependent launch (sm_90+): may start before the previous kernel of the plan
+    # finishes, so it must run `griddepcontrol.wait` before reading what that kernel wrote.
+    pdl: bool = False
 
     def to_json(self) -> dict:
         d = {"name": self.name, "grid": list(self.grid), "block": list(self.block), "smem": self.smem, "args": self.args}
         if self.cooperative:  # only when set: plans (and digests) of ordinary kernels stay as they were
             d["cooperative"] = True
+        if self.pdl:
+            d["pdl"] = True
         return d
 
 
@@ -102,11 +107,13 @@ class LaunchPlan:
             smem = k.get("smem", 0)
             if not isinstance(smem, int) or smem < 0:
                 raise PlanError(f"kernel {k['name']}: smem must be a non-negative integer")
-            coop = k.get("cooperative", False)
-            if not isinstance(coop, bool):
-                raise PlanError(f"kernel {k['name']}: \"cooperative\" must be true or false")
+            coop, pdl = k.get("cooperative", False), k.get("pdl", False)
+            if not isinstance(coop, bool) or not isinstance(pdl, bool):
+                raise PlanError(f"kernel {k['name']}: \"cooperative\" and \"pdl\" must be true or false")
+            if coop and pdl:
+                raise PlanError(f"kernel {k['name']}: a kernel is cooperative or pdl, not both")
             kernels.append(KernelLaunch(k["name"], _dim3(k.get("grid"), "grid"), _dim3(k.get("block"), "block"), smem,
-                                        list(args), coop))
+                                        list(args), coop, pdl))
         ws = d.get("workspace", [])
         opts = d.get("options", [])
         if not isinstance(ws, list) or not isinstance(opts, list) or not all(isinstance(o, str) for o in opts):

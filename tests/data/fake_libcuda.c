@@ -116,6 +116,20 @@ CUresult cuLaunchCooperativeKernel(struct fn* f, unsigned gx, unsigned gy, unsig
   if (g_coop_too_large) return 720; /* CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE */
   return on_stream(stream, 'C');
 }
+/* cuLaunchKernelEx with cuda.h's layout; logs 'P' for one programmatic-stream-serialization
+   attribute set to 1, 'X' for anything else. */
+struct launch_attr { int id; char pad[4]; union { char bytes[64]; int value; } v; };
+struct launch_config {
+  unsigned gx, gy, gz, bx, by, bz, smem;
+  void* stream;
+  struct launch_attr* attrs;
+  unsigned n_attrs;
+};
+CUresult cuLaunchKernelEx(const struct launch_config* c, struct fn* f, void** params, void** extra) {
+  if (t_current != f->mod->ctx) return INVALID_CONTEXT;
+  int pdl = c->n_attrs == 1 && c->attrs[0].id == 6 && c->attrs[0].v.value == 1;
+  return on_stream(c->stream, pdl ? 'P' : 'X');
+}
 CUresult cuMemsetD8Async(unsigned long long p, unsigned char v, size_t n, void* stream) { return on_stream(stream, 'Z'); }
 CUresult cuMemsetD32Async(unsigned long long p, unsigned v, size_t n, void* stream) { return on_stream(stream, 'F'); }
 CUresult cuEventCreate(struct ev** e, unsigned flags) {

@@ -31,10 +31,11 @@ class Family:
     build: Callable[[Card, Knobs, Hardware], Candidate]
 
 
-def launch(name: str, grid, block, args: list[dict], smem: int = 0, cooperative: bool = False) -> KernelLaunch:
+def launch(name: str, grid, block, args: list[dict], smem: int = 0, cooperative: bool = False,
+           pdl: bool = False) -> KernelLaunch:
     grid = tuple(grid) + (1,) * (3 - len(grid))
     block = tuple(block) + (1,) * (3 - len(block))
-    return KernelLaunch(name, grid, block, smem, args, cooperative)
+    return KernelLaunch(name, grid, block, smem, args, cooperative, pdl)
 
 
 def candidate(family: str, card: Card, knobs: Knobs, dtypes, body: str, kernels: list[KernelLaunch],

@@ -87,7 +87,9 @@ def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
     # threads only hold fewer) and keeps >= 512 elements per chunk.
     reg_splits = tuple(s for s in SPLITS if cols // s >= 512 and ceil_div(cols, s * SPLIT_THREADS[0]) <= SPLIT_REGS)
     if cols >= 8192 and rows <= 65535 and reg_splits:
-        out.append({"algo": ("split_regs",), "split": reg_splits, "threads": SPLIT_THREADS, "vec": vecs})
+        # pdl: kernel 2 launched while kernel 1 finishes (programmatic dependent launch, sm_90+).
+        pdl = {"pdl": (False, True)} if int(hw.arch.removeprefix("sm_").rstrip("a")) >= 90 else {}
+        out.append({"algo": ("split_regs",), "split": reg_splits, "threads": SPLIT_THREADS, "vec": vecs, **pdl})
     # split_coop: every block of the grid resident at once, at most COOP_BLOCKS_PER_SM per SM
     # (a launch that cannot be resident is refused, never run), the chunk in registers at
     # the fewest threads.
@@ -115,7 +117,7 @@ def default(card: Card, hw: Hardware) -> Knobs:
         s = by_algo["split_regs"]
         split = next((v for v in s["split"] if rows * v >= 4 * hw.sm_count), s["split"][-1])
         return {"algo": "split_regs", "split": split, "threads": pick(s["threads"], ceil_div(cols, split) / 16),
-                "vec": vec}
+                "vec": vec, **({"pdl": False} if "pdl" in s else {})}
     if "split" in by_algo and rows < 2 * hw.sm_count:
         s = by_algo["split"]
         return {"algo": "split", "split": pick(s["split"], 4 * hw.sm_count / rows), "threads": 256, "vec": vec}
@@ -352,10 +354,16 @@ __device__ __forceinline__ void kf_store_chunk(Tout* __restrict__ q, int lo, con
 """
 
 _SPLIT_REGS = r"""
+__device__ __forceinline__ float2 kf_part(const float2* p) {
+  if constexpr (PDL) return __ldcg(p);  // written by a grid that may have run beside this one
+  return *p;
+}
+
 extern "C" __global__ void __launch_bounds__(NT) kf_softmax_partial(const Tin* __restrict__ x, float2* __restrict__ ws) {
   const int lo = blockIdx.x * CH;
   float v[IT][V];
   kf_load_chunk(x + (kf_i64)blockIdx.y * C, lo, v);
+  if constexpr (PDL) asm volatile("griddepcontrol.launch_dependents;");  // kernel 2 may start loading
   float m, s;
   kf_chunk_stats(v, m, s);
   if (threadIdx.x == 0) ws[blockIdx.y * S + blockIdx.x] = make_float2(m, s);
@@ -367,6 +375,9 @@ extern "C" __global__ void __launch_bounds__(NT) kf_softmax_finish(const Tin* __
   const kf_i64 base = (kf_i64)blockIdx.y * C;
   float v[IT][V];
   kf_load_chunk(x + base, lo, v);  // in flight while the partials are combined
+  // With programmatic dependent launch this kernel may start before kernel 1 ends: x is
+  // loaded first, then it waits for kernel 1's partials (read from L2 after the wait).
+  if constexpr (PDL) asm volatile("griddepcontrol.wait;" ::: "memory");
   // Every warp combines the row's S partials itself (no barrier; after the first warp of
   // the SM the reads hit L1): the row max, then the partial sums rescaled to it.
   const int lane = threadIdx.x & 31;
@@ -375,7 +386,7 @@ extern "C" __global__ void __launch_bounds__(NT) kf_softmax_finish(const Tin* __
   if constexpr (KP <= 8) {  // up to 8 partials per lane: one round of loads into registers
     float2 p[KP];
 #pragma unroll
-    for (int k = 0; k < KP; ++k) p[k] = S % 32 == 0 || k * 32 + lane < S ? part[k * 32 + lane] : make_float2(-kf_inf(), 0.f);
+    for (int k = 0; k < KP; ++k) p[k] = S % 32 == 0 || k * 32 + lane < S ? kf_part(part + k * 32 + lane) : make_float2(-kf_inf(), 0.f);
 #pragma unroll
     for (int k = 0; k < KP; ++k) m = fmaxf(m, p[k].x);
     m = kf_warp_max(m);
@@ -383,10 +394,13 @@ extern "C" __global__ void __launch_bounds__(NT) kf_softmax_finish(const Tin* __
     for (int k = 0; k < KP; ++k) s += p[k].y * (p[k].x == -kf_inf() ? 0.f : expf(p[k].x - m));
   } else {
 #pragma unroll 4
-    for (int j = lane; j < S; j += 32) m = fmaxf(m, part[j].x);
+    for (int j = lane; j < S; j += 32) m = fmaxf(m, kf_part(part + j).x);
     m = kf_warp_max(m);
 #pragma unroll 4
-    for (int j = lane; j < S; j += 32) s += part[j].y * (part[j].x == -kf_inf() ? 0.f : expf(part[j].x - m));
+    for (int j = lane; j < S; j += 32) {
+      const float2 q = kf_part(part + j);
+      s += q.y * (q.x == -kf_inf() ? 0.f : expf(q.x - m));
+    }
   }
   // A NaN partial sum stays NaN; a row of -inf sums to 0, and exp(nan) / 0 is NaN like torch.
   s = kf_warp_sum(s);
@@ -460,10 +474,11 @@ def build(card: Card, knobs: Knobs, hw: Hardware):
     elif algo == "split_regs":
         nt = knobs["threads"]
         ch, it, s = _split_geometry(cols, knobs["split"], nt, v)
-        consts = constants(R=rows, C=cols, NT=nt, V=v, LOG=log, S=s, CH=ch, IT=it)
+        pdl = knobs.get("pdl", False)
+        consts = constants(R=rows, C=cols, NT=nt, V=v, LOG=log, S=s, CH=ch, IT=it, PDL=pdl)
         body = "\n".join([types, consts, _CHUNKS, _SPLIT_REGS])
         kernels = [launch("kf_softmax_partial", [s, rows], [nt], [{"in": 0}, {"ws": 0}]),
-                   launch("kf_softmax_finish", [s, rows], [nt], [{"in": 0}, {"ws": 0}, {"out": 0}])]
+                   launch("kf_softmax_finish", [s, rows], [nt], [{"in": 0}, {"ws": 0}, {"out": 0}], pdl=pdl)]
         ws = [rows * s * 2 * 4]
     elif algo == "split_coop":
         nt = knobs["threads"]
