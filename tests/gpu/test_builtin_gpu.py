@@ -213,3 +213,33 @@ def test_group_norm_coop_matches_eager(name):
         configs = [configs[0], configs[-1]] + random.Random(card.id).sample(configs, 6)
     for seed, knobs in enumerate(configs):
         check_candidate(card, fam.build(card, knobs, hw), seed)
+
+
+def test_split_regs_pdl_records_into_a_cuda_graph_and_replays():
+    """Kernel 2 launched by programmatic dependent launch is captured with its programmatic
+    edge and, replayed on new data, still waits for kernel 1's partials."""
+    card = softmax(8, 262144)
+    hw = current()
+    fam = family_for(card)
+    knobs = fam.default(card, hw)
+    if "pdl" not in knobs:
+        pytest.skip(f"programmatic dependent launch needs sm_90+, this is {hw.arch}")
+    cand = fam.build(card, {**knobs, "pdl": True}, hw)
+    x = torch.randn(8, 262144, device="cuda")
+    y = torch.empty_like(x)
+    plan = runtime.build_plan(cand, compiler.compile(cand.source, options=cand.plan.options).cubin, x.device.index or 0)
+    ws = runtime.alloc_workspaces(cand.plan, x.device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        runtime.launch(plan, [x], [y], ws)  # warm-up off the default stream, as torch.cuda.graph asks
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        runtime.launch(plan, [x], [y], ws)
+    for seed in range(3):
+        x.copy_(torch.randn(8, 262144, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)).mul_(4))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(y, torch.softmax(x, -1), **TOL["float32"])
+
