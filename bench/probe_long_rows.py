@@ -25,10 +25,11 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "python"), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT / "python"), str(ROOT / "tests"), str(ROOT / "bench")]
 
+from bench_builtin import Runner  # noqa: E402  (a plan bound to fixed tensors)
 from builtin_cards import softmax  # noqa: E402
-from kforge import compiler, runtime, timing  # noqa: E402
+from kforge import timing  # noqa: E402
 from kforge.candidate import Candidate, KernelLaunch, LaunchPlan  # noqa: E402
 from kforge.hardware import current  # noqa: E402
 from kforge.proposers.builtin import softmax as softmax_family  # noqa: E402
@@ -41,19 +42,6 @@ extern "C" __global__ void __launch_bounds__(256) kf_copy(const float4* __restri
 }
 extern "C" __global__ void kf_empty(const float* x, float* y) {}
 """
-
-
-class Launch:
-    """A plan bound to fixed tensors: `fn()` launches it (workspaces allocated once)."""
-
-    def __init__(self, cand: Candidate, x: torch.Tensor, y: torch.Tensor):
-        cubin = compiler.compile(cand.source, options=cand.plan.options).cubin
-        self.plan = runtime.build_plan(cand, cubin, x.device.index or 0)
-        self.ws = runtime.alloc_workspaces(cand.plan, x.device)
-        self.x, self.y = x, y
-
-    def __call__(self):
-        runtime.launch(self.plan, [self.x], [self.y], self.ws)
 
 
 def with_plan(cand: Candidate, **changes) -> Candidate:
@@ -70,10 +58,9 @@ def main(argv=None) -> int:
     hw = current()
     card = softmax(ROWS, COLS)
     x = torch.randn(ROWS, COLS, device="cuda")
-    y = torch.empty_like(x)
 
-    regs = softmax_family.build(card, {"algo": "split_regs", "split": 64, "threads": 256, "vec": 4, "pdl": False}, hw)
-    regs_pdl = softmax_family.build(card, {"algo": "split_regs", "split": 64, "threads": 256, "vec": 4, "pdl": True}, hw)
+    regs, regs_pdl = (softmax_family.build(card, {"algo": "split_regs", "split": 64, "threads": 256, "vec": 4,
+                                                  "pdl": pdl}, hw) for pdl in (False, True))
     coop = softmax_family.build(card, {"algo": "split_coop", "split": 32, "threads": 1024, "vec": 4}, hw)
     n4 = ROWS * COLS // 4
     io = [{"in": 0}, {"out": 0}]
@@ -85,16 +72,16 @@ def main(argv=None) -> int:
     no_memset = with_plan(coop, workspace=[{"bytes": ws_bytes, "zero": False}])
     runs = {
         "eager": lambda: torch._softmax(x, -1, False),
-        "empty launch": Launch(empty, x, y),
-        "copy 8 MB -> 8 MB": Launch(plain, x, y),
-        "split_regs": Launch(regs, x, y),
-        "split_regs, pdl": Launch(regs_pdl, x, y),
-        "split_regs kernel 1": Launch(with_plan(regs, kernels=regs.plan.kernels[:1]), x, y),
-        "split_regs kernel 2": Launch(with_plan(regs, kernels=regs.plan.kernels[1:]), x, y),
-        "split_coop": Launch(coop, x, y),
+        "empty launch": Runner(card, empty, [x]),
+        "copy 8 MB -> 8 MB": Runner(card, plain, [x]),
+        "split_regs": Runner(card, regs, [x]),
+        "split_regs, pdl": Runner(card, regs_pdl, [x]),
+        "split_regs kernel 1": Runner(card, with_plan(regs, kernels=regs.plan.kernels[:1]), [x]),
+        "split_regs kernel 2": Runner(card, with_plan(regs, kernels=regs.plan.kernels[1:]), [x]),
+        "split_coop": Runner(card, coop, [x]),
     }
     # The counters stay at S after one zeroed launch: every later launch passes its wait at once.
-    nm = Launch(no_memset, x, y)
+    nm = Runner(card, no_memset, [x])
     for w in nm.ws:
         w.zero_()
     nm()

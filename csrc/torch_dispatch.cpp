@@ -252,7 +252,11 @@ class State {
         original_(std::move(original)),
         name_(std::move(name)),
         num_args_(op_.schema().arguments().size()),
-        table_(std::make_shared<Table>()) {}
+        table_(std::make_shared<Table>()) {
+    const auto& schema_args = op_.schema().arguments();
+    for (size_t a = 0; a < schema_args.size(); ++a)  // Device or Device?: the only ones unrunnable() reads
+      if (schema_args[a].type()->str().find("Device") != std::string::npos) device_slots_.push_back(a);
+  }
 
   size_t num_args() const { return num_args_; }
   size_t num_returns() const { return op_.schema().returns().size(); }
@@ -278,7 +282,7 @@ class State {
       if (compare(**it, args, /*stop=*/true).count != 0) continue;
       const Variant& v = **it;
       Inputs ins = inputs(v, args);
-      int why = unrunnable(v, ins, args);
+      int why = unrunnable(v, ins, args, device_slots_);
       if (why == kNumReasons) why = run(v, ins, stack);
       if (why == kNumReasons) return;
       v.counts->fallbacks[why].fetch_add(1, std::memory_order_relaxed);
@@ -311,13 +315,14 @@ class State {
   // types, not indices, and a kernel launched on one device cannot read or write another's
   // memory: x.to("cuda:1") of a cuda:0 tensor is eager's), and no written input sharing
   // memory with another input. kNumReasons when runnable.
-  static int unrunnable(const Variant& v, const Inputs& ins, c10::ArrayRef<c10::IValue> args) {
+  static int unrunnable(const Variant& v, const Inputs& ins, c10::ArrayRef<c10::IValue> args,
+                        const std::vector<size_t>& device_slots) {
     const c10::Device device = ins.front()->device();
     for (const at::Tensor* t : ins)
       if (t->device() != device) return kDevice;
-    for (const auto& a : args) {
-      if (!a.isDevice()) continue;
-      c10::Device d = a.toDevice();
+    for (size_t slot : device_slots) {
+      if (!args[slot].isDevice()) continue;  // None
+      c10::Device d = args[slot].toDevice();
       // An index-less device means the current one ("cuda" is whichever device is current).
       if (!d.has_index() && d.type() != c10::DeviceType::CPU)
         d = c10::impl::getDeviceGuardImpl(d.type())->getDevice();
@@ -433,6 +438,7 @@ class State {
   c10::SafeKernelFunction original_;
   std::string name_;
   size_t num_args_;
+  std::vector<size_t> device_slots_;  // schema arguments of type Device (or Device?)
   mutable std::mutex mu_;
   std::shared_ptr<const Table> table_;
 };

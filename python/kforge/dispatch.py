@@ -388,7 +388,7 @@ def _get_kernel(op: torch._ops.OpOverload, key: str):
     return get_kernel(op, key)
 
 
-def _unrunnable(v: Variant, ins: Sequence[torch.Tensor], vals: Sequence = ()) -> str | None:
+def _unrunnable(v: Variant, ins: Sequence[torch.Tensor], devices: Sequence = ()) -> str | None:
     """What a guard key cannot see (as kforge._dispatch checks it): every input on one device,
     and any device argument naming that device, an index-less one meaning the current device
     (the key holds device types, not indices: x.to("cuda:1") of a cuda:0 tensor is eager's),
@@ -398,7 +398,7 @@ def _unrunnable(v: Variant, ins: Sequence[torch.Tensor], vals: Sequence = ()) ->
         dev = ins[0].device
         if any(t.device != dev for t in ins):
             return "device"
-    for x in vals:
+    for x in devices:  # the call's Device arguments
         if isinstance(x, torch.device):
             if x.index is None and x.type == "cuda":  # "cuda" is whichever device is current
                 x = torch.device("cuda", torch.cuda.current_device())
@@ -426,6 +426,7 @@ class _OpOverride:
         # Arguments the dispatcher may leave out: trailing defaults and kwarg-only ones.
         self._params = tuple((a.name, a.default_value if a.has_default_value() else None) for a in schema.arguments)
         self._tensor_slots = tuple(i for i, k in enumerate(self.kinds) if k != "value")
+        self._device_slots = tuple(i for i, a in enumerate(schema.arguments) if "Device" in str(a.type))
         self._single = len(schema.returns) == 1
         self.table: dict[tuple, Variant] = {}
         self._guards: list[tuple[tuple, Variant]] = []
@@ -469,7 +470,7 @@ class _OpOverride:
                 ins.append(x)
             elif x is not None:
                 ins += [t for t in x if t is not None]
-        why = _unrunnable(v, ins, vals)
+        why = _unrunnable(v, ins, [vals[i] for i in self._device_slots] if self._device_slots else ())
         if not why:
             try:
                 out = self._run(v, ins)

@@ -216,6 +216,34 @@ template <> __device__ __forceinline__ __nv_bfloat16 kf_cast<__nv_bfloat16>(floa
 """
 
 
+# Blocks of one cooperative launch that share a reduction (group_norm coop, softmax
+# split_coop). The workspace is CNT_WORDS 32-bit counters, one per group and zeroed before
+# the launch (padded to 8 bytes), then S float2 partials per group.
+GROUP_WAIT = r"""
+__device__ __forceinline__ float2* kf_partials(unsigned* ws) { return reinterpret_cast<float2*>(ws + CNT_WORDS); }
+
+// Thread 0 publishes this block's partial, counts it in on its group's counter and waits
+// for the group's other blocks; then the whole block may read the group's S partials
+// (with __ldcg: L1 is not coherent across SMs).
+__device__ __forceinline__ void kf_publish_and_wait(unsigned* ws, kf_i64 group, float2 mine) {
+  if (threadIdx.x == 0) {
+    __stcg(&kf_partials(ws)[group * S + blockIdx.x], mine);
+    __threadfence();  // the partial is visible before the count says so
+    atomicAdd(&ws[group], 1u);
+    while (*reinterpret_cast<volatile unsigned*>(&ws[group]) < (unsigned)S) __nanosleep(64);
+    __threadfence();
+  }
+  __syncthreads();
+}
+"""
+
+
+def group_wait_workspace(groups: int, s: int) -> tuple[int, dict]:
+    """(CNT_WORDS, the zeroed workspace entry) of GROUP_WAIT for `groups` groups of `s` blocks."""
+    words = ceil_div(groups, 2) * 2
+    return words, {"bytes": words * 4 + groups * s * 8, "zero": True}
+
+
 def cuda_source(title: str, dtypes: set[str] | list[str], body: str) -> str:
     """A full translation unit: a comment naming the template and its knobs (so every knob
     setting has its own source and digest), the includes the dtypes need, helpers, body."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from ...cards import Card, decode_value
 from ...hardware import Hardware
-from .common import ceil_div, constants, ctype, legal_vecs, render, unsupported_dtype
+from .common import GROUP_WAIT, ceil_div, constants, ctype, group_wait_workspace, legal_vecs, render, unsupported_dtype
 from .family import Family, Knobs, KnobSpace, candidate, launch, pick
 
 OPS = frozenset({"aten::native_group_norm.default"})
@@ -153,6 +153,17 @@ __device__ __forceinline__ void kf_gn_fold(const Tw* weight, const Tb* bias, Tm*
   }
   __syncthreads();
 }
+
+// y = x * scale[c] + shift[c] for V values at element `at` of x and y, `in_group` into the
+// group (which fixes the channel: a vector never crosses one).
+__device__ __forceinline__ void kf_gn_store(Ty* __restrict__ y, kf_i64 at, kf_i64 in_group, float (&v)[V],
+                                            const float* scale, const float* shift) {
+  const int c = (int)(in_group / HW);
+  const float a = scale[c], b = shift[c];
+#pragma unroll
+  for (int j = 0; j < V; ++j) v[j] = v[j] * a + b;
+  kf_store<Ty, V>(y + at, v);
+}
 """
 
 _KERNELS = r"""
@@ -189,11 +200,7 @@ extern "C" __global__ void __launch_bounds__(NT) kf_gn_apply(@PARAMS@) {
   for (kf_i64 i = threadIdx.x * V; i < CH; i += NT * V) {
     float v[V];
     kf_load<Tx, V>(x + base + i, v);
-    const int c = (int)((blockIdx.x * CH + i) / HW);
-    const float a = scale[c], b = shift[c];
-#pragma unroll
-    for (int j = 0; j < V; ++j) v[j] = v[j] * a + b;
-    kf_store<Ty, V>(y + base + i, v);
+    kf_gn_store(y, base + i, blockIdx.x * CH + i, v, scale, shift);
   }
 }
 """
@@ -210,8 +217,6 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) kf_gn_coop(@PARAMS@) {
   __shared__ float scale[CG], shift[CG];
   extern __shared__ float4 kf_stash_[];  // KS vectors per thread, [k][thread][V]
   float* stash = reinterpret_cast<float*>(kf_stash_);
-  unsigned* count = reinterpret_cast<unsigned*>(ws);                   // N*G counters
-  float2* part = reinterpret_cast<float2*>(ws + CNT_WORDS);           // then N*G x S partials
   const kf_i64 ng = blockIdx.y;
   const kf_i64 lo = (kf_i64)blockIdx.x * CH;                           // chunk start in the group
   const kf_i64 base = ng * GROUP + lo;
@@ -248,19 +253,13 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) kf_gn_coop(@PARAMS@) {
     }
   }
   w = kf_block_welford<NT>(w);
-  if (threadIdx.x == 0) {
-    __stcg(&part[ng * S + blockIdx.x], make_float2(w.mean, w.m2));
-    __threadfence();  // the partial is visible before the count says so
-    atomicAdd(&count[ng], 1u);
-    while (*reinterpret_cast<volatile unsigned*>(&count[ng]) < (unsigned)S) __nanosleep(64);
-    __threadfence();
-  }
-  __syncthreads();  // no thread reads a partial before thread 0 has seen them all published
-  // Every block of the group has published: merge its S partials (from L2: L1 is not
-  // coherent across SMs). The last chunk may be short; its count is what it covered.
+  kf_publish_and_wait(ws, ng, make_float2(w.mean, w.m2));
+  // Every block of the group has published: merge its S partials. The last chunk may be
+  // short; its count is what it covered.
+  const float2* part = kf_partials(ws) + ng * S;
   kf_welford t = {0.f, 0.f, 0.f};
   for (int j = threadIdx.x; j < S; j += NT) {
-    const float2 q = __ldcg(&part[ng * S + j]);
+    const float2 q = __ldcg(&part[j]);
     const float n = float(EXACT || (kf_i64)(j + 1) * CH <= GROUP ? CH : GROUP - (kf_i64)j * CH);
     t = kf_welford_merge(t, kf_welford{n, q.x, q.y});
   }
@@ -273,11 +272,7 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) kf_gn_coop(@PARAMS@) {
     if (EXACT || i < len) {
       float v[V];
       kf_load<Tx, V>(x + base + i, v);
-      const int c = (int)((lo + i) / HW);
-      const float a = scale[c], b = shift[c];
-#pragma unroll
-      for (int j = 0; j < V; ++j) v[j] = v[j] * a + b;
-      kf_store<Ty, V>(y + base + i, v);
+      kf_gn_store(y, base + i, lo + i, v, scale, shift);
     }
   }
 #pragma unroll UNROLL
@@ -286,23 +281,13 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) kf_gn_coop(@PARAMS@) {
     if (EXACT || i < len) {
       float v[V];
       kf_load<float, V>(stash + ((k - KEEP) * NT + threadIdx.x) * V, v);
-      const int c = (int)((lo + i) / HW);
-      const float a = scale[c], b = shift[c];
-#pragma unroll
-      for (int j = 0; j < V; ++j) v[j] = v[j] * a + b;
-      kf_store<Ty, V>(y + base + i, v);
+      kf_gn_store(y, base + i, lo + i, v, scale, shift);
     }
   }
 #pragma unroll
   for (int k = 0; k < KEEP; ++k) {
     const kf_i64 i = ((kf_i64)k * NT + threadIdx.x) * V;
-    if (EXACT || i < len) {
-      const int c = (int)((lo + i) / HW);
-      const float a = scale[c], b = shift[c];
-#pragma unroll
-      for (int j = 0; j < V; ++j) r[k][j] = r[k][j] * a + b;
-      kf_store<Ty, V>(y + base + i, r[k]);
-    }
+    if (EXACT || i < len) kf_gn_store(y, base + i, lo + i, r[k], scale, shift);
   }
 }
 """
@@ -334,12 +319,12 @@ def build(card: Card, knobs: Knobs, hw: Hardware):
         stash = knobs.get("stash", 0)
         s, ch, it, minb = _coop_geometry(p, hw, nt, knobs["hold"], v, stash)
         ng = p["N"] * p["G"]
-        cnt_words = ceil_div(ng, 2) * 2
+        cnt_words, wait_ws = group_wait_workspace(ng, s)
         consts = constants(S=s, CH=ch, ITER=it, HOLD=knobs["hold"], STASH=stash, MINB=minb, CNT_WORDS=cnt_words,
                            STREAM=max(STREAM // 2 if knobs["hold"] == 0 else STREAM, v), **common)
-        body = "\n".join([constants(**types), consts, absent, render(_HEAD + _COOP, PARAMS=params)])
+        body = "\n".join([constants(**types), consts, absent, GROUP_WAIT, render(_HEAD + _COOP, PARAMS=params)])
         kernels = [launch("kf_gn_coop", [s, ng], [nt], args, smem=stash * nt * 4, cooperative=True)]
-        ws = [{"bytes": cnt_words * 4 + ng * s * 8, "zero": True}]
+        ws = [wait_ws]
     else:
         s = knobs["split"]
         consts = constants(S=s, **common)

@@ -130,48 +130,35 @@ __device__ __forceinline__ void kf_row_load(const Tx* __restrict__ x, kf_i64 row
 }
 
 __device__ __forceinline__ void kf_row(@PARAMS@, kf_i64 row, int lane, float (&v)[IT][V]) {
-  float mean = 0.f, rstd;
-  if (WELFORD) {
-    // This thread's values exactly (two-pass), then one merge across the row.
-    float s = 0.f;
-    int n = 0;
+  // Two-pass: the row's mean, then squared deviations from it. WELFORD: this thread's own
+  // mean and squared deviations (exact for its values), merged across the row in one go.
+  float mean = 0.f, s = 0.f;
+  int n = 0;
+  if (!RMS) {
 #pragma unroll
     for (int it = 0; it < IT; ++it) {
-      if ((it * LANES + lane) * V < C) {
+      if (!WELFORD || (it * LANES + lane) * V < C) {  // two-pass sums the zero padding too
         n += V;
 #pragma unroll
         for (int j = 0; j < V; ++j) s += v[it][j];
       }
     }
-    const float m = n ? s / n : 0.f;
-    float q = 0.f;
+    mean = WELFORD ? (n ? s / n : 0.f) : @SUM@(s) / C;
+  }
+  float q = 0.f;
 #pragma unroll
-    for (int it = 0; it < IT; ++it) {
-      if ((it * LANES + lane) * V < C) {
+  for (int it = 0; it < IT; ++it) {
+    if ((it * LANES + lane) * V < C) {
 #pragma unroll
-        for (int j = 0; j < V; ++j) q += (v[it][j] - m) * (v[it][j] - m);
-      }
+      for (int j = 0; j < V; ++j) q += (v[it][j] - mean) * (v[it][j] - mean);
     }
-    const kf_welford w = @WELFORD_FN@(kf_welford{float(n), m, q});
+  }
+  float rstd;
+  if (WELFORD) {
+    const kf_welford w = @WELFORD_FN@(kf_welford{float(n), mean, q});
     mean = w.mean;
     rstd = rsqrtf(w.m2 / C + EPS);
   } else {
-    if (!RMS) {
-      float s = 0.f;
-#pragma unroll
-      for (int it = 0; it < IT; ++it)
-#pragma unroll
-        for (int j = 0; j < V; ++j) s += v[it][j];
-      mean = @SUM@(s) / C;
-    }
-    float q = 0.f;
-#pragma unroll
-    for (int it = 0; it < IT; ++it) {
-      if ((it * LANES + lane) * V < C) {
-#pragma unroll
-        for (int j = 0; j < V; ++j) q += (v[it][j] - mean) * (v[it][j] - mean);
-      }
-    }
     rstd = rsqrtf(@SUM@(q) / C + EPS);
   }
   if (row >= R) return;

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from ...cards import Card, decode_value
 from ...hardware import Hardware
-from .common import ceil_div, constants, ctype, legal_vecs, render, unsupported_dtype
+from .common import GROUP_WAIT, ceil_div, constants, ctype, group_wait_workspace, legal_vecs, render, unsupported_dtype
 from .family import Family, Knobs, KnobSpace, candidate, launch, pick
 
 OPS = frozenset({"aten::_softmax.default", "aten::_log_softmax.default"})
@@ -416,24 +416,15 @@ extern "C" __global__ void __launch_bounds__(NT) kf_softmax_finish(const Tin* __
 _SPLIT_COOP = r"""
 extern "C" __global__ void __launch_bounds__(NT) kf_softmax_coop(const Tin* __restrict__ x, unsigned* __restrict__ ws,
                                                                Tout* __restrict__ y) {
-  unsigned* count = ws;                                      // R counters
-  float2* part = reinterpret_cast<float2*>(ws + CNT_WORDS);  // then R x S partials, 8-byte aligned
   const int lo = blockIdx.x * CH;
   const kf_i64 base = (kf_i64)blockIdx.y * C;
   float v[IT][V];
   kf_load_chunk(x + base, lo, v);
   float m, s;
   kf_chunk_stats(v, m, s);
-  if (threadIdx.x == 0) {
-    __stcg(&part[blockIdx.y * S + blockIdx.x], make_float2(m, s));
-    __threadfence();  // the partial is visible before the count says so
-    atomicAdd(&count[blockIdx.y], 1u);
-    while (*reinterpret_cast<volatile unsigned*>(&count[blockIdx.y]) < (unsigned)S) __nanosleep(64);
-    __threadfence();
-  }
-  __syncthreads();
+  kf_publish_and_wait(ws, blockIdx.y, make_float2(m, s));
   const int lane = threadIdx.x & 31;
-  const float2* p = part + blockIdx.y * S;
+  const float2* p = kf_partials(ws) + blockIdx.y * S;
   float rm = -kf_inf(), rs = 0.f;
   for (int j = lane; j < S; j += 32) rm = fmaxf(rm, __ldcg(&p[j]).x);
   rm = kf_warp_max(rm);
@@ -483,11 +474,11 @@ def build(card: Card, knobs: Knobs, hw: Hardware):
     elif algo == "split_coop":
         nt = knobs["threads"]
         ch, it, s = _split_geometry(cols, knobs["split"], nt, v)
-        cnt_words = ceil_div(rows, 2) * 2
+        cnt_words, wait_ws = group_wait_workspace(rows, s)
         consts = constants(R=rows, C=cols, NT=nt, V=v, LOG=log, S=s, CH=ch, IT=it, CNT_WORDS=cnt_words)
-        body = "\n".join([types, consts, _CHUNKS, _SPLIT_COOP])
+        body = "\n".join([types, consts, _CHUNKS, GROUP_WAIT, _SPLIT_COOP])
         kernels = [launch("kf_softmax_coop", [s, rows], [nt], [{"in": 0}, {"ws": 0}, {"out": 0}], cooperative=True)]
-        ws = [{"bytes": cnt_words * 4 + rows * s * 8, "zero": True}]
+        ws = [wait_ws]
     else:
         nt, s = knobs["threads"], knobs["split"]
         consts = constants(R=rows, C=cols, NT=nt, V=v, LOG=log, S=s)
