@@ -6,7 +6,8 @@
 # the same time, one GPU each; with one GPU, one after the other. Sizing: T_TESTS, T_BUILTIN,
 # T_MODEL (per model; T_<name> for one), T_DISPATCH seconds; BUDGET (candidates per built-in card), ITERS
 # (search iterations per model card), WALL (search seconds per model), COMPILE=1 (time
-# torch.compile too), GPU_TESTS (test paths) and TESTS_K (a pytest -k expression). ONLY and
+# torch.compile too), GPU_TESTS (test paths) and TESTS_K (a pytest -k expression) for item tests,
+# GPU_TESTS2 and TESTS_K2 for item tests2. ONLY and
 # ONLY2 pick the built-in cases of items builtin and builtin2 ('|' between name parts).
 source bench/device_setup.sh
 set +e  # a step that fails or runs out of time must not stop the steps after it
@@ -31,6 +32,9 @@ lane() {  # lane LOG ITEM...: run the items in order
     case $item in
       tests) step "$log" gpu-tests "${T_TESTS:-100}" python3 -m pytest -q -p no:cacheprovider --timeout 120 \
                ${GPU_TESTS:-tests/gpu} ${TESTS_K:+-k "$TESTS_K"} ;;
+      # The same with its own paths and filter (GPU_TESTS2, TESTS_K2), for splitting tests over both lanes.
+      tests2) step "$log" gpu-tests2 "${T_TESTS2:-${T_TESTS:-100}}" python3 -m pytest -q -p no:cacheprovider --timeout 120 \
+                ${GPU_TESTS2:-tests/gpu} ${TESTS_K2:+-k "$TESTS_K2"} ;;
       builtin) step "$log" builtin "${T_BUILTIN:-120}" python3 bench/bench_builtin.py --budget "${BUDGET:-12}" \
                  $no_compile_flag ${ONLY:+--only "$ONLY"} --out "$OUT/builtin_h200.json" ;;
       # The same with its own case filter and file, for splitting the cases over both lanes.

@@ -10,6 +10,8 @@ all in one interleaved run (GPU time, median, L2 flushed before every rep):
   split_coop            as shipped (workspace zeroed by a memset, then the kernel)
   split_coop, no memset the same kernel with its counters left at S from the last launch:
                         no memset and no waiting (its output is wrong; timing only)
+  split_tma             bulk-copy loads, a wait per row, bulk-copy stores (warps x split)
+  torch copy            y.copy_(x): torch's own copy kernel, for the copy line above
 
     python bench/probe_long_rows.py [--out bench/results/probe_long_rows_h200.json]
 """
@@ -27,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "python"), str(ROOT / "tests"), str(ROOT / "bench")]
 
-from bench_builtin import Runner  # noqa: E402  (a plan bound to fixed tensors)
+from bench_builtin import Runner, correct  # noqa: E402  (a plan bound to fixed tensors)
 from builtin_cards import softmax  # noqa: E402
 from kforge import timing  # noqa: E402
 from kforge.candidate import Candidate, KernelLaunch, LaunchPlan  # noqa: E402
@@ -80,6 +82,15 @@ def main(argv=None) -> int:
         "split_regs kernel 2": Runner(card, with_plan(regs, kernels=regs.plan.kernels[1:]), [x]),
         "split_coop": Runner(card, coop, [x]),
     }
+    y = torch.empty_like(x)
+    runs["torch copy"] = lambda: y.copy_(x)
+    for wpr, split in ((1, 128), (2, 128), (4, 128), (2, 256), (1, 256)):
+        try:
+            tma = softmax_family.build(card, {"algo": "split_tma", "warps": wpr, "split": split}, hw)
+            if correct(card, tma, [x]):
+                runs[f"split_tma {wpr}w x {split}"] = Runner(card, tma, [x])
+        except Exception as e:  # an illegal or failing setting is reported, the others still timed
+            print(f"split_tma {wpr}w x {split}: {type(e).__name__}: {e}")
     # The counters stay at S after one zeroed launch: every later launch passes its wait at once.
     nm = Runner(card, no_memset, [x])
     for w in nm.ws:
