@@ -457,7 +457,7 @@ def test_split_regs_pdl_launches_kernel_2_early_on_sm_90_only():
     assert not first.pdl and second.pdl and not second.cooperative
     src = cand.source
     assert src.index("kf_load_chunk(x + base, lo, v);") < src.index('asm volatile("griddepcontrol.wait;"')
-    assert "constexpr bool PDL = true;" in src and "__ldcg(p)" in src
+    assert "constexpr bool PDL = true;" in src and "kf_combine<PDL>(ws" in src  # partials via __ldcg
     assert compiler.compile(src, options=cand.plan.options, arch="sm_90").cubin
     a100 = dataclasses.replace(H200, name="NVIDIA A100", arch="sm_80")
     (s80,) = [s for s in softmax_family.spaces(card, a100) if s["algo"] == ("split_regs",)]

@@ -348,7 +348,6 @@ extern "C" __global__ void __launch_bounds__(NT) kf_softmax_finish(const Tin* __
 # chunks cover the row exactly, which removes the predicate.
 _CHUNKS = r"""
 constexpr bool IN_CHUNK = CH % (NT * V) != 0, IN_ROW = C % CH != 0;
-constexpr int KP = (S + 31) / 32;  // partials per lane when a warp combines a row's S
 
 __device__ __forceinline__ bool kf_live(int lo, int it) {
   const int k = (it * NT + (int)threadIdx.x) * V;
@@ -400,12 +399,40 @@ __device__ __forceinline__ void kf_store_chunk(Tout* __restrict__ q, int lo, con
 
 """
 
-_SPLIT_REGS = r"""
-__device__ __forceinline__ float2 kf_part(const float2* p) {
-  if constexpr (PDL) return __ldcg(p);  // written by a grid that may have run beside this one
-  return *p;
+# A row's (max, sum of exp) from its S chunk partials, on every lane of a warp. Each lane
+# loads up to 8 partials per round, all in flight at once (a loop of dependent L2 reads
+# costs a round trip per partial), merges them online, then the warp merges its lanes.
+# CG: read with __ldcg (the partials were written by another SM during this grid, or by a
+# grid that may still be running). A NaN partial stays NaN; a row of -inf sums to 0.
+_COMBINE = r"""
+template <bool CG>
+__device__ __forceinline__ float2 kf_combine(const float2* __restrict__ part) {
+  constexpr int KP = (S + 31) / 32, K = KP < 8 ? KP : 8;
+  const int lane = threadIdx.x & 31;
+  float m = -kf_inf(), s = 0.f;
+#pragma unroll 1
+  for (int k0 = 0; k0 < KP; k0 += K) {
+    float2 p[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int j = (k0 + k) * 32 + lane;
+      p[k] = (S % (32 * K) == 0 || j < S) ? (CG ? __ldcg(part + j) : part[j]) : make_float2(-kf_inf(), 0.f);
+    }
+    float mk = m;
+#pragma unroll
+    for (int k = 0; k < K; ++k) mk = fmaxf(mk, p[k].x);
+    s *= m == -kf_inf() ? 0.f : expf(m - mk);
+#pragma unroll
+    for (int k = 0; k < K; ++k) s += p[k].y * (p[k].x == -kf_inf() ? 0.f : expf(p[k].x - mk));
+    m = mk;
+  }
+  const float rm = kf_warp_max(m);
+  return make_float2(rm, kf_warp_sum(s * (m == -kf_inf() ? 0.f : expf(m - rm))));
 }
+"""
 
+
+_SPLIT_REGS = r"""
 extern "C" __global__ void __launch_bounds__(NT) kf_softmax_partial(const Tin* __restrict__ x, float2* __restrict__ ws) {
   const int lo = blockIdx.x * CH;
   float v[IT][V];
@@ -426,32 +453,9 @@ extern "C" __global__ void __launch_bounds__(NT) kf_softmax_finish(const Tin* __
   // loaded first, then it waits for kernel 1's partials (read from L2 after the wait).
   if constexpr (PDL) asm volatile("griddepcontrol.wait;" ::: "memory");
   // Every warp combines the row's S partials itself (no barrier; after the first warp of
-  // the SM the reads hit L1): the row max, then the partial sums rescaled to it.
-  const int lane = threadIdx.x & 31;
-  const float2* part = ws + blockIdx.y * S;
-  float m = -kf_inf(), s = 0.f;
-  if constexpr (KP <= 8) {  // up to 8 partials per lane: one round of loads into registers
-    float2 p[KP];
-#pragma unroll
-    for (int k = 0; k < KP; ++k) p[k] = S % 32 == 0 || k * 32 + lane < S ? kf_part(part + k * 32 + lane) : make_float2(-kf_inf(), 0.f);
-#pragma unroll
-    for (int k = 0; k < KP; ++k) m = fmaxf(m, p[k].x);
-    m = kf_warp_max(m);
-#pragma unroll
-    for (int k = 0; k < KP; ++k) s += p[k].y * (p[k].x == -kf_inf() ? 0.f : expf(p[k].x - m));
-  } else {
-#pragma unroll 4
-    for (int j = lane; j < S; j += 32) m = fmaxf(m, kf_part(part + j).x);
-    m = kf_warp_max(m);
-#pragma unroll 4
-    for (int j = lane; j < S; j += 32) {
-      const float2 q = kf_part(part + j);
-      s += q.y * (q.x == -kf_inf() ? 0.f : expf(q.x - m));
-    }
-  }
-  // A NaN partial sum stays NaN; a row of -inf sums to 0, and exp(nan) / 0 is NaN like torch.
-  s = kf_warp_sum(s);
-  kf_store_chunk(y + base, lo, v, m, s);
+  // the SM the reads hit L1).
+  const float2 ms = kf_combine<PDL>(ws + blockIdx.y * S);
+  kf_store_chunk(y + base, lo, v, ms.x, ms.y);
 }
 """
 
@@ -470,17 +474,8 @@ extern "C" __global__ void __launch_bounds__(NT) kf_softmax_coop(const Tin* __re
   float m, s;
   kf_chunk_stats(v, m, s);
   kf_publish_and_wait(ws, blockIdx.y, blockIdx.x, make_float2(m, s));
-  const int lane = threadIdx.x & 31;
-  const float2* p = kf_partials(ws) + blockIdx.y * S;
-  float rm = -kf_inf(), rs = 0.f;
-  for (int j = lane; j < S; j += 32) rm = fmaxf(rm, __ldcg(&p[j]).x);
-  rm = kf_warp_max(rm);
-  for (int j = lane; j < S; j += 32) {
-    const float2 q = __ldcg(&p[j]);
-    rs += q.y * (q.x == -kf_inf() ? 0.f : expf(q.x - rm));
-  }
-  rs = kf_warp_sum(rs);  // a NaN partial stays NaN; a row of -inf gives 0 and then NaN, like torch
-  kf_store_chunk(y + base, lo, v, rm, rs);
+  const float2 ms = kf_combine<true>(kf_partials(ws) + blockIdx.y * S);
+  kf_store_chunk(y + base, lo, v, ms.x, ms.y);
 }
 """
 
@@ -540,15 +535,8 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) kf_softmax_tma(const Tin*
     for (int j = 0; j < V; ++j) s += expf(v[it][j] - ref);
   s = kf_warp_sum(s);
   kf_publish_and_wait<true>(ws, row, blockIdx.x * WPR + piece, make_float2(m, s));
-  const float2* p = kf_partials(ws) + row * S;
-  float rm = -kf_inf(), rs = 0.f;
-  for (int j = lane; j < S; j += 32) rm = fmaxf(rm, __ldcg(&p[j]).x);
-  rm = kf_warp_max(rm);
-  for (int j = lane; j < S; j += 32) {
-    const float2 q = __ldcg(&p[j]);
-    rs += q.y * (q.x == -kf_inf() ? 0.f : expf(q.x - rm));
-  }
-  rs = kf_warp_sum(rs);  // a NaN partial stays NaN; a row of -inf gives 0 and then NaN, like torch
+  const float2 ms = kf_combine<true>(kf_partials(ws) + row * S);
+  const float rm = ms.x, rs = ms.y;
   const float ls = logf(rs);
   Tout* o = reinterpret_cast<Tout*>(mine);  // in place: Tout is Tin
 #pragma unroll
@@ -599,7 +587,7 @@ def build(card: Card, knobs: Knobs, hw: Hardware):
         ch, it, s = _split_geometry(cols, knobs["split"], nt, v)
         pdl = knobs.get("pdl", False)
         consts = constants(R=rows, C=cols, NT=nt, V=v, LOG=log, S=s, CH=ch, IT=it, PDL=pdl)
-        body = "\n".join([types, consts, _CHUNKS, _SPLIT_REGS])
+        body = "\n".join([types, consts, _CHUNKS, _COMBINE, _SPLIT_REGS])
         kernels = [launch("kf_softmax_partial", [s, rows], [nt], [{"in": 0}, {"ws": 0}]),
                    launch("kf_softmax_finish", [s, rows], [nt], [{"in": 0}, {"ws": 0}, {"out": 0}], pdl=pdl)]
         ws = [rows * s * 2 * 4]
@@ -608,7 +596,7 @@ def build(card: Card, knobs: Knobs, hw: Hardware):
         ch, it, s = _split_geometry(cols, knobs["split"], nt, v)
         cnt_words, wait_ws = group_wait_workspace(rows, s)
         consts = constants(R=rows, C=cols, NT=nt, V=v, LOG=log, S=s, CH=ch, IT=it, CNT_WORDS=cnt_words)
-        body = "\n".join([types, consts, _CHUNKS, GROUP_WAIT, _SPLIT_COOP])
+        body = "\n".join([types, consts, _CHUNKS, GROUP_WAIT, _COMBINE, _SPLIT_COOP])
         kernels = [launch("kf_softmax_coop", [s, rows], [nt], [{"in": 0}, {"ws": 0}, {"out": 0}], cooperative=True)]
         ws = [wait_ws]
     elif algo == "split_tma":
@@ -618,7 +606,7 @@ def build(card: Card, knobs: Knobs, hw: Hardware):
         cnt_words, wait_ws = group_wait_workspace(rows, g["S"])
         smem = g.pop("SMEM")
         consts = constants(**g, LOG=log, CNT_WORDS=cnt_words)
-        body = "\n".join([types, consts, GROUP_WAIT, _SPLIT_TMA])
+        body = "\n".join([types, consts, GROUP_WAIT, _COMBINE, _SPLIT_TMA])
         kernels = [launch("kf_softmax_tma", [knobs["split"]], [g["NT"]], [{"in": 0}, {"ws": 0}, {"out": 0}],
                           smem=smem, cooperative=True)]
         ws = [wait_ws]
