@@ -11,6 +11,8 @@ all in one interleaved run (GPU time, median, L2 flushed before every rep):
   split_coop, no memset the same kernel with its counters left at S from the last launch:
                         no memset and no waiting (its output is wrong; timing only)
   split_tma             bulk-copy loads, a wait per row, bulk-copy stores (warps x split)
+  ..., packed counters  the same with the rows' counters side by side in one 128-byte line
+                        (the default puts each on its own line)
   torch copy            y.copy_(x): torch's own copy kernel, for the copy line above
 
     python bench/probe_long_rows.py [--out bench/results/probe_long_rows_h200.json]
@@ -34,6 +36,7 @@ from builtin_cards import softmax  # noqa: E402
 from kforge import timing  # noqa: E402
 from kforge.candidate import Candidate, KernelLaunch, LaunchPlan  # noqa: E402
 from kforge.hardware import current  # noqa: E402
+from kforge.proposers.builtin import common  # noqa: E402
 from kforge.proposers.builtin import softmax as softmax_family  # noqa: E402
 
 ROWS, COLS = 8, 262144
@@ -82,6 +85,13 @@ def main(argv=None) -> int:
         "split_regs kernel 2": Runner(card, with_plan(regs, kernels=regs.plan.kernels[1:]), [x]),
         "split_coop": Runner(card, coop, [x]),
     }
+    common.COUNTER_STRIDE = 1
+    packed = softmax_family.build(card, {"algo": "split_coop", "split": 32, "threads": 1024, "vec": 4}, hw)
+    packed_tma = softmax_family.build(card, {"algo": "split_tma", "warps": 1, "split": 128}, hw)
+    common.COUNTER_STRIDE = 32
+    runs["split_coop, packed counters"] = Runner(card, packed, [x])
+    if correct(card, packed_tma, [x]):
+        runs["split_tma 1w x 128, packed counters"] = Runner(card, packed_tma, [x])
     y = torch.empty_like(x)
     runs["torch copy"] = lambda: y.copy_(x)
     for wpr, split in ((1, 128), (2, 128), (4, 128), (2, 256), (1, 256)):

@@ -217,8 +217,11 @@ template <> __device__ __forceinline__ __nv_bfloat16 kf_cast<__nv_bfloat16>(floa
 
 
 # Blocks (or warps) of one cooperative launch that share a reduction (group_norm coop,
-# softmax split_coop and split_tma). The workspace is CNT_WORDS 32-bit counters, one per
-# group and zeroed before the launch (padded to 8 bytes), then S float2 partials per group.
+# softmax split_coop and split_tma). The workspace is the groups' 32-bit counters, zeroed
+# before the launch, CNT_STRIDE words apart (COUNTER_STRIDE: a 128-byte line each, so the
+# waiters of one group do not poll the line every other group counts on), then S float2
+# partials per group at word CNT_WORDS.
+COUNTER_STRIDE = 32
 GROUP_WAIT = r"""
 __device__ __forceinline__ float2* kf_partials(unsigned* ws) { return reinterpret_cast<float2*>(ws + CNT_WORDS); }
 
@@ -231,8 +234,9 @@ __device__ __forceinline__ void kf_publish_and_wait(unsigned* ws, kf_i64 group, 
   if ((WARP ? threadIdx.x & 31 : threadIdx.x) == 0) {
     __stcg(&kf_partials(ws)[group * S + slot], mine);
     __threadfence();  // the partial is visible before the count says so
-    atomicAdd(&ws[group], 1u);
-    while (*reinterpret_cast<volatile unsigned*>(&ws[group]) < (unsigned)S) __nanosleep(WARP ? 32 : 64);
+    unsigned* count = ws + group * CNT_STRIDE;
+    atomicAdd(count, 1u);
+    while (*reinterpret_cast<volatile unsigned*>(count) < (unsigned)S) __nanosleep(WARP ? 32 : 64);
     __threadfence();
   }
   if (WARP) __syncwarp(); else __syncthreads();
@@ -240,10 +244,12 @@ __device__ __forceinline__ void kf_publish_and_wait(unsigned* ws, kf_i64 group, 
 """
 
 
-def group_wait_workspace(groups: int, s: int) -> tuple[int, dict]:
-    """(CNT_WORDS, the zeroed workspace entry) of GROUP_WAIT for `groups` groups of `s` blocks."""
-    words = ceil_div(groups, 2) * 2
-    return words, {"bytes": words * 4 + groups * s * 8, "zero": True}
+def group_wait_workspace(groups: int, s: int, stride: int | None = None) -> tuple[dict, dict]:
+    """(the constants GROUP_WAIT needs, the zeroed workspace entry) for `groups` groups of
+    `s` partials, the counters `stride` words apart (COUNTER_STRIDE by default)."""
+    stride = COUNTER_STRIDE if stride is None else stride
+    words = ceil_div((groups - 1) * stride + 1, 2) * 2  # the partials start 8-byte aligned
+    return {"CNT_WORDS": words, "CNT_STRIDE": stride}, {"bytes": words * 4 + groups * s * 8, "zero": True}
 
 
 def cuda_source(title: str, dtypes: set[str] | list[str], body: str) -> str:

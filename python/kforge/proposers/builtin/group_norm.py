@@ -319,8 +319,8 @@ def build(card: Card, knobs: Knobs, hw: Hardware):
         stash = knobs.get("stash", 0)
         s, ch, it, minb = _coop_geometry(p, hw, nt, knobs["hold"], v, stash)
         ng = p["N"] * p["G"]
-        cnt_words, wait_ws = group_wait_workspace(ng, s)
-        consts = constants(S=s, CH=ch, ITER=it, HOLD=knobs["hold"], STASH=stash, MINB=minb, CNT_WORDS=cnt_words,
+        wait, wait_ws = group_wait_workspace(ng, s)
+        consts = constants(S=s, CH=ch, ITER=it, HOLD=knobs["hold"], STASH=stash, MINB=minb, **wait,
                            STREAM=max(STREAM // 2 if knobs["hold"] == 0 else STREAM, v), **common)
         body = "\n".join([constants(**types), consts, absent, GROUP_WAIT, render(_HEAD + _COOP, PARAMS=params)])
         kernels = [launch("kf_gn_coop", [s, ng], [nt], args, smem=stash * nt * 4, cooperative=True)]

@@ -594,8 +594,8 @@ def build(card: Card, knobs: Knobs, hw: Hardware):
     elif algo == "split_coop":
         nt = knobs["threads"]
         ch, it, s = _split_geometry(cols, knobs["split"], nt, v)
-        cnt_words, wait_ws = group_wait_workspace(rows, s)
-        consts = constants(R=rows, C=cols, NT=nt, V=v, LOG=log, S=s, CH=ch, IT=it, CNT_WORDS=cnt_words)
+        wait, wait_ws = group_wait_workspace(rows, s)
+        consts = constants(R=rows, C=cols, NT=nt, V=v, LOG=log, S=s, CH=ch, IT=it, **wait)
         body = "\n".join([types, consts, _CHUNKS, GROUP_WAIT, _COMBINE, _SPLIT_COOP])
         kernels = [launch("kf_softmax_coop", [s, rows], [nt], [{"in": 0}, {"ws": 0}, {"out": 0}], cooperative=True)]
         ws = [wait_ws]
@@ -603,9 +603,9 @@ def build(card: Card, knobs: Knobs, hw: Hardware):
         g = _tma_geometry(card, hw, rows, cols, knobs["split"], knobs["warps"])
         if g is None:
             raise ValueError(f"split_tma {knobs} is not legal for {card.summary()} on {hw.name}")
-        cnt_words, wait_ws = group_wait_workspace(rows, g["S"])
+        wait, wait_ws = group_wait_workspace(rows, g["S"])
         smem = g.pop("SMEM")
-        consts = constants(**g, LOG=log, CNT_WORDS=cnt_words)
+        consts = constants(**g, LOG=log, **wait)
         body = "\n".join([types, consts, GROUP_WAIT, _COMBINE, _SPLIT_TMA])
         kernels = [launch("kf_softmax_tma", [knobs["split"]], [g["NT"]], [{"in": 0}, {"ws": 0}, {"out": 0}],
                           smem=smem, cooperative=True)]
