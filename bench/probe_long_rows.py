@@ -10,8 +10,7 @@ all in one interleaved run (GPU time, median, L2 flushed before every rep):
   split_coop            as shipped (workspace zeroed by a memset, then the kernel)
   split_coop, no memset the same kernel with its counters left at S from the last launch:
                         no memset and no waiting (its output is wrong; timing only)
-  split_tma             bulk-copy loads, a wait per row, bulk-copy stores (warps x split)
-  ..., packed counters  the same with the rows' counters side by side in one 128-byte line
+  split_coop, packed    the same with the rows' counters side by side in one 128-byte line
                         (the default puts each on its own line)
   torch copy            y.copy_(x): torch's own copy kernel, for the copy line above
 
@@ -31,7 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "python"), str(ROOT / "tests"), str(ROOT / "bench")]
 
-from bench_builtin import Runner, correct  # noqa: E402  (a plan bound to fixed tensors)
+from bench_builtin import Runner  # noqa: E402  (a plan bound to fixed tensors)
 from builtin_cards import softmax  # noqa: E402
 from kforge import timing  # noqa: E402
 from kforge.candidate import Candidate, KernelLaunch, LaunchPlan  # noqa: E402
@@ -85,22 +84,12 @@ def main(argv=None) -> int:
         "split_regs kernel 2": Runner(card, with_plan(regs, kernels=regs.plan.kernels[1:]), [x]),
         "split_coop": Runner(card, coop, [x]),
     }
-    common.COUNTER_STRIDE = 1
+    stride, common.COUNTER_STRIDE = common.COUNTER_STRIDE, 1
     packed = softmax_family.build(card, {"algo": "split_coop", "split": 32, "threads": 1024, "vec": 4}, hw)
-    packed_tma = softmax_family.build(card, {"algo": "split_tma", "warps": 1, "split": 128}, hw)
-    common.COUNTER_STRIDE = 32
+    common.COUNTER_STRIDE = stride
     runs["split_coop, packed counters"] = Runner(card, packed, [x])
-    if correct(card, packed_tma, [x]):
-        runs["split_tma 1w x 128, packed counters"] = Runner(card, packed_tma, [x])
     y = torch.empty_like(x)
     runs["torch copy"] = lambda: y.copy_(x)
-    for wpr, split in ((1, 128), (2, 128), (4, 128), (2, 256), (1, 256)):
-        try:
-            tma = softmax_family.build(card, {"algo": "split_tma", "warps": wpr, "split": split}, hw)
-            if correct(card, tma, [x]):
-                runs[f"split_tma {wpr}w x {split}"] = Runner(card, tma, [x])
-        except Exception as e:  # an illegal or failing setting is reported, the others still timed
-            print(f"split_tma {wpr}w x {split}: {type(e).__name__}: {e}")
     # The counters stay at S after one zeroed launch: every later launch passes its wait at once.
     nm = Runner(card, no_memset, [x])
     for w in nm.ws:

@@ -327,44 +327,6 @@ def test_split_coop_is_offered_only_where_the_grid_can_be_resident():
     assert s["split"] == (16, 32) and s["threads"] == (512, 1024)
 
 
-@pytest.mark.parametrize("name", sorted(LONG_ROWS))
-def test_split_tma_is_one_resident_cooperative_launch_that_compiles(name):
-    """One kernel, one block per column chunk of every row and one warp per row piece; the
-    chunk of every row fits the block's shared memory, the grid fits the GPU at once by
-    threads, registers and shared memory; every setting compiles for sm_90."""
-    card = LONG_ROWS[name]()
-    x = card.args[0].tensor
-    rows, cols = x.numel // x.shape[-1], x.shape[-1]
-    knobs_list = [k for s in softmax_family.spaces(card, H200) if s["algo"] == ("split_tma",)
-                  for k in knob_space.configs(s)]
-    if name in ("odd_3x100003", "log_3x70000", "half_to_float_4x65536"):  # no piece is whole vectors; two dtypes
-        assert not knobs_list
-        return
-    assert knobs_list
-    for knobs in knobs_list:
-        cand = softmax_family.build(card, knobs, H200)
-        cand.plan.validate(len(card.inputs), len(card.outputs))
-        (k,) = cand.plan.kernels
-        split, nt = knobs["split"], rows * knobs["warps"] * 32
-        assert k.name == "kf_softmax_tma" and k.cooperative and k.grid == (split, 1, 1) and k.block == (nt, 1, 1)
-        assert cols % split == 0 and k.smem == rows * cols // split * x.itemsize <= H200.smem_per_block
-        per_sm = min(H200.max_threads_per_sm // nt, (H200.smem_per_block + 1024) // (k.smem + 1024))
-        assert split <= per_sm * H200.sm_count
-        assert cand.plan.workspace_bytes() == [(counter_bytes(rows) + rows * split * knobs["warps"] * 8, True)]
-        assert compiler.compile(cand.source, options=cand.plan.options, arch="sm_90").cubin
-
-
-def test_split_tma_needs_sm90_one_dtype_and_few_rows():
-    def offered(card, hw=H200):
-        return any(s["algo"] == ("split_tma",) for s in softmax_family.spaces(card, hw))
-
-    assert offered(softmax(8, 262144)) and offered(softmax(32, 65536))
-    assert not offered(softmax(8, 262144), dataclasses.replace(H200, arch="sm_80"))  # no bulk copies
-    assert not offered(softmax(64, 65536))  # a warp per row at most 1024 threads
-    assert not offered(softmax(4, 65536, dtype=F16, half_to_float=True))
-    assert not offered(softmax(3, 100003))
-
-
 @pytest.mark.parametrize("name", sorted(GN_COOP))
 def test_group_norm_coop_grid_is_resident_and_covers_each_element_once(name):
     card = GN_COOP[name]()

@@ -199,45 +199,6 @@ def test_split_coop_handles_minus_inf_like_torch(log):
         torch.testing.assert_close(got, want, equal_nan=True, **TOL[card.outputs[0].dtype], msg=lambda m: f"{knobs}: {m}")
 
 
-# split_tma: bulk copies into shared memory, a wait per row, one cooperative launch. The
-# geometry keeps every grid resident, so a refused launch is a failure here too.
-def split_tma_settings(card):
-    hw = current()
-    fam = family_for(card)
-    spaces = [s for s in fam.spaces(card, hw) if s["algo"] == ("split_tma",)]
-    return fam, hw, [k for s in spaces for k in knob_space.configs(s)]
-
-
-@pytest.mark.parametrize("name", sorted(LONG_ROWS))
-def test_split_tma_matches_eager_where_offered(name):
-    card = LONG_ROWS[name][0]()
-    fam, hw, knobs_list = split_tma_settings(card)
-    if name in ("odd_3x100003", "log_3x70000", "half_to_float_4x65536"):  # no piece is whole vectors; two dtypes
-        assert not knobs_list
-    else:
-        assert knobs_list
-    for seed, knobs in enumerate(knobs_list):
-        check_candidate(card, fam.build(card, knobs, hw), seed)
-
-
-@pytest.mark.parametrize("log", [False, True])
-def test_split_tma_handles_minus_inf_like_torch(log):
-    card = softmax(4, 262144, log=log)
-    x = torch.randn(4, 262144, device="cuda").mul_(8)
-    x[0, : 262144 // 2] = -float("inf")
-    x[1, ::7] = -float("inf")
-    x[2] = -float("inf")
-    x[3] = -float("inf")
-    x[3, -1] = 1.0
-    want = (torch.log_softmax if log else torch.softmax)(x, -1)
-    fam, hw, knobs_list = split_tma_settings(card)
-    assert knobs_list
-    for knobs in knobs_list:
-        (got,), _ = run(card, fam.build(card, knobs, hw), [x])
-        assert got[2].isnan().all()
-        torch.testing.assert_close(got, want, equal_nan=True, **TOL[card.outputs[0].dtype], msg=lambda m: f"{knobs}: {m}")
-
-
 # group_norm coop: one cooperative launch, a wait per (sample, group), part of each chunk
 # held in registers. Every setting of the small cards, a sample of the benchmark shapes';
 # the geometry keeps every grid resident, so a refused launch is a failure here.

@@ -216,8 +216,8 @@ template <> __device__ __forceinline__ __nv_bfloat16 kf_cast<__nv_bfloat16>(floa
 """
 
 
-# Blocks (or warps) of one cooperative launch that share a reduction (group_norm coop,
-# softmax split_coop and split_tma). The workspace is the groups' 32-bit counters, zeroed
+# Blocks of one cooperative launch that share a reduction (group_norm coop, softmax
+# split_coop). The workspace is the groups' 32-bit counters, zeroed
 # before the launch, CNT_STRIDE words apart (COUNTER_STRIDE: a 128-byte line each, so the
 # waiters of one group do not poll the line every other group counts on), then S float2
 # partials per group at word CNT_WORDS.
@@ -225,21 +225,19 @@ COUNTER_STRIDE = 32
 GROUP_WAIT = r"""
 __device__ __forceinline__ float2* kf_partials(unsigned* ws) { return reinterpret_cast<float2*>(ws + CNT_WORDS); }
 
-// The unit's leader (thread 0 of the block, or lane 0 of the warp when WARP) publishes the
-// unit's partial in slot `slot` of its group, counts it in on the group's counter and waits
-// for the group's other units; then the whole unit may read the group's S partials (with
-// __ldcg: L1 is not coherent across SMs).
-template <bool WARP = false>
-__device__ __forceinline__ void kf_publish_and_wait(unsigned* ws, kf_i64 group, int slot, float2 mine) {
-  if ((WARP ? threadIdx.x & 31 : threadIdx.x) == 0) {
-    __stcg(&kf_partials(ws)[group * S + slot], mine);
+// Thread 0 publishes this block's partial, counts it in on its group's counter and waits
+// for the group's other blocks; then the whole block may read the group's S partials
+// (with __ldcg: L1 is not coherent across SMs).
+__device__ __forceinline__ void kf_publish_and_wait(unsigned* ws, kf_i64 group, float2 mine) {
+  if (threadIdx.x == 0) {
+    __stcg(&kf_partials(ws)[group * S + blockIdx.x], mine);
     __threadfence();  // the partial is visible before the count says so
     unsigned* count = ws + group * CNT_STRIDE;
     atomicAdd(count, 1u);
-    while (*reinterpret_cast<volatile unsigned*>(count) < (unsigned)S) __nanosleep(WARP ? 32 : 64);
+    while (*reinterpret_cast<volatile unsigned*>(count) < (unsigned)S) __nanosleep(64);
     __threadfence();
   }
-  if (WARP) __syncwarp(); else __syncthreads();
+  __syncthreads();
 }
 """
 

@@ -253,7 +253,7 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) kf_gn_coop(@PARAMS@) {
     }
   }
   w = kf_block_welford<NT>(w);
-  kf_publish_and_wait(ws, ng, blockIdx.x, make_float2(w.mean, w.m2));
+  kf_publish_and_wait(ws, ng, make_float2(w.mean, w.m2));
   // Every block of the group has published: merge its S partials. The last chunk may be
   // short; its count is what it covered.
   const float2* part = kf_partials(ws) + ng * S;

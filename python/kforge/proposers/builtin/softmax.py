@@ -13,12 +13,6 @@ The algorithms, chosen by row length and row count:
               back before any arithmetic (many bytes in flight), kernel 1 takes the chunk's
               exact max then its sum of exp, kernel 2 loads its chunk (an L2 hit) before it
               reads the row's partials, which each warp combines without a barrier.
-  split_tma   few very long rows, one cooperative launch (sm_90+): each block owns a column
-              chunk of every row, fetched by bulk copies (TMA) into shared memory in row
-              order; each warp owns a piece of one row, publishes its (max, sum of exp) as
-              soon as its piece lands, waits only for its own row, normalizes in shared
-              memory and writes back by a bulk copy. Early rows are written while later
-              rows still load, so reads and writes overlap as in a copy; x is read once.
 Every algorithm computes in fp32 and, like torch, divides exp(x - max) by the sum.
 """
 
@@ -36,8 +30,6 @@ SPLIT_THREADS = (128, 256, 512)
 SPLITS = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 COOP_THREADS = (512, 1024)
 COOP_BLOCKS_PER_SM = 2
-TMA_HOLD = 64  # values a split_tma lane holds for its piece of a row
-TMA_WARPS = (1, 2, 4)  # warps per row in a split_tma block
 SMEM_LIMIT = 48 * 1024  # dynamic shared memory without the opt-in attribute
 
 
@@ -105,46 +97,7 @@ def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
                         and ceil_div(cols, s * COOP_THREADS[0]) <= SPLIT_REGS)
     if cols >= 8192 and coop_splits:
         out.append({"algo": ("split_coop",), "split": coop_splits, "threads": COOP_THREADS, "vec": vecs})
-    out += _tma_spaces(card, hw, rows, cols)
     return out
-
-
-def _tma_geometry(card: Card, hw: Hardware, rows: int, cols: int, split: int, wpr: int) -> dict | None:
-    """split_tma with `split` blocks and `wpr` warps per row: its constants, or None where the
-    setting is not legal (pieces that are not whole 16-byte vectors, more than TMA_HOLD values
-    per lane, or a grid the GPU cannot hold resident at once)."""
-    x = card.args[0].tensor
-    v = 16 // x.itemsize
-    nt = rows * wpr * 32
-    if cols % split or (cols // split) % (wpr * 32 * v) or nt > 1024:
-        return None
-    ch = cols // split
-    cw = ch // wpr
-    it = cw // (32 * v)
-    if it * v > TMA_HOLD:
-        return None
-    smem = rows * ch * x.itemsize
-    by_regs = 65536 // (nt * (it * v + 40))  # held values plus ~40 registers for the rest
-    per_sm = min(hw.max_threads_per_sm // nt, by_regs, (hw.smem_per_block + 1024) // (smem + 8 * rows * wpr + 1024))
-    if smem > hw.smem_per_block or split > per_sm * hw.sm_count:
-        return None
-    return {"R": rows, "C": cols, "NT": nt, "V": v, "S": split * wpr, "CH": ch, "CW": cw, "WPR": wpr, "IT": it,
-            "MINB": ceil_div(split, hw.sm_count), "SMEM": smem}
-
-
-def _tma_spaces(card: Card, hw: Hardware, rows: int, cols: int) -> list[KnobSpace]:
-    """One space per warps-per-row setting, holding every split legal with it. Needs bulk
-    copies (sm_90+), one dtype in and out, 16-byte aligned rows and at most 32 rows."""
-    x, out = card.args[0].tensor, card.outputs[0]
-    if (int(hw.arch.removeprefix("sm_").rstrip("a")) < 90 or x.dtype != out.dtype or rows > 32 or cols < 8192
-            or 16 // x.itemsize not in _vecs(card, cols)):
-        return []
-    spaces: list[KnobSpace] = []
-    for wpr in TMA_WARPS:
-        splits = tuple(s for s in SPLITS if _tma_geometry(card, hw, rows, cols, s, wpr))
-        if splits:
-            spaces.append({"algo": ("split_tma",), "warps": (wpr,), "split": splits})
-    return spaces
 
 
 def _split_geometry(cols: int, split: int, nt: int, v: int) -> tuple[int, int, int]:
@@ -473,87 +426,9 @@ extern "C" __global__ void __launch_bounds__(NT) kf_softmax_coop(const Tin* __re
   kf_load_chunk(x + base, lo, v);
   float m, s;
   kf_chunk_stats(v, m, s);
-  kf_publish_and_wait(ws, blockIdx.y, blockIdx.x, make_float2(m, s));
+  kf_publish_and_wait(ws, blockIdx.y, make_float2(m, s));
   const float2 ms = kf_combine<true>(kf_partials(ws) + blockIdx.y * S);
   kf_store_chunk(y + base, lo, v, ms.x, ms.y);
-}
-"""
-
-
-# split_tma: thread 0 fetches the block's chunk of every row with one bulk copy per warp
-# piece (each completing on its own mbarrier), in row order. Warp w owns piece w % WPR of
-# row w / WPR: it waits for its piece, publishes its (max, sum of exp), waits for its row's
-# other pieces (GROUP_WAIT, warp-wide), normalizes the piece in place in shared memory and
-# writes it back by a bulk copy. No block-wide barrier after the fetch is issued.
-_SPLIT_TMA = r"""
-__device__ __forceinline__ unsigned kf_sptr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-
-extern "C" __global__ void __launch_bounds__(NT, MINB) kf_softmax_tma(const Tin* __restrict__ x, unsigned* __restrict__ ws,
-                                                                    Tout* __restrict__ y) {
-  extern __shared__ __align__(128) unsigned char kf_dyn[];
-  __shared__ __align__(8) unsigned long long bar[R * WPR];
-  Tin* buf = reinterpret_cast<Tin*>(kf_dyn);  // row r's chunk at r * CH
-  constexpr unsigned BYTES = CW * sizeof(Tin);
-  const kf_i64 col0 = (kf_i64)blockIdx.x * CH;
-  if (threadIdx.x == 0) {
-    for (int w = 0; w < R * WPR; ++w) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(kf_sptr(&bar[w])) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    for (int w = 0; w < R * WPR; ++w) {  // row order: the first rows land first
-      const int r = w / WPR, p = w % WPR;
-      const unsigned b = kf_sptr(&bar[w]);
-      unsigned long long state;
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 %0, [%1], %2;" : "=l"(state) : "r"(b), "r"(BYTES) : "memory");
-      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                   ::"r"(kf_sptr(buf + r * CH + p * CW)), "l"(x + (kf_i64)r * C + col0 + p * CW), "r"(BYTES), "r"(b)
-                   : "memory");
-    }
-  }
-  __syncthreads();  // the barriers are initialized
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row = warp / WPR, piece = warp % WPR;
-  {
-    const unsigned b = kf_sptr(&bar[warp]);
-    unsigned done = 0;
-    while (!done)
-      asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
-                   : "=r"(done) : "r"(b) : "memory");
-  }
-  Tin* mine = buf + row * CH + piece * CW;
-  float v[IT][V];
-#pragma unroll
-  for (int it = 0; it < IT; ++it) kf_load<Tin, V>(mine + (it * 32 + lane) * V, v[it]);
-  float m = -kf_inf();
-#pragma unroll
-  for (int it = 0; it < IT; ++it)
-#pragma unroll
-    for (int j = 0; j < V; ++j) m = fmaxf(m, v[it][j]);
-  m = kf_warp_max(m);
-  const float ref = m == -kf_inf() ? 0.f : m;  // an all -inf piece sums exp(-inf) = 0
-  float s = 0.f;
-#pragma unroll
-  for (int it = 0; it < IT; ++it)
-#pragma unroll
-    for (int j = 0; j < V; ++j) s += expf(v[it][j] - ref);
-  s = kf_warp_sum(s);
-  kf_publish_and_wait<true>(ws, row, blockIdx.x * WPR + piece, make_float2(m, s));
-  const float2 ms = kf_combine<true>(kf_partials(ws) + row * S);
-  const float rm = ms.x, rs = ms.y;
-  const float ls = logf(rs);
-  Tout* o = reinterpret_cast<Tout*>(mine);  // in place: Tout is Tin
-#pragma unroll
-  for (int it = 0; it < IT; ++it) {
-    float r[V];
-#pragma unroll
-    for (int j = 0; j < V; ++j) r[j] = LOG ? v[it][j] - rm - ls : expf(v[it][j] - rm) / rs;
-    kf_store<Tout, V>(o + (it * 32 + lane) * V, r);
-  }
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the writes above, visible to the bulk copy
-  __syncwarp();
-  if (lane == 0) {
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
-                 ::"l"(y + (kf_i64)row * C + col0 + piece * CW), "r"(kf_sptr(o)), "r"(BYTES) : "memory");
-    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // shared memory stays until read
-  }
 }
 """
 
@@ -561,7 +436,7 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) kf_softmax_tma(const Tin*
 def build(card: Card, knobs: Knobs, hw: Hardware):
     rows, cols = _shape(card)
     x, out = card.args[0].tensor, card.outputs[0]
-    algo, v = knobs["algo"], knobs.get("vec")
+    algo, v = knobs["algo"], knobs["vec"]
     log = card.op == "aten::_log_softmax.default"
     types = constants(Tin=ctype(x.dtype), Tout=ctype(out.dtype))
     io = [{"in": 0}, {"out": 0}]
@@ -598,17 +473,6 @@ def build(card: Card, knobs: Knobs, hw: Hardware):
         consts = constants(R=rows, C=cols, NT=nt, V=v, LOG=log, S=s, CH=ch, IT=it, **wait)
         body = "\n".join([types, consts, _CHUNKS, GROUP_WAIT, _COMBINE, _SPLIT_COOP])
         kernels = [launch("kf_softmax_coop", [s, rows], [nt], [{"in": 0}, {"ws": 0}, {"out": 0}], cooperative=True)]
-        ws = [wait_ws]
-    elif algo == "split_tma":
-        g = _tma_geometry(card, hw, rows, cols, knobs["split"], knobs["warps"])
-        if g is None:
-            raise ValueError(f"split_tma {knobs} is not legal for {card.summary()} on {hw.name}")
-        wait, wait_ws = group_wait_workspace(rows, g["S"])
-        smem = g.pop("SMEM")
-        consts = constants(**g, LOG=log, **wait)
-        body = "\n".join([types, consts, GROUP_WAIT, _COMBINE, _SPLIT_TMA])
-        kernels = [launch("kf_softmax_tma", [knobs["split"]], [g["NT"]], [{"in": 0}, {"ws": 0}, {"out": 0}],
-                          smem=smem, cooperative=True)]
         ws = [wait_ws]
     else:
         nt, s = knobs["threads"], knobs["split"]
