@@ -1,7 +1,8 @@
 """Which dispatched card makes a model faster or slower (run on the GPU): capture and search
 one model as bench_model.py does, then time its forward, interleaved in one process, eager,
-with the whole package, with the package less each dispatched card, and with each card
-alone. Every card is faster than eager as dispatched on its own; this shows what it does
+with the whole package, with the package less each dispatched card, with each card alone,
+and with every card's op overridden but no call matching (the cost of the override alone:
+boxing, the guard, the redispatch to PyTorch). Every card is faster than eager as dispatched on its own; this shows what it does
 inside the model (L2 state, the cost of overriding its op on calls that miss, ...).
 
     python bench/ablate_model.py examples/gemma_decoder.py --wall-time 45 --out $OUT/ablate_gemma.json
@@ -31,11 +32,29 @@ def forward(model, inputs):  # as bench_model.py
         return model(*args)
 
 
+def fresh(c, **changes):
+    """A copy of a packaged card with its own hit counters."""
+    return dataclasses.replace(c, counters=type(c.counters)(), **changes)
+
+
 def subset(pkg: CastPackage, keep) -> CastPackage:
     """The package with only the dispatched cards `keep(card_id)` says to keep."""
-    cards = [c if not c.dispatched or keep(c.id) else dataclasses.replace(c, decision="fallback", reason="ablated")
+    cards = [fresh(c) if not c.dispatched or keep(c.id) else fresh(c, decision="fallback", reason="ablated")
              for c in pkg.cards]
     return CastPackage(pkg.path, pkg.manifest, cards)
+
+
+def unmatchable(pkg: CastPackage) -> CastPackage:
+    """The package with every dispatched card's guard changed (its first tensor recorded as
+    float64), so the ops are overridden but every call misses and runs PyTorch's kernel."""
+    def miss(card):
+        i = next(i for i, a in enumerate(card.args) if a.kind == "tensor" and a.tensor is not None)
+        args = list(card.args)
+        args[i] = dataclasses.replace(args[i], tensor=dataclasses.replace(args[i].tensor, dtype="float64"))
+        return dataclasses.replace(card, args=args)
+
+    return CastPackage(pkg.path, pkg.manifest, [fresh(c, card=miss(c.card)) if c.dispatched else fresh(c)
+                                                for c in pkg.cards])
 
 
 def main(argv=None) -> int:
@@ -55,7 +74,7 @@ def main(argv=None) -> int:
                         min_share=args.min_share, wall_time_s=args.wall_time, progress=False)
     pkg = kforge.load(result.package_path)
     ids = {c.id: c.card.summary() for c in pkg.cards if c.dispatched}
-    variants = {"eager": None, "package": pkg}
+    variants = {"eager": None, "package": pkg, "overrides only (every call misses)": unmatchable(pkg)}
     for cid, name in ids.items():
         variants[f"without {name}"] = subset(pkg, lambda k, cid=cid: k != cid)
         variants[f"only {name}"] = subset(pkg, lambda k, cid=cid: k == cid)
@@ -63,7 +82,7 @@ def main(argv=None) -> int:
                for p in variants.values()]
     ms = timing.time_as_called(entries, calls=args.calls, rounds=args.rounds)
     eager = ms[0].median
-    rows = {name: {"median_us": m.median, "iqr_us": m.iqr, "vs_eager": eager / m.median}
+    rows = {name: {"median_us": m.median, "iqr_us": m.iqr, "vs_eager": eager / m.median, "samples_us": m.samples_us}
             for name, m in zip(variants, ms)}
     for name, r in rows.items():
         print(f"  {name[:80]:80s} {r['median_us']:9.1f} us (iqr {r['iqr_us']:6.1f})  {r['vs_eager']:.3f}x eager")
