@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="model.cast", help="package to write (default model.cast)")
     p.add_argument("--run-dir", type=Path, help="where cards and the search log go")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir without capturing")
+    p.add_argument("--no-model-check", action="store_true",
+                   help="do not time the model eager and with the package at the end")
     _search_options(p)
 
     p = sub.add_parser("capture", help="record the operators a model runs as cards")
@@ -136,6 +138,12 @@ def _report(result, console: Console) -> int:
         console.print(f"[yellow]{escape(result.message)}[/]", soft_wrap=True)
     if result.package_path:
         console.print(f"package: [bold]{result.package_path}[/]")
+    check = getattr(result, "model_check", None)
+    if check is not None:
+        colour = {"faster": "green", "slower": "red"}.get(check.verdict, "yellow")
+        console.print(f"[{colour}]{escape(check.message())}[/]", soft_wrap=True)
+    elif getattr(result, "model_check_error", ""):
+        console.print(f"[yellow]the model check did not complete: {escape(result.model_check_error)}[/]", soft_wrap=True)
     console.print(f"run directory: {result.run_dir}")
     return 0
 
@@ -154,7 +162,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
 
         model, inputs = load_model_spec(args.model)
         result = runner.run(model, inputs, out=args.out, run_dir=args.run_dir, model_name=args.model,
-                            **_search_kwargs(args))
+                            check_model=not args.no_model_check, **_search_kwargs(args))
     return _report(result, console)
 
 

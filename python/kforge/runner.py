@@ -74,6 +74,8 @@ class RunResult:
     validated: bool  # a GPU validated and timed the candidates
     message: str = ""
     stop_reasons: dict[str, str] = field(default_factory=dict)  # card id -> why its search stopped
+    model_check: Any = None  # kforge.modelcheck.ModelCheck: the model eager and with the package, or None
+    model_check_error: str = ""  # why the model check did not complete
 
     def rich_table(self) -> Table:
         return results_table(self.table, f"run {self.run_id}")
@@ -204,7 +206,7 @@ def run(model=None, example_inputs=None, out: str | Path | None = "model.cast", 
         max_cost_usd: float | None = None, seed: int = 0, progress: bool = True, *,
         proposer_options: dict | None = None, evaluator_factory: EvaluatorFactory | None = None,
         cards: Sequence[str] | None = None, ops: Sequence[str] | None = None, console: Console | None = None,
-        model_name: str | None = None) -> RunResult:
+        model_name: str | None = None, check_model: bool = True) -> RunResult:
     """Capture `model` on `example_inputs`, search kernels for its cards and package the winners.
 
     proposer: "builtin", "llm", "llm:<model>" (options in proposer_options), or a callable
@@ -214,6 +216,8 @@ def run(model=None, example_inputs=None, out: str | Path | None = "model.cast", 
       default `default_evaluator`.
     cards: only search these card ids.
     ops: only search cards whose op name contains one of these (e.g. ["softmax", "group_norm"]).
+    check_model: when a package was written, time the model's forward eager and with the
+      package (kforge.modelcheck) and say in result.model_check whether it is faster.
     Ctrl-C raises RunInterrupted (a KeyboardInterrupt) after marking the run interrupted.
     """
     if resume:
@@ -226,11 +230,37 @@ def run(model=None, example_inputs=None, out: str | Path | None = "model.cast", 
 
         run_dir = capture(model, example_inputs, run_dir).run_dir
         model_name = model_name or type(model).__name__
-    return search_run(run_dir, out=out, proposer=proposer, iterations=iterations, min_share=min_share,
-                      include_vendor=include_vendor, devices=devices, wall_time_s=wall_time_s,
-                      max_cost_usd=max_cost_usd, seed=seed, progress=progress, proposer_options=proposer_options,
-                      evaluator_factory=evaluator_factory, cards=cards, ops=ops, console=console,
-                      model_name=model_name, resume=resume)
+    result = search_run(run_dir, out=out, proposer=proposer, iterations=iterations, min_share=min_share,
+                        include_vendor=include_vendor, devices=devices, wall_time_s=wall_time_s,
+                        max_cost_usd=max_cost_usd, seed=seed, progress=progress, proposer_options=proposer_options,
+                        evaluator_factory=evaluator_factory, cards=cards, ops=ops, console=console,
+                        model_name=model_name, resume=resume)
+    if check_model and model is not None and result.package_path is not None:
+        _check_model(result, model, example_inputs)
+    return result
+
+
+def _check_model(result: RunResult, model, example_inputs, *, load_options: dict | None = None,
+                 **install_options) -> None:
+    """Time the model eager and with the new package; the verdict goes into the result and
+    the run's log. A failure here is reported, never raised: the package is already written."""
+    from .modelcheck import check_model
+    from .package import load
+
+    try:
+        pkg = load(result.package_path, **(load_options or {}))
+        if not any(c.dispatched for c in pkg.cards):
+            return  # nothing is dispatched: the model runs eager either way
+        result.model_check = check_model(model, example_inputs, pkg, **install_options)
+        message, level = result.model_check.message(), "warning" if result.model_check.verdict == "slower" else "info"
+    except Exception as e:  # noqa: BLE001 (reported to the user and the log)
+        result.model_check_error = f"{type(e).__name__}: {e}"
+        message, level = f"the model check did not complete: {result.model_check_error}", "warning"
+    log = SearchLog(result.run_dir)
+    try:
+        log.event(result.run_id, "model-check", message, level=level)
+    finally:
+        log.close()
 
 
 def search_run(run_dir: str | Path, *, out: str | Path | None = None, proposer: Any = "builtin",

@@ -32,6 +32,13 @@ def test_run_searches_validates_and_packages(tmp_path):
     assert "untimed" not in verdicts
     report = kforge.load(result.package_path).report()
     assert len(report["cards"]) == len(result.table)
+    # With a kernel dispatched, the run ends by timing the model eager and with the package.
+    if report["dispatched"]:
+        check = result.model_check
+        assert check is not None and not result.model_check_error and check.device == "cuda:0"
+        assert check.eager_us > 0 and check.package_us > 0 and check.verdict in ("faster", "level", "slower")
+    else:
+        assert result.model_check is None
 
     # Resuming with a larger budget continues the same run and evaluates nothing twice.
     before = {(c, d) for c, d in conn.execute("SELECT card_id, digest FROM candidates")}

@@ -1,0 +1,72 @@
+"""kforge.modelcheck: the model timed eager and with its package, and what run() does with it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_dispatch import FakeLauncher, relu_kernel
+from test_package import cpu_cast  # noqa: F401  (fixture)
+
+from kforge import runner
+from kforge.dispatch import Dispatcher
+from kforge.log import SearchLog
+from kforge.modelcheck import ModelCheck, check_model
+from kforge.package import load
+
+
+class Relu(torch.nn.Module):
+    def forward(self, x):
+        return torch.relu(x) + 1
+
+
+def test_the_package_is_applied_in_the_timed_rounds_and_eager_is_not(cpu_cast):  # noqa: F811
+    path, x = cpu_cast
+    pkg, launcher = load(path, arch="sm_90"), FakeLauncher(relu_kernel)
+    check = check_model(Relu(), x, pkg, rounds=3, calls=5, dispatcher=Dispatcher("CPU"), launcher=launcher)
+    # 2 warm-up rounds and 3 timed ones, each one untimed call and `calls` more: every one
+    # of them with the package applied went to the kernel, and no eager one did.
+    assert len(launcher.calls) == (2 + 3) * (1 + 5)
+    assert check.eager_us > 0 and check.package_us > 0 and check.device == "cpu"
+    assert not pkg.installed  # uninstalled after every round
+    assert set(check.to_json()) >= {"eager_us", "package_us", "speedup", "verdict"}
+
+
+@pytest.mark.parametrize("package_us, verdict", [(80.0, "faster"), (100.5, "level"), (99.0, "level"), (120.0, "slower")])
+def test_verdict_is_beyond_the_noise(package_us, verdict):
+    check = ModelCheck(100.0, 4.0, package_us, 2.0, "cuda:0")  # noise: half the larger iqr, 2 us
+    assert check.verdict == verdict
+    assert check.speedup == pytest.approx(100.0 / package_us)
+    if verdict == "slower":
+        assert "do not apply it" in check.message()
+
+
+def test_run_records_a_failed_model_check_and_does_not_raise(tmp_path):
+    log = SearchLog(tmp_path)
+    log.start_run("r1", model="m")
+    log.close()
+    result = runner.RunResult("r1", tmp_path, [], Path(tmp_path / "missing.cast"), True)
+    runner._check_model(result, Relu(), torch.randn(4, 8))
+    assert result.model_check is None and "missing.cast" in result.model_check_error
+    log = SearchLog(tmp_path)
+    (kind, level, message), = log.conn.execute("SELECT kind, level, message FROM events WHERE run_id='r1'").fetchall()
+    log.close()
+    assert (kind, level) == ("model-check", "warning") and "did not complete" in message
+
+
+def test_run_checks_the_model_with_the_new_package(cpu_cast, tmp_path):  # noqa: F811
+    path, x = cpu_cast
+    log = SearchLog(tmp_path)
+    log.start_run("r1", model="m")
+    log.close()
+    result = runner.RunResult("r1", tmp_path, [], path, True)
+    launcher = FakeLauncher(relu_kernel)
+    runner._check_model(result, Relu(), x, load_options={"arch": "sm_90"}, dispatcher=Dispatcher("CPU"),
+                        launcher=launcher)
+    assert result.model_check is not None and not result.model_check_error and launcher.calls
+    log = SearchLog(tmp_path)
+    (kind, message), = log.conn.execute("SELECT kind, message FROM events WHERE run_id='r1'").fetchall()
+    log.close()
+    assert kind == "model-check" and message.startswith("model forward on cpu: eager")
