@@ -51,9 +51,10 @@ class ModelCheck:
                 f"with the package {self.package_us:.1f} µs (iqr {self.package_iqr_us:.1f}): "
                 f"{self.speedup:.3f}x, {self.verdict}")
         if self.verdict == "slower":
-            line += ("; every dispatched card beats eager on its own, but this model is slower with the package "
-                     "(a forward bound by launch overhead pays for each call of an overridden op): do not apply it, "
-                     "or search fewer cards (--ops, --min-share) and check again")
+            line += ("; every dispatched card beats eager on its own, but this model is slower with the package. "
+                     "A forward bound by launch overhead pays for each call of an overridden op: do not apply the "
+                     "package as it is. Either replay the forward from a CUDA graph (torch.cuda.graph; the package "
+                     "works inside one), or search fewer cards (--ops, --min-share) and check again")
         elif self.verdict == "level":
             line += "; the package's gains are within the timing noise of this model"
         return line
