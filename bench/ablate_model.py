@@ -1,8 +1,9 @@
 """Which dispatched card makes a model faster or slower (run on the GPU): capture and search
 one model as bench_model.py does, then time its forward, interleaved in one process, eager,
 with the whole package, with the package less each dispatched card, with each card alone,
-and with every card's op overridden but no call matching (the cost of the override alone:
-boxing, the guard, the redispatch to PyTorch). Every card is faster than eager as dispatched on its own; this shows what it does
+with every card's op overridden but no call matching (the cost of the override alone:
+boxing, the guard, the redispatch to PyTorch), and last the forward replayed from a CUDA
+graph, eager and with the package (no host overhead: what the kernels alone do). Every card is faster than eager as dispatched on its own; this shows what it does
 inside the model (L2 state, the cost of overriding its op on calls that miss, ...).
 
     python bench/ablate_model.py examples/gemma_decoder.py --wall-time 45 --out $OUT/ablate_gemma.json
@@ -57,6 +58,36 @@ def unmatchable(pkg: CastPackage) -> CastPackage:
                                                 for c in pkg.cards])
 
 
+def graphed(fn):
+    """`fn` captured in a CUDA graph (after two warm-up calls on a side stream)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(), fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def graph_rows(pkg: CastPackage, fn, calls: int, rounds: int) -> dict:
+    """Eager and the package, each replayed from a CUDA graph (vs_eager: against the eager
+    graph). The package stays installed while its graph exists: the graph holds its
+    kernels, which live as long as the install."""
+    eager = graphed(fn)
+    pkg.install()
+    try:
+        packaged = graphed(fn)
+        ms = timing.time_as_called([(contextlib.nullcontext, eager.replay), (contextlib.nullcontext, packaged.replay)],
+                                   calls=calls, rounds=rounds)
+    finally:
+        pkg.uninstall()
+    return {name: {"median_us": m.median, "iqr_us": m.iqr, "vs_eager": ms[0].median / m.median,
+                   "samples_us": m.samples_us}
+            for name, m in zip(("eager, CUDA graph", "package, CUDA graph"), ms)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", help="model.py (get_model/get_inputs) or pkg.module:factory")
@@ -84,6 +115,10 @@ def main(argv=None) -> int:
     eager = ms[0].median
     rows = {name: {"median_us": m.median, "iqr_us": m.iqr, "vs_eager": eager / m.median, "samples_us": m.samples_us}
             for name, m in zip(variants, ms)}
+    try:
+        rows.update(graph_rows(pkg, lambda: forward(model, inputs), args.calls, args.rounds))
+    except Exception as e:  # a model that cannot be captured still has the rows above
+        print(f"  CUDA graph rows skipped: {type(e).__name__}: {e}")
     for name, r in rows.items():
         print(f"  {name[:80]:80s} {r['median_us']:9.1f} us (iqr {r['iqr_us']:6.1f})  {r['vs_eager']:.3f}x eager")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
