@@ -181,3 +181,21 @@ def test_doctor_reports_what_it_finds(capsys):
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "nvrtc" in out and "driver" in out
+
+
+@pytest.mark.parametrize("flag, checked", [([], True), (["--no-model-check"], False)])
+def test_run_prints_the_model_check_and_the_flag_turns_it_off(model_file, tmp_path, capsys, monkeypatch, flag, checked):
+    from kforge.modelcheck import ModelCheck
+
+    seen = {}
+
+    def fake_run(model, inputs, **kw):
+        seen.update(kw)
+        check = ModelCheck(100.0, 2.0, 120.0, 2.0, "cuda:0") if kw["check_model"] else None
+        return runner.RunResult("r1", tmp_path, [], tmp_path / "m.cast", True, model_check=check)
+
+    monkeypatch.setattr(runner, "run", fake_run)
+    assert main(["run", str(model_file), "--no-progress", *flag]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert seen["check_model"] is checked
+    assert ("0.833x, slower" in out and "do not apply the package" in out) is checked
