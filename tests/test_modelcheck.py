@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -28,10 +29,28 @@ def test_the_package_is_applied_in_the_timed_rounds_and_eager_is_not(cpu_cast): 
     check = check_model(Relu(), x, pkg, rounds=3, calls=5, dispatcher=Dispatcher("CPU"), launcher=launcher)
     # 2 warm-up rounds and 3 timed ones, each one untimed call and `calls` more: every one
     # of them with the package applied went to the kernel, and no eager one did.
-    assert len(launcher.calls) == (2 + 3) * (1 + 5)
+    assert len(launcher.calls) == (2 + 3) * (1 + 5) and (check.calls, check.rounds) == (5, 3)
     assert check.eager_us > 0 and check.package_us > 0 and check.device == "cpu"
     assert not pkg.installed  # uninstalled after every round
     assert set(check.to_json()) >= {"eager_us", "package_us", "speedup", "verdict"}
+
+
+class Slow(torch.nn.Module):
+    def forward(self, x):
+        time.sleep(0.02)
+        return x + 1
+
+
+def test_a_slow_model_gets_one_call_per_sample_and_fewer_rounds(cpu_cast):  # noqa: F811
+    path, x = cpu_cast
+    def check(budget_s):
+        return check_model(Slow(), x, load(path, arch="sm_90"), rounds=5, budget_s=budget_s,
+                           dispatcher=Dispatcher("CPU"), launcher=FakeLauncher(relu_kernel))
+
+    # A round is 2 entries x (1 + 1 calls) x >= 20 ms, and 2 rounds warm up.
+    roomy = check(5.0)
+    assert (roomy.calls, roomy.rounds) == (1, 5)  # a 20 ms forward is a sample of its own; the rounds asked for fit
+    assert check(0.1).rounds == 3  # never fewer than 3
 
 
 @pytest.mark.parametrize("package_us, verdict", [(80.0, "faster"), (100.5, "level"), (99.0, "level"), (120.0, "slower")])

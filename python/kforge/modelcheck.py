@@ -10,6 +10,8 @@ check and says when the package does not make the model faster.
 from __future__ import annotations
 
 import contextlib
+import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +30,8 @@ class ModelCheck:
     package_us: float
     package_iqr_us: float
     device: str
+    calls: int = 0  # forwards per timed sample
+    rounds: int = 0  # timed rounds, each entry once per round
 
     @property
     def speedup(self) -> float:
@@ -62,22 +66,36 @@ class ModelCheck:
     def to_json(self) -> dict:
         return {"eager_us": self.eager_us, "eager_iqr_us": self.eager_iqr_us, "package_us": self.package_us,
                 "package_iqr_us": self.package_iqr_us, "device": self.device, "speedup": self.speedup,
-                "verdict": self.verdict}
+                "verdict": self.verdict, "calls": self.calls, "rounds": self.rounds}
 
 
 def check_model(model: torch.nn.Module, example_inputs: Any, package, *, rounds: int = 10, calls: int | None = None,
-                **install_options: Any) -> ModelCheck:
+                budget_s: float = 10.0, **install_options: Any) -> ModelCheck:
     """Time `model` on `example_inputs` eager and under `package.apply(**install_options)`,
-    interleaved (`rounds` rounds of `calls` forwards each; calls=None sizes them to about a
-    millisecond), in eval mode and without autograd, as capture ran it."""
+    interleaved: `rounds` rounds of `calls` forwards each (calls=None: about a millisecond of
+    forwards per sample), in eval mode and without autograd, as capture ran it. A slow model
+    gets fewer rounds (at least 3) so that the check takes about `budget_s` seconds."""
     args, kwargs = _as_call(example_inputs, None)
     dev = _model_device(model, args, kwargs)
 
     def forward():
         return model(*args, **kwargs)
 
+    def synced():
+        forward()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
     with _model_state(model, eval_mode=True), torch.no_grad():
+        synced()  # warm-up
+        t0 = time.perf_counter()
+        synced()
+        one = max(time.perf_counter() - t0, 1e-7)
+        if calls is None:
+            calls = max(1, min(20, math.ceil(1e-3 / one)))
+        # Each round runs both entries, each an untimed call then `calls` timed ones; plus 2 warm-up rounds.
+        rounds = max(3, min(rounds, int(budget_s / (2 * (1 + calls) * one)) - 2))
         eager, packaged = timing.time_as_called(
             [(contextlib.nullcontext, forward), (lambda: package.apply(**install_options), forward)],
             calls=calls, rounds=rounds, device=dev)
-    return ModelCheck(eager.median, eager.iqr, packaged.median, packaged.iqr, str(dev))
+    return ModelCheck(eager.median, eager.iqr, packaged.median, packaged.iqr, str(dev), calls, rounds)
