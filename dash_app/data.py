@@ -345,8 +345,13 @@ class Catalog:
     @_ttl
     def package(self, run_id: str) -> dict:
         """The run's package manifest as rows (the first .cast found whose manifest names this
-        run), or why there is none to show."""
-        view: dict[str, Any] = {"path": None, "error": None, "header": {}, "cards": []}
+        run), or why there is none to show, and the run's model check (level and message) if
+        it had one."""
+        view: dict[str, Any] = {"path": None, "error": None, "header": {}, "cards": [], "model_check": None}
+        # The run's last model check (kforge.modelcheck, written by `kforge run` after packaging).
+        checks = self._q(run_id, "SELECT level, message FROM events WHERE run_id=? AND kind='model-check' "
+                                 "ORDER BY id DESC LIMIT 1", (run_id,))
+        view["model_check"] = checks[0] if checks else None
         problems = []
         for path in self._package_files(run_id):
             try:

@@ -120,6 +120,10 @@ TREE = [
 ]
 
 
+DEMO_MODEL_CHECK = ("model forward on cuda:0: eager 1234.0 µs (iqr 5.0), with the package 1100.0 µs (iqr 4.0): "
+                    "1.122x, faster")
+
+
 def write_demo_run(tmp_path: Path, run_id: str = "demo-run") -> DemoRun:
     run_dir = tmp_path / "written-run"
     cards = _demo_cards(run_dir)
@@ -153,6 +157,7 @@ def write_demo_run(tmp_path: Path, run_id: str = "demo-run") -> DemoRun:
                      duration_s=3.1)
     log.event(run_id, "llm", "rate limited; retrying in 2 s", level="warning", card_id=main.id)
     log.event(run_id, "card_done", "best 2.90x after 9 iterations", card_id=main.id)
+    log.event(run_id, "model-check", DEMO_MODEL_CHECK)
     log.close()
     _write_package(run_dir / "model.cast", run_id, main, second, ids)
     ranked, _ = _ranked(run_dir, run_id)

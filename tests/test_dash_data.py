@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("dash")
 pytest.importorskip("dash_cytoscape")
 
-from conftest_dash import LLM, import_dash_app, kernel, write_demo_run  # noqa: E402
+from conftest_dash import DEMO_MODEL_CHECK, LLM, import_dash_app, kernel, write_demo_run  # noqa: E402
 
 from kforge.log import SearchLog  # noqa: E402
 from kforge.verdict import EvalResult, Verdict  # noqa: E402
@@ -193,6 +193,18 @@ def test_package_rows_and_missing_or_corrupt_package(cat, demo, tmp_path):
         z.writestr("kernels/x.cu", "")
     assert "manifest.json" in Catalog([other.run_dir], ttl_s=0).package("no-package")["error"]
     assert Catalog([other.run_dir], ttl_s=0).package("no-package")["path"] is None
+
+
+def test_package_view_carries_the_runs_latest_model_check(tmp_path):
+    run = write_demo_run(tmp_path, run_id="checked")
+    assert Catalog([run.run_dir], ttl_s=0).package("checked")["model_check"] == {"level": "info",
+                                                                                "message": DEMO_MODEL_CHECK}
+    log = SearchLog(run.run_dir)
+    log.event("checked", "model-check", "model forward on cuda:0: eager 100.0 µs ... 0.900x, slower", level="warning")
+    log.event("checked", "model-check", "model forward on cuda:0: eager 100.0 µs ... 1.100x, faster")
+    log.close()
+    check = Catalog([run.run_dir], ttl_s=0).package("checked")["model_check"]
+    assert check == {"level": "info", "message": "model forward on cuda:0: eager 100.0 µs ... 1.100x, faster"}
 
 
 def test_package_of_another_run_is_not_shown(demo, tmp_path):

@@ -1,5 +1,6 @@
 """The run's .cast package: per card, dispatched or fallback and why, custom or vendor wrapper,
-and eager vs kernel latency, both as GPU time and as dispatched (guard and launch included)."""
+and eager vs kernel latency, both as GPU time and as dispatched (guard and launch included);
+above them, the run's model check (the whole model eager and with the package)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,10 @@ def refresh(_n: int, params: dict) -> tuple:
     except NotFound as e:
         return ui.problem(e), []
     head = [html.P(["file ", html.Code(view["path"] or "—")])]
+    if view["model_check"]:  # the whole model eager and with this package, from `kforge run`
+        check = view["model_check"]
+        head.append(html.P(["model check: ", check["message"]], id="package-model-check",
+                           className=f"model-check {check['level']}"))
     if view["error"]:
         return head + [ui.problem(LookupError(view["error"]))], []
     rows = view["cards"]
