@@ -7,7 +7,7 @@
 # T_MODEL (per model; T_<name> for one), T_DISPATCH seconds; BUDGET (candidates per built-in card), ITERS
 # (search iterations per model card), WALL (search seconds per model), COMPILE=1 (time
 # torch.compile too), GPU_TESTS (test paths) and TESTS_K (a pytest -k expression) for item tests,
-# GPU_TESTS2 and TESTS_K2 for item tests2. ONLY and
+# GPU_TESTS2 and TESTS_K2 for item tests2, ABLATE_MODEL and T_ABLATE for item ablate. ONLY and
 # ONLY2 pick the built-in cases of items builtin and builtin2 ('|' between name parts).
 source bench/device_setup.sh
 set +e  # a step that fails or runs out of time must not stop the steps after it
@@ -40,6 +40,9 @@ lane() {  # lane LOG ITEM...: run the items in order
       # The same with its own case filter and file, for splitting the cases over both lanes.
       builtin2) step "$log" builtin2 "${T_BUILTIN2:-${T_BUILTIN:-120}}" python3 bench/bench_builtin.py --budget "${BUDGET:-12}" \
                   $no_compile_flag ${ONLY2:+--only "$ONLY2"} --out "$OUT/builtin2_h200.json" ;;
+      # Which card helps or hurts a model, and the same forward from CUDA graphs (ABLATE_MODEL, default Gemma).
+      ablate) step "$log" ablate "${T_ABLATE:-200}" python3 bench/ablate_model.py "${ABLATE_MODEL:-examples/gemma_decoder.py}" \
+                --wall-time "${WALL:-45}" --out "$OUT/ablate_$(basename "${ABLATE_MODEL:-gemma}" .py)_h200.json" ;;
       probe) step "$log" probe "${T_PROBE:-60}" python3 bench/probe_long_rows.py --out "$OUT/probe_long_rows_h200.json" ;;
       dispatch) step "$log" dispatch "${T_DISPATCH:-40}" python3 bench/bench_dispatch.py --iterations 4 \
                   --out "$OUT/dispatch_h200.json" ;;
