@@ -46,12 +46,16 @@ def subset(pkg: CastPackage, keep) -> CastPackage:
 
 
 def unmatchable(pkg: CastPackage) -> CastPackage:
-    """The package with every dispatched card's guard changed (its first tensor recorded as
-    float64), so the ops are overridden but every call misses and runs PyTorch's kernel."""
+    """The package with every dispatched card's guard changed (its first tensor recorded with
+    another dtype), so the ops are overridden but every call misses and runs PyTorch's kernel.
+    A card without a plain tensor argument keeps its guard."""
     def miss(card):
-        i = next(i for i, a in enumerate(card.args) if a.kind == "tensor" and a.tensor is not None)
+        i = next((i for i, a in enumerate(card.args) if a.kind == "tensor" and a.tensor is not None), None)
+        if i is None:
+            return card
+        other = "float16" if card.args[i].tensor.dtype == "float64" else "float64"
         args = list(card.args)
-        args[i] = dataclasses.replace(args[i], tensor=dataclasses.replace(args[i].tensor, dtype="float64"))
+        args[i] = dataclasses.replace(args[i], tensor=dataclasses.replace(args[i].tensor, dtype=other))
         return dataclasses.replace(card, args=args)
 
     return CastPackage(pkg.path, pkg.manifest, [fresh(c, card=miss(c.card)) if c.dispatched else fresh(c)
@@ -81,6 +85,7 @@ def graph_rows(pkg: CastPackage, fn, calls: int, rounds: int) -> dict:
         packaged = graphed(fn)
         ms = timing.time_as_called([(contextlib.nullcontext, eager.replay), (contextlib.nullcontext, packaged.replay)],
                                    calls=calls, rounds=rounds)
+        del packaged  # before uninstall() unloads the kernels the graph launches
     finally:
         pkg.uninstall()
     return {name: {"median_us": m.median, "iqr_us": m.iqr, "vs_eager": ms[0].median / m.median,

@@ -348,10 +348,9 @@ class Catalog:
         run), or why there is none to show, and the run's model check (level and message) if
         it had one."""
         view: dict[str, Any] = {"path": None, "error": None, "header": {}, "cards": [], "model_check": None}
-        # The run's last model check (kforge.modelcheck, written by `kforge run` after packaging).
+        # The run's model checks (kforge.modelcheck, logged by `kforge run` as "PACKAGE: message").
         checks = self._q(run_id, "SELECT level, message FROM events WHERE run_id=? AND kind='model-check' "
-                                 "ORDER BY id DESC LIMIT 1", (run_id,))
-        view["model_check"] = checks[0] if checks else None
+                                 "ORDER BY id DESC", (run_id,))
         problems = []
         for path in self._package_files(run_id):
             try:
@@ -363,6 +362,7 @@ class Catalog:
             if manifest.get("run_id", run_id) != run_id:
                 continue
             view["path"] = str(path)
+            view["model_check"] = _model_check_of(checks, path)
             view["header"] = _flatten(manifest, skip=("cards",))
             view["cards"] = [manifest_row(e) for e in manifest.get("cards", []) if isinstance(e, dict)]
             return view
@@ -373,6 +373,17 @@ class Catalog:
 
 
 MANIFEST = "manifest.json"
+_CHECK_STARTS = (": model forward on ", ": the model check did not complete")
+
+
+def _model_check_of(checks: list[dict], package: Path) -> dict | None:
+    """The latest model check logged for this package file (level, message without the
+    path), or None: a check of an earlier package of the run does not describe this one."""
+    for c in checks:
+        cut = min((i for i in (c["message"].find(s) for s in _CHECK_STARTS) if i > 0), default=-1)
+        if cut > 0 and Path(c["message"][:cut]).resolve() == package.resolve():
+            return {"level": c["level"], "message": c["message"][cut + 2:]}
+    return None
 
 
 def _flatten(d: dict, skip: tuple[str, ...] = (), prefix: str = "") -> dict[str, Any]:

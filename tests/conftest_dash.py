@@ -157,7 +157,7 @@ def write_demo_run(tmp_path: Path, run_id: str = "demo-run") -> DemoRun:
                      duration_s=3.1)
     log.event(run_id, "llm", "rate limited; retrying in 2 s", level="warning", card_id=main.id)
     log.event(run_id, "card_done", "best 2.90x after 9 iterations", card_id=main.id)
-    log.event(run_id, "model-check", DEMO_MODEL_CHECK)
+    log.event(run_id, "model-check", f"{(run_dir / 'model.cast').resolve()}: {DEMO_MODEL_CHECK}")
     log.close()
     _write_package(run_dir / "model.cast", run_id, main, second, ids)
     ranked, _ = _ranked(run_dir, run_id)

@@ -298,9 +298,9 @@ def test_split_regs_chunks_cover_each_row_once_from_registers(name):
 
 
 def counter_bytes(groups: int) -> int:
-    """A cooperative kernel's counters: one per group, a 128-byte line apart, the partials
-    after them 8-byte aligned."""
-    return ((groups - 1) * 128 + 4 + 7) // 8 * 8
+    """A cooperative kernel's counters: one per group, each on a 128-byte line of its own,
+    the partials after them."""
+    return groups * 128
 
 
 @pytest.mark.parametrize("name", sorted(LONG_ROWS))

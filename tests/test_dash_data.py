@@ -195,16 +195,19 @@ def test_package_rows_and_missing_or_corrupt_package(cat, demo, tmp_path):
     assert Catalog([other.run_dir], ttl_s=0).package("no-package")["path"] is None
 
 
-def test_package_view_carries_the_runs_latest_model_check(tmp_path):
+def test_package_view_carries_the_latest_model_check_of_that_package(tmp_path):
     run = write_demo_run(tmp_path, run_id="checked")
+    cast = (run.run_dir / "model.cast").resolve()
     assert Catalog([run.run_dir], ttl_s=0).package("checked")["model_check"] == {"level": "info",
                                                                                 "message": DEMO_MODEL_CHECK}
     log = SearchLog(run.run_dir)
-    log.event("checked", "model-check", "model forward on cuda:0: eager 100.0 µs ... 0.900x, slower", level="warning")
-    log.event("checked", "model-check", "model forward on cuda:0: eager 100.0 µs ... 1.100x, faster")
+    log.event("checked", "model-check", f"{cast}: model forward on cuda:0: eager 100.0 µs ... 0.900x, slower",
+              level="warning")
+    log.event("checked", "model-check", f"{tmp_path / 'other.cast'}: model forward on cuda:0: ... 1.500x, faster")
     log.close()
     check = Catalog([run.run_dir], ttl_s=0).package("checked")["model_check"]
-    assert check == {"level": "info", "message": "model forward on cuda:0: eager 100.0 µs ... 1.100x, faster"}
+    # The newest check names another package file: the one shown is this package's latest.
+    assert check == {"level": "warning", "message": "model forward on cuda:0: eager 100.0 µs ... 0.900x, slower"}
 
 
 def test_package_of_another_run_is_not_shown(demo, tmp_path):

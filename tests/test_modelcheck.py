@@ -13,6 +13,7 @@ from test_package import cpu_cast  # noqa: F401  (fixture)
 
 from kforge import runner
 from kforge.dispatch import Dispatcher
+from kforge.errors import KforgeError
 from kforge.log import SearchLog
 from kforge.modelcheck import ModelCheck, check_model
 from kforge.package import load
@@ -30,6 +31,7 @@ def test_the_package_is_applied_in_the_timed_rounds_and_eager_is_not(cpu_cast): 
     # 2 warm-up rounds and 3 timed ones, each one untimed call and `calls` more: every one
     # of them with the package applied went to the kernel, and no eager one did.
     assert len(launcher.calls) == (2 + 3) * (1 + 5) and (check.calls, check.rounds) == (5, 3)
+    assert check.hits == len(launcher.calls)  # counted from the package's own counters
     assert check.eager_us > 0 and check.package_us > 0 and check.device == "cpu"
     assert not pkg.installed  # uninstalled after every round
     assert set(check.to_json()) >= {"eager_us", "package_us", "speedup", "verdict"}
@@ -50,12 +52,16 @@ def test_a_slow_model_gets_one_call_per_sample_and_fewer_rounds(cpu_cast):  # no
     # A round is 2 entries x (1 + 1 calls) x >= 20 ms, and 2 rounds warm up.
     roomy = check(5.0)
     assert (roomy.calls, roomy.rounds) == (1, 5)  # a 20 ms forward is a sample of its own; the rounds asked for fit
-    assert check(0.1).rounds == 3  # never fewer than 3
+    assert roomy.verdict == "unused" and "does nothing" in roomy.message()  # Slow never calls relu
+    assert check(0.2).rounds == 3  # never fewer than 3 (where 5 rounds take at most 3 budgets)
+    with pytest.raises(KforgeError, match="one forward takes"):
+        check(0.02)  # 5 rounds of 80 ms would take 0.4 s, far over 3 x 0.02 s
 
 
-@pytest.mark.parametrize("package_us, verdict", [(80.0, "faster"), (100.5, "level"), (99.0, "level"), (120.0, "slower")])
-def test_verdict_is_beyond_the_noise(package_us, verdict):
-    check = ModelCheck(100.0, 4.0, package_us, 2.0, "cuda:0")  # noise: half the larger iqr, 2 us
+@pytest.mark.parametrize("iqr, package_us, verdict", [(4.0, 80.0, "faster"), (4.0, 100.5, "level"), (4.0, 99.0, "level"),
+                                                      (4.0, 120.0, "slower"), (0.1, 99.5, "level"), (0.1, 98.5, "faster")])
+def test_verdict_is_beyond_the_noise(iqr, package_us, verdict):
+    check = ModelCheck(100.0, iqr, package_us, 2.0, "cuda:0")  # noise: half the larger iqr, at least 1 % of eager
     assert check.verdict == verdict
     assert check.speedup == pytest.approx(100.0 / package_us)
     if verdict == "slower":
@@ -75,6 +81,22 @@ def test_run_records_a_failed_model_check_and_does_not_raise(tmp_path):
     assert (kind, level) == ("model-check", "warning") and "did not complete" in message
 
 
+class Interrupted(torch.nn.Module):
+    def forward(self, x):
+        raise KeyboardInterrupt
+
+
+def test_ctrl_c_during_the_model_check_keeps_the_finished_run(cpu_cast, tmp_path):  # noqa: F811
+    path, x = cpu_cast
+    log = SearchLog(tmp_path)
+    log.start_run("r1", model="m")
+    log.close()
+    result = runner.RunResult("r1", tmp_path, [], path, True)
+    runner._check_model(result, Interrupted(), x, load_options={"arch": "sm_90"}, dispatcher=Dispatcher("CPU"),
+                        launcher=FakeLauncher(relu_kernel))  # returns: the package is written, the run done
+    assert result.model_check is None and result.model_check_error == "interrupted by the user"
+
+
 def test_run_checks_the_model_with_the_new_package(cpu_cast, tmp_path):  # noqa: F811
     path, x = cpu_cast
     log = SearchLog(tmp_path)
@@ -88,4 +110,4 @@ def test_run_checks_the_model_with_the_new_package(cpu_cast, tmp_path):  # noqa:
     log = SearchLog(tmp_path)
     (kind, message), = log.conn.execute("SELECT kind, message FROM events WHERE run_id='r1'").fetchall()
     log.close()
-    assert kind == "model-check" and message.startswith("model forward on cpu: eager")
+    assert kind == "model-check" and message.startswith(f"{path.resolve()}: model forward on cpu: eager")

@@ -140,7 +140,7 @@ def _report(result, console: Console) -> int:
         console.print(f"package: [bold]{result.package_path}[/]")
     check = getattr(result, "model_check", None)
     if check is not None:
-        colour = {"faster": "green", "slower": "red"}.get(check.verdict, "yellow")
+        colour = {"faster": "green", "slower": "red", "unused": "red"}.get(check.verdict, "yellow")
         console.print(f"[{colour}]{escape(check.message())}[/]", soft_wrap=True)
     elif getattr(result, "model_check_error", ""):
         console.print(f"[yellow]the model check did not complete: {escape(result.model_check_error)}[/]", soft_wrap=True)

@@ -19,6 +19,10 @@ import torch
 
 from . import timing
 from .capture import _as_call, _model_device, _model_state
+from .errors import KforgeError
+
+REL_NOISE = 0.01  # differences under 1 % of eager are "level" however steady the timings
+MIN_ROUNDS = 3
 
 
 @dataclass(frozen=True)
@@ -32,19 +36,24 @@ class ModelCheck:
     device: str
     calls: int = 0  # forwards per timed sample
     rounds: int = 0  # timed rounds, each entry once per round
+    hits: int = -1  # calls the package's kernels served during the check (-1: not counted)
 
     @property
     def speedup(self) -> float:
-        return self.eager_us / self.package_us
+        return self.eager_us / self.package_us if self.package_us > 0 else float("nan")
 
     @property
     def noise_us(self) -> float:
-        """A difference smaller than this is not a difference: half the larger spread."""
-        return max(self.eager_iqr_us, self.package_iqr_us) / 2
+        """A difference smaller than this is not a difference: half the larger spread, and
+        never less than REL_NOISE of eager."""
+        return max(max(self.eager_iqr_us, self.package_iqr_us) / 2, REL_NOISE * self.eager_us)
 
     @property
     def verdict(self) -> str:
-        """"faster", "slower" or "level" (the two medians within the noise of each other)."""
+        """"faster", "slower" or "level" (the two medians within the noise of each other);
+        "unused" when no call of the forward reached the package's kernels."""
+        if self.hits == 0:
+            return "unused"
         diff = self.eager_us - self.package_us
         if abs(diff) <= self.noise_us:
             return "level"
@@ -61,12 +70,15 @@ class ModelCheck:
                      "works inside one), or search fewer cards (--ops, --min-share) and check again")
         elif self.verdict == "level":
             line += "; the package's gains are within the timing noise of this model"
+        elif self.verdict == "unused":
+            line += ("; no call of this forward reached the package's kernels (other shapes, dtypes or device "
+                     "than the capture's): the package does nothing for it")
         return line
 
     def to_json(self) -> dict:
         return {"eager_us": self.eager_us, "eager_iqr_us": self.eager_iqr_us, "package_us": self.package_us,
                 "package_iqr_us": self.package_iqr_us, "device": self.device, "speedup": self.speedup,
-                "verdict": self.verdict, "calls": self.calls, "rounds": self.rounds}
+                "verdict": self.verdict, "calls": self.calls, "rounds": self.rounds, "hits": self.hits}
 
 
 def check_model(model: torch.nn.Module, example_inputs: Any, package, *, rounds: int = 10, calls: int | None = None,
@@ -74,7 +86,9 @@ def check_model(model: torch.nn.Module, example_inputs: Any, package, *, rounds:
     """Time `model` on `example_inputs` eager and under `package.apply(**install_options)`,
     interleaved: `rounds` rounds of `calls` forwards each (calls=None: about a millisecond of
     forwards per sample), in eval mode and without autograd, as capture ran it. A slow model
-    gets fewer rounds (at least 3) so that the check takes about `budget_s` seconds."""
+    gets fewer rounds (never fewer than 3) so that the check takes about `budget_s` seconds;
+    a model too slow for even that raises KforgeError. The package's kernels are loaded once
+    for all rounds (unless install_options names a launcher)."""
     args, kwargs = _as_call(example_inputs, None)
     dev = _model_device(model, args, kwargs)
 
@@ -94,8 +108,17 @@ def check_model(model: torch.nn.Module, example_inputs: Any, package, *, rounds:
         if calls is None:
             calls = max(1, min(20, math.ceil(1e-3 / one)))
         # Each round runs both entries, each an untimed call then `calls` timed ones; plus 2 warm-up rounds.
-        rounds = max(3, min(rounds, int(budget_s / (2 * (1 + calls) * one)) - 2))
+        per_round = 2 * (1 + calls) * one
+        if (MIN_ROUNDS + 2) * per_round > 3 * budget_s:
+            raise KforgeError(f"one forward takes {one:.3g} s, so the model check would take "
+                              f"{(MIN_ROUNDS + 2) * per_round:.3g} s; time the model with and without the "
+                              f"package yourself (kforge.modelcheck.check_model with a larger budget_s)")
+        rounds = max(MIN_ROUNDS, min(rounds, int(budget_s / per_round) - 2))
+        if "launcher" not in install_options and any(c.dispatched for c in package.cards):
+            install_options = {**install_options, "launcher": package.launcher()}
+        hits0 = sum(c.counters.hits for c in package.cards)
         eager, packaged = timing.time_as_called(
             [(contextlib.nullcontext, forward), (lambda: package.apply(**install_options), forward)],
             calls=calls, rounds=rounds, device=dev)
-    return ModelCheck(eager.median, eager.iqr, packaged.median, packaged.iqr, str(dev), calls, rounds)
+        hits = sum(c.counters.hits for c in package.cards) - hits0
+    return ModelCheck(eager.median, eager.iqr, packaged.median, packaged.iqr, str(dev), calls, rounds, hits)

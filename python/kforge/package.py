@@ -551,14 +551,19 @@ class CastPackage:
         dispatcher = dispatcher or Dispatcher.shared("CUDA")
         active = [c for c in self.cards if c.dispatched]
         if active:
-            if launcher is None:
-                registry = RegistryLauncher([(c.candidate, c.cubin) for c in active])
-                registry.prepare(torch.cuda.current_device())  # load now, not inside a forward or a graph capture
-                launcher = registry
+            launcher = launcher or self.launcher()
             dispatcher.add(self, [Variant(c.card, i, launcher, tuple(n for n, _ in c.candidate.plan.workspace_bytes()),
                                           c.counters) for i, c in enumerate(active)])
         self._dispatcher = dispatcher
         log.info("installed %s: %d kernels over %s", self.path, len(active), ", ".join(sorted({c.card.op for c in active})))
+
+    def launcher(self) -> RegistryLauncher:
+        """The C++ registry of the dispatched cards' kernels, loaded on the current device (in
+        install()'s variant order). install() makes one each time unless given one: pass the
+        same launcher to install the package again and again without reloading its cubins."""
+        registry = RegistryLauncher([(c.candidate, c.cubin) for c in self.cards if c.dispatched])
+        registry.prepare(torch.cuda.current_device())  # load now, not inside a forward or a graph capture
+        return registry
 
     def uninstall(self) -> None:
         """Remove this package's kernels; other installed packages keep theirs."""

@@ -243,7 +243,8 @@ def run(model=None, example_inputs=None, out: str | Path | None = "model.cast", 
 def _check_model(result: RunResult, model, example_inputs, *, load_options: dict | None = None,
                  **install_options) -> None:
     """Time the model eager and with the new package; the verdict goes into the result and
-    the run's log. A failure here is reported, never raised: the package is already written."""
+    the run's log. A failure or Ctrl-C here is reported, never raised: the package is
+    already written and the run is done."""
     from .modelcheck import check_model
     from .package import load
 
@@ -251,16 +252,22 @@ def _check_model(result: RunResult, model, example_inputs, *, load_options: dict
         pkg = load(result.package_path, **(load_options or {}))
         if not any(c.dispatched for c in pkg.cards):
             return  # nothing is dispatched: the model runs eager either way
-        result.model_check = check_model(model, example_inputs, pkg, **install_options)
-        message, level = result.model_check.message(), "warning" if result.model_check.verdict == "slower" else "info"
-    except Exception as e:  # noqa: BLE001 (reported to the user and the log)
-        result.model_check_error = f"{type(e).__name__}: {e}"
-        message, level = f"the model check did not complete: {result.model_check_error}", "warning"
-    log = SearchLog(result.run_dir)
+        check = check_model(model, example_inputs, pkg, **install_options)
+        message = f"{Path(result.package_path).resolve()}: {check.message()}"
+        level = "warning" if check.verdict in ("slower", "unused") else "info"
+        result.model_check = check
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 (reported to the user and the log)
+        why = "interrupted by the user" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
+        result.model_check_error = why
+        message, level = f"{Path(result.package_path).resolve()}: the model check did not complete: {why}", "warning"
     try:
-        log.event(result.run_id, "model-check", message, level=level)
-    finally:
-        log.close()
+        log = SearchLog(result.run_dir)
+        try:
+            log.event(result.run_id, "model-check", message, level=level)
+        finally:
+            log.close()
+    except Exception as e:  # noqa: BLE001 (the result still carries the check)
+        result.model_check_error = result.model_check_error or f"could not log the model check: {e}"
 
 
 def search_run(run_dir: str | Path, *, out: str | Path | None = None, proposer: Any = "builtin",

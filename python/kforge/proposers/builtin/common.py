@@ -246,7 +246,8 @@ def group_wait_workspace(groups: int, s: int, stride: int | None = None) -> tupl
     """(the constants GROUP_WAIT needs, the zeroed workspace entry) for `groups` groups of
     `s` partials, the counters `stride` words apart (COUNTER_STRIDE by default)."""
     stride = COUNTER_STRIDE if stride is None else stride
-    words = ceil_div((groups - 1) * stride + 1, 2) * 2  # the partials start 8-byte aligned
+    # The last counter's line holds no partials either; the partials start 8-byte aligned.
+    words = ceil_div(groups * stride, 2) * 2
     return {"CNT_WORDS": words, "CNT_STRIDE": stride}, {"bytes": words * 4 + groups * s * 8, "zero": True}
 
 
