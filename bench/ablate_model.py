@@ -62,6 +62,12 @@ def unmatchable(pkg: CastPackage) -> CastPackage:
                                                 for c in pkg.cards])
 
 
+def rows_of(names, ms) -> dict:
+    """One JSON row per timed variant, its speedup against the first (the eager one)."""
+    return {name: {"median_us": m.median, "iqr_us": m.iqr, "vs_eager": ms[0].median / m.median,
+                   "samples_us": m.samples_us} for name, m in zip(names, ms)}
+
+
 def graphed(fn):
     """`fn` captured in a CUDA graph (after two warm-up calls on a side stream)."""
     side = torch.cuda.Stream()
@@ -88,9 +94,7 @@ def graph_rows(pkg: CastPackage, fn, calls: int, rounds: int) -> dict:
         del packaged  # before uninstall() unloads the kernels the graph launches
     finally:
         pkg.uninstall()
-    return {name: {"median_us": m.median, "iqr_us": m.iqr, "vs_eager": ms[0].median / m.median,
-                   "samples_us": m.samples_us}
-            for name, m in zip(("eager, CUDA graph", "package, CUDA graph"), ms)}
+    return rows_of(("eager, CUDA graph", "package, CUDA graph"), ms)
 
 
 def main(argv=None) -> int:
@@ -117,9 +121,7 @@ def main(argv=None) -> int:
     entries = [(p.apply if p is not None else contextlib.nullcontext, lambda: forward(model, inputs))
                for p in variants.values()]
     ms = timing.time_as_called(entries, calls=args.calls, rounds=args.rounds)
-    eager = ms[0].median
-    rows = {name: {"median_us": m.median, "iqr_us": m.iqr, "vs_eager": eager / m.median, "samples_us": m.samples_us}
-            for name, m in zip(variants, ms)}
+    rows = rows_of(variants, ms)
     try:
         rows.update(graph_rows(pkg, lambda: forward(model, inputs), args.calls, args.rounds))
     except Exception as e:  # a model that cannot be captured still has the rows above

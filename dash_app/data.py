@@ -373,17 +373,15 @@ class Catalog:
 
 
 MANIFEST = "manifest.json"
-_CHECK_STARTS = (": model forward on ", ": the model check did not complete")
 
 
 def _model_check_of(checks: list[dict], package: Path) -> dict | None:
     """The latest model check logged for this package file (level, message without the
-    path), or None: a check of an earlier package of the run does not describe this one."""
-    for c in checks:
-        cut = min((i for i in (c["message"].find(s) for s in _CHECK_STARTS) if i > 0), default=-1)
-        if cut > 0 and Path(c["message"][:cut]).resolve() == package.resolve():
-            return {"level": c["level"], "message": c["message"][cut + 2:]}
-    return None
+    "RESOLVED_PATH: " prefix `kforge run` gives it), or None: a check of an earlier
+    package of the run does not describe this one."""
+    prefix = f"{package.resolve()}: "
+    return next(({"level": c["level"], "message": c["message"][len(prefix):]} for c in checks
+                 if c["message"].startswith(prefix)), None)
 
 
 def _flatten(d: dict, skip: tuple[str, ...] = (), prefix: str = "") -> dict[str, Any]:

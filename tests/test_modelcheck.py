@@ -68,16 +68,28 @@ def test_verdict_is_beyond_the_noise(iqr, package_us, verdict):
         assert "do not apply the package" in check.message() and "CUDA graph" in check.message()
 
 
-def test_run_records_a_failed_model_check_and_does_not_raise(tmp_path):
+def run_logged(tmp_path, package_path) -> runner.RunResult:
+    """A finished run "r1" in tmp_path's search log, whose package is `package_path`."""
     log = SearchLog(tmp_path)
     log.start_run("r1", model="m")
     log.close()
-    result = runner.RunResult("r1", tmp_path, [], Path(tmp_path / "missing.cast"), True)
+    return runner.RunResult("r1", tmp_path, [], Path(package_path), True)
+
+
+def logged_checks(tmp_path) -> list[tuple]:
+    """(kind, level, message) of run r1's events."""
+    log = SearchLog(tmp_path)
+    try:
+        return log.conn.execute("SELECT kind, level, message FROM events WHERE run_id='r1'").fetchall()
+    finally:
+        log.close()
+
+
+def test_run_records_a_failed_model_check_and_does_not_raise(tmp_path):
+    result = run_logged(tmp_path, tmp_path / "missing.cast")
     runner._check_model(result, Relu(), torch.randn(4, 8))
     assert result.model_check is None and "missing.cast" in result.model_check_error
-    log = SearchLog(tmp_path)
-    (kind, level, message), = log.conn.execute("SELECT kind, level, message FROM events WHERE run_id='r1'").fetchall()
-    log.close()
+    (kind, level, message), = logged_checks(tmp_path)
     assert (kind, level) == ("model-check", "warning") and "did not complete" in message
 
 
@@ -88,10 +100,7 @@ class Interrupted(torch.nn.Module):
 
 def test_ctrl_c_during_the_model_check_keeps_the_finished_run(cpu_cast, tmp_path):  # noqa: F811
     path, x = cpu_cast
-    log = SearchLog(tmp_path)
-    log.start_run("r1", model="m")
-    log.close()
-    result = runner.RunResult("r1", tmp_path, [], path, True)
+    result = run_logged(tmp_path, path)
     runner._check_model(result, Interrupted(), x, load_options={"arch": "sm_90"}, dispatcher=Dispatcher("CPU"),
                         launcher=FakeLauncher(relu_kernel))  # returns: the package is written, the run done
     assert result.model_check is None and result.model_check_error == "interrupted by the user"
@@ -99,15 +108,10 @@ def test_ctrl_c_during_the_model_check_keeps_the_finished_run(cpu_cast, tmp_path
 
 def test_run_checks_the_model_with_the_new_package(cpu_cast, tmp_path):  # noqa: F811
     path, x = cpu_cast
-    log = SearchLog(tmp_path)
-    log.start_run("r1", model="m")
-    log.close()
-    result = runner.RunResult("r1", tmp_path, [], path, True)
+    result = run_logged(tmp_path, path)
     launcher = FakeLauncher(relu_kernel)
     runner._check_model(result, Relu(), x, load_options={"arch": "sm_90"}, dispatcher=Dispatcher("CPU"),
                         launcher=launcher)
     assert result.model_check is not None and not result.model_check_error and launcher.calls
-    log = SearchLog(tmp_path)
-    (kind, message), = log.conn.execute("SELECT kind, message FROM events WHERE run_id='r1'").fetchall()
-    log.close()
+    (kind, _, message), = logged_checks(tmp_path)
     assert kind == "model-check" and message.startswith(f"{path.resolve()}: model forward on cpu: eager")

@@ -138,11 +138,11 @@ def _report(result, console: Console) -> int:
         console.print(f"[yellow]{escape(result.message)}[/]", soft_wrap=True)
     if result.package_path:
         console.print(f"package: [bold]{result.package_path}[/]")
-    check = getattr(result, "model_check", None)
+    check = result.model_check
     if check is not None:
         colour = {"faster": "green", "slower": "red", "unused": "red"}.get(check.verdict, "yellow")
         console.print(f"[{colour}]{escape(check.message())}[/]", soft_wrap=True)
-    elif getattr(result, "model_check_error", ""):
+    elif result.model_check_error:
         console.print(f"[yellow]the model check did not complete: {escape(result.model_check_error)}[/]", soft_wrap=True)
     console.print(f"run directory: {result.run_dir}")
     return 0

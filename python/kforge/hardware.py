@@ -16,10 +16,15 @@ class Hardware:
     bandwidth: float  # bytes/s, measured copy bandwidth where known
 
     @property
+    def cc(self) -> int:
+        """The compute capability as a number: 90 for sm_90 (and sm_90a)."""
+        return int(self.arch.removeprefix("sm_").rstrip("a"))
+
+    @property
     def max_threads_per_sm(self) -> int:
         """Resident threads an SM holds: 2048 on sm_80/sm_90/sm_100, 1536 on the consumer
         and workstation parts (sm_86, sm_87, sm_89, sm_12x), 1024 on sm_75."""
-        cc = int(self.arch.removeprefix("sm_").rstrip("a"))
+        cc = self.cc
         if cc in (86, 87, 89) or cc >= 120:
             return 1536
         return 1024 if cc == 75 else 2048

@@ -248,18 +248,19 @@ def _check_model(result: RunResult, model, example_inputs, *, load_options: dict
     from .modelcheck import check_model
     from .package import load
 
+    where = Path(result.package_path).resolve()  # how the dashboard finds the check of its package
     try:
         pkg = load(result.package_path, **(load_options or {}))
         if not any(c.dispatched for c in pkg.cards):
             return  # nothing is dispatched: the model runs eager either way
         check = check_model(model, example_inputs, pkg, **install_options)
-        message = f"{Path(result.package_path).resolve()}: {check.message()}"
+        message = f"{where}: {check.message()}"
         level = "warning" if check.verdict in ("slower", "unused") else "info"
         result.model_check = check
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 (reported to the user and the log)
         why = "interrupted by the user" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
         result.model_check_error = why
-        message, level = f"{Path(result.package_path).resolve()}: the model check did not complete: {why}", "warning"
+        message, level = f"{where}: the model check did not complete: {why}", "warning"
     try:
         log = SearchLog(result.run_dir)
         try:

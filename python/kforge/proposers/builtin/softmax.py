@@ -88,7 +88,7 @@ def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
     reg_splits = tuple(s for s in SPLITS if cols // s >= 512 and ceil_div(cols, s * SPLIT_THREADS[0]) <= SPLIT_REGS)
     if cols >= 8192 and rows <= 65535 and reg_splits:
         # pdl: kernel 2 launched while kernel 1 finishes (programmatic dependent launch, sm_90+).
-        pdl = {"pdl": (False, True)} if int(hw.arch.removeprefix("sm_").rstrip("a")) >= 90 else {}
+        pdl = {"pdl": (False, True)} if hw.cc >= 90 else {}
         out.append({"algo": ("split_regs",), "split": reg_splits, "threads": SPLIT_THREADS, "vec": vecs, **pdl})
     # split_coop: every block of the grid resident at once, at most COOP_BLOCKS_PER_SM per SM
     # (a launch that cannot be resident is refused, never run), the chunk in registers at
