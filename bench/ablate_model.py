@@ -23,6 +23,7 @@ import torch
 
 import kforge
 from kforge import timing
+from kforge.modelcheck import time_graphs
 from kforge.modelspec import load_model_spec
 from kforge.package import CastPackage
 
@@ -68,32 +69,9 @@ def rows_of(names, ms) -> dict:
                    "samples_us": m.samples_us} for name, m in zip(names, ms)}
 
 
-def graphed(fn):
-    """`fn` captured in a CUDA graph (after two warm-up calls on a side stream)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn(), fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
 def graph_rows(pkg: CastPackage, fn, calls: int, rounds: int) -> dict:
-    """Eager and the package, each replayed from a CUDA graph (vs_eager: against the eager
-    graph). The package stays installed while its graph exists: the graph holds its
-    kernels, which live as long as the install."""
-    eager = graphed(fn)
-    pkg.install()
-    try:
-        packaged = graphed(fn)
-        ms = timing.time_as_called([(contextlib.nullcontext, eager.replay), (contextlib.nullcontext, packaged.replay)],
-                                   calls=calls, rounds=rounds)
-        del packaged  # before uninstall() unloads the kernels the graph launches
-    finally:
-        pkg.uninstall()
+    """Eager and the package, each replayed from a CUDA graph (vs_eager: against the eager graph)."""
+    ms = time_graphs(fn, pkg, calls=calls, rounds=rounds)
     return rows_of(("eager, CUDA graph", "package, CUDA graph"), ms)
 
 

@@ -1,7 +1,9 @@
 """One model end to end on the GPU: capture, search with the built-in proposer, package,
 then measure in the same process: per card eager vs kforge as dispatched and % of the
 HBM floor, and the model's forward latency eager, with the package applied, and (with
---compile) under torch.compile. Outputs with the package must equal eager within
+--compile) under torch.compile; then the same forward replayed from CUDA graphs, eager and
+with the package (and torch.compile's mode="reduce-overhead"), which shows what the kernels
+do in a forward bound by launch overhead. Outputs with the package must equal eager within
 tolerance.
 
     python bench/bench_model.py examples/sd_vae_decoder.py --iterations 50 --out bench/results/model_sd_vae.json
@@ -24,6 +26,7 @@ from kforge import timing
 from kforge.capture import shares_by_family
 from kforge.cards import flatten_outputs, load_cards
 from kforge.hardware import current
+from kforge.modelcheck import time_graphs
 from kforge.modelspec import load_model_spec
 
 
@@ -99,6 +102,24 @@ def main(argv=None) -> None:
         entries.append(("torch.compile", contextlib.nullcontext, lambda: forward(compiled, inputs)))
     ms = timing.time_as_called([(ctx, fn) for _, ctx, fn in entries], calls=3, rounds=15)
     model_us = {name: m.summary() for (name, _, _), m in zip(entries, ms)}
+    # The same forward replayed from CUDA graphs: no host overhead, so what the kernels do in a
+    # forward bound by launch overhead; torch.compile's own graphs ("reduce-overhead") beside it.
+    graph_errors = {}
+    try:
+        g_eager, g_pkg = time_graphs(lambda: forward(model, inputs), pkg, calls=3, rounds=15)
+        model_us["eager, CUDA graph"], model_us["kforge, CUDA graph"] = g_eager.summary(), g_pkg.summary()
+    except Exception as e:  # noqa: BLE001 (a model a graph cannot hold keeps the rows above)
+        graph_errors["kforge"] = f"{type(e).__name__}: {e}"
+    if args.compile:
+        try:
+            graphed_compile = torch.compile(model, mode="reduce-overhead")
+            for _ in range(3):  # cudagraph trees record on a later call than the first
+                forward(graphed_compile, inputs)
+            m, = timing.time_as_called([(contextlib.nullcontext, lambda: forward(graphed_compile, inputs))],
+                                       calls=3, rounds=15)
+            model_us["torch.compile, CUDA graphs"] = m.summary()
+        except Exception as e:  # noqa: BLE001
+            graph_errors["torch.compile"] = f"{type(e).__name__}: {e}"
     report = pkg.report()
 
     captured = {c.id: c for c in load_cards(run_dir)}
@@ -124,6 +145,9 @@ def main(argv=None) -> None:
         "dispatched": report["dispatched"], "cards_total": len(result.table),
         "model_us": model_us, "torch_compile_s": compile_s,
         "speedup_vs_eager": model_us["eager"]["median_us"] / model_us["kforge"]["median_us"],
+        "graph_speedup_vs_eager": (model_us["eager, CUDA graph"]["median_us"] / model_us["kforge, CUDA graph"]["median_us"]
+                                   if "kforge, CUDA graph" in model_us else None),
+        "graph_errors": graph_errors,
         "max_rel_err_vs_eager": err, "hits": {r["id"]: r["hits"] for r in report["cards"] if r["hits"]},
         "hbm_bw": hw.bandwidth, "share_by_family": by_family, "eval_phase_s": phases, "cards": cards, "stop_reasons": result.stop_reasons,
     }
@@ -131,7 +155,9 @@ def main(argv=None) -> None:
     Path(args.out).write_text(json.dumps(out, indent=1, default=str))
     print(f"{args.model}: {len(result.table)} cards, {report['dispatched']} dispatched, search {wall_s:.0f} s")
     for name, m in model_us.items():
-        print(f"  {name:14s} {m['median_us']:10.1f} us  (iqr {m['iqr_us']:.1f})")
+        print(f"  {name:28s} {m['median_us']:10.1f} us  (iqr {m['iqr_us']:.1f})")
+    for name, why in graph_errors.items():
+        print(f"  {name} not replayed from a CUDA graph: {why[:200]}")
     print(f"  speedup vs eager {out['speedup_vs_eager']:.3f}x, max rel err {err:.2e}")
     print(f"  evaluation: {phases}")
     print("  share by family: " + ", ".join(f"{f} {100 * v:.1f}%" for f, v in by_family.items()))

@@ -35,6 +35,7 @@ def test_the_package_is_applied_in_the_timed_rounds_and_eager_is_not(cpu_cast): 
     assert check.eager_us > 0 and check.package_us > 0 and check.device == "cpu"
     assert not pkg.installed  # uninstalled after every round
     assert set(check.to_json()) >= {"eager_us", "package_us", "speedup", "verdict"}
+    assert not check.graphed and not check.graph_error  # CUDA graphs only on a CUDA device
 
 
 class Slow(torch.nn.Module):
@@ -115,3 +116,36 @@ def test_run_checks_the_model_with_the_new_package(cpu_cast, tmp_path):  # noqa:
     assert result.model_check is not None and not result.model_check_error and launcher.calls
     (kind, _, message), = logged_checks(tmp_path)
     assert kind == "model-check" and message.startswith(f"{path.resolve()}: model forward on cpu: eager")
+
+
+def graph_check(package_us, graph_eager_us, graph_package_us, **kw) -> ModelCheck:
+    return ModelCheck(100.0, 2.0, package_us, 2.0, "cuda:0", hits=10, graph_eager_us=graph_eager_us,
+                      graph_eager_iqr_us=0.5, graph_package_us=graph_package_us, graph_package_iqr_us=0.5, **kw)
+
+
+def test_a_launch_bound_forward_is_told_to_use_a_cuda_graph():
+    # Eager 100 µs op by op, 90 µs from a graph: launch-bound. The package is level op by op
+    # and 1.2x from a graph: the check says where its gains show.
+    check = graph_check(99.5, 90.0, 75.0)
+    assert (check.verdict, check.graph_verdict, check.launch_bound) == ("level", "faster", True)
+    assert check.graph_speedup == pytest.approx(1.2)
+    msg = check.message()
+    assert "replayed from a CUDA graph: eager 90.0 µs, with the package 75.0 µs: 1.200x, faster" in msg
+    assert "bound by launch overhead" in msg and "do not apply" not in msg
+    assert check.to_json()["graph_verdict"] == "faster" and check.to_json()["launch_bound"] is True
+
+
+def test_a_forward_not_launch_bound_gets_the_plain_verdicts():
+    check = graph_check(80.0, 99.5, 79.0)  # the graph takes what eager takes: the GPU sets the pace
+    assert (check.verdict, check.graph_verdict, check.launch_bound) == ("faster", "faster", False)
+    assert "bound by launch overhead" not in check.message()
+    slower = graph_check(120.0, 99.5, 119.0)
+    assert slower.graph_verdict == "slower" and "do not apply the package" in slower.message()
+
+
+def test_without_a_graph_the_check_says_why():
+    check = ModelCheck(100.0, 2.0, 90.0, 2.0, "cuda:0", hits=3, graph_error="RuntimeError: capture failed")
+    assert not check.graphed and check.graph_verdict is None and not check.launch_bound
+    assert "not replayed from a CUDA graph (RuntimeError: capture failed)" in check.message()
+    cpu = ModelCheck(100.0, 2.0, 90.0, 2.0, "cpu", hits=3)
+    assert "CUDA graph" not in cpu.message() and cpu.to_json()["graph_speedup"] is None

@@ -5,11 +5,17 @@ Every dispatched card beats eager as dispatched, yet the model as a whole can st
 a forward bound by launch overhead pays for every call of an overridden op, the calls that
 miss the guard included, and per-op timings do not see that. `kforge run` ends with this
 check and says when the package does not make the model faster.
+
+On a CUDA device the forward is also replayed from a CUDA graph, eager and with the package.
+A graph has no host overhead, so its replay shows what the kernels do; a forward whose eager
+time is well above its graph's is bound by launch overhead, and there the package's gains
+only show when the forward is replayed from a graph.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -37,6 +43,12 @@ class ModelCheck:
     calls: int = 0  # forwards per timed sample
     rounds: int = 0  # timed rounds, each entry once per round
     hits: int = -1  # calls the package's kernels served during the check (-1: not counted)
+    # The same forward replayed from a CUDA graph (None: not measured; graph_error says why).
+    graph_eager_us: float | None = None
+    graph_eager_iqr_us: float | None = None
+    graph_package_us: float | None = None
+    graph_package_iqr_us: float | None = None
+    graph_error: str = ""
 
     @property
     def speedup(self) -> float:
@@ -54,16 +66,47 @@ class ModelCheck:
         "unused" when no call of the forward reached the package's kernels."""
         if self.hits == 0:
             return "unused"
-        diff = self.eager_us - self.package_us
-        if abs(diff) <= self.noise_us:
-            return "level"
-        return "faster" if diff > 0 else "slower"
+        return _compare(self.eager_us, self.package_us, self.noise_us)
+
+    @property
+    def graphed(self) -> bool:
+        return self.graph_eager_us is not None and self.graph_package_us is not None
+
+    @property
+    def graph_speedup(self) -> float | None:
+        return self.graph_eager_us / self.graph_package_us if self.graphed and self.graph_package_us > 0 else None
+
+    @property
+    def graph_verdict(self) -> str | None:
+        """The verdict for the forward replayed from CUDA graphs (same noise rule), or None."""
+        if not self.graphed:
+            return None
+        if self.hits == 0:
+            return "unused"
+        noise = max(max(self.graph_eager_iqr_us or 0.0, self.graph_package_iqr_us or 0.0) / 2,
+                    REL_NOISE * self.graph_eager_us)
+        return _compare(self.graph_eager_us, self.graph_package_us, noise)
+
+    @property
+    def launch_bound(self) -> bool:
+        """The eager forward takes longer than its own replay from a graph by more than the
+        noise: host overhead, not the GPU, sets its pace."""
+        return self.graphed and self.eager_us - self.graph_eager_us > self.noise_us
 
     def message(self) -> str:
         line = (f"model forward on {self.device}: eager {self.eager_us:.1f} µs (iqr {self.eager_iqr_us:.1f}), "
                 f"with the package {self.package_us:.1f} µs (iqr {self.package_iqr_us:.1f}): "
                 f"{self.speedup:.3f}x, {self.verdict}")
-        if self.verdict == "slower":
+        if self.graphed and self.verdict != "unused":
+            line += (f"; replayed from a CUDA graph: eager {self.graph_eager_us:.1f} µs, with the package "
+                     f"{self.graph_package_us:.1f} µs: {self.graph_speedup:.3f}x, {self.graph_verdict}")
+        elif self.graph_error:
+            line += f"; not replayed from a CUDA graph ({self.graph_error})"
+        if self.launch_bound and self.verdict in ("level", "slower") and self.graph_verdict == "faster":
+            line += (f". This forward is bound by launch overhead ({self.eager_us:.1f} µs eager against "
+                     f"{self.graph_eager_us:.1f} µs from a graph): the kernels' gains show when it is replayed from "
+                     "a CUDA graph (torch.cuda.graph; the package works inside one), not when it runs op by op")
+        elif self.verdict == "slower":
             line += ("; every dispatched card beats eager on its own, but this model is slower with the package. "
                      "A forward bound by launch overhead pays for each call of an overridden op: do not apply the "
                      "package as it is. Either replay the forward from a CUDA graph (torch.cuda.graph; the package "
@@ -78,17 +121,63 @@ class ModelCheck:
     def to_json(self) -> dict:
         return {"eager_us": self.eager_us, "eager_iqr_us": self.eager_iqr_us, "package_us": self.package_us,
                 "package_iqr_us": self.package_iqr_us, "device": self.device, "speedup": self.speedup,
-                "verdict": self.verdict, "calls": self.calls, "rounds": self.rounds, "hits": self.hits}
+                "verdict": self.verdict, "calls": self.calls, "rounds": self.rounds, "hits": self.hits,
+                "graph_eager_us": self.graph_eager_us, "graph_eager_iqr_us": self.graph_eager_iqr_us,
+                "graph_package_us": self.graph_package_us, "graph_package_iqr_us": self.graph_package_iqr_us,
+                "graph_speedup": self.graph_speedup, "graph_verdict": self.graph_verdict,
+                "launch_bound": self.launch_bound, "graph_error": self.graph_error}
+
+
+def _compare(eager_us: float, package_us: float, noise_us: float) -> str:
+    diff = eager_us - package_us
+    if abs(diff) <= noise_us:
+        return "level"
+    return "faster" if diff > 0 else "slower"
+
+
+def graphed(fn) -> "torch.cuda.CUDAGraph":
+    """`fn` captured in a CUDA graph, after two warm-up calls on a side stream (as
+    torch.cuda.graph wants). The caller keeps whatever `fn` reads alive while the graph is."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def time_graphs(forward, package, *, calls: int, rounds: int, device=None,
+                **install_options: Any) -> list[timing.Measurement]:
+    """`forward` replayed from a CUDA graph eager and one captured with `package` installed,
+    timed interleaved as time_as_called does: [eager, package]. The package stays installed
+    while its graph exists (the graph launches its kernels, which live as long as the
+    install). Raises what capture raises for a forward a graph cannot hold."""
+    eager = graphed(forward)
+    with package.apply(**install_options):
+        packaged = graphed(forward)
+        try:
+            return timing.time_as_called([(contextlib.nullcontext, eager.replay),
+                                          (contextlib.nullcontext, packaged.replay)],
+                                         calls=calls, rounds=rounds, device=device)
+        finally:
+            del packaged  # before the uninstall unloads the kernels it launches
 
 
 def check_model(model: torch.nn.Module, example_inputs: Any, package, *, rounds: int = 10, calls: int | None = None,
-                budget_s: float = 10.0, **install_options: Any) -> ModelCheck:
+                budget_s: float = 10.0, graphs: bool = True, **install_options: Any) -> ModelCheck:
     """Time `model` on `example_inputs` eager and under `package.apply(**install_options)`,
     interleaved: `rounds` rounds of `calls` forwards each (calls=None: about a millisecond of
     forwards per sample), in eval mode and without autograd, as capture ran it. A slow model
     gets fewer rounds (never fewer than 3) so that the check takes about `budget_s` seconds;
     a model too slow for even that raises KforgeError. The package's kernels are loaded once
-    for all rounds (unless install_options names a launcher)."""
+    for all rounds (unless install_options names a launcher). On a CUDA device (and with
+    `graphs`) the forward is then replayed from CUDA graphs too, eager and with the package;
+    a forward a graph cannot hold (one that syncs with the host, say) is reported in
+    graph_error, not raised."""
     args, kwargs = _as_call(example_inputs, None)
     dev = _model_device(model, args, kwargs)
 
@@ -121,4 +210,13 @@ def check_model(model: torch.nn.Module, example_inputs: Any, package, *, rounds:
             [(contextlib.nullcontext, forward), (lambda: package.apply(**install_options), forward)],
             calls=calls, rounds=rounds, device=dev)
         hits = sum(c.counters.hits for c in package.cards) - hits0
-    return ModelCheck(eager.median, eager.iqr, packaged.median, packaged.iqr, str(dev), calls, rounds, hits)
+        check = ModelCheck(eager.median, eager.iqr, packaged.median, packaged.iqr, str(dev), calls, rounds, hits)
+        if graphs and dev.type == "cuda" and hits:
+            try:
+                g_eager, g_package = time_graphs(forward, package, calls=calls, rounds=rounds, device=dev,
+                                                 **install_options)
+            except Exception as e:  # noqa: BLE001 (a forward a graph cannot hold: said, not raised)
+                return dataclasses.replace(check, graph_error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            check = dataclasses.replace(check, graph_eager_us=g_eager.median, graph_eager_iqr_us=g_eager.iqr,
+                                        graph_package_us=g_package.median, graph_package_iqr_us=g_package.iqr)
+    return check

@@ -18,6 +18,7 @@ from test_package import build_run, result
 
 from kforge.candidate import Candidate, LaunchPlan
 from kforge.dispatch import Dispatcher
+from kforge.modelcheck import check_model
 from kforge.package import load, write_package
 
 pytestmark = pytest.mark.gpu
@@ -282,3 +283,38 @@ def test_an_index_less_device_argument_means_the_current_device():
     finally:
         d.remove("pkg")
 
+
+
+def test_the_model_check_replays_the_forward_from_cuda_graphs(packages):
+    x = torch.randn(ROWS, D, device="cuda")
+    pkg = load(packages["both"])
+    check = check_model(model(), x, pkg, rounds=3, calls=2)
+    assert check.hits > 0 and check.graphed and not check.graph_error, check.message()
+    assert check.graph_eager_us > 0 and check.graph_package_us > 0 and check.graph_verdict in ("faster", "level", "slower")
+    assert "replayed from a CUDA graph: eager" in check.message()
+    assert not pkg.installed
+
+
+class Syncing(nn.Module):
+    """Reads a value back on the host mid-forward: a CUDA graph cannot hold it."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = model()
+
+    def forward(self, x):
+        y = self.inner(x)
+        return y * 2 if y.sum().item() > 0 else y
+
+
+def test_a_forward_a_graph_cannot_hold_is_reported_by_the_model_check_not_raised(packages):
+    x = torch.randn(ROWS, D, device="cuda")
+    pkg = load(packages["both"])
+    check = check_model(Syncing(), x, pkg, rounds=3, calls=2)
+    assert check.hits > 0 and check.eager_us > 0 and not check.graphed and check.graph_error
+    assert "not replayed from a CUDA graph" in check.message()
+    assert not pkg.installed
+    m = model()  # CUDA still serves the next forward, the package's kernels included
+    with torch.no_grad(), pkg.apply():
+        got = m(x.clone())
+    torch.testing.assert_close(got, eager(m, x), atol=1e-4, rtol=1e-4)
