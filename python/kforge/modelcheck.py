@@ -137,17 +137,61 @@ def _compare(eager_us: float, package_us: float, noise_us: float) -> str:
 
 def graphed(fn) -> "torch.cuda.CUDAGraph":
     """`fn` captured in a CUDA graph, after two warm-up calls on a side stream (as
-    torch.cuda.graph wants). The caller keeps whatever `fn` reads alive while the graph is."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
+    torch.cuda.graph wants). The caller keeps whatever `fn` reads alive while the graph is.
+
+    A forward a graph cannot hold raises, and leaves the process as it found it. One that
+    reads a value back on the host (.item(), .cpu(), nonzero) is found in the second warm-up
+    call, run with torch's sync debug mode at "error", before any capture starts. Any other
+    failed capture is undone: torch leaves the capture stream current, the CUDA generator
+    in capture mode (every later random op on the device raises) and the allocator routing
+    to the graph's pool, and this puts all three back."""
+    dev = torch.cuda.current_device()
+    stream = torch.cuda.current_stream(dev)
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(stream)
     with torch.cuda.stream(side):
         fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
+        mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            fn()
+        except RuntimeError as e:
+            raise GraphUnsupported(f"the forward synchronizes with the host, which a CUDA graph cannot hold "
+                                   f"({_first_line(e)})") from e
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
+    stream.wait_stream(side)
+    gen = torch.cuda.default_generators[dev]
+    rng = gen.clone_state()
+    pool = torch.cuda.graph_pool_handle()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            fn()
+    except BaseException:
+        torch.cuda.set_stream(stream)
+        with contextlib.suppress(Exception):
+            gen.graphsafe_set_state(rng)  # a fresh state, not in capture mode, at the offset before capture
+        with contextlib.suppress(Exception):
+            torch._C._cuda_endAllocateToPool(dev, pool)
+            torch._C._cuda_releasePool(dev, pool)
+        raise
     return graph
+
+
+class GraphUnsupported(RuntimeError):
+    """The forward does something a CUDA graph cannot hold; found before any capture."""
+
+
+def _first_line(e: BaseException) -> str:
+    """The first line of the exception that started it all (torch.cuda.graph raises its own
+    "capture failed" on top of the forward's error)."""
+    for _ in range(8):
+        if e.__context__ is None:
+            break
+        e = e.__context__
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:200] if lines else ''}"
 
 
 def time_graphs(forward, package, *, calls: int, rounds: int, device=None,
@@ -216,7 +260,8 @@ def check_model(model: torch.nn.Module, example_inputs: Any, package, *, rounds:
                 g_eager, g_package = time_graphs(forward, package, calls=calls, rounds=rounds, device=dev,
                                                  **install_options)
             except Exception as e:  # noqa: BLE001 (a forward a graph cannot hold: said, not raised)
-                return dataclasses.replace(check, graph_error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                why = str(e) if isinstance(e, GraphUnsupported) else _first_line(e)
+                return dataclasses.replace(check, graph_error=why)
             check = dataclasses.replace(check, graph_eager_us=g_eager.median, graph_eager_iqr_us=g_eager.iqr,
                                         graph_package_us=g_package.median, graph_package_iqr_us=g_package.iqr)
     return check

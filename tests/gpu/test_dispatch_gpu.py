@@ -18,7 +18,7 @@ from test_package import build_run, result
 
 from kforge.candidate import Candidate, LaunchPlan
 from kforge.dispatch import Dispatcher
-from kforge.modelcheck import check_model
+from kforge.modelcheck import check_model, graphed
 from kforge.package import load, write_package
 
 pytestmark = pytest.mark.gpu
@@ -307,14 +307,40 @@ class Syncing(nn.Module):
         return y * 2 if y.sum().item() > 0 else y
 
 
-def test_a_forward_a_graph_cannot_hold_is_reported_by_the_model_check_not_raised(packages):
-    x = torch.randn(ROWS, D, device="cuda")
+def process_is_as_before(stream) -> None:
+    """After a forward a graph could not hold: the same stream is current, no capture is
+    under way, and the CUDA generator still serves random ops (torch leaves it in capture
+    mode after a failed capture unless kforge puts it back)."""
+    assert torch.cuda.current_stream() == stream and not torch.cuda.is_current_stream_capturing()
+    torch.randn(4, device="cuda").uniform_()
+    torch.cuda.synchronize()
+
+
+def test_a_forward_that_syncs_is_reported_by_the_model_check_not_raised(packages):
+    x, stream = torch.randn(ROWS, D, device="cuda"), torch.cuda.current_stream()
     pkg = load(packages["both"])
     check = check_model(Syncing(), x, pkg, rounds=3, calls=2)
-    assert check.hits > 0 and check.eager_us > 0 and not check.graphed and check.graph_error
+    assert check.hits > 0 and check.eager_us > 0 and not check.graphed, check.message()
+    assert "synchronizes with the host" in check.graph_error
     assert "not replayed from a CUDA graph" in check.message()
     assert not pkg.installed
-    m = model()  # CUDA still serves the next forward, the package's kernels included
+    process_is_as_before(stream)
+    m = model()  # the package's kernels still serve the next forward
     with torch.no_grad(), pkg.apply():
         got = m(x.clone())
     torch.testing.assert_close(got, eager(m, x), atol=1e-4, rtol=1e-4)
+
+
+def test_a_failed_capture_is_undone():
+    x, stream = torch.randn(ROWS, D, device="cuda"), torch.cuda.current_stream()
+
+    def forward():  # legal outside a capture (so the warm-up passes), illegal inside one
+        y = torch.rand_like(x) + x  # a random op inside the capture: the generator enters capture mode
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.current_stream().synchronize()
+        return y
+
+    with pytest.raises(Exception):
+        graphed(forward)
+    process_is_as_before(stream)
+    assert graphed(lambda: x * 2) is not None  # and the next capture works
