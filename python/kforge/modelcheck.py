@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,14 +153,14 @@ def graphed(fn) -> "torch.cuda.CUDAGraph":
     with torch.cuda.stream(side):
         fn()
         mode = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode("error")
         try:
+            _sync_debug_mode("error")
             fn()
         except RuntimeError as e:
             raise GraphUnsupported(f"the forward synchronizes with the host, which a CUDA graph cannot hold "
                                    f"({_first_line(e)})") from e
         finally:
-            torch.cuda.set_sync_debug_mode(mode)
+            _sync_debug_mode(mode)
     stream.wait_stream(side)
     gen = torch.cuda.default_generators[dev]
     rng = gen.clone_state()
@@ -177,6 +178,14 @@ def graphed(fn) -> "torch.cuda.CUDAGraph":
             torch._C._cuda_releasePool(dev, pool)
         raise
     return graph
+
+
+def _sync_debug_mode(mode) -> None:
+    """torch.cuda.set_sync_debug_mode without its "prototype feature" warning (a warning
+    filter set to "error", as under pytest, would raise it after the mode is set)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.cuda.set_sync_debug_mode(mode)
 
 
 class GraphUnsupported(RuntimeError):
