@@ -23,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "python"), str(ROOT / "tests")]
 
-from builtin_cards import A, BF16, F16, F32, gn, ln, make_card, meta, rms, softmax  # noqa: E402
+from builtin_cards import A, BF16, F16, F32, bn, gn, ln, make_card, meta, rms, softmax, variance_inputs  # noqa: E402
 from kforge import compiler, runtime, timing, tolerance, validate  # noqa: E402
 from kforge.cards import empty_like_meta, faithful_clone  # noqa: E402
 from kforge.errors import KforgeError, ProposerError  # noqa: E402
@@ -46,6 +46,10 @@ CASES = {
     "rms_norm 8192x4096 bf16": (lambda: rms(8192, 4096, BF16), ("floor", 0.8)),
     "softmax 1x8x2048x2048 fp32 (gemma attention)": (lambda: softmax(1, 8, 2048, 2048), None),
     "softmax 1024x128 fp32 (qwen-moe router)": (lambda: softmax(1024, 128), None),
+    # ResNet-50 in bf16: cuDNN does not take bf16 batch norm, so eager runs its own kernels.
+    "batch_norm 32x64x112x112 bf16 (resnet-50)": (lambda: bn(meta(32, 64, 112, 112, dtype=BF16)), None),
+    "batch_norm 32x256x56x56 bf16 (resnet-50)": (lambda: bn(meta(32, 256, 56, 56, dtype=BF16)), None),
+    "batch_norm 32x2048x7x7 bf16 (resnet-50)": (lambda: bn(meta(32, 2048, 7, 7, dtype=BF16)), None),
     # The casts around Gemma's fp32 softmax (F.softmax(x, dtype=torch.float32).to(bf16)).
     "_to_copy 1x8x2048x2048 bf16->fp32": (lambda: make_card(A._to_copy.default, meta(1, 8, 2048, 2048, dtype=BF16), dtype=F32), None),
     "_to_copy 1x8x2048x2048 fp32->bf16": (lambda: make_card(A._to_copy.default, meta(1, 8, 2048, 2048), dtype=BF16), None),
@@ -214,6 +218,8 @@ def main(argv=None) -> int:
             continue
         card = make()
         inputs = card.random_inputs(0, "cuda")
+        for i in variance_inputs(card):
+            inputs[i].abs_()  # a running variance is never negative
         print(f"{name}: sweeping")
         best, sweep_us, n, tried = sweep(card, hw, inputs, opts.budget)
         fns = [eager_fn(card, [faithful_clone(t) for t in inputs])]

@@ -65,6 +65,21 @@ def rms(rows: int, cols: int, dtype=F32, affine: bool = True, eps: float | None 
     return make_card(A._fused_rms_norm.default, meta(rows, cols, dtype=dtype), [cols], p, eps)
 
 
+def bn(x: torch.Tensor, affine: bool = True, stats_dtype=None, op=None) -> Card:
+    """Inference batch norm of x (running statistics), its parameters in x's dtype or stats_dtype."""
+    p = meta(x.shape[1], dtype=stats_dtype or x.dtype)
+    w = p if affine else None
+    if op is None:
+        return make_card(A.native_batch_norm.default, x, w, w, p, p, False, 0.1, 1e-5)
+    return make_card(op, x, w, w, p, p, 0.1, 1e-5)
+
+
+def variance_inputs(card: Card) -> list[int]:
+    """Positions in card.inputs of running variances (fresh inputs must make them positive)."""
+    tensors = [a for a in card.args if a.kind == "tensor" and a.tensor is not None]
+    return [i for i, a in enumerate(tensors) if a.name == "running_var"]
+
+
 def softmax(*shape: int, dtype=F32, log: bool = False, half_to_float: bool = False) -> Card:
     op = A._log_softmax.default if log else A._softmax.default
     return make_card(op, meta(*shape, dtype=dtype), -1, half_to_float)
@@ -142,6 +157,12 @@ SPREAD = {
     "mean_hw_keepdim": lambda: make_card(A.mean.dim, meta(4, 64, 9, 9, dtype=F16), [-1, -2], True),
     "mean_hw_channels_last": lambda: make_card(A.mean.dim, meta(4, 64, 9, 9, channels_last=True), [2, 3]),
     "mean_middle_dim": lambda: make_card(A.mean.dim, meta(4, 10, 33), [1]),
+    "batch_norm_bf16_56x56": lambda: bn(meta(32, 256, 56, 56, dtype=BF16)),
+    "batch_norm_bf16_7x7": lambda: bn(meta(32, 2048, 7, 7, dtype=BF16)),
+    "batch_norm_channels_last": lambda: bn(meta(4, 64, 9, 9, channels_last=True)),
+    "batch_norm_2d_f16_no_affine": lambda: bn(meta(100, 48, dtype=F16), affine=False),
+    "batch_norm_bf16_fp32_stats": lambda: bn(meta(8, 64, 14, 14, dtype=BF16), stats_dtype=F32),
+    "batch_norm_legit_no_training_odd": lambda: bn(meta(3, 5, 7, 11), op=A._native_batch_norm_legit_no_training.default),
 }
 
 

@@ -22,6 +22,7 @@ from kforge.proposers import get_proposer
 from kforge.proposers.base import ProposalContext, Tried
 from kforge.proposers.builtin import BuiltinProposer, family_for
 from kforge.proposers.builtin import pointwise as pointwise_family
+from kforge.proposers.builtin import batch_norm as bn_family
 from kforge.proposers.builtin import group_norm as gn_family
 from kforge.proposers.builtin import softmax as softmax_family
 from kforge.proposers.builtin import space as knob_space
@@ -530,4 +531,81 @@ def test_layer_norm_stats_follow_the_card_dtypes():
 
 def test_every_family_is_reachable():
     names = {family_for(SPREAD[n]()).name for n in SPREAD}
-    assert names == {"pointwise", "softmax", "layer_norm", "rms_norm", "group_norm", "pooling"}
+    assert names == {"pointwise", "softmax", "layer_norm", "rms_norm", "group_norm", "batch_norm", "pooling"}
+
+
+def emulate_batch_norm(card, knobs, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """kf_bn_eval's indexing and arithmetic done on the CPU in fp32: the element each
+    (block, item, thread, lane) handles, the channel it takes its statistics from, and
+    which threads write save_mean / save_invstd. Every element must be written once."""
+    fam = bn_family
+    p = fam._problem(card)
+    x = inputs[0]
+    flat = x.as_strided((x.numel(),), (1,)).float()
+    stats = {k: inputs[i].float() for k, i in p["index"].items()}
+    nt, v, items, c = knobs["threads"], knobs["vec"], knobs["items"], p["C"]
+    plan = fam.build(card, knobs, H200).plan.kernels[0]
+    blocks = plan.grid[0]
+    base = (torch.arange(blocks)[:, None, None] * items + torch.arange(items)[None, :, None]) * (nt * v) \
+        + torch.arange(nt)[None, None, :] * v
+    base = base.flatten()
+    base = base[base < x.numel()]
+    i = (base[:, None] + torch.arange(v)).flatten()
+    assert bool((torch.bincount(i, minlength=x.numel()) == 1).all()), "every element written once"
+    if p["layout"] == "nhwc":
+        ch = i % c
+    else:
+        ch = ((base // p["extent"]) % c)[:, None].expand(-1, v).flatten()  # one channel per vector
+    mean = stats["running_mean"][ch]
+    invstd = torch.rsqrt(stats["running_var"][ch] + torch.tensor(p["eps"], dtype=torch.float32))
+    w = stats["weight"][ch] if "weight" in stats else torch.ones_like(mean)
+    b = stats["bias"][ch] if "bias" in stats else torch.zeros_like(mean)
+    y = torch.empty(x.numel())
+    y[i] = (flat[i] - mean) * w * invstd + b
+    assert blocks * nt >= c, "the threads that write the statistics exist"
+    save_mean = stats["running_mean"].clone()
+    save_invstd = torch.rsqrt(stats["running_var"] + torch.tensor(p["eps"], dtype=torch.float32))
+    return [y.to(x.dtype).as_strided(x.shape, x.stride()), save_mean, save_invstd]
+
+
+@pytest.mark.parametrize("name", ["batch_norm_channels_last", "batch_norm_2d_f16_no_affine",
+                                  "batch_norm_bf16_fp32_stats", "batch_norm_legit_no_training_odd"])
+def test_batch_norm_indexing_matches_torch_on_the_cpu(name):
+    """At every corner of the knob space the kernel's element and channel mapping gives
+    torch's inference batch norm (computed on the CPU in fp32), statistics included."""
+    card = SPREAD[name]()
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(m.span(), generator=g).to(m.torch_dtype).as_strided(m.shape, m.stride)
+              for m in card.inputs]
+    tensors = [a for a in card.args if a.kind == "tensor" and a.tensor is not None]
+    var = next(k for k, a in enumerate(tensors) if a.name == "running_var")
+    inputs[var] = inputs[var].abs()
+    args, kwargs = card.build_call([t.float() for t in inputs], "cpu")
+    want = card.overload()(*args, **kwargs)[0].to(card.outputs[0].torch_dtype)
+    for knobs in corners(card)[1]:
+        got = emulate_batch_norm(card, knobs, inputs)
+        torch.testing.assert_close(got[0], want, rtol=2e-5 if want.dtype == torch.float32 else 1e-2, atol=1e-5,
+                                   msg=lambda m: f"{knobs}: {m}")
+        assert got[0].stride() == card.outputs[0].stride
+
+
+@pytest.mark.parametrize("card, reason", [
+    (lambda: make_card(A.native_batch_norm.default, meta(4, 8, 5, 5), meta(8), meta(8), meta(8), meta(8),
+                       True, 0.1, 1e-5), "training-mode"),
+    (lambda: make_card(A.native_batch_norm.default, *(meta(*s, dtype=torch.float64) for s in ((4, 8, 5, 5),) + ((8,),) * 4),
+                       False, 0.1, 1e-5), "dtype float64"),
+    (lambda: make_card(A.native_batch_norm.default, meta(4, 8, 5, 5)[:, :, :, :3], meta(8), meta(8), meta(8),
+                       meta(8), False, 0.1, 1e-5), "strides differ"),
+    (lambda: make_card(A.native_batch_norm.default, meta(8, 100).t(), meta(8), meta(8), meta(8), meta(8),
+                       False, 0.1, 1e-5), "channels_last inputs"),
+])
+def test_batch_norm_declines_what_it_does_not_template(card, reason):
+    ok, why = BuiltinProposer().supports(card())
+    assert not ok and reason in why, why
+
+
+def test_batch_norm_vectors_never_cross_a_channel():
+    card = SPREAD["batch_norm_bf16_7x7"]()  # 49 elements per channel: one element a vector
+    assert family_for(card).spaces(card, H200)[0]["vec"] == (1,)
+    card = SPREAD["batch_norm_bf16_56x56"]()
+    assert family_for(card).spaces(card, H200)[0]["vec"][-1] == 8  # 16 bytes of bf16

@@ -2,7 +2,7 @@
 shapes, strides and dtypes, and searched by revising their knobs.
 
 Families (one module each): pointwise, softmax, layer_norm, rms_norm (both on rownorm),
-group_norm, pooling. `BuiltinProposer().supports(card)` says which cards they take.
+group_norm, batch_norm (inference), pooling. `BuiltinProposer().supports(card)` says which cards they take.
 """
 
 from .family import Family

@@ -6,10 +6,11 @@ from __future__ import annotations
 from ...cards import Card
 from ...errors import ProposerError
 from ..base import Proposal, ProposalContext, Proposer, Tried
-from . import group_norm, layer_norm, pointwise, pooling, rms_norm, softmax, space
+from . import batch_norm, group_norm, layer_norm, pointwise, pooling, rms_norm, softmax, space
 from .family import Family, Knobs
 
-FAMILIES: tuple[Family, ...] = tuple(m.FAMILY for m in (pointwise, softmax, layer_norm, rms_norm, group_norm, pooling))
+FAMILIES: tuple[Family, ...] = tuple(m.FAMILY for m in (pointwise, softmax, layer_norm, rms_norm, group_norm,
+                                                      batch_norm, pooling))
 TIER_WEIGHTS = {1: 4.0, 2: 2.0, 3: 1.0}  # small moves are tried more often than algorithm switches
 
 
