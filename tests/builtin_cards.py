@@ -160,6 +160,7 @@ SPREAD = {
     "batch_norm_bf16_56x56": lambda: bn(meta(32, 256, 56, 56, dtype=BF16)),
     "batch_norm_bf16_7x7": lambda: bn(meta(32, 2048, 7, 7, dtype=BF16)),
     "batch_norm_channels_last": lambda: bn(meta(4, 64, 9, 9, channels_last=True)),
+    "batch_norm_f16_vectors_cross_planes": lambda: bn(meta(4, 6, 5, 5, dtype=F16)),
     "batch_norm_2d_f16_no_affine": lambda: bn(meta(100, 48, dtype=F16), affine=False),
     "batch_norm_bf16_fp32_stats": lambda: bn(meta(8, 64, 14, 14, dtype=BF16), stats_dtype=F32),
     "batch_norm_legit_no_training_odd": lambda: bn(meta(3, 5, 7, 11), op=A._native_batch_norm_legit_no_training.default),

@@ -8,7 +8,8 @@ and an elementwise kernel over broadcast per-channel operands. Here one launch s
 with 16-byte vectors and computes each channel's statistics where it needs them (the
 block that owns channel c's first elements also writes save_mean[c] and save_invstd[c]).
 The arithmetic is eager's, in fp32: y = (x - mean) * weight * invstd + bias.
-  NCHW      a vector never crosses a channel (H*W % V == 0): one channel per vector;
+  NCHW      one channel per vector where H*W % V == 0; where it is not (7x7 planes), a
+            vector may cross planes and each element finds its own channel;
   NHWC / 2D (channels_last, or [N, C]) a vector covers V consecutive channels.
 """
 
@@ -74,7 +75,10 @@ def check(card: Card) -> str | None:
 
 def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
     p = _problem(card)
-    vecs = tuple(sorted(legal_vecs(p["extent"], [p["x"], card.outputs[0]])))
+    # NCHW: any width that divides the whole tensor (a vector that crosses planes looks up
+    # each element's channel); NHWC: widths that divide C.
+    extent = p["x"].numel if p["layout"] == "nchw" else p["extent"]
+    vecs = tuple(sorted(legal_vecs(extent, [p["x"], card.outputs[0]])))
     return [{"algo": ("eval",), "threads": (128, 256, 512), "items": ITEMS, "vec": vecs}]
 
 
@@ -112,11 +116,11 @@ extern "C" __global__ void __launch_bounds__(NT) kf_bn_eval(const Tx* __restrict
     if (i >= NUMEL) break;
     float v[V];
     kf_load<Tx, V>(x + i, v);
-    if (NHWC) {
+    if (NHWC || HW % V != 0) {
 #pragma unroll
       for (int j = 0; j < V; ++j) {
         float mean, invstd, weight, bias;
-        kf_bn_params(rm, rv, w, b, (i + j) % C, mean, invstd, weight, bias);
+        kf_bn_params(rm, rv, w, b, NHWC ? (i + j) % C : ((i + j) / HW) % C, mean, invstd, weight, bias);
         v[j] = (v[j] - mean) * weight * invstd + bias;
       }
     } else {
