@@ -224,7 +224,9 @@ def check_model(model: torch.nn.Module, example_inputs: Any, package, *, rounds:
                 budget_s: float = 10.0, graphs: bool = True, **install_options: Any) -> ModelCheck:
     """Time `model` on `example_inputs` eager and under `package.apply(**install_options)`,
     interleaved: `rounds` rounds of `calls` forwards each (calls=None: about a millisecond of
-    forwards per sample), in eval mode and without autograd, as capture ran it. A slow model
+    forwards per sample), in eval mode under torch.inference_mode, as a deployed forward runs and
+    as bench/bench_model.py times it (no_grad still passes every op through autograd's dispatch
+    keys, host time a launch-bound forward pays on every call). A slow model
     gets fewer rounds (never fewer than 3) so that the check takes about `budget_s` seconds;
     a model too slow for even that raises KforgeError. The package's kernels are loaded once
     for all rounds (unless install_options names a launcher). On a CUDA device (and with
@@ -242,7 +244,7 @@ def check_model(model: torch.nn.Module, example_inputs: Any, package, *, rounds:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
-    with _model_state(model, eval_mode=True), torch.no_grad():
+    with _model_state(model, eval_mode=True), torch.inference_mode():
         synced()  # warm-up
         t0 = time.perf_counter()
         synced()
