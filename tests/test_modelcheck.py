@@ -141,6 +141,8 @@ def test_a_forward_not_launch_bound_gets_the_plain_verdicts():
     assert "bound by launch overhead" not in check.message()
     slower = graph_check(120.0, 99.5, 119.0)
     assert slower.graph_verdict == "slower" and "do not apply the package" in slower.message()
+    # Measured slower from a graph too: the check does not send the user to graphs.
+    assert "from a CUDA graph: do not apply" in slower.message() and "torch.cuda.graph;" not in slower.message()
 
 
 def test_without_a_graph_the_check_says_why():

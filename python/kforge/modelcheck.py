@@ -98,7 +98,7 @@ class ModelCheck:
         line = (f"model forward on {self.device}: eager {self.eager_us:.1f} µs (iqr {self.eager_iqr_us:.1f}), "
                 f"with the package {self.package_us:.1f} µs (iqr {self.package_iqr_us:.1f}): "
                 f"{self.speedup:.3f}x, {self.verdict}")
-        if self.graphed and self.verdict != "unused":
+        if self.graphed and self.graph_speedup is not None and self.verdict != "unused":
             line += (f"; replayed from a CUDA graph: eager {self.graph_eager_us:.1f} µs, with the package "
                      f"{self.graph_package_us:.1f} µs: {self.graph_speedup:.3f}x, {self.graph_verdict}")
         elif self.graph_error:
@@ -107,6 +107,11 @@ class ModelCheck:
             line += (f". This forward is bound by launch overhead ({self.eager_us:.1f} µs eager against "
                      f"{self.graph_eager_us:.1f} µs from a graph): the kernels' gains show when it is replayed from "
                      "a CUDA graph (torch.cuda.graph; the package works inside one), not when it runs op by op")
+        elif self.verdict == "slower" and self.graphed and self.graph_verdict != "faster":
+            # Measured: a graph does not recover the loss either.
+            line += ("; every dispatched card beats eager on its own, but this model is slower with the package, "
+                     "op by op and from a CUDA graph: do not apply the package as it is; search fewer cards "
+                     "(--ops, --min-share) and check again")
         elif self.verdict == "slower":
             line += ("; every dispatched card beats eager on its own, but this model is slower with the package. "
                      "A forward bound by launch overhead pays for each call of an overridden op: do not apply the "
@@ -146,22 +151,26 @@ def graphed(fn) -> "torch.cuda.CUDAGraph":
     failed capture is undone: torch leaves the capture stream current, the CUDA generator
     in capture mode (every later random op on the device raises) and the allocator routing
     to the graph's pool, and this puts all three back."""
-    dev = torch.cuda.current_device()
+    dev = torch.cuda.current_device()  # check_model makes the model's device current
     stream = torch.cuda.current_stream(dev)
     side = torch.cuda.Stream(dev)
     side.wait_stream(stream)
-    with torch.cuda.stream(side):
-        fn()
-        mode = torch.cuda.get_sync_debug_mode()
-        try:
-            _sync_debug_mode("error")
+    try:
+        with torch.cuda.stream(side):
             fn()
-        except RuntimeError as e:
-            raise GraphUnsupported(f"the forward synchronizes with the host, which a CUDA graph cannot hold "
-                                   f"({_first_line(e)})") from e
-        finally:
-            _sync_debug_mode(mode)
-    stream.wait_stream(side)
+            mode = torch.cuda.get_sync_debug_mode()
+            try:
+                _sync_debug_mode("error")
+                fn()
+            except RuntimeError as e:
+                if "synchroniz" not in str(e):
+                    raise  # another failure (out of memory, a CUDA error): not this check's to name
+                raise GraphUnsupported(f"the forward synchronizes with the host, which a CUDA graph cannot hold "
+                                       f"({_first_line(e)})") from e
+            finally:
+                _sync_debug_mode(mode)
+    finally:
+        stream.wait_stream(side)  # later work on the stream waits for the warm-up, however it ended
     gen = torch.cuda.default_generators[dev]
     rng = gen.clone_state()
     pool = torch.cuda.graph_pool_handle()
@@ -196,9 +205,10 @@ def _first_line(e: BaseException) -> str:
     """The first line of the exception that started it all (torch.cuda.graph raises its own
     "capture failed" on top of the forward's error)."""
     for _ in range(8):
-        if e.__context__ is None:
+        inner = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+        if inner is None:
             break
-        e = e.__context__
+        e = inner
     lines = str(e).strip().splitlines()
     return f"{type(e).__name__}: {lines[0][:200] if lines else ''}"
 
@@ -268,8 +278,9 @@ def check_model(model: torch.nn.Module, example_inputs: Any, package, *, rounds:
         check = ModelCheck(eager.median, eager.iqr, packaged.median, packaged.iqr, str(dev), calls, rounds, hits)
         if graphs and dev.type == "cuda" and hits:
             try:
-                g_eager, g_package = time_graphs(forward, package, calls=calls, rounds=rounds, device=dev,
-                                                 **install_options)
+                with torch.cuda.device(dev):  # graphed() captures on the current device's streams
+                    g_eager, g_package = time_graphs(forward, package, calls=calls, rounds=rounds, device=dev,
+                                                     **install_options)
             except Exception as e:  # noqa: BLE001 (a forward a graph cannot hold: said, not raised)
                 why = str(e) if isinstance(e, GraphUnsupported) else _first_line(e)
                 return dataclasses.replace(check, graph_error=why)

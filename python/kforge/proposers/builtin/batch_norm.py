@@ -5,8 +5,8 @@ and rsqrt(running_var + eps)).
 
 Eager runs three kernels: a copy of the running mean, the inverse standard deviations,
 and an elementwise kernel over broadcast per-channel operands. Here one launch streams x
-with 16-byte vectors and computes each channel's statistics where it needs them (the
-block that owns channel c's first elements also writes save_mean[c] and save_invstd[c]).
+with 16-byte vectors and computes each channel's statistics where it needs them (global
+thread c also writes save_mean[c] and save_invstd[c]).
 The arithmetic is eager's, in fp32: y = (x - mean) * weight * invstd + bias.
   NCHW      one channel per vector where H*W % V == 0; where it is not (7x7 planes), a
             vector may cross planes and each element finds its own channel;
@@ -56,6 +56,10 @@ def _problem(card: Card):
         return "the output's strides differ from the input's"
     if x.numel >= 2**31 - 2**22:
         return "2**31 or more elements is not templated (32-bit indexing)"
+    if x.shape[1] > 2**20:
+        # The grid also covers C threads for the statistics; with 8 items of 16 elements
+        # each, its 32-bit element index would wrap past about 16M channels.
+        return "more than 2**20 channels is not templated (32-bit indexing)"
     if x.is_contiguous() and len(x.shape) > 2:
         layout, extent = "nchw", math.prod(x.shape[2:])
     elif len(x.shape) == 2 and x.is_contiguous() or len(x.shape) == 4 and x.stride == _channels_last_strides(x.shape):
