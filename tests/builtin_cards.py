@@ -69,8 +69,8 @@ def bn(x: torch.Tensor, affine: bool = True, stats_dtype=None, op=None) -> Card:
     """Inference batch norm of x (running statistics), its parameters in x's dtype or stats_dtype."""
     p = meta(x.shape[1], dtype=stats_dtype or x.dtype)
     w = p if affine else None
-    if op is None:
-        return make_card(A.native_batch_norm.default, x, w, w, p, p, False, 0.1, 1e-5)
+    if op is None or op == A.cudnn_batch_norm.default:
+        return make_card(op or A.native_batch_norm.default, x, w, w, p, p, False, 0.1, 1e-5)
     return make_card(op, x, w, w, p, p, 0.1, 1e-5)
 
 
@@ -164,6 +164,8 @@ SPREAD = {
     "batch_norm_2d_f16_no_affine": lambda: bn(meta(100, 48, dtype=F16), affine=False),
     "batch_norm_bf16_fp32_stats": lambda: bn(meta(8, 64, 14, 14, dtype=BF16), stats_dtype=F32),
     "batch_norm_legit_no_training_odd": lambda: bn(meta(3, 5, 7, 11), op=A._native_batch_norm_legit_no_training.default),
+    "batch_norm_cudnn_f32": lambda: bn(meta(8, 64, 14, 14), op=A.cudnn_batch_norm.default),
+    "batch_norm_cudnn_f32_7x7": lambda: bn(meta(4, 96, 7, 7), op=A.cudnn_batch_norm.default),
 }
 
 

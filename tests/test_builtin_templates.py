@@ -564,14 +564,15 @@ def emulate_batch_norm(card, knobs, inputs: list[torch.Tensor]) -> list[torch.Te
     b = stats["bias"][ch] if "bias" in stats else torch.zeros_like(mean)
     y = torch.empty(x.numel())
     y[i] = (flat[i] - mean) * w * invstd + b
-    assert blocks * nt >= c, "the threads that write the statistics exist"
+    if p["write_stats"]:
+        assert blocks * nt >= c, "the threads that write the statistics exist"
     save_mean = stats["running_mean"].clone()
     save_invstd = torch.rsqrt(stats["running_var"] + torch.tensor(p["eps"], dtype=torch.float32))
     return [y.to(x.dtype).as_strided(x.shape, x.stride()), save_mean, save_invstd]
 
 
 @pytest.mark.parametrize("name", ["batch_norm_channels_last", "batch_norm_2d_f16_no_affine",
-                                  "batch_norm_f16_vectors_cross_planes",
+                                  "batch_norm_f16_vectors_cross_planes", "batch_norm_cudnn_f32_7x7",
                                   "batch_norm_bf16_fp32_stats", "batch_norm_legit_no_training_odd"])
 def test_batch_norm_indexing_matches_torch_on_the_cpu(name):
     """At every corner of the knob space the kernel's element and channel mapping gives
@@ -584,8 +585,11 @@ def test_batch_norm_indexing_matches_torch_on_the_cpu(name):
     tensors = [a for a in card.args if a.kind == "tensor" and a.tensor is not None]
     var = next(k for k, a in enumerate(tensors) if a.name == "running_var")
     inputs[var] = inputs[var].abs()
-    args, kwargs = card.build_call([t.float() for t in inputs], "cpu")
-    want = card.overload()(*args, **kwargs)[0].to(card.outputs[0].torch_dtype)
+    p = bn_family._problem(card)
+    stat = {k: inputs[i].float() for k, i in p["index"].items()}  # torch.nn.functional's CPU batch norm in fp32
+    want = torch.nn.functional.batch_norm(inputs[0].float(), stat["running_mean"], stat["running_var"],
+                                          stat.get("weight"), stat.get("bias"), training=False,
+                                          eps=p["eps"]).to(card.outputs[0].torch_dtype)
     for knobs in corners(card)[1]:
         got = emulate_batch_norm(card, knobs, inputs)
         torch.testing.assert_close(got[0], want, rtol=2e-5 if want.dtype == torch.float32 else 1e-2, atol=1e-5,
@@ -613,3 +617,21 @@ def test_batch_norm_vectors_are_16_bytes_even_where_planes_are_odd():
         card = SPREAD[name]()
         assert family_for(card).spaces(card, H200)[0]["vec"][-1] == 8  # 16 bytes of bf16
         assert BuiltinProposer().propose(ctx(card)).candidate.knobs["vec"] == 8
+
+
+def test_cudnn_batch_norm_in_inference_is_normalization_and_writes_no_statistics():
+    """PyTorch sends fp32 batch norm to cuDNN; in inference its three other outputs are
+    empty, so the kernel writes only y (and needs no threads for the statistics)."""
+    from kforge.families import family_of
+
+    assert family_of("aten::cudnn_batch_norm.default") == "normalization"
+    assert family_of("aten::cudnn_convolution.default") == "vendor"
+    card = SPREAD["batch_norm_cudnn_f32"]()
+    assert [m.numel for m in card.outputs[1:]] == [0, 0, 0]
+    cand = BuiltinProposer().propose(ctx(card)).candidate
+    assert "constexpr bool WRITE_STATS = false;" in cand.source
+    assert "constexpr bool WRITE_STATS = true;" in BuiltinProposer().propose(ctx(SPREAD["batch_norm_bf16_56x56"]())).candidate.source
+    training = make_card(A.cudnn_batch_norm.default, meta(8, 64, 14, 14), meta(64), meta(64), meta(64), meta(64),
+                         True, 0.1, 1e-5)
+    ok, why = BuiltinProposer().supports(training)
+    assert not ok and "training-mode" in why

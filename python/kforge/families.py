@@ -29,6 +29,8 @@ NORMALIZATION = frozenset({
     "_native_batch_norm_legit_no_training", "_batch_norm_with_update", "_batch_norm_no_update",
     "_fused_rms_norm", "rms_norm", "_softmax", "_log_softmax", "_safe_softmax", "_weight_norm_interface",
     "renorm",
+    # Vendor-backed by name, but a memory-bound map over rows like the others, not a matmul.
+    "cudnn_batch_norm", "miopen_batch_norm",
 })
 
 POOLING = frozenset({
@@ -73,10 +75,10 @@ def family_of(op: str | torch._ops.OpOverload) -> str:
     name = packet_name(op)
     if name in VIEW or (overload is not None and _returns_view(overload)):
         return "view"
-    if name in VENDOR or name.startswith(VENDOR_PREFIXES):
-        return "vendor"
     if name in NORMALIZATION:
         return "normalization"
+    if name in VENDOR or name.startswith(VENDOR_PREFIXES):
+        return "vendor"
     if name in POOLING:
         return "pooling"
     tags = set(overload.tags) if overload is not None else set()

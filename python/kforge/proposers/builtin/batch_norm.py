@@ -1,7 +1,8 @@
 """Batch norm in inference (running statistics): aten::native_batch_norm.default with
 training=False and aten::_native_batch_norm_legit_no_training.default -> (out, save_mean,
 save_invstd), as CUDA eager returns them (the statistics as fp32 [C]: the running mean,
-and rsqrt(running_var + eps)).
+and rsqrt(running_var + eps)); and aten::cudnn_batch_norm.default with training=False,
+which PyTorch sends fp32 (and fp16) batch norm to, -> (out, and three empty tensors).
 
 Eager runs three kernels: a copy of the running mean, the inverse standard deviations,
 and an elementwise kernel over broadcast per-channel operands. Here one launch streams x
@@ -19,10 +20,11 @@ import math
 
 from ...cards import Card, decode_value
 from ...hardware import Hardware
-from .common import ceil_div, constants, ctype, legal_vecs, unsupported_dtype
+from .common import ceil_div, constants, ctype, legal_vecs, render, unsupported_dtype
 from .family import Family, Knobs, KnobSpace, candidate, launch, pick
 
-OPS = frozenset({"aten::native_batch_norm.default", "aten::_native_batch_norm_legit_no_training.default"})
+OPS = frozenset({"aten::native_batch_norm.default", "aten::_native_batch_norm_legit_no_training.default",
+                 "aten::cudnn_batch_norm.default"})
 ITEMS = (1, 2, 4, 8)
 
 
@@ -41,8 +43,8 @@ def _problem(card: Card):
     opt = {k: (a[k].tensor if a[k].kind == "tensor" else None) for k in ("weight", "bias", "running_mean", "running_var")}
     if opt["running_mean"] is None or opt["running_var"] is None:
         return "batch norm without running statistics is not templated"
-    out, smean, sinv = card.outputs
-    why = unsupported_dtype([x, out, smean, sinv] + [m for m in opt.values() if m is not None])
+    out, stats = card.outputs[0], card.outputs[1:]
+    why = unsupported_dtype([x, out] + [m for m in opt.values() if m is not None])
     if why:
         return why
     if len(x.shape) < 2 or x.numel == 0:
@@ -50,8 +52,13 @@ def _problem(card: Card):
     c = x.shape[1]
     if any(m.numel != c or not m.is_contiguous() for m in opt.values() if m is not None):
         return "weight, bias and running statistics must be contiguous with C elements"
-    if any(m.numel != c or m.dtype != "float32" or not m.is_contiguous() for m in (smean, sinv)):
+    # native_batch_norm returns fp32 [C] statistics; cudnn_batch_norm in inference returns
+    # empty save_mean, save_var and reserve.
+    write_stats = card.op != "aten::cudnn_batch_norm.default"
+    if write_stats and any(m.numel != c or m.dtype != "float32" or not m.is_contiguous() for m in stats):
         return "save_mean/save_invstd must be fp32 [C] (as CUDA returns them)"
+    if not write_stats and any(m.numel != 0 for m in stats):
+        return "cudnn_batch_norm's statistics outputs are not empty (training mode?)"
     if out.stride != x.stride:
         return "the output's strides differ from the input's"
     if x.numel >= 2**31 - 2**22:
@@ -67,8 +74,8 @@ def _problem(card: Card):
     else:
         return "only contiguous (NCHW) and channels_last inputs are templated"
     inputs = [k for k in ("weight", "bias", "running_mean", "running_var") if opt[k] is not None]
-    eps = float(decode_value(a["eps"].value))
-    return dict(x=x, opt=opt, C=c, layout=layout, extent=extent, eps=eps,
+    eps = float(decode_value(a["eps" if "eps" in a else "epsilon"].value))  # cudnn_batch_norm: epsilon
+    return dict(x=x, opt=opt, C=c, layout=layout, extent=extent, eps=eps, write_stats=write_stats,
                 index={k: 1 + inputs.index(k) for k in inputs})
 
 
@@ -106,9 +113,9 @@ __device__ __forceinline__ void kf_bn_params(const Tm* rm, const Tv* rv, const T
 
 extern "C" __global__ void __launch_bounds__(NT) kf_bn_eval(const Tx* __restrict__ x, const Tw* __restrict__ w,
     const Tb* __restrict__ b, const Tm* __restrict__ rm, const Tv* __restrict__ rv, Ty* __restrict__ y,
-    float* __restrict__ save_mean, float* __restrict__ save_invstd) {
+    float* __restrict__ save_mean, float* __restrict__ save_invstd@RESERVE@) {
   const int t = blockIdx.x * NT + threadIdx.x;
-  if (t < C) {
+  if (WRITE_STATS && t < C) {
     float mean, invstd, weight, bias;
     kf_bn_params(rm, rv, w, b, t, mean, invstd, weight, bias);
     save_mean[t] = mean;
@@ -151,13 +158,18 @@ def build(card: Card, knobs: Knobs, hw: Hardware):
     nt, v, items = knobs["threads"], knobs["vec"], knobs["items"]
     consts = constants(NT=nt, V=v, ITEMS=items, NUMEL=x.numel, C=p["C"], HW=p["extent"] if p["layout"] == "nchw" else 1,
                        NHWC=p["layout"] == "nhwc", HAS_W=opt["weight"] is not None, HAS_B=opt["bias"] is not None,
-                       EPS=p["eps"])
+                       WRITE_STATS=p["write_stats"], EPS=p["eps"])
     rm = idx["running_mean"]
     args = [{"in": 0}, {"in": idx.get("weight", rm)}, {"in": idx.get("bias", rm)}, {"in": rm},
             {"in": idx["running_var"]}, {"out": 0}, {"out": 1}, {"out": 2}]
-    grid = max(ceil_div(x.numel, nt * v * items), ceil_div(p["C"], nt))
+    # cudnn_batch_norm's fourth output (its empty reserve) is passed and never written.
+    reserve = len(card.outputs) == 4
+    if reserve:
+        args.append({"out": 3})
+    body = render(_BODY, RESERVE=", unsigned char* __restrict__ reserve" if reserve else "")
+    grid = max(ceil_div(x.numel, nt * v * items), ceil_div(p["C"], nt) if p["write_stats"] else 1)
     dtypes = {m.dtype for m in [x, out] + [m for m in opt.values() if m is not None]}
-    return candidate("batch_norm", card, knobs, dtypes, "\n".join([types, consts, _BODY]),
+    return candidate("batch_norm", card, knobs, dtypes, "\n".join([types, consts, body]),
                      [launch("kf_bn_eval", [grid], [nt], args)])
 
 
