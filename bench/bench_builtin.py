@@ -50,6 +50,11 @@ CASES = {
     "batch_norm 32x64x112x112 bf16 (resnet-50)": (lambda: bn(meta(32, 64, 112, 112, dtype=BF16)), None),
     "batch_norm 32x256x56x56 bf16 (resnet-50)": (lambda: bn(meta(32, 256, 56, 56, dtype=BF16)), None),
     "batch_norm 32x2048x7x7 bf16 (resnet-50)": (lambda: bn(meta(32, 2048, 7, 7, dtype=BF16)), None),
+    # fp32 batch norm goes to cuDNN.
+    "batch_norm 32x256x56x56 fp32 (resnet-50, cudnn_batch_norm)": (
+        lambda: bn(meta(32, 256, 56, 56), op=A.cudnn_batch_norm.default), None),
+    "batch_norm 32x2048x7x7 fp32 (resnet-50, cudnn_batch_norm)": (
+        lambda: bn(meta(32, 2048, 7, 7), op=A.cudnn_batch_norm.default), None),
     # The casts around Gemma's fp32 softmax (F.softmax(x, dtype=torch.float32).to(bf16)).
     "_to_copy 1x8x2048x2048 bf16->fp32": (lambda: make_card(A._to_copy.default, meta(1, 8, 2048, 2048, dtype=BF16), dtype=F32), None),
     "_to_copy 1x8x2048x2048 fp32->bf16": (lambda: make_card(A._to_copy.default, meta(1, 8, 2048, 2048), dtype=BF16), None),
