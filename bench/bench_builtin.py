@@ -23,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "python"), str(ROOT / "tests")]
 
-from builtin_cards import A, BF16, F16, F32, bn, gn, ln, make_card, meta, rms, softmax, variance_inputs  # noqa: E402
+from builtin_cards import A, BF16, F16, F32, bn, fresh_inputs, gn, ln, make_card, meta, rms, softmax  # noqa: E402
 from kforge import compiler, runtime, timing, tolerance, validate  # noqa: E402
 from kforge.cards import empty_like_meta, faithful_clone  # noqa: E402
 from kforge.errors import KforgeError, ProposerError  # noqa: E402
@@ -222,9 +222,7 @@ def main(argv=None) -> int:
         if only and not any(part in name for part in only):
             continue
         card = make()
-        inputs = card.random_inputs(0, "cuda")
-        for i in variance_inputs(card):
-            inputs[i].abs_()  # a running variance is never negative
+        inputs = fresh_inputs(card, 0)
         print(f"{name}: sweeping")
         best, sweep_us, n, tried = sweep(card, hw, inputs, opts.budget)
         fns = [eager_fn(card, [faithful_clone(t) for t in inputs])]

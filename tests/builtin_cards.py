@@ -80,6 +80,14 @@ def variance_inputs(card: Card) -> list[int]:
     return [i for i, a in enumerate(tensors) if a.name == "running_var"]
 
 
+def fresh_inputs(card: Card, seed: int, device: str = "cuda") -> list[torch.Tensor]:
+    """card.random_inputs, with a batch norm's running variances made non-negative."""
+    inputs = card.random_inputs(seed, device)
+    for i in variance_inputs(card):
+        inputs[i].abs_()
+    return inputs
+
+
 def softmax(*shape: int, dtype=F32, log: bool = False, half_to_float: bool = False) -> Card:
     op = A._log_softmax.default if log else A._softmax.default
     return make_card(op, meta(*shape, dtype=dtype), -1, half_to_float)

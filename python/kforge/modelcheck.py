@@ -59,7 +59,7 @@ class ModelCheck:
     def noise_us(self) -> float:
         """A difference smaller than this is not a difference: half the larger spread, and
         never less than REL_NOISE of eager."""
-        return max(max(self.eager_iqr_us, self.package_iqr_us) / 2, REL_NOISE * self.eager_us)
+        return _noise(self.eager_us, self.eager_iqr_us, self.package_iqr_us)
 
     @property
     def verdict(self) -> str:
@@ -84,8 +84,7 @@ class ModelCheck:
             return None
         if self.hits == 0:
             return "unused"
-        noise = max(max(self.graph_eager_iqr_us or 0.0, self.graph_package_iqr_us or 0.0) / 2,
-                    REL_NOISE * self.graph_eager_us)
+        noise = _noise(self.graph_eager_us, self.graph_eager_iqr_us or 0.0, self.graph_package_iqr_us or 0.0)
         return _compare(self.graph_eager_us, self.graph_package_us, noise)
 
     @property
@@ -98,7 +97,7 @@ class ModelCheck:
         line = (f"model forward on {self.device}: eager {self.eager_us:.1f} µs (iqr {self.eager_iqr_us:.1f}), "
                 f"with the package {self.package_us:.1f} µs (iqr {self.package_iqr_us:.1f}): "
                 f"{self.speedup:.3f}x, {self.verdict}")
-        if self.graphed and self.graph_speedup is not None and self.verdict != "unused":
+        if self.graph_speedup is not None and self.verdict != "unused":
             line += (f"; replayed from a CUDA graph: eager {self.graph_eager_us:.1f} µs, with the package "
                      f"{self.graph_package_us:.1f} µs: {self.graph_speedup:.3f}x, {self.graph_verdict}")
         elif self.graph_error:
@@ -125,13 +124,14 @@ class ModelCheck:
         return line
 
     def to_json(self) -> dict:
-        return {"eager_us": self.eager_us, "eager_iqr_us": self.eager_iqr_us, "package_us": self.package_us,
-                "package_iqr_us": self.package_iqr_us, "device": self.device, "speedup": self.speedup,
-                "verdict": self.verdict, "calls": self.calls, "rounds": self.rounds, "hits": self.hits,
-                "graph_eager_us": self.graph_eager_us, "graph_eager_iqr_us": self.graph_eager_iqr_us,
-                "graph_package_us": self.graph_package_us, "graph_package_iqr_us": self.graph_package_iqr_us,
+        """The fields, and the verdicts derived from them."""
+        return {**dataclasses.asdict(self), "speedup": self.speedup, "verdict": self.verdict,
                 "graph_speedup": self.graph_speedup, "graph_verdict": self.graph_verdict,
-                "launch_bound": self.launch_bound, "graph_error": self.graph_error}
+                "launch_bound": self.launch_bound}
+
+
+def _noise(eager_us: float, *iqrs_us: float) -> float:
+    return max(max(iqrs_us) / 2, REL_NOISE * eager_us)
 
 
 def _compare(eager_us: float, package_us: float, noise_us: float) -> str:

@@ -63,7 +63,7 @@ def _problem(card: Card):
         return "the output's strides differ from the input's"
     if x.numel >= 2**31 - 2**22:
         return "2**31 or more elements is not templated (32-bit indexing)"
-    if x.shape[1] > 2**20:
+    if c > 2**20:
         # The grid also covers C threads for the statistics; with 8 items of 16 elements
         # each, its 32-bit element index would wrap past about 16M channels.
         return "more than 2**20 channels is not templated (32-bit indexing)"
