@@ -23,7 +23,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "python"), str(ROOT / "tests")]
 
-from builtin_cards import A, BF16, F16, F32, bn, fresh_inputs, gn, ln, make_card, meta, rms, softmax  # noqa: E402
+from builtin_cards import (A, BF16, F16, F32, bn, fresh_inputs, gn, ln, make_card, meta, rms, softmax,  # noqa: E402
+                           softmax_to)
 from kforge import compiler, runtime, timing, tolerance, validate  # noqa: E402
 from kforge.cards import empty_like_meta, faithful_clone  # noqa: E402
 from kforge.errors import KforgeError, ProposerError  # noqa: E402
@@ -46,6 +47,10 @@ CASES = {
     "rms_norm 8192x4096 bf16": (lambda: rms(8192, 4096, BF16), ("floor", 0.8)),
     "softmax 1x8x2048x2048 fp32 (gemma attention)": (lambda: softmax(1, 8, 2048, 2048), None),
     "softmax 1024x128 fp32 (qwen-moe router)": (lambda: softmax(1024, 128), None),
+    # The paper's two softmax ops as the models call them: F.softmax(bf16, dtype=torch.float32),
+    # one card for eager's cast and softmax (kforge.composite).
+    "softmax.int 1x8x2048x2048 bf16->fp32 (gemma attention)": (lambda: softmax_to(1, 8, 2048, 2048), None),
+    "softmax.int 1024x128 bf16->fp32 (qwen-moe router)": (lambda: softmax_to(1024, 128), None),
     # ResNet-50 in bf16: cuDNN does not take bf16 batch norm, so eager runs its own kernels.
     "batch_norm 32x64x112x112 bf16 (resnet-50)": (lambda: bn(meta(32, 64, 112, 112, dtype=BF16)), None),
     "batch_norm 32x256x56x56 bf16 (resnet-50)": (lambda: bn(meta(32, 256, 56, 56, dtype=BF16)), None),

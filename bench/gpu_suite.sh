@@ -51,8 +51,9 @@ lane() {  # lane LOG ITEM...: run the items in order
       # 0.3 %: keeps the global pool, which reaches the GPU as mean.dim at 0.36 % of runtime.
       resnet50) model "$log" resnet50 examples/resnet50.py --min-share 0.003 ;;
       resnet50_bf16) DTYPE=bfloat16 model "$log" resnet50_bf16 examples/resnet50.py --min-share 0.003 ;;
-      # The router softmax is ~0.1 % of this block's runtime: searched by name, not by share.
-      qwen_moe) model "$log" qwen_moe examples/qwen_moe.py --ops _softmax ;;
+      # The router softmax is ~0.1 % of this block's runtime: searched by name, not by share
+      # ("softmax" takes softmax.int, the router's F.softmax(dtype=float32), and _softmax).
+      qwen_moe) model "$log" qwen_moe examples/qwen_moe.py --ops softmax ;;
       *) echo "unknown item $item" | tee -a "$log" ;;
     esac
   done

@@ -16,6 +16,7 @@
 #include <ATen/core/stack.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_strided.h>
+#include <c10/core/GradMode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 #include <c10/util/SmallVector.h>
@@ -47,11 +48,15 @@ constexpr int kLaunchRefused = 3;  // nothing ran: the call can still go to eage
 // Why a call fell back, most fundamental first: the order of kforge.dispatch.REASONS.
 // The last, aliasing, is not a guard difference: a call that matched a guard but whose
 // written input shares memory with another input (a kernel would read what it writes).
+// "autograd": an override above autograd (a composite op's) saw an input that requires grad
+// with grad mode on; the kernel has no backward, so eager's decomposition served the call.
 // The last two are not guard differences either: "refused", the driver refused the kernel
 // before it ran (a cooperative grid that cannot be resident right now), and eager took over.
-enum Reason { kNoVariant, kDevice, kDtype, kScalar, kShape, kStride, kAlignment, kAliasing, kRefused, kNumReasons };
-constexpr std::array<const char*, kNumReasons> kReasons = {"no-variant", "device",    "dtype",    "scalar",  "shape",
-                                                           "stride",     "alignment", "aliasing", "refused"};
+enum Reason {
+  kNoVariant, kDevice, kDtype, kScalar, kShape, kStride, kAlignment, kAliasing, kAutograd, kRefused, kNumReasons
+};
+constexpr std::array<const char*, kNumReasons> kReasons = {"no-variant", "device", "dtype",    "scalar",   "shape",
+                                                           "stride",     "alignment", "aliasing", "autograd", "refused"};
 
 // What the override did for one card. Shared with Python (kforge.dispatch.Counters reads it),
 // and kept across set_variants, so counts survive other packages coming and going.
@@ -247,10 +252,11 @@ struct Table {
 
 class State {
  public:
-  State(c10::OperatorHandle op, c10::SafeKernelFunction original, std::string name)
+  State(c10::OperatorHandle op, c10::SafeKernelFunction original, std::string name, bool above_autograd)
       : op_(std::move(op)),
         original_(std::move(original)),
         name_(std::move(name)),
+        above_autograd_(above_autograd),
         num_args_(op_.schema().arguments().size()),
         table_(std::make_shared<Table>()) {
     const auto& schema_args = op_.schema().arguments();
@@ -283,6 +289,7 @@ class State {
       const Variant& v = **it;
       Inputs ins = inputs(v, args);
       int why = unrunnable(v, ins, args, device_slots_);
+      if (why == kNumReasons && above_autograd_ && needs_grad(ins)) why = kAutograd;
       if (why == kNumReasons) why = run(v, ins, stack);
       if (why == kNumReasons) return;
       v.counts->fallbacks[why].fetch_add(1, std::memory_order_relaxed);
@@ -315,6 +322,14 @@ class State {
   // types, not indices, and a kernel launched on one device cannot read or write another's
   // memory: x.to("cuda:1") of a cuda:0 tensor is eager's), and no written input sharing
   // memory with another input. kNumReasons when runnable.
+  // Grad mode on and an input that requires grad: only eager's decomposition records the backward.
+  static bool needs_grad(const Inputs& ins) {
+    if (!c10::GradMode::is_enabled()) return false;
+    for (const at::Tensor* t : ins)
+      if (t->requires_grad()) return true;
+    return false;
+  }
+
   static int unrunnable(const Variant& v, const Inputs& ins, c10::ArrayRef<c10::IValue> args,
                         const std::vector<size_t>& device_slots) {
     const c10::Device device = ins.front()->device();
@@ -437,6 +452,7 @@ class State {
   c10::OperatorHandle op_;
   c10::SafeKernelFunction original_;
   std::string name_;
+  bool above_autograd_;  // registered at CompositeImplicitAutograd: grad mode is this override's to check
   size_t num_args_;
   std::vector<size_t> device_slots_;  // schema arguments of type Device (or Device?)
   mutable std::mutex mu_;
@@ -610,19 +626,26 @@ std::shared_ptr<const Variant> to_variant(const py::handle& h, const State& stat
 
 class Override {
  public:
-  Override(const std::string& op_name, const std::string& overload, const std::string& key) {
+  // key: the backend key whose computed kernel serves misses. at: where the override is
+  // registered, the same key or, for a composite op (no kernel of its own at the backend),
+  // CompositeImplicitAutograd, which puts it above autograd.
+  Override(const std::string& op_name, const std::string& overload, const std::string& key, const std::string& at) {
     auto op = c10::Dispatcher::singleton().findSchemaOrThrow(op_name.c_str(), overload.c_str());
     const c10::DispatchKey k = c10::parseDispatchKey(key);
+    const c10::DispatchKey where = at.empty() ? k : c10::parseDispatchKey(at);
+    if (where != k && where != c10::DispatchKey::CompositeImplicitAutograd)
+      throw std::invalid_argument("an override is registered at its backend key or at CompositeImplicitAutograd, not " + at);
     const auto sep = op_name.find("::");
     if (sep == std::string::npos) throw std::invalid_argument("op name '" + op_name + "' has no namespace");
     const std::string ns = op_name.substr(0, sep);
     const std::string name = op_name.substr(sep + 2) + (overload.empty() ? "" : "." + overload);
     // Taken before the override exists: the kernel every miss goes to.
     auto original = op.getComputedKernelForDispatchKey(k);
-    state_ = std::make_shared<State>(op, std::move(original), op_name + (overload.empty() ? "" : "." + overload));
+    state_ = std::make_shared<State>(op, std::move(original), op_name + (overload.empty() ? "" : "." + overload),
+                                     where != k);
     QuietOverride quiet(c10::WarningUtils::get_warning_handler());
     c10::WarningUtils::WarningHandlerGuard guard(&quiet);
-    lib_ = std::make_unique<torch::Library>(torch::Library::IMPL, ns, k, "kforge._dispatch (csrc/torch_dispatch.cpp)",
+    lib_ = std::make_unique<torch::Library>(torch::Library::IMPL, ns, where, "kforge._dispatch (csrc/torch_dispatch.cpp)",
                                             __LINE__);
     lib_->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::make_unique<Kernel>(state_)));
   }
@@ -749,8 +772,8 @@ PYBIND11_MODULE(_dispatch, m) {
       .def("fallbacks", [](const Counts& c) { return Override::fallbacks(c); });
 
   py::class_<Override>(m, "Override")
-      .def(py::init<const std::string&, const std::string&, const std::string&>(), py::arg("op"),
-           py::arg("overload"), py::arg("key"))
+      .def(py::init<const std::string&, const std::string&, const std::string&, const std::string&>(), py::arg("op"),
+           py::arg("overload"), py::arg("key"), py::arg("at") = "")
       .def("set_variants", &Override::set_variants, py::arg("variants"))
       .def("counters", &Override::counters)
       .def("destroy", &Override::destroy)

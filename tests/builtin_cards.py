@@ -93,6 +93,12 @@ def softmax(*shape: int, dtype=F32, log: bool = False, half_to_float: bool = Fal
     return make_card(op, meta(*shape, dtype=dtype), -1, half_to_float)
 
 
+def softmax_to(*shape: int, dtype=BF16, to=F32, log: bool = False) -> Card:
+    """softmax(x, -1, dtype=to): the composite op capture records whole (kforge.composite)."""
+    op = A.log_softmax.int if log else A.softmax.int
+    return make_card(op, meta(*shape, dtype=dtype), -1, to)
+
+
 def to_copy(x: torch.Tensor, dtype=None, **kw) -> Card:
     """x.to(dtype) as aten records it (memory_format etc. as keyword arguments)."""
     return make_card(A._to_copy.default, x, dtype=dtype, **kw)
@@ -144,6 +150,11 @@ SPREAD = {
     "softmax_half_to_float": lambda: softmax(10, 1000, dtype=F16, half_to_float=True),
     "log_softmax_bf16": lambda: softmax(100, 5000, dtype=BF16, log=True),
     "log_softmax_long": lambda: softmax(3, 70000, log=True),
+    "softmax_to_f32_scores": lambda: softmax_to(1, 8, 2048, 2048),
+    "softmax_to_f32_router": lambda: softmax_to(1024, 128),
+    "softmax_to_f32_odd_f16": lambda: softmax_to(33, 3001, dtype=F16),
+    "softmax_to_f32_long_rows": lambda: softmax_to(8, 262144),
+    "log_softmax_to_f32": lambda: softmax_to(100, 5000, log=True),
     "layer_norm_bf16": lambda: ln(8192, 4096, BF16),
     "layer_norm_odd": lambda: ln(5, 231),
     "layer_norm_no_affine_f16": lambda: ln(17, 768, F16, affine=False),

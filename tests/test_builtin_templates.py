@@ -12,7 +12,8 @@ import re
 import pytest
 import torch
 
-from builtin_cards import A, BF16, F16, GN_COOP, SPREAD, gn, make_card, meta, softmax, to_copy, variance_inputs
+from builtin_cards import (A, BF16, F16, GN_COOP, SPREAD, gn, make_card, meta, softmax, softmax_to, to_copy,
+                           variance_inputs)
 from kforge import compiler
 from kforge.candidate import Candidate
 from kforge.cards import encode_value
@@ -85,6 +86,7 @@ def test_every_knob_setting_has_its_own_digest_and_a_valid_plan(name):
     (lambda: to_copy(meta(8, 4), torch.int64), "int64"),
     (lambda: to_copy(meta(8, 4, dtype=BF16), torch.bool), "bool"),
     (lambda: to_copy(meta(8, 4), torch.float64), "float64"),
+    (lambda: softmax_to(8, 64, dtype=torch.float32, to=BF16), "only dtype=torch.float32"),
 ])
 def test_unsupported_cards_are_declined_with_a_reason(card, reason):
     p = BuiltinProposer()
@@ -631,3 +633,18 @@ def test_cudnn_batch_norm_in_inference_is_normalization_and_writes_no_statistics
                          True, 0.1, 1e-5)
     ok, why = BuiltinProposer().supports(training)
     assert not ok and "training-mode" in why
+
+
+@pytest.mark.parametrize("log", [False, True])
+def test_softmax_with_dtype_is_the_softmax_kernel_reading_x_as_it_is(log):
+    # softmax(x_f16, dtype=float32) casts exactly, then softmaxes: the same kernel as
+    # _softmax(x_f16, half_to_float=True), knob for knob.
+    fused, plain = softmax_to(33, 3001, dtype=F16, log=log), softmax(33, 3001, dtype=F16, log=log, half_to_float=True)
+    assert softmax_family.spaces(fused, H200) == softmax_family.spaces(plain, H200)
+    for s in softmax_family.spaces(fused, H200):
+        for knobs in knob_space.configs(s)[:3]:
+            a, b = softmax_family.build(fused, knobs, H200), softmax_family.build(plain, knobs, H200)
+            body = a.source.split("\n", 1)[1]  # after the header line, which names the op
+            assert body == b.source.split("\n", 1)[1] and a.plan.kernels == b.plan.kernels
+            assert ("constexpr bool LOG = true;" in body) == log
+

@@ -451,3 +451,35 @@ def test_vendor_calls_keep_no_sample_and_a_big_call_does_not_starve_later_ones(t
     assert any("vendor op" in n for c in r.cards if c.family == "vendor" for n in c.notes)
     assert one(r, "aten::relu.default").samples == 0
     assert one(r, "aten::exp.default").samples == 1
+
+
+# ---- composite ops captured whole (kforge.composite) ----------------------------------------
+
+class ScoresSoftmax(nn.Module):
+    """Attention-style softmax: bf16 scores, softmax in fp32 (dtype=), back to bf16; then a
+    plain softmax and a log_softmax with dtype=."""
+
+    def forward(self, x):
+        p = F.softmax(x, dim=-1, dtype=torch.float32).to(x.dtype)
+        return p + torch.softmax(x, -1), F.log_softmax(x, dim=-1, dtype=torch.float32)
+
+
+def test_softmax_with_dtype_is_one_card_over_its_cast_and_softmax(tmp_path):
+    before = dispatch_state(["aten::softmax.int", "aten::log_softmax.int"])
+    x = torch.randn(6, 40, dtype=torch.bfloat16)
+    r = capture(ScoresSoftmax(), x, tmp_path)
+    sm = one(r, "aten::softmax.int")
+    assert sm.family == "normalization" and sm.top_calls == 1 and not is_nested(sm)
+    assert sm.inputs[0].dtype == "bfloat16" and sm.outputs[0].dtype == "float32"
+    assert sm.samples == 1 and sm.share > 0
+    # Its parts are nested in it; the plain softmax (no dtype=) is only its _softmax.
+    parts = [c for c in r.cards if any("softmax.int" in n for n in c.notes)]
+    assert {c.op for c in parts} >= {"aten::_to_copy.default", "aten::_softmax.default"}
+    plain = [c for c in by_op(r, "aten::_softmax.default") if not is_nested(c)]
+    assert len(plain) == 1 and plain[0].inputs[0].dtype == "bfloat16"
+    assert one(r, "aten::log_softmax.int").outputs[0].dtype == "float32"
+    # The stored sample replays to the stored output through the op itself.
+    (ins, outs) = load_sample(sm, tmp_path, 0)
+    torch.testing.assert_close(torch.ops.aten.softmax.int(ins[0], -1, torch.float32), outs[0])
+    assert dispatch_state(["aten::softmax.int", "aten::log_softmax.int"]) == before
+

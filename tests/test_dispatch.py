@@ -463,3 +463,33 @@ def test_a_device_argument_naming_another_device_index_falls_back(cpu):
     assert torch.equal(y, x) and v.counters.hits == 1
     z = torch.ops.aten._to_copy.default(x, dtype=x.dtype, device=torch.device("cpu", 1))
     assert torch.equal(z, x) and len(launcher.calls) == 1 and v.counters.fallbacks == {"device": 1}
+
+
+# ---- composite ops (kforge.composite): the override sits above autograd --------------------
+
+def cast_softmax_kernel(ins, outs):
+    outs[0].copy_(aten._softmax(ins[0].float(), -1, False))  # not softmax.int: that is the override
+
+
+def test_composite_op_hits_without_grad_and_leaves_backward_to_eager(cpu):
+    before = torch._C._dispatch_dump("aten::softmax.int")
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    launcher = FakeLauncher(cast_softmax_kernel)
+    v = Variant(make_card(aten.softmax.int, x, -1, torch.float32), 0, launcher)
+    want = torch.softmax(x.float(), -1)
+    cpu.add("pkg", [v])
+    with torch.no_grad():
+        torch.testing.assert_close(F.softmax(x, -1, dtype=torch.float32), want)
+    with torch.inference_mode():
+        torch.testing.assert_close(F.softmax(x, -1, dtype=torch.float32), want)
+    F.softmax(x, -1, dtype=torch.float32)  # grad mode on, nothing requires grad: no backward to record
+    assert v.counters.hits == 3 and len(launcher.calls) == 3
+    xr = x.clone().requires_grad_()
+    y = F.softmax(xr, -1, dtype=torch.float32)
+    assert y.grad_fn is not None and v.counters.fallbacks == {"autograd": 1}
+    y[:, 0].sum().backward()
+    assert xr.grad is not None and xr.grad.abs().sum() > 0
+    F.softmax(x, -1)  # no dtype=: another call of the same composite, told apart by its value
+    assert v.counters.fallbacks == {"autograd": 1, "scalar": 1} and len(launcher.calls) == 3
+    cpu.remove("pkg")
+    assert torch._C._dispatch_dump("aten::softmax.int") == before

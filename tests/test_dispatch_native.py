@@ -459,3 +459,28 @@ def test_a_device_argument_naming_another_device_index_falls_back(cpu):
     z = torch.ops.aten._to_copy.default(x, dtype=x.dtype, device=torch.device("cpu", 1))
     assert torch.equal(z, x) and calls() == before + 1 and v.counters.fallbacks == {"device": 1}
 
+
+
+def test_composite_op_in_cpp_hits_without_grad_and_leaves_backward_to_eager(cpu):
+    before = torch._C._dispatch_dump("aten::softmax.int")
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    launcher = NativeLauncher(COPY, nbytes=x.numel() * x.element_size())
+    v = Variant(make_card(aten.softmax.int, x, -1, torch.float32), 0, launcher)
+    cpu.add("pkg", [v])
+    assert cpu.path("aten::softmax.int")[0] == "native"
+    n = calls()
+    with torch.inference_mode():
+        F.softmax(x, -1, dtype=torch.float32)
+    with torch.no_grad():
+        F.softmax(x, -1, dtype=torch.float32)
+    assert calls() == n + 2 and v.counters.hits == 2
+    xr = x.clone().requires_grad_()
+    y = F.softmax(xr, -1, dtype=torch.float32)
+    assert calls() == n + 2 and y.grad_fn is not None and v.counters.fallbacks == {"autograd": 1}
+    y[:, 0].sum().backward()
+    assert xr.grad is not None
+    cpu.remove("pkg")
+    torch.testing.assert_close(y.detach(), torch.softmax(x.float(), -1))
+    assert torch._C._dispatch_dump("aten::softmax.int") == before
+    with pytest.raises(ValueError, match="CompositeImplicitAutograd"):
+        _dispatch.Override("aten::relu", "", "CPU", "AutogradCPU")

@@ -23,8 +23,10 @@ class Counts:
 class Override:
     """The kernel of aten op `op` (e.g. "aten::relu"), overload `overload` ("" for the default),
     at dispatch key `key` ("CUDA" or "CPU"). The kernel registered there before is taken first:
-    every miss goes to it, and destroy() (also on deallocation) restores it exactly."""
-    def __init__(self, op: str, overload: str, key: str) -> None: ...
+    every miss goes to it, and destroy() (also on deallocation) restores it exactly. `at`: where
+    the override is registered, `key` when empty, or "CompositeImplicitAutograd" for a composite
+    op (above autograd: a call that needs a backward falls back, reason "autograd")."""
+    def __init__(self, op: str, overload: str, key: str, at: str = "") -> None: ...
     def set_variants(self, variants: Sequence[tuple]) -> None:
         """Replace the variants; later ones win on equal guards. A variant is
         (slots, outputs, workspace, launch_address, vid, resolve, counts): one slot per schema

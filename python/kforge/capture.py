@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import composite
 from .boxing import call_original
 from .cards import (ArgSpec, Card, TensorMeta, encode_value, flatten_outputs, pack, save_card, save_sample, unpack)
 from .errors import CaptureError, CardError
@@ -341,6 +342,7 @@ class _Recorder:
         self.unrecorded: Counter = Counter()  # op -> calls that could not be recorded
         self.unrecorded_why: dict[str, str] = {}  # op -> the first reason
         self.failure: tuple[BaseException, str, str] | None = None  # (error, op, module path), innermost
+        self.composites = frozenset(composite.captured_ops())  # watched from the start, recorded when worth it
         self._local = threading.local()
 
     # Capture's own tensor copies and metadata reads run aten ops too; they must not be recorded.
@@ -374,16 +376,22 @@ class _Recorder:
             self.failure = (err, _op_name(op), self.paths.current)
 
     def kernel(self, op: torch._ops.OpOverload, original: Any) -> Callable:
-        """The override registered at the backend key: record the call, run the original."""
+        """The override registered at the backend key: record the call, run the original.
+
+        Below the Python key the dispatch mode is off, so a fresh one watches the kernel's
+        own calls. A composite op runs above it, where the model's mode is still on and sees
+        the decomposition's calls itself (a second mode there recurses)."""
+
+        fused = op in self.composites
 
         def recorded(keyset, *args, **kwargs):
-            if self.quiet:
+            if self.quiet or (fused and not composite.worth(op, args, kwargs)):
                 return call_original(original, op, keyset, args, kwargs)
             call = self._begin(op, args, kwargs)
             if call is not None:
                 self._stack.append(call)
             try:
-                with _SeeOps(self):
+                with contextlib.nullcontext() if fused else _SeeOps(self):
                     out = call_original(original, op, keyset, args, kwargs)
             except Exception as e:
                 self.failed(e, op)
@@ -533,7 +541,8 @@ def _in_chain(err: BaseException | None, target: BaseException) -> bool:
 
 @contextlib.contextmanager
 def _overrides(ops: dict[str, torch._ops.OpOverload], rec: _Recorder) -> Iterator[None]:
-    """Override `ops` at the backend key for the duration; the dispatch table is restored on exit."""
+    """Override `ops` at the backend key (composite ops above autograd, kforge.composite) for the
+    duration; the dispatch table is restored on exit."""
     if not hasattr(torch.library, "get_kernel"):
         raise CaptureError(f"capture needs torch.library.get_kernel (torch >= 2.9); this is torch {torch.__version__}")
     libs: dict[str, torch.library.Library] = {}
@@ -544,8 +553,8 @@ def _overrides(ops: dict[str, torch._ops.OpOverload], rec: _Recorder) -> Iterato
                 if op.namespace not in libs:
                     libs[op.namespace] = torch.library.Library(op.namespace, "IMPL")
                 original = torch.library.get_kernel(op, rec.target.key)
-                libs[op.namespace].impl(op, rec.kernel(op, original), rec.target.key, with_keyset=True,
-                                        allow_override=True)
+                libs[op.namespace].impl(op, rec.kernel(op, original), composite.override_key(op, rec.target.key),
+                                        with_keyset=True, allow_override=True)
         yield
     finally:
         for lib in libs.values():
@@ -553,15 +562,17 @@ def _overrides(ops: dict[str, torch._ops.OpOverload], rec: _Recorder) -> Iterato
 
 
 def _record(model, args, kwargs, target: _Target, max_samples: int, byte_budget: int) -> tuple[_Recorder, list[str]]:
-    """Run the model until the set of ops settles; the last run is the recording."""
-    known: dict[str, torch._ops.OpOverload] = {}
+    """Run the model until the set of ops settles; the last run is the recording. The composite
+    ops kforge fuses are watched from the first run: the dispatch mode never sees them."""
+    composites = {_op_name(op): op for op in composite.captured_ops()}
+    known: dict[str, torch._ops.OpOverload] = dict(composites)
     for _ in range(_MAX_RUNS):
         rec = _run_once(model, args, kwargs, target, known, max_samples, byte_budget)
         new = {k: v for k, v in rec.seen.items() if k not in known}
-        if not new and known:
+        if not new and len(known) > len(composites):
             return rec, []
         known.update(new)
-        if not known:
+        if len(known) == len(composites):
             raise CaptureError(f"the model ran no aten op with a {target.key} kernel: nothing to capture")
     return rec, [f"ops kept appearing after {_MAX_RUNS} runs (data-dependent control flow?); "
                  f"not captured: {', '.join(sorted(new))}"]

@@ -2,7 +2,9 @@
 
 One torch.library override per aten op, at the backend key (CUDA; CPU stands in for tests),
 below autograd, so autograd, no_grad and inference_mode behave as in eager and the op's
-saved outputs (mean/rstd of layer_norm, ...) are the ones we return. The override
+saved outputs (mean/rstd of layer_norm, ...) are the ones we return. A composite op
+(softmax with dtype=, kforge.composite) has no backend kernel: its override sits above
+autograd and sends calls that need a backward to eager's decomposition. The override
 multiplexes every installed package's variants of the op: a call's guard key (per tensor
 argument shape, stride, dtype, device type and pointer alignment; every other argument's
 value) is looked up in one dict. A hit allocates outputs from the caching allocator and
@@ -32,7 +34,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
-from . import runtime
+from . import composite, runtime
 from .boxing import call_original
 from .candidate import Candidate
 from .cards import Card, TensorMeta, decode_value, dtype_name, pointer_alignment
@@ -44,7 +46,9 @@ from .errors import CardError, KforgeError, LaunchError
 # memory with another input (add.out(a, b, out=a)), which the captured call did not do.
 # "refused": the driver refused the kernel before it ran (a cooperative grid that cannot be
 # resident on the GPU right now); eager served the call.
-REASONS = ("no-variant", "device", "dtype", "scalar", "shape", "stride", "alignment", "aliasing", "refused")
+# "autograd": an override of a composite op runs above autograd (kforge.composite); a call
+# that needs a backward went to eager's decomposition, which records it.
+REASONS = ("no-variant", "device", "dtype", "scalar", "shape", "stride", "alignment", "aliasing", "autograd", "refused")
 _REFUSED = "(refused before any kernel ran)"  # kforge._C's mark on such a launch error
 
 _OVERRIDE_WARNING = "(?s).*Overriding a previously registered kernel for the same operator.*"
@@ -433,12 +437,14 @@ class _OpOverride:
         self._misses: dict[tuple, tuple[Variant, str]] = {}
         # Taken before the override exists: the kernel every miss goes to.
         self.original = _get_kernel(op, key)
+        at = composite.override_key(op, key)
+        self._above_autograd = at != key
         name = schema.name.split("::", 1)[1] + (f".{schema.overload_name}" if schema.overload_name else "")
         self.lib = torch.library.Library(op.namespace, "IMPL")
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=_OVERRIDE_WARNING)
-                self.lib.impl(name, self, key, with_keyset=True, allow_override=True)
+                self.lib.impl(name, self, at, with_keyset=True, allow_override=True)
         except BaseException:
             self.lib._destroy()  # a failed registration must not leave half an override behind
             raise
@@ -471,6 +477,8 @@ class _OpOverride:
             elif x is not None:
                 ins += [t for t in x if t is not None]
         why = _unrunnable(v, ins, [vals[i] for i in self._device_slots] if self._device_slots else ())
+        if not why and self._above_autograd and composite.needs_grad(ins):
+            why = "autograd"
         if not why:
             try:
                 out = self._run(v, ins)
@@ -660,7 +668,7 @@ class _NativeOverride:
         self.op = op
         native, _ = _native_module()
         schema = op._schema
-        self._impl = native.Override(schema.name, schema.overload_name, key)
+        self._impl = native.Override(schema.name, schema.overload_name, key, composite.override_key(op, key))
 
     def set_variants(self, descriptions: list) -> None:
         self._impl.set_variants(descriptions)

@@ -28,6 +28,7 @@ NORMALIZATION = frozenset({
     "native_layer_norm", "native_group_norm", "native_batch_norm", "_native_batch_norm_legit",
     "_native_batch_norm_legit_no_training", "_batch_norm_with_update", "_batch_norm_no_update",
     "_fused_rms_norm", "rms_norm", "_softmax", "_log_softmax", "_safe_softmax", "_weight_norm_interface",
+    "softmax", "log_softmax",  # with dtype=, captured whole (kforge.composite)
     "renorm",
     # Vendor-backed by name, but a memory-bound map over rows like the others, not a matmul.
     "cudnn_batch_norm", "miopen_batch_norm",

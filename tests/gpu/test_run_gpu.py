@@ -48,3 +48,35 @@ def test_run_searches_validates_and_packages(tmp_path):
     pairs = [(c, d) for c, d in conn.execute("SELECT card_id, digest FROM candidates")]
     assert len(pairs) == len(set(pairs)) and before <= set(pairs)
     assert all(r.iterations == 9 for r in again.table if r.status == "done")
+
+
+class Scores(torch.nn.Module):
+    """Attention-style: bf16 scores, softmax in fp32 (dtype=), back to bf16."""
+
+    def forward(self, x):
+        return torch.nn.functional.softmax(x * 0.125, dim=-1, dtype=torch.float32).to(x.dtype)
+
+
+def test_softmax_with_dtype_is_searched_packaged_and_dispatched_above_autograd(tmp_path):
+    x = torch.randn(4, 8, 512, 512, device="cuda", dtype=torch.bfloat16)
+    result = kforge.run(Scores(), (x,), out=tmp_path / "scores.cast", iterations=8, run_dir=tmp_path / "run",
+                        progress=False, ops=["softmax.int"], check_model=False)
+    (row,) = [r for r in result.table if r.op == "aten::softmax.int"]
+    assert row.status == "done", row.note
+    pkg = kforge.load(result.package_path)
+    (card,) = [c for c in pkg.cards if c.card.op == "aten::softmax.int"]
+    if not card.dispatched:
+        pytest.skip(f"the search found no kernel faster than eager as dispatched: {card.reason}")
+    want = Scores()(x)
+    with pkg.apply():
+        with torch.inference_mode():
+            a = Scores()(x)
+        with torch.no_grad():
+            b = Scores()(x)
+        xr = x.clone().requires_grad_()
+        c = Scores()(xr)
+        c.float().sum().backward()
+    assert card.counters.hits == 2 and card.counters.fallbacks == {"autograd": 1}
+    for got in (a, b, c.detach()):
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-2)
+    assert xr.grad is not None

@@ -14,6 +14,11 @@ The algorithms, chosen by row length and row count:
               exact max then its sum of exp, kernel 2 loads its chunk (an L2 hit) before it
               reads the row's partials, which each warp combines without a barrier.
 Every algorithm computes in fp32 and, like torch, divides exp(x - max) by the sum.
+
+softmax.int / log_softmax.int are the composite ops with dtype= (kforge.composite): eager
+casts x, then runs the softmax; with a float32 dtype (the usual `dtype=torch.float32` on
+half or bf16 scores) the cast is exact, so the same kernel reading x as it is computes the
+same thing in one pass.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from ...hardware import Hardware
 from .common import GROUP_WAIT, ceil_div, constants, ctype, group_wait_workspace, legal_vecs, render, unsupported_dtype
 from .family import Family, Knobs, KnobSpace, candidate, launch, pick
 
-OPS = frozenset({"aten::_softmax.default", "aten::_log_softmax.default"})
+OPS = frozenset({"aten::_softmax.default", "aten::_log_softmax.default", "aten::softmax.int", "aten::log_softmax.int"})
+LOG_OPS = frozenset({"aten::_log_softmax.default", "aten::log_softmax.int"})
 MAX_REGS = 64  # fp32 values a thread may hold for its rows
 SPLIT_REGS = 32  # fp32 values a split_regs thread holds for its chunk (with 128 threads, the fewest)
 SPLIT_THREADS = (128, 256, 512)
@@ -48,6 +54,9 @@ def _shape(card: Card) -> tuple[int, int] | str:
         return "input and output must be contiguous with the same shape"
     if x.numel == 0:
         return "empty input"
+    if card.op.endswith(".int") and out.dtype != "float32":
+        # A cast to anything but fp32 rounds x before eager's softmax: not what this kernel reads.
+        return f"softmax with dtype={out.dtype} is not templated (only dtype=torch.float32)"
     cols = x.shape[-1] if x.shape else 1
     return x.numel // cols, cols
 
@@ -437,7 +446,7 @@ def build(card: Card, knobs: Knobs, hw: Hardware):
     rows, cols = _shape(card)
     x, out = card.args[0].tensor, card.outputs[0]
     algo, v = knobs["algo"], knobs["vec"]
-    log = card.op == "aten::_log_softmax.default"
+    log = card.op in LOG_OPS
     types = constants(Tin=ctype(x.dtype), Tout=ctype(out.dtype))
     io = [{"in": 0}, {"out": 0}]
     if algo in ("warp", "block_regs"):
