@@ -44,8 +44,8 @@ std::shared_ptr<Plan> make_plan(const py::sequence& kernels, const py::sequence&
   std::vector<KernelSpec> specs;
   for (auto item : kernels) {
     auto t = item.cast<py::tuple>();
-    if (t.size() < 5 || t.size() > 7)
-      throw std::invalid_argument("a plan kernel is (function, grid, block, smem, args[, cooperative[, pdl]])");
+    if (t.size() < 5 || t.size() > 8)
+      throw std::invalid_argument("a plan kernel is (function, grid, block, smem, args[, cooperative[, pdl[, cluster]]])");
     KernelSpec k;
     k.fn = t[0].cast<Function>();
     k.grid = to_dim3(t[1].cast<std::vector<unsigned>>(), "grid");
@@ -53,8 +53,11 @@ std::shared_ptr<Plan> make_plan(const py::sequence& kernels, const py::sequence&
     k.smem = t[3].cast<unsigned>();
     k.args = to_args(t[4].cast<py::sequence>());
     k.cooperative = t.size() >= 6 && t[5].cast<bool>();
-    k.pdl = t.size() == 7 && t[6].cast<bool>();
+    k.pdl = t.size() >= 7 && t[6].cast<bool>();
+    k.cluster = t.size() == 8 ? t[7].cast<unsigned>() : 0;
     if (k.cooperative && k.pdl) throw std::invalid_argument("a plan kernel is cooperative or pdl, not both");
+    if (k.cluster && (k.cooperative || k.cluster > 16 || k.grid.x % k.cluster))
+      throw std::invalid_argument("a cluster is 1 to 16 blocks along x that divide the grid, and not cooperative");
     specs.push_back(std::move(k));
   }
   std::vector<WorkspaceSpec> ws;

@@ -27,6 +27,7 @@ using CUevent = CUevent_st*;
 
 constexpr CUresult CUDA_SUCCESS = 0;
 constexpr CUresult CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE = 720;
+constexpr CUresult CUDA_ERROR_INVALID_CLUSTER_SIZE = 912;
 constexpr int CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK = 1;
 constexpr int CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16;
 constexpr int CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE = 38;
@@ -38,6 +39,8 @@ constexpr int CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES = 1;
 constexpr int CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES = 3;
 constexpr int CU_FUNC_ATTRIBUTE_NUM_REGS = 4;
 constexpr int CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8;
+constexpr int CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14;
+constexpr int CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4;
 constexpr int CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6;
 
 // cuLaunchKernelEx's configuration, laid out as cuda.h has it (CUDA 11.8+).
@@ -47,6 +50,9 @@ struct CUlaunchAttribute {
   union {
     char bytes[64];
     int programmatic_stream_serialization_allowed;
+    struct {
+      unsigned x, y, z;
+    } clusterDim;
   } value;
 };
 struct CUlaunchConfig {

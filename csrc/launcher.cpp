@@ -89,11 +89,23 @@ void launch_one(const KernelSpec& k, const std::vector<uint64_t>& inputs, const 
     params[a] = &slots[a];
   }
   const CUstream s = reinterpret_cast<CUstream>(stream);
-  if (k.pdl && driver().cuLaunchKernelEx) {
-    CUlaunchAttribute attr{};
-    attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-    attr.value.programmatic_stream_serialization_allowed = 1;
-    const CUlaunchConfig cfg{k.grid.x, k.grid.y, k.grid.z, k.block.x, k.block.y, k.block.z, k.smem, s, &attr, 1};
+  if (k.cluster && !driver().cuLaunchKernelEx)
+    throw std::runtime_error("kernel '" + k.fn.name + "' is launched in clusters, which needs cuLaunchKernelEx: "
+                             "this driver lacks it (update the NVIDIA driver)");
+  if ((k.pdl || k.cluster) && driver().cuLaunchKernelEx) {
+    CUlaunchAttribute attrs[2]{};
+    unsigned n = 0;
+    if (k.pdl) {
+      attrs[n].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+      attrs[n++].value.programmatic_stream_serialization_allowed = 1;
+    }
+    if (k.cluster) {
+      attrs[n].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+      attrs[n].value.clusterDim.x = k.cluster;
+      attrs[n].value.clusterDim.y = 1;
+      attrs[n++].value.clusterDim.z = 1;
+    }
+    const CUlaunchConfig cfg{k.grid.x, k.grid.y, k.grid.z, k.block.x, k.block.y, k.block.z, k.smem, s, attrs, n};
     check(driver().cuLaunchKernelEx(&cfg, k.fn.fn, params, nullptr), describe(k));
     return;
   }
@@ -131,6 +143,9 @@ Plan::Plan(std::vector<KernelSpec> kernels, std::vector<WorkspaceSpec> workspace
                                         static_cast<int>(k.smem)),
             "raising the dynamic shared memory limit of '" + k.fn.name + "' to " + std::to_string(k.smem));
     }
+    if (k.cluster > 8)  // 8 is the portable limit; Hopper runs up to 16 when the function opts in
+      check(driver().cuFuncSetAttribute(k.fn.fn, CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1),
+            "allowing clusters of " + std::to_string(k.cluster) + " blocks for '" + k.fn.name + "'");
   }
 }
 
@@ -152,7 +167,8 @@ void Plan::launch(const std::vector<uint64_t>& inputs, const std::vector<uint64_
     } catch (const CudaError& e) {
       // Only the first kernel: after it, some of the plan has run (an in-place output may
       // be half written) and nothing else may take over the call.
-      if (i == 0 && e.code == CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE)
+      // A cluster that cannot be placed on one GPC is refused the same way.
+      if (i == 0 && (e.code == CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE || e.code == CUDA_ERROR_INVALID_CLUSTER_SIZE))
         throw LaunchRefused(e.code, std::string(e.what()) + " (refused before any kernel ran)");
       throw;
     }

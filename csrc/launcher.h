@@ -56,6 +56,9 @@ struct KernelSpec {
   // finishes; the kernel must execute griddepcontrol.wait before it reads anything that
   // kernel wrote. Launched plainly (fully ordered) where the driver lacks cuLaunchKernelEx.
   bool pdl = false;
+  // Thread block cluster (sm_90+): this many consecutive blocks along x run at once on one GPC
+  // and may barrier together and read each other's shared memory. 0: no cluster.
+  unsigned cluster = 0;
 };
 
 struct WorkspaceSpec {

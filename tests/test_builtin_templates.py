@@ -648,3 +648,18 @@ def test_softmax_with_dtype_is_the_softmax_kernel_reading_x_as_it_is(log):
             assert body == b.source.split("\n", 1)[1] and a.plan.kernels == b.plan.kernels
             assert ("constexpr bool LOG = true;" in body) == log
 
+
+@pytest.mark.parametrize("card", [softmax(8, 262144), softmax(3, 100003), softmax_to(8, 262144), softmax(2, 8192)],
+                         ids=lambda c: c.summary())
+def test_split_cluster_puts_a_row_in_one_cluster_of_chunks_in_registers(card):
+    rows, cols = card.inputs[0].shape[0], card.inputs[0].shape[-1]
+    spaces = [s for s in softmax_family.spaces(card, H200) if s["algo"] == ("split_cluster",)]
+    assert {s["split"][0] for s in spaces} <= set(softmax_family.CLUSTERS) and spaces
+    for s in spaces:
+        for knobs in knob_space.configs(s):
+            (k,) = softmax_family.build(card, knobs, H200).plan.kernels
+            ch, it, n = softmax_family._split_geometry(cols, knobs["split"], knobs["threads"], knobs["vec"])
+            assert k.name == "kf_softmax_cluster" and k.cluster == n == k.grid[0] and k.grid[1] == rows
+            assert n <= 16 and it * knobs["vec"] <= softmax_family.SPLIT_REGS and (n - 1) * ch < cols <= n * ch
+    older = dataclasses.replace(H200, arch="sm_80")  # no clusters before sm_90
+    assert not any(s["algo"] == ("split_cluster",) for s in softmax_family.spaces(card, older))

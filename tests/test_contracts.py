@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -20,7 +22,6 @@ def test_plan_round_trip_and_validation():
 
 
 def test_cooperative_kernels_round_trip_and_ordinary_plans_keep_their_digest():
-    import copy
 
     coop = copy.deepcopy(PLAN)
     coop["kernels"][0]["cooperative"] = True
@@ -31,8 +32,21 @@ def test_cooperative_kernels_round_trip_and_ordinary_plans_keep_their_digest():
     assert Candidate("src", plan).digest() != Candidate("src", plain).digest()
 
 
+def test_cluster_kernels_round_trip_divide_the_grid_and_are_not_cooperative():
+    clustered = copy.deepcopy(PLAN)
+    clustered["kernels"][0].update(grid=[16, 8, 1], cluster=16)
+    plan = LaunchPlan.from_json(clustered)
+    assert plan.kernels[0].cluster == 16 and LaunchPlan.from_json(plan.dumps()).kernels[0].cluster == 16
+    assert "cluster" not in LaunchPlan.from_json(PLAN).dumps()  # digests of old plans hold
+    for bad, match in (({"cluster": 17}, "0 \\(none\\) to 16"), ({"cluster": 3}, "divide grid x"),
+                       ({"cluster": 16, "cooperative": True}, "not be cooperative"), ({"cluster": True}, "cluster")):
+        k = copy.deepcopy(clustered)
+        k["kernels"][0].update(bad)
+        with pytest.raises(PlanError, match=match):
+            LaunchPlan.from_json(k)
+
+
 def test_pdl_kernels_round_trip_and_are_not_also_cooperative():
-    import copy
 
     pdl = copy.deepcopy(PLAN)
     pdl["kernels"][0]["pdl"] = True
@@ -56,7 +70,6 @@ def test_pdl_kernels_round_trip_and_are_not_also_cooperative():
     (lambda p: p["kernels"][0].update(cooperative="yes"), "cooperative"),
 ])
 def test_bad_plans_say_what_is_wrong(mutate, message):
-    import copy
 
     p = copy.deepcopy(PLAN)
     mutate(p)

@@ -324,3 +324,31 @@ def test_a_pdl_kernel_goes_through_cu_launch_kernel_ex_with_programmatic_seriali
     """)
     assert out["log"] == "LP" and "cooperative or pdl, not both" in out["both"]
 
+
+
+def test_a_cluster_kernel_goes_through_cu_launch_kernel_ex_and_a_refused_cluster_is_a_refusal(fake_driver):
+    # Clusters over 8 blocks opt into Hopper's non-portable sizes; a cluster the GPU cannot
+    # place, refused before anything ran, lets dispatch hand the call to eager (code 3).
+    out = _run(fake_driver, """
+    mod = C.Module(b"cubin", 0)
+    fn = mod.function("k")
+    args = [("in", 0), ("out", 0)]
+    C.Plan([(fn, [8, 4], [256], 0, args, False, False, 8)]).launch([1], [2], [], DEV0)
+    portable = fake.fake_nonportable_cluster()
+    C.Plan([(fn, [16, 4], [256], 0, args, False, True, 16)]).launch([1], [2], [], DEV0)
+    wide, x = fake.fake_nonportable_cluster(), fake.fake_cluster_x()
+    bad = []
+    for spec in ([12, 1], 0, args, False, False, 8), ([16], 0, args, True, False, 16):
+        try:
+            C.Plan([(fn, spec[0], [32]) + spec[1:]])
+        except ValueError as e:
+            bad.append(str(e))
+    reg = C.Registry()
+    reg.add(C.Plan([(fn, [16], [32], 0, args, False, False, 16)]))
+    fake.fake_refuse_cluster(1)
+    refused = c_launch(reg, 0, [1], [2], [])
+    print(json.dumps({"log": log(), "portable": portable, "wide": wide, "x": x, "bad": bad, "refused": refused}))
+    """)
+    assert out["log"] == "QB" and out["portable"] == 0 and out["wide"] == 1 and out["x"] == 16
+    assert len(out["bad"]) == 2 and all("cluster" in b for b in out["bad"])
+    assert out["refused"][0] == 3 and "refused before any kernel ran" in out["refused"][1]

@@ -48,10 +48,11 @@ def launch(fn: Function, grid: Sequence[int], block: Sequence[int], smem: int, s
 class Plan:
     """A launch plan resolved to functions: the registry entry and the fast dispatch path.
 
-    kernels: [(fn, grid, block, smem, [(kind, value)][, cooperative[, pdl]])] with kind in
-    in/out/ws/ptr/i32/i64/f32/f64; a cooperative kernel is launched with every block resident
-    (cuLaunchCooperativeKernel), a pdl one with programmatic stream serialization
-    (cuLaunchKernelEx), every fn loaded on one device. workspace: [(bytes, zero)].
+    kernels: [(fn, grid, block, smem, [(kind, value)][, cooperative[, pdl[, cluster]]])] with kind
+    in in/out/ws/ptr/i32/i64/f32/f64; a cooperative kernel is launched with every block resident
+    (cuLaunchCooperativeKernel), a pdl one with programmatic stream serialization and a cluster
+    one (cluster > 0 blocks along x, dividing the grid) as thread block clusters (both through
+    cuLaunchKernelEx), every fn loaded on one device. workspace: [(bytes, zero)].
     """
     def __init__(self, kernels: Sequence[tuple], workspace: Sequence[tuple[int, bool]] = ()) -> None: ...
     @property

@@ -40,6 +40,9 @@ class KernelLaunch:
     # Programmatic dependent launch (sm_90+): may start before the previous kernel of the plan
     # finishes, so it must run `griddepcontrol.wait` before reading what that kernel wrote.
     pdl: bool = False
+    # Thread block cluster (sm_90+): this many consecutive blocks along x are co-scheduled on
+    # one GPC and may barrier together (barrier.cluster) and read each other's shared memory.
+    cluster: int = 0
 
     def to_json(self) -> dict:
         d = {"name": self.name, "grid": list(self.grid), "block": list(self.block), "smem": self.smem, "args": self.args}
@@ -47,6 +50,8 @@ class KernelLaunch:
             d["cooperative"] = True
         if self.pdl:
             d["pdl"] = True
+        if self.cluster:
+            d["cluster"] = self.cluster
         return d
 
 
@@ -112,8 +117,15 @@ class LaunchPlan:
                 raise PlanError(f"kernel {k['name']}: \"cooperative\" and \"pdl\" must be true or false")
             if coop and pdl:
                 raise PlanError(f"kernel {k['name']}: a kernel is cooperative or pdl, not both")
-            kernels.append(KernelLaunch(k["name"], _dim3(k.get("grid"), "grid"), _dim3(k.get("block"), "block"), smem,
-                                        list(args), coop, pdl))
+            grid = _dim3(k.get("grid"), "grid")
+            cluster = k.get("cluster", 0)
+            if not isinstance(cluster, int) or isinstance(cluster, bool) or not 0 <= cluster <= 16:
+                raise PlanError(f"kernel {k['name']}: \"cluster\" must be 0 (none) to 16 blocks")
+            if cluster and (coop or grid[0] % cluster):
+                raise PlanError(f"kernel {k['name']}: a cluster of {cluster} blocks must divide grid x ({grid[0]}) "
+                                f"and the kernel must not be cooperative")
+            kernels.append(KernelLaunch(k["name"], grid, _dim3(k.get("block"), "block"), smem, list(args), coop, pdl,
+                                        cluster))
         ws = d.get("workspace", [])
         opts = d.get("options", [])
         if not isinstance(ws, list) or not isinstance(opts, list) or not all(isinstance(o, str) for o in opts):

@@ -61,7 +61,7 @@ def resolve(plan: LaunchPlan, module):
             raise LaunchError.from_cuda(f"kernel '{k.name}' named in the launch plan is not in the compiled module "
                                         f"(declare it extern \"C\" __global__): {e}", e) from e
         args = [next(iter(a.items())) for a in k.args]
-        kernels.append((fn, list(k.grid), list(k.block), k.smem, args, k.cooperative, k.pdl))
+        kernels.append((fn, list(k.grid), list(k.block), k.smem, args, k.cooperative, k.pdl, k.cluster))
     try:
         return C.Plan(kernels, plan.workspace_bytes())
     except C.CudaError as e:

@@ -98,9 +98,14 @@ CUresult cuModuleGetFunction(struct fn** f, struct mod* m, const char* name) {
   return OK;
 }
 CUresult cuFuncGetAttribute(int* v, int attr, struct fn* f) { *v = attr == 1 ? g_static_smem : 0; return OK; }
+static int g_nonportable_cluster = 0, g_cluster_x = 0, g_refuse_cluster = 0;
+int fake_nonportable_cluster(void) { return g_nonportable_cluster; }
+int fake_cluster_x(void) { return g_cluster_x; }
+void fake_refuse_cluster(int on) { g_refuse_cluster = on; }
 CUresult cuFuncSetAttribute(struct fn* f, int attr, int value) {
   if (t_current != f->mod->ctx) return INVALID_CONTEXT;
   if (attr == 8) g_max_dynamic_smem = value; /* CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES */
+  if (attr == 14) g_nonportable_cluster = value; /* CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED */
   return OK;
 }
 CUresult cuLaunchKernel(struct fn* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
@@ -116,8 +121,10 @@ CUresult cuLaunchCooperativeKernel(struct fn* f, unsigned gx, unsigned gy, unsig
   if (g_coop_too_large) return 720; /* CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE */
   return on_stream(stream, 'C');
 }
-/* cuLaunchKernelEx with cuda.h's layout; logs 'P' for one programmatic-stream-serialization
-   attribute set to 1, 'X' for anything else. */
+/* cuLaunchKernelEx with cuda.h's layout; logs 'P' for a programmatic-stream-serialization
+   attribute set to 1, 'Q' for a cluster dimension (its x kept for fake_cluster_x; refused
+   with CUDA_ERROR_INVALID_CLUSTER_SIZE after fake_refuse_cluster(1)), 'B' for both, 'X' for
+   anything else. */
 struct launch_attr { int id; char pad[4]; union { char bytes[64]; int value; } v; };
 struct launch_config {
   unsigned gx, gy, gz, bx, by, bz, smem;
@@ -127,8 +134,17 @@ struct launch_config {
 };
 CUresult cuLaunchKernelEx(const struct launch_config* c, struct fn* f, void** params, void** extra) {
   if (t_current != f->mod->ctx) return INVALID_CONTEXT;
-  int pdl = c->n_attrs == 1 && c->attrs[0].id == 6 && c->attrs[0].v.value == 1;
-  return on_stream(c->stream, pdl ? 'P' : 'X');
+  int pdl = 0, cluster = 0, other = 0;
+  for (unsigned i = 0; i < c->n_attrs; ++i) {
+    if (c->attrs[i].id == 6 && c->attrs[i].v.value == 1) pdl = 1;
+    else if (c->attrs[i].id == 4) cluster = c->attrs[i].v.value; /* clusterDim.x */
+    else other = 1;
+  }
+  if (cluster) {
+    if (g_refuse_cluster) return 912; /* CUDA_ERROR_INVALID_CLUSTER_SIZE */
+    g_cluster_x = cluster;
+  }
+  return on_stream(c->stream, other ? 'X' : cluster && pdl ? 'B' : cluster ? 'Q' : pdl ? 'P' : 'X');
 }
 CUresult cuMemsetD8Async(unsigned long long p, unsigned char v, size_t n, void* stream) { return on_stream(stream, 'Z'); }
 CUresult cuMemsetD32Async(unsigned long long p, unsigned v, size_t n, void* stream) { return on_stream(stream, 'F'); }

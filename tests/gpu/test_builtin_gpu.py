@@ -162,10 +162,11 @@ def split_coop_settings(card):
     return fam, hw, [k for s in spaces for k in knob_space.configs(s)]
 
 
-@pytest.mark.parametrize("name", sorted(LONG_ROWS))
-def test_split_coop_matches_eager_or_is_refused_cleanly(name):
-    card = LONG_ROWS[name][0]()
-    fam, hw, knobs_list = split_coop_settings(card)
+def check_every_setting_or_refused(card, settings, refused: str) -> None:
+    """Every setting `settings(card)` gives matches eager, or its launch is refused (the
+    message naming `refused`) and the context stays usable; at least one runs."""
+    fam, hw, knobs_list = settings(card)
+    assert knobs_list, f"no setting for {card.summary()}"
     ran = 0
     for seed, knobs in enumerate(knobs_list):
         cand = fam.build(card, knobs, hw)
@@ -173,13 +174,19 @@ def test_split_coop_matches_eager_or_is_refused_cleanly(name):
             check_candidate(card, cand, seed)
             ran += 1
         except LaunchError as e:
-            assert "COOPERATIVE_LAUNCH_TOO_LARGE" in str(e), f"{knobs}: {e}"
+            assert refused in str(e), f"{knobs}: {e}"
         torch.cuda.synchronize()  # a refused launch leaves the context usable
-    assert ran, "no split_coop setting could run"
+    assert ran, f"no setting could run on {card.summary()}"
 
 
-@pytest.mark.parametrize("log", [False, True])
-def test_split_coop_handles_minus_inf_like_torch(log):
+@pytest.mark.parametrize("name", sorted(LONG_ROWS))
+def test_split_coop_matches_eager_or_is_refused_cleanly(name):
+    check_every_setting_or_refused(LONG_ROWS[name][0](), split_coop_settings, "COOPERATIVE_LAUNCH_TOO_LARGE")
+
+
+def check_minus_inf_or_refused(settings, log: bool, refused: str) -> None:
+    """Like split_regs' -inf test, over every setting `settings(card)` gives; a launch the
+    driver refuses (its message naming `refused`) is skipped."""
     card = softmax(4, 262144, log=log)
     x = torch.randn(4, 262144, device="cuda").mul_(8)
     x[0, : 262144 // 2] = -float("inf")
@@ -188,15 +195,20 @@ def test_split_coop_handles_minus_inf_like_torch(log):
     x[3] = -float("inf")
     x[3, -1] = 1.0
     want = (torch.log_softmax if log else torch.softmax)(x, -1)
-    fam, hw, knobs_list = split_coop_settings(card)
+    fam, hw, knobs_list = settings(card)
     for knobs in knobs_list:
         try:
             (got,), _ = run(card, fam.build(card, knobs, hw), [x])
         except LaunchError as e:
-            assert "COOPERATIVE_LAUNCH_TOO_LARGE" in str(e)
+            assert refused in str(e)
             continue
         assert got[2].isnan().all()
         torch.testing.assert_close(got, want, equal_nan=True, **TOL[card.outputs[0].dtype], msg=lambda m: f"{knobs}: {m}")
+
+
+@pytest.mark.parametrize("log", [False, True])
+def test_split_coop_handles_minus_inf_like_torch(log):
+    check_minus_inf_or_refused(split_coop_settings, log, "COOPERATIVE_LAUNCH_TOO_LARGE")
 
 
 # group_norm coop: one cooperative launch, a wait per (sample, group), part of each chunk
@@ -243,3 +255,23 @@ def test_split_regs_pdl_records_into_a_cuda_graph_and_replays():
         torch.cuda.synchronize()
         torch.testing.assert_close(y, torch.softmax(x, -1), **TOL["float32"])
 
+
+
+# split_cluster: a row's chunks are one thread block cluster (barrier and partials in
+# hardware). Every setting of every long-row card: a cluster the GPU cannot place (16 blocks
+# on one GPC) is refused at launch, never run, so a setting must pass or fail cleanly.
+def split_cluster_settings(card):
+    hw = current()
+    fam = family_for(card)
+    spaces = [s for s in fam.spaces(card, hw) if s["algo"] == ("split_cluster",)]
+    return fam, hw, [k for s in spaces for k in knob_space.configs(s)]
+
+
+@pytest.mark.parametrize("name", sorted(LONG_ROWS))
+def test_split_cluster_matches_eager_or_is_refused_cleanly(name):
+    check_every_setting_or_refused(LONG_ROWS[name][0](), split_cluster_settings, "CLUSTER")
+
+
+@pytest.mark.parametrize("log", [False, True])
+def test_split_cluster_handles_minus_inf_like_torch(log):
+    check_minus_inf_or_refused(split_cluster_settings, log, "CLUSTER")

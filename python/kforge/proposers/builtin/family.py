@@ -32,10 +32,10 @@ class Family:
 
 
 def launch(name: str, grid, block, args: list[dict], smem: int = 0, cooperative: bool = False,
-           pdl: bool = False) -> KernelLaunch:
+           pdl: bool = False, cluster: int = 0) -> KernelLaunch:
     grid = tuple(grid) + (1,) * (3 - len(grid))
     block = tuple(block) + (1,) * (3 - len(block))
-    return KernelLaunch(name, grid, block, smem, args, cooperative, pdl)
+    return KernelLaunch(name, grid, block, smem, args, cooperative, pdl, cluster)
 
 
 def candidate(family: str, card: Card, knobs: Knobs, dtypes, body: str, kernels: list[KernelLaunch],

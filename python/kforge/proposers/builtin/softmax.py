@@ -9,6 +9,10 @@ The algorithms, chosen by row length and row count:
               exp) to a workspace, kernel 2 combines a row's chunks and writes its chunk;
   split_coop  split_regs in one cooperative launch: each block waits for its row's other
               chunks on a counter, so x is read once and there is one launch;
+  split_cluster  split_regs' chunks of a row as one thread block cluster (sm_90+, at most
+              16 blocks): each block leaves its chunk's (max, sum of exp) in shared memory,
+              the cluster barriers in hardware and every block reads the row's partials
+              over distributed shared memory; one plain launch, no workspace, x read once;
   split_regs  split with each chunk in registers: every thread issues all its loads back to
               back before any arithmetic (many bytes in flight), kernel 1 takes the chunk's
               exact max then its sum of exp, kernel 2 loads its chunk (an L2 hit) before it
@@ -35,6 +39,8 @@ SPLIT_REGS = 32  # fp32 values a split_regs thread holds for its chunk (with 128
 SPLIT_THREADS = (128, 256, 512)
 SPLITS = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 COOP_THREADS = (512, 1024)
+CLUSTERS = (8, 16)  # 8 is the portable cluster size; 16 needs Hopper's non-portable opt-in
+CLUSTER_THREADS = (256, 512, 1024)
 COOP_BLOCKS_PER_SM = 2
 SMEM_LIMIT = 48 * 1024  # dynamic shared memory without the opt-in attribute
 
@@ -106,7 +112,49 @@ def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
                         and ceil_div(cols, s * COOP_THREADS[0]) <= SPLIT_REGS)
     if cols >= 8192 and coop_splits:
         out.append({"algo": ("split_coop",), "split": coop_splits, "threads": COOP_THREADS, "vec": vecs})
+    # split_cluster: a row's chunks are one cluster, each chunk in registers (one space per
+    # cluster size: the legal thread counts differ).
+    if hw.cc >= 90 and cols >= 8192 and rows <= 65535:
+        for s in CLUSTERS:
+            threads = tuple(t for t in CLUSTER_THREADS if ceil_div(cols, s * t) <= SPLIT_REGS)
+            if cols // s >= 512 and threads:
+                out.append({"algo": ("split_cluster",), "split": (s,), "threads": threads, "vec": vecs})
     return out
+
+
+# split_cluster: blockIdx.x is the block's rank in its row's cluster (cluster dims (S, 1, 1)).
+# A block's shared memory must outlive the other blocks' reads of it: each block arrives at
+# the second cluster barrier once it has read, and waits on it only after its stores.
+_SPLIT_CLUSTER = r"""
+__device__ __forceinline__ float2 kf_cluster_read(const float2* local, unsigned rank) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(local));
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+  float2 v;
+  asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(remote) : "memory");
+  return v;
+}
+
+extern "C" __global__ void __launch_bounds__(NT) kf_softmax_cluster(const Tin* __restrict__ x, Tout* __restrict__ y) {
+  __shared__ float2 part;
+  const int lo = blockIdx.x * CH;
+  const kf_i64 base = (kf_i64)blockIdx.y * C;
+  float v[IT][V];
+  kf_load_chunk(x + base, lo, v);
+  float m, s;
+  kf_chunk_stats(v, m, s);
+  if (threadIdx.x == 0) part = make_float2(m, s);
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+  // Lane k of every warp reads chunk k's partial (S <= 32); the warp merges them.
+  const int lane = threadIdx.x & 31;
+  const float2 p = lane < S ? kf_cluster_read(&part, lane) : make_float2(-kf_inf(), 0.f);
+  const float rm = kf_warp_max(p.x);
+  const float rs = kf_warp_sum(p.x == -kf_inf() ? 0.f : p.y * expf(p.x - rm));
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+  kf_store_chunk(y + base, lo, v, rm, rs);
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+"""
 
 
 def _split_geometry(cols: int, split: int, nt: int, v: int) -> tuple[int, int, int]:
@@ -475,6 +523,13 @@ def build(card: Card, knobs: Knobs, hw: Hardware):
         kernels = [launch("kf_softmax_partial", [s, rows], [nt], [{"in": 0}, {"ws": 0}]),
                    launch("kf_softmax_finish", [s, rows], [nt], [{"in": 0}, {"ws": 0}, {"out": 0}], pdl=pdl)]
         ws = [rows * s * 2 * 4]
+    elif algo == "split_cluster":
+        nt = knobs["threads"]
+        ch, it, s = _split_geometry(cols, knobs["split"], nt, v)
+        consts = constants(R=rows, C=cols, NT=nt, V=v, LOG=log, S=s, CH=ch, IT=it)
+        body = "\n".join([types, consts, _CHUNKS, _SPLIT_CLUSTER])
+        kernels = [launch("kf_softmax_cluster", [s, rows], [nt], io, cluster=s)]
+        ws = []
     elif algo == "split_coop":
         nt = knobs["threads"]
         ch, it, s = _split_geometry(cols, knobs["split"], nt, v)
