@@ -98,7 +98,7 @@ def correct(card, cand, inputs) -> bool:
     mine = [faithful_clone(t) for t in inputs]
     run = Runner(card, cand, mine)
     for t in run.outputs:
-        if not any(t is x for x in mine):
+        if not any(t is x for x in mine) and t.is_floating_point():  # not cuDNN's uint8 reserve
             t.fill_(float("nan"))
     run()
     ref_inputs = [faithful_clone(t) for t in inputs]

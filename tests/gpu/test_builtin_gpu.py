@@ -52,7 +52,8 @@ def run(card, cand, inputs):
             outs.append(ins[card.aliases[j]])
         else:
             t = empty_like_meta(m, dev)
-            t.fill_(float("nan"))  # every element must be written
+            if t.is_floating_point():
+                t.fill_(float("nan"))  # every element must be written (cuDNN's uint8 reserve is not)
             outs.append(t)
     runtime.launch(plan, ins, outs, runtime.alloc_workspaces(cand.plan, dev))
     torch.cuda.synchronize()
