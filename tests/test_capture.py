@@ -483,3 +483,22 @@ def test_softmax_with_dtype_is_one_card_over_its_cast_and_softmax(tmp_path):
     torch.testing.assert_close(torch.ops.aten.softmax.int(ins[0], -1, torch.float32), outs[0])
     assert dispatch_state(["aten::softmax.int", "aten::log_softmax.int"]) == before
 
+
+
+def test_capture_with_grad_on_records_the_model_and_keeps_autograd(tmp_path):
+    # Under grad mode, detach's kernel re-enters detach (through the Python key): the
+    # re-entered call is part of the outer one, not a new recording (it used to recurse).
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 16), nn.ReLU())
+    x = torch.randn(4, 16, requires_grad=True)
+    r = capture(m, x, tmp_path, no_grad=False, time_cards=False)
+    assert one(r, "aten::addmm.default").calls == 1 and one(r, "aten::relu.default").calls == 1
+    y = m(x)  # after capture, the backward is recorded as ever
+    y.sum().backward()
+    assert x.grad is not None and m[0].weight.grad is not None
+
+
+def test_softmax_with_dtype_is_recorded_with_grad_on(tmp_path):
+    x = torch.randn(4, 16, dtype=torch.bfloat16, requires_grad=True)
+    r = capture(ScoresSoftmax(), x, tmp_path, no_grad=False, time_cards=False)
+    assert one(r, "aten::softmax.int").calls == 1

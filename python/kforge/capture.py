@@ -360,6 +360,13 @@ class _Recorder:
             self._local.quiet = before
 
     @property
+    def _running(self) -> set:
+        """Ops whose original kernel is running under this thread's overrides."""
+        if not hasattr(self._local, "running"):
+            self._local.running = set()
+        return self._local.running
+
+    @property
     def _stack(self) -> list[_Call]:
         if not hasattr(self._local, "stack"):
             self._local.stack = []
@@ -385,11 +392,16 @@ class _Recorder:
         fused = op in self.composites
 
         def recorded(keyset, *args, **kwargs):
-            if self.quiet or (fused and not composite.worth(op, args, kwargs)):
+            running = self._running
+            # An op re-entered from its own kernel (detach under autograd calls detach again
+            # through the Python key) is part of the outer call: recording it, or pushing a
+            # mode for it, would recurse without end.
+            if self.quiet or op in running or (fused and not composite.worth(op, args, kwargs)):
                 return call_original(original, op, keyset, args, kwargs)
             call = self._begin(op, args, kwargs)
             if call is not None:
                 self._stack.append(call)
+            running.add(op)
             try:
                 with contextlib.nullcontext() if fused else _SeeOps(self):
                     out = call_original(original, op, keyset, args, kwargs)
@@ -397,6 +409,7 @@ class _Recorder:
                 self.failed(e, op)
                 raise
             finally:
+                running.discard(op)
                 if call is not None:
                     self._stack.pop()
             if call is not None:
