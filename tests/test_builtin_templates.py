@@ -663,21 +663,3 @@ def test_split_cluster_puts_a_row_in_one_cluster_of_chunks_in_registers(card):
             assert n <= 16 and it * knobs["vec"] <= softmax_family.SPLIT_REGS and (n - 1) * ch < cols <= n * ch
     older = dataclasses.replace(H200, arch="sm_80")  # no clusters before sm_90
     assert not any(s["algo"] == ("split_cluster",) for s in softmax_family.spaces(card, older))
-
-
-@pytest.mark.parametrize("card", [softmax(8, 262144), softmax(3, 100003, log=True), softmax_to(8, 262144)],
-                         ids=lambda c: c.summary())
-def test_split_waves_takes_rows_in_waves_with_every_block_resident(card):
-    rows, cols = card.inputs[0].shape[0], card.inputs[0].shape[-1]
-    spaces = [s for s in softmax_family.spaces(card, H200) if s["algo"] == ("split_waves",)]
-    assert spaces
-    for s in spaces:
-        for knobs in knob_space.configs(s):
-            cand = softmax_family.build(card, knobs, H200)
-            (k,) = cand.plan.kernels
-            ch, it, n = softmax_family._split_geometry(cols, knobs["split"], knobs["threads"], knobs["vec"])
-            rpw, waves = knobs["rpw"], rows // knobs["rpw"]
-            assert k.name == "kf_softmax_waves" and k.cooperative and k.grid == (n, rpw, 1)
-            assert waves >= 2 and rows % rpw == 0 and waves * it * knobs["vec"] <= softmax_family.SPLIT_REGS
-            assert H200.sm_count // 2 <= n * rpw <= softmax_family.COOP_BLOCKS_PER_SM * H200.sm_count
-            assert f"constexpr int W = {waves};" in cand.source and cand.plan.workspace[0]["zero"]

@@ -208,29 +208,6 @@ def check_minus_inf_or_refused(settings, log: bool, refused: str) -> None:
         torch.testing.assert_close(got, want, equal_nan=True, **TOL[card.outputs[0].dtype], msg=lambda m: f"{knobs}: {m}")
 
 
-# split_waves: split_coop over waves of rows, loads of later waves in flight while earlier
-# waves are written. Each (rows per wave, split) space's first and last setting.
-def split_waves_settings(card):
-    hw = current()
-    fam = family_for(card)
-    spaces = [s for s in fam.spaces(card, hw) if s["algo"] == ("split_waves",)]
-    picked = [k for s in spaces for k in (knob_space.configs(s)[0], knob_space.configs(s)[-1])]
-    return fam, hw, [k for i, k in enumerate(picked) if k not in picked[:i]]
-
-
-@pytest.mark.parametrize("name", sorted(LONG_ROWS))
-def test_split_waves_matches_eager_or_is_refused_cleanly(name):
-    card = LONG_ROWS[name][0]()
-    if not split_waves_settings(card)[2]:
-        pytest.skip("too few blocks for split_waves (fewer than half the SMs)")
-    check_every_setting_or_refused(card, split_waves_settings, "COOPERATIVE_LAUNCH_TOO_LARGE")
-
-
-@pytest.mark.parametrize("log", [False, True])
-def test_split_waves_handles_minus_inf_like_torch(log):
-    check_minus_inf_or_refused(split_waves_settings, log, "COOPERATIVE_LAUNCH_TOO_LARGE")
-
-
 @pytest.mark.parametrize("log", [False, True])
 def test_split_coop_handles_minus_inf_like_torch(log):
     check_minus_inf_or_refused(split_coop_settings, log, "COOPERATIVE_LAUNCH_TOO_LARGE")

@@ -9,11 +9,6 @@ The algorithms, chosen by row length and row count:
               exp) to a workspace, kernel 2 combines a row's chunks and writes its chunk;
   split_coop  split_regs in one cooperative launch: each block waits for its row's other
               chunks on a counter, so x is read once and there is one launch;
-  split_waves split_coop over a few rows at a time: the grid holds the chunks of RPW rows,
-              and each block takes its chunk of row w*RPW + y in wave w. All its loads are
-              issued first, in wave order, so wave 0's rows are normalized and written
-              while the later waves are still being read: reads and writes overlap as in a
-              copy, where split_coop reads every row before it writes any;
   split_cluster  split_regs' chunks of a row as one thread block cluster (sm_90+, at most
               16 blocks): each block leaves its chunk's (max, sum of exp) in shared memory,
               the cluster barriers in hardware and every block reads the row's partials
@@ -44,7 +39,6 @@ SPLIT_REGS = 32  # fp32 values a split_regs thread holds for its chunk (with 128
 SPLIT_THREADS = (128, 256, 512)
 SPLITS = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 COOP_THREADS = (512, 1024)
-WAVE_THREADS = (256, 512, 1024)
 CLUSTERS = (8, 16)  # 8 is the portable cluster size; 16 needs Hopper's non-portable opt-in
 CLUSTER_THREADS = (256, 512, 1024)
 COOP_BLOCKS_PER_SM = 2
@@ -118,18 +112,6 @@ def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
                         and ceil_div(cols, s * COOP_THREADS[0]) <= SPLIT_REGS)
     if cols >= 8192 and coop_splits:
         out.append({"algo": ("split_coop",), "split": coop_splits, "threads": COOP_THREADS, "vec": vecs})
-    # split_waves: waves of RPW rows (at least two waves), all of a block's chunks (one per
-    # wave) in registers at once; one space per (RPW, split), as their legal thread counts differ.
-    if cols >= 8192:
-        for rpw in (r for r in range(1, rows // 2 + 1) if rows % r == 0):
-            waves = rows // rpw
-            # at least half the SMs busy, every block resident
-            fits = (s for s in SPLITS if hw.sm_count // 2 <= rpw * s <= COOP_BLOCKS_PER_SM * hw.sm_count)
-            for s in (s for s in fits if cols // s >= 256):
-                threads = tuple(t for t in WAVE_THREADS if waves * ceil_div(cols, s * t) <= SPLIT_REGS)
-                if threads:
-                    out.append({"algo": ("split_waves",), "rpw": (rpw,), "split": (s,), "threads": threads,
-                                "vec": vecs})
     # split_cluster: a row's chunks are one cluster, each chunk in registers (one space per
     # cluster size: the legal thread counts differ).
     if hw.cc >= 90 and cols >= 8192 and rows <= 65535:
@@ -138,30 +120,6 @@ def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
             if cols // s >= 512 and threads:
                 out.append({"algo": ("split_cluster",), "split": (s,), "threads": threads, "vec": vecs})
     return out
-
-
-# split_waves: block (s, y) holds chunk s of rows y, RPW + y, 2 RPW + y, ... (one per wave),
-# loaded back to back in wave order; wave w's statistics, wait and store need only its own
-# registers, so they run while the later waves' loads are still in flight. Every block
-# takes the waves in the same order, so the waits cannot deadlock (all blocks resident).
-_SPLIT_WAVES = r"""
-extern "C" __global__ void __launch_bounds__(NT) kf_softmax_waves(const Tin* __restrict__ x, unsigned* __restrict__ ws,
-                                                                Tout* __restrict__ y) {
-  const int lo = blockIdx.x * CH;
-  float v[W][IT][V];
-#pragma unroll
-  for (int w = 0; w < W; ++w) kf_load_chunk(x + (kf_i64)(w * RPW + blockIdx.y) * C, lo, v[w]);
-#pragma unroll
-  for (int w = 0; w < W; ++w) {
-    const kf_i64 row = w * RPW + blockIdx.y;
-    float m, s;
-    kf_chunk_stats(v[w], m, s);
-    kf_publish_and_wait(ws, row, make_float2(m, s));
-    const float2 ms = kf_combine<true>(kf_partials(ws) + row * S);
-    kf_store_chunk(y + row * C, lo, v[w], ms.x, ms.y);
-  }
-}
-"""
 
 
 # split_cluster: blockIdx.x is the block's rank in its row's cluster (cluster dims (S, 1, 1)).
@@ -565,14 +523,6 @@ def build(card: Card, knobs: Knobs, hw: Hardware):
         kernels = [launch("kf_softmax_partial", [s, rows], [nt], [{"in": 0}, {"ws": 0}]),
                    launch("kf_softmax_finish", [s, rows], [nt], [{"in": 0}, {"ws": 0}, {"out": 0}], pdl=pdl)]
         ws = [rows * s * 2 * 4]
-    elif algo == "split_waves":
-        nt, rpw = knobs["threads"], knobs["rpw"]
-        ch, it, s = _split_geometry(cols, knobs["split"], nt, v)
-        wait, wait_ws = group_wait_workspace(rows, s)
-        consts = constants(R=rows, C=cols, NT=nt, V=v, LOG=log, S=s, CH=ch, IT=it, RPW=rpw, W=rows // rpw, **wait)
-        body = "\n".join([types, consts, _CHUNKS, GROUP_WAIT, _COMBINE, _SPLIT_WAVES])
-        kernels = [launch("kf_softmax_waves", [s, rpw], [nt], [{"in": 0}, {"ws": 0}, {"out": 0}], cooperative=True)]
-        ws = [wait_ws]
     elif algo == "split_cluster":
         nt = knobs["threads"]
         ch, it, s = _split_geometry(cols, knobs["split"], nt, v)
