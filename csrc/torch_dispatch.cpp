@@ -16,6 +16,7 @@
 #include <ATen/core/stack.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_strided.h>
+#include <c10/core/AutogradState.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
@@ -281,6 +282,13 @@ class State {
   }
 
   void call(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) const {
+    // Above autograd, a call on anything but plain dense tensors belongs to the layer that
+    // wraps them (fake tensors, functionalization, functorch, subclasses and modes, lazy
+    // views); it goes to the decomposition, uncounted, before any guard reads a pointer.
+    if (above_autograd_ && !(ks & wrapped_keys()).empty()) {
+      original_.callBoxed(op, ks, stack);
+      return;
+    }
     const auto table = this->table();
     const auto args = torch::jit::last(*stack, num_args_);
     const auto& vs = table->variants;
@@ -322,12 +330,26 @@ class State {
   // types, not indices, and a kernel launched on one device cannot read or write another's
   // memory: x.to("cuda:1") of a cuda:0 tensor is eager's), and no written input sharing
   // memory with another input. kNumReasons when runnable.
-  // Grad mode on and an input that requires grad: only eager's decomposition records the backward.
+  // Grad mode on and an input that requires grad, or an input with a forward-mode tangent:
+  // only eager's decomposition records the backward or carries the tangent.
   static bool needs_grad(const Inputs& ins) {
-    if (!c10::GradMode::is_enabled()) return false;
-    for (const at::Tensor* t : ins)
-      if (t->requires_grad()) return true;
+    const bool grad = c10::GradMode::is_enabled(), forward = c10::AutogradState::get_tls_state().get_fw_grad_mode();
+    for (const at::Tensor* t : ins) {
+      if (grad && t->requires_grad()) return true;
+      if (forward && t->_fw_grad(/*level=*/0).defined()) return true;
+    }
     return false;
+  }
+
+  // The layers between autograd and the backend a kernel must not bypass (kforge.composite.WRAPPED).
+  static c10::DispatchKeySet wrapped_keys() {
+    using K = c10::DispatchKey;
+    static const c10::DispatchKeySet keys({K::Python, K::PythonTLSSnapshot, K::Functionalize,
+                                           K::FuncTorchDynamicLayerFrontMode, K::FuncTorchDynamicLayerBackMode,
+                                           K::FuncTorchGradWrapper, K::FuncTorchBatched, K::FuncTorchVmapMode,
+                                           K::Batched, K::BatchedNestedTensor, K::Conjugate, K::Negative,
+                                           K::ZeroTensor, K::Sparse, K::SparseCsr, K::NestedTensor, K::Quantized});
+    return keys;
   }
 
   static int unrunnable(const Variant& v, const Inputs& ins, c10::ArrayRef<c10::IValue> args,

@@ -502,3 +502,15 @@ def test_softmax_with_dtype_is_recorded_with_grad_on(tmp_path):
     x = torch.randn(4, 16, dtype=torch.bfloat16, requires_grad=True)
     r = capture(ScoresSoftmax(), x, tmp_path, no_grad=False, time_cards=False)
     assert one(r, "aten::softmax.int").calls == 1
+
+
+def test_softmax_with_dtype_under_inference_mode_records_its_parts(tmp_path):
+    # Under inference_mode the Python key comes before the composite's override, so no mode
+    # is on when it runs: it pushes one to see its parts. (The cast inside reaches the mode
+    # as the composite to.dtype, which capture does not watch, so only the softmax shows.)
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        r = capture(ScoresSoftmax(), x, tmp_path, time_cards=False)
+    assert one(r, "aten::softmax.int").calls == 1
+    parts = {c.summary() for c in r.cards if any("inside aten::softmax.int" in n for n in c.notes)}
+    assert "_softmax.default(4x16:float32)" in parts

@@ -336,7 +336,7 @@ def test_a_cluster_kernel_goes_through_cu_launch_kernel_ex_and_a_refused_cluster
     C.Plan([(fn, [8, 4], [256], 0, args, False, False, 8)]).launch([1], [2], [], DEV0)
     portable = fake.fake_nonportable_cluster()
     C.Plan([(fn, [16, 4], [256], 0, args, False, True, 16)]).launch([1], [2], [], DEV0)
-    wide, x = fake.fake_nonportable_cluster(), fake.fake_cluster_x()
+    wide, x, yz = fake.fake_nonportable_cluster(), fake.fake_cluster_x(), fake.fake_cluster_yz()
     bad = []
     for spec in ([12, 1], 0, args, False, False, 8), ([16], 0, args, True, False, 16):
         try:
@@ -347,8 +347,9 @@ def test_a_cluster_kernel_goes_through_cu_launch_kernel_ex_and_a_refused_cluster
     reg.add(C.Plan([(fn, [16], [32], 0, args, False, False, 16)]))
     fake.fake_refuse_cluster(1)
     refused = c_launch(reg, 0, [1], [2], [])
-    print(json.dumps({"log": log(), "portable": portable, "wide": wide, "x": x, "bad": bad, "refused": refused}))
+    print(json.dumps({"log": log(), "portable": portable, "wide": wide, "x": x, "yz": yz, "bad": bad,
+                      "refused": refused}))
     """)
-    assert out["log"] == "QB" and out["portable"] == 0 and out["wide"] == 1 and out["x"] == 16
+    assert out["log"] == "QB" and out["portable"] == 0 and out["wide"] == 1 and out["x"] == 16 and out["yz"] == 101
     assert len(out["bad"]) == 2 and all("cluster" in b for b in out["bad"])
     assert out["refused"][0] == 3 and "refused before any kernel ran" in out["refused"][1]

@@ -493,3 +493,28 @@ def test_composite_op_hits_without_grad_and_leaves_backward_to_eager(cpu):
     assert v.counters.fallbacks == {"autograd": 1, "scalar": 1} and len(launcher.calls) == 3
     cpu.remove("pkg")
     assert torch._C._dispatch_dump("aten::softmax.int") == before
+
+
+def test_composite_op_leaves_wrapped_tensors_and_tangents_to_eager(cpu):
+    # Above autograd the override also sees fake tensors (torch.compile's tracing), functorch
+    # transforms and forward-mode duals; only the decomposition handles those.
+    import torch.autograd.forward_ad as fwAD
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    want = torch.softmax(x.float(), -1)
+    launcher = FakeLauncher(cast_softmax_kernel)
+    v = Variant(make_card(aten.softmax.int, x, -1, torch.float32), 0, launcher)
+    cpu.add("pkg", [v])
+    with FakeTensorMode() as mode:
+        assert F.softmax(mode.from_tensor(x), -1, dtype=torch.float32).shape == (4, 8)
+    compiled = torch.compile(lambda t: F.softmax(t, -1, dtype=torch.float32), backend="aot_eager")
+    torch.testing.assert_close(compiled(x), want)
+    y = torch.func.vmap(lambda t: F.softmax(t, -1, dtype=torch.float32))(x)
+    torch.testing.assert_close(y, want)
+    assert not launcher.calls and v.counters.hits == 0 and not v.counters.fallbacks  # not calls for a kernel
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x, torch.ones_like(x))
+        out = F.softmax(dual, -1, dtype=torch.float32)
+        assert fwAD.unpack_dual(out).tangent is not None
+    assert not launcher.calls and v.counters.fallbacks == {"autograd": 1}

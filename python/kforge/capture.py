@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_mode
 
 from . import composite
 from .boxing import call_original
@@ -361,7 +362,8 @@ class _Recorder:
 
     @property
     def _running(self) -> set:
-        """Ops whose original kernel is running under this thread's overrides."""
+        """(op, id of its first tensor) of the calls whose original kernel is running under
+        this thread's overrides."""
         if not hasattr(self._local, "running"):
             self._local.running = set()
         return self._local.running
@@ -386,30 +388,34 @@ class _Recorder:
         """The override registered at the backend key: record the call, run the original.
 
         Below the Python key the dispatch mode is off, so a fresh one watches the kernel's
-        own calls. A composite op runs above it, where the model's mode is still on and sees
-        the decomposition's calls itself (a second mode there recurses)."""
+        own calls. A composite op runs above it, where the model's mode is usually still on
+        and sees the decomposition's calls itself (a second mode there recurses); only when
+        none is on (under inference_mode the Python key comes first) is one pushed."""
 
         fused = op in self.composites
 
         def recorded(keyset, *args, **kwargs):
             running = self._running
-            # An op re-entered from its own kernel (detach under autograd calls detach again
-            # through the Python key) is part of the outer call: recording it, or pushing a
-            # mode for it, would recurse without end.
-            if self.quiet or op in running or (fused and not composite.worth(op, args, kwargs)):
+            # An op re-entered on the same tensor from its own kernel (detach under autograd
+            # calls detach again through the Python key) is part of the outer call: recording
+            # it, or pushing a mode for it, would recurse without end.
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            this = (op, id(first))
+            if self.quiet or this in running or (fused and not composite.worth(op, args, kwargs)):
                 return call_original(original, op, keyset, args, kwargs)
             call = self._begin(op, args, kwargs)
             if call is not None:
                 self._stack.append(call)
-            running.add(op)
+            running.add(this)
+            watch = not fused or _current_mode() is None
             try:
-                with contextlib.nullcontext() if fused else _SeeOps(self):
+                with _SeeOps(self) if watch else contextlib.nullcontext():
                     out = call_original(original, op, keyset, args, kwargs)
             except Exception as e:
                 self.failed(e, op)
                 raise
             finally:
-                running.discard(op)
+                running.discard(this)
                 if call is not None:
                     self._stack.pop()
             if call is not None:

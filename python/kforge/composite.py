@@ -8,8 +8,12 @@ kernel: `F.softmax(x, dim, dtype=torch.float32)` on bf16 scores is a cast (read 
 write 4) and then a softmax (read 4, write 4); one kernel reads 2 and writes 4.
 
 An override of a composite op is registered at CompositeImplicitAutograd, so it runs above
-autograd: a call that needs a backward (grad mode on, an input that requires grad) goes to
-eager's decomposition, which records one. The kernel that serves a miss is the backend key's
+autograd and above the layers that wrap tensors: a call that needs a backward (grad mode
+on and an input that requires grad, or a forward-mode tangent) goes to eager's
+decomposition, which records one; so does any call that is not on plain tensors (fake
+tensors under torch.compile's tracing, functionalization, functorch transforms, tensor
+subclasses and dispatch modes, conjugate/negative views): those layers, not a kernel,
+must see it. The kernel that serves a miss is the backend key's
 computed kernel, which for a composite op is the decomposition itself.
 
 WORTH says, per composite op, when a call runs more than one kernel under eager and so is
@@ -77,6 +81,27 @@ def worth(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> bool:
     return rule is not None and rule(op, args, kwargs)
 
 
+_K = torch._C.DispatchKey
+# Keys of the layers above the backend that a kernel must not bypass (kept in step with
+# kWrapped in csrc/torch_dispatch.cpp).
+WRAPPED = ("Python", "PythonTLSSnapshot", "Functionalize", "FuncTorchDynamicLayerFrontMode",
+           "FuncTorchDynamicLayerBackMode", "FuncTorchGradWrapper", "FuncTorchBatched", "FuncTorchVmapMode",
+           "Batched", "BatchedNestedTensor", "Conjugate", "Negative", "ZeroTensor", "Sparse", "SparseCsr",
+           "NestedTensor", "Quantized")
+_WRAPPED_RAW = 0
+for _name in WRAPPED:
+    if hasattr(_K, _name):  # Python's enum lacks the legacy Batched keys
+        _WRAPPED_RAW |= torch._C.DispatchKeySet(getattr(_K, _name)).raw_repr()
+
+
+def wrapped(keyset: Any) -> bool:
+    """The call is not on plain dense tensors: some layer between autograd and the backend
+    (a mode, a subclass, a transform, a lazy view) must handle it."""
+    return bool(keyset.raw_repr() & _WRAPPED_RAW)
+
+
 def needs_grad(tensors: list[torch.Tensor]) -> bool:
-    """Only eager's decomposition can record a backward for this call."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    """Only eager's decomposition can record a backward (or carry a tangent) for this call."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return True
+    return torch._C._is_fwd_grad_enabled() and any(torch._VF._unpack_dual(t, 0)[1] is not None for t in tensors)

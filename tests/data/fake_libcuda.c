@@ -98,9 +98,10 @@ CUresult cuModuleGetFunction(struct fn** f, struct mod* m, const char* name) {
   return OK;
 }
 CUresult cuFuncGetAttribute(int* v, int attr, struct fn* f) { *v = attr == 1 ? g_static_smem : 0; return OK; }
-static int g_nonportable_cluster = 0, g_cluster_x = 0, g_refuse_cluster = 0;
+static int g_nonportable_cluster = 0, g_cluster_x = 0, g_cluster_yz = 0, g_refuse_cluster = 0;
 int fake_nonportable_cluster(void) { return g_nonportable_cluster; }
 int fake_cluster_x(void) { return g_cluster_x; }
+int fake_cluster_yz(void) { return g_cluster_yz; } /* y * 100 + z of the last cluster launch */
 void fake_refuse_cluster(int on) { g_refuse_cluster = on; }
 CUresult cuFuncSetAttribute(struct fn* f, int attr, int value) {
   if (t_current != f->mod->ctx) return INVALID_CONTEXT;
@@ -125,7 +126,7 @@ CUresult cuLaunchCooperativeKernel(struct fn* f, unsigned gx, unsigned gy, unsig
    attribute set to 1, 'Q' for a cluster dimension (its x kept for fake_cluster_x; refused
    with CUDA_ERROR_INVALID_CLUSTER_SIZE after fake_refuse_cluster(1)), 'B' for both, 'X' for
    anything else. */
-struct launch_attr { int id; char pad[4]; union { char bytes[64]; int value; } v; };
+struct launch_attr { int id; char pad[4]; union { char bytes[64]; int value; unsigned dim[3]; } v; };
 struct launch_config {
   unsigned gx, gy, gz, bx, by, bz, smem;
   void* stream;
@@ -137,7 +138,10 @@ CUresult cuLaunchKernelEx(const struct launch_config* c, struct fn* f, void** pa
   int pdl = 0, cluster = 0, other = 0;
   for (unsigned i = 0; i < c->n_attrs; ++i) {
     if (c->attrs[i].id == 6 && c->attrs[i].v.value == 1) pdl = 1;
-    else if (c->attrs[i].id == 4) cluster = c->attrs[i].v.value; /* clusterDim.x */
+    else if (c->attrs[i].id == 4) { /* clusterDim */
+      cluster = c->attrs[i].v.dim[0];
+      g_cluster_yz = c->attrs[i].v.dim[1] * 100 + c->attrs[i].v.dim[2];
+    }
     else other = 1;
   }
   if (cluster) {

@@ -271,9 +271,9 @@ def split_cluster_settings(card):
 
 @pytest.mark.parametrize("name", sorted(LONG_ROWS))
 def test_split_cluster_matches_eager_or_is_refused_cleanly(name):
-    check_every_setting_or_refused(LONG_ROWS[name][0](), split_cluster_settings, "CLUSTER")
+    check_every_setting_or_refused(LONG_ROWS[name][0](), split_cluster_settings, "CUDA_ERROR_INVALID_CLUSTER_SIZE")
 
 
 @pytest.mark.parametrize("log", [False, True])
 def test_split_cluster_handles_minus_inf_like_torch(log):
-    check_minus_inf_or_refused(split_cluster_settings, log, "CLUSTER")
+    check_minus_inf_or_refused(split_cluster_settings, log, "CUDA_ERROR_INVALID_CLUSTER_SIZE")
