@@ -395,13 +395,14 @@ class _Recorder:
         fused = op in self.composites
 
         def recorded(keyset, *args, **kwargs):
+            if self.quiet:
+                return call_original(original, op, keyset, args, kwargs)
             running = self._running
             # An op re-entered on the same tensor from its own kernel (detach under autograd
             # calls detach again through the Python key) is part of the outer call: recording
             # it, or pushing a mode for it, would recurse without end.
-            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-            this = (op, id(first))
-            if self.quiet or this in running or (fused and not composite.worth(op, args, kwargs)):
+            this = (op, id(next((a for a in args if isinstance(a, torch.Tensor)), None)))
+            if this in running or (fused and not composite.worth(op, args, kwargs)):
                 return call_original(original, op, keyset, args, kwargs)
             call = self._begin(op, args, kwargs)
             if call is not None:

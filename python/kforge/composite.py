@@ -23,9 +23,12 @@ recorded as usual).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
+
+from .families import _resolve
 
 AT = "CompositeImplicitAutograd"
 
@@ -65,14 +68,10 @@ def override_key(op: torch._ops.OpOverload, key: str) -> str:
     return AT if is_composite(op, key) else key
 
 
-def captured_ops() -> list[torch._ops.OpOverload]:
+@functools.cache
+def captured_ops() -> tuple[torch._ops.OpOverload, ...]:
     """The composite ops capture watches from the first run (its dispatch mode never sees them)."""
-    out = []
-    for name in WORTH:
-        ns, rest = name.split("::", 1)
-        packet, overload = rest.split(".", 1)
-        out.append(getattr(getattr(getattr(torch.ops, ns), packet), overload))
-    return out
+    return tuple(op for op in map(_resolve, WORTH) if op is not None)
 
 
 def worth(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> bool:
@@ -83,7 +82,7 @@ def worth(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> bool:
 
 _K = torch._C.DispatchKey
 # Keys of the layers above the backend that a kernel must not bypass (kept in step with
-# kWrapped in csrc/torch_dispatch.cpp).
+# wrapped_keys() in csrc/torch_dispatch.cpp).
 WRAPPED = ("Python", "PythonTLSSnapshot", "Functionalize", "FuncTorchDynamicLayerFrontMode",
            "FuncTorchDynamicLayerBackMode", "FuncTorchGradWrapper", "FuncTorchBatched", "FuncTorchVmapMode",
            "Batched", "BatchedNestedTensor", "Conjugate", "Negative", "ZeroTensor", "Sparse", "SparseCsr",

@@ -157,11 +157,17 @@ def test_split_regs_handles_minus_inf_like_torch(shape, dtype, log):
 # split_coop: one cooperative launch with a grid-wide wait per row. Every setting of every
 # long-row card; a grid the GPU cannot hold resident is refused at launch (a recoverable
 # error), never run, so those settings must fail cleanly or pass.
-def split_coop_settings(card):
-    hw = current()
-    fam = family_for(card)
-    spaces = [s for s in fam.spaces(card, hw) if s["algo"] == ("split_coop",)]
-    return fam, hw, [k for s in spaces for k in knob_space.configs(s)]
+def every_setting_of(algo: str):
+    """settings(card): the family, the hardware and every setting of `algo`'s spaces."""
+    def settings(card):
+        hw = current()
+        fam = family_for(card)
+        spaces = [s for s in fam.spaces(card, hw) if s["algo"] == (algo,)]
+        return fam, hw, [k for s in spaces for k in knob_space.configs(s)]
+    return settings
+
+
+split_coop_settings = every_setting_of("split_coop")
 
 
 def check_every_setting_or_refused(card, settings, refused: str) -> None:
@@ -262,11 +268,7 @@ def test_split_regs_pdl_records_into_a_cuda_graph_and_replays():
 # split_cluster: a row's chunks are one thread block cluster (barrier and partials in
 # hardware). Every setting of every long-row card: a cluster the GPU cannot place (16 blocks
 # on one GPC) is refused at launch, never run, so a setting must pass or fail cleanly.
-def split_cluster_settings(card):
-    hw = current()
-    fam = family_for(card)
-    spaces = [s for s in fam.spaces(card, hw) if s["algo"] == ("split_cluster",)]
-    return fam, hw, [k for s in spaces for k in knob_space.configs(s)]
+split_cluster_settings = every_setting_of("split_cluster")
 
 
 @pytest.mark.parametrize("name", sorted(LONG_ROWS))
