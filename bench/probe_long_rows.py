@@ -13,9 +13,9 @@ all in one interleaved run (GPU time, median, L2 flushed before every rep):
   split_coop, packed    the same with the rows' counters side by side in one 128-byte line
                         (the default puts each on its own line)
   torch copy            y.copy_(x): torch's own copy kernel, for the copy line above
-  ..., cs               the same with x's loads streaming (ld.global.cs, evict-first in L2):
-                        under a dirty L2 the lines they allocate are the first dropped, so
-                        later allocations evict clean lines instead of writing dirty ones back
+  copy, cs              the copy with x's loads streaming (ld.global.cs, evict-first in L2): if
+                        allocating under the flush's dirty L2 cost write-backs, dropping these
+                        clean lines first would save them (measured: it does not)
 
     python bench/probe_long_rows.py [--out bench/results/probe_long_rows_h200.json]
 """
@@ -82,9 +82,6 @@ def main(argv=None) -> int:
     (ws_bytes, _), = coop.plan.workspace_bytes()
     no_memset = with_plan(coop, workspace=[{"bytes": ws_bytes, "zero": False}])
     copy_cs = with_plan(plain, kernels=[dataclasses.replace(plain.plan.kernels[0], name="kf_copy_cs")])
-    knobs_regs = {"algo": "split_regs", "split": 64, "threads": 256, "vec": 4, "pdl": True}
-    knobs_coop = {"algo": "split_coop", "split": 32, "threads": 1024, "vec": 4}
-    knobs_cluster = {"algo": "split_cluster", "split": 8, "threads": 1024, "vec": 4}
     runs = {
         "eager": lambda: torch._softmax(x, -1, False),
         "empty launch": Runner(card, empty, [x]),
@@ -95,11 +92,6 @@ def main(argv=None) -> int:
         "split_regs kernel 2": Runner(card, with_plan(regs, kernels=regs.plan.kernels[1:]), [x]),
         "split_coop": Runner(card, coop, [x]),
         "copy, cs": Runner(card, copy_cs, [x]),
-        "split_regs, pdl, cs=finish": Runner(card, softmax_family.build(card, {**knobs_regs, "cs": "finish"}, hw), [x]),
-        "split_regs, pdl, cs=both": Runner(card, softmax_family.build(card, {**knobs_regs, "cs": "both"}, hw), [x]),
-        "split_coop, cs": Runner(card, softmax_family.build(card, {**knobs_coop, "cs": True}, hw), [x]),
-        "split_cluster": Runner(card, softmax_family.build(card, {**knobs_cluster, "cs": False}, hw), [x]),
-        "split_cluster, cs": Runner(card, softmax_family.build(card, {**knobs_cluster, "cs": True}, hw), [x]),
     }
     stride, common.COUNTER_STRIDE = common.COUNTER_STRIDE, 1
     packed = softmax_family.build(card, {"algo": "split_coop", "split": 32, "threads": 1024, "vec": 4}, hw)

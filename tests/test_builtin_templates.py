@@ -424,36 +424,12 @@ def test_split_regs_pdl_launches_kernel_2_early_on_sm_90_only():
     first, second = cand.plan.kernels
     assert not first.pdl and second.pdl and not second.cooperative
     src = cand.source
-    assert src.index("kf_load_chunk<CS>(x + base, lo, v);") < src.index('asm volatile("griddepcontrol.wait;"')
+    assert src.index("kf_load_chunk(x + base, lo, v);") < src.index('asm volatile("griddepcontrol.wait;"')
     assert "constexpr bool PDL = true;" in src and "kf_combine<PDL>(ws" in src  # partials via __ldcg
     assert compiler.compile(src, options=cand.plan.options, arch="sm_90").cubin
     a100 = dataclasses.replace(H200, name="NVIDIA A100", arch="sm_80")
     (s80,) = [s for s in softmax_family.spaces(card, a100) if s["algo"] == ("split_regs",)]
     assert "pdl" not in s80 and "pdl" not in softmax_family.default(card, a100)
-
-
-@pytest.mark.parametrize("dtype, vec", [(torch.float32, 4), (torch.float32, 1), (BF16, 8), (BF16, 1), (F16, 2)])
-def test_streaming_loads_are_a_knob_of_every_single_read_split(dtype, vec):
-    """cs: the chunk's loads of x are evict-first (ld.global.cs) in the kernels that hold the
-    chunk in registers; every access width (2 to 16 bytes) compiles, and each setting is its
-    own source."""
-    card = softmax(8, 262144, dtype=dtype)
-    by_algo = {s["algo"][0]: s for s in softmax_family.spaces(card, H200)}
-    assert by_algo["split_regs"]["cs"] == ("none", "finish", "both")
-    assert by_algo["split_coop"]["cs"] == by_algo["split_cluster"]["cs"] == (False, True)
-    base = {"algo": "split_regs", "split": 64, "threads": 256, "vec": vec, "pdl": True}
-    srcs = {cs: softmax_family.build(card, {**base, "cs": cs}, H200).source for cs in ("none", "finish", "both")}
-    assert len(set(srcs.values())) == 3
-    assert "constexpr bool CS = false;" in srcs["none"] and "constexpr bool CS_PARTIAL = false;" in srcs["finish"]
-    assert "constexpr bool CS = true;" in srcs["both"] and "constexpr bool CS_PARTIAL = true;" in srcs["both"]
-    for cs in ("none", "both"):
-        cand = softmax_family.build(card, {**base, "cs": cs}, H200)
-        assert compiler.compile(cand.source, options=cand.plan.options, arch="sm_90").cubin
-    for algo, split, nt in (("split_coop", 16, 1024), ("split_cluster", 16, 1024)):
-        on = softmax_family.build(card, {"algo": algo, "split": split, "threads": nt, "vec": vec, "cs": True}, H200)
-        off = softmax_family.build(card, {"algo": algo, "split": split, "threads": nt, "vec": vec, "cs": False}, H200)
-        assert on.source != off.source and "kf_load_chunk<CS>(x + base" in on.source
-        assert compiler.compile(on.source, options=on.plan.options, arch="sm_90").cubin
 
 
 def test_split_regs_needs_long_rows_and_registers_bound_the_split():

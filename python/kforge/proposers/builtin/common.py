@@ -109,21 +109,6 @@ __device__ __forceinline__ void kf_load(const T* p, float (&o)[V]) {
   for (int i = 0; i < V; ++i) o[i] = kf_f32(r.v[i]);
 }
 
-// The same load marked evict-first in L1 and L2 (ld.global.cs, "streaming"): when the L2
-// needs a line it drops these clean lines before others, and evicting a dirty line costs a
-// write-back to HBM. For data read once.
-template <typename T, int V>
-__device__ __forceinline__ void kf_load_cs(const T* p, float (&o)[V]) {
-  kf_vec<T, V> r;
-  constexpr int B = sizeof(r);
-  if constexpr (B == 16) *reinterpret_cast<int4*>(&r) = __ldcs(reinterpret_cast<const int4*>(p));
-  else if constexpr (B == 8) *reinterpret_cast<int2*>(&r) = __ldcs(reinterpret_cast<const int2*>(p));
-  else if constexpr (B == 4) *reinterpret_cast<int*>(&r) = __ldcs(reinterpret_cast<const int*>(p));
-  else *reinterpret_cast<short*>(&r) = __ldcs(reinterpret_cast<const short*>(p));
-#pragma unroll
-  for (int i = 0; i < V; ++i) o[i] = kf_f32(r.v[i]);
-}
-
 template <typename T, int V>
 __device__ __forceinline__ void kf_store(T* p, const float (&o)[V]) {
   kf_vec<T, V> r;

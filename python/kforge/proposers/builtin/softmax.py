@@ -43,10 +43,6 @@ CLUSTERS = (8, 16)  # 8 is the portable cluster size; 16 needs Hopper's non-port
 CLUSTER_THREADS = (256, 512, 1024)
 COOP_BLOCKS_PER_SM = 2
 SMEM_LIMIT = 48 * 1024  # dynamic shared memory without the opt-in attribute
-# cs: which loads of x are streaming (evict-first, kf_load_cs). Each chunk's values are held
-# in registers once loaded, so its lines are not needed again except by split_regs' kernel 2
-# (an L2 hit): "finish" streams kernel 2's loads only, "both" kernel 1's too.
-CS_REGS = ("none", "finish", "both")
 
 
 def _shape(card: Card) -> tuple[int, int] | str:
@@ -108,24 +104,21 @@ def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
     if cols >= 8192 and rows <= 65535 and reg_splits:
         # pdl: kernel 2 launched while kernel 1 finishes (programmatic dependent launch, sm_90+).
         pdl = {"pdl": (False, True)} if hw.cc >= 90 else {}
-        out.append({"algo": ("split_regs",), "split": reg_splits, "threads": SPLIT_THREADS, "vec": vecs, **pdl,
-                    "cs": CS_REGS})
+        out.append({"algo": ("split_regs",), "split": reg_splits, "threads": SPLIT_THREADS, "vec": vecs, **pdl})
     # split_coop: every block of the grid resident at once, at most COOP_BLOCKS_PER_SM per SM
     # (a launch that cannot be resident is refused, never run), the chunk in registers at
     # the fewest threads.
     coop_splits = tuple(s for s in SPLITS if rows * s <= COOP_BLOCKS_PER_SM * hw.sm_count and cols // s >= 512
                         and ceil_div(cols, s * COOP_THREADS[0]) <= SPLIT_REGS)
     if cols >= 8192 and coop_splits:
-        out.append({"algo": ("split_coop",), "split": coop_splits, "threads": COOP_THREADS, "vec": vecs,
-                    "cs": (False, True)})
+        out.append({"algo": ("split_coop",), "split": coop_splits, "threads": COOP_THREADS, "vec": vecs})
     # split_cluster: a row's chunks are one cluster, each chunk in registers (one space per
     # cluster size: the legal thread counts differ).
     if hw.cc >= 90 and cols >= 8192 and rows <= 65535:
         for s in CLUSTERS:
             threads = tuple(t for t in CLUSTER_THREADS if ceil_div(cols, s * t) <= SPLIT_REGS)
             if cols // s >= 512 and threads:
-                out.append({"algo": ("split_cluster",), "split": (s,), "threads": threads, "vec": vecs,
-                            "cs": (False, True)})
+                out.append({"algo": ("split_cluster",), "split": (s,), "threads": threads, "vec": vecs})
     return out
 
 
@@ -147,7 +140,7 @@ extern "C" __global__ void __launch_bounds__(NT) kf_softmax_cluster(const Tin* _
   const int lo = blockIdx.x * CH;
   const kf_i64 base = (kf_i64)blockIdx.y * C;
   float v[IT][V];
-  kf_load_chunk<CS>(x + base, lo, v);
+  kf_load_chunk(x + base, lo, v);
   float m, s;
   kf_chunk_stats(v, m, s);
   if (threadIdx.x == 0) part = make_float2(m, s);
@@ -371,14 +364,11 @@ __device__ __forceinline__ bool kf_live(int lo, int it) {
   return (!IN_CHUNK || k < CH) && (!IN_ROW || lo + k < C);
 }
 
-// CS: streaming loads (evict-first in L2, see kf_load_cs).
-template <bool CS>
 __device__ __forceinline__ void kf_load_chunk(const Tin* __restrict__ p, int lo, float (&v)[IT][V]) {
 #pragma unroll
   for (int it = 0; it < IT; ++it) {
     if (kf_live(lo, it)) {
-      if constexpr (CS) kf_load_cs<Tin, V>(p + lo + (it * NT + threadIdx.x) * V, v[it]);
-      else kf_load<Tin, V>(p + lo + (it * NT + threadIdx.x) * V, v[it]);
+      kf_load<Tin, V>(p + lo + (it * NT + threadIdx.x) * V, v[it]);
     } else {
 #pragma unroll
       for (int j = 0; j < V; ++j) v[it][j] = -kf_inf();
@@ -456,7 +446,7 @@ _SPLIT_REGS = r"""
 extern "C" __global__ void __launch_bounds__(NT) kf_softmax_partial(const Tin* __restrict__ x, float2* __restrict__ ws) {
   const int lo = blockIdx.x * CH;
   float v[IT][V];
-  kf_load_chunk<CS_PARTIAL>(x + (kf_i64)blockIdx.y * C, lo, v);
+  kf_load_chunk(x + (kf_i64)blockIdx.y * C, lo, v);
   if constexpr (PDL) asm volatile("griddepcontrol.launch_dependents;");  // kernel 2 may start loading
   float m, s;
   kf_chunk_stats(v, m, s);
@@ -468,7 +458,7 @@ extern "C" __global__ void __launch_bounds__(NT) kf_softmax_finish(const Tin* __
   const int lo = blockIdx.x * CH;
   const kf_i64 base = (kf_i64)blockIdx.y * C;
   float v[IT][V];
-  kf_load_chunk<CS>(x + base, lo, v);  // in flight while the partials are combined
+  kf_load_chunk(x + base, lo, v);  // in flight while the partials are combined
   // With programmatic dependent launch this kernel may start before kernel 1 ends: x is
   // loaded first, then it waits for kernel 1's partials (read from L2 after the wait).
   if constexpr (PDL) asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -490,7 +480,7 @@ extern "C" __global__ void __launch_bounds__(NT) kf_softmax_coop(const Tin* __re
   const int lo = blockIdx.x * CH;
   const kf_i64 base = (kf_i64)blockIdx.y * C;
   float v[IT][V];
-  kf_load_chunk<CS>(x + base, lo, v);
+  kf_load_chunk(x + base, lo, v);
   float m, s;
   kf_chunk_stats(v, m, s);
   kf_publish_and_wait(ws, blockIdx.y, make_float2(m, s));
@@ -528,9 +518,7 @@ def build(card: Card, knobs: Knobs, hw: Hardware):
         nt = knobs["threads"]
         ch, it, s = _split_geometry(cols, knobs["split"], nt, v)
         pdl = knobs.get("pdl", False)
-        cs = knobs.get("cs", "none")
-        consts = constants(R=rows, C=cols, NT=nt, V=v, LOG=log, S=s, CH=ch, IT=it, PDL=pdl,
-                           CS=cs != "none", CS_PARTIAL=cs == "both")
+        consts = constants(R=rows, C=cols, NT=nt, V=v, LOG=log, S=s, CH=ch, IT=it, PDL=pdl)
         body = "\n".join([types, consts, _CHUNKS, _COMBINE, _SPLIT_REGS])
         kernels = [launch("kf_softmax_partial", [s, rows], [nt], [{"in": 0}, {"ws": 0}]),
                    launch("kf_softmax_finish", [s, rows], [nt], [{"in": 0}, {"ws": 0}, {"out": 0}], pdl=pdl)]
@@ -538,7 +526,7 @@ def build(card: Card, knobs: Knobs, hw: Hardware):
     elif algo == "split_cluster":
         nt = knobs["threads"]
         ch, it, s = _split_geometry(cols, knobs["split"], nt, v)
-        consts = constants(R=rows, C=cols, NT=nt, V=v, LOG=log, S=s, CH=ch, IT=it, CS=knobs.get("cs", False))
+        consts = constants(R=rows, C=cols, NT=nt, V=v, LOG=log, S=s, CH=ch, IT=it)
         body = "\n".join([types, consts, _CHUNKS, _SPLIT_CLUSTER])
         kernels = [launch("kf_softmax_cluster", [s, rows], [nt], io, cluster=s)]
         ws = []
@@ -546,7 +534,7 @@ def build(card: Card, knobs: Knobs, hw: Hardware):
         nt = knobs["threads"]
         ch, it, s = _split_geometry(cols, knobs["split"], nt, v)
         wait, wait_ws = group_wait_workspace(rows, s)
-        consts = constants(R=rows, C=cols, NT=nt, V=v, LOG=log, S=s, CH=ch, IT=it, CS=knobs.get("cs", False), **wait)
+        consts = constants(R=rows, C=cols, NT=nt, V=v, LOG=log, S=s, CH=ch, IT=it, **wait)
         body = "\n".join([types, consts, _CHUNKS, GROUP_WAIT, _COMBINE, _SPLIT_COOP])
         kernels = [launch("kf_softmax_coop", [s, rows], [nt], [{"in": 0}, {"ws": 0}, {"out": 0}], cooperative=True)]
         ws = [wait_ws]
