@@ -505,12 +505,46 @@ def test_softmax_with_dtype_is_recorded_with_grad_on(tmp_path):
 
 
 def test_softmax_with_dtype_under_inference_mode_records_its_parts(tmp_path):
-    # Under inference_mode the Python key comes before the composite's override, so no mode
-    # is on when it runs: it pushes one to see its parts. (The cast inside reaches the mode
-    # as the composite to.dtype, which capture does not watch, so only the softmax shows.)
+    # Under inference_mode the composite reaches the dispatch mode whole: the mode decomposes
+    # it with itself on, so its cast and its softmax are seen inside it.
     x = torch.randn(4, 16, dtype=torch.bfloat16)
     with torch.inference_mode():
         r = capture(ScoresSoftmax(), x, tmp_path, time_cards=False)
     assert one(r, "aten::softmax.int").calls == 1
     parts = {c.summary() for c in r.cards if any("inside aten::softmax.int" in n for n in c.notes)}
-    assert "_softmax.default(4x16:float32)" in parts
+    assert {"_softmax.default(4x16:float32)", "_to_copy.default(4x16:bfloat16)"} <= parts
+
+
+class CastsAndNorms(nn.Module):
+    """What reaches the backend through composite ops: casts (to.dtype -> _to_copy), layer_norm
+    (-> native_layer_norm), linear (-> addmm), softmax (-> _softmax), gelu."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln, self.lin = nn.LayerNorm(32), nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = self.lin(self.ln(x.float()))
+        return torch.softmax(h, -1).to(torch.bfloat16) + F.gelu(h).half().to(torch.bfloat16)
+
+
+def test_capture_under_inference_mode_finds_what_no_grad_finds(tmp_path):
+    # Under inference_mode no autograd key decomposes composite ops before the dispatch mode:
+    # capture used to see only to.dtype, layer_norm and linear whole, and record none of the
+    # backend calls they make (_to_copy, native_layer_norm, addmm).
+    torch.manual_seed(0)
+    m, x = CastsAndNorms(), torch.randn(8, 32, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = capture(m, x, tmp_path / "no_grad", time_cards=False)
+    with torch.inference_mode():
+        got = capture(m, x, tmp_path / "inference", time_cards=False)
+
+    def calls(r):
+        return sorted((c.summary(), c.calls) for c in r.cards)
+
+    assert calls(got) == calls(ref)
+    ops = {c.op for c in got.cards}
+    assert {"aten::_to_copy.default", "aten::native_layer_norm.default", "aten::addmm.default",
+            "aten::_softmax.default", "aten::gelu.default"} <= ops
+    casts = [c for c in got.cards if c.op == "aten::_to_copy.default"]
+    assert len(casts) == 4  # bf16 -> fp32, fp32 -> bf16, fp32 -> fp16, fp16 -> bf16

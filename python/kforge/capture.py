@@ -388,9 +388,9 @@ class _Recorder:
         """The override registered at the backend key: record the call, run the original.
 
         Below the Python key the dispatch mode is off, so a fresh one watches the kernel's
-        own calls. A composite op runs above it, where the model's mode is usually still on
-        and sees the decomposition's calls itself (a second mode there recurses); only when
-        none is on (under inference_mode the Python key comes first) is one pushed."""
+        own calls. A composite op runs above it, where a mode is on (the model's, or under
+        inference_mode the one that decomposes it) and sees the decomposition's calls
+        itself (a second mode there recurses); only when none is on is one pushed."""
 
         fused = op in self.composites
 
@@ -522,11 +522,20 @@ class _SeeOps(TorchDispatchMode):
         self.rec = rec
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         is_op = isinstance(func, torch._ops.OpOverload)
         if is_op and not self.rec.quiet:
             self.rec.saw(func)
         try:
-            return func(*args, **(kwargs or {}))
+            if is_op and _decomposed_below(func, self.rec.target.key):
+                # Under inference_mode no autograd key decomposes a composite op first, so it
+                # reaches this mode whole; its parts, the calls the backend runs, are seen only
+                # if it is decomposed with the mode on (as FakeTensorMode does).
+                with self:
+                    out = func.decompose(*args, **kwargs)
+                if out is not NotImplemented:
+                    return out
+            return func(*args, **kwargs)
         except Exception as e:
             if is_op:
                 self.rec.failed(e, func)
@@ -547,6 +556,12 @@ def _overridable(op: torch._ops.OpOverload, key: str) -> bool:
     name = op.name()  # the dispatcher's spelling: no ".default"
     return any(torch._C._dispatch_has_kernel_for_dispatch_key(name, k)
                for k in (key, "CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional"))
+
+
+def _decomposed_below(op: torch._ops.OpOverload, key: str) -> bool:
+    """Eager runs `op` as its CompositeImplicitAutograd decomposition: no kernel of its own at `key`."""
+    return (torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+            and not _overridable(op, key))
 
 
 def _in_chain(err: BaseException | None, target: BaseException) -> bool:

@@ -78,3 +78,20 @@ def test_examples_full_size(tmp_path, name, ops):
     r = capture(model, inputs, tmp_path, time_cards=False)
     assert ops <= {c.op for c in r.cards}
     assert any(m.dtype == "bfloat16" for c in r.cards for m in c.inputs)
+
+
+def test_gemma_under_inference_mode_captures_what_no_grad_captures(tmp_path):
+    # Composite ops reach the dispatch mode whole under inference_mode; capture decomposes
+    # them so the backend's calls (the casts, the softmax with dtype=) are recorded on CUDA too.
+    model, inputs = load_model_spec(str(EXAMPLES / "gemma_decoder.py"))
+    with torch.no_grad():
+        ref = capture(model, inputs, tmp_path / "no_grad", time_cards=False)
+    with torch.inference_mode():
+        got = capture(model, inputs, tmp_path / "inference", time_cards=False)
+    searchable = {"aten::_to_copy.default", "aten::softmax.int", "aten::gelu.default", "aten::mul.Tensor"}
+
+    def calls(r):
+        return sorted((c.summary(), c.calls) for c in r.cards if c.op in searchable)
+
+    assert calls(got) == calls(ref)
+    assert {"aten::_to_copy.default", "aten::softmax.int"} <= {c.op for c in got.cards}
