@@ -527,7 +527,7 @@ class _SeeOps(TorchDispatchMode):
         if is_op and not self.rec.quiet:
             self.rec.saw(func)
         try:
-            if is_op and _decomposed_below(func, self.rec.target.key):
+            if is_op and composite.is_composite(func, self.rec.target.key):
                 # Under inference_mode no autograd key decomposes a composite op first, so it
                 # reaches this mode whole; its parts, the calls the backend runs, are seen only
                 # if it is decomposed with the mode on (as FakeTensorMode does).
@@ -556,12 +556,6 @@ def _overridable(op: torch._ops.OpOverload, key: str) -> bool:
     name = op.name()  # the dispatcher's spelling: no ".default"
     return any(torch._C._dispatch_has_kernel_for_dispatch_key(name, k)
                for k in (key, "CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional"))
-
-
-def _decomposed_below(op: torch._ops.OpOverload, key: str) -> bool:
-    """Eager runs `op` as its CompositeImplicitAutograd decomposition: no kernel of its own at `key`."""
-    return (torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
-            and not _overridable(op, key))
 
 
 def _in_chain(err: BaseException | None, target: BaseException) -> bool:
