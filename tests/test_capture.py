@@ -548,3 +548,41 @@ def test_capture_under_inference_mode_finds_what_no_grad_finds(tmp_path):
             "aten::_softmax.default", "aten::gelu.default"} <= ops
     casts = [c for c in got.cards if c.op == "aten::_to_copy.default"]
     assert len(casts) == 4  # bf16 -> fp32, fp32 -> bf16, fp32 -> fp16, fp16 -> bf16
+
+
+def test_a_run_dir_holding_a_search_log_or_a_file_is_refused_before_the_model_runs(tmp_path):
+    runs = []
+
+    class Counting(nn.Module):
+        def forward(self, x):
+            runs.append(1)
+            return x.relu()
+
+    searched = tmp_path / "searched"
+    searched.mkdir()
+    (searched / "search.sqlite").write_bytes(b"")
+    with pytest.raises(CaptureError, match=r"already holds the search log .*kforge run --resume --run-dir"):
+        capture(Counting(), torch.randn(4), searched)
+    a_file = tmp_path / "afile"
+    a_file.write_text("x")
+    with pytest.raises(CaptureError, match="is a file: give a directory"):
+        capture(Counting(), torch.randn(4), a_file)
+    assert not runs and list(searched.iterdir()) == [searched / "search.sqlite"]
+    # A directory of cards without a search log is captured again (its cards replaced).
+    r = capture(Counting(), torch.randn(4), tmp_path / "cards_only", time_cards=False)
+    capture(Counting(), torch.randn(4), r.run_dir, time_cards=False)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_capture_on_cuda_without_a_gpu_says_so(tmp_path):
+    with pytest.raises(CaptureError, match="torch sees no CUDA GPU here"):
+        capture(nn.ReLU(), torch.randn(4), tmp_path / "r", device="cuda")
+
+
+def test_kforge_capture_stays_callable_after_the_submodule_is_imported(tmp_path):
+    import kforge
+    import kforge.capture as module  # binds the package attribute to the module
+
+    assert kforge.capture is module
+    r = kforge.capture(nn.ReLU(), torch.randn(4), tmp_path / "r", time_cards=False)
+    assert isinstance(r, CaptureResult) and one(r, "aten::relu.default").calls == 1

@@ -149,8 +149,24 @@ def test_package_then_inspect_and_verify_the_cast(tmp_path, capsys, monkeypatch)
     assert main(["inspect", str(cast)]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "cards dispatched as packaged" in out and card.id in out
+    assert main(["verify", str(cast)]) == 0  # the fake search dispatched nothing: nothing to re-run
+    assert "checksums and format ok; 0 of 1 cards dispatched" in " ".join(capsys.readouterr().out.split())
+
+
+def test_verify_without_a_gpu_checks_the_package_then_says_the_kernels_need_one(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-only behaviour of verify")
+    from test_package import build_run, relu_candidate, result
+
+    from kforge.package import write_package
+
+    card = toy_card(n=1024)
+    build_run(tmp_path / "run", [(card, [(relu_candidate(1024), result())], None)])
+    cast = write_package(tmp_path / "run", tmp_path / "m.cast")
     assert main(["verify", str(cast)]) == 1  # re-validation needs the GPU the package is for
-    assert "no CUDA GPU" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "no CUDA GPU" in captured.err
+    assert "checksums and format ok; 1 of 1 cards dispatched" in " ".join(captured.out.split())
 
 
 def test_kforge_errors_exit_1_with_a_message_and_no_traceback(tmp_path, capsys):
@@ -160,6 +176,9 @@ def test_kforge_errors_exit_1_with_a_message_and_no_traceback(tmp_path, capsys):
     assert main(["run", "--resume"]) == 1
     assert "--run-dir" in capsys.readouterr().err
     assert main(["inspect", str(tmp_path / "x.txt")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["dash", str(tmp_path / "no-such-run")]) == 1
+    assert "no such run directory" in capsys.readouterr().err
 
 
 def test_bad_devices_are_a_usage_error_that_shows_the_format(capsys):

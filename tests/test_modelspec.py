@@ -76,6 +76,28 @@ def test_model_file_that_fails_to_import(tmp_path):
     assert isinstance(info.value.__cause__, ModuleNotFoundError)
 
 
+def test_errors_raised_by_get_model_or_get_inputs_name_the_function_and_line(tmp_path):
+    spec = write(tmp_path / "needs.py", """
+        import torch
+        def get_model():
+            import not_installed_xyz
+        def get_inputs():
+            return torch.randn(2)
+    """)
+    with pytest.raises(CaptureError, match=r"get_model\(\) raised ModuleNotFoundError: .*not_installed_xyz.* \(at .*needs.py:4\)") as info:
+        load_model_spec(str(spec))
+    assert isinstance(info.value.__cause__, ModuleNotFoundError)
+    spec = write(tmp_path / "inputs.py", """
+        import torch
+        def get_model():
+            return torch.nn.ReLU()
+        def get_inputs():
+            raise ValueError("no data here")
+    """)
+    with pytest.raises(CaptureError, match=r"get_inputs\(\) raised ValueError: no data here"):
+        load_model_spec(str(spec))
+
+
 # ---- examples: small sizes on the CPU, the ops that matter are captured --------------------
 
 @pytest.mark.parametrize("name,ops", [

@@ -264,3 +264,41 @@ def test_a_run_deadline_is_shared_fairly_between_the_cards_left():
     assert runner.fair_share(Budget(), cards_left=3, workers=1) == Budget()  # no deadline: unchanged
     late = Budget(deadline=now - 1.0)
     assert runner.fair_share(late, cards_left=3, workers=1).wall_time_s == 0.0
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"iterations": 0}, "iterations must be a whole number >= 1"),
+    ({"iterations": -3}, "iterations must be a whole number >= 1"),
+    ({"min_share": 5}, "min_share is a fraction of the model's runtime, from 0 to 1"),
+    ({"min_share": -0.1}, "min_share is a fraction"),
+    ({"wall_time_s": 0}, "wall_time_s must be a number of seconds > 0"),
+    ({"max_cost_usd": -1.0}, "max_cost_usd must be"),
+])
+def test_meaningless_search_options_are_refused_before_any_work(run_dir, monkeypatch, options, match):
+    GPU(monkeypatch, [0])
+    with pytest.raises(KforgeError, match=match):
+        runner.search_run(run_dir, proposer=FakeProposer, progress=False, **options)
+    assert not (run_dir / "search.sqlite").exists()  # no run was opened
+    with pytest.raises(KforgeError, match=match):  # run() refuses before capturing
+        runner.run(torch.nn.ReLU(), torch.randn(4), run_dir=run_dir.parent / "fresh", proposer=FakeProposer,
+                   progress=False, **options)
+    assert not (run_dir.parent / "fresh").exists()
+
+
+def test_ops_that_match_no_card_say_which_ops_were_captured(run_dir, monkeypatch):
+    GPU(monkeypatch, [0])
+    with pytest.raises(CardError, match=r"no card's op contains any of nonexistent_op; .* are: .*exp.*relu"):
+        runner.search_run(run_dir, proposer=FakeProposer, ops=["nonexistent_op"], progress=False)
+
+
+def test_an_unknown_proposer_fails_before_the_capture(tmp_path):
+    model_runs = []
+
+    class Counting(torch.nn.Module):
+        def forward(self, x):
+            model_runs.append(1)
+            return x.relu()
+
+    with pytest.raises(KforgeError, match="unknown proposer 'bogus'"):
+        runner.run(Counting(), torch.randn(4), run_dir=tmp_path / "r", proposer="bogus", progress=False)
+    assert not model_runs and not (tmp_path / "r").exists()

@@ -19,9 +19,11 @@ import json
 import math
 import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
+import types
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -90,7 +92,12 @@ def capture(model: torch.nn.Module, example_inputs: Any, run_dir: str | Path | N
     device: when given, the model and the inputs are moved there first (the model in place).
     Raises CaptureError when the inputs do not fit or the model raises (naming module and op).
     """
+    if run_dir is not None:
+        _check_run_dir(Path(run_dir))
     if device is not None:
+        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            raise CaptureError(f"device={device!r} asked for, but torch sees no CUDA GPU here "
+                               f"(torch {torch.__version__}; `kforge doctor` says more): capture on the CPU or on a GPU machine")
         model.to(device)
     args, kwargs = _as_call(example_inputs, None if device is None else torch.device(device))
     dev = _model_device(model, args, kwargs)
@@ -111,6 +118,20 @@ def capture(model: torch.nn.Module, example_inputs: Any, run_dir: str | Path | N
     result = CaptureResult(cards, run_dir, total_us, model_us, str(dev), notes)
     _write(result, rec)
     return result
+
+
+def _check_run_dir(run_dir: Path) -> None:
+    """Before the model runs: a run directory the cards cannot go into, or one whose search
+    log would be left describing other cards, is refused with what to do instead."""
+    from .log import LOG_NAME
+
+    if run_dir.exists() and not run_dir.is_dir():
+        raise CaptureError(f"run directory {run_dir} is a file: give a directory (it is created when missing)")
+    if (run_dir / LOG_NAME).exists():
+        raise CaptureError(
+            f"{run_dir} already holds the search log of an earlier run ({LOG_NAME}); capturing there would "
+            f"replace its cards under that log. Capture into a new directory, continue that run with "
+            f"`kforge run --resume --run-dir {run_dir}`, or delete {run_dir} first.")
 
 
 # ---- inputs and device ------------------------------------------------------------------
@@ -721,3 +742,15 @@ def cards_table(cards: list[Card], limit: int | None = None):
 
 def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None or math.isnan(x) else spec.format(x)
+
+
+class _CallableModule(types.ModuleType):
+    """`kforge.capture` names both this module and its `capture` function. Importing the
+    module (`from kforge.capture import cards_table`, or kforge.run) binds the package's
+    attribute to the module, so calling the module calls the function."""
+
+    def __call__(self, *args, **kwargs) -> CaptureResult:
+        return capture(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -68,8 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     _search_options(p)
 
     p = sub.add_parser("capture", help="record the operators a model runs as cards")
-    p.add_argument("model")
-    p.add_argument("--run-dir", type=Path)
+    p.add_argument("model", help="model.py (defining get_model() and get_inputs()) or pkg.module:factory")
+    p.add_argument("--run-dir", type=Path,
+                   help="where the cards go (created; default: a new temporary directory, printed at the end)")
 
     p = sub.add_parser("search", help="search kernels for the cards of a run directory")
     p.add_argument("run_dir", type=Path)
@@ -83,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="show a run directory or a .cast package")
     p.add_argument("path", type=Path)
 
-    p = sub.add_parser("verify", help="check a .cast package: checksums, format, GPU arch")
+    p = sub.add_parser("verify", help="check a .cast package: checksums and format, then re-run its dispatched "
+                                      "kernels on this GPU")
     p.add_argument("path", type=Path)
 
     p = sub.add_parser("dash", help="serve the dashboard over run directories")
@@ -196,24 +198,35 @@ def cmd_inspect(args: argparse.Namespace, console: Console) -> int:
         return _inspect_run(path, console)
     if path.suffix == ".cast" and path.is_file():
         return _inspect_package(path, console)
+    if not path.exists():
+        raise KforgeError(f"{path} does not exist: give a run directory or a .cast package")
     raise KforgeError(f"{path} is neither a run directory nor a .cast package")
 
 
-def _inspect_package(path: Path, console: Console) -> int:
+def _load_package(path: Path):
+    """(package, number of cards it dispatches as packaged, fallback warnings). A package that
+    is not intact raises PackageError. Loading on another GPU (or none) makes every card fall
+    back here: the warnings are returned, to be shown as notes."""
     from .package import PackageFallbackWarning, load
 
-    # Loading on another GPU (or none) makes every card fall back here; show that as a note,
-    # next to what the package itself dispatches.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", PackageFallbackWarning)
         pkg = load(path)
-    entries = pkg.manifest.get("cards", [])
-    packaged = sum(e.get("decision") == "dispatched" for e in entries)
-    console.print(f"{escape(str(path))}: built for {escape(pkg.gpu)} ({pkg.arch}); "
-                  f"{packaged} of {len(entries)} cards dispatched as packaged")
-    console.print(pkg.report(fmt="table"))
+    packaged = sum(e.get("decision") == "dispatched" for e in pkg.manifest.get("cards", []))
+    return pkg, packaged, caught
+
+
+def _notes(caught, console: Console) -> None:
     for w in caught:
         console.print(f"[yellow]on this machine:[/] {escape(str(w.message))}", soft_wrap=True)
+
+
+def _inspect_package(path: Path, console: Console) -> int:
+    pkg, packaged, caught = _load_package(path)
+    console.print(f"{escape(str(path))}: built for {escape(pkg.gpu)} ({pkg.arch}); "
+                  f"{packaged} of {len(pkg.manifest.get('cards', []))} cards dispatched as packaged")
+    console.print(pkg.report(fmt="table"))
+    _notes(caught, console)
     return 0
 
 
@@ -252,9 +265,14 @@ def _inspect_run(run_dir: Path, console: Console) -> int:
 
 def cmd_verify(args: argparse.Namespace, console: Console) -> int:
     """Re-validate every dispatched kernel of a package on this GPU; 1 if any fails."""
-    from .package import load
-
-    results = load(args.path).verify()
+    pkg, packaged, caught = _load_package(args.path)
+    console.print(f"{escape(str(args.path))}: checksums and format ok; {packaged} of "
+                  f"{len(pkg.manifest.get('cards', []))} cards dispatched as packaged")
+    _notes(caught, console)
+    if not packaged:
+        console.print("no kernel to re-run: every card falls back to PyTorch")
+        return 0
+    results = pkg.verify()
     t = Table(title=f"verify {args.path.name}", title_justify="left")
     for col in ("card", "verdict", "speedup", "message"):
         t.add_column(col, overflow="fold")
@@ -270,6 +288,9 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_dash(args: argparse.Namespace, console: Console) -> int:
+    missing = [str(d) for d in args.run_dirs if not d.exists()]
+    if missing:
+        raise KforgeError(f"no such run directory or package: {', '.join(missing)}")
     serve = _dash_serve()
     console.print(f"dashboard on http://{args.host}:{args.port} (Ctrl-C stops it)")
     serve([str(d) for d in args.run_dirs], host=args.host, port=args.port)

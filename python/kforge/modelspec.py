@@ -11,6 +11,7 @@ import hashlib
 import importlib
 import importlib.util
 import sys
+import traceback
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
@@ -23,7 +24,8 @@ def load_model_spec(spec: str) -> tuple[Any, Any]:
     if spec.endswith(".py") or Path(spec).is_file():
         module = _load_file(Path(spec))
         hint = "a model file must define get_model() and get_inputs()"
-        return _function(module, "get_model", spec, hint)(), _function(module, "get_inputs", spec, hint)()
+        model = _call(_function(module, "get_model", spec, hint), spec)
+        return model, _call(_function(module, "get_inputs", spec, hint), spec)
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise CaptureError(f"model spec {spec!r} is neither a .py file nor 'package.module:factory'; "
@@ -33,7 +35,7 @@ def load_model_spec(spec: str) -> tuple[Any, Any]:
     except ImportError as e:
         raise CaptureError(f"cannot import {module_name!r} for model spec {spec!r}: {e}; "
                            f"check the name and that it is on PYTHONPATH") from e
-    result = _function(module, attr, spec, "the factory must be a function returning (model, inputs)")()
+    result = _call(_function(module, attr, spec, "the factory must be a function returning (model, inputs)"), spec)
     if not (isinstance(result, tuple) and len(result) == 2):
         raise CaptureError(f"{spec}() returned {type(result).__name__}; it must return a (model, inputs) tuple")
     return result
@@ -64,3 +66,14 @@ def _function(module: ModuleType, name: str, spec: str, hint: str) -> Callable[[
         raise CaptureError(f"{spec} defines no function {name}() (callables there: {', '.join(found) or 'none'}); "
                            f"{hint}")
     return fn
+
+
+def _call(fn: Callable[[], Any], spec: str) -> Any:
+    """fn(); an exception from the user's code becomes a CaptureError naming the function and
+    the line it came from (the original stays chained for the Python API)."""
+    try:
+        return fn()
+    except Exception as e:
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        raise CaptureError(f"{spec}: {fn.__name__}() raised {type(e).__name__}: {e} "
+                           f"(at {frame.filename}:{frame.lineno})") from e
