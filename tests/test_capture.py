@@ -419,6 +419,19 @@ def test_skip_reasons_and_table(tmp_path):
     assert sum(line.startswith("│") for line in text.splitlines()) == 3
 
 
+def test_the_table_marks_cards_whose_calls_all_run_inside_another_card(tmp_path):
+    # On the CPU a cast is _to_copy -> empty_strided + copy_: those two are nested in it.
+    r = capture(CastsAndNorms(), torch.randn(8, 32, dtype=torch.bfloat16), tmp_path, time_cards=False)
+    console = Console(record=True, width=300)
+    console.print(cards_table(r.cards))
+    text = console.export_text()
+    rows = {line.split("│")[2].strip(): line.split("│")[7].strip() for line in text.splitlines()
+            if line.startswith("│") and line.split("│")[1].strip()}
+    assert rows["empty_strided.default()"].endswith("; inside _to_copy.default")
+    assert not any("inside" in status for op, status in rows.items() if op.startswith("addmm"))
+    assert "its share is also in that card's share" in text
+
+
 class ScalarArith(nn.Module):
     """Python scalars in Tensor slots (wrapped numbers) at the backend key."""
 

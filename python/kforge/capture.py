@@ -732,12 +732,32 @@ def cards_table(cards: list[Card], limit: int | None = None):
     for name, justify in (("#", "right"), ("op (shapes:dtypes)", "left"), ("family", "left"), ("calls", "right"),
                           ("eager µs", "right"), ("share", "right"), ("status", "left")):
         table.add_column(name, justify=justify, overflow="fold")
+    nested = 0
     for i, c in enumerate(shown, 1):
+        status = skip_reason(c) or "searchable"
+        inside = _nested_in(c)
+        if inside:
+            nested += 1
+            status += f"; inside {inside}"
         table.add_row(str(i), c.summary(), c.family, str(c.calls), _fmt(c.eager_us, "{:.1f}"),
-                      _fmt(c.share, "{:.1%}"), skip_reason(c) or "searchable")
-    if len(shown) < len(ranked):
-        table.caption = f"{len(ranked) - len(shown)} more cards not shown"
+                      _fmt(c.share, "{:.1%}"), status)
+    captions = [f"{len(ranked) - len(shown)} more cards not shown"] if len(shown) < len(ranked) else []
+    if nested:
+        captions.append("a card marked 'inside' runs within another card's calls: its share is also in that "
+                        "card's share (the other cards' shares add up to 100 %)")
+    table.caption = "\n".join(captions) or None
     return table
+
+
+def _nested_in(card: Card) -> str | None:
+    """The op a card's calls run inside when all of them do, from its capture note."""
+    if card.top_calls is None or card.top_calls > 0:
+        return None
+    for note in card.notes:
+        _, sep, rest = note.partition(" calls run inside ")
+        if sep:
+            return rest.partition(": ")[0].removeprefix("aten::")
+    return None
 
 
 def _fmt(x: float | None, spec: str) -> str:

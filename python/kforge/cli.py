@@ -315,9 +315,11 @@ def cmd_doctor(args: argparse.Namespace, console: Console) -> int:
 
     t = Table(title="kforge doctor", title_justify="left", show_header=False)
     t.add_column("what")
-    t.add_column("status")
+    t.add_column("status", overflow="fold")  # paths whole, folded, never cut with an ellipsis
     for key, value in cuda_status().items():
-        t.add_row(str(key), value if isinstance(value, str) else json.dumps(value, default=str))
+        shown = ("none found" if value is None or value == [] else value if isinstance(value, str)
+                 else json.dumps(value, default=str))
+        t.add_row(str(key), shown)
     from .dispatch import native_status
 
     native, why = native_status("CUDA")
