@@ -540,7 +540,8 @@ class CastPackage:
         for c in active:
             c.decision, c.reason = "fallback", why
         if active:
-            _warn(f"{self.path}: all {len(active)} kernels fall back to PyTorch: {why}")
+            which = "its kernel falls" if len(active) == 1 else f"all {len(active)} kernels fall"
+            _warn(f"{self.path}: {which} back to PyTorch: {why}")
 
     # ---- installing -------------------------------------------------------------------
     def install(self, *, dispatcher: Dispatcher | None = None, launcher: Launcher | None = None) -> None:
