@@ -541,6 +541,31 @@ class CastsAndNorms(nn.Module):
         return torch.softmax(h, -1).to(torch.bfloat16) + F.gelu(h).half().to(torch.bfloat16)
 
 
+class PythonDecomposed(nn.Module):
+    """Composite ops for which torch also registers a Python decomposition that makes other
+    calls than eager's C++ kernel: eval dropout (eager: none), matmul with out=, one_hot."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x, idx):
+        out = torch.empty(4, 4)
+        torch.matmul(x, x.t(), out=out)
+        return self.drop(x).relu(), out, F.one_hot(idx, 5)
+
+
+def test_capture_under_inference_mode_runs_eagers_decompositions_not_pythons(tmp_path):
+    m, x, idx = PythonDecomposed().eval(), torch.randn(4, 4), torch.tensor([0, 3, 4])
+    with torch.no_grad():
+        ref = capture(m, (x, idx), tmp_path / "no_grad", time_cards=False)
+    with torch.inference_mode():
+        got = capture(m, (x, idx), tmp_path / "inference", time_cards=False)
+    assert sorted((c.summary(), c.calls) for c in got.cards) == sorted((c.summary(), c.calls) for c in ref.cards)
+    ops = {c.op for c in got.cards}
+    assert "aten::mm.out" in ops and "aten::clone.default" not in ops  # eval dropout is the input itself
+
+
 def test_capture_under_inference_mode_finds_what_no_grad_finds(tmp_path):
     # Under inference_mode no autograd key decomposes composite ops before the dispatch mode:
     # capture used to see only to.dtype, layer_norm and linear whole, and record none of the
@@ -594,8 +619,9 @@ def test_capture_on_cuda_without_a_gpu_says_so(tmp_path):
 
 def test_kforge_capture_stays_callable_after_the_submodule_is_imported(tmp_path):
     import kforge
-    import kforge.capture as module  # binds the package attribute to the module
+    lazy = kforge.capture  # before or after the submodule's import: the same callable module
+    import kforge.capture as module
 
-    assert kforge.capture is module
+    assert kforge.capture is module is lazy and callable(module.cards_table)
     r = kforge.capture(nn.ReLU(), torch.randn(4), tmp_path / "r", time_cards=False)
     assert isinstance(r, CaptureResult) and one(r, "aten::relu.default").calls == 1

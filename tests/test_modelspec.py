@@ -98,6 +98,18 @@ def test_errors_raised_by_get_model_or_get_inputs_name_the_function_and_line(tmp
         load_model_spec(str(spec))
 
 
+def test_a_failing_factory_without_a_name_still_shows_its_error(tmp_path, monkeypatch):
+    write(tmp_path / "partials.py", """
+        import functools
+        def _build(size):
+            raise RuntimeError(f"size {size} is not supported")
+        factory = functools.partial(_build, 3)
+    """)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(CaptureError, match=r"partials:factory: functools.partial.*raised RuntimeError: size 3 is not"):
+        load_model_spec("partials:factory")
+
+
 # ---- examples: small sizes on the CPU, the ops that matter are captured --------------------
 
 @pytest.mark.parametrize("name,ops", [

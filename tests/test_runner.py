@@ -302,3 +302,27 @@ def test_an_unknown_proposer_fails_before_the_capture(tmp_path):
     with pytest.raises(KforgeError, match="unknown proposer 'bogus'"):
         runner.run(Counting(), torch.randn(4), run_dir=tmp_path / "r", proposer="bogus", progress=False)
     assert not model_runs and not (tmp_path / "r").exists()
+
+
+def test_numpy_scalars_are_accepted_as_options(run_dir, monkeypatch):
+    import numpy as np
+
+    GPU(monkeypatch, [0])
+    r = runner.search_run(run_dir, proposer=FakeProposer, iterations=np.int64(2), min_share=np.float32(0.2),
+                          progress=False)
+    assert _rows(r)["aten::exp.default"].status == "done"
+
+
+def test_a_proposer_factory_is_not_called_before_the_search(tmp_path, monkeypatch):
+    # A factory may hand out one shared proposer: closing a trial instance would close it.
+    GPU(monkeypatch, [0])
+    shared = FakeProposer()
+    calls = []
+
+    def factory():
+        calls.append(1)
+        return shared
+
+    runner.run(torch.nn.ReLU(), torch.randn(64), run_dir=tmp_path / "r", out=tmp_path / "m.cast", proposer=factory, iterations=2,
+               progress=False, check_model=False)
+    assert calls == [1]  # once for the one worker, as run() documents

@@ -17,7 +17,9 @@ from .errors import (BudgetExhausted, CaptureError, CardError, CompileError, Cud
 __version__ = "0.1.0"
 
 _LAZY = {
-    "capture": ("kforge.capture", "capture"),
+    # The module, callable as its capture() function: importing the submodule later binds
+    # this same name to it, so kforge.capture is one object whatever the order of imports.
+    "capture": ("kforge.capture", None),
     "run": ("kforge.runner", "run"),
     "load": ("kforge.package", "load"),
     "compile": ("kforge.compiler", "compile"),
@@ -35,7 +37,8 @@ __all__ = list(_LAZY) + ["__version__", "BudgetExhausted", "CaptureError", "Card
 def __getattr__(name: str):
     if name in _LAZY:
         mod, attr = _LAZY[name]
-        value = getattr(importlib.import_module(mod), attr)
+        module = importlib.import_module(mod)
+        value = module if attr is None else getattr(module, attr)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'kforge' has no attribute {name!r}")

@@ -551,11 +551,11 @@ class _SeeOps(TorchDispatchMode):
             if is_op and composite.is_composite(func, self.rec.target.key):
                 # Under inference_mode no autograd key decomposes a composite op first, so it
                 # reaches this mode whole; its parts, the calls the backend runs, are seen only
-                # if it is decomposed with the mode on (as FakeTensorMode does).
+                # if it is decomposed with the mode on. Through the dispatcher's own kernel:
+                # func.decompose() would prefer a Python decomposition where torch registers
+                # one (dropout, matmul, one_hot, ...), which makes calls that eager does not.
                 with self:
-                    out = func.decompose(*args, **kwargs)
-                if out is not NotImplemented:
-                    return out
+                    return func._op_dk(torch._C.DispatchKey.CompositeImplicitAutograd, *args, **kwargs)
             return func(*args, **kwargs)
         except Exception as e:
             if is_op:

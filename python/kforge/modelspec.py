@@ -75,5 +75,5 @@ def _call(fn: Callable[[], Any], spec: str) -> Any:
         return fn()
     except Exception as e:
         frame = traceback.extract_tb(e.__traceback__)[-1]
-        raise CaptureError(f"{spec}: {fn.__name__}() raised {type(e).__name__}: {e} "
+        raise CaptureError(f"{spec}: {getattr(fn, '__name__', repr(fn))}() raised {type(e).__name__}: {e} "
                            f"(at {frame.filename}:{frame.lineno})") from e

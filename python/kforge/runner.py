@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import queue
 import secrets
 import sqlite3
@@ -220,14 +221,15 @@ def run(model=None, example_inputs=None, out: str | Path | None = "model.cast", 
       package (kforge.modelcheck) and say in result.model_check whether it is faster.
     Ctrl-C raises RunInterrupted (a KeyboardInterrupt) after marking the run interrupted.
     """
-    _check_options(iterations, min_share, wall_time_s, max_cost_usd)
+    iterations, min_share = _check_options(iterations, min_share, wall_time_s, max_cost_usd)
     if resume:
         if run_dir is None:
             raise KforgeError("resume=True needs run_dir: the directory of the run to continue")
     else:
         if model is None:
             raise KforgeError("run() needs a model and example inputs (or resume=True with a run_dir)")
-        _make_proposer(proposer, proposer_options or {}).close()  # a bad proposer fails before the capture
+        if isinstance(proposer, str):  # an unknown or misconfigured proposer fails before the capture
+            _make_proposer(proposer, proposer_options or {}).close()
         from .capture import capture
 
         run_dir = capture(model, example_inputs, run_dir).run_dir
@@ -283,7 +285,7 @@ def search_run(run_dir: str | Path, *, out: str | Path | None = None, proposer: 
     """Search the cards captured in `run_dir`, then package the winners into `out` (when a GPU
     validated them and `out` is set). With `resume`, the log's latest run is continued
     (what it evaluated is never evaluated again); otherwise a new run starts."""
-    _check_options(iterations, min_share, wall_time_s, max_cost_usd)
+    iterations, min_share = _check_options(iterations, min_share, wall_time_s, max_cost_usd)
     run_dir = Path(run_dir)
     all_cards = load_cards(run_dir)
     if not all_cards:
@@ -346,16 +348,18 @@ def search_run(run_dir: str | Path, *, out: str | Path | None = None, proposer: 
     return RunResult(run_id, run_dir, table, package_path, validated, message, stops)
 
 
-def _check_options(iterations: Any, min_share: Any, wall_time_s: Any, max_cost_usd: Any) -> None:
-    """Search options that cannot mean anything are refused before any work."""
-    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+def _check_options(iterations: Any, min_share: Any, wall_time_s: Any, max_cost_usd: Any) -> tuple[int, float]:
+    """Search options that cannot mean anything are refused before any work; (iterations,
+    min_share) come back as a Python int and float (numpy scalars are accepted)."""
+    if isinstance(iterations, bool) or not isinstance(iterations, numbers.Integral) or iterations < 1:
         raise KforgeError(f"iterations must be a whole number >= 1 (search iterations per card), got {iterations!r}")
-    if not isinstance(min_share, (int, float)) or not 0.0 <= min_share <= 1.0:
+    if isinstance(min_share, bool) or not isinstance(min_share, numbers.Real) or not 0.0 <= min_share <= 1.0:
         raise KforgeError(f"min_share is a fraction of the model's runtime, from 0 to 1 (0.02 = 2 %), got {min_share!r}")
     if wall_time_s is not None and not wall_time_s > 0:
         raise KforgeError(f"wall_time_s must be a number of seconds > 0, got {wall_time_s!r}")
     if max_cost_usd is not None and not max_cost_usd >= 0:
         raise KforgeError(f"max_cost_usd must be a number of US dollars >= 0, got {max_cost_usd!r}")
+    return int(iterations), float(min_share)
 
 
 def _compile_only_message(conn: sqlite3.Connection, run_id: str) -> str:
