@@ -212,6 +212,8 @@ def test_resume_continues_the_latest_run_and_a_fresh_search_starts_a_new_one(run
     again = runner.search_run(run_dir, proposer=FakeProposer, iterations=4, progress=False)
     fresh = runner.search_run(run_dir, proposer=FakeProposer, iterations=2, progress=False, resume=False)
     assert again.run_id == first.run_id and fresh.run_id != first.run_id
+    assert f"Run {first.run_id} had finished; it was continued" in again.message and not first.message
+    assert not fresh.message
     assert all(r.iterations == 4 for r in again.table if r.status == "done")
     assert all(r.iterations == 2 for r in fresh.table if r.status == "done")
     with pytest.raises(KforgeError, match="run_dir"):

@@ -307,6 +307,8 @@ def search_run(run_dir: str | Path, *, out: str | Path | None = None, proposer: 
         # would run on; a CPU capture is retargeted to it.
         all_cards = [c.retarget("cuda", hardware.arch) if c.device_type != "cuda" else c for c in all_cards]
     log = SearchLog(run_dir)
+    latest = log.latest_run() if resume else None
+    finished = latest is not None and log.rows("SELECT status FROM runs WHERE id=?", (latest,))[0][0] == "done"
     run_id = _open_run(log, resume, validated, model_name, hardware, dict(
         proposer=proposer if isinstance(proposer, str) else getattr(proposer, "__name__", "custom"),
         iterations=iterations, min_share=min_share, include_vendor=include_vendor, devices=devs,
@@ -335,6 +337,10 @@ def search_run(run_dir: str | Path, *, out: str | Path | None = None, proposer: 
         package_path = package_run(run_dir, out, run_id) if validated and out else None
         table = card_results(log.conn, run_id)
         message = "" if validated else _compile_only_message(log.conn, run_id)
+        if finished and run_id == latest:
+            message = " ".join(filter(None, [
+                f"Run {run_id} had finished; it was continued: cards below {iterations} iterations were searched "
+                f"further, the others kept their results (resume=False / a new --run-dir starts afresh).", message]))
     except KeyboardInterrupt:
         log.set_run_status(run_id, "interrupted")
         log.event(run_id, "interrupted", "stopped by the user; resume with the same run directory", level="warning")
