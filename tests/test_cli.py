@@ -88,6 +88,10 @@ def test_run_on_a_cpu_machine_compiles_candidates_and_says_validation_needs_a_gp
     assert main(["inspect", str(run_dir)]) == 0
     shown = capsys.readouterr().out
     assert "(done)" in shown and "untimed" in shown and "softmax" in shown
+    # Packaging it anyway is refused: nothing in a compile-only run was checked or timed.
+    assert main(["package", str(run_dir), "--out", str(tmp_path / "m.cast")]) == 1
+    assert "ran without a GPU (compile-only)" in " ".join(capsys.readouterr().err.split())
+    assert not (tmp_path / "m.cast").exists()
 
 
 def test_inspect_a_captured_but_unsearched_directory(model_file, tmp_path, capsys):

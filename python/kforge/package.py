@@ -237,6 +237,10 @@ def write_package(run_dir: str | Path, out: str | Path, *, run_id: str | None = 
         if not runs:
             raise PackageError(f"no run {run_id!r} in {run_dir / LOG_NAME}: pass a run id the log holds")
         run = runs[0]
+        if not json.loads(run["config_json"] or "{}").get("validated", True):
+            raise PackageError(f"run {run_id} in {run_dir} ran without a GPU (compile-only): its kernels were never "
+                               f"checked or timed, so none could be dispatched. Search on a machine with the GPU "
+                               f"the package is for (`kforge search {run_dir}`, or `kforge run`), then package")
         card_rows = slog.rows("SELECT * FROM cards WHERE run_id=? ORDER BY COALESCE(share, 0) DESC, card_id", (run_id,))
         cards = [_card_of(run_dir, r) for r in card_rows]
         arch = run["arch"] or (cards[0].arch if cards else "")
