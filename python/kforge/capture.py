@@ -519,7 +519,7 @@ class _Recorder:
                                f"(raise max_sample_bytes to keep one)")
             if e.parents:
                 (parent, n), = e.parents.most_common(1)
-                c.notes.append(f"{c.calls - e.top_calls} of {c.calls} calls run inside {_op_name(parent)}: "
+                c.notes.append(f"{c.calls - e.top_calls} of {c.calls}{_INSIDE}{_op_name(parent)}: "
                                f"their time is also in that card's share")
             if e.outputs_vary:
                 c.notes.append("output shapes vary between calls (data-dependent): outputs are the first call's")
@@ -749,12 +749,15 @@ def cards_table(cards: list[Card], limit: int | None = None):
     return table
 
 
+_INSIDE = " calls run inside "  # the nesting note's words, written at capture and read by cards_table
+
+
 def _nested_in(card: Card) -> str | None:
     """The op a card's calls run inside when all of them do, from its capture note."""
     if card.top_calls is None or card.top_calls > 0:
         return None
     for note in card.notes:
-        _, sep, rest = note.partition(" calls run inside ")
+        _, sep, rest = note.partition(_INSIDE)
         if sep:
             return rest.partition(": ")[0].removeprefix("aten::")
     return None

@@ -204,16 +204,18 @@ def cmd_inspect(args: argparse.Namespace, console: Console) -> int:
 
 
 def _load_package(path: Path):
-    """(package, number of cards it dispatches as packaged, fallback warnings). A package that
-    is not intact raises PackageError. Loading on another GPU (or none) makes every card fall
-    back here: the warnings are returned, to be shown as notes."""
+    """(package, number of cards it dispatches as packaged, "N of M cards dispatched as
+    packaged", fallback warnings). A package that is not intact raises PackageError. Loading on
+    another GPU (or none) makes every card fall back here: the warnings are returned, to be
+    shown as notes."""
     from .package import PackageFallbackWarning, load
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", PackageFallbackWarning)
         pkg = load(path)
-    packaged = sum(e.get("decision") == "dispatched" for e in pkg.manifest.get("cards", []))
-    return pkg, packaged, caught
+    entries = pkg.manifest.get("cards", [])
+    packaged = sum(e.get("decision") == "dispatched" for e in entries)
+    return pkg, packaged, f"{packaged} of {len(entries)} cards dispatched as packaged", caught
 
 
 def _notes(caught, console: Console) -> None:
@@ -222,9 +224,8 @@ def _notes(caught, console: Console) -> None:
 
 
 def _inspect_package(path: Path, console: Console) -> int:
-    pkg, packaged, caught = _load_package(path)
-    console.print(f"{escape(str(path))}: built for {escape(pkg.gpu)} ({pkg.arch}); "
-                  f"{packaged} of {len(pkg.manifest.get('cards', []))} cards dispatched as packaged")
+    pkg, _, summary, caught = _load_package(path)
+    console.print(f"{escape(str(path))}: built for {escape(pkg.gpu)} ({pkg.arch}); {summary}")
     console.print(pkg.report(fmt="table"))
     _notes(caught, console)
     return 0
@@ -265,9 +266,8 @@ def _inspect_run(run_dir: Path, console: Console) -> int:
 
 def cmd_verify(args: argparse.Namespace, console: Console) -> int:
     """Re-validate every dispatched kernel of a package on this GPU; 1 if any fails."""
-    pkg, packaged, caught = _load_package(args.path)
-    console.print(f"{escape(str(args.path))}: checksums and format ok; {packaged} of "
-                  f"{len(pkg.manifest.get('cards', []))} cards dispatched as packaged")
+    pkg, packaged, summary, caught = _load_package(args.path)
+    console.print(f"{escape(str(args.path))}: checksums and format ok; {summary}")
     _notes(caught, console)
     if not packaged:
         console.print("no kernel to re-run: every card falls back to PyTorch")

@@ -141,10 +141,15 @@ def package_run(run_dir: Path, out: str | Path, run_id: str) -> Path:
 
 # ---- choosing cards -----------------------------------------------------------------------
 
+def _asked_for(card: Card, ops: Sequence[str] | None) -> bool:
+    """The card is among the ops asked for: no `ops`, or its op name contains one of them."""
+    return not ops or any(o in card.op for o in ops)
+
+
 def skip_reason(card: Card, proposer: Proposer, *, min_share: float, include_vendor: bool,
                 ops: Sequence[str] | None = None) -> str | None:
     """Why a card is not searched, or None. `ops`: only cards whose op name contains one of these."""
-    if ops and not any(o in card.op for o in ops):
+    if not _asked_for(card, ops):
         return f"not among the ops asked for ({', '.join(ops)})"
     if card.family == "vendor":
         if not include_vendor:
@@ -290,7 +295,7 @@ def search_run(run_dir: str | Path, *, out: str | Path | None = None, proposer: 
     all_cards = load_cards(run_dir)
     if not all_cards:
         raise CardError(f"no cards in {run_dir}: run `kforge capture MODEL --run-dir {run_dir}` first")
-    if ops and not any(o in c.op for c in all_cards for o in ops):
+    if not any(_asked_for(c, ops) for c in all_cards):
         captured = sorted({c.op.removeprefix("aten::").split(".")[0] for c in all_cards})
         raise CardError(f"no card's op contains any of {', '.join(ops)}; the ops captured in {run_dir} are: "
                         f"{', '.join(captured)}")
@@ -307,9 +312,7 @@ def search_run(run_dir: str | Path, *, out: str | Path | None = None, proposer: 
         # would run on; a CPU capture is retargeted to it.
         all_cards = [c.retarget("cuda", hardware.arch) if c.device_type != "cuda" else c for c in all_cards]
     log = SearchLog(run_dir)
-    latest = log.latest_run() if resume else None
-    finished = latest is not None and log.rows("SELECT status FROM runs WHERE id=?", (latest,))[0][0] == "done"
-    run_id = _open_run(log, resume, validated, model_name, hardware, dict(
+    run_id, finished = _open_run(log, resume, validated, model_name, hardware, dict(
         proposer=proposer if isinstance(proposer, str) else getattr(proposer, "__name__", "custom"),
         iterations=iterations, min_share=min_share, include_vendor=include_vendor, devices=devs,
         wall_time_s=wall_time_s, max_cost_usd=max_cost_usd, seed=seed, ops=list(ops) if ops else None,
@@ -337,7 +340,7 @@ def search_run(run_dir: str | Path, *, out: str | Path | None = None, proposer: 
         package_path = package_run(run_dir, out, run_id) if validated and out else None
         table = card_results(log.conn, run_id)
         message = "" if validated else _compile_only_message(log.conn, run_id)
-        if finished and run_id == latest:
+        if finished:
             message = " ".join(filter(None, [
                 f"Run {run_id} had finished; it was continued: cards below {iterations} iterations were searched "
                 f"further, the others kept their results (resume=False / a new --run-dir starts afresh).", message]))
@@ -381,25 +384,26 @@ def _compile_only_message(conn: sqlite3.Connection, run_id: str) -> str:
 
 
 def _open_run(log: SearchLog, resume: bool, validated: bool, model_name: str | None, hardware: Hardware,
-              config: dict) -> str:
-    """Continue the log's latest run (when resuming), or start one. A compile-only run is never
-    continued on a GPU: its untimed candidates would count as evaluated and never be measured."""
+              config: dict) -> tuple[str, bool]:
+    """(run id, whether it is a finished run continued): the log's latest run when resuming,
+    else a new one. A compile-only run is never continued on a GPU: its untimed candidates
+    would count as evaluated and never be measured."""
     import torch
 
     from . import __version__
 
     run_id = log.latest_run() if resume else None
     if run_id is not None:
-        previous = json.loads(log.rows("SELECT config_json FROM runs WHERE id=?", (run_id,))[0][0])
-        if previous.get("validated", True) or not validated:
+        config_json, status = log.rows("SELECT config_json, status FROM runs WHERE id=?", (run_id,))[0]
+        if json.loads(config_json).get("validated", True) or not validated:
             log.start_run(run_id)
             log.event(run_id, "resume", "search continued from the log")
-            return run_id
+            return run_id, status == "done"
     run_id = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
     log.start_run(run_id, model=model_name or "", config=dict(config, validated=validated),
                   device=hardware.name if validated else "cpu", arch=hardware.arch, torch=torch.__version__,
                   kforge=__version__)
-    return run_id
+    return run_id, False
 
 
 def fair_share(budget: Budget, cards_left: int, workers: int) -> Budget:
