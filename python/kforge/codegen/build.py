@@ -46,7 +46,7 @@ def entry_for(op: str):
     entry = ops.REDUCTION_OPS.get(f"{name}.{overload}") or ops.REDUCTION_OPS.get(name)
     if entry is not None and (f"{name}.{overload}" in ops.REDUCTION_OPS or name not in ("max", "min")):
         return "reduction", entry
-    return None, f"{op} is neither a pointwise op in the table nor a generated reduction"
+    return None, f"no builtin template or generated kernel for {op}: not a pointwise op or reduction of the table"
 
 
 def _to_domain(strides: tuple[int, ...], domain: tuple[int, ...], dims: tuple[int, ...], keepdim: bool):
@@ -57,8 +57,10 @@ def _to_domain(strides: tuple[int, ...], domain: tuple[int, ...], dims: tuple[in
     return tuple(0 if d in dims else next(it) for d in range(len(domain)))
 
 
-def _copy_declined(args: dict, src: TensorMeta) -> str | None:
-    device, layout = args.get("device"), args.get("layout")
+def _copy_declined(args: dict, src: TensorMeta, out: TensorMeta) -> str | None:
+    device, layout, dtype = args.get("device"), args.get("layout"), args.get("dtype")
+    if dtype is not None and str(dtype).removeprefix("torch.") != out.dtype:
+        return f"_to_copy dtype={str(dtype).removeprefix('torch.')} but the card's output is {out.dtype}"
     if device is not None and device.type != src.device:
         return f"a copy to {device.type} from {src.device} is not a kernel on one device"
     if args.get("pin_memory"):
@@ -108,7 +110,7 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
                     bound[k] = v
             name, overload = table_key(node.op)
             if name == "_to_copy":
-                why = _copy_declined(bound, inputs[0])
+                why = _copy_declined(bound, inputs[0], node.metas[0])
                 if why:
                     return why
             call = ops.Call(name, overload, bound)

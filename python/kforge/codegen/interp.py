@@ -19,6 +19,12 @@ _T = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float
       "bool": torch.bool}
 
 
+def _fmod(a, b):
+    # fmod is exact, so float64 gives the same float32 result without CPU's vectorized
+    # fmod, which returns NaN for denormal or huge operands (CUDA's fmodf does not).
+    return torch.fmod(a.double(), b.double()).to(a.dtype) if a.dtype == torch.float32 else torch.fmod(a, b)
+
+
 def _idiv(a, b):
     return torch.div(a, b, rounding_mode="trunc") if a.dtype != torch.bool else a
 
@@ -31,7 +37,7 @@ PRIM_FNS = {
     "atanh": torch.atanh, "erf": torch.erf, "erfc": torch.erfc, "erfinv": torch.erfinv, "lgamma": torch.lgamma,
     "ceil": torch.ceil, "floor": torch.floor, "trunc": torch.trunc, "rint": torch.round,
     "j0": torch.special.bessel_j0, "j1": torch.special.bessel_j1, "i0": torch.i0, "i1": torch.special.i1,
-    "pow": torch.pow, "atan2": torch.atan2, "fmod": torch.fmod, "hypot": torch.hypot, "copysign": torch.copysign,
+    "pow": torch.pow, "atan2": torch.atan2, "fmod": _fmod, "hypot": torch.hypot, "copysign": torch.copysign,
     "nextafter": torch.nextafter, "fmax": torch.fmax, "fmin": torch.fmin,
     "neg": torch.neg, "abs": torch.abs, "add": torch.add, "sub": torch.sub, "mul": torch.mul,
     "div": lambda a, b: torch.div(a, b) if a.is_floating_point() else _idiv(a, b),

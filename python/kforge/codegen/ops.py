@@ -261,8 +261,10 @@ def _pow(c: Call):
     if a.dtype == "bool":
         return "pow of bool is not generated"
     if a.dtype in FLOATS:
-        if not e.is_tensor and c.v(base_name).is_tensor:  # pow_tensor_scalar_optimized_kernel
-            n = float(e.number)
+        if not e.is_tensor and c.v(base_name).is_tensor:  # pow_tensor_scalar_kernel_impl
+            # eager takes the exponent in the tensor's dtype (rounded for fp16/bf16)
+            n = float(torch.tensor(float(e.number), dtype=getattr(torch, common)))
+            b = Expr.const(n, a.dtype)
             special = {0.5: lambda: prim("sqrt", a), 2.0: lambda: a * a, 3.0: lambda: a * a * a,
                        -0.5: lambda: prim("rsqrt", a), -1.0: lambda: 1.0 / a, -2.0: lambda: 1.0 / (a * a)}
             if n in special:
@@ -313,9 +315,8 @@ def _nan_to_num(c: Call):
 def _sign(x: Expr) -> Expr:
     if x.dtype == "bool":
         return x
-    zero = _k(x, 0)
-    s = where(zero < x, _k(x, 1), zero) - where(x < zero, _k(x, 1), zero)
-    return where(isnan(x), x, s) if x.dtype in FLOATS else s
+    zero = _k(x, 0)  # (0 < x) - (x < 0): NaN gives 0, as eager
+    return where(zero < x, _k(x, 1), zero) - where(x < zero, _k(x, 1), zero)
 
 
 def _logit(c: Call):
@@ -378,7 +379,7 @@ def _gelu_backward(c: Call):
         inner_d = k_beta * (1.0 + 3.0 * k_kappa * x_sq)
         return g * (left_d + left * tanh_d * inner_d)
     cdf = 0.5 * (1.0 + prim("erf", x * 0.7071067811865476))
-    pdf = prim("exp", -0.5 * x * x) * (2.0 / math.sqrt(math.pi) * 0.7071067811865476 * 0.5)
+    pdf = (2.0 / math.sqrt(math.pi) * 0.7071067811865476 * 0.5) * prim("exp", x * x * -0.5)
     return g * (cdf + x * pdf)
 
 
@@ -463,7 +464,7 @@ POINTWISE: dict[str, Entry] = {
     "hardswish": _unary(lambda x: x * minimum(maximum(x + 3.0, _k(x, 0)), _k(x, 6)) / 6.0, floats_only=True),
     "hardshrink": lambda c: (lambda x, l: where((x >= -l) & (x <= l), _k(x, 0), x))(
         c.promote(["self"])[1][0], c.s("lambd", 0.5)),
-    "softshrink": lambda c: (lambda x, l: where(x > l, x - l, where(x < -l, x + l, _k(x, 0))))(
+    "softshrink": lambda c: (lambda x, l: where(x > l, x - l, where(x < -l, x + l, x * 0.0)))(
         c.promote(["self"])[1][0], c.s("lambd", 0.5)),
     "silu": _unary(lambda x: x / (1.0 + prim("exp", -x)), floats_only=True),
     "mish": _unary(lambda x: x * prim("tanh", prim("log1p", prim("exp", x))), floats_only=True),

@@ -28,10 +28,6 @@ def program(card: Card) -> Program | str:
     return _PROGRAMS[card.id]
 
 
-def accepts(op: str) -> bool:
-    return cg_build.entry_for(op)[0] is not None
-
-
 def check(card: Card) -> str | None:
     p = program(card)
     return p if isinstance(p, str) else None
@@ -89,4 +85,4 @@ def build(card: Card, knobs: Knobs, hw: Hardware) -> Candidate:
                      proposer="builtin", knobs=dict(knobs), note="generated")
 
 
-FAMILY = Family("generated", frozenset(), check, spaces, default, build, accepts)
+FAMILY = Family("generated", None, check, spaces, default, build)
