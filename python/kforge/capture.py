@@ -40,12 +40,13 @@ from .cards import (ArgSpec, Card, TensorMeta, encode_value, flatten_outputs, pa
 from .errors import CaptureError, CardError
 from .families import family_of
 
-SEARCHABLE = frozenset({"pointwise", "reduction", "normalization", "pooling"})
+# Every family but views and vendor ops: whether a card is searched is then up to the
+# proposer (`supports`), so `other` ops (cumsum, index, scatter, cat, ...) reach the LLM.
+SEARCHABLE = frozenset({"pointwise", "reduction", "normalization", "pooling", "other"})
 
 _SKIP_REASONS = {
     "view": "view/metadata op: no kernel to write",
     "vendor": "vendor-backed (cuBLAS/cuDNN): skipped unless asked",
-    "other": "no kernel family for this op (indexing, scatter, sort, ...): skipped unless asked",
 }
 
 MAX_SAMPLE_BYTES = 256 * 2**20
