@@ -8,7 +8,8 @@
 # (search iterations per model card), WALL (search seconds per model), COMPILE=1 (time
 # torch.compile too), GPU_TESTS (test paths) and TESTS_K (a pytest -k expression) for item tests,
 # GPU_TESTS2 and TESTS_K2 for item tests2, ABLATE_MODEL and T_ABLATE for item ablate. ONLY and
-# ONLY2 pick the built-in cases of items builtin and builtin2 ('|' between name parts).
+# ONLY2 pick the built-in cases of items builtin and builtin2 ('|' between name parts); item codegen
+# (bench_codegen.py: generated kernels alone) takes T_CODEGEN and ONLY_CODEGEN.
 source bench/device_setup.sh
 set +e  # a step that fails or runs out of time must not stop the steps after it
 step() {  # step LOG NAME SECONDS CMD...
@@ -43,6 +44,9 @@ lane() {  # lane LOG ITEM...: run the items in order
       # Which card helps or hurts a model, and the same forward from CUDA graphs (ABLATE_MODEL, default Gemma).
       ablate) step "$log" ablate "${T_ABLATE:-200}" python3 bench/ablate_model.py "${ABLATE_MODEL:-examples/gemma_decoder.py}" \
                 --wall-time "${WALL:-45}" --out "$OUT/ablate_$(basename "${ABLATE_MODEL:-gemma}" .py)_h200.json" ;;
+      # Generated kernels (kforge.codegen) alone on pointwise and reduction cards, >= 64 MB ones included.
+      codegen) step "$log" codegen "${T_CODEGEN:-240}" python3 bench/bench_codegen.py --budget "${BUDGET:-12}" \
+                 $no_compile_flag ${ONLY_CODEGEN:+--only "$ONLY_CODEGEN"} --out "$OUT/codegen_h200.json" ;;
       probe) step "$log" probe "${T_PROBE:-60}" python3 bench/probe_long_rows.py --out "$OUT/probe_long_rows_h200.json" ;;
       dispatch) step "$log" dispatch "${T_DISPATCH:-40}" python3 bench/bench_dispatch.py --iterations 4 \
                   --out "$OUT/dispatch_h200.json" ;;

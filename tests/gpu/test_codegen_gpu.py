@@ -134,8 +134,8 @@ def launch_on(card, knobs, tensors):
     cand = generated.build(card, knobs, current())
     plan = runtime.build_plan(cand, compiler.compile(cand.source).cubin, 0)
     outs = [tensors[card.aliases[j]] if j in card.aliases else empty_like_meta(m, "cuda") for j, m in enumerate(card.outputs)]
-    for o in outs:
-        if o.is_floating_point():
+    for j, o in enumerate(outs):
+        if j not in card.aliases and o.is_floating_point():
             o.fill_(float("nan"))
     runtime.launch(plan, tensors, outs, runtime.alloc_workspaces(cand.plan, tensors[0].device))
     torch.cuda.synchronize()
