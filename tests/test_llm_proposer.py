@@ -76,7 +76,7 @@ def test_compile_failure_repaired_then_revised_faster(server, proposer):
 
 
 @pytest.mark.parametrize("bad, problem", [
-    ("I'd use one warp per row; shall I write it?", "exactly one ```cuda block"),
+    ("I'd use one warp per row; shall I write it?", "found no ```cuda block"),
     (answer("softmax_v3_warp").replace('"grid": [512, 1, 1]', '"grid": [512, 1, 1],,'), "not valid JSON"),
     (answer("softmax_v3_warp").replace('"name": "softmax_warp_row"', '"name": "softmax_warp"'),
      'launches "softmax_warp" but the source defines no'),
@@ -96,7 +96,7 @@ def test_malformed_replies_are_fed_back_and_recovered(server, proposer, bad, pro
 def test_duplicates_and_truncation_are_explained_and_asks_are_bounded(server, proposer):
     seen = parse_reply(answer("softmax_v1"), softmax_card(), "llm:coder")
     server.push(reply(answer("softmax_v1")), reply("```cuda\nextern", finish_reason="length"), reply("no idea"))
-    with pytest.raises(ProposerError, match=r"no usable answer in 3 asks.*the last problem: expected exactly one"):
+    with pytest.raises(ProposerError, match=r"no usable answer in 3 asks.*the last problem: found no ```cuda block"):
         proposer.propose(ProposalContext(softmax_card(), H200, tried_digests={seen.digest()}))
     feedback = [r.last_user for r in server.requests[1:]]
     assert "identical to a kernel already evaluated" in feedback[0]
