@@ -221,11 +221,17 @@ def test_of_several_cuda_blocks_the_one_defining_the_plans_kernels_is_the_source
     assert parse_reply(two, softmax_card()).source == fixed_later
 
 
-def test_a_helper_block_and_a_kernel_block_are_joined():
+def test_helper_blocks_and_split_kernels_are_joined():
     helper = "__device__ __forceinline__ float warp_max(float v) { return v; }\n"
     kernel = source("softmax_v1")
     reply = f"Helpers:\n```cuda\n{helper}```\nKernel:\n```cuda\n{kernel}```\n```json\n{json.dumps(V1_PLAN)}\n```"
-    assert parse_reply(reply, softmax_card()).source == kernel  # the kernel block alone defines the kernel
+    assert parse_reply(reply, softmax_card()).source == kernel  # the kernel calls no helper of that block
+    calls = kernel.replace("m = fmaxf(m, row[i]);", "m = warp_max(fmaxf(m, row[i]));")
+    reply = f"Helpers:\n```cuda\n{helper}```\nKernel:\n```cuda\n{calls}```\n```json\n{json.dumps(V1_PLAN)}\n```"
+    assert parse_reply(reply, softmax_card()).source == f"{helper}\n{calls}"
+    own = calls + helper  # the kernel block has its own copy: the helper block would define it twice
+    reply = f"```cuda\n{helper}```\n```cuda\n{own}```\n```json\n{json.dumps(V1_PLAN)}\n```"
+    assert parse_reply(reply, softmax_card()).source == own
     gn = plan("group_norm_v2_split")
     partial, apply = source("group_norm_v2_split").split("\nextern \"C\"", 1)
     split = f"```cuda\n{partial}\n```\n```cuda\nextern \"C\"{apply}```\n```json\n{json.dumps(gn)}\n```"

@@ -71,6 +71,7 @@ _ARG_KINDS = {"in": "in", "input": "in", "out": "out", "output": "out", "ws": "w
               "f32": "f32", "float": "f32", "float32": "f32", "f64": "f64", "double": "f64", "float64": "f64"}
 _NOTE_KEYS = {"comment", "comments", "description", "note", "notes", "purpose", "explanation"}  # prose, dropped
 _ARG_NAME = re.compile(r"^(in|out|ws)(\d+)$")
+_DEVICE_FN = re.compile(r"__device__\b[^;{}()]*?\b(\w+)\s*\(")
 _PLAN_COMMENT = re.compile(r"/\*.*?\*/|(?:^[ \t]*//[^\n]*(?:\n|$))+", re.S | re.M)
 
 
@@ -324,8 +325,9 @@ def _read_plans(texts: list[str]) -> tuple[list[LaunchPlan], str | None]:
 
 
 def _choose(sources: list[str], plans: list[LaunchPlan], problem: str | None) -> tuple[str, LaunchPlan]:
-    """The last plan whose kernels a source defines, with the last such source; failing that,
-    all the CUDA blocks joined (a helper block and a kernel block), if they define them."""
+    """The last plan whose kernels the CUDA blocks define, with its source: the last block that
+    defines them all (earlier ones are drafts), else the last block defining each; plus the
+    blocks of `__device__` helpers that source calls and does not define."""
     if not sources:
         raise ProposerError("found no ```cuda block with the kernel source; put the whole source in one ```cuda block")
     if not plans:
@@ -334,13 +336,21 @@ def _choose(sources: list[str], plans: list[LaunchPlan], problem: str | None) ->
     defined = [set(kernel_params(s)) for s in sources]
     for plan in reversed(plans):
         names = {k.name for k in plan.kernels}
-        for source, kernels in zip(reversed(sources), reversed(defined)):
-            if names <= kernels:
-                return source, plan
-        joined = "\n".join(sources)
-        if names <= set(kernel_params(joined)) and sum(len(k) for k in defined) == len(set().union(*defined)):
-            return joined, plan
+        whole = [i for i, d in enumerate(defined) if names <= d]
+        picked = {whole[-1]} if whole else {max((i for i, d in enumerate(defined) if n in d), default=-1)
+                                            for n in names}
+        if -1 in picked:
+            continue
+        code = "\n".join(sources[i] for i in sorted(picked))
+        helpers = {i for i, s in enumerate(sources) if i not in picked and not kernels_in(s) and _helps(s, code)}
+        return "\n".join(sources[i] for i in sorted(picked | helpers)), plan
     return sources[-1], plans[-1]  # nothing matches: check_bindings says why
+
+
+def _helps(block: str, code: str) -> bool:
+    """`block` defines a device function that `code` calls but does not define."""
+    own = set(_DEVICE_FN.findall(_uncomment(code)))
+    return any(re.search(rf"\b{n}\b", code) for n in set(_DEVICE_FN.findall(_uncomment(block))) - own)
 
 
 def check_bindings(plan: LaunchPlan, source: str) -> None:
