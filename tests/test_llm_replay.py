@@ -18,7 +18,7 @@ from kforge.proposers.llm import LLMConfig, LLMProposer
 from kforge.verdict import EvalResult, Verdict
 from llm_cards import softmax_card
 from llm_reply_styles import STYLES, Style
-from llm_server import ScriptedLLMServer
+from llm_server import ScriptedLLMServer, Step, reply
 
 MODEL = "replay"
 PRICE = (1.0, 2.0)  # $ per million prompt / completion tokens, so every row has a cost
@@ -48,11 +48,10 @@ def prelude_active() -> bool:
     return True
 
 
-def _drive(proposer: LLMProposer, server: ScriptedLLMServer, style: Style) -> Outcome:
+def _drive(proposer: LLMProposer, server: ScriptedLLMServer, steps: list[Step], style: Style) -> Outcome:
     """One style: propose; if the kernel does not compile and the model has a corrected answer,
     one repair. At most two asks in all."""
-    server.steps.clear()
-    server.push(*style.replies)
+    steps[:] = style.replies
     before = len(server.requests)
     ctx = ProposalContext(softmax_card(), H200)
     try:
@@ -77,12 +76,17 @@ def replay(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("replay")
     log = SearchLog(run_dir)
     log.start_run("replay")
-    with ScriptedLLMServer(api_key="k", models={MODEL}) as server:
+    steps: list = []
+
+    def model(body: dict) -> Step:  # past its script, the model has nothing better to offer
+        return steps.pop(0) if steps else reply("Sorry, I cannot improve on my previous answer.")
+
+    with ScriptedLLMServer(api_key="k", models={MODEL}, responder=model) as server:
         proposer = LLMProposer(LLMConfig(model=MODEL, base_url=server.base_url, api_key="k", max_repair_attempts=1,
                                          prices={MODEL: PRICE}))
         proposer.record_calls(log, "replay")
         try:
-            outcomes = [_drive(proposer, server, s) for s in STYLES]
+            outcomes = [_drive(proposer, server, steps, s) for s in STYLES]
             requests = len(server.requests)
         finally:
             proposer.close()
