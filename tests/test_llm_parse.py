@@ -257,3 +257,42 @@ def test_the_parser_turns_any_exception_into_feedback(monkeypatch):
     monkeypatch.setattr(parse, "normalize_plan", boom)
     with pytest.raises(ProposerError, match=r"could not be read \(IndexError: list index out of range\)"):
         parse_reply(answer("softmax_v1"), softmax_card())
+
+
+def _random_json(rng, depth: int = 0):
+    keys = ["kernels", "name", "grid", "block", "smem", "args", "in", "out", "ws", "i32", "i64", "f32", "bytes",
+            "zero", "workspace", "options", "cluster", "pdl", "cooperative", "blocks", "threads", "shared_mem", "x"]
+    leaves = [None, True, False, 0, -1, 1, 64, 2**40, 1.5, float("nan"), "", "64 bytes", "softmax_rows_block", "in0"]
+    r = rng.random()
+    if depth > 3 or r < 0.4:
+        return rng.choice(leaves)
+    if r < 0.7:
+        return [_random_json(rng, depth + 1) for _ in range(rng.randrange(4))]
+    return {rng.choice(keys): _random_json(rng, depth + 1) for _ in range(rng.randrange(5))}
+
+
+def test_random_plans_and_mangled_replies_are_feedback_from_the_checks_themselves():
+    """Nothing reaches the parser's last-resort net: every odd input gets a specific message."""
+    import random
+
+    from kforge.candidate import LaunchPlan
+    from kforge.errors import PlanError
+
+    rng = random.Random(27)
+    canonical = _reply(source("softmax_v1"), V1_PLAN)
+    for n in range(500):
+        value = _random_json(rng)
+        if n % 3 == 0:
+            value = {"kernels": [dict(V1_KERNEL, **(value if isinstance(value, dict) else {"args": value}))]}
+        try:
+            LaunchPlan.from_json(json.dumps(value))
+        except PlanError:
+            pass
+        text = canonical if n % 2 else _reply(source("softmax_v1"), json.dumps(value))
+        for _ in range(rng.randrange(4)):  # cut, duplicate or drop a piece of the reply
+            i, j = sorted(rng.randrange(len(text) + 1) for _ in range(2))
+            text = rng.choice([text[:i] + text[j:], text[:j] + text[i:j] + text[j:], text[:i] + "```" + text[i:]])
+        try:
+            parse_reply(text, softmax_card())
+        except ProposerError as e:
+            assert "could not be read" not in str(e), (text, str(e))
