@@ -51,7 +51,7 @@ def test_kernel_signatures_are_read_through_launch_bounds_and_comments():
      "every output must be written"),
     (_reply(source("softmax_v1"), dict(plan("softmax_v1"), kernels=[dict(plan("softmax_v1")["kernels"][0],
                                                                          args=[{"in": 0}, {"out": 0}, {"i64": 1}])])),
-     "passes {'i64': 1}, which needs a parameter of type"),
+     "passes {'i64': 1}, which needs a parameter of type long long"),
     (_reply(source("softmax_v1"), dict(plan("softmax_v1"), kernels=[dict(plan("softmax_v1")["kernels"][0],
                                                                          args=[{"in": 0}, {"i32": 0}, {"out": 0}])])),
      "passes scalar {'i32': 0} to a pointer parameter"),

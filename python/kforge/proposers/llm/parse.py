@@ -50,6 +50,7 @@ _SCALARS = {
     "f32": {"float"},
     "f64": {"double"},
 }
+_C_TYPE = {"i32": "int", "i64": "long long", "f32": "float", "f64": "double"}  # what to suggest
 _QUALIFIERS = re.compile(r"\b(const|volatile|__restrict__|__restrict|restrict)\b")
 
 # Plan keys as models write them, compared lower-case without '_' / '-' / ' '.
@@ -378,9 +379,8 @@ def check_bindings(plan: LaunchPlan, source: str) -> None:
                 raise ProposerError(f"kernel {k.name}, parameter {n} `{p.text}`: the plan passes scalar {arg} "
                                     "to a pointer parameter")
             if kind in _SCALARS and p.scalar_kind != kind:
-                want = " / ".join(sorted(_SCALARS[kind])[:3])
                 raise ProposerError(f"kernel {k.name}, parameter {n} `{p.text}`: the plan passes {arg}, which "
-                                    f"needs a parameter of type {want}")
+                                    f"needs a parameter of type {_C_TYPE[kind]}")
 
 
 def parse_reply(reply: str, card: Card, proposer: str = "llm") -> Candidate:
