@@ -32,6 +32,7 @@ class Step:
     usage: tuple[int, int] | None = (100, 50)  # (prompt, completion) tokens; None: no usage field
     finish_reason: str = "stop"
     delay_s: float = 0.0
+    reasoning: str | None = None  # sent as message.reasoning_content, as vLLM and DeepSeek do
 
 
 def reply(text: str, usage: tuple[int, int] | None = (100, 50), **kw: Any) -> Step:
@@ -132,6 +133,8 @@ class ScriptedLLMServer:
             "choices": [{"index": 0, "message": {"role": "assistant", "content": step.text},
                          "finish_reason": step.finish_reason}],
         }
+        if step.reasoning is not None:
+            out["choices"][0]["message"]["reasoning_content"] = step.reasoning
         if step.usage is not None:
             p, c = step.usage
             out["usage"] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
