@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from fakes import FAST_HW, FakeEvaluator, FakeProposer, toy_card
 
-from kforge.errors import BudgetExhausted, ProposerError
+from kforge.errors import BudgetExhausted, ProposerError, ProposerUnavailable
 from kforge.hardware import Hardware
 from kforge.log import SearchLog
 from kforge.search import Budget, search_card
@@ -278,3 +278,28 @@ def test_a_card_with_no_kernel_faster_than_eager_is_given_up(tmp_path):
     assert outcome.stop_reason == "iterations"
     outcome, _ = _search(tmp_path / "wins", budget=Budget(iterations=30, give_up=5))
     assert outcome.stop_reason != "no_gain"  # one valid kernel is enough to go on
+
+
+def test_a_proposer_service_that_stays_down_stops_the_card_and_one_that_refuses_stops_the_search(tmp_path):
+    class Down(FakeProposer):
+        asked = 0
+
+        def propose(self, ctx):
+            self.asked += 1
+            raise ProposerUnavailable("endpoint down", transient=True)
+
+    down = Down()
+    outcome, log = _search(tmp_path / "down", proposer=down, budget=Budget(iterations=100))
+    assert (outcome.stop_reason, outcome.stop_detail, down.asked) == ("unavailable", "endpoint down", 3)
+    assert log.rows("SELECT status, skip_reason FROM cards")[0][:] == ("failed", "the proposer gave no answer: "
+                                                                                  "endpoint down")
+
+    class Refused(FakeProposer):
+        def propose(self, ctx):
+            raise ProposerUnavailable("bad key")
+
+    with pytest.raises(ProposerUnavailable, match="bad key"):
+        _search(tmp_path / "refused", proposer=Refused())
+    log = SearchLog(tmp_path / "refused")
+    assert log.rows("SELECT status FROM cards")[0][0] == "searching"  # never 'done': no answer came
+    log.close()

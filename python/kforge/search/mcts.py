@@ -138,8 +138,10 @@ class _CardSearch:
                 self.log.event(self.run_id, "budget", str(e), card_id=self.card.id)
                 stop = e.reason
                 break
-            except ProposerUnavailable as e:  # transient, but it stayed so for unavailable_after asks
-                stop, detail = "unavailable", str(e)
+            except ProposerUnavailable as e:
+                if not e.transient:  # no later ask can do better: the run stops
+                    raise
+                stop, detail = "unavailable", str(e)  # it stayed down for unavailable_after asks
                 break
             it += 1
             self.log.note_iteration(self.run_id, self.card.id, it)
@@ -226,10 +228,11 @@ class _CardSearch:
         except Exception as e:  # any proposer bug or bad reply becomes a recorded failure
             self.log.event(self.run_id, "proposer_error", f"{what} failed: {type(e).__name__}: {e}",
                            level="warning", card_id=self.card.id)
-            if isinstance(e, ProposerUnavailable):
+            if isinstance(e, ProposerUnavailable):  # the service's fault, not the node's
                 self.unanswered += 1
                 if not e.transient or self.unanswered >= self.policy.unavailable_after:
                     raise
+                return None
             self._proposer_failed(leaf)
             return None
         self.unanswered = 0
