@@ -14,6 +14,7 @@ without the route). Every request is recorded with its headers and JSON body.
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections import deque
@@ -50,6 +51,14 @@ def slow(delay_s: float, step: Step | None = None) -> Step:
     step = step or reply("too late")
     step.delay_s = delay_s
     return step
+
+
+def closed_port_url() -> str:
+    """A 127.0.0.1 endpoint on which nothing listens: connections are refused at once."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/v1"
 
 
 @dataclass

@@ -5,7 +5,6 @@ limit whatever the server says, and a key that never leaks."""
 from __future__ import annotations
 
 import logging
-import socket
 import time
 
 import pytest
@@ -18,7 +17,7 @@ from kforge.proposers.llm import LLMClient, LLMConfig, LLMProposer
 from kforge.proposers.llm.client import MAX_CHARS_PER_TOKEN, prompt_ceiling
 from kforge.spend import Spend
 from llm_cards import answer, softmax_card
-from llm_server import ScriptedLLMServer, error, reply, slow
+from llm_server import ScriptedLLMServer, closed_port_url, error, reply, slow
 
 KEY = "sk-kforge-TEST-SECRET-0123456789"
 MESSAGES = [{"role": "user", "content": "x" * 4000}]
@@ -46,14 +45,6 @@ def make_client(server):
     yield make
     for c in clients:
         c.close()
-
-
-def closed_port_url() -> str:
-    """A 127.0.0.1 URL on which nothing listens: connections are refused at once."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}/v1"
 
 
 def test_reply_usage_and_cost(server, make_client):

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import socket
-import textwrap
 import time
 
 import pytest
@@ -19,24 +17,10 @@ from kforge.errors import ExitCode, LLMError
 from kforge.log import SearchLog, connect
 from kforge.verdict import EvalResult, Verdict
 from llm_cards import answer, group_norm_card, softmax_card
-from llm_server import ScriptedLLMServer, error, reply
+from llm_server import ScriptedLLMServer, closed_port_url, error, reply
+from test_cli import MODEL
 
 KEY = "sk-run-TEST-4242424242"
-
-MODEL = textwrap.dedent("""
-    import torch
-
-    class Tiny(torch.nn.Module):
-        def forward(self, x):
-            return torch.softmax(torch.relu(x) * 2.0, dim=-1)
-
-    def get_model():
-        return Tiny()
-
-    def get_inputs():
-        return (torch.randn(8, 64),)
-""")
-
 
 @pytest.fixture(autouse=True)
 def _llm_env(monkeypatch):
@@ -52,13 +36,6 @@ def model_file(tmp_path):
     path = tmp_path / "tiny.py"
     path.write_text(MODEL)
     return path
-
-
-def closed_port_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}/v1"
 
 
 def _run(argv, capsys) -> tuple[int, float, str]:

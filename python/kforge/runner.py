@@ -217,7 +217,11 @@ def run(model=None, example_inputs=None, out: str | Path | None = "model.cast", 
     """Capture `model` on `example_inputs`, search kernels for its cards and package the winners.
 
     proposer: "builtin", "llm", "llm:<model>" (options in proposer_options), or a callable
-      returning a Proposer (called once per evaluation worker).
+      returning a Proposer (called once per evaluation worker). For "llm", proposer_options
+      are LLMConfig settings (base_url, model, price=(prompt, completion) USD per 1M tokens,
+      max_reply_tokens, temperature or "none", top_p, reasoning_effort, extra_headers,
+      extra_body, config_file, ...); the endpoint is checked before the capture.
+    max_cost_usd: a hard limit on the run's LLM spend, checked before every call.
     resume: continue the run in `run_dir` from its cards and search log, without capturing.
     evaluator_factory(run_dir, device): the evaluator of one worker (device None: no GPU);
       default `default_evaluator`.
