@@ -160,16 +160,18 @@ def test_a_reply_that_is_all_reasoning_is_asked_for_the_code_not_brevity(server,
 
 def test_every_ask_is_a_row_in_llm_calls_with_its_cost(server, proposer, tmp_path):
     from kforge.log import SearchLog
+    from kforge.spend import Spend
 
     log = SearchLog(tmp_path)
     log.start_run("r1")
-    proposer.record_calls(log, "r1")
+    spend = Spend()
+    proposer.bind(log, "r1", spend)
     bad = [answer("softmax_v3_warp").replace('"workspace": []', f'"workspace": [{w}]') for w in ('"64 bytes"', "null")]
     server.push(*(reply(b, usage=(1000, 500)) for b in bad), reply(answer("softmax_v3_warp"), usage=(1000, 500)))
     proposal = proposer.propose(ProposalContext(softmax_card(), H200))
-    assert proposal.candidate.knobs["asks"] == 3 and proposal.prompt_tokens == 3000
+    assert proposal.candidate.knobs["asks"] == 3
     assert "workspace entry \"64 bytes\" must be a byte count" in server.requests[1].last_user
     rows = log.rows("SELECT status, prompt_tokens, completion_tokens, cost_usd FROM llm_calls WHERE run_id='r1'")
     assert [tuple(r) for r in rows] == [("ok", 1000, 500, pytest.approx(0.002))] * 3
-    assert log.llm_spend("r1")[1] == pytest.approx(proposal.cost_usd)
+    assert log.llm_spend("r1") == (4500, pytest.approx(spend.cost_usd)) and spend.cost_usd == pytest.approx(0.006)
     log.close()

@@ -15,6 +15,7 @@ from kforge.hardware import H200
 from kforge.log import SearchLog
 from kforge.proposers.base import ProposalContext, Tried
 from kforge.proposers.llm import LLMConfig, LLMProposer
+from kforge.spend import Spend
 from kforge.verdict import EvalResult, Verdict
 from llm_cards import softmax_card
 from llm_reply_styles import STYLES, Style
@@ -84,7 +85,7 @@ def replay(tmp_path_factory):
     with ScriptedLLMServer(api_key="k", models={MODEL}, responder=model) as server:
         proposer = LLMProposer(LLMConfig(model=MODEL, base_url=server.base_url, api_key="k", max_repair_attempts=1,
                                          prices={MODEL: PRICE}))
-        proposer.record_calls(log, "replay")
+        proposer.bind(log, "replay", Spend())
         try:
             outcomes = [_drive(proposer, server, steps, s) for s in STYLES]
             requests = len(server.requests)
