@@ -193,3 +193,22 @@ def test_compiled_model_runs_the_kernels_inductor_runs_the_rest_and_equals_eager
     torch.testing.assert_close(got, want)
     assert again.shape == want.shape
     assert len(launcher.calls) == 2 and pkg.cards[0].counters.hits == 2  # the kernel ran each forward
+
+
+def test_where_kforge_dispatch_serves_it_the_custom_op_is_its_cpp_kernel(monkeypatch):
+    _dispatch = pytest.importorskip("kforge._dispatch", reason="kforge._dispatch is not built")
+    from test_dispatch_native import RELU, NativeLauncher, calls
+
+    monkeypatch.delenv("KFORGE_DISPATCH", raising=False)
+    x = torch.randn(4, 8)
+    launcher = NativeLauncher(RELU)
+    pkg = fake_package(make_card(aten.relu.default, x))
+    (rewrite,) = inductor._rewrites(pkg, launcher)
+    op = rewrite.match(aten.relu.default, (x,), {})
+    before = calls()
+    torch.testing.assert_close(op(x), x.clamp(min=0))
+    assert calls() == before + 1 and launcher.python_calls == 0  # the C++ launcher ran it, no Python kernel
+    shifted = torch.randn(33)[1:].view(4, 8)
+    torch.testing.assert_close(op(shifted), shifted.clamp(min=0))  # the C++ guard's miss: eager's relu
+    assert calls() == before + 1 and launcher.python_calls == 0
+    assert pkg.cards[0].counters.hits == 1 and pkg.cards[0].counters.fallbacks == {"alignment": 1}

@@ -9,6 +9,10 @@ op has no CPU kernel), launches through the package's launcher (Variant.run: out
 caching allocator, the current stream, no host sync), so it records into CUDA graphs and
 cudagraph trees. A pointer's alignment is the one guard a traced graph cannot see: an input
 whose alignment is not the card's goes to eager's op, counted as an "alignment" fallback.
+Where kforge._dispatch can serve the op (its launcher has native()), the op's kernel at that
+key is the C++ boxed one, exactly as an overridden aten op's (dispatch.Dispatcher): host cost
+per call as an eager override's hit, and the Python implementation below it only serves the
+misses the C++ guard has already counted.
 
 Only functional cards become ops: a compiled graph is functional, so an in-place or out= call
 never appears in it as the card recorded it.
@@ -21,14 +25,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .cards import Card
-from .dispatch import _ALIGN, DispatchError, Variant
+from .cards import ArgSpec, Card
+from .dispatch import _ALIGN, Dispatcher, DispatchError, Variant, _native_variants
 
 NAMESPACE = "kforge"
 
 _lock = threading.Lock()
 _lib: torch.library.Library | None = None
 _ops: dict[str, "_KernelOp"] = {}
+_native: dict[str, Dispatcher] = {}  # device key -> the C++ kernels in front of the ops' Python ones
 
 
 def op_blocker(card: Card) -> str | None:
@@ -47,10 +52,13 @@ class _KernelOp:
     """One op's binding: the variant whose launcher serves it (the last package to bind it)."""
 
     variant: Variant
+    native: bool = False  # kforge._dispatch's kernel is in front: calls reaching this one missed, and are counted
 
     def __call__(self, *ins: torch.Tensor):
         v = self.variant
-        if any(_ALIGN[t.data_ptr() & 15] != m.align for t, m in zip(ins, v.card.inputs)):
+        if self.native:
+            outs = v.card.call_eager(list(ins))
+        elif any(_ALIGN[t.data_ptr() & 15] != m.align for t, m in zip(ins, v.card.inputs)):
             v.counters.fell_back("alignment")
             outs = v.card.call_eager(list(ins))
         else:
@@ -93,4 +101,27 @@ def kernel_op(variant: Variant, kernel_digest: str) -> torch._ops.OpOverload:
             _lib.impl(name, bound, "CUDA" if card.device_type == "cuda" else "CPU")
             torch.library.register_fake(f"{NAMESPACE}::{name}", bound.fake, lib=_lib)
             _ops[name] = bound
-    return getattr(getattr(torch.ops, NAMESPACE), name).default
+        op = getattr(getattr(torch.ops, NAMESPACE), name).default
+        _serve_natively(bound, op)
+    return op
+
+
+def _serve_natively(bound: _KernelOp, op: torch._ops.OpOverload) -> None:
+    """Put kforge._dispatch's kernel in front of the op's Python one, guarding the op's own
+    arguments (the card's tensors), where it can serve the bound variant; else leave the Python one."""
+    v = bound.variant
+    key = "CUDA" if v.card.device_type == "cuda" else "CPU"
+    dispatcher = _native.setdefault(key, Dispatcher(key))
+    if dispatcher.owns(bound):
+        dispatcher.remove(bound)
+    bound.native = False
+    schema = op._schema
+    own = Card(op=f"{schema.name}.default", schema=str(schema), outputs=list(v.card.outputs), arch=v.card.arch,
+               args=[ArgSpec(a.name, "tensor", tensor=m) for a, m in zip(schema.arguments, v.card.inputs)])
+    variant = Variant(own, v.vid, v.launcher, v.workspace, v.counters)
+    if _native_variants([variant], key)[0] is None:
+        return
+    dispatcher.add(bound, [variant])
+    bound.native = dispatcher.path(own.op)[0] == "native"
+    if not bound.native:  # kforge._dispatch refused it: a Python override over the Python op would only cost time
+        dispatcher.remove(bound)
