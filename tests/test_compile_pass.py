@@ -19,7 +19,7 @@ import kforge
 from kforge import customops, inductor
 from kforge.candidate import Candidate, LaunchPlan
 from kforge.package import CastPackage, PackagedCard
-from test_dispatch import FakeLauncher, make_card, relu_kernel, softmax_kernel
+from test_dispatch import FakeLauncher, make_card, relu_kernel, softmax_kernel, to_copy_card
 
 aten = torch.ops.aten
 
@@ -92,6 +92,14 @@ def test_a_scalar_argument_and_an_alignment_outside_the_card_are_left_to_inducto
     gm = traced(fn, x, torch.randn(40), rewrites=rewrites)
     assert sum(r(gm.graph) for r in rewrites) == 1
     assert [n.args[0].name for n in kernel_nodes(gm)] == ["x_1"]
+
+
+def test_a_device_argument_naming_another_device_index_is_left_to_inductor():
+    x = torch.randn(4, 8)
+    pkg = fake_package(to_copy_card(x, torch.device("cpu")))
+    (rewrite,) = inductor._rewrites(pkg, FakeLauncher(lambda ins, outs: outs[0].copy_(ins[0])))
+    assert rewrite.match(aten._to_copy.default, (x,), {"dtype": x.dtype, "device": torch.device("cpu")}) is not None
+    assert rewrite.match(aten._to_copy.default, (x,), {"dtype": x.dtype, "device": torch.device("cpu", 1)}) is None
 
 
 def test_fallback_and_in_place_cards_stay_out_of_graphs():

@@ -29,6 +29,7 @@ torch.compile and options() is empty, each with a CompileFallbackWarning that sa
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import logging
@@ -39,7 +40,7 @@ import torch
 
 from . import customops
 from .cards import TensorMeta, dtype_name, pointer_alignment
-from .dispatch import Launcher, Variant, _guard_key, _meta_key, _slot_kind, _value_key
+from .dispatch import Launcher, Variant, _guard_key, _meta_key, _slot_kind, _unrunnable, _value_key
 from .errors import KforgeError
 
 try:
@@ -132,11 +133,11 @@ class OpRewrite:
     """Nodes whose call hits a single-op card's guard, each replaced by the card's custom op."""
 
     def __init__(self, sites: Sequence[tuple[Variant, torch._ops.OpOverload]]):
-        self._tables: dict[torch._ops.OpOverload, dict[tuple, torch._ops.OpOverload]] = {}
+        self._tables: dict[torch._ops.OpOverload, dict[tuple, tuple[torch._ops.OpOverload, Variant]]] = {}
         for v, kernel in sites:  # later sites win on equal keys, as in eager dispatch
             op = v.card.overload()
-            self._tables.setdefault(op, {})[_guard_key(v.card, op._schema)] = kernel
-        self.key = ",".join(sorted(str(k) for table in self._tables.values() for k in table.values()))
+            self._tables.setdefault(op, {})[_guard_key(v.card, op._schema)] = kernel, v
+        self.key = ",".join(sorted(str(k) for table in self._tables.values() for k, _ in table.values()))
 
     @property
     def ops(self) -> list[torch._ops.OpOverload]:
@@ -154,7 +155,13 @@ class OpRewrite:
             key = tuple(_GRAPH_KEY_FNS[_slot_kind(a)](x) for a, x in zip(arguments, vals))
         except _NoKey:
             return None
-        return table.get(key)
+        kernel, v = table.get(key, (None, None))
+        if kernel is None:
+            return None
+        # What a key cannot see, as eager dispatch checks it (inputs on one device, a device argument naming it).
+        ins = [t for t in _tensor_args(op, args, kwargs) if t is not None]
+        devices = [x for a, x in zip(arguments, vals) if "Device" in str(a.type)]
+        return None if _unrunnable(v, ins, devices) else kernel
 
     def __call__(self, graph: torch.fx.Graph) -> int:
         replaced = 0
@@ -169,6 +176,9 @@ class OpRewrite:
             with graph.inserting_before(node):
                 new = graph.call_function(kernel, tuple(inputs))
             new.meta.update(node.meta)
+            fakes = [x.meta["val"] for x in inputs]
+            with torch._guards.detect_fake_mode(fakes) or contextlib.nullcontext():
+                new.meta["val"] = kernel(*fakes)  # the card's outputs, as Inductor will lay them out
             node.replace_all_uses_with(new)
             graph.erase_node(node)
             replaced += 1
