@@ -183,7 +183,6 @@ class GroupNormReLU(torch.nn.Module):
         return torch.relu(self.norm(x)) * 2
 
 
-@pytest.mark.filterwarnings("ignore:.*torch.jit.script.* is deprecated:FutureWarning")
 def test_compiled_model_runs_the_kernels_inductor_runs_the_rest_and_equals_eager():
     torch._dynamo.reset()
     model = GroupNormReLU().eval()

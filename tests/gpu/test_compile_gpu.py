@@ -11,7 +11,7 @@ import kforge
 from kforge.package import load
 from test_dispatch_gpu import D, ROWS, packages  # noqa: F401 (packages is a fixture)
 
-pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:.*torch.jit.script.* is deprecated:FutureWarning")]
+pytestmark = pytest.mark.gpu
 
 
 def model() -> nn.Module:
