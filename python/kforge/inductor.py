@@ -40,7 +40,8 @@ import torch
 
 from . import customops
 from .cards import TensorMeta, dtype_name, pointer_alignment
-from .dispatch import Launcher, Variant, _guard_key, _meta_key, _slot_kind, _unrunnable, _value_key
+from .dispatch import (Launcher, Variant, _guard_key, _meta_key, _slot_kind, _tensor_key, _unrunnable,
+                       _value_key)
 from .errors import KforgeError
 
 try:
@@ -92,7 +93,7 @@ def _graph_tensor_key(t: Any) -> Any:
     """The guard key of a traced tensor: described as a card describes a tensor, keyed by the
     function that keys the card's."""
     if not isinstance(t, torch.Tensor):
-        return _value_key(t) if t is None else ("not a tensor", type(t).__name__)
+        return _tensor_key(t)  # None, or a Python scalar where the schema says Tensor
     if t.is_conj() or t.is_neg():
         return ("conjugate or negative view",)
     shape, stride = _static(t.shape), _static(t.stride())
@@ -164,6 +165,8 @@ class OpRewrite:
         return None if _unrunnable(v, ins, devices) else kernel
 
     def __call__(self, graph: torch.fx.Graph) -> int:
+        from torch._guards import detect_fake_mode
+
         replaced = 0
         for node in list(graph.nodes):
             if node.op != "call_function" or node.target not in self._tables:
@@ -177,7 +180,7 @@ class OpRewrite:
                 new = graph.call_function(kernel, tuple(inputs))
             new.meta.update(node.meta)
             fakes = [x.meta["val"] for x in inputs]
-            with torch._guards.detect_fake_mode(fakes) or contextlib.nullcontext():
+            with detect_fake_mode(fakes) or contextlib.nullcontext():
                 new.meta["val"] = kernel(*fakes)  # the card's outputs, as Inductor will lay them out
             node.replace_all_uses_with(new)
             graph.erase_node(node)
@@ -206,13 +209,11 @@ class KforgePass(_PassBase):
 
     def __init__(self, digest: str, rewrites: Sequence[Rewrite], *, keeps_whole: bool):
         self.rewrites = list(rewrites)
-        self.replaced = 0  # sites replaced in the graphs this pass rewrote (a cached graph is not rewritten)
         state = f"{PASS_VERSION}|{digest}|{int(keeps_whole)}|" + "|".join(r.key for r in self.rewrites)
         self._uuid = hashlib.sha256(state.encode()).hexdigest()
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         n = sum(rewrite(graph) for rewrite in self.rewrites)
-        self.replaced += n
         log.debug("kforge pass: %d sites replaced by kforge kernels", n)
 
     def uuid(self) -> str:
@@ -223,7 +224,7 @@ def _rewrites(package: Any, launcher: Launcher | None) -> list[Rewrite]:
     """The package's rewrites: its single-op cards' today; region cards add theirs here."""
     dispatched = [c for c in package.cards if c.dispatched]
     sites = []
-    for c, v in zip(dispatched, package.variants(launcher) if dispatched else []):
+    for c, v in zip(dispatched, package.variants(launcher)):
         why = customops.op_blocker(c.card)
         if why:
             log.info("card %s stays out of compiled graphs: %s", c.id, why)
@@ -238,7 +239,7 @@ def _decompositions(rewrites: Sequence[Rewrite]) -> dict:
 
     table = dict(select_decomp_table())
     for rewrite in rewrites:
-        for op in getattr(rewrite, "ops", ()):
+        for op in getattr(rewrite, "ops", ()):  # a region's rewrite matches decomposed graphs: it has none
             if op in table:
                 table[op] = _keep_whole(rewrite, op, table[op])
     return table
