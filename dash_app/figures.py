@@ -72,3 +72,26 @@ def latency_figure(card: dict, history: list[dict]) -> go.Figure:
                       uirevision="keep")  # keep the user's zoom across live updates
     fig.update_yaxes(type="log")
     return fig
+
+
+SHARE_BARS = 15  # cards in the share chart; the table lists them all
+
+
+def share_figure(cards: list[dict]) -> go.Figure:
+    """The cards' shares of the captured runtime, largest first, colored by what the search did:
+    with a winner (best speedup), searched, waiting, or skipped (view ops, vendor libraries)."""
+    top = sorted((c for c in cards if c["share"]), key=lambda c: -c["share"])[:SHARE_BARS]
+
+    def color(c: dict) -> str:
+        if c["best_speedup"] and c["best_speedup"] > 1:
+            return "#2e7d32"
+        return {"skipped": "#cbd5e1", "pending": "#93c5fd"}.get(c["status"], "#6366f1")
+
+    fig = go.Figure(go.Bar(
+        x=[100 * c["share"] for c in top], y=[f"{c['op_name']} · {c['card_id'][:6]}" for c in top], orientation="h",
+        marker_color=[color(c) for c in top], customdata=[c["summary"] for c in top],
+        hovertemplate="%{customdata}<br>%{x:.1f} % of runtime<extra></extra>"))
+    fig.update_layout(height=max(160, 22 * len(top) + 60), margin={"l": 10, "r": 20, "t": 30, "b": 30},
+                      template="plotly_white", title={"text": "share of captured runtime (%)", "font": {"size": 13}},
+                      yaxis={"autorange": "reversed", "automargin": True}, uirevision="keep")
+    return fig
