@@ -247,6 +247,26 @@ class Catalog:
                 return r
         raise NotFound(f"no run {run_id!r}; pick one on the runs page")
 
+    def compare(self, a: str, b: str) -> list[dict]:
+        """Two runs' cards side by side, matched by op and argument summary (card ids differ
+        between devices), largest share in either run first."""
+        def keyed(run_id: str) -> dict[tuple[str, int], dict]:
+            seen: dict[str, int] = {}
+            out = {}
+            for c in self.cards(run_id):
+                n = seen[c["summary"]] = seen.get(c["summary"], -1) + 1
+                out[(c["summary"], n)] = c
+            return out
+
+        ca, cb = keyed(a), keyed(b)
+        rows = []
+        for key in dict.fromkeys([*ca, *cb]):
+            x, y = ca.get(key, {}), cb.get(key, {})
+            rows.append({"summary": key[0], "card_a": x.get("card_id"), "card_b": y.get("card_id"),
+                         **{f"{k}_{side}": c.get(k) for side, c in (("a", x), ("b", y))
+                            for k in ("share", "status", "eager_us", "best_us", "best_speedup")}})
+        return sorted(rows, key=lambda r: -max(r["share_a"] or 0, r["share_b"] or 0))
+
     @_ttl
     def run_config(self, run_id: str) -> dict:
         (row,) = self._q(run_id, "SELECT config_json FROM runs WHERE id=?", (run_id,))
@@ -356,6 +376,12 @@ class Catalog:
             out.append({"id": c["id"], "iteration": c["iteration"], "verdict": c["verdict"],
                         "kernel_us": c["kernel_us"], "best_us": best if math.isfinite(best) else None})
         return out
+
+    @_ttl
+    def timeline(self, run_id: str) -> list[dict]:
+        """Every candidate of the run in the order it was evaluated: card, time, verdict, speedup."""
+        return self._q(run_id, "SELECT id, card_id, created, verdict, speedup FROM candidates WHERE run_id=? "
+                               "ORDER BY created, id", (run_id,))
 
     # ---- failures, events, providers ------------------------------------------------------
     @_ttl

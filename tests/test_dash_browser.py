@@ -176,6 +176,23 @@ def test_proposer_errors_show_on_failures_and_providers(duo, others):
     no_console_errors(duo)
 
 
+def test_timeline_and_compare_pages(duo, runs, others):
+    written, real = runs
+    open_page(duo, f"/timeline?run={written.run_id}", "#timeline-best")
+    duo.wait_for_contains_text("#timeline-best", "best speedup per card over time")
+    duo.wait_for_contains_text("#timeline-rate", "candidates per minute")
+    duo.wait_for_contains_text("#timeline-share", "with winners")
+    _, compile_only, _ = others
+    open_page(duo, f"/timeline?run={compile_only.run_id}", "#timeline-best")
+    duo.wait_for_contains_text("#timeline-best", "nothing timed; run on a GPU")
+    open_page(duo, f"/compare?a={written.run_id}&b={real.run_id}", "#compare-table")
+    duo.wait_for_contains_text("#compare-kv", written.run_id)
+    duo.wait_for_contains_text("#compare-kv", "NVIDIA H200")
+    duo.wait_for_contains_text("#compare-table", "gelu")
+    fits_the_window(duo)
+    no_console_errors(duo)
+
+
 def test_tables_fit_at_1400_px(duo, runs):
     written, _ = runs
     for page in ("", f"cards?run={written.run_id}", f"card?run={written.run_id}&card={written.searched[0]}",
@@ -278,6 +295,7 @@ def test_screenshots(duo, runs, tmp_path):
     pages = {
         "runs": ("/", "#runs-table", written.run_id),
         "cards": (f"/cards?run={run}", "#cards-table", "gelu"),
+        "timeline": (f"/timeline?run={run}", "#timeline-share", "with winners"),
         "card": (f"/card?run={run}&card={main}", "#card-table", "blockDimx"),
         "candidate": (f"/candidate?run={run}&id={best}", "#cand-title", "Candidate"),
         "candidate_repair": (f"/candidate?run={run}&id={repair}", "#cand-title", "Candidate"),

@@ -367,3 +367,39 @@ def test_compile_only_run_has_no_floor_and_says_to_run_on_a_gpu(tmp_path):
     assert all(c["floor_us"] is None and c["best_floor_pct"] is None for c in cat.cards(run.run_id))
     assert "untimed" not in {g["verdict"] for g in cat.failures(run.run_id)}  # compiled fine: not a failure
     assert "nothing timed" in cat.package(run.run_id)["error"]
+
+
+def test_run_plots_best_speedup_over_time_rate_and_share_before_after(cat, demo, tmp_path):
+    run, cards, timeline = cat.run(demo.run_id), cat.cards(demo.run_id), cat.timeline(demo.run_id)
+    assert len(timeline) == run["candidates"] and [t["created"] for t in timeline] == sorted(t["created"]
+                                                                                              for t in timeline)
+    best = figures.best_over_time_figure(run, cards, timeline, "unused")
+    assert len(best.data) == 3  # the three cards with a valid kernel
+    for trace in best.data:
+        assert list(trace.y) == sorted(trace.y) and list(trace.x) == sorted(trace.x)
+    assert max(max(t.y) for t in best.data) == pytest.approx(2.9)
+    rate = figures.rate_figure(run, timeline, "unused")
+    assert sum(sum(t.y) for t in rate.data) == len(timeline)
+    share = figures.share_before_after_figure(cards)
+    before, after = (sum(t.x[i] for t in share.data) for i in (0, 1))
+    saved = sum(c["share"] * (1 - 1 / c["best_speedup"]) for c in cards if c["best_speedup"])
+    assert before - after == pytest.approx(100 * saved) and 1 / (1 - saved) == pytest.approx(run["est_speedup"])
+
+    compile_only = make_compile_only_run(tmp_path)
+    other = Catalog([compile_only.run_dir], ttl_s=0)
+    info = other.run(compile_only.run_id)
+    empty = figures.best_over_time_figure(info, other.cards(compile_only.run_id), other.timeline(compile_only.run_id),
+                                          info["next"])
+    assert not empty.data and "nothing timed; run on a GPU" in empty.layout.annotations[0].text
+
+
+def test_compare_matches_cards_of_two_runs_by_op_and_arguments(demo, tmp_path):
+    compile_only = make_compile_only_run(tmp_path)
+    cat = Catalog([demo.run_dir, compile_only.run_dir], ttl_s=0)
+    rows = cat.compare(demo.run_id, compile_only.run_id)
+    gelu = next(r for r in rows if r["summary"].startswith("gelu"))
+    assert gelu["card_a"] == demo.searched[0] and gelu["card_b"] is not None
+    assert gelu["best_speedup_a"] == pytest.approx(2.9) and gelu["best_speedup_b"] is None
+    assert gelu["status_b"] == "done" and gelu["share_b"] is not None
+    assert [max(r["share_a"] or 0, r["share_b"] or 0) for r in rows] == sorted(
+        (max(r["share_a"] or 0, r["share_b"] or 0) for r in rows), reverse=True)
