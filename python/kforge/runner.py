@@ -212,7 +212,7 @@ def run(model=None, example_inputs=None, out: str | Path | None = "model.cast", 
         max_cost_usd: float | None = None, seed: int = 0, progress: bool = True, *,
         proposer_options: dict | None = None, evaluator_factory: EvaluatorFactory | None = None,
         cards: Sequence[str] | None = None, ops: Sequence[str] | None = None, console: Console | None = None,
-        model_name: str | None = None, check_model: bool = True) -> RunResult:
+        model_name: str | None = None, check_model: bool = True, regions: bool = False) -> RunResult:
     """Capture `model` on `example_inputs`, search kernels for its cards and package the winners.
 
     proposer: "builtin", "llm", "llm:<model>" (options in proposer_options), or a callable
@@ -224,6 +224,8 @@ def run(model=None, example_inputs=None, out: str | Path | None = "model.cast", 
     ops: only search cards whose op name contains one of these (e.g. ["softmax", "group_norm"]).
     check_model: when a package was written, time the model's forward eager and with the
       package (kforge.modelcheck) and say in result.model_check whether it is faster.
+    regions: also capture region cards (fused multi-op regions, kforge.region_capture) and
+      search them like any card.
     Ctrl-C raises RunInterrupted (a KeyboardInterrupt) after marking the run interrupted.
     """
     iterations, min_share = _check_options(iterations, min_share, wall_time_s, max_cost_usd)
@@ -237,7 +239,7 @@ def run(model=None, example_inputs=None, out: str | Path | None = "model.cast", 
             _make_proposer(proposer, proposer_options or {}).close()
         from .capture import capture
 
-        run_dir = capture(model, example_inputs, run_dir).run_dir
+        run_dir = capture(model, example_inputs, run_dir, regions=regions).run_dir
         model_name = model_name or type(model).__name__
     result = search_run(run_dir, out=out, proposer=proposer, iterations=iterations, min_share=min_share,
                         include_vendor=include_vendor, devices=devices, wall_time_s=wall_time_s,
