@@ -154,12 +154,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir without capturing")
     p.add_argument("--no-model-check", action="store_true",
                    help="do not time the model eager and with the package at the end")
+    p.add_argument("--regions", action="store_true",
+                   help="also trace the model and write a card per fused multi-op region (experimental)")
     _search_options(p)
 
     p = sub.add_parser("capture", help="record the operators a model runs as cards", parents=[scripted])
     p.add_argument("model", help="model.py (defining get_model() and get_inputs()) or pkg.module:factory")
     p.add_argument("--run-dir", type=Path,
                    help="where the cards go (created; default: a new temporary directory, printed at the end)")
+    p.add_argument("--regions", action="store_true",
+                   help="also trace the model and write a card per fused multi-op region (experimental)")
 
     p = sub.add_parser("search", help="search kernels for the cards of a run directory",
                        parents=[_output_options(False, table=True)])
@@ -326,7 +330,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         with _stage_printer(args, err, "capture") as say:
             kwargs["capture_progress"] = say
             result = runner.run(model, inputs, out=args.out, run_dir=args.run_dir, model_name=args.model,
-                                check_model=not args.no_model_check, **kwargs)
+                                check_model=not args.no_model_check, regions=args.regions, **kwargs)
     return _report(result, console, args)
 
 
@@ -353,10 +357,12 @@ def cmd_capture(args: argparse.Namespace, console: Console) -> int:
     with _stage_printer(args, err, "capture") as say:
         say(f"loading {args.model}")
         model, inputs = load_model_spec(args.model)
-        result = capture(model, inputs, args.run_dir, progress=say)
+        result = capture(model, inputs, args.run_dir, progress=say, regions=args.regions)
     if args.json:
         return _emit({**result.to_json(), "cards": [_card_json(c) for c in result.cards]})
     console.print(_cards_table(result.cards, args))
+    for note in result.notes if args.regions else ():
+        err.print(f"[yellow]{escape(note)}[/]", soft_wrap=True)
     console.print(f"{len(result.cards)} cards written to {result.run_dir}")
     return 0
 

@@ -228,7 +228,7 @@ def run(model=None, example_inputs=None, out: str | Path | None = "model.cast", 
         proposer_options: dict | None = None, evaluator_factory: EvaluatorFactory | None = None,
         cards: Sequence[str] | None = None, ops: Sequence[str] | None = None, console: Console | None = None,
         model_name: str | None = None, check_model: bool = True,
-        capture_progress: Callable[[str], None] | None = None) -> RunResult:
+        capture_progress: Callable[[str], None] | None = None, regions: bool = False) -> RunResult:
     """Capture `model` on `example_inputs`, search kernels for its cards and package the winners.
 
     proposer: "builtin", "llm", "llm:<model>" (options in proposer_options), or a callable
@@ -245,6 +245,8 @@ def run(model=None, example_inputs=None, out: str | Path | None = "model.cast", 
     check_model: when a package was written, time the model's forward eager and with the
       package (kforge.modelcheck) and say in result.model_check whether it is faster.
     capture_progress: called with a line as each stage of the capture starts.
+    regions: also capture region cards (fused multi-op regions, kforge.region_capture) and
+      search them like any card.
     Ctrl-C raises RunInterrupted (a KeyboardInterrupt) after marking the run interrupted.
     """
     iterations, min_share = _check_options(iterations, min_share, wall_time_s, max_cost_usd)
@@ -262,7 +264,7 @@ def run(model=None, example_inputs=None, out: str | Path | None = "model.cast", 
                 trial.close()
         from .capture import capture
 
-        run_dir = capture(model, example_inputs, run_dir, progress=capture_progress).run_dir
+        run_dir = capture(model, example_inputs, run_dir, progress=capture_progress, regions=regions).run_dir
         model_name = model_name or type(model).__name__
     result = search_run(run_dir, out=out, proposer=proposer, iterations=iterations, min_share=min_share,
                         include_vendor=include_vendor, devices=devices, wall_time_s=wall_time_s,
