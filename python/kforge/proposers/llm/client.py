@@ -19,7 +19,8 @@ worst case too; refused connections and HTTP errors cost nothing. A reply is cut
 MAX_CHARS_PER_TOKEN characters per allowed token before anything parses or stores it.
 
 The API key never appears in a record, a message or a log line: any text that comes back
-from the server is scrubbed of it (and of extra header values) before it goes anywhere.
+from the server, the reply included, goes through redact.scrub (which knows the key and the
+extra header values) before it goes anywhere.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ...errors import ProposerUnavailable
+from ...redact import register, scrub
 from ...spend import Hold, Spend
 from .config import LLMConfig
 
@@ -121,6 +123,10 @@ class LLMClient:
         self._sleep = sleep
         self._rng = rng or random.Random()
         self._openai = openai
+        # Servers echo keys in error bodies, and replies may repeat them: scrub() masks these too.
+        register(config.api_key.reveal() if config.api_key else None)
+        for value in config.extra_headers.values():
+            register(str(value))
         self._client = openai.OpenAI(base_url=config.base_url, api_key=config.key_for_client(),
                                      timeout=config.timeout_s, max_retries=0)
         # Request parameters; _adapt() rewrites them once each if the model rejects one.
@@ -246,6 +252,8 @@ class LLMClient:
         if len(text) > cap:
             logger.warning("LLM reply of %d characters cut to %d (%d tokens allowed)", len(text), cap, worst_reply)
             text, finish = text[:cap], "length"
+        # A reply that repeats a secret must not carry it into the log or the next prompt.
+        text = scrub(text, limit=None)
         prompt, completion = plausible or (worst_prompt, worst_reply)
         if plausible is None:
             logger.warning("LLM usage missing or implausible for %s; charged the worst case (%d + %d tokens)",
@@ -293,12 +301,12 @@ class LLMClient:
         if isinstance(e, o.APITimeoutError):
             return _Transient(f"timed out after {self.config.timeout_s:g} s", None)
         if isinstance(e, o.APIConnectionError):
-            return _Transient(f"cannot connect to {url}: {self._scrub(_one_line(str(e.__cause__ or e)))}", None)
+            return _Transient(f"cannot connect to {url}: {scrub(_one_line(str(e.__cause__ or e)))}", None)
         if not isinstance(e, o.APIStatusError):
-            return _Transient(f"unexpected reply from {url}: {self._scrub(_one_line(str(e)))}", None)
+            return _Transient(f"unexpected reply from {url}: {scrub(_one_line(str(e)))}", None)
         status = e.status_code
         if status in RETRY_STATUS or status >= 500:
-            return _Transient(f"HTTP {status}: {self._scrub(_detail(e))}", _retry_after(e.response.headers))
+            return _Transient(f"HTTP {status}: {scrub(_detail(e))}", _retry_after(e.response.headers))
         return self._unavailable(e)
 
     def _unavailable(self, e: Exception) -> ProposerUnavailable:
@@ -306,10 +314,10 @@ class LLMClient:
         o = self._openai
         url, model = self.config.base_url, self.config.model
         if isinstance(e, (o.APITimeoutError, o.APIConnectionError)) or not isinstance(e, o.APIStatusError):
-            why = "timed out" if isinstance(e, o.APITimeoutError) else self._scrub(_one_line(str(e.__cause__ or e)))
+            why = "timed out" if isinstance(e, o.APITimeoutError) else scrub(_one_line(str(e.__cause__ or e)))
             return ProposerUnavailable(f"cannot reach the LLM endpoint {url} ({why}); start the server or fix "
                                        "--llm-base-url / KFORGE_LLM_BASE_URL", transient=True)
-        status, detail = e.status_code, self._scrub(_detail(e))
+        status, detail = e.status_code, scrub(_detail(e))
         if status in (401, 403):
             return ProposerUnavailable(f"{url} refused the API key (HTTP {status}: {detail}); "
                                        "check KFORGE_LLM_API_KEY (or OPENAI_API_KEY)")
@@ -334,14 +342,6 @@ class LLMClient:
         if retry_after is not None:
             return min(retry_after, self.config.max_retry_wait_s)
         return min(self.config.max_retry_wait_s, BACKOFF_BASE_S * 2 ** attempt) * self._rng.uniform(0.5, 1.0)
-
-    def _scrub(self, text: str) -> str:
-        """Servers may echo the key (or a header's credential) in error bodies; never let it travel further."""
-        secrets = [self.config.api_key.reveal()] if self.config.api_key else []
-        secrets += [v for v in self.config.extra_headers.values() if isinstance(v, str) and len(v) >= 8]
-        for secret in secrets:
-            text = text.replace(secret, "***")
-        return text
 
 
 def _plausible_usage(usage, worst_prompt: int, worst_reply: int, reply_chars: int) -> tuple[int, int] | None:
