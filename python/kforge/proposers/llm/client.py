@@ -196,7 +196,9 @@ class LLMClient:
         try:
             listed = [m.id for m in quick.models.list()]
         except o.OpenAIError as e:
-            if not (isinstance(e, o.APIStatusError) and e.status_code in (404, 405, 501)):  # 404..: no model list
+            # Some endpoints have no model list, or guard it otherwise than completions: only
+            # an endpoint that cannot be reached at all is judged by it.
+            if not isinstance(e, o.APIStatusError):
                 raise self._unavailable(e) from None
         if self.config.model in {name.removeprefix("models/") for name in listed}:
             return
