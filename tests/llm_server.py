@@ -35,6 +35,7 @@ class Step:
     usage: tuple[int, int] | str | None = "auto"
     finish_reason: str = "stop"
     delay_s: float = 0.0
+    reasoning: str | None = None  # sent as message.reasoning_content, as vLLM and DeepSeek do
     body: Any = None  # the whole error body, for shapes other than OpenAI's {"error": {"message"}}
 
 
@@ -151,6 +152,8 @@ class ScriptedLLMServer:
             "choices": [{"index": 0, "message": {"role": "assistant", "content": step.text},
                          "finish_reason": step.finish_reason}],
         }
+        if step.reasoning is not None:
+            out["choices"][0]["message"]["reasoning_content"] = step.reasoning
         if step.usage is not None:
             # A real reply takes about a token per 4 characters (the client doubts far fewer).
             p, c = (100, max(50, len(step.text) // 4)) if step.usage == "auto" else step.usage

@@ -77,7 +77,7 @@ def test_compile_failure_repaired_then_revised_faster(server, proposer):
 
 
 @pytest.mark.parametrize("bad, problem", [
-    ("I'd use one warp per row; shall I write it?", "exactly one ```cuda block"),
+    ("I'd use one warp per row; shall I write it?", "found no ```cuda block"),
     (answer("softmax_v3_warp").replace('"grid": [512, 1, 1]', '"grid": [512, 1, 1],,'), "not valid JSON"),
     (answer("softmax_v3_warp").replace('"name": "softmax_warp_row"', '"name": "softmax_warp"'),
      'launches "softmax_warp" but the source defines no'),
@@ -97,7 +97,7 @@ def test_malformed_replies_are_fed_back_and_recovered(server, proposer, bad, pro
 def test_duplicates_and_truncation_are_explained_and_asks_are_bounded(server, proposer):
     seen = parse_reply(answer("softmax_v1"), softmax_card(), "llm:coder")
     server.push(reply(answer("softmax_v1")), reply("```cuda\nextern", finish_reason="length"), reply("no idea"))
-    with pytest.raises(ProposerError, match=r"no usable answer in 3 asks.*the last problem: expected exactly one"):
+    with pytest.raises(ProposerError, match=r"no usable answer in 3 asks.*the last problem: found no ```cuda block"):
         proposer.propose(ProposalContext(softmax_card(), H200, tried_digests={seen.digest()}))
     feedback = [r.last_user for r in server.requests[1:]]
     assert "identical to a kernel already evaluated" in feedback[0]
@@ -145,3 +145,33 @@ def test_get_proposer_builds_it_from_the_environment(server, monkeypatch):
         assert plan("softmax_v3_warp")["kernels"][0]["grid"] == [512, 1, 1]
     finally:
         p.close()
+
+
+def test_a_reply_that_is_all_reasoning_is_asked_for_the_code_not_brevity(server, proposer):
+    server.push(reply("", finish_reason="length", reasoning="Let me consider the row length... " * 50),
+                reply("<think>\nrows of 1024, so one warp per row, and", finish_reason="length"),
+                reply("<think>short</think>\n" + answer("softmax_v3_warp")))
+    proposal = proposer.propose(ProposalContext(softmax_card(), H200))
+    assert proposal.candidate.plan.kernels[0].name == "softmax_warp_row" and proposal.candidate.knobs["asks"] == 3
+    for r in server.requests[1:]:
+        assert "the reasoning used the whole reply budget" in r.last_user
+        assert "write the ```cuda and ```json blocks directly" in r.last_user and "briefly" not in r.last_user
+
+
+def test_every_ask_is_a_row_in_llm_calls_with_its_cost(server, proposer, tmp_path):
+    from kforge.log import SearchLog
+    from kforge.spend import Spend
+
+    log = SearchLog(tmp_path)
+    log.start_run("r1")
+    spend = Spend()
+    proposer.bind(log, "r1", spend)
+    bad = [answer("softmax_v3_warp").replace('"workspace": []', f'"workspace": [{w}]') for w in ('"64 bytes"', "null")]
+    server.push(*(reply(b, usage=(1000, 500)) for b in bad), reply(answer("softmax_v3_warp"), usage=(1000, 500)))
+    proposal = proposer.propose(ProposalContext(softmax_card(), H200))
+    assert proposal.candidate.knobs["asks"] == 3
+    assert "workspace entry \"64 bytes\" must be a byte count" in server.requests[1].last_user
+    rows = log.rows("SELECT status, prompt_tokens, completion_tokens, cost_usd FROM llm_calls WHERE run_id='r1'")
+    assert [tuple(r) for r in rows] == [("ok", 1000, 500, pytest.approx(0.002))] * 3
+    assert log.llm_spend("r1") == (4500, pytest.approx(spend.cost_usd)) and spend.cost_usd == pytest.approx(0.006)
+    log.close()

@@ -123,10 +123,10 @@ class LLMClient:
         self._sleep = sleep
         self._rng = rng or random.Random()
         self._openai = openai
-        # Servers echo keys in error bodies, and replies may repeat them: scrub() masks these too.
+        # Servers may echo the key, or a header's credential, in error bodies: scrubbed everywhere.
         register(config.api_key.reveal() if config.api_key else None)
-        for value in config.extra_headers.values():
-            register(str(value))
+        for v in config.extra_headers.values():
+            register(v if isinstance(v, str) else None)
         self._client = openai.OpenAI(base_url=config.base_url, api_key=config.key_for_client(),
                                      timeout=config.timeout_s, max_retries=0)
         # Request parameters; _adapt() rewrites them once each if the model rejects one.

@@ -19,7 +19,7 @@ from ..base import Proposal, ProposalContext, Proposer, Tried
 from . import prompts
 from .client import CallRecord, LLMClient, log_recorder
 from .config import LLMConfig
-from .parse import parse_reply
+from .parse import parse_reply, strip_reasoning
 
 # What of an unusable reply goes back with the reason: enough to see the mistake, never a
 # huge reply uploaded again on every re-ask.
@@ -77,8 +77,7 @@ class LLMProposer(Proposer):
             except ProposerError as e:
                 problem = str(e)
                 if reply.finish_reason == "length":
-                    problem += (f" (the reply was cut off at {self.client.reply_limit} tokens; "
-                                "answer more briefly)")
+                    problem = _cut_off(problem, reply.text, self.client.reply_limit)
                 messages = prompts.retry_messages(messages, excerpt(reply.text), problem)
                 continue
             candidate.knobs = {"model": self.config.model, "asks": ask}
@@ -86,6 +85,16 @@ class LLMProposer(Proposer):
             return Proposal(candidate)
         raise ProposerError(f"{self.name} gave no usable answer in {asks} asks for card {ctx.card.id}; "
                             f"the last problem: {problem}")
+
+
+def _cut_off(problem: str, text: str, limit: int) -> str:
+    """What to say of a reply that hit the token limit. One that is all reasoning (hidden
+    reasoning tokens, or a `<think>` block) cannot be made briefer by answering briefer:
+    the model must stop deliberating and write the code."""
+    if not strip_reasoning(text).strip():
+        return (f"the reply was cut off at {limit} tokens before any answer: the reasoning used the whole reply "
+                "budget. Do not reason at length this time; write the ```cuda and ```json blocks directly")
+    return f"{problem} (the reply was cut off at {limit} tokens; answer more briefly)"
 
 
 def excerpt(text: str, limit: int = EXCERPT_CHARS) -> str:
