@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from .capture import module_path
 from .cards import Card, load_cards
 from .errors import CardError, KforgeError, ProposerUnavailable
 from .hardware import Hardware, current
@@ -65,6 +66,9 @@ class CardResult:
     speedup: float | None
     note: str  # why it was skipped, or what its candidates' verdicts were
     search_s: float = 0.0  # evaluation wall time spent on the card (sum over its candidates)
+    calls: int | None = None
+    share: float | None = None  # of the captured runtime
+    module: str = ""  # where in the model it ran (capture.module_path)
 
 
 @dataclass
@@ -83,7 +87,9 @@ class RunResult:
         return results_table(self.table, f"run {self.run_id}")
 
 
-def results_table(rows: list[CardResult], title: str) -> Table:
+def results_table(rows: list[CardResult], title: str, limit: int | None = None, searched_only: bool = False) -> Table:
+    """Cards ranked by share with their search results; with `searched_only`, the skipped ones
+    are left out, and `limit` keeps the first rows (the caption says how many are not shown)."""
     t = Table(title=title, title_justify="left")
     t.add_column("op", overflow="fold", ratio=3)
     t.add_column("family")
@@ -91,9 +97,17 @@ def results_table(rows: list[CardResult], title: str) -> Table:
     for col in ("iters", "time", "eager µs", "best µs", "speedup"):
         t.add_column(col, justify="right")
     t.add_column("note", overflow="fold", ratio=2)
-    for r in rows:
+    for col, justify in (("calls", "right"), ("share", "right"), ("card", "left"), ("module", "left")):
+        t.add_column(col, justify=justify, overflow="fold")
+    picked = [r for r in rows if r.status != "skipped"] if searched_only else rows
+    shown = picked[:limit] if limit is not None else picked
+    for r in shown:
         t.add_row(r.summary, r.family, r.status, str(r.iterations), f"{r.search_s:.0f} s" if r.search_s else "-",
-                  _us(r.eager_us), _us(r.best_us), _speedup(r.speedup), r.note)
+                  _us(r.eager_us), _us(r.best_us), _speedup(r.speedup), r.note,
+                  str(r.calls) if r.calls is not None else "-", f"{r.share:.1%}" if r.share is not None else "-",
+                  r.card_id, r.module or "-")
+    if len(shown) < len(rows):
+        t.caption = f"{len(rows) - len(shown)} more cards not shown (skipped ones and the smallest; --all lists them)"
     return t
 
 
@@ -213,7 +227,8 @@ def run(model=None, example_inputs=None, out: str | Path | None = "model.cast", 
         max_cost_usd: float | None = None, seed: int = 0, progress: bool = True, *,
         proposer_options: dict | None = None, evaluator_factory: EvaluatorFactory | None = None,
         cards: Sequence[str] | None = None, ops: Sequence[str] | None = None, console: Console | None = None,
-        model_name: str | None = None, check_model: bool = True) -> RunResult:
+        model_name: str | None = None, check_model: bool = True,
+        capture_progress: Callable[[str], None] | None = None, regions: bool = False) -> RunResult:
     """Capture `model` on `example_inputs`, search kernels for its cards and package the winners.
 
     proposer: "builtin", "llm", "llm:<model>" (options in proposer_options), or a callable
@@ -229,6 +244,9 @@ def run(model=None, example_inputs=None, out: str | Path | None = "model.cast", 
     ops: only search cards whose op name contains one of these (e.g. ["softmax", "group_norm"]).
     check_model: when a package was written, time the model's forward eager and with the
       package (kforge.modelcheck) and say in result.model_check whether it is faster.
+    capture_progress: called with a line as each stage of the capture starts.
+    regions: also capture region cards (fused multi-op regions, kforge.region_capture) and
+      search them like any card.
     Ctrl-C raises RunInterrupted (a KeyboardInterrupt) after marking the run interrupted.
     """
     iterations, min_share = _check_options(iterations, min_share, wall_time_s, max_cost_usd)
@@ -246,7 +264,7 @@ def run(model=None, example_inputs=None, out: str | Path | None = "model.cast", 
                 trial.close()
         from .capture import capture
 
-        run_dir = capture(model, example_inputs, run_dir).run_dir
+        run_dir = capture(model, example_inputs, run_dir, progress=capture_progress, regions=regions).run_dir
         model_name = model_name or type(model).__name__
     result = search_run(run_dir, out=out, proposer=proposer, iterations=iterations, min_share=min_share,
                         include_vendor=include_vendor, devices=devices, wall_time_s=wall_time_s,
@@ -513,7 +531,8 @@ def card_results(conn: sqlite3.Connection, run_id: str) -> list[CardResult]:
         note = row["skip_reason"] or ", ".join(f"{n} {v}" for v, n in counts) or "no candidates"
         spent = conn.execute("SELECT COALESCE(SUM(eval_s), 0) FROM candidates WHERE run_id=? AND card_id=?",
                              (run_id, row["card_id"])).fetchone()[0]
+        card = Card.from_json(json.loads(row["card_json"]))
         out.append(CardResult(row["card_id"], row["op"], row["family"], row["summary"], row["status"],
                               row["iterations"], row["eager_us"], best["kernel_us"] if best else None,
-                              row["best_speedup"], note, spent))
+                              row["best_speedup"], note, spent, row["calls"], row["share"], module_path(card)))
     return out
