@@ -39,9 +39,11 @@ def model_file(tmp_path):
 
 
 def _run(argv, capsys) -> tuple[int, float, str]:
+    """(exit code, seconds, what stderr said after the capture's progress lines)."""
     start = time.monotonic()
     code = main(argv)
-    return code, time.monotonic() - start, capsys.readouterr().err.strip()
+    err = capsys.readouterr().err.strip().splitlines()
+    return code, time.monotonic() - start, "\n".join(line for line in err if not line.startswith("capture: "))
 
 
 def _done_cards(run_dir) -> list[str]:
