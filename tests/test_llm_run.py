@@ -194,3 +194,5 @@ def test_doctor_prints_the_price_it_will_use(capsys):
     assert "unknown: --max-cost is refused until one is given" in capsys.readouterr().out
     assert main(["doctor", "--llm-model", "my-coder", "--llm-price", "1,2"]) == 0
     assert "$1 prompt, $2 completion per 1M tokens (given)" in capsys.readouterr().out
+    assert main(["doctor", "--json", "--llm-model", "gpt-4.1-nano"]) == 0
+    assert json.loads(capsys.readouterr().out)["llm"]["llm price"].startswith("$0.1 prompt, $0.4 completion")
