@@ -209,10 +209,14 @@ def compiled_fn(card, inputs):
     return lambda: fn(*ts)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "builtin_h200.json"))
-    ap.add_argument("--budget", type=int, default=50, help="candidates per card (default 50)")
+def main(argv=None, cases=None, families=FAMILIES, out_name: str = "builtin_h200.json", budget: int = 50,
+         title: str = "builtin templates vs eager and torch.compile (GPU time, median)", doc: str = __doc__) -> int:
+    """The benchmark over `cases` (default CASES) with the built-in `families`; bench_codegen.py
+    runs it with the generated family alone."""
+    cases = CASES if cases is None else cases
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / out_name))
+    ap.add_argument("--budget", type=int, default=budget, help=f"candidates per card (default {budget})")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile (saves its compile time)")
     ap.add_argument("--only", default="", help="run only cases whose name contains one of these '|'-separated strings")
     opts = ap.parse_args(argv)
@@ -224,13 +228,13 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     only = [part for part in opts.only.split("|") if part]
     out = Path(opts.out)
-    for name, (make, target) in CASES.items():
+    for name, (make, target) in cases.items():
         if only and not any(part in name for part in only):
             continue
-        rows.append(run_case(name, make(), target, hw, opts.budget, not opts.no_compile))
+        rows.append(run_case(name, make(), target, hw, opts.budget, not opts.no_compile, families))
         # Written after every case, so a run cut short by its time limit keeps what it measured.
         out = save(opts.out, rows, opts.budget, hw, start)
-    print_table(rows)
+    print_table(rows, title)
     print(f"wrote {out} in {time.perf_counter() - start:.0f} s")
     return 0
 

@@ -9,9 +9,7 @@ sweep checked against eager, then eager, torch.compile and the best kernel timed
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -19,9 +17,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "python"), str(ROOT / "tests"), str(ROOT / "bench")]
 
-from bench_builtin import print_table, run_case, save  # noqa: E402
+import bench_builtin  # noqa: E402
 from builtin_cards import A, BF16, F16, make_card, meta  # noqa: E402
-from kforge.hardware import current  # noqa: E402
 from kforge.proposers.builtin import generated  # noqa: E402
 
 FLOOR = ("floor", 0.8)
@@ -55,28 +52,7 @@ CASES = {
 }
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "codegen_h200.json"))
-    ap.add_argument("--budget", type=int, default=16, help="candidates per card (default 16)")
-    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile (saves its compile time)")
-    ap.add_argument("--only", default="", help="run only cases whose name contains one of these '|'-separated strings")
-    opts = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
-        return 2
-    hw = current()
-    rows, start, out = [], time.perf_counter(), Path(opts.out)
-    only = [part for part in opts.only.split("|") if part]
-    for name, (make, target) in CASES.items():
-        if only and not any(part in name for part in only):
-            continue
-        rows.append(run_case(name, make(), target, hw, opts.budget, not opts.no_compile, (generated.FAMILY,)))
-        out = save(opts.out, rows, opts.budget, hw, start)
-    print_table(rows, "generated kernels vs eager and torch.compile (GPU time, median)")
-    print(f"wrote {out} in {time.perf_counter() - start:.0f} s")
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(bench_builtin.main(cases=CASES, families=(generated.FAMILY,), out_name="codegen_h200.json",
+                                        budget=16, title="generated kernels vs eager and torch.compile (GPU time, median)",
+                                        doc=__doc__))
