@@ -1,4 +1,4 @@
-"""Generated kernels on a real GPU, judged by the evaluator itself (the worker's full checks:
+"""Generated kernels (pointwise, reductions, scans) on a real GPU, judged by the evaluator itself (the worker's full checks:
 fresh input sets, poisoned outputs, every element written, inputs unchanged unless written,
 repeatable, not constant, tolerance from eager's own error), for every generated algorithm
 on odd shapes, 1-element rows, non-contiguous and channels_last inputs, int and bool
@@ -97,6 +97,11 @@ REDUCTIONS = {
     "any_bool": lambda: make_card(A.any.dim, meta(16, 999, dtype=BOOL), 1),
     "all_int": lambda: make_card(A.all.dim, meta(999, 16, dtype=I32), 0),
     "prod_short": lambda: make_card(A.prod.dim_int, meta(100, 9), 1),
+    "cumsum_rows_odd": lambda: make_card(A.cumsum.default, meta(33, 3001), 1),
+    "cumsum_dim0": lambda: make_card(A.cumsum.default, meta(1000, 257), 0),
+    "cumsum_int_channels_last": lambda: make_card(A.cumsum.default, meta(2, 8, 5, 5, dtype=I32, channels_last=True), 1),
+    "cumsum_bf16": lambda: make_card(A.cumsum.default, meta(64, 100, dtype=BF16), 1),
+    "cumprod_one_element_lines": lambda: make_card(A.cumprod.default, meta(7, 1), 1),
 }
 
 

@@ -14,7 +14,7 @@ import torch
 
 from ..cards import Card, TensorMeta, decode_value
 from . import ops
-from .ir import FLOATS, Expr, Node, Program, Reduction, Ref, broadcast_strides
+from .ir import FLOATS, Expr, Node, Program, Reduction, Ref, Scan, broadcast_strides
 
 IR_DTYPES = FLOATS + ("int64", "int32", "int16", "int8", "uint8", "bool")
 
@@ -36,13 +36,15 @@ def _overload(op: str):
 
 
 def entry_for(op: str):
-    """('pointwise' | 'reduction', entry) for an op overload, or (None, why)."""
+    """('pointwise' | 'reduction' | 'scan', entry) for an op overload, or (None, why)."""
     name, overload = table_key(op)
     ov = _overload(op)
     if ov is not None and torch.Tag.pointwise in ov.tags or name in ("_to_copy", "copy"):
         if name in ops.POINTWISE:
             return "pointwise", ops.POINTWISE[name]
         return None, ops.DECLINED.get(name, f"{name} is not in the op table (kforge/codegen/ops.py)")
+    if name in ops.SCAN_OPS:
+        return "scan", ops.SCAN_OPS[name]
     entry = ops.REDUCTION_OPS.get(f"{name}.{overload}") or ops.REDUCTION_OPS.get(name)
     if entry is not None and (f"{name}.{overload}" in ops.REDUCTION_OPS or name not in ("max", "min")):
         return "reduction", entry
@@ -80,6 +82,7 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
     values: dict[tuple[int, int], tuple[Expr, TensorMeta]] = {}
     phase = "pro"  # prologue, then epilogue after the reduction
     red: ops.ReductionPlan | None = None
+    scan: ops.ScanPlan | None = None
     domain: tuple[int, ...] | None = None
     out_shape: tuple[int, ...] | None = None
     in_strides: dict[int, tuple[int, ...]] = {}
@@ -114,8 +117,16 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
                 if why:
                     return why
             call = ops.Call(name, overload, bound)
+            if kind == "scan":
+                if red is not None or scan is not None:
+                    return "a scan beside a reduction or another scan: the IR has one fold level"
+                plan = entry(call)
+                scan, domain = plan, tuple(_meta_of(node.args["self"], inputs, values).shape)
+                state = ops.REDUCTIONS[plan.kind].state(plan.operand.dtype)[0]
+                values[(j, 0)] = (Expr.var("s0", state).cast(node.metas[0].dtype), node.metas[0])
+                continue
             if kind == "reduction":
-                if red is not None:
+                if red is not None or scan is not None:
                     return "a second reduction: the IR has one reduction level"
                 plan = entry(call)
                 if isinstance(plan, str):
@@ -144,6 +155,8 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
         domain = out_shape = tuple(out_metas[0].shape)
         if any(tuple(m.shape) != domain for m in out_metas):
             return "pointwise outputs of different shapes"
+        if scan is not None and not domain:
+            return "a scan of a 0-dim tensor is a copy"
     results = [values[(r.index, r.output)][0] for r in outputs]
     for i in loads:
         m = inputs[i]
@@ -168,7 +181,9 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
     reduction = Reduction(ops.REDUCTIONS[red.kind], red.operand, red.dims) if red is not None else None
     if reduction is not None and not red.dims:
         return "a reduction over no dims"
-    return Program(domain, list(inputs), list(out_metas), in_strides, out_strides, results, reduction, dict(aliases))
+    scan_ = Scan(ops.REDUCTIONS[scan.kind], scan.operand, scan.dim) if scan is not None else None
+    return Program(domain, list(inputs), list(out_metas), in_strides, out_strides, results, reduction, dict(aliases),
+                   scan_)
 
 
 class _Decline(Exception):

@@ -3,7 +3,8 @@
 It evaluates the very Expr trees lower.py turns into CUDA (the op table's formulas, the
 casts, the reduction kinds' lift and merge), with one torch function per primitive, so a
 test against eager checks the table and the kinds, not a second copy of them. Reductions
-fold with merge as a balanced tree over the reduced elements in row-major order.
+fold with merge as a balanced tree over the reduced elements in row-major order, scans one
+element after another.
 """
 
 from __future__ import annotations
@@ -90,6 +91,23 @@ def _fold(kind, dtype: str, states: tuple[torch.Tensor, ...]) -> tuple[torch.Ten
     return tuple(s[:, 0] for s in states)
 
 
+def _scan(scan, x: torch.Tensor) -> torch.Tensor:
+    """The running state along scan.dim, one merge per element in order (as the kernel does)."""
+    (a,), (b,), (merged,) = scan.kind.merge_exprs(scan.operand.dtype)
+    (ident,) = scan.kind.identity_exprs(scan.operand.dtype)
+    (lift,) = scan.kind.lift_exprs(Expr.var("x", scan.operand.dtype))
+    xs = x.movedim(scan.dim, 0)
+    order = range(xs.shape[0] - 1, -1, -1) if scan.reverse else range(xs.shape[0])
+    state = evaluate(ident, {}, None).expand(xs.shape[1:])
+    out = torch.empty_like(xs, dtype=state.dtype)
+    for i in order:
+        el = evaluate(lift, {"x": xs[i]}, None).expand(xs.shape[1:])
+        nxt = evaluate(merged, {a.value: state, b.value: el}, None).expand(xs.shape[1:])
+        out[i] = state if scan.exclusive else nxt
+        state = nxt
+    return out.movedim(0, scan.dim)
+
+
 def run(prog: Program, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """The program's outputs (contiguous, with the output shapes and dtypes) for CPU `inputs`."""
     dom = prog.domain
@@ -116,6 +134,8 @@ def run(prog: Program, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         states = tuple(flat(evaluate(e, {"x": x, "ridx": ridx_dom}, None)) for e in lifted)
         folded = _fold(red.kind, red.operand.dtype, states)
         env = {f"s{i}": s.reshape(kept) for i, s in enumerate(folded)}
+    if prog.scan is not None:
+        env = {"s0": _scan(prog.scan, evaluate(prog.scan.operand, {}, loads_over(dom)).expand(dom))}
     shape = kept if red is not None else dom
     outs = []
     for e, m in zip(prog.results, prog.outputs):

@@ -15,6 +15,8 @@ shared memory; `algo` "rows" puts whole warps on an output (reduced dims contigu
 one thread per output (kept dims contiguous: the loads coalesce across outputs). `split` > 1
 divides the reduced elements over that many blocks, which write their states to a workspace
 that a second kernel merges in order (two passes) before the epilogue.
+
+Scan (`algo` "scan"): one thread per line along the scanned dim, walking it in order.
 """
 
 from __future__ import annotations
@@ -520,3 +522,59 @@ def lower_reduction(prog: Program, knobs: dict, sm_count: int) -> Built:
         kernels.append(("kf_gen_finish", (ceil_div(lay.kn, 256),), (256,), args + [{"ws": 0}], 0))
         workspace = [ns * split * lay.kn * 8]
     return Built(_header(src), kernels, workspace)
+
+
+# ---- scan ------------------------------------------------------------------------------
+
+def lower_scan(prog: Program, knobs: dict) -> Built:
+    """One thread per line along the scan dim, walking it in order: every layout, no
+    cooperation between threads (coalesced when the scan dim is not the innermost)."""
+    scan = prog.scan
+    kind, dt = scan.kind, scan.operand.dtype
+    (st_type,) = kind.state(dt)
+    nt, unroll = knobs["threads"], knobs["unroll"]
+    params, args, ptr = _pointers(prog)
+    no = len(prog.outputs)
+    loaded = sorted(prog.in_strides)
+    tix = {i: no + k for k, i in enumerate(loaded)}
+    tensors = [list(s) for s in prog.out_strides] + [list(prog.in_strides[i]) for i in loaded]
+    nd = len(prog.domain)
+    kept = [d for d in range(nd) if d != scan.dim]
+    ks, kst = coalesce(list(prog.domain), tensors, sorted(kept, key=lambda d: -prog.out_strides[0][d]))
+    kn, length = math.prod(ks), prog.domain[scan.dim]
+    sd = [t[scan.dim] for t in tensors]
+    idx = _index_type(prog, 2 * nt)
+    kofs = offsets_code("q", ks, kst, [f"k{t}" for t in range(len(tensors))], idx)
+
+    def load(i, stored):
+        return f"{ptr[i]}[k{tix[i]} + i * {sd[tix[i]]}]"
+
+    em = Emitter("p", {}, load)
+    x = em(scan.operand)
+    (lift,) = kind.lift_exprs(Expr.var("x", dt))
+    em.env["x"] = x
+    lifted = em(lift)
+    (ident,) = kind.identity_exprs(dt)
+    step = _merge_block(kind, dt, ["st0"], [lifted], "u")
+    epi = Emitter("e", {"s0": "st0"}, load)
+    res = [epi(e) for e in prog.results]
+    stores = [f"    out{j}[k{j} + i * {sd[j]}] = {convert(r, prog.results[j].dtype, m.dtype)};"
+              for j, (m, r) in enumerate(zip(prog.outputs, res))]
+    before, after = (epi.lines + stores, []) if scan.exclusive else ([], epi.lines + stores)
+    body = [f"typedef {idx} kf_idx;",
+            f"constexpr int NT = {nt}; constexpr kf_idx KN = {kn}; constexpr kf_idx LEN = {length};",
+            f'extern "C" __global__ void __launch_bounds__(NT) kf_gen({", ".join(params)}) {{',
+            "  const kf_idx q = (kf_idx)blockIdx.x * NT + threadIdx.x;",
+            "  if (q >= KN) return;",
+            *[f"  {line}" for line in kofs],
+            f"  {CTYPE[st_type]} st0 = {_const(ident)};",
+            f"#pragma unroll {unroll}",
+            "  for (kf_idx i0 = 0; i0 < LEN; ++i0) {",
+            f"    const kf_idx i = {'LEN - 1 - i0' if scan.reverse else 'i0'};",
+            *[f"    {line}" for line in em.lines],
+            *[f"    {line}" if not line.startswith("    ") else line for line in before],
+            *[f"    {line}" for line in step],
+            *[f"    {line}" if not line.startswith("    ") else line for line in after],
+            "  }",
+            "}"]
+    return Built(_header("\n".join(body)), [("kf_gen", (ceil_div(kn, nt),), (nt,), args, 0)], [])

@@ -1,6 +1,6 @@
 """The one table: aten op -> IR expression (POINTWISE), or the reason it is not generated
-(DECLINED); and the reduction kinds (REDUCTIONS) with the aten reductions built on them
-(REDUCTION_OPS).
+(DECLINED); the reduction kinds (REDUCTIONS) with the aten reductions (REDUCTION_OPS) and
+scans (SCAN_OPS) built on them.
 
 A POINTWISE entry is keyed by the op's packet name without a trailing underscore (`add`
 serves add.Tensor, add.Scalar, add_.Tensor, add.out, ...) and maps a `Call` (the node's
@@ -744,3 +744,24 @@ REDUCTION_OPS: dict[str, Callable] = {
     "var_mean": _reduce_var(False, True), "std_mean": _reduce_var(True, True),
     "logsumexp": _logsumexp, "linalg_vector_norm": _vector_norm, "norm": _vector_norm,
 }
+
+
+# ---- scans -------------------------------------------------------------------------------
+
+@dataclass
+class ScanPlan:
+    kind: str  # a one-component REDUCTIONS kind
+    operand: Expr
+    dim: int
+
+
+def _scan(kind: str) -> Callable:
+    def entry(c: Call):
+        x = c.v("self")
+        dt = c.s("dtype")
+        acc = _acc(str(dt).removeprefix("torch.") if dt is not None else x.dtype, kind)
+        return ScanPlan(kind, x.at(x.dtype).cast(acc), c.s("dim") % max(x.ndim, 1) if x.ndim else 0)
+    return entry
+
+
+SCAN_OPS: dict[str, Callable] = {"cumsum": _scan("sum"), "cumprod": _scan("prod")}
