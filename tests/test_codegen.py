@@ -2,7 +2,7 @@
 table (compiled by NVRTC for sm_90) or declined with a reason; the table's expressions and
 the reduction kinds match eager on edge values through the reference interpreter (which
 evaluates the same trees lower.py emits); reductions compile across their knob space for
-a spread of shapes, dims, dtypes and layouts, and so do scans; the generated C itself runs
+a spread of shapes, dims, dtypes and layouts, and so do scans and pooling; the generated C itself runs
 on the CPU (g++) like eager; the region builder takes a chain of nodes."""
 
 from __future__ import annotations
@@ -263,6 +263,17 @@ def _red_cases():
         "cumsum_bool": (A.cumsum.default, [torch.rand(5, 30) > 0.5], (1,), {}),
         "cumsum_dtype": (A.cumsum.default, [h], (1,), {"dtype": torch.float32}),
         "cumprod": (A.cumprod.default, [torch.rand(4, 20) + 0.5], (1,), {}),
+        "max_pool_indices_pad": (A.max_pool2d_with_indices.default, [torch.randn(2, 3, 11, 9)], ([3, 3], [2, 2], [1, 1]), {}),
+        "max_pool_dilated_ceil": (A.max_pool2d_with_indices.default, [torch.randn(1, 2, 10, 10)],
+                                  ([3, 3], [1, 1], [1, 1], [2, 2], True), {}),
+        "max_pool_channels_last_bf16": (A.max_pool2d.default, [torch.randn(2, 4, 8, 8).to(BF16).to(
+            memory_format=torch.channels_last)], ([2, 2],), {}),
+        "max_pool_int": (A.max_pool2d_with_indices.default, [torch.randint(-9, 9, (2, 6, 7), dtype=torch.int32)],
+                         ([2, 2],), {}),
+        "avg_pool_pad": (A.avg_pool2d.default, [torch.randn(2, 3, 11, 9)], ([3, 3], [2, 2], [1, 1]), {}),
+        "avg_pool_no_pad_count_ceil": (A.avg_pool2d.default, [torch.randn(3, 11, 9)], ([3, 2], [2, 1], [1, 1], True, False),
+                                       {}),
+        "avg_pool_divisor": (A.avg_pool2d.default, [torch.randn(2, 3, 11, 9)], ([3, 3], [2, 2], [1, 0], True, True, 5), {}),
     }
 
 
@@ -436,6 +447,10 @@ ON_CPU = {
     "cumsum_rows": lambda: make_card(A.cumsum.default, meta(5, 300), 1),
     "cumsum_dim0_int": lambda: make_card(A.cumsum.default, meta(70, 6, dtype=I32), 0),
     "cumprod_channels_last": lambda: make_card(A.cumprod.default, meta(2, 8, 3, 5, channels_last=True), 1),
+    "max_pool_indices": lambda: make_card(A.max_pool2d_with_indices.default, meta(2, 3, 11, 9), [3, 3], [2, 2], [1, 1]),
+    "max_pool_channels_last_dilated": lambda: make_card(A.max_pool2d.default, meta(1, 4, 10, 10, channels_last=True),
+                                                        [3, 3], [1, 1], [1, 1], [2, 2], True),
+    "avg_pool_count_exclude_pad": lambda: make_card(A.avg_pool2d.default, meta(3, 11, 9), [3, 2], [2, 1], [1, 1], True, False),
 }
 
 

@@ -1,4 +1,4 @@
-"""Generated kernels (pointwise, reductions, scans) on a real GPU, judged by the evaluator itself (the worker's full checks:
+"""Generated kernels (pointwise, reductions, scans, pooling) on a real GPU, judged by the evaluator itself (the worker's full checks:
 fresh input sets, poisoned outputs, every element written, inputs unchanged unless written,
 repeatable, not constant, tolerance from eager's own error), for every generated algorithm
 on odd shapes, 1-element rows, non-contiguous and channels_last inputs, int and bool
@@ -102,6 +102,15 @@ REDUCTIONS = {
     "cumsum_int_channels_last": lambda: make_card(A.cumsum.default, meta(2, 8, 5, 5, dtype=I32, channels_last=True), 1),
     "cumsum_bf16": lambda: make_card(A.cumsum.default, meta(64, 100, dtype=BF16), 1),
     "cumprod_one_element_lines": lambda: make_card(A.cumprod.default, meta(7, 1), 1),
+    "max_pool_indices_resnet": lambda: make_card(A.max_pool2d_with_indices.default, meta(8, 64, 112, 112), [3, 3], [2, 2],
+                                                 [1, 1]),
+    "max_pool_channels_last_bf16": lambda: make_card(A.max_pool2d.default, meta(4, 64, 56, 56, dtype=BF16, channels_last=True),
+                                                     [2, 2]),
+    "max_pool_int_dilated_ceil": lambda: make_card(A.max_pool2d_with_indices.default, meta(2, 5, 17, 13, dtype=I32), [3, 3],
+                                                   [2, 2], [1, 1], [2, 2], True),
+    "avg_pool_exclude_pad_f16": lambda: make_card(A.avg_pool2d.default, meta(3, 33, 31, dtype=F16), [3, 3], [2, 2], [1, 1],
+                                                  True, False),
+    "avg_pool_divisor": lambda: make_card(A.avg_pool2d.default, meta(2, 16, 20, 20), [4, 4], [4, 4], [0, 0], False, True, 7),
 }
 
 

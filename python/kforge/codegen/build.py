@@ -14,7 +14,7 @@ import torch
 
 from ..cards import Card, TensorMeta, decode_value
 from . import ops
-from .ir import FLOATS, Expr, Node, Program, Reduction, Ref, Scan, broadcast_strides
+from .ir import FLOATS, Expr, Node, Program, Reduction, Ref, Scan, Window, broadcast_strides
 
 IR_DTYPES = FLOATS + ("int64", "int32", "int16", "int8", "uint8", "bool")
 
@@ -45,6 +45,8 @@ def entry_for(op: str):
         return None, ops.DECLINED.get(name, f"{name} is not in the op table (kforge/codegen/ops.py)")
     if name in ops.SCAN_OPS:
         return "scan", ops.SCAN_OPS[name]
+    if name in ops.WINDOW_OPS:
+        return "window", ops.WINDOW_OPS[name]
     entry = ops.REDUCTION_OPS.get(f"{name}.{overload}") or ops.REDUCTION_OPS.get(name)
     if entry is not None and (f"{name}.{overload}" in ops.REDUCTION_OPS or name not in ("max", "min")):
         return "reduction", entry
@@ -70,6 +72,30 @@ def _copy_declined(args: dict, src: TensorMeta, out: TensorMeta) -> str | None:
     if layout is not None and layout != torch.strided:
         return f"a copy to layout {layout} is not generated (only torch.strided is)"
     return None
+
+
+def _window_program(node: Node, inputs: list[TensorMeta], out_metas: list[TensorMeta], aliases) -> Program | str:
+    """A pooling node alone (windows are not fused with other nodes yet)."""
+    name, overload = table_key(node.op)
+    ref = node.args["self"]
+    if not isinstance(ref, Ref) or ref.kind != "in":
+        return "a window over a computed tensor is not generated (pooling reads a card input)"
+    m = inputs[ref.index]
+    plan = ops.WINDOW_OPS[name](ops.Call(name, overload, {**node.args, "self": ops.Val(Expr.load(ref.index, m.dtype),
+                                                                                        m.dtype, len(m.shape))}))
+    if isinstance(plan, str):
+        return plan
+    if any(s < 0 for s in m.stride):
+        return "negative strides are not generated"
+    kind = ops.REDUCTIONS[plan.kind]
+    x = Expr.load(ref.index, m.dtype)
+    refs = tuple(Expr.var(f"s{i}", d) for i, d in enumerate(kind.state(x.dtype)))
+    results = [e.cast(o.dtype) for e, o in zip(plan.outputs(refs, Expr.var("count", "int64")), out_metas)]
+    domain = tuple(out_metas[0].shape)
+    win = Window(kind, ref.index, plan.kernel, plan.stride, plan.padding, plan.dilation, plan.count_include_pad,
+                 plan.divisor_override)
+    return Program(domain, list(inputs), list(out_metas), {ref.index: tuple(m.stride)},
+                   [tuple(o.stride) for o in out_metas], results, None, dict(aliases), None, win)
 
 
 def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], out_metas: list[TensorMeta],
@@ -98,11 +124,15 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
         e, m = values[(ref.index, ref.output)]
         return ops.Val(e, m.dtype, len(m.shape))
 
+    if len(nodes) == 1 and entry_for(nodes[0].op)[0] == "window":
+        return _window_program(nodes[0], inputs, out_metas, aliases)
     try:
         for j, node in enumerate(nodes):
             kind, entry = entry_for(node.op)
             if kind is None:
                 return entry
+            if kind == "window":
+                return "a window fused with other nodes is not generated yet"
             bound = {}
             for k, v in node.args.items():
                 if isinstance(v, Ref):

@@ -7,6 +7,7 @@ broadcasts), so any layout is indexed through its own strides and nothing is cop
 - Pointwise: each output is an `Expr` evaluated at every point of the domain.
 - A scan: `scan` folds the prologue along one dim, every output point seeing the running
   state (cumsum, cumprod; reversed and exclusive forms for regions).
+- A windowed fold: `window` (max/avg pooling over the last two dims, with indices).
 - One reduction level: `reduction` folds an `Expr` (the prologue) over the domain's
   `reduce_dims` with a `ReductionKind` (ops.REDUCTIONS); the outputs are then `Expr`s over
   the kept dims that may use the reduction's state (`Expr.var("s0")`, ...) and inputs that do not
@@ -231,6 +232,24 @@ class Scan:
 
 
 @dataclass
+class Window:
+    """A fold over a 2-D window of input `input` per output point (pooling): output (.., oh,
+    ow) folds input (.., oh*stride - pad + k*dilation, ...) for k inside `kernel`, skipping
+    points in the padding. The operand is the input's value there (var "x"), the element's
+    index in its plane (ih * W + iw) is var "ridx"; the epilogue sees the state (s0, ...) and
+    the divisor eager's avg_pool uses (var "count", int64)."""
+
+    kind: ReductionKind
+    input: int
+    kernel: tuple[int, int]
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+    dilation: tuple[int, int]
+    count_include_pad: bool = True
+    divisor_override: int | None = None
+
+
+@dataclass
 class Program:
     domain: tuple[int, ...]
     inputs: list  # TensorMeta per launch-plan input
@@ -241,6 +260,7 @@ class Program:
     reduction: Reduction | None = None
     aliases: dict[int, int] = field(default_factory=dict)  # output -> input it overwrites
     scan: Scan | None = None  # outputs over the whole domain see the running state as var "s0"...
+    window: Window | None = None  # the domain is the output shape; in_strides holds the input's own strides
 
     @property
     def reduce_dims(self) -> tuple[int, ...]:

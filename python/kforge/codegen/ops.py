@@ -1,6 +1,6 @@
 """The one table: aten op -> IR expression (POINTWISE), or the reason it is not generated
-(DECLINED); the reduction kinds (REDUCTIONS) with the aten reductions (REDUCTION_OPS) and
-scans (SCAN_OPS) built on them.
+(DECLINED); the reduction kinds (REDUCTIONS) with the aten reductions (REDUCTION_OPS), scans
+(SCAN_OPS) and windowed reductions (WINDOW_OPS: pooling) built on them.
 
 A POINTWISE entry is keyed by the op's packet name without a trailing underscore (`add`
 serves add.Tensor, add.Scalar, add_.Tensor, add.out, ...) and maps a `Call` (the node's
@@ -765,3 +765,44 @@ def _scan(kind: str) -> Callable:
 
 
 SCAN_OPS: dict[str, Callable] = {"cumsum": _scan("sum"), "cumprod": _scan("prod")}
+
+
+# ---- windows (pooling) -------------------------------------------------------------------
+
+@dataclass
+class WindowPlan:
+    kind: str
+    kernel: tuple[int, int]
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+    dilation: tuple[int, int]
+    outputs: Callable[[tuple[Expr, ...], Expr], list[Expr]]  # (state, divisor) -> per output
+    count_include_pad: bool = True
+    divisor_override: int | None = None
+
+
+def _pair(v, default) -> tuple[int, int]:
+    v = default if v is None or v == [] else v
+    v = [v] if isinstance(v, int) else list(v)
+    return (v[0], v[0]) if len(v) == 1 else (v[0], v[1])
+
+
+def _pool(kind: str) -> Callable:
+    def entry(c: Call):
+        x = c.v("self")
+        if x.ndim not in (3, 4):
+            return "pooling needs a 3-D or 4-D input"
+        k = _pair(c.s("kernel_size"), None)
+        geo = (k, _pair(c.s("stride"), k), _pair(c.s("padding"), 0), _pair(c.s("dilation"), 1))
+        if kind == "avg":
+            if x.dtype not in FLOATS:
+                return "avg_pool of integers raises in eager"
+            return WindowPlan("sum", *geo, lambda s, n: [s[0] / n.cast(s[0].dtype)],
+                              bool(c.s("count_include_pad", True)), c.s("divisor_override"))
+        with_indices = c.name.endswith("with_indices")
+        return WindowPlan("argmax", *geo, (lambda s, n: [s[0], s[1]]) if with_indices else (lambda s, n: [s[0]]))
+    return entry
+
+
+WINDOW_OPS: dict[str, Callable] = {"max_pool2d_with_indices": _pool("max"), "max_pool2d": _pool("max"),
+                                   "avg_pool2d": _pool("avg")}

@@ -1,5 +1,6 @@
 """Kernels from the code generator (kforge.codegen) for any card its op table covers:
-every pointwise op torch tags, copies, one-level reductions and scans (cumsum, cumprod). It adds candidates beside
+every pointwise op torch tags, copies, one-level reductions, scans (cumsum, cumprod) and
+2-D max/avg pooling. It adds candidates beside
 the hand-written templates for the same cards (algorithms "gen_*"), and is the only
 built-in source for the rest.
 """
@@ -40,6 +41,8 @@ def _splits(prog: Program) -> tuple[int, ...]:
 
 def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
     prog = program(card)
+    if prog.window is not None:
+        return [{"algo": ("gen_window",), "threads": (64, 128, 256, 512), "unroll": (1, 2, 4)}]
     if prog.scan is not None:
         return [{"algo": ("gen_scan",), "threads": (32, 64, 128, 256, 512), "unroll": (1, 2, 4)}]
     if prog.reduction is None:
@@ -53,6 +56,9 @@ def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
 
 def default(card: Card, hw: Hardware) -> Knobs:
     prog = program(card)
+    if prog.window is not None:
+        return {"algo": "gen_window", "threads": 256 if card.outputs[0].numel >= 256 * 2 * hw.sm_count else 128,
+                "unroll": 2}
     if prog.scan is not None:  # enough blocks to fill the GPU before wider blocks
         lines = card.outputs[0].numel // max(1, prog.domain[prog.scan.dim])
         return {"algo": "gen_scan", "threads": pick((32, 64, 128, 256, 512), lines / (2 * hw.sm_count)), "unroll": 2}
@@ -80,7 +86,9 @@ def default(card: Card, hw: Hardware) -> Knobs:
 
 def build(card: Card, knobs: Knobs, hw: Hardware) -> Candidate:
     prog = program(card)
-    if prog.scan is not None:
+    if prog.window is not None:
+        built = lower.lower_window(prog, knobs)
+    elif prog.scan is not None:
         built = lower.lower_scan(prog, knobs)
     elif prog.reduction is None:
         built = lower.lower_pointwise(prog, knobs, hw.sm_count)
