@@ -21,6 +21,8 @@ _LAZY = {
     # The module, callable as its capture() function: importing the submodule later binds
     # this same name to it, so kforge.capture is one object whatever the order of imports.
     "capture": ("kforge.capture", None),
+    # Callable as its optimize() function, like capture.
+    "optimize": ("kforge.optimize", None),
     "run": ("kforge.runner", "run"),
     "load": ("kforge.package", "load"),
     "compile": ("kforge.inductor", "compile"),  # the model under torch.compile; kernels: kforge.compiler.compile
