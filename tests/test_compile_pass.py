@@ -7,6 +7,7 @@ Inductor's C++ backend, which is slow on a small machine."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,19 @@ def test_fallback_and_in_place_cards_stay_out_of_graphs():
     assert "writes its inputs" in customops.op_blocker(relu_inplace)
     pkg = fake_package(make_card(aten.relu.default, x), relu_inplace, decisions=["fallback", "dispatched"])
     assert inductor._rewrites(pkg, FakeLauncher(relu_kernel, relu_kernel)) == []
+
+
+def test_region_cards_stay_kforge_optimizes_and_op_cards_keep_their_kernel_and_variant():
+    x = torch.randn(4, 8)
+    relu = make_card(aten.relu.default, x)
+    region = dataclasses.replace(make_card(aten.sigmoid.default, x), region=object(), id="0123456789abcdef")
+    pkg = fake_package(region, relu)
+    launcher = FakeLauncher(relu_kernel, relu_kernel)
+    (rewrite,) = inductor._rewrites(pkg, launcher)
+    op = rewrite.match(aten.relu.default, (x,), {})
+    assert op.name() == f"kforge::{customops.op_name(relu, pkg.cards[1].candidate.digest())}"
+    op(x)
+    assert [vid for vid, *_ in launcher.calls] == [1]  # its place in the launcher's registry, after the region's
 
 
 def test_the_custom_op_has_the_cards_outputs_under_fake_mode_and_runs_nothing():
