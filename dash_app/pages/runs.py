@@ -14,6 +14,7 @@ COLUMNS = [
     ui.text("device", "device"), ui.text("searched", "cards searched"), ui.text("best", "best speedups"),
     ui.fixed("est_speedup", "est. model speedup"), ui.count("candidates", "candidates"),
     ui.fixed("cost_usd", "LLM cost ($)", 4), ui.text("started", "started"), ui.text("updated", "last result"),
+    ui.text("problem", "problem"),
 ]
 
 
@@ -36,7 +37,7 @@ def refresh(_n: int) -> tuple[list[dict], html.Div | None]:
         roots = ", ".join(map(str, ui.catalog().roots))
         return [], ui.problem(LookupError(f"no search log found under {roots}; start one with `kforge run` "
                                           f"or point the dashboard at a run directory"))
-    rows = [{
+    rows = [_unreadable(r) if r["id"] is None else {
         "run": ui.md_link(r["id"], "cards", run=r["id"]), "model": r["model"], "status": r["status"],
         "device": " ".join(x for x in (r["device"], r["arch"]) if x),
         "searched": f"{r['searched']} / {r['cards']} ({r['done']} done)",
@@ -45,3 +46,10 @@ def refresh(_n: int) -> tuple[list[dict], html.Div | None]:
         "started": ui.fmt_when(r["created"]), "updated": ui.fmt_when(r["updated"]),
     } for r in runs]
     return rows, None
+
+
+def _unreadable(r: dict) -> dict:
+    """A log that cannot be read, listed with its error so a broken run is never hidden. The
+    path is a code span: the run column is Markdown, and paths hold `_` and `*`."""
+    return {"run": f"`{r['log']}`", "status": "unreadable", "problem": r["error"],
+            "started": ui.fmt_when(r["created"])}

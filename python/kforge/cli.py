@@ -193,9 +193,12 @@ def cmd_package(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace, console: Console) -> int:
+    from .log import log_path, translated
+
     path: Path = args.path
     if path.is_dir():
-        return _inspect_run(path, console)
+        with translated(log_path(path)):  # a log damaged past what opening it checks
+            return _inspect_run(path, console)
     if path.suffix == ".cast" and path.is_file():
         return _inspect_package(path, console)
     if not path.exists():

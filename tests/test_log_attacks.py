@@ -1,0 +1,144 @@
+"""Fault injection on the search log: every damaged, replaced or locked log is a one-line
+error from `kforge inspect`, a resume and the dashboard (and is never written to). On the CPU."""
+
+from __future__ import annotations
+
+import random
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from fakes import candidate, toy_card
+
+from kforge import log
+from kforge.cards import save_card
+from kforge.cli import main
+from kforge.log import LOG_NAME, SearchLog
+from kforge.verdict import EvalResult, Verdict
+
+
+@pytest.fixture(autouse=True)
+def _wide_terminal(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")  # an error line is never wrapped into two
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    """A run directory with one card and an interrupted run of three candidates."""
+    d = tmp_path / "run"
+    card = toy_card()
+    save_card(card, d)
+    slog = SearchLog(d)
+    slog.start_run("r1", model="Toy", config={"iterations": 3})
+    slog.upsert_card("r1", card)
+    for unroll in (1, 2, 4):
+        slog.add_candidate("r1", card.id, candidate({"threads": 256, "vec": 2, "unroll": unroll}),
+                           EvalResult(Verdict.VALID, eager_us=7.0, kernel_us=3.0), parent_id=None, iteration=unroll)
+    slog.set_run_status("r1", "interrupted")
+    slog.close()
+    return d
+
+
+def _sql(path, *statements):
+    conn = sqlite3.connect(path)
+    for s in statements:
+        conn.execute(s)
+    conn.commit()
+    conn.close()
+
+
+def _truncate(p):
+    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+
+
+def _replace(p):
+    p.unlink()
+    _sql(p, "CREATE TABLE notes (text TEXT)", "INSERT INTO notes VALUES ('my own database')")
+
+
+ATTACKS = {
+    "truncated": (_truncate, "is truncated"),
+    "garbage": (lambda p: p.write_bytes(random.Random(0).randbytes(8192)), "is not an SQLite file"),
+    "replaced": (_replace, "has no candidates table"),
+    "empty": (lambda p: p.write_bytes(b""), "is empty"),
+    "no candidates table": (lambda p: _sql(p, "DROP TABLE candidates"), "has no candidates table"),
+    "bad config_json": (lambda p: _sql(p, "UPDATE runs SET config_json='{not json'"),
+                        "runs.config_json that is not a JSON object"),
+}
+
+
+def _one_line_error(capsys, rc, *, code=1):
+    err = capsys.readouterr().err.strip()
+    assert rc == code, err
+    assert "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("attack", ATTACKS)
+def test_a_damaged_log_is_one_line_from_inspect_resume_and_search_and_is_left_alone(run_dir, capsys, attack):
+    damage, says = ATTACKS[attack]
+    path = run_dir / LOG_NAME
+    damage(path)
+    before = path.read_bytes()
+    assert says in _one_line_error(capsys, main(["inspect", str(run_dir)]))
+    for argv in (["run", "--resume", "--run-dir", str(run_dir), "--no-progress"],
+                 ["search", str(run_dir), "--no-progress"]):
+        err = _one_line_error(capsys, main(argv))
+        assert says in err and "move it away to start a new run" in err
+        assert path.read_bytes() == before  # refused, not started over nor repaired
+
+
+@pytest.mark.parametrize("attack", ATTACKS)
+def test_the_dashboard_lists_a_damaged_log_with_its_error(run_dir, attack):
+    pytest.importorskip("dash")
+    from conftest_dash import import_dash_app
+
+    import_dash_app()
+    from dash_app.app import create_app
+
+    damage, says = ATTACKS[attack]
+    damage(run_dir / LOG_NAME)
+    app = create_app([run_dir], ttl_s=0)
+    client = app.server.test_client()
+    assert client.get("/").status_code == 200
+    reply = client.post("/_dash-update-component", json={
+        "output": "..runs-table.data...runs-note.children..",
+        "outputs": [{"id": "runs-table", "property": "data"}, {"id": "runs-note", "property": "children"}],
+        "inputs": [{"id": "runs-poll", "property": "n_intervals", "value": 0}],
+        "changedPropIds": ["runs-poll.n_intervals"], "state": []})
+    assert reply.status_code == 200
+    (row,) = reply.get_json()["response"]["runs-table"]["data"]
+    assert row["status"] == "unreadable" and says in row["problem"] and str(run_dir) in row["run"]
+
+
+def test_a_candidate_row_that_is_not_json_stops_the_resume_but_not_inspect(run_dir, capsys):
+    _sql(run_dir / LOG_NAME, "UPDATE candidates SET plan_json='[1' WHERE id=2")
+    assert main(["inspect", str(run_dir)]) == 0  # nothing it shows reads the plan
+    capsys.readouterr()
+    err = _one_line_error(capsys, main(["search", str(run_dir), "--no-progress"]))
+    assert "candidates.plan_json that is not a JSON object (id 2)" in err
+
+
+def test_a_log_locked_by_another_process_is_waited_for_briefly_then_named(run_dir, capsys, monkeypatch):
+    monkeypatch.setattr(log, "LOCK_WAIT_S", 0.5)
+    with subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+            import sqlite3, sys, time
+            conn = sqlite3.connect(sys.argv[1])
+            conn.execute("BEGIN EXCLUSIVE")
+            conn.execute("UPDATE runs SET model = 'held'")
+            print("locked", flush=True)
+            time.sleep(60)
+        """), str(run_dir / LOG_NAME)], stdout=subprocess.PIPE, text=True) as holder:
+        try:
+            assert holder.stdout.readline().strip() == "locked"
+            assert main(["inspect", str(run_dir)]) == 0  # a reader is never blocked by a writer
+            capsys.readouterr()
+            started = time.monotonic()
+            err = _one_line_error(capsys, main(["search", str(run_dir), "--no-progress"]))
+            assert time.monotonic() - started < 5
+            assert f"is locked by process {holder.pid}" in err and "waited 0.5 s" in err
+        finally:
+            holder.kill()
