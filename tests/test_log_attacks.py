@@ -1,22 +1,25 @@
 """Fault injection on the search log: every damaged, replaced or locked log is a one-line
-error from `kforge inspect`, a resume and the dashboard (and is never written to). On the CPU."""
+error from `kforge inspect`, a resume and the dashboard (and is never written to); Ctrl-C
+with several workers loses no evaluated candidate. All on the CPU."""
 
 from __future__ import annotations
 
 import random
+import signal
 import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
-from fakes import candidate, toy_card
+from fakes import FakeEvaluator, FakeProposer, candidate, toy_card
 
-from kforge import log
+from kforge import log, runner
 from kforge.cards import save_card
 from kforge.cli import main
-from kforge.log import LOG_NAME, SearchLog
+from kforge.log import LOG_NAME, SearchLog, connect
 from kforge.verdict import EvalResult, Verdict
 
 
@@ -142,3 +145,118 @@ def test_a_log_locked_by_another_process_is_waited_for_briefly_then_named(run_di
             assert f"is locked by process {holder.pid}" in err and "waited 0.5 s" in err
         finally:
             holder.kill()
+
+
+class _Tally:
+    """What the workers' evaluators did, seen from outside the runner (not through Thread,
+    whose join() is what fails): candidates evaluated, evaluations in flight."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.evaluated: list[tuple[str, str]] = []
+        self.in_flight = 0
+        self.started = threading.Event()
+
+    def settle(self, timeout_s: float = 5.0) -> None:
+        """Wait until no evaluation is in flight (a worker the run left behind finishes its own)."""
+        deadline = time.monotonic() + timeout_s
+        while self.in_flight and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+class _Recording(FakeEvaluator):
+    """Counts a candidate as evaluated once its evaluation is over, which is when it must
+    reach the log. GPU 0 is slow, so it is mid-candidate whenever the Ctrl-C comes."""
+
+    def __init__(self, device, tally):
+        super().__init__(sleep_s=0.1 if device == 0 else 0.002)
+        self.tally = tally
+
+    def evaluate(self, card, cand):
+        with self.tally.lock:
+            self.tally.in_flight += 1
+        try:
+            return super().evaluate(card, cand)
+        finally:
+            with self.tally.lock:
+                self.tally.in_flight -= 1
+                self.tally.evaluated.append((card.id, cand.digest()))
+            self.tally.started.set()
+
+
+def _ctrl_c(started: threading.Event, delay: float) -> None:
+    """SIGINT to the main thread, as a terminal's Ctrl-C: once the workers are searching, it
+    lands while the runner waits for them."""
+    started.wait(10)
+    time.sleep(delay)
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+
+def test_ctrl_c_with_two_workers_loses_no_evaluated_candidate(tmp_path, monkeypatch):
+    """Lost: evaluated but not in the log when the run returned; a candidate still being
+    evaluated then counts too, since the process exits right after (kforge's CLI does)."""
+    rng = random.Random(19)
+    monkeypatch.setattr(runner, "gpu_devices", lambda requested: [0, 1])
+    lost = []
+    for trial in range(20):
+        d = tmp_path / f"run{trial}"
+        for n in range(4):
+            save_card(toy_card(n=1024 + n, share=0.25), d)
+        tally = _Tally()
+        monkeypatch.setattr(runner, "default_evaluator", lambda run_dir, device: _Recording(device, tally))
+        interrupter = threading.Thread(target=_ctrl_c, args=(tally.started, rng.uniform(0.0, 0.05)))
+        interrupter.start()
+        with pytest.raises(runner.RunInterrupted):
+            runner.search_run(d, proposer=FakeProposer, iterations=1000, progress=False)
+        conn = connect(d, readonly=True)
+        logged = {(r[0], r[1]) for r in conn.execute("SELECT card_id, digest FROM candidates")}
+        conn.close()
+        interrupter.join()
+        tally.settle()
+        lost.append(len(set(tally.evaluated) - logged))
+    assert lost == [0] * 20
+
+
+def test_a_second_ctrl_c_stops_waiting_and_marks_the_candidate_in_flight_lost(tmp_path, monkeypatch):
+    release = threading.Event()
+    started = threading.Event()
+
+    class Stuck(FakeEvaluator):
+        """GPU 0 never finishes its first candidate (until the test ends); GPU 1 is quick."""
+
+        def __init__(self, device):
+            super().__init__(sleep_s=0.002)
+            self.device = device
+
+        def evaluate(self, card, cand):
+            started.set()
+            if self.device == 0:
+                release.wait(30)
+            return super().evaluate(card, cand)
+
+    save_card(toy_card(share=0.5), tmp_path / "run")
+    save_card(toy_card(n=4096, share=0.5), tmp_path / "run")
+    monkeypatch.setattr(runner, "gpu_devices", lambda requested: [0, 1])
+    monkeypatch.setattr(runner, "default_evaluator", lambda run_dir, device: Stuck(device))
+
+    def ctrl_c_twice():
+        _ctrl_c(started, 0.05)
+        time.sleep(0.2)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    interrupter = threading.Thread(target=ctrl_c_twice)
+    interrupter.start()
+    try:
+        started_at = time.monotonic()
+        with pytest.raises(runner.RunInterrupted):
+            runner.search_run(tmp_path / "run", proposer=FakeProposer, iterations=1000, progress=False)
+        assert time.monotonic() - started_at < 5
+        conn = connect(tmp_path / "run", readonly=True)
+        (lost,) = conn.execute("SELECT card_id, message FROM events WHERE kind='lost'").fetchall()
+        (busy,) = conn.execute("SELECT card_id FROM cards WHERE card_id NOT IN "
+                               "(SELECT card_id FROM candidates)").fetchall()
+        conn.close()
+        assert lost[0] == busy[0] and "worker on GPU 0" in lost[1] and "not in the log" in lost[1]
+    finally:
+        release.set()
+        interrupter.join()
