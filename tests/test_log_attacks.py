@@ -1,9 +1,11 @@
-"""Fault injection on the search log: every damaged, replaced or locked log is a one-line
-error from `kforge inspect`, a resume and the dashboard (and is never written to); Ctrl-C
-with several workers loses no evaluated candidate. All on the CPU."""
+"""Fault injection on the search log and on bad input: every damaged, replaced or locked log
+is a one-line error from `kforge inspect`, a resume and the dashboard (and is never written
+to); Ctrl-C with several workers loses no evaluated candidate; bad model files, run
+directories, ports and devices are one-line errors before any work. All on the CPU."""
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import sqlite3
@@ -16,7 +18,7 @@ import time
 import pytest
 from fakes import FakeEvaluator, FakeProposer, candidate, toy_card
 
-from kforge import log, runner
+from kforge import cuda, log, runner
 from kforge.cards import save_card
 from kforge.cli import main
 from kforge.log import LOG_NAME, SearchLog, connect
@@ -260,3 +262,58 @@ def test_a_second_ctrl_c_stops_waiting_and_marks_the_candidate_in_flight_lost(tm
     finally:
         release.set()
         interrupter.join()
+
+
+MODEL = """
+import torch
+
+def get_model():
+    {body}
+
+def get_inputs():
+    return (torch.randn(4, 8),)
+"""
+
+
+def _model(tmp_path, body):
+    path = tmp_path / "model.py"
+    path.write_text(MODEL.format(body=body))
+    return path
+
+
+def test_get_model_returning_a_function_is_one_line(tmp_path, capsys):
+    spec = _model(tmp_path, "return lambda x: x.relu()")
+    err = _one_line_error(capsys, main(["capture", str(spec), "--run-dir", str(tmp_path / "run")]))
+    assert "get_model() returned a function, not a torch.nn.Module" in err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("where, says", [
+    ("proc", "cannot write run directory"),
+    ("under a file", "which is a file"),
+])
+def test_a_run_dir_that_cannot_be_written_is_refused_before_the_model_is_built(tmp_path, capsys, where, says):
+    if where == "proc" and not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc here")
+    (tmp_path / "a-file").write_text("")
+    run_dir = "/proc/kforge-run" if where == "proc" else str(tmp_path / "a-file" / "run")
+    spec = _model(tmp_path, "raise RuntimeError('the model was built before the run directory was checked')")
+    for command in ("capture", "run"):
+        err = _one_line_error(capsys, main([command, str(spec), "--run-dir", run_dir]))
+        assert says in err and run_dir in err
+
+
+def test_a_port_out_of_range_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["dash", "--port", "99999"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "from 1 to 65535, like 8050 (got '99999')" in err and "Traceback" not in err
+
+
+def test_devices_without_a_gpu_are_an_error_before_the_capture(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cuda, "available", lambda: False)
+    spec = _model(tmp_path, "return torch.nn.ReLU()")
+    err = _one_line_error(capsys, main(["run", str(spec), "--run-dir", str(tmp_path / "run"), "--devices", "7"]))
+    assert "GPU 7 asked for (--devices), but no CUDA GPU is usable here" in err
+    assert not (tmp_path / "run").exists()

@@ -28,6 +28,13 @@ def _devices(text: str) -> list[int]:
             f"expected GPU ordinals separated by commas, like 0,1 (got {text!r})") from None
 
 
+def _port(text: str) -> int:
+    port = int(text) if text.isdigit() else 0
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port from 1 to 65535, like 8050 (got {text!r})")
+    return port
+
+
 def _names(text: str) -> list[str]:
     names = [x.strip() for x in text.split(",") if x.strip()]
     if not names:
@@ -91,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("dash", help="serve the dashboard over run directories")
     p.add_argument("run_dirs", nargs="*", type=Path)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8050)
+    p.add_argument("--port", type=_port, default=8050)
 
     sub.add_parser("doctor", help="what kforge finds of CUDA, the driver and NVRTC")
     return parser
@@ -160,8 +167,11 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     else:
         if args.model is None:
             raise KforgeError("kforge run needs a model file (model.py) or pkg.module:factory")
+        from .capture import check_run_dir
         from .modelspec import load_model_spec
 
+        if args.run_dir is not None:
+            check_run_dir(args.run_dir)  # before the model is even built
         model, inputs = load_model_spec(args.model)
         result = runner.run(model, inputs, out=args.out, run_dir=args.run_dir, model_name=args.model,
                             check_model=not args.no_model_check, **_search_kwargs(args))
@@ -169,9 +179,11 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_capture(args: argparse.Namespace, console: Console) -> int:
-    from .capture import capture, cards_table
+    from .capture import capture, cards_table, check_run_dir
     from .modelspec import load_model_spec
 
+    if args.run_dir is not None:
+        check_run_dir(args.run_dir)  # before the model is even built
     model, inputs = load_model_spec(args.model)
     result = capture(model, inputs, args.run_dir)
     console.print(cards_table(result.cards))

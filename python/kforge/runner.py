@@ -103,10 +103,15 @@ def _us(v: float | None) -> str:
 # ---- seams to the GPU-side modules ------------------------------------------------------------
 
 def gpu_devices(devices: Sequence[int] | None) -> list[int]:
-    """The GPU ordinals to evaluate on: `devices`, or every visible GPU; [] without CUDA."""
+    """The GPU ordinals to evaluate on: `devices`, or every visible GPU; [] without CUDA
+    (then asking for devices is an error: they would be silently ignored)."""
     from . import cuda
 
     if not cuda.available():
+        if devices:
+            raise KforgeError(f"GPU {', '.join(map(str, devices))} asked for (--devices), but no CUDA GPU is usable "
+                              f"here (`kforge doctor` says why); leave out --devices to only generate and compile "
+                              f"kernels")
         return []
     import torch
 
@@ -235,6 +240,7 @@ def run(model=None, example_inputs=None, out: str | Path | None = "model.cast", 
             raise KforgeError("run() needs a model and example inputs (or resume=True with a run_dir)")
         if isinstance(proposer, str):  # an unknown or misconfigured proposer fails before the capture
             _make_proposer(proposer, proposer_options or {}).close()
+        gpu_devices(devices)  # and so do devices that are not here
         from .capture import capture
 
         run_dir = capture(model, example_inputs, run_dir).run_dir
