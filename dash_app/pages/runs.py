@@ -32,20 +32,21 @@ def layout(**_query: str) -> html.Div:
 
 @callback(Output("runs-table", "data"), Output("runs-note", "children"), Input("runs-poll", "n_intervals"))
 def refresh(_n: int) -> tuple[list[dict], html.Div | None]:
-    runs = ui.catalog().runs()
-    if not runs:
+    runs, unreadable = ui.catalog().runs(), ui.catalog().unreadable()
+    if not runs and not unreadable:
         roots = ", ".join(map(str, ui.catalog().roots))
-        return [], ui.problem(LookupError(f"no search log found under {roots}; start one with `kforge run` "
-                                          f"or point the dashboard at a run directory"))
-    rows = [_unreadable(r) if r["id"] is None else {
-        "run": ui.md_link(r["id"], "cards", run=r["id"]), "model": r["model"], "status": r["status"],
+        return [], ui.problem(LookupError(f"no search log or capture found under {roots}; start one with "
+                                          f"`kforge capture` or `kforge run`, or point the dashboard at a run directory"))
+    rows = [{
+        "run": ui.md_link(r["id"], "cards", run=r["id"]), "model": r["model"],
+        "status": r["status"] + (" (compile-only)" if r["kind"] == "compile-only" else ""),
         "device": " ".join(x for x in (r["device"], r["arch"]) if x),
         "searched": f"{r['searched']} / {r['cards']} ({r['done']} done)",
         "best": ", ".join(f"{name} {ui.fmt_x(s)}" for name, s in r["best"]) or "—",
         "est_speedup": r["est_speedup"], "candidates": r["candidates"], "cost_usd": r["cost_usd"],
         "started": ui.fmt_when(r["created"]), "updated": ui.fmt_when(r["updated"]),
     } for r in runs]
-    return rows, None
+    return rows + [_unreadable(r) for r in unreadable], None
 
 
 def _unreadable(r: dict) -> dict:
