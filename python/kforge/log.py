@@ -10,7 +10,6 @@ API keys are never written here.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import json
 import os
@@ -135,8 +134,15 @@ def connect(path: str | Path, readonly: bool = False) -> sqlite3.Connection:
         if not path.exists():
             if readonly:
                 raise LogError(f"no search log at {path}: run `kforge search {path.parent}` (or `kforge run`) first")
-            _create(path)
-        _check_file(path)
+            try:
+                _create(path)
+            except OSError as e:
+                raise LogError(f"cannot create {path} ({e.strerror or e}): give a run directory you can "
+                               f"write") from None
+        try:
+            _check_file(path)
+        except OSError as e:
+            raise LogError(f"cannot read {path} ({e.strerror or e}): check its permissions") from None
         if readonly:
             conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=LOCK_WAIT_S, check_same_thread=False)
         else:
@@ -298,6 +304,8 @@ def _lock_holder(path: Path) -> str:
 def _posix_lock_pid(file: Path, start: int, length: int) -> int | None:
     if sys.platform != "linux":  # struct flock below is Linux's (64-bit off_t)
         return None
+    import fcntl
+
     try:
         fd = os.open(file, os.O_RDONLY)
     except OSError:
