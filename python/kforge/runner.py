@@ -31,7 +31,7 @@ from .capture import module_path
 from .cards import Card, load_cards
 from .errors import CardError, KforgeError, ProposerUnavailable
 from .hardware import Hardware, current
-from .log import SearchLog
+from .log import SearchLog, translated
 from .proposers.base import Proposer
 from .search.mcts import Budget, SearchOutcome, SearchProgress, search_card
 from .spend import Spend
@@ -378,8 +378,9 @@ def search_run(run_dir: str | Path, *, out: str | Path | None = None, proposer: 
         stops = {card_id: o.stop_reason for card_id, o in outcomes.items()}
         log.set_run_status(run_id, "done")
         package_path = package_run(run_dir, out, run_id) if validated and out else None
-        table = card_results(log.conn, run_id)
-        message = "" if validated else _compile_only_message(log.conn, run_id)
+        with translated(log.path):  # these read the log's connection directly
+            table = card_results(log.conn, run_id)
+            message = "" if validated else _compile_only_message(log.conn, run_id)
         if finished:
             message = " ".join(filter(None, [
                 f"Run {run_id} had finished; it was continued: cards below {iterations} iterations were searched "
