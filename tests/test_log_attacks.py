@@ -67,7 +67,7 @@ def _replace(p):
 ATTACKS = {
     "truncated": (_truncate, "is truncated"),
     "garbage": (lambda p: p.write_bytes(random.Random(0).randbytes(8192)), "is not an SQLite file"),
-    "replaced": (_replace, "has no candidates table"),
+    "replaced": (_replace, "is an SQLite file but not a kforge search log (its tables: notes)"),
     "empty": (lambda p: p.write_bytes(b""), "is empty"),
     "no candidates table": (lambda p: _sql(p, "DROP TABLE candidates"), "has no candidates table"),
     "bad config_json": (lambda p: _sql(p, "UPDATE runs SET config_json='{not json'"),

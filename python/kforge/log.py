@@ -252,18 +252,21 @@ def _columns(conn: sqlite3.Connection) -> dict[str, list[str]]:
 
 
 def _check_schema(conn: sqlite3.Connection, path: Path) -> None:
-    found = _columns(conn)
-    for table, columns in _expected_columns().items():
+    found, expected = _columns(conn), _expected_columns()
+    if not found.keys() & expected.keys():
+        raise LogError(_broken(path, f"is an SQLite file but not a kforge search log (its tables: "
+                                     f"{', '.join(found) or 'none'})"))
+    row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() if "meta" in found else None
+    version = row[0] if row else None
+    if version is not None and str(version).isdigit() and int(version) > SCHEMA_VERSION:  # before its tables
+        raise LogError(f"{path} was written by a newer kforge (log schema {version}); upgrade kforge to read it")
+    for table, columns in expected.items():
         if table not in found:
             raise LogError(_broken(path, f"has no {table} table: it is not a complete kforge search log"))
         missing = [c for c in columns if c not in found[table]]
         if missing:
             raise LogError(_broken(path, f"lacks column(s) {', '.join(missing)} of table {table}: it was written "
                                          f"by another kforge version or edited"))
-    row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-    version = row[0] if row else None
-    if version is not None and str(version).isdigit() and int(version) > SCHEMA_VERSION:
-        raise LogError(f"{path} was written by a newer kforge (log schema {version}); upgrade kforge to read it")
     if version is None or str(version) != str(SCHEMA_VERSION):
         raise LogError(_broken(path, f"has log schema version {version!r}, not {SCHEMA_VERSION}"))
 
