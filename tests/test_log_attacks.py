@@ -128,6 +128,20 @@ def test_a_candidate_row_that_is_not_json_stops_the_resume_but_not_inspect(run_d
     assert "candidates.plan_json that is not a JSON object (id 2)" in err
 
 
+def test_what_kforge_writes_is_never_refused_nan_in_evidence_included(tmp_path):
+    slog = SearchLog(tmp_path)
+    slog.start_run("r")
+    card = toy_card()
+    slog.upsert_card("r", card)
+    slog.add_candidate("r", card.id, candidate({"threads": 64, "vec": 1, "unroll": 1}),
+                       EvalResult(Verdict.INCORRECT, "nan out", evidence={"max_abs_err": float("nan"),
+                                                                          "ratio": float("inf")}),
+                       parent_id=None, iteration=0)
+    slog.close()
+    SearchLog(tmp_path).close()  # the writer's full check parses every JSON column as kforge reads it
+    assert list(tmp_path.glob(".*")) == []  # the log was made beside its name, and nothing is left there
+
+
 def test_a_log_locked_by_another_process_is_waited_for_briefly_then_named(run_dir, capsys, monkeypatch):
     monkeypatch.setattr(log, "LOCK_WAIT_S", 0.5)
     with subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
