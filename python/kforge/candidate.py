@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import PlanError
+from .redact import scrub
+from .sourcebox import SourceRefused, check_options
 
 ARG_KINDS = ("in", "out", "ws", "i32", "i64", "f32", "f64")
 KINDS = ("custom", "vendor")  # custom CUDA, or a wrapper of a vendor library (audited as such)
@@ -143,6 +145,10 @@ class LaunchPlan:
             raise PlanError('"workspace" must be a list and "options" a list of strings')
         for w in ws:
             _check_workspace(w)
+        try:
+            check_options(opts)
+        except SourceRefused as e:
+            raise PlanError(str(e)) from None
         return LaunchPlan(kernels, ws, opts)
 
     def validate(self, n_inputs: int, n_outputs: int) -> None:
@@ -177,6 +183,9 @@ class Candidate:
     note: str = ""
 
     def __post_init__(self) -> None:
+        # A reply may repeat a secret it saw; the source and note are stored, shown and re-sent.
+        self.source = scrub(self.source, limit=None)
+        self.note = scrub(self.note)
         if self.kind not in KINDS:
             raise PlanError(f"candidate kind must be one of {KINDS}, got {self.kind!r}")
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ...errors import BudgetExhausted, LLMError
+from ...redact import register, scrub
 from .config import LLMConfig
 
 logger = logging.getLogger("kforge.llm")
@@ -94,6 +95,7 @@ class LLMClient:
         self._sleep = sleep
         self._rng = rng or random.Random()
         self._openai = openai
+        register(config.api_key.reveal() if config.api_key else None)
         self._client = openai.OpenAI(base_url=config.base_url, api_key=config.key_for_client(),
                                      timeout=config.timeout_s, max_retries=0)
         # Sampling parameters; _adapt() rewrites them once if the model rejects one.
@@ -159,7 +161,8 @@ class LLMClient:
 
     def _accept(self, messages, response, duration: float, card_id: str | None) -> Reply:
         choice = response.choices[0] if response.choices else None
-        text = (choice.message.content if choice and choice.message else None) or ""
+        # A reply that repeats a secret must not carry it into the log or the next prompt.
+        text = scrub((choice.message.content if choice and choice.message else None) or "", limit=None)
         usage = response.usage
         estimated = usage is None or usage.prompt_tokens is None or usage.completion_tokens is None
         if estimated:
@@ -190,10 +193,10 @@ class LLMClient:
         if isinstance(e, o.APITimeoutError):
             return _Transient(f"timed out after {self.config.timeout_s:g} s", None)
         if isinstance(e, o.APIConnectionError):
-            return _Transient(f"cannot connect to {url}: {self._scrub(str(e.__cause__ or e))}", None)
+            return _Transient(f"cannot connect to {url}: {scrub(str(e.__cause__ or e))}", None)
         if not isinstance(e, o.APIStatusError):
-            return LLMError(f"unexpected reply from {url}: {self._scrub(str(e))}")
-        status, detail = e.status_code, self._scrub(_detail(e))
+            return LLMError(f"unexpected reply from {url}: {scrub(str(e))}")
+        status, detail = e.status_code, scrub(_detail(e))
         if status in RETRY_STATUS or status >= 500:
             return _Transient(f"HTTP {status}: {detail}", _retry_after(e.response.headers))
         if status in (401, 403):
@@ -211,11 +214,6 @@ class LLMClient:
         if retry_after is not None:
             return min(retry_after, self.config.max_retry_wait_s)
         return min(self.config.max_retry_wait_s, BACKOFF_BASE_S * 2 ** attempt) * self._rng.uniform(0.5, 1.0)
-
-    def _scrub(self, text: str) -> str:
-        """Servers may echo the key in error bodies; never let it travel further."""
-        key = self.config.api_key.reveal() if self.config.api_key else None
-        return text.replace(key, "***") if key else text
 
     # ---- budget --------------------------------------------------------------------------
     def _check_budget(self, messages: list[dict[str, str]]) -> None:
