@@ -38,16 +38,6 @@ def _compile(candidate) -> None:
     compiler.compile(candidate.source, "kernel.cu", candidate.plan.options, arch="sm_90")
 
 
-def prelude_active() -> bool:
-    """Whether the compile path provides INFINITY and friends (kforge's source prelude)."""
-    try:
-        compiler.compile('extern "C" __global__ void k(float* y) { y[0] = INFINITY + FLT_MAX; }', "probe.cu", [],
-                         arch="sm_90")
-    except CompileError:
-        return False
-    return True
-
-
 def _drive(proposer: LLMProposer, server: ScriptedLLMServer, steps: list[Step], style: Style) -> Outcome:
     """One style: propose; if the kernel does not compile and the model has a corrected answer,
     one repair. At most two asks in all."""
@@ -108,9 +98,8 @@ def test_there_are_enough_distinct_styles():
 
 def test_replies_compile_on_the_first_ask_or_after_one_turn(replay):
     outcomes, _, _ = replay
-    counted = [o for o in outcomes if prelude_active() or not o.style.needs_prelude]
-    compiled = [o for o in counted if o.compiled]
-    assert len(compiled) >= THRESHOLD * len(counted), _table(outcomes)
+    compiled = [o for o in outcomes if o.compiled]
+    assert len(compiled) >= THRESHOLD * len(outcomes), _table(outcomes)
     assert all(o.asks <= 2 for o in outcomes), _table(outcomes)
     # A style that needs no second turn must not take one.
     assert all(o.asks == 1 for o in compiled if o.style.turns == 1), _table(outcomes)
@@ -132,10 +121,7 @@ def test_every_ask_is_a_row_in_llm_calls_with_its_cost(replay):
     assert all(r["status"] == "ok" and r["cost_usd"] > 0 for r in rows)
 
 
-def test_prelude_styles_fail_only_at_compile_until_the_prelude_is_there(replay):
+def test_what_the_compile_prelude_provides_compiles_on_the_first_ask(replay):
     outcomes, _, _ = replay
-    if prelude_active():
-        pytest.skip("the compile prelude is in place: these styles are counted with the others")
-    for o in outcomes:
-        if o.style.needs_prelude:
-            assert not o.compiled and o.problem.startswith(("compile error", "NVRTC")), _table(outcomes)
+    prelude = [o for o in outcomes if o.style.needs_prelude]
+    assert prelude and all(o.compiled and o.asks == 1 for o in prelude), _table(outcomes)
