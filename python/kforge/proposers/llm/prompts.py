@@ -333,7 +333,8 @@ def _eager_us(ctx: ProposalContext) -> float | None:
 
 
 def _facts(ctx: ProposalContext) -> str:
-    return f"{describe_card(ctx.card, ctx.hardware, _tolerance(ctx), _eager_us(ctx))}\n{describe_hardware(ctx.hardware)}"
+    card = describe_card(ctx.card, ctx.hardware, _tolerance(ctx), _eager_us(ctx))
+    return f"{card}\n{describe_hardware(ctx.hardware)}"
 
 
 # ---- conversations ------------------------------------------------------------------------
