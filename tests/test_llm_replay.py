@@ -5,7 +5,9 @@ compile error sent back through repair), and every ask must be a row in llm_call
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -125,3 +127,37 @@ def test_what_the_compile_prelude_provides_compiles_on_the_first_ask(replay):
     outcomes, _, _ = replay
     prelude = [o for o in outcomes if o.style.needs_prelude]
     assert prelude and all(o.compiled and o.asks == 1 for o in prelude), _table(outcomes)
+
+
+def test_a_reasoning_model_drives_kforge_run_to_compiled_candidates(tmp_path):
+    """`kforge.run` with an R1-style model (drafts inside <think>) on a CPU capture: its kernels
+    are compiled (untimed here), and every ask is a row in llm_calls."""
+    import sqlite3
+
+    import torch
+
+    import kforge
+    from llm_cards import source
+    from llm_reply_styles import THINK_DRAFTS
+
+    def think_then_answer(body: dict) -> Step:
+        think_then_answer.n += 1
+        block = 32 << (think_then_answer.n % 4)  # a new launch each time, so no answer repeats an earlier one
+        plan = {"kernels": [{"name": "softmax_rows_block", "grid": [8, 1, 1], "block": [block, 1, 1],
+                             "args": [{"in": 0}, {"out": 0}, {"i32": 64}]}]}
+        return reply(f"{THINK_DRAFTS}```cuda\n{source('softmax_v1')}```\n```json\n{json.dumps(plan)}\n```\n"
+                     "kind: custom")
+
+    think_then_answer.n = -1
+    with ScriptedLLMServer(api_key="k", models={MODEL}, responder=think_then_answer) as server:
+        result = kforge.run(torch.nn.Softmax(dim=-1), (torch.randn(8, 64),), proposer="llm", iterations=3,
+                            run_dir=tmp_path / "run", progress=False, ops=["softmax"],
+                            proposer_options={"model": MODEL, "base_url": server.base_url, "api_key": "k",
+                                              "prices": {MODEL: PRICE}})
+        asks = len(server.requests)
+    conn = sqlite3.connect(Path(result.run_dir) / "search.sqlite")
+    verdicts = [v for (v,) in conn.execute("SELECT verdict FROM candidates")]
+    calls = conn.execute("SELECT COUNT(*), MIN(cost_usd) FROM llm_calls").fetchone()
+    conn.close()
+    assert verdicts and set(verdicts) == {"untimed"}, verdicts
+    assert calls[0] == asks and calls[1] > 0
