@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kforge import compiler
+from kforge.candidate import Candidate
 from kforge.errors import CompileError, ProposerError
 from kforge.hardware import H200
 from kforge.log import SearchLog
@@ -33,6 +34,7 @@ class Outcome:
     compiled: bool
     asks: int
     problem: str = ""
+    candidate: Candidate | None = None  # the one that compiled
 
 
 def _compile(candidate) -> None:
@@ -47,25 +49,24 @@ def _drive(proposer: LLMProposer, server: ScriptedLLMServer, steps: list[Step], 
     before = len(server.requests)
     ctx = ProposalContext(softmax_card(), H200)
     try:
-        proposal = proposer.propose(ctx)
+        candidate = proposer.propose(ctx).candidate
         try:
-            _compile(proposal.candidate)
+            _compile(candidate)
         except CompileError as e:
             asks = len(server.requests) - before
             if asks >= 2 or asks >= style.turns:  # no turn left, or the model has nothing more to say
                 return Outcome(style, False, asks, f"compile error: {str(e).splitlines()[0]}")
-            failed = Tried(proposal.candidate, EvalResult(Verdict.COMPILE_ERROR, "NVRTC rejected it",
-                                                          compile_log=e.log), id=1)
-            _compile(proposer.repair(ctx, failed).candidate)
+            failed = Tried(candidate, EvalResult(Verdict.COMPILE_ERROR, "NVRTC rejected it", compile_log=e.log), id=1)
+            candidate = proposer.repair(ctx, failed).candidate
+            _compile(candidate)
     except (ProposerError, CompileError) as e:  # a failure with a message, not a crash
         return Outcome(style, False, len(server.requests) - before, str(e).splitlines()[0])
-    return Outcome(style, True, len(server.requests) - before)
+    return Outcome(style, True, len(server.requests) - before, candidate=candidate)
 
 
-@pytest.fixture(scope="module")
-def replay(tmp_path_factory):
-    """Every style once, through one proposer recording into one search log."""
-    run_dir = tmp_path_factory.mktemp("replay")
+def replay_all(run_dir: Path) -> tuple[list[Outcome], int, list]:
+    """Every style once, through one proposer recording into one search log: the outcomes,
+    the requests the server saw, and the llm_calls rows."""
     log = SearchLog(run_dir)
     log.start_run("replay")
     steps: list = []
@@ -87,7 +88,12 @@ def replay(tmp_path_factory):
     return outcomes, requests, rows
 
 
-def _table(outcomes: list[Outcome]) -> str:
+@pytest.fixture(scope="module")
+def replay(tmp_path_factory):
+    return replay_all(tmp_path_factory.mktemp("replay"))
+
+
+def table(outcomes: list[Outcome]) -> str:
     return "\n".join(f"{'ok ' if o.compiled else 'NO '} {o.asks} ask(s)  {o.style.model:<34} {o.style.name}"
                      f"{'  -- ' + o.problem if o.problem else ''}" for o in outcomes)
 
@@ -101,10 +107,10 @@ def test_there_are_enough_distinct_styles():
 def test_replies_compile_on_the_first_ask_or_after_one_turn(replay):
     outcomes, _, _ = replay
     compiled = [o for o in outcomes if o.compiled]
-    assert len(compiled) >= THRESHOLD * len(outcomes), _table(outcomes)
-    assert all(o.asks <= 2 for o in outcomes), _table(outcomes)
+    assert len(compiled) >= THRESHOLD * len(outcomes), table(outcomes)
+    assert all(o.asks <= 2 for o in outcomes), table(outcomes)
     # A style that needs no second turn must not take one.
-    assert all(o.asks == 1 for o in compiled if o.style.turns == 1), _table(outcomes)
+    assert all(o.asks == 1 for o in compiled if o.style.turns == 1), table(outcomes)
 
 
 def test_reasoning_models_yield_candidates(replay):
@@ -112,9 +118,9 @@ def test_reasoning_models_yield_candidates(replay):
     by_name = {o.style.name: o for o in outcomes}
     for name in ("deepseek-r1 think with drafts", "deepseek-r1 template-opened think",
                  "deepseek-r1 reasoning_content field", "qwen3 think then answer"):
-        assert by_name[name].compiled and by_name[name].asks == 1, _table(outcomes)
+        assert by_name[name].compiled and by_name[name].asks == 1, table(outcomes)
     for name in ("o3 hidden reasoning used the budget", "deepseek-r1 reasoning used the budget"):
-        assert by_name[name].compiled and by_name[name].asks == 2, _table(outcomes)
+        assert by_name[name].compiled and by_name[name].asks == 2, table(outcomes)
 
 
 def test_every_ask_is_a_row_in_llm_calls_with_its_cost(replay):
@@ -126,7 +132,7 @@ def test_every_ask_is_a_row_in_llm_calls_with_its_cost(replay):
 def test_what_the_compile_prelude_provides_compiles_on_the_first_ask(replay):
     outcomes, _, _ = replay
     prelude = [o for o in outcomes if o.style.needs_prelude]
-    assert prelude and all(o.compiled and o.asks == 1 for o in prelude), _table(outcomes)
+    assert prelude and all(o.compiled and o.asks == 1 for o in prelude), table(outcomes)
 
 
 def test_a_reasoning_model_drives_kforge_run_to_compiled_candidates(tmp_path):
