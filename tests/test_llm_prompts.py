@@ -233,3 +233,14 @@ def test_layer_norm_outputs_are_named():
     values, _ = _card(aten.max.dim, x3, 1)
     assert decomposed(values) == ["# out0 = values, out1 = indices"]
     assert decomposed(_card(aten.relu.default, x3)[0]) == []
+
+
+def test_a_card_from_another_torch_gets_the_call_without_steps():
+    from dataclasses import replace
+
+    card, _ = _card(aten.native_layer_norm.default, x3, [64], w64, b64, 1e-5)
+    renamed = replace(card, args=[replace(a, name="x" if a.name == "input" else a.name) for a in card.args])
+    assert decomposed(renamed) == []
+    missing = replace(card, op="aten::native_layer_norm_v9.default", outputs=card.outputs)
+    assert decomposed(missing) == [] and "torch.ops.aten.native_layer_norm_v9.default" in prompts.describe_card(
+        missing, H200)
