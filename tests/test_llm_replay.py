@@ -18,6 +18,7 @@ from kforge.hardware import H200
 from kforge.log import SearchLog
 from kforge.proposers.base import ProposalContext, Tried
 from kforge.proposers.llm import LLMConfig, LLMProposer
+from kforge.spend import Spend
 from kforge.verdict import EvalResult, Verdict
 from llm_cards import softmax_card
 from llm_reply_styles import STYLES, Style
@@ -77,7 +78,7 @@ def replay_all(run_dir: Path) -> tuple[list[Outcome], int, list]:
     with ScriptedLLMServer(api_key="k", models={MODEL}, responder=model) as server:
         proposer = LLMProposer(LLMConfig(model=MODEL, base_url=server.base_url, api_key="k", max_repair_attempts=1,
                                          prices={MODEL: PRICE}))
-        proposer.record_calls(log, "replay")
+        proposer.bind(log, "replay", Spend())
         try:
             outcomes = [_drive(proposer, server, steps, s) for s in STYLES]
             requests = len(server.requests)
@@ -160,7 +161,7 @@ def test_a_reasoning_model_drives_kforge_run_to_compiled_candidates(tmp_path):
                             run_dir=tmp_path / "run", progress=False, ops=["softmax"],
                             proposer_options={"model": MODEL, "base_url": server.base_url, "api_key": "k",
                                               "prices": {MODEL: PRICE}})
-        asks = len(server.requests)
+        asks = sum(r.path.endswith("/chat/completions") for r in server.requests)  # not the endpoint check
     conn = sqlite3.connect(Path(result.run_dir) / "search.sqlite")
     verdicts = [v for (v,) in conn.execute("SELECT verdict FROM candidates")]
     calls = conn.execute("SELECT COUNT(*), MIN(cost_usd) FROM llm_calls").fetchone()
