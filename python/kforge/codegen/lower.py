@@ -31,15 +31,14 @@ from .ir import FLOATS, INTS, Expr, Program, opmath
 CTYPE = {"float32": "float", "float64": "double", "float16": "__half", "bfloat16": "__nv_bfloat16",
          "int64": "long long", "int32": "int", "int16": "short", "int8": "signed char", "uint8": "unsigned char",
          "bool": "bool"}
-ITEMSIZE = {"float64": 8, "int64": 8, "float32": 4, "int32": 4, "float16": 2, "bfloat16": 2, "int16": 2,
-            "int8": 1, "uint8": 1, "bool": 1}
 
 _PRELUDE = r"""
 typedef long long kf_i64;
 template <typename T> __device__ __forceinline__ T kf_ld(T x) { return x; }
 template <typename T, int V> struct alignas(sizeof(T) * V) kf_vec { T v[V]; };
-template <typename T> __device__ __forceinline__ T kf_nanmax(T a, T b) { return (a != a || a > b) ? a : (b != b ? b : b); }
-template <typename T> __device__ __forceinline__ T kf_nanmin(T a, T b) { return (a != a || a < b) ? a : (b != b ? b : b); }
+// NaN-propagating, as torch.maximum/minimum: a NaN b fails the comparison and is returned.
+template <typename T> __device__ __forceinline__ T kf_nanmax(T a, T b) { return (a != a || a > b) ? a : b; }
+template <typename T> __device__ __forceinline__ T kf_nanmin(T a, T b) { return (a != a || a < b) ? a : b; }
 template <typename T> __device__ __forceinline__ T kf_imax(T a, T b) { return a > b ? a : b; }
 template <typename T> __device__ __forceinline__ T kf_imin(T a, T b) { return a < b ? a : b; }
 """
