@@ -22,11 +22,12 @@ import sqlite3
 import statistics
 import threading
 import time
-import zipfile
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from kforge.errors import PackageError
 from kforge.log import LOG_NAME, connect
+from kforge.manifest import read_manifest
 
 TTL_S = 1.5
 
@@ -353,11 +354,10 @@ class Catalog:
                                  "ORDER BY id DESC", (run_id,))
         problems = []
         for path in self._package_files(run_id):
-            try:
-                with zipfile.ZipFile(path) as z:
-                    manifest = json.loads(z.read(MANIFEST))
-            except (zipfile.BadZipFile, KeyError, ValueError, OSError) as e:
-                problems.append(f"cannot read {path.name}: {e}; rebuild it with `kforge package`")
+            try:  # within the loader's size limits, every field checked: a package is untrusted
+                manifest = read_manifest(path).manifest
+            except PackageError as e:
+                problems.append(f"cannot read {path.name}: {e}")
                 continue
             if manifest.get("run_id", run_id) != run_id:
                 continue
@@ -371,8 +371,6 @@ class Catalog:
             "one (on the GPU that searched it); give its path to the dashboard if it is elsewhere")
         return view
 
-
-MANIFEST = "manifest.json"
 
 
 def _model_check_of(checks: list[dict], package: Path) -> dict | None:

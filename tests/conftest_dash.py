@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import sys
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import pytest
 import torch
 from fakes import FakeEvaluator, FakeProposer
 
-from kforge import runner
+from kforge import castfile, runner
 from kforge.candidate import Candidate, LaunchPlan
 from kforge.capture import capture, skip_reason
 from kforge.cards import Card
@@ -208,8 +207,7 @@ def _write_package(path: Path, run_id: str, won: Card, lost: Card, ids: dict[str
         "cards": [entry(won, "dispatched", "2.90x faster than eager as dispatched", "custom", 2.9, ids["j"]),
                   entry(lost, "fallback", "not faster than eager as dispatched", "vendor", 1.2, None)],
     }
-    with zipfile.ZipFile(path, "w") as z:
-        z.writestr("manifest.json", json.dumps(manifest))
+    castfile.write_zip(path, {"manifest.json": json.dumps(manifest).encode()})
 
 
 def import_dash_app():

@@ -25,6 +25,10 @@ ARG_KINDS = ("in", "out", "ws", "i32", "i64", "f32", "f64")
 KINDS = ("custom", "vendor")  # custom CUDA, or a wrapper of a vendor library (audited as such)
 MAX_THREADS = 1024
 MAX_GRID = (2**31 - 1, 65535, 65535)
+# Far above what any kernel here needs (partial sums, counters), far below a GPU that could
+# not hold it: a plan from a package or an LLM reply asking more is refused when parsed,
+# not when the user's forward allocates it.
+MAX_WORKSPACE_BYTES = 1 << 32
 
 
 @dataclass
@@ -71,10 +75,16 @@ class LaunchPlan:
     options: list[str] = field(default_factory=list)
 
     def workspace_bytes(self) -> list[tuple[int, bool]]:
-        """(bytes, zero before launch) per workspace buffer."""
+        """(bytes, zero before launch) per workspace buffer; PlanError for an entry that is not
+        a byte count (0 to MAX_WORKSPACE_BYTES) or {"bytes": count, "zero": true/false}."""
         out = []
-        for w in self.workspace:
-            out.append((int(w["bytes"]), bool(w.get("zero", False))) if isinstance(w, dict) else (int(w), False))
+        for i, w in enumerate(self.workspace):
+            as_dict = isinstance(w, dict) and set(w) <= {"bytes", "zero"}
+            n, zero = (w.get("bytes"), w.get("zero", False)) if as_dict else (w, False)
+            if type(n) is not int or not 0 <= n <= MAX_WORKSPACE_BYTES or not isinstance(zero, bool):
+                raise PlanError(f"workspace {i} is {w!r:.80}: it must be a byte count from 0 to {MAX_WORKSPACE_BYTES} "
+                                'or {"bytes": count, "zero": true}')
+            out.append((n, zero))
         return out
 
     def to_json(self) -> dict:

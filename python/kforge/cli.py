@@ -53,6 +53,11 @@ def _search_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--llm-model", help="model name at that endpoint")
 
 
+def _trusted_key_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trusted-key", type=Path, action="append", metavar="PUBKEY", dest="trusted_keys",
+                   help="refuse the package unless this Ed25519 public key (PEM) signed it; repeat for several")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kforge", description="Generated, verified, guarded CUDA kernels for "
                                                                 "unmodified PyTorch models.")
@@ -80,13 +85,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("package", help="write the winners of a run directory into a .cast package")
     p.add_argument("run_dir", type=Path)
     p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--sign", type=Path, metavar="KEYFILE",
+                   help="sign the package with this Ed25519 private key (PEM; make a pair with `openssl genpkey "
+                        "-algorithm ed25519 -out key.pem && openssl pkey -in key.pem -pubout -out key.pub.pem`)")
 
     p = sub.add_parser("inspect", help="show a run directory or a .cast package")
     p.add_argument("path", type=Path)
+    _trusted_key_option(p)
 
     p = sub.add_parser("verify", help="check a .cast package: checksums and format, then re-run its dispatched "
                                       "kernels on this GPU")
     p.add_argument("path", type=Path)
+    _trusted_key_option(p)
 
     p = sub.add_parser("dash", help="serve the dashboard over run directories")
     p.add_argument("run_dirs", nargs="*", type=Path)
@@ -188,7 +198,7 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
 def cmd_package(args: argparse.Namespace, console: Console) -> int:
     from .package import write_package
 
-    console.print(f"package: [bold]{write_package(args.run_dir, args.out)}[/]")
+    console.print(f"package: [bold]{escape(str(write_package(args.run_dir, args.out, sign_key=args.sign)))}[/]")
     return 0
 
 
@@ -197,13 +207,13 @@ def cmd_inspect(args: argparse.Namespace, console: Console) -> int:
     if path.is_dir():
         return _inspect_run(path, console)
     if path.suffix == ".cast" and path.is_file():
-        return _inspect_package(path, console)
+        return _inspect_package(path, args, console)
     if not path.exists():
         raise KforgeError(f"{path} does not exist: give a run directory or a .cast package")
     raise KforgeError(f"{path} is neither a run directory nor a .cast package")
 
 
-def _load_package(path: Path):
+def _load_package(path: Path, trusted_keys: list[Path] | None):
     """(package, number of cards it dispatches as packaged, "N of M cards dispatched as
     packaged", fallback warnings). A package that is not intact raises PackageError. Loading on
     another GPU (or none) makes every card fall back here: the warnings are returned, to be
@@ -212,7 +222,7 @@ def _load_package(path: Path):
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", PackageFallbackWarning)
-        pkg = load(path)
+        pkg = load(path, trusted_keys=trusted_keys)
     entries = pkg.manifest.get("cards", [])
     packaged = sum(e.get("decision") == "dispatched" for e in entries)
     return pkg, packaged, f"{packaged} of {len(entries)} cards dispatched as packaged", caught
@@ -223,9 +233,9 @@ def _notes(caught, console: Console) -> None:
         console.print(f"[yellow]on this machine:[/] {escape(str(w.message))}", soft_wrap=True)
 
 
-def _inspect_package(path: Path, console: Console) -> int:
-    pkg, _, summary, caught = _load_package(path)
-    console.print(f"{escape(str(path))}: built for {escape(pkg.gpu)} ({pkg.arch}); {summary}")
+def _inspect_package(path: Path, args: argparse.Namespace, console: Console) -> int:
+    pkg, _, summary, caught = _load_package(path, args.trusted_keys)
+    console.print(f"{escape(str(path))}: built for {escape(pkg.gpu)} ({pkg.arch}); {summary}; {pkg.integrity}")
     console.print(pkg.report(fmt="table"))
     _notes(caught, console)
     return 0
@@ -266,8 +276,8 @@ def _inspect_run(run_dir: Path, console: Console) -> int:
 
 def cmd_verify(args: argparse.Namespace, console: Console) -> int:
     """Re-validate every dispatched kernel of a package on this GPU; 1 if any fails."""
-    pkg, packaged, summary, caught = _load_package(args.path)
-    console.print(f"{escape(str(args.path))}: checksums and format ok; {summary}")
+    pkg, packaged, summary, caught = _load_package(args.path, args.trusted_keys)
+    console.print(f"{escape(str(args.path))}: checksums and format ok; {summary}; {pkg.integrity}")
     _notes(caught, console)
     if not packaged:
         console.print("no kernel to re-run: every card falls back to PyTorch")

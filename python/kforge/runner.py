@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 from .cards import Card, load_cards
 from .errors import CardError, KforgeError
@@ -90,9 +91,10 @@ def results_table(rows: list[CardResult], title: str) -> Table:
     for col in ("iters", "time", "eager µs", "best µs", "speedup"):
         t.add_column(col, justify="right")
     t.add_column("note", overflow="fold", ratio=2)
-    for r in rows:
-        t.add_row(r.summary, r.family, r.status, str(r.iterations), f"{r.search_s:.0f} s" if r.search_s else "-",
-                  _us(r.eager_us), _us(r.best_us), _speedup(r.speedup), r.note)
+    for r in rows:  # Text cells: notes come from the log (compile errors, LLM text), never rich markup
+        t.add_row(*map(Text, (r.summary, r.family, r.status, str(r.iterations),
+                              f"{r.search_s:.0f} s" if r.search_s else "-", _us(r.eager_us), _us(r.best_us),
+                              _speedup(r.speedup), r.note)))
     return t
 
 
