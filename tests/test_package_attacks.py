@@ -147,12 +147,12 @@ def _workspace(ws):
 
 
 MALFORMED = [
-    (_workspace({"bytes": "x"}), "workspace 0"),
-    (_workspace({"zero": True}), "workspace 0"),
-    (_workspace(None), "workspace 0"),
-    (_workspace(-5), "workspace 0"),
-    (_workspace(10**15), "workspace 0"),
-    (_workspace(1.5), "workspace 0"),
+    (_workspace({"bytes": "x"}), "workspace entry"),
+    (_workspace({"zero": True}), "workspace entry"),
+    (_workspace(None), "workspace entry"),
+    (_workspace(-5), "workspace entry"),
+    (_workspace(10**15), "workspace entry"),
+    (_workspace(1.5), "workspace entry"),
     (lambda m: _dispatched(m).update(op="relu"), r"\.op must be an op name"),
     (lambda m: _dispatched(m).update(op="__class__::__init__.__call__"), r"\.op must be an op name"),
     (lambda m: _dispatched(m)["timing"].update(eager_us="x"), r"timing\.eager_us must be a finite"),

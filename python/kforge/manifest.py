@@ -24,7 +24,8 @@ FORMAT = 1
 MAX_TEXT = 4000  # characters in any manifest text (reasons, notes, names); the writer cuts to it
 MAX_DEPTH = 8  # nesting of free-form evidence (tolerances, knobs)
 
-OP_NAME = re.compile(r"^(?!__)[A-Za-z_]\w*::[A-Za-z_]\w*(\.[A-Za-z_]\w*)?$")
+# ns::name.overload; a region card's op is "region::" and its ops' names joined by "+".
+OP_NAME = re.compile(r"^(?!__)[A-Za-z_]\w*::[A-Za-z_]\w*(\.[A-Za-z_]\w*)?(\+[A-Za-z_]\w*(\.[A-Za-z_]\w*)?)*$")
 ARCH = re.compile(r"^sm_(\d+)a?$")
 _CARD_ID = re.compile(r"^[0-9a-f]{16}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -140,6 +141,7 @@ _CARD = _record({
     "module_paths": _list_of(_text),
     "guard": _record({"args": _kind(list, "a list"), "arch": _text}, required=("args", "arch")),
     "outputs": _kind(list, "a list"), "aliases": _kind(dict, "an object"),
+    "region": _optional(_kind(dict, "an object")),
     "decision": _one_of("dispatched", "fallback"), "reason": _text, "kind": _optional(_one_of(*KINDS)),
     "timing": _optional(_record({k: _US for k in ("eager_us", "kernel_us", "eager_dispatched_us", "dispatched_us",
                                                    "noise_us")})),
