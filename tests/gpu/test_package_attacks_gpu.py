@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from test_dispatch_gpu import cards_and_candidates, model, packages  # noqa: F401 (fixture)
+from test_dispatch_gpu import model, packages  # noqa: F401 (packages is a fixture)
 from test_package import rewrite
 from test_package_attacks import _key_pair
 
