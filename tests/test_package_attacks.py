@@ -315,3 +315,17 @@ def test_a_bad_signing_key_is_a_one_line_error(run_cast, tmp_path, capsys):
     _, public = _key_pair(tmp_path)
     assert main(["package", str(run_dir), "--out", str(tmp_path / "x.cast"), "--sign", str(public)]) == 1
     assert "openssl genpkey -algorithm ed25519" in _one_line_error(capsys)
+
+
+def test_dashboard_link_text_adds_no_markdown(monkeypatch):
+    pytest.importorskip("dash")
+    from conftest_dash import import_dash_app
+
+    import_dash_app()
+    from dash_app import components
+
+    monkeypatch.setattr(components, "href", lambda page, **params: f"/{page}")
+    link = components.md_link("relu(8:float32)](javascript:alert(1)) [x](https://evil.example) **b**", "card")
+    # One link, to kforge's page: every bracket, parenthesis and star of the text is escaped.
+    assert link.startswith("[") and link.endswith("](/card)")
+    assert "](javascript" not in link and "](https" not in link and "\\*\\*b\\*\\*" in link
