@@ -322,3 +322,19 @@ def test_inspect_names_the_proposer_errors_of_a_run(tmp_path, capsys):
     assert main(["inspect", str(run.run_dir), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["proposer_errors"]["count"] > 0 and doc["llm"]["cost_usd"] > 0
+
+
+def test_inspect_json_pipes_into_json_load_for_a_run_and_a_package(tmp_path):
+    """`kforge inspect RUN --json | python -c 'import json,sys; json.load(sys.stdin)'`, as a user types it."""
+    import subprocess
+
+    from conftest_dash import write_demo_run
+
+    run = write_demo_run(tmp_path)
+    for target in (run.run_dir, run.run_dir / "model.cast"):
+        inspect = subprocess.run([sys.executable, "-m", "kforge", "inspect", str(target), "--json"],
+                                 capture_output=True, text=True, timeout=300)
+        assert inspect.returncode == 0, inspect.stderr
+        load = subprocess.run([sys.executable, "-c", "import json,sys; print(json.load(sys.stdin)['kind'])"],
+                              input=inspect.stdout, capture_output=True, text=True, timeout=60)
+        assert load.returncode == 0 and load.stdout.strip() in ("run", "package"), (load.stderr, inspect.stdout[:300])
