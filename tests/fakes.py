@@ -51,6 +51,17 @@ class FakeProposer(Proposer):
         self.cost_usd = cost_usd
         self.tokens = tokens
         self.closed = False
+        self.bound = None
+
+    def bind(self, log, run_id, spend) -> None:
+        self.bound = (log, run_id, spend)
+
+    def pay(self, ctx: ProposalContext) -> None:
+        """Charge one call of `tokens` and `cost_usd` as a paid proposer must: reserve, settle, log."""
+        if self.tokens or self.cost_usd:
+            log, run_id, spend = self.bound
+            spend.settle(spend.reserve(self.tokens, self.cost_usd), self.tokens, self.cost_usd)
+            log.add_llm_call(run_id, ctx.card.id, "fake", prompt_tokens=self.tokens, cost_usd=self.cost_usd)
 
     def supports(self, card: Card) -> tuple[bool, str]:
         why = self.decline(card)
@@ -63,7 +74,8 @@ class FakeProposer(Proposer):
             knobs = dict(ctx.parent.candidate.knobs)
             k = ctx.rng.choice(sorted(KNOBS))
             knobs[k] = ctx.rng.choice([v for v in KNOBS[k] if v != knobs[k]])
-        return Proposal(candidate(knobs), prompt_tokens=self.tokens, cost_usd=self.cost_usd)
+        self.pay(ctx)
+        return Proposal(candidate(knobs))
 
     def repair(self, ctx: ProposalContext, failed: Tried) -> Proposal | None:
         knobs = dict(failed.candidate.knobs, unroll=1)

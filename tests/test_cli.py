@@ -16,7 +16,7 @@ from fakes import FakeEvaluator, FakeProposer, toy_card
 from kforge import cuda, proposers, runner
 from kforge.cards import load_cards, save_card
 from kforge.cli import _resume_command, build_parser, main
-from kforge.errors import CudaUnavailableError
+from kforge.errors import CudaUnavailableError, ExitCode
 from kforge.log import connect
 
 MODEL = textwrap.dedent("""
@@ -167,7 +167,7 @@ def test_verify_without_a_gpu_checks_the_package_then_says_the_kernels_need_one(
     card = toy_card(n=1024)
     build_run(tmp_path / "run", [(card, [(relu_candidate(1024), result())], None)])
     cast = write_package(tmp_path / "run", tmp_path / "m.cast")
-    assert main(["verify", str(cast)]) == 1  # re-validation needs the GPU the package is for
+    assert main(["verify", str(cast)]) == ExitCode.NO_GPU  # re-validation needs the GPU the package is for
     captured = capsys.readouterr()
     assert "no CUDA GPU" in captured.err
     assert "checksums and format ok; 1 of 1 cards dispatched" in " ".join(captured.out.split())

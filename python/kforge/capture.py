@@ -85,8 +85,13 @@ class CaptureResult:
 def capture(model: torch.nn.Module, example_inputs: Any, run_dir: str | Path | None = None, *,
             device: str | torch.device | None = None, eval_mode: bool = True, no_grad: bool = True,
             max_samples_per_card: int = 1, max_sample_bytes: int = MAX_SAMPLE_BYTES,
-            time_cards: bool = True, progress: Callable[[str], None] | None = None) -> CaptureResult:
+            time_cards: bool = True, progress: Callable[[str], None] | None = None,
+            regions: bool = False) -> CaptureResult:
     """Run `model` on `example_inputs` and write one card per distinct backend call under run_dir/cards/.
+
+    regions: also trace the model into aten graphs and write a region card per distinct
+    fusable region (kforge.region_capture); a model that cannot be traced still gets its op
+    cards, and a note per graph break.
 
     example_inputs: a tensor, a tuple/list of tensors (positional) or a dict of tensors (keyword).
     device: when given, the model and the inputs are moved there first (the model in place).
@@ -110,6 +115,7 @@ def capture(model: torch.nn.Module, example_inputs: Any, run_dir: str | Path | N
         rec, notes = _record(model, args, kwargs, target, max_samples_per_card, max_sample_bytes)
         say("timing the model's forward")
         model_us = _model_wall_us(model, args, kwargs, dev)
+        region_entries = _capture_regions(model, args, kwargs, target, max_sample_bytes, notes) if regions else []
     cards = rec.finish()
     notes += rec.notes()
     if time_cards:
@@ -117,14 +123,33 @@ def capture(model: torch.nn.Module, example_inputs: Any, run_dir: str | Path | N
             if i % 25 == 0:
                 say(f"timing cards: {i} of {len(rec.entries)}")
             _time_entry(entry, dev)
-    say(f"writing {len(cards)} cards")
+        if region_entries:
+            from .region_capture import time_entries
+
+            say(f"timing {len(region_entries)} region cards")
+            time_entries(region_entries, dev, _time_fn)
     total_us = _assign_shares(rec)
+    for e in region_entries:  # a share of the same runtime as the op cards', overlapping theirs
+        c = e.card
+        c.share = c.total_us / total_us if c.total_us is not None and total_us > 0 else None
+        cards.append(c)
     cards.sort(key=lambda c: -(c.share or 0.0))
+    say(f"writing {len(cards)} cards")
     # Made only now: a capture that fails must not leave an empty directory behind.
     run_dir = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="kforge-capture-"))
     result = CaptureResult(cards, run_dir, total_us, model_us, str(dev), notes)
-    _write(result, rec)
+    _write(result, rec, region_entries)
     return result
+
+
+def _capture_regions(model, args, kwargs, target: _Target, max_sample_bytes: int, notes: list[str]) -> list:
+    from . import graph
+    from .region_capture import region_cards
+
+    entries, more = region_cards(graph.trace(model, args, kwargs), target.arch, target.device_name,
+                                 max_sample_bytes=max_sample_bytes)
+    notes += more
+    return entries
 
 
 def _check_run_dir(run_dir: Path) -> None:
@@ -717,7 +742,7 @@ def shares_by_family(cards: Sequence[Card]) -> dict[str, float]:
 
 # ---- output -----------------------------------------------------------------------------
 
-def _write(result: CaptureResult, rec: _Recorder) -> None:
+def _write(result: CaptureResult, rec: _Recorder, region_entries: Sequence = ()) -> None:
     """run_dir/cards/<id>/{card.json, sample<i>.safetensors} and run_dir/capture.json (replaced)."""
     cards_root = result.run_dir / "cards"
     if cards_root.exists():
@@ -725,6 +750,10 @@ def _write(result: CaptureResult, rec: _Recorder) -> None:
     for e in rec.entries.values():
         for i, (ins, outs) in enumerate(e.samples):
             save_sample(e.card, result.run_dir, i, ins, outs)
+        save_card(e.card, result.run_dir)
+    for e in region_entries:
+        if e.sample is not None:
+            save_sample(e.card, result.run_dir, 0, *e.sample)
         save_card(e.card, result.run_dir)
     (result.run_dir / "capture.json").write_text(json.dumps(result.to_json(), indent=1))
 

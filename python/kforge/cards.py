@@ -8,6 +8,10 @@ tensor as the span of storage it views so strides and alignment survive the roun
 Tensor numbering used everywhere (launch plans, dispatch, evaluation):
   inputs  = every tensor argument in schema order, tensor lists flattened;
   outputs = every tensor the op returns, in order, tuples flattened.
+
+A region card (`region` set, kforge.subgraph) stands for several aten calls fused: its args
+are its input tensors ("in0", "in1", ...), its outputs the values the region returns, and
+calling it eagerly replays the subgraph; its id hashes the subgraph too.
 """
 
 from __future__ import annotations
@@ -17,15 +21,20 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .errors import CardError
 
-CARD_FORMAT = 1
+if TYPE_CHECKING:
+    from .subgraph import Subgraph
 
-FAMILIES = ("pointwise", "reduction", "normalization", "pooling", "vendor", "view", "other")
+CARD_FORMAT = 2  # 2: region cards (the `region` field)
+
+# "region": a fused multi-op card (kforge.subgraph); the others are families of single aten ops.
+FAMILIES = ("pointwise", "reduction", "normalization", "pooling", "vendor", "view", "other", "region")
+REGION_NS = "region::"  # a region card's op: "region::" and its ops' names, "region::add+pow+mean+rsqrt+mul"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -224,11 +233,12 @@ class Card:
     share: float | None = None  # of the captured runtime
     samples: int = 0  # sample sets stored on disk
     notes: list[str] = field(default_factory=list)
+    region: "Subgraph | None" = None  # the fused aten calls of a region card (kforge.subgraph)
     id: str = ""
 
     def __post_init__(self) -> None:
         if not self.id:
-            self.id = card_id(self.op, self.args, self.arch)
+            self.id = card_id(self.op, self.args, self.arch, self.region)
 
     # ---- views of the arguments ---------------------------------------------------------
     @property
@@ -277,7 +287,8 @@ class Card:
         return reads + writes
 
     def key(self) -> tuple:
-        return (self.op, tuple(a.key() for a in self.args), self.arch)
+        region = self.region.key() if self.region is not None else None
+        return (self.op, tuple(a.key() for a in self.args), self.arch, region)
 
     def retarget(self, device: str, arch: str) -> "Card":
         """The same call on another device type: what a CPU capture would be on the GPU.
@@ -289,11 +300,15 @@ class Card:
 
         args = [replace(a, tensor=move(a.tensor), tensors=[move(m) for m in a.tensors] if a.tensors is not None else None)
                 for a in self.args]
-        return replace(self, args=args, outputs=[move(m) for m in self.outputs], arch=arch, id="", samples=0,
+        region = self.region.retarget(device) if self.region is not None else None
+        return replace(self, args=args, outputs=[move(m) for m in self.outputs], arch=arch, id="", samples=0, region=region,
                        notes=self.notes + [f"retargeted from a {self.device_type} capture ({self.id}) to {device} {arch}"])
 
     # ---- the op itself ------------------------------------------------------------------
     def overload(self) -> torch._ops.OpOverload:
+        if self.region is not None:
+            raise CardError(f"{self.op} is a region of {len(self.region.nodes)} aten calls, not one overload: "
+                            "run it with call_eager")
         ns, rest = self.op.split("::", 1)
         name, _, ov = rest.partition(".")
         try:
@@ -317,7 +332,10 @@ class Card:
         return args, kwargs
 
     def call_eager(self, tensors: list[torch.Tensor], device=None) -> list[torch.Tensor]:
-        """Run the op through PyTorch; returns its outputs flattened (aliases included)."""
+        """Run the op through PyTorch; returns its outputs flattened (aliases included). A
+        region replays its aten calls one by one."""
+        if self.region is not None:
+            return self.region.replay(tensors, device)
         args, kwargs = self.build_call(tensors, device)
         return flatten_outputs(self.overload()(*args, **kwargs))
 
@@ -348,6 +366,7 @@ class Card:
             "share": self.share,
             "samples": self.samples,
             "notes": self.notes,
+            **({"region": self.region.to_json()} if self.region is not None else {}),
         }
 
     @staticmethod
@@ -371,12 +390,23 @@ class Card:
             share=d.get("share"),
             samples=d.get("samples", 0),
             notes=d.get("notes", []),
+            region=_region_from_json(d["region"]) if d.get("region") is not None else None,
             id=d["id"],
         )
 
 
-def card_id(op: str, args: list[ArgSpec], arch: str) -> str:
-    blob = json.dumps([op, [a.key() for a in args], arch], sort_keys=True, default=str)
+def _region_from_json(d: Any) -> "Subgraph":
+    from .subgraph import Subgraph
+
+    try:
+        return Subgraph.from_json(d)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CardError(f"region of card is malformed ({e!r})") from e
+
+
+def card_id(op: str, args: list[ArgSpec], arch: str, region: "Subgraph | None" = None) -> str:
+    parts = [op, [a.key() for a in args], arch] + ([region.key()] if region is not None else [])
+    blob = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

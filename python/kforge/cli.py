@@ -1,8 +1,9 @@
 """The `kforge` command line: run | capture | search | package | inspect | verify | dash | doctor.
 
-Exit codes: 0 ok, 1 error (a KforgeError prints its message, no traceback), 130 interrupted.
-Every command that reports takes -q/-v; capture, run, inspect, verify and doctor take --json
-(one JSON document on stdout, everything else on stderr).
+Exit codes are errors.ExitCode (listed by `kforge --help`); a KforgeError prints its message
+on one line, never a traceback. Every command that reports takes -q/-v; capture, run,
+inspect, verify and doctor take --json (one JSON document on stdout, everything else on
+stderr).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .errors import KforgeError
+from .errors import EXIT_CODE_HELP, ExitCode, KforgeError
 
 
 def _devices(text: str) -> list[int]:
@@ -41,6 +42,62 @@ def _names(text: str) -> list[str]:
     return names
 
 
+def _price(text: str) -> tuple[float, float]:
+    try:
+        prompt, completion = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected USD per 1M prompt and completion tokens, like 2.5,10 (got {text!r})") from None
+    return prompt, completion
+
+
+def _header(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition(":")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"expected a header as 'Name: value' (got {text!r})")
+    return name.strip(), value.strip()
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, like '{{\"top_k\": 20}}' ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, like '{{\"top_k\": 20}}' (got {text!r})")
+    return value
+
+
+def _llm_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("LLM proposer (override the environment and the config file)")
+    g.add_argument("--llm-config", type=Path, metavar="FILE",
+                   help="TOML or JSON file of LLM settings (default $KFORGE_LLM_CONFIG)")
+    g.add_argument("--llm-base-url", help="OpenAI-compatible endpoint (the API key comes from the environment)")
+    g.add_argument("--llm-model", help="model name at that endpoint")
+    g.add_argument("--llm-price", type=_price, metavar="PROMPT,COMPLETION",
+                   help="the model's price in USD per 1M tokens (0,0 for a free local model); needed with "
+                        "--max-cost for a model kforge has no price for")
+    g.add_argument("--llm-reply-tokens", type=int, metavar="N",
+                   help="reply limit per call (default 8192; 32768 for reasoning models)")
+    g.add_argument("--llm-temperature", metavar="T|none", help="sampling temperature, or none to send none")
+    g.add_argument("--llm-top-p", type=float, metavar="P")
+    g.add_argument("--llm-reasoning-effort", metavar="LEVEL", help="e.g. low, medium, high (reasoning models)")
+    g.add_argument("--llm-header", type=_header, action="append", metavar="'NAME: VALUE'",
+                   help="extra HTTP header (repeatable); put credentials in the config file instead")
+    g.add_argument("--llm-body", type=_json_object, metavar="JSON",
+                   help="JSON object merged into each request body, e.g. '{\"top_k\": 20}'")
+
+
+def _llm_settings(args: argparse.Namespace) -> dict:
+    """The LLM flags given, as LLMConfig.resolve settings."""
+    settings = {"config_file": args.llm_config, "base_url": args.llm_base_url, "model": args.llm_model,
+                "price": args.llm_price, "max_reply_tokens": args.llm_reply_tokens,
+                "temperature": args.llm_temperature, "top_p": args.llm_top_p,
+                "reasoning_effort": args.llm_reasoning_effort,
+                "extra_headers": dict(args.llm_header) if args.llm_header else None, "extra_body": args.llm_body}
+    return {k: v for k, v in settings.items() if v is not None}
+
+
 def _search_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("search")
     g.add_argument("--proposer", default="builtin", help="builtin (default), llm or llm:<model>")
@@ -55,8 +112,7 @@ def _search_options(p: argparse.ArgumentParser) -> None:
                    help="GPU ordinals to evaluate on (default: all)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-progress", action="store_true", help="no live progress display")
-    g.add_argument("--llm-base-url", help="OpenAI-compatible endpoint (the API key comes from the environment)")
-    g.add_argument("--llm-model", help="model name at that endpoint")
+    _llm_options(p)
 
 
 # Rows a default table shows: the largest searchable cards; --all shows every card.
@@ -83,8 +139,10 @@ def _output_options(json_flag: bool, table: bool = False) -> argparse.ArgumentPa
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="kforge", description="Generated, verified, guarded CUDA kernels for "
-                                                                "unmodified PyTorch models.")
+    parser = argparse.ArgumentParser(
+        prog="kforge", description="Generated, verified, guarded CUDA kernels for unmodified PyTorch models.",
+        epilog="exit codes:\n" + "\n".join(f"  {int(code):<4} {EXIT_CODE_HELP[code]}" for code in ExitCode),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"kforge {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     scripted, plain = _output_options(True, table=True), _output_options(False)
@@ -96,12 +154,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir without capturing")
     p.add_argument("--no-model-check", action="store_true",
                    help="do not time the model eager and with the package at the end")
+    p.add_argument("--regions", action="store_true",
+                   help="also trace the model and write a card per fused multi-op region (experimental)")
     _search_options(p)
 
     p = sub.add_parser("capture", help="record the operators a model runs as cards", parents=[scripted])
     p.add_argument("model", help="model.py (defining get_model() and get_inputs()) or pkg.module:factory")
     p.add_argument("--run-dir", type=Path,
                    help="where the cards go (created; default: a new temporary directory, printed at the end)")
+    p.add_argument("--regions", action="store_true",
+                   help="also trace the model and write a card per fused multi-op region (experimental)")
 
     p = sub.add_parser("search", help="search kernels for the cards of a run directory",
                        parents=[_output_options(False, table=True)])
@@ -125,13 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8050)
 
-    sub.add_parser("doctor", help="what kforge finds of CUDA, the driver and NVRTC, and what works without a GPU",
-                   parents=[_output_options(True)])
+    p = sub.add_parser("doctor", help="what kforge finds of CUDA, the driver and NVRTC, the LLM settings, and "
+                       "what works without a GPU", parents=[_output_options(True)])
+    _llm_options(p)
     return parser
 
 
 def _search_kwargs(args: argparse.Namespace) -> dict:
-    options = {k: v for k, v in (("base_url", args.llm_base_url), ("model", args.llm_model)) if v}
+    options = _llm_settings(args)
     return dict(proposer=args.proposer, iterations=args.iterations, wall_time_s=args.wall_time,
                 max_cost_usd=args.max_cost, min_share=args.min_share, include_vendor=args.include_vendor,
                 devices=args.devices, seed=args.seed, progress=not args.no_progress, proposer_options=options,
@@ -142,8 +205,11 @@ def _search_kwargs(args: argparse.Namespace) -> dict:
 _SEARCH_FLAGS = (("proposer", "--proposer"), ("iterations", "--iterations"), ("wall_time", "--wall-time"),
                  ("max_cost", "--max-cost"), ("min_share", "--min-share"), ("include_vendor", "--include-vendor"),
                  ("ops", "--ops"),
-                 ("devices", "--devices"), ("seed", "--seed"), ("llm_base_url", "--llm-base-url"),
-                 ("llm_model", "--llm-model"))
+                 ("devices", "--devices"), ("seed", "--seed"), ("llm_config", "--llm-config"),
+                 ("llm_base_url", "--llm-base-url"), ("llm_model", "--llm-model"), ("llm_price", "--llm-price"),
+                 ("llm_reply_tokens", "--llm-reply-tokens"), ("llm_temperature", "--llm-temperature"),
+                 ("llm_top_p", "--llm-top-p"), ("llm_reasoning_effort", "--llm-reasoning-effort"),
+                 ("llm_body", "--llm-body"))  # not --llm-header: its values may be credentials
 
 
 def _resume_command(args: argparse.Namespace, run_dir: Path) -> str:
@@ -163,7 +229,8 @@ def _resume_command(args: argparse.Namespace, run_dir: Path) -> str:
         if value is True:
             words.append(flag)
         else:
-            words += [flag, ",".join(map(str, value)) if isinstance(value, list) else str(value)]
+            words += [flag, json.dumps(value) if isinstance(value, dict) else
+                      ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)]
     return shlex.join(words)
 
 
@@ -263,7 +330,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         with _stage_printer(args, err, "capture") as say:
             kwargs["capture_progress"] = say
             result = runner.run(model, inputs, out=args.out, run_dir=args.run_dir, model_name=args.model,
-                                check_model=not args.no_model_check, **kwargs)
+                                check_model=not args.no_model_check, regions=args.regions, **kwargs)
     return _report(result, console, args)
 
 
@@ -290,10 +357,12 @@ def cmd_capture(args: argparse.Namespace, console: Console) -> int:
     with _stage_printer(args, err, "capture") as say:
         say(f"loading {args.model}")
         model, inputs = load_model_spec(args.model)
-        result = capture(model, inputs, args.run_dir, progress=say)
+        result = capture(model, inputs, args.run_dir, progress=say, regions=args.regions)
     if args.json:
         return _emit({**result.to_json(), "cards": [_card_json(c) for c in result.cards]})
     console.print(_cards_table(result.cards, args))
+    for note in result.notes if args.regions else ():
+        err.print(f"[yellow]{escape(note)}[/]", soft_wrap=True)
     console.print(f"{len(result.cards)} cards written to {result.run_dir}")
     return 0
 
@@ -501,12 +570,34 @@ def cmd_doctor(args: argparse.Namespace, console: Console) -> int:
                  else json.dumps(value, default=str))
         t.add_row(str(key), shown)
     t.add_row("dispatch", f"{'C++' if native else 'Python'}: {why}")
+    for what, value in _llm_rows(_llm_settings(args)):
+        t.add_row(what, escape(value))
     console.print(t)
     for line in advice:
         console.print(line, soft_wrap=True, highlight=False)
     if not advice:
         console.print("A GPU and NVRTC are here: everything works.")
     return 0
+
+
+def _llm_rows(settings: dict) -> list[tuple[str, str]]:
+    """What the LLM proposer would use: model, endpoint, reply limit and the price it charges."""
+    from .errors import LLMError
+    from .proposers.llm.config import LLMConfig
+    from .proposers.llm.prices import PRICES, PRICES_AS_OF, find_price
+
+    try:
+        cfg = LLMConfig.resolve(**settings)
+    except LLMError as e:
+        return [("llm", f"not configured ({e})")]
+    price = cfg.price()
+    if price is None:
+        shown = "unknown: --max-cost is refused until one is given (--llm-price PROMPT,COMPLETION)"
+    else:
+        source = f"kforge's table of {PRICES_AS_OF}" if find_price(cfg.model, PRICES) == price else "given"
+        shown = f"${price[0]:g} prompt, ${price[1]:g} completion per 1M tokens ({source})"
+    return [("llm model", cfg.model), ("llm endpoint", cfg.base_url), ("llm price", shown),
+            ("llm reply limit", f"{cfg.max_reply_tokens} tokens per call")]
 
 
 COMMANDS = {"run": cmd_run, "capture": cmd_capture, "search": cmd_search, "package": cmd_package,
@@ -526,10 +617,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RunInterrupted as e:
         err.print(f"[yellow]interrupted[/]: everything evaluated so far is in {escape(str(e.run_dir))}. "
                   f"Resume with:\n  {escape(_resume_command(args, e.run_dir))}", soft_wrap=True, highlight=False)
-        return 130
+        return ExitCode.INTERRUPTED
     except KeyboardInterrupt:
         err.print("[yellow]interrupted[/]")
-        return 130
+        return ExitCode.INTERRUPTED
     except KforgeError as e:
         err.print(f"[red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
-        return 1
+        return ExitCode.of(e)

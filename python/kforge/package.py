@@ -32,7 +32,7 @@ import zipfile
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 from rich.table import Table
@@ -141,6 +141,67 @@ def choose(rows: list[sqlite3.Row], skip_reason: str | None, *, noise_factor: fl
     return Choice(best, f"{eager / d:.2f}x faster than eager as dispatched ({d:.2f} µs vs {eager:.2f} µs)", eager, noise)
 
 
+# ---- regions: what ships where they overlap ---------------------------------------------------
+
+@dataclass(frozen=True)
+class RegionOption:
+    """A region card at one call site: the graph nodes it covers there and its evidence."""
+
+    card: str
+    nodes: frozenset  # node names of the call site's graph
+    kernel_us: float | None  # the region's kernel as dispatched
+    baseline_us: float | None  # the same nodes without it: their best op kernels, else eager
+
+    @property
+    def saving_us(self) -> float | None:
+        return None if self.kernel_us is None or self.baseline_us is None else self.baseline_us - self.kernel_us
+
+
+def choose_regions(options: Sequence[RegionOption], exact_limit: int = 16) -> list[RegionOption]:
+    """Of a graph's region options, the non-overlapping set that saves the most time. An
+    option saves its baseline minus its kernel (the nodes it does not cover keep their best
+    op kernel or eager, so the total is minimal); one without both numbers or saving nothing
+    is never chosen. Exact within each group of overlapping options of up to `exact_limit`,
+    greedy by saving above that; ties go to the option listed first. Returned in input order."""
+    useful = [o for o in options if o.saving_us is not None and o.saving_us > 0]
+    groups: list[list[RegionOption]] = []
+    for o in useful:  # connected components of the overlap relation
+        touching = [g for g in groups if any(o.nodes & x.nodes for x in g)]
+        merged = [x for g in touching for x in g] + [o]
+        groups = [g for g in groups if g not in touching] + [merged]
+    chosen: list[RegionOption] = []
+    for g in groups:
+        chosen += _best_disjoint(g) if len(g) <= exact_limit else _greedy_disjoint(g)
+    order = {id(o): i for i, o in enumerate(options)}
+    return sorted(chosen, key=lambda o: order[id(o)])
+
+
+def _best_disjoint(group: list[RegionOption]) -> list[RegionOption]:
+    best: tuple[float, list[RegionOption]] = (0.0, [])
+
+    def walk(i: int, taken: list[RegionOption], covered: frozenset, saved: float) -> None:
+        nonlocal best
+        if i == len(group):
+            if saved > best[0]:
+                best = (saved, list(taken))
+            return
+        o = group[i]
+        if not (o.nodes & covered):
+            walk(i + 1, taken + [o], covered | o.nodes, saved + o.saving_us)
+        walk(i + 1, taken, covered, saved)
+
+    walk(0, [], frozenset(), 0.0)
+    return best[1]
+
+
+def _greedy_disjoint(group: list[RegionOption]) -> list[RegionOption]:
+    taken: list[RegionOption] = []
+    for o in sorted(group, key=lambda o: -o.saving_us):
+        if not any(o.nodes & t.nodes for t in taken):
+            taken.append(o)
+    return taken
+
+
 # ---- writing ------------------------------------------------------------------------------
 
 def _compile_cubin(source: str, name: str, options: list[str], arch: str) -> bytes:
@@ -170,7 +231,8 @@ def _guard_entry(card: Card) -> dict:
     return {"id": card.id, "op": card.op, "schema": card.schema, "family": card.family, "summary": card.summary(),
             "calls": card.calls, "share": card.share, "module_paths": card.module_paths,
             "guard": {"args": [a.to_json() for a in card.args], "arch": card.arch},
-            "outputs": [m.to_json() for m in card.outputs], "aliases": {str(k): v for k, v in card.aliases.items()}}
+            "outputs": [m.to_json() for m in card.outputs], "aliases": {str(k): v for k, v in card.aliases.items()},
+            **({"region": card.region.to_json()} if card.region is not None else {})}
 
 
 def _card_entry(card: Card, choice: Choice, arch: str) -> tuple[dict, dict[str, bytes]]:
@@ -192,7 +254,7 @@ def _card_entry(card: Card, choice: Choice, arch: str) -> tuple[dict, dict[str, 
         candidate=None, plan=None, files=None, hashes=None)
     if row is None:
         return entry, {}
-    why = dispatch_blocker(card)
+    why = None if card.region is not None else dispatch_blocker(card)  # regions run through kforge.optimize
     if card.arch != arch:
         why = f"captured on {card.arch}, the package is for {arch}"
     if why:
@@ -422,9 +484,12 @@ def _parse_card(e: Any, i: int, arch: str, members: dict[str, bytes]) -> Package
         card = Card.from_json({"format": CARD_FORMAT, "id": cid, "op": e["op"], "schema": e["schema"],
                                "args": guard["args"], "outputs": e["outputs"], "aliases": e["aliases"],
                                "arch": guard["arch"], "family": e.get("family", "other"), "calls": e.get("calls", 0),
-                               "share": e.get("share"), "module_paths": e.get("module_paths", [])})
+                               "share": e.get("share"), "module_paths": e.get("module_paths", []),
+                               "region": e.get("region")})
         _check_card(card)
-        hashes_to_id = card_id(card.op, card.args, card.arch) == cid
+        if card.region is not None:
+            card.region.check(len(card.inputs))
+        hashes_to_id = card_id(card.op, card.args, card.arch, card.region) == cid
     except (KeyError, TypeError, ValueError, AttributeError, CardError) as err:
         raise PackageError(f"malformed manifest: {where} is not a valid card ({err!r}); rebuild the package") from err
     if not hashes_to_id:
@@ -504,7 +569,7 @@ def load(path: str | Path, *, arch: str | None = None) -> "CastPackage":
         pkg._fall_back(f"the package was built for {pkg.arch} ({pkg.gpu}), this GPU is {here} ({name}); "
                        "rebuild the package on this GPU")
     for c in pkg.cards:
-        why = c.dispatched and dispatch_blocker(c.card)
+        why = c.dispatched and c.card.region is None and dispatch_blocker(c.card)
         if why:  # e.g. the op changed in this torch version
             c.decision, c.reason = "fallback", why
             _warn(f"{path}: card {c.id} falls back: {why}")
@@ -554,13 +619,23 @@ class CastPackage:
         if self.installed:
             raise PackageError(f"{self.path} is already installed; call uninstall() first")
         dispatcher = dispatcher or Dispatcher.shared("CUDA")
-        active = [c for c in self.cards if c.dispatched]
+        active = self.variants(launcher)
         if active:
-            launcher = launcher or self.launcher()
-            dispatcher.add(self, [Variant(c.card, i, launcher, tuple(n for n, _ in c.candidate.plan.workspace_bytes()),
-                                          c.counters) for i, c in enumerate(active)])
+            dispatcher.add(self, active)
         self._dispatcher = dispatcher
-        log.info("installed %s: %d kernels over %s", self.path, len(active), ", ".join(sorted({c.card.op for c in active})))
+        log.info("installed %s: %d kernels over %s", self.path, len(active), ", ".join(sorted({v.card.op for v in active})))
+
+    def variants(self, launcher: Launcher | None = None) -> list[Variant]:
+        """The dispatched single-op cards' kernels, in card order, launched by `launcher`
+        (default: a new self.launcher()); each counts into its card's counters. Variant ids
+        are positions among all dispatched cards (the launcher's registry order); region cards
+        are dispatched by kforge.optimize, not by an aten override."""
+        active = [(i, c) for i, c in enumerate(c for c in self.cards if c.dispatched) if c.card.region is None]
+        if not active:
+            return []
+        launcher = launcher or self.launcher()
+        return [Variant(c.card, i, launcher, tuple(n for n, _ in c.candidate.plan.workspace_bytes()), c.counters)
+                for i, c in active]
 
     def launcher(self) -> RegistryLauncher:
         """The C++ registry of the dispatched cards' kernels, loaded on the current device (in
@@ -576,6 +651,13 @@ class CastPackage:
             self._dispatcher.remove(self)
             self._dispatcher = None
 
+    def optimize(self, model: torch.nn.Module, **options: Any):
+        """kforge.optimize(model, self): the model traced, with this package's region kernels
+        in its graphs and its op kernels through the aten overrides."""
+        from .optimize import optimize
+
+        return optimize(model, self, **options)
+
     @contextlib.contextmanager
     def apply(self, **install_options: Any) -> Iterator["CastPackage"]:
         """`with pkg.apply(): model(x)`: installed inside the block, uninstalled after, even on error."""
@@ -584,6 +666,27 @@ class CastPackage:
             yield self
         finally:
             self.uninstall()
+
+    # ---- inside torch.compile (kforge.inductor) ---------------------------------------
+    @property
+    def digest(self) -> str:
+        """Identity of what this package does here: its manifest (which holds every kernel's hash)
+        and each card's decision on this machine. Inductor's caches key on it."""
+        state = [self.manifest, [(c.id, c.decision) for c in self.cards]]
+        return hashlib.sha256(json.dumps(state, sort_keys=True, default=str).encode()).hexdigest()
+
+    def compile(self, model: Any, **torch_compile_options: Any) -> Any:
+        """kforge.compile(model, self, ...): torch.compile with this package's kernels in the graphs."""
+        from .inductor import compile
+
+        return compile(model, self, **torch_compile_options)
+
+    def inductor_options(self, *, launcher: Launcher | None = None) -> dict:
+        """Options for torch.compile(model, options=...) that install this package's pass (see
+        kforge.inductor.options)."""
+        from .inductor import options
+
+        return options(self, launcher=launcher)
 
     # ---- auditing ---------------------------------------------------------------------
     def report(self, fmt: str = "dict") -> dict | Table:

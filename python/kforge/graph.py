@@ -1,0 +1,140 @@
+"""Model -> aten-level FX graphs for inference, in the form eager dispatch runs, without changing the model.
+
+How: torch.compile with a backend of kforge's own (no Inductor). Dynamo splits the forward
+into graphs at its graph breaks; each graph is lowered to aten by aot_autograd with no
+decompositions of kforge's choosing, so only the CompositeImplicitAutograd ops decompose,
+exactly as they do in eager: native_group_norm stays native_group_norm, softmax becomes
+_softmax, linear becomes t + addmm. The graphs are functional (relu_ is recorded as relu).
+Every node carries its value's metadata in node.meta["val"] (a fake tensor: shape, stride,
+dtype), its scalar arguments in node.args, and its module in node.meta["nn_module_stack"].
+
+Each graph is handled on its own; a graph break is reported as one line. aot_autograd is
+private to torch (stable from 2.0 to 2.14): where it is missing the trace gives no graphs,
+with a warning, and the per-op capture still covers the model.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+ROOT = "(root)"  # module path of nodes run by the model's own forward (as capture names it)
+
+# (graph module, its index, why dynamo ended it or None) -> the callable that runs it
+GraphCompiler = Callable[[torch.fx.GraphModule, int, "str | None"], Callable[..., Any]]
+
+
+@dataclass
+class Graph:
+    index: int  # in the order dynamo compiled them
+    module: torch.fx.GraphModule  # aten-level, inference
+    break_note: str | None = None  # the graph break that ended this graph, one line
+    inputs: list[torch.Tensor] | None = None  # the real inputs of its first call in the traced run
+
+
+@dataclass
+class Trace:
+    graphs: list[Graph] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # one line per graph break or failure
+
+
+class GraphCaptureWarning(UserWarning):
+    """Graph capture is not possible with this torch: regions are not captured."""
+
+
+def _aot(fw_compiler: Callable) -> Callable | None:
+    try:
+        from torch._dynamo.backends.common import aot_autograd
+    except ImportError:
+        return None
+    return aot_autograd(fw_compiler=fw_compiler, decompositions={})
+
+
+def _break_note(gm: torch.fx.GraphModule, index: int) -> str | None:
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None or not getattr(reason, "graph_break", False):
+        return None
+    stack = getattr(reason, "user_stack", None) or []
+    where = f" at {stack[-1].filename}:{stack[-1].lineno}" if stack else ""
+    why = (str(getattr(reason, "reason", "")).strip().splitlines() or ["unknown reason"])[0]
+    return f"graph break after graph {index}{where}: {why}"
+
+
+def aten_backend(compile_graph: GraphCompiler, notes: list[str]) -> Callable:
+    """A torch.compile backend that lowers each dynamo graph to aten (see the module doc) and
+    runs what `compile_graph` returns for it. A graph that cannot be lowered runs as dynamo
+    traced it (eager), with a note."""
+    count = [0]
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        index = count[0]
+        count[0] += 1
+        note = _break_note(gm, index)
+        if note:
+            notes.append(note)
+
+        def fw_compiler(agm: torch.fx.GraphModule, _inputs: list) -> Callable:
+            return compile_graph(agm, index, note)
+
+        lower = _aot(fw_compiler)
+        if lower is None:
+            message = (f"torch {torch.__version__} has no torch._dynamo.backends.common.aot_autograd: "
+                       "graphs are not lowered to aten, regions are not captured")
+            warnings.warn(message, GraphCaptureWarning, stacklevel=2)
+            notes.append(message)
+            return gm.forward
+        try:
+            return lower(gm, example_inputs)
+        except Exception as e:  # noqa: BLE001 (the graph then runs eagerly; the note says why)
+            notes.append(f"graph {index} could not be lowered to aten ({type(e).__name__}: "
+                         f"{(str(e).splitlines() or [''])[0]}); it runs eagerly")
+            return gm.forward
+
+    return backend
+
+
+def trace(model: torch.nn.Module, args: tuple, kwargs: dict) -> Trace:
+    """Run `model(*args, **kwargs)` once under torch.compile with a recording backend: every
+    graph with the real inputs of its first call. The caller sets eval/no_grad. A model that
+    dynamo cannot run gives no graphs and a note (its per-op capture is unaffected)."""
+    result = Trace()
+
+    def record(agm: torch.fx.GraphModule, index: int, note: str | None) -> Callable:
+        graph = Graph(index, agm, note)
+        result.graphs.append(graph)
+
+        def run(*inputs):
+            if graph.inputs is None:
+                graph.inputs = list(inputs)
+            return agm(*inputs)
+
+        return run
+
+    try:
+        torch.compile(model, backend=aten_backend(record, result.notes), dynamic=False)(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 (reported; the per-op capture does not depend on it)
+        result.notes.append(f"graph capture failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+        result.graphs = []
+    if not result.graphs and not result.notes:
+        result.notes.append("graph capture produced no graph (dynamo ran the model eagerly: recompile limit "
+                            "reached for this model's code?)")
+    result.graphs.sort(key=lambda g: g.index)
+    return result
+
+
+_SUBSCRIPT = re.compile(r"\[(\d+)\]|\._modules\['([^']+)'\]|\['([^']+)'\]")
+
+
+def module_path(node: torch.fx.Node) -> str:
+    """The innermost module a node ran in, as named_modules() names it ("layers.0.norm")."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ROOT
+    path = str(list(stack.values())[-1][0])
+    path = re.sub(r"^(L\['[^']*'\]|self\b)", "", path)  # dynamo's name for the model itself
+    path = _SUBSCRIPT.sub(lambda m: "." + next(g for g in m.groups() if g is not None), path)
+    return path.lstrip(".") or ROOT

@@ -1,0 +1,294 @@
+"""kforge.optimize(model, package): the model's traced graphs run with the package's region kernels
+in place of the regions they match, and everything else as eager runs it (no Inductor).
+
+    fast = kforge.optimize(model, pkg)      # or pkg.optimize(model)
+    y = fast(x)
+
+How: torch.compile with kforge's aten backend (kforge.graph). In each graph, the regions are
+found as capture found them (kforge.regions); a region whose structure and input metadata
+match a dispatched region card of the package is contracted into one call of a plain Python
+callable (_SiteCall), which checks every input's exact metadata (shape, stride, dtype,
+device type, pointer alignment) against the card and launches the card's kernel, or, on a
+miss, runs the region's original aten calls. Where matched regions overlap (a fused region
+and a vendor op's epilogue), package.choose_regions keeps the set that saves the most by
+the package's own measurements. Single-op cards are served by the package's aten overrides
+(pkg.install), installed by optimize for as long as the optimized model is open.
+
+Guards and recompiles: dynamo guards each graph on its inputs' shapes, strides and dtypes
+(dynamic=False); a new shape traces a new graph, whose regions are matched anew, and a
+region no card describes runs its original nodes. A new shape is a miss, never an error;
+past dynamo's recompile limit (torch._dynamo.config.recompile_limit, 8 per frame by
+default) dynamo runs that frame eagerly. Outputs come from the caching allocator and
+kernels launch on the current stream, so an optimized forward can be captured in a CUDA graph.
+
+The kernel call is `RegionKernel.run(inputs) -> outputs`, one callable per card: it can be
+swapped for a torch.library custom op without changing the graph surgery.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import operator
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from . import graph as graph_mod
+from . import regions as regions_mod
+from .cards import Card
+from .dispatch import REASONS, Counters, Launcher, _meta_key, _tensor_key, differences
+
+
+@dataclass(eq=False)
+class RegionKernel:
+    """One dispatched region card: its kernel as a callable, and the evidence to choose by."""
+
+    card: Card
+    run: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+    kernel_us: float | None = None  # as dispatched, from the package's evidence
+    baseline_us: float | None = None  # its nodes without it: their best op kernels, else eager
+    counters: Counters = field(default_factory=Counters)
+
+    @property
+    def guard(self) -> tuple:
+        return tuple(_meta_key(m) for m in self.card.inputs)
+
+
+def launch_kernel(card: Card, launcher: Launcher, vid: int, workspace: Sequence[int] = ()) -> Callable:
+    """inputs -> outputs of variant `vid` of `launcher`: outputs allocated with the card's shapes,
+    strides and dtypes on the inputs' device, launched on the current stream."""
+    specs = [(tuple(m.shape), tuple(m.stride), m.torch_dtype) for m in card.outputs]
+    workspace = tuple(workspace)
+
+    def run(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        dev = inputs[0].device
+        outs = [torch.empty_strided(s, st, dtype=dt, device=dev) for s, st, dt in specs]
+        ws = [torch.empty(n, dtype=torch.uint8, device=dev) for n in workspace]
+        launcher.launch(vid, inputs, outs, ws, dev)
+        return outs
+
+    return run
+
+
+class _SiteCall:
+    """What one region site of a graph becomes: guard hit -> the card's kernel, miss -> the
+    region's own aten calls."""
+
+    def __init__(self, site: regions_mod.Site, kernels: list[RegionKernel]):
+        self.subgraph = site.subgraph
+        self.table = {k.guard: k for k in kernels}
+        self.kernels = kernels
+        self.__name__ = "kforge_region_" + "_".join(site.subgraph.ops)[:60]
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple:
+        key = tuple(_tensor_key(t) for t in inputs)
+        k = self.table.get(key)
+        if k is not None and len({t.device for t in inputs}) == 1:
+            k.counters.hit()
+            return tuple(k.run(list(inputs)))
+        self._count_miss(key, k)
+        return tuple(self.subgraph.replay(list(inputs)))
+
+    def _count_miss(self, key: tuple, hit: RegionKernel | None) -> None:
+        if hit is not None:
+            hit.counters.fell_back("device")
+            return
+        kinds = ["tensor"] * len(key)
+        scored = []
+        for i, k in enumerate(self.kernels):
+            diffs = differences(key, k.guard, kinds) or ["no-variant"]
+            scored.append(((REASONS.index(diffs[0]), -len(diffs), -i), diffs[0], k))
+        _, reason, nearest = max(scored, key=lambda s: s[0])
+        nearest.counters.fell_back(reason)
+
+
+def contract(gm: fx.GraphModule, chosen: list[tuple[regions_mod.Site, Callable]]) -> fx.GraphModule:
+    """A new graph module where each chosen site's nodes are one call of its callable, the
+    other nodes as they were. Sites are convex, so the result is a DAG: nodes are emitted in
+    a topological order that keeps the original order wherever it can."""
+    old = list(gm.graph.nodes)
+    owner: dict[fx.Node, int] = {}
+    for i, (site, _) in enumerate(chosen):
+        for n in site.nodes:
+            owner[n] = i
+            for u in n.users:  # the getitem nodes of a member belong to its site too
+                if u.op == "call_function" and regions_mod._is_getitem(u):
+                    owner[u] = i
+    position = {n: j for j, n in enumerate(old)}
+    items: list[Any] = []
+    seen_sites: set[int] = set()
+    for n in old:
+        if n in owner:
+            if owner[n] not in seen_sites:
+                seen_sites.add(owner[n])
+                items.append(("site", owner[n]))
+        else:
+            items.append(("node", n))
+
+    def deps(item) -> set:
+        nodes = chosen[item[1]][0].nodes if item[0] == "site" else [item[1]]
+        out = set()
+        for n in nodes:
+            for a in regions_mod._node_args(n):
+                key = ("site", owner[a]) if a in owner else ("node", a)
+                if key != item:
+                    out.add(key)
+        return out
+
+    first = {it: (min(position[n] for n in chosen[it[1]][0].nodes) if it[0] == "site" else position[it[1]])
+             for it in items}
+    pending = {it: deps(it) for it in items}
+    users: dict[Any, list] = collections.defaultdict(list)
+    for it, ds in pending.items():
+        for d in ds:
+            users[d].append(it)
+    ready = [(first[it], i, it) for i, it in enumerate(items) if not pending[it]]
+    heapq.heapify(ready)
+    order = []
+    index_of = {it: i for i, it in enumerate(items)}
+    while ready:
+        _, _, it = heapq.heappop(ready)
+        order.append(it)
+        for u in users[it]:
+            pending[u].discard(it)
+            if not pending[u]:
+                heapq.heappush(ready, (first[u], index_of[u], u))
+
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    outputs_of: dict[regions_mod.Value, fx.Node] = {}
+
+    def lookup(a: fx.Node) -> fx.Node:
+        return outputs_of[regions_mod._value(a)] if a in owner else env[a]
+
+    def value_node(src: fx.Node, k: int) -> fx.Node:
+        if src in owner:
+            return outputs_of[(src, k)]
+        if isinstance(src.meta.get("val"), (tuple, list)):  # read through its getitem node
+            return env[next(u for u in src.users if regions_mod._is_getitem(u) and regions_mod._value(u) == (src, k))]
+        return env[src]
+
+    for kind, x in order:
+        if kind == "node":
+            env[x] = new.node_copy(x, lookup)
+            continue
+        site, fn = chosen[x]
+        call = new.call_function(fn, tuple(value_node(src, k) for src, k in site.inputs))
+        for j, value in enumerate(site.outputs):
+            outputs_of[value] = new.call_function(operator.getitem, (call, j))
+    new.lint()
+    return fx.GraphModule(gm, new)
+
+
+# ---- the optimized model ---------------------------------------------------------------------
+
+def region_kernels(package: Any, launcher: Launcher) -> list[RegionKernel]:
+    """The package's dispatched region cards as kernels. Variant ids are positions among the
+    package's dispatched cards (the order of CastPackage.launcher()'s registry)."""
+    dispatched = [c for c in package.cards if c.dispatched]
+    out = []
+    for vid, c in enumerate(dispatched):
+        if c.card.region is None:
+            continue
+        timing = c.entry.get("timing") or {}
+        ws = [n for n, _ in c.candidate.plan.workspace_bytes()] if c.candidate is not None else []
+        out.append(RegionKernel(c.card, launch_kernel(c.card, launcher, vid, ws), timing.get("dispatched_us"),
+                                (c.entry.get("region") or {}).get("baseline_us"), c.counters))
+    return out
+
+
+@dataclass
+class Replaced:
+    """One region site replaced in a traced graph."""
+
+    graph: int
+    first_node: str
+    cards: list[str]  # the card ids whose guards the site's call tries
+
+
+class OptimizedModel(torch.nn.Module):
+    """`model` traced by kforge's backend with the package's kernels in its graphs (see the
+    module doc). close() uninstalls the package's op overrides that optimize installed."""
+
+    def __init__(self, model: torch.nn.Module, package: Any, kernels: list[RegionKernel], installed: bool):
+        super().__init__()
+        self.model = model
+        self.package = package
+        self.kernels = kernels
+        self.notes: list[str] = []
+        self.replaced: list[Replaced] = []
+        self._installed = installed
+        by_match: dict[tuple, list[RegionKernel]] = collections.defaultdict(list)
+        for k in kernels:
+            by_match[regions_mod.match_key(k.card.region, k.card.inputs)].append(k)
+        self._by_match = dict(by_match)
+        backend = graph_mod.aten_backend(self._compile_graph, self.notes)
+        self.__dict__["_compiled"] = torch.compile(model, backend=backend, dynamic=False)  # not a submodule
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._compiled(*args, **kwargs)
+
+    def _compile_graph(self, gm: fx.GraphModule, index: int, note: str | None) -> Callable:
+        from .package import RegionOption, choose_regions
+
+        options, matched = [], {}
+        for site in regions_mod.find(gm):
+            ks = self._by_match.get(site.match_key())
+            if not ks:
+                continue
+            best = min(ks, key=lambda k: k.kernel_us if k.kernel_us is not None else float("inf"))
+            opt = RegionOption(best.card.id, frozenset(n.name for n in site.nodes), best.kernel_us, best.baseline_us)
+            options.append(opt)
+            matched[opt] = (site, ks)
+        chosen = [matched[o] for o in choose_regions(options)]
+        if not chosen:
+            return gm
+        chosen.sort(key=lambda sk: min(n.name for n in sk[0].nodes))
+        for site, ks in chosen:
+            self.replaced.append(Replaced(index, site.nodes[0].name, [k.card.id for k in ks]))
+        return contract(gm, [(site, _SiteCall(site, ks)) for site, ks in chosen])
+
+    def report(self) -> dict:
+        """Per region kernel: hits and fallbacks by reason; the sites replaced; notes."""
+        return {"regions": [{"id": k.card.id, "op": k.card.op, "hits": k.counters.hits,
+                             "fallbacks": dict(k.counters.fallbacks)} for k in self.kernels],
+                "replaced": [vars(r) for r in self.replaced], "notes": list(self.notes)}
+
+    def close(self) -> None:
+        if self._installed:
+            self.package.uninstall()
+            self._installed = False
+
+
+def optimize(model: torch.nn.Module, package: Any, *, launcher: Launcher | None = None,
+             dispatcher: Any = None) -> OptimizedModel:
+    """`model` with the package's kernels: regions in its traced graphs, single-op cards through
+    the package's aten overrides (installed now unless the package already is). `launcher`
+    defaults to the package's kernels loaded on the current device; `dispatcher` to the
+    shared CUDA one (tests pass CPU stand-ins for both)."""
+    ops = any(c.dispatched and c.card.region is None for c in package.cards)
+    needs_launcher = ops or any(c.dispatched and c.card.region is not None for c in package.cards)
+    if launcher is None and needs_launcher:
+        launcher = package.launcher()
+    installed = False
+    if ops and not package.installed:
+        package.install(dispatcher=dispatcher, launcher=launcher)
+        installed = True
+    return OptimizedModel(model, package, region_kernels(package, launcher) if needs_launcher else [], installed)
+
+
+class _CallableModule(types.ModuleType):
+    """`kforge.optimize` names both this module and its `optimize` function (as kforge.capture
+    does): once the module is imported, the package's attribute is the module, so calling the
+    module calls the function."""
+
+    def __call__(self, *args, **kwargs) -> OptimizedModel:
+        return optimize(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

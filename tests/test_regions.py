@@ -1,0 +1,204 @@
+"""The region finder on hand-built models: exactly the expected regions, none across a
+multi-use value or a graph output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kforge import graph, regions
+
+BN = "_native_batch_norm_legit_no_training"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch.compiler.reset()  # each test traces its own models: no recompile limit carried over
+    yield
+    torch.compiler.reset()
+
+
+def sites(model: nn.Module, *inputs: torch.Tensor) -> list[regions.Site]:
+    with torch.no_grad():
+        t = graph.trace(model.eval(), inputs, {})
+    assert len(t.graphs) == 1, t.notes
+    return regions.find(t.graphs[0].module)
+
+
+def found(model: nn.Module, *inputs: torch.Tensor) -> dict[str, list[list[str]]]:
+    out: dict[str, list[list[str]]] = {"fused": [], "epilogue": []}
+    for s in sites(model, *inputs):
+        out[s.kind].append(s.subgraph.ops)
+    return out
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, c=4):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(y)) + x)
+
+
+def test_resnet_basic_block_bn_relu_add():
+    assert found(BasicBlock(), torch.randn(2, 4, 8, 8)) == {
+        "fused": [[BN, "relu"], [BN, "add", "relu"]],
+        "epilogue": [["convolution", BN, "relu"], ["convolution", BN, "add", "relu"]],
+    }
+
+
+class GroupNormSiLU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.conv = nn.GroupNorm(2, 8), nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(F.silu(self.norm(x)))
+
+
+def test_group_norm_silu():
+    assert found(GroupNormSiLU(), torch.randn(2, 8, 4, 4)) == {"fused": [["native_group_norm", "silu"]], "epilogue": []}
+
+
+class AddRMSNorm(nn.Module):
+    def __init__(self, d=16, keep_residual=False):
+        super().__init__()
+        self.weight, self.keep = nn.Parameter(torch.randn(d)), keep_residual
+
+    def forward(self, x, y):
+        h = x + y
+        out = self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+        return (out, h) if self.keep else out
+
+
+def test_add_rms_norm_is_one_region():
+    x, y = torch.randn(2, 3, 16), torch.randn(2, 3, 16)
+    (site,) = sites(AddRMSNorm(), x, y)
+    assert site.subgraph.ops == ["add", "pow", "mean", "add", "rsqrt", "mul", "mul"]
+    assert len(site.inputs) == 3 and len(site.outputs) == 1  # x, y and the weight in; the norm out
+
+
+def test_no_region_across_a_multi_use_value():
+    # h is the residual too: it leaves the graph, so the norm's region starts after it.
+    x, y = torch.randn(2, 3, 16), torch.randn(2, 3, 16)
+    assert found(AddRMSNorm(keep_residual=True), x, y)["fused"] == [["pow", "mean", "add", "rsqrt", "mul", "mul"]]
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, d=16, h=32):
+        super().__init__()
+        self.gate, self.up, self.down = (nn.Linear(d, h, bias=False), nn.Linear(d, h, bias=False),
+                                         nn.Linear(h, d, bias=False))
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+def test_silu_times_mul():
+    got = found(GatedMLP(), torch.randn(8, 16))
+    assert got["fused"] == [["silu", "mul"]]
+    assert got["epilogue"] == [["mm", "silu", "mul"]]  # the gate projection and its epilogue
+
+
+class Attention(nn.Module):
+    def forward(self, q, k, v, mask):
+        scores = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5) + mask
+        return torch.softmax(scores, dim=-1) @ v
+
+
+def test_softmax_with_scale_and_mask():
+    q, k, v = (torch.randn(2, 2, 8, 4) for _ in range(3))
+    got = found(Attention(), q, k, v, torch.randn(8, 8))
+    assert got["fused"] == [["mul", "add", "_softmax"]]
+    assert got["epilogue"] == [["bmm", "mul", "add"]]
+
+
+class LinearGelu(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+def test_matmul_bias_gelu_is_a_vendor_region():
+    (site,) = sites(LinearGelu(), torch.randn(8, 16))
+    assert site.kind == "epilogue" and site.subgraph.ops == ["addmm", "gelu"]
+    # the weight's transpose is part of it: the kernel reads the weight as stored
+    assert [n.target.__name__.split(".")[0] for n in site.nodes] == ["t", "addmm", "gelu"]
+
+
+class OutputAndUse(nn.Module):
+    def forward(self, x):
+        y = torch.relu(x)
+        return y, torch.exp(y * 2)
+
+
+def test_no_region_across_a_graph_output():
+    got = found(OutputAndUse(), torch.randn(4, 4))
+    assert got["fused"] == [["mul", "exp"]]  # relu's value leaves the graph: the region starts after it
+
+
+# ---- region cards -------------------------------------------------------------------------
+
+def test_region_cards_dedup_and_round_trip_through_the_run_directory(tmp_path):
+    from kforge.capture import capture
+    from kforge.cards import card_id, load_cards, load_sample
+
+    model = nn.Sequential(BasicBlock(), BasicBlock())
+    r = capture(model, torch.randn(2, 4, 8, 8), tmp_path, regions=True)
+    made = {c.id: c for c in r.cards if c.region is not None}
+    by_ops = {(c.region.kind, tuple(c.region.ops)): c for c in made.values()}
+    assert set(by_ops) == {("fused", (BN, "relu")), ("fused", (BN, "add", "relu")),
+                           ("epilogue", ("convolution", BN, "relu")), ("epilogue", ("convolution", BN, "add", "relu"))}
+    bn_relu = by_ops[("fused", (BN, "relu"))]
+    assert bn_relu.calls == 2 and bn_relu.module_paths == ["0", "1"]  # one card, two call sites
+    assert bn_relu.family == "region" and bn_relu.op == f"region::{BN}+relu" and bn_relu.top_calls == 0
+    assert bn_relu.eager_us > 0 and 0 < bn_relu.share
+    assert all(n.op_card for n in bn_relu.region.nodes)  # each call is also an op card of its own
+
+    loaded = {c.id: c for c in load_cards(tmp_path) if c.region is not None}
+    assert set(loaded) == set(made)
+    for cid, c in loaded.items():
+        assert c.to_json() == made[cid].to_json()
+        assert card_id(c.op, c.args, c.arch, c.region) == cid
+        ins, outs = load_sample(c, tmp_path)
+        got = c.call_eager(ins)
+        assert len(got) == len(outs) and all(torch.equal(a, b) for a, b in zip(got, outs))
+    code = bn_relu.region.code(bn_relu.inputs)
+    assert f"aten.{BN}.default(in0, in1, in2, in3, in4, 0.1, 1e-05)" in code and "aten.relu.default(v0[0])" in code
+
+
+def test_region_reference_code_runs_like_the_replay():
+    (site, *_) = sites(AddRMSNorm(), torch.randn(2, 3, 16), torch.randn(2, 3, 16))
+    scope: dict = {}
+    exec(site.subgraph.code(site.input_metas), scope)  # noqa: S102 (our own generated text)
+    ins = [torch.randn(m.shape) for m in site.input_metas]
+    (want,) = site.subgraph.replay(ins)
+    assert torch.equal(scope["region"](*ins), want)
+
+
+def test_region_id_changes_with_structure_metadata_and_arch():
+    from dataclasses import replace
+
+    from kforge.cards import REGION_NS, ArgSpec, Card
+
+    (site,) = sites(GroupNormSiLU(), torch.randn(2, 8, 4, 4))
+
+    def card(sub, metas, arch="sm_90"):
+        return Card(op=REGION_NS + "+".join(sub.ops), schema="", outputs=[], arch=arch, family="region",
+                    args=[ArgSpec(f"in{i}", "tensor", tensor=m) for i, m in enumerate(metas)], region=sub)
+
+    base = card(site.subgraph, site.input_metas)
+    assert card(site.subgraph, site.input_metas).id == base.id
+    assert card(site.subgraph, site.input_metas, "sm_100").id != base.id
+    bf16 = [replace(site.input_metas[0], dtype="bfloat16")] + site.input_metas[1:]
+    assert card(site.subgraph, bf16).id != base.id
+    gelu = replace(site.subgraph, nodes=[site.subgraph.nodes[0], replace(site.subgraph.nodes[1], op="aten::gelu.default")])
+    assert card(gelu, site.input_metas).id != base.id
