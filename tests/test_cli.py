@@ -136,6 +136,9 @@ def test_progress_rows_are_shown_per_card(model_file, tmp_path, capsys, cpu_only
     assert main(["run", str(model_file), "--run-dir", str(tmp_path / "run"), "--iterations", "2"]) == 0
     captured = capsys.readouterr()
     assert "best" in captured.out + captured.err
+    assert "capture: running the model on cpu" in captured.err  # the capture's stages, before the search
+    assert main(["run", str(model_file), "--run-dir", str(tmp_path / "quiet"), "--iterations", "2", "-q"]) == 0
+    assert capsys.readouterr().err == ""
 
 
 def test_package_then_inspect_and_verify_the_cast(tmp_path, capsys, monkeypatch):
