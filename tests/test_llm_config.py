@@ -8,6 +8,7 @@ import pytest
 
 from kforge.errors import LLMError
 from kforge.proposers.llm import LLMConfig
+from kforge.proposers.llm.config import is_reasoning_model
 
 KEY = "sk-config-SECRET-4242"
 
@@ -91,9 +92,12 @@ def test_an_unpriced_model_with_a_cost_budget_is_refused_unless_priced():
 
 def test_provider_settings_and_their_defaults(tmp_path):
     plain, reasoning = LLMConfig(model="gpt-4.1"), LLMConfig(model="deepseek/deepseek-r1")
+    for name in ("gpt-4o", "claude-sonnet-4", "qwen2.5-coder-32b", "llama-3.3-70b", "mistral-large-2411"):
+        assert not is_reasoning_model(name), name
     assert (plain.max_reply_tokens, plain.temperature) == (8192, 0.7)
     assert (reasoning.max_reply_tokens, reasoning.temperature) == (32768, None)
-    for name in ("o1", "o3-mini", "o4-mini", "gpt-5", "gpt-5-mini", "deepseek-reasoner", "qwq-32b", "qwen3-235b-thinking"):
+    for name in ("o1", "o3-mini", "o4-mini", "gpt-5", "gpt-5-mini", "deepseek-reasoner", "qwq-32b", "qwen3-235b-thinking",
+                 "openai/gpt-oss-120b", "grok-4"):
         assert LLMConfig(model=name).max_reply_tokens == 32768, name
     path = tmp_path / "llm.toml"
     path.write_text('model = "local"\ntemperature = "none"\ntop_p = 0.9\nreasoning_effort = "low"\n'

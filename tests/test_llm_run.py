@@ -39,9 +39,11 @@ def model_file(tmp_path):
 
 
 def _run(argv, capsys) -> tuple[int, float, str]:
+    """(exit code, seconds, what stderr said after the capture's progress lines)."""
     start = time.monotonic()
     code = main(argv)
-    return code, time.monotonic() - start, capsys.readouterr().err.strip()
+    err = capsys.readouterr().err.strip().splitlines()
+    return code, time.monotonic() - start, "\n".join(line for line in err if not line.startswith("capture: "))
 
 
 def _done_cards(run_dir) -> list[str]:
@@ -192,3 +194,5 @@ def test_doctor_prints_the_price_it_will_use(capsys):
     assert "unknown: --max-cost is refused until one is given" in capsys.readouterr().out
     assert main(["doctor", "--llm-model", "my-coder", "--llm-price", "1,2"]) == 0
     assert "$1 prompt, $2 completion per 1M tokens (given)" in capsys.readouterr().out
+    assert main(["doctor", "--json", "--llm-model", "gpt-4.1-nano"]) == 0
+    assert json.loads(capsys.readouterr().out)["llm"]["llm price"].startswith("$0.1 prompt, $0.4 completion")

@@ -303,3 +303,18 @@ def test_a_proposer_service_that_stays_down_stops_the_card_and_one_that_refuses_
     log = SearchLog(tmp_path / "refused")
     assert log.rows("SELECT status FROM cards")[0][0] == "searching"  # never 'done': no answer came
     log.close()
+
+
+def test_only_consecutive_unanswered_asks_stop_a_card(tmp_path):
+    class Flaky(FakeProposer):
+        """Down, down, then an answer it cannot use, and again: never 3 unanswered in a row."""
+        asked = 0
+
+        def propose(self, ctx):
+            self.asked += 1
+            if self.asked % 3:
+                raise ProposerUnavailable("endpoint down", transient=True)
+            raise ProposerError("no usable answer")
+
+    outcome, _ = _search(tmp_path, proposer=Flaky(), budget=Budget(iterations=30))
+    assert outcome.stop_reason != "unavailable"

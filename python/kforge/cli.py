@@ -562,8 +562,9 @@ def cmd_doctor(args: argparse.Namespace, console: Console) -> int:
     status = cuda_status()
     native, why = native_status("CUDA")
     advice = _without_gpu(status)
+    llm = _llm_rows(_llm_settings(args))
     if args.json:
-        return _emit({**status, "dispatch": {"native": native, "why": why}, "without_gpu": advice})
+        return _emit({**status, "dispatch": {"native": native, "why": why}, "without_gpu": advice, "llm": dict(llm)})
     t = Table(title="kforge doctor", title_justify="left", show_header=False)
     t.add_column("what")
     t.add_column("status", overflow="fold")  # paths whole, folded, never cut with an ellipsis
@@ -572,7 +573,7 @@ def cmd_doctor(args: argparse.Namespace, console: Console) -> int:
                  else json.dumps(value, default=str))
         t.add_row(str(key), shown)
     t.add_row("dispatch", f"{'C++' if native else 'Python'}: {why}")
-    for what, value in _llm_rows(_llm_settings(args)):
+    for what, value in llm:
         t.add_row(what, escape(value))
     console.print(t)
     for line in advice:

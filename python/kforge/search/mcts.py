@@ -233,6 +233,7 @@ class _CardSearch:
                 if not e.transient or self.unanswered >= self.policy.unavailable_after:
                     raise
                 return None
+            self.unanswered = 0  # it answered, if not usefully
             self._proposer_failed(leaf)
             return None
         self.unanswered = 0

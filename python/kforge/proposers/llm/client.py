@@ -19,7 +19,8 @@ worst case too; refused connections and HTTP errors cost nothing. A reply is cut
 MAX_CHARS_PER_TOKEN characters per allowed token before anything parses or stores it.
 
 The API key never appears in a record, a message or a log line: any text that comes back
-from the server is scrubbed of it (and of extra header values) before it goes anywhere.
+from the server, the reply included, goes through redact.scrub (which knows the key and the
+extra header values) before it goes anywhere.
 """
 
 from __future__ import annotations
@@ -195,7 +196,9 @@ class LLMClient:
         try:
             listed = [m.id for m in quick.models.list()]
         except o.OpenAIError as e:
-            if not (isinstance(e, o.APIStatusError) and e.status_code in (404, 405, 501)):  # 404..: no model list
+            # Some endpoints have no model list, or guard it otherwise than completions: only
+            # an endpoint that cannot be reached at all is judged by it.
+            if not isinstance(e, o.APIStatusError):
                 raise self._unavailable(e) from None
         if self.config.model in {name.removeprefix("models/") for name in listed}:
             return
@@ -244,14 +247,15 @@ class LLMClient:
                 card_id: str | None) -> Reply:
         choice = response.choices[0] if getattr(response, "choices", None) else None
         content = choice.message.content if choice is not None and choice.message is not None else None
-        # A reply that repeats a secret must not carry it into the log or the next prompt.
-        text = scrub(content, limit=None) if isinstance(content, str) else ""
+        text = content if isinstance(content, str) else ""
         finish = choice.finish_reason if choice is not None else None
         cap = worst_reply * MAX_CHARS_PER_TOKEN
         plausible = _plausible_usage(getattr(response, "usage", None), worst_prompt, worst_reply, len(text))
         if len(text) > cap:
             logger.warning("LLM reply of %d characters cut to %d (%d tokens allowed)", len(text), cap, worst_reply)
             text, finish = text[:cap], "length"
+        # A reply that repeats a secret must not carry it into the log or the next prompt.
+        text = scrub(text, limit=None)
         prompt, completion = plausible or (worst_prompt, worst_reply)
         if plausible is None:
             logger.warning("LLM usage missing or implausible for %s; charged the worst case (%d + %d tokens)",
@@ -340,6 +344,7 @@ class LLMClient:
         if retry_after is not None:
             return min(retry_after, self.config.max_retry_wait_s)
         return min(self.config.max_retry_wait_s, BACKOFF_BASE_S * 2 ** attempt) * self._rng.uniform(0.5, 1.0)
+
 
 def _plausible_usage(usage, worst_prompt: int, worst_reply: int, reply_chars: int) -> tuple[int, int] | None:
     """(prompt, completion) tokens as reported, or None when they cannot be right."""

@@ -48,7 +48,8 @@ REPLY_TOKENS = 8192
 # covers both: 8192 leaves some with nothing left for the code.
 REASONING_REPLY_TOKENS = 32768
 DEFAULT_TEMPERATURE = 0.7
-_REASONING = re.compile(r"^(o\d+(-|$)|gpt-5|deepseek-r1|deepseek-reasoner|qwq|magistral|gemini-2\.5)"
+_REASONING = re.compile(r"^(o\d+(-|$)|gpt-5|gpt-oss|deepseek-r1|deepseek-reasoner|qwq|magistral|gemini-2\.5|grok-4"
+                        r"|grok-3-mini)"
                         r"|thinking|reasoner|reasoning|-r1(\b|-|$)")
 
 
