@@ -12,7 +12,7 @@ from torch import nn
 
 import kforge
 from kforge.capture import capture
-from kforge.optimize import RegionKernel, _SiteCall, optimize
+from kforge.optimize import RegionCall, RegionKernel, optimize
 from kforge.package import CastPackage, PackagedCard
 
 BN = "_native_batch_norm_legit_no_training"
@@ -64,7 +64,7 @@ def fake_package(cards, timings: dict[str, tuple[float, float]]) -> CastPackage:
     """A package whose region cards are all dispatched; timings: card id -> (kernel, baseline) µs."""
     entries = [PackagedCard(c, "dispatched", "test", "custom",
                             {"timing": {"dispatched_us": timings[c.id][0]},
-                             "region": {"baseline_us": timings[c.id][1]}}) for c in cards]
+                             "baseline": {"baseline_us": timings[c.id][1]}}) for c in cards]
     return CastPackage(Path("fake.cast"), {"gpu": {"arch": "cpu", "name": "cpu"}}, entries)
 
 
@@ -115,11 +115,7 @@ def test_a_guard_miss_runs_the_region_eagerly_and_says_why(tmp_path):
     card = next(c for c in cards if c.region.ops == [BN, "relu"])
     launcher = FakeLauncher([card])
     kernel = RegionKernel(card, lambda ins: launcher.launch(0, ins, [], [], None) or [])
-
-    class Site:  # what _SiteCall reads of a site
-        subgraph = card.region
-
-    call = _SiteCall(Site(), [kernel])
+    call = RegionCall(card.region, [kernel])
     ins = [torch.rand(m.shape) + 0.5 for m in card.inputs]  # (a positive running variance)
     ins[0] = torch.randn(ins[0].numel() + 1)[1:].view(ins[0].shape)  # 4-byte aligned, the card says 16
     (got,) = call(*ins)

@@ -7,7 +7,7 @@ in place of the regions they match, and everything else as eager runs it (no Ind
 How: torch.compile with kforge's aten backend (kforge.graph). In each graph, the regions are
 found as capture found them (kforge.regions); a region whose structure and input metadata
 match a dispatched region card of the package is contracted into one call of a plain Python
-callable (_SiteCall), which checks every input's exact metadata (shape, stride, dtype,
+callable (RegionCall), which checks every input's exact metadata (shape, stride, dtype,
 device type, pointer alignment) against the card and launches the card's kernel, or, on a
 miss, runs the region's original aten calls. Where matched regions overlap (a fused region
 and a vendor op's epilogue), package.choose_regions keeps the set that saves the most by
@@ -42,6 +42,7 @@ from . import graph as graph_mod
 from . import regions as regions_mod
 from .cards import Card
 from .dispatch import REASONS, Counters, Launcher, _meta_key, _tensor_key, differences
+from .subgraph import Subgraph
 
 
 @dataclass(eq=False)
@@ -75,15 +76,15 @@ def launch_kernel(card: Card, launcher: Launcher, vid: int, workspace: Sequence[
     return run
 
 
-class _SiteCall:
+class RegionCall:
     """What one region site of a graph becomes: guard hit -> the card's kernel, miss -> the
-    region's own aten calls."""
+    region's own aten calls (the evaluation worker times a region as dispatched through it)."""
 
-    def __init__(self, site: regions_mod.Site, kernels: list[RegionKernel]):
-        self.subgraph = site.subgraph
+    def __init__(self, subgraph: Subgraph, kernels: list[RegionKernel]):
+        self.subgraph = subgraph
         self.table = {k.guard: k for k in kernels}
         self.kernels = kernels
-        self.__name__ = "kforge_region_" + "_".join(site.subgraph.ops)[:60]
+        self.__name__ = "kforge_region_" + "_".join(subgraph.ops)[:60]
 
     def __call__(self, *inputs: torch.Tensor) -> tuple:
         key = tuple(_tensor_key(t) for t in inputs)
@@ -198,7 +199,7 @@ def region_kernels(package: Any, launcher: Launcher) -> list[RegionKernel]:
         timing = c.entry.get("timing") or {}
         ws = [n for n, _ in c.candidate.plan.workspace_bytes()] if c.candidate is not None else []
         out.append(RegionKernel(c.card, launch_kernel(c.card, launcher, vid, ws), timing.get("dispatched_us"),
-                                (c.entry.get("region") or {}).get("baseline_us"), c.counters))
+                                (c.entry.get("baseline") or {}).get("baseline_us"), c.counters))
     return out
 
 
@@ -251,7 +252,7 @@ class OptimizedModel(torch.nn.Module):
         chosen.sort(key=lambda sk: min(n.name for n in sk[0].nodes))
         for site, ks in chosen:
             self.replaced.append(Replaced(index, site.nodes[0].name, [k.card.id for k in ks]))
-        return contract(gm, [(site, _SiteCall(site, ks)) for site, ks in chosen])
+        return contract(gm, [(site, RegionCall(site.subgraph, ks)) for site, ks in chosen])
 
     def report(self) -> dict:
         """Per region kernel: hits and fallbacks by reason; the sites replaced; notes."""

@@ -25,13 +25,14 @@ from .families import family_of
 from .regions import Site, find
 
 _FIRST_LINE_LIMIT = 100
+SITES = "regions.json"  # in the run directory: every region call site, for the packager
 
 
 @dataclass
 class RegionEntry:
     card: Card
     sample: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # CPU copies
-    sites: list[str] = field(default_factory=list)  # "graph <i>: <first node>" of every call site
+    sites: list[dict] = field(default_factory=list)  # every call site: {"graph": i, "nodes": [node names]}
 
 
 def _common_path(paths: list[str]) -> str:
@@ -147,7 +148,7 @@ def _add_site(entries, s: Site, g: graph_mod.Graph, rec: _Recorder, arch: str, d
     path = _common_path([graph_mod.module_path(n) for n in s.nodes if family_of(n.target) != "view"])
     if path not in card.module_paths:
         card.module_paths.append(path)
-    entry.sites.append(f"graph {g.index}: {s.nodes[0].name}")
+    entry.sites.append({"graph": g.index, "nodes": [n.name for n in s.nodes]})
 
 
 def time_entries(entries: list[RegionEntry], device: torch.device, time_fn) -> None:
