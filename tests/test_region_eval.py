@@ -75,3 +75,21 @@ def test_a_region_guard_miss_is_not_latency_as_dispatched(card):
     assert eager.n == dispatched.n == 5
     with pytest.raises(NotDispatched, match="the region's guard did not take the kernel"):
         backend.time_dispatched(c, cand, kernel, [torch.randn(3, 5), torch.randn(3, 5)], EvalOptions())
+
+
+def test_the_llm_prompt_shows_the_region_as_pytorch_and_builtin_declines_it(card):
+    from kforge.hardware import H200
+    from kforge.proposers import get_proposer
+    from kforge.proposers.llm.prompts import describe_card
+    from kforge.runner import skip_reason
+
+    c, _ = card
+    text = describe_card(c, H200)
+    assert "  def region(in0, in1):" in text and "    v0 = aten.silu.default(in0)" in text
+    assert "    v1 = aten.mul.Tensor(v0, in1)" in text and "    return v1" in text
+    builtin = get_proposer("builtin")
+    try:
+        why = skip_reason(c, builtin, min_share=0.0, include_vendor=False)
+    finally:
+        builtin.close()
+    assert why is not None and why.startswith("proposer builtin declines")

@@ -40,7 +40,8 @@ from .cards import (ArgSpec, Card, TensorMeta, encode_value, flatten_outputs, pa
 from .errors import CaptureError, CardError
 from .families import family_of
 
-SEARCHABLE = frozenset({"pointwise", "reduction", "normalization", "pooling"})
+# A region card (capture(regions=True)) is searched like the families it fuses; proposers decline what they cannot write.
+SEARCHABLE = frozenset({"pointwise", "reduction", "normalization", "pooling", "region"})
 
 _SKIP_REASONS = {
     "view": "view/metadata op: no kernel to write",

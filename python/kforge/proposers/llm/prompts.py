@@ -108,7 +108,10 @@ def _tensor_line(label: str, m: TensorMeta, note: str = "") -> str:
 
 
 def reference_code(card: Card) -> str:
-    """The call as PyTorch code, tensors named in0.. and out0.. like the launch plan."""
+    """The call as PyTorch code, tensors named in0.. and out0.. like the launch plan; a
+    region card's is a function of its aten calls, returning out0.. in order."""
+    if card.region is not None:
+        return card.region.code(card.inputs)
     it = iter(range(len(card.inputs)))
     args = []
     for a in card.args:
@@ -146,7 +149,7 @@ def describe_card(card: Card, hw: Hardware, tolerance: dict | None = None) -> st
     for j, m in enumerate(card.outputs):
         alias = f", the same memory as in{card.aliases[j]} (in-place)" if j in card.aliases else ""
         lines.append(_tensor_line(f"out{j}", m, alias))
-    lines += ["Reference semantics (PyTorch):", f"  {reference_code(card)}"]
+    lines += ["Reference semantics (PyTorch):", *(f"  {line}" for line in reference_code(card).splitlines())]
     nbytes = card.io_bytes()
     lines.append(f"Minimum traffic: {nbytes / 1e6:.3f} MB, so no kernel beats {hw.floor_us(nbytes):.2f} us "
                  "on this GPU (HBM floor).")
