@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kforge
+from kforge.candidate import Candidate, LaunchPlan
 from kforge.capture import capture
 from kforge.optimize import RegionCall, RegionKernel, optimize
 from kforge.package import CastPackage, PackagedCard
@@ -50,21 +51,23 @@ class FakeLauncher:
     """The package's launcher on the CPU: variant id -> the region computed by PyTorch, plus 1
     when asked (a kernel whose use shows in the output)."""
 
-    def __init__(self, cards, offset: float = 0.0):
-        self.cards, self.offset = cards, offset
+    def __init__(self, cards, offset: float = 0.0, fns: dict | None = None):
+        self.cards, self.offset, self.fns = cards, offset, fns or {}
         self.calls: list[int] = []
 
     def launch(self, vid, inputs, outputs, workspaces, device):
         self.calls.append(vid)
-        for out, ref in zip(outputs, self.cards[vid].call_eager(list(inputs))):
+        fn = self.fns.get(vid, self.cards[vid].call_eager)
+        for out, ref in zip(outputs, fn(list(inputs))):
             out.copy_(ref + self.offset)
 
 
 def fake_package(cards, timings: dict[str, tuple[float, float]]) -> CastPackage:
     """A package whose region cards are all dispatched; timings: card id -> (kernel, baseline) µs."""
+    plan = LaunchPlan.from_json({"kernels": [{"name": "k", "grid": [1], "block": [1], "args": []}]})
     entries = [PackagedCard(c, "dispatched", "test", "custom",
                             {"timing": {"dispatched_us": timings[c.id][0]},
-                             "baseline": {"baseline_us": timings[c.id][1]}}) for c in cards]
+                             "baseline": {"baseline_us": timings[c.id][1]}}, Candidate("", plan)) for c in cards]
     return CastPackage(Path("fake.cast"), {"gpu": {"arch": "cpu", "name": "cpu"}}, entries)
 
 
@@ -144,3 +147,29 @@ def test_package_optimize_and_kforge_optimize(tmp_path):
         with torch.no_grad():
             assert torch.equal(fast(x), model(x))
         assert len(fast.replaced) == 4
+
+
+def test_op_cards_run_through_the_package_overrides_beside_the_regions(tmp_path):
+    from kforge.dispatch import Dispatcher
+
+    model, x = resnet(), torch.randn(2, 4, 8, 8)
+    cards = capture(model, x, tmp_path, regions=True, time_cards=False).cards
+    bn_relu = next(c for c in cards if c.region is not None and c.region.ops == [BN, "relu"])
+    relu = next(c for c in cards if c.op == "aten::relu.default")
+    pkg = fake_package([bn_relu, relu], {bn_relu.id: (1.0, 5.0), relu.id: (1.0, 2.0)})
+    # Stand-ins that call no relu: one would be served by the relu override under test.
+    launcher = FakeLauncher([bn_relu, relu], fns={
+        0: lambda ins: [F.batch_norm(ins[0], ins[3], ins[4], ins[1], ins[2]).clamp(min=0)],
+        1: lambda ins: [ins[0].clamp(min=0)]})
+    fast = optimize(model, pkg, launcher=launcher, dispatcher=Dispatcher("CPU"))
+    try:
+        assert pkg.installed
+        with torch.no_grad():
+            got = fast(x)
+            # bn+relu at both blocks by its region kernel; the relu after each residual add
+            # (not a region of the package) by the op card's kernel, through its override
+            assert sorted(launcher.calls) == [0, 0, 1, 1]
+            assert torch.equal(got, model(x))
+    finally:
+        fast.close()
+    assert not pkg.installed

@@ -266,13 +266,15 @@ class OptimizedModel(torch.nn.Module):
             self._installed = False
 
 
-def optimize(model: torch.nn.Module, package: Any, *, launcher: Launcher | None = None,
+def optimize(model: torch.nn.Module, package: Any, *, ops: bool = True, launcher: Launcher | None = None,
              dispatcher: Any = None) -> OptimizedModel:
-    """`model` with the package's kernels: regions in its traced graphs, single-op cards through
-    the package's aten overrides (installed now unless the package already is). `launcher`
-    defaults to the package's kernels loaded on the current device; `dispatcher` to the
-    shared CUDA one (tests pass CPU stand-ins for both)."""
-    ops = any(c.dispatched and c.card.region is None for c in package.cards)
+    """`model` with the package's kernels: regions in its traced graphs, and with `ops` its
+    single-op cards through the package's aten overrides, installed now (as pkg.install:
+    for every caller, until close()) unless the package already is. ops=False leaves them to
+    the caller (`with pkg.apply(): fast(x)`). `launcher` defaults to the package's kernels
+    loaded on the current device; `dispatcher` to the shared CUDA one (tests pass CPU
+    stand-ins for both)."""
+    ops = ops and any(c.dispatched and c.card.region is None for c in package.cards)
     needs_launcher = ops or any(c.dispatched and c.card.region is not None for c in package.cards)
     if launcher is None and needs_launcher:
         launcher = package.launcher()
