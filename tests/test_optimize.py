@@ -16,14 +16,10 @@ from kforge.capture import capture
 from kforge.optimize import RegionCall, RegionKernel, optimize
 from kforge.package import CastPackage, PackagedCard
 
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
 BN = "_native_batch_norm_legit_no_training"
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch.compiler.reset()
-    yield
-    torch.compiler.reset()
 
 
 class BasicBlock(nn.Module):

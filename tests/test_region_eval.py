@@ -37,13 +37,11 @@ def candidate(name: str) -> Candidate:
 
 
 @pytest.fixture
-def card(tmp_path):
-    torch.compiler.reset()
+def card(tmp_path, fresh_dynamo):
     r = capture(SiluMul(), (torch.randn(64, 32), torch.randn(64, 32)), tmp_path, regions=True, time_cards=False)
     (c,) = [c for c in r.cards if c.region is not None]
     assert c.region.ops == ["silu", "mul"] and c.samples == 1
-    yield c, tmp_path
-    torch.compiler.reset()
+    return c, tmp_path
 
 
 def judge(card, run_dir, name):

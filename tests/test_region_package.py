@@ -30,10 +30,9 @@ class Block(nn.Module):
 
 
 @pytest.fixture
-def run(tmp_path):
+def run(tmp_path, fresh_dynamo):
     """A GPU-side run directory of the block's two overlapping region cards (a CPU capture
     retargeted to sm_90), each with one valid kernel."""
-    torch.compiler.reset()
     captured = tmp_path / "captured"
     capture(Block().eval(), torch.randn(2, 4, 8, 8), captured, regions=True, time_cards=False)
     regions = {tuple(c.region.ops): c for c in load_cards(captured) if c.region is not None}
@@ -44,8 +43,7 @@ def run(tmp_path):
         (gpu[epilogue.id], [(relu_candidate(128), result(eager=20.0, kernel=17.0, dispatched=18.0))], None)])
     sites = json.loads((captured / SITES).read_text())["sites"]
     (run_dir / SITES).write_text(json.dumps({"sites": [dict(s, card=gpu[s["card"]].id) for s in sites if s["card"] in gpu]}))
-    yield run_dir, gpu[fused.id], gpu[epilogue.id]
-    torch.compiler.reset()
+    return run_dir, gpu[fused.id], gpu[epilogue.id]
 
 
 def test_overlapping_regions_ship_the_larger_saving_with_evidence(run, tmp_path):

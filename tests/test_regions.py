@@ -10,14 +10,10 @@ from torch import nn
 
 from kforge import graph, regions
 
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
 BN = "_native_batch_norm_legit_no_training"
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch.compiler.reset()  # each test traces its own models: no recompile limit carried over
-    yield
-    torch.compiler.reset()
 
 
 def sites(model: nn.Module, *inputs: torch.Tensor) -> list[regions.Site]:

@@ -18,7 +18,7 @@ from kforge.cards import load_cards, load_sample
 from kforge.optimize import optimize
 from kforge.package import CastPackage, PackagedCard
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_dynamo")]
 
 N = 64 * 4096
 SILU_MUL = r"""
@@ -28,12 +28,6 @@ extern "C" __global__ void silu_mul(const float* a, const float* b, float* y, in
 }
 """
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch.compiler.reset()
-    yield
-    torch.compiler.reset()
 
 
 class SiluMul(nn.Module):
