@@ -3,7 +3,8 @@
 1. Per-call host overhead on a tiny tensor (relu of 256 floats), in µs of host time per call
    (perf_counter over many calls, then one synchronize): a direct launch through the C++
    registry (the floor), the same kernel dispatched through the torch.library override, eager
-   relu with no override, and a guard miss (another shape) with and without the override.
+   relu with no override, and a guard miss (another shape) with and without the override; and
+   the kernel as a kforge:: custom op, as kforge.compile's graphs call it.
 2. Model latency with and without a package in the same process (CUDA events, one pair per
    forward, blocks of reps interleaved): the package is built by kforge.run with the builtin
    proposer, or given with --cast.
@@ -24,7 +25,7 @@ import torch
 import torch.nn as nn
 
 import kforge
-from kforge import compiler, runtime
+from kforge import compiler, customops, runtime
 from kforge.candidate import Candidate, LaunchPlan
 from kforge.cards import ArgSpec, Card, TensorMeta
 from kforge.dispatch import Dispatcher, RegistryLauncher, Variant
@@ -86,10 +87,16 @@ def overhead(calls: int) -> dict:
         out["dispatched_miss"] = host_us_per_call(lambda: torch.relu(other), calls)
     finally:
         dispatcher.remove(owner)
+    # The kernel as kforge.compile's graphs call it (a kforge:: custom op), against eager relu: an
+    # extern aten call of the same size, as Inductor's wrapper makes one.
+    op = customops.kernel_op(Variant(card, 0, launcher), cand.digest())
+    assert torch.equal(op(x), x.clamp(min=0)), "the custom op disagrees with eager"
+    out["custom_op_hit"] = host_us_per_call(lambda: op(x), calls)
     return {"host_us_per_call": out, "calls": calls, "dispatch_path": path, "dispatch_path_why": why,
             "hit_over_direct_us": out["dispatched_hit"] - out["registry_direct"],
             "hit_over_eager_us": out["dispatched_hit"] - out["eager_hit_shape"],
             "miss_over_eager_us": out["dispatched_miss"] - out["eager_miss_shape"],
+            "custom_op_over_eager_us": out["custom_op_hit"] - out["eager_hit_shape"],
             "counters": {"hits": variant.counters.hits, "fallbacks": dict(variant.counters.fallbacks)}}
 
 
@@ -154,7 +161,8 @@ def main(argv=None) -> None:
     o = result["overhead"]["host_us_per_call"]
     print(f"dispatch path: {result['overhead']['dispatch_path']} ({result['overhead']['dispatch_path_why']})")
     print(f"host µs/call: direct {o['registry_direct']:.2f}, dispatched hit {o['dispatched_hit']:.2f}, "
-          f"eager {o['eager_hit_shape']:.2f}, miss {o['dispatched_miss']:.2f} (eager {o['eager_miss_shape']:.2f})")
+          f"eager {o['eager_hit_shape']:.2f}, miss {o['dispatched_miss']:.2f} (eager {o['eager_miss_shape']:.2f}), "
+          f"custom op {o['custom_op_hit']:.2f}")
     m = result["model"]
     print(f"model: eager {m['eager']['median_us']:.1f} µs, with package {m['with_package']['median_us']:.1f} µs "
           f"({m['speedup']:.2f}x), {m['report']['dispatched']} kernels dispatched")

@@ -1,10 +1,10 @@
 """One model end to end on the GPU: capture, search with the built-in proposer, package,
 then measure in the same process: per card eager vs kforge as dispatched and % of the
-HBM floor, and the model's forward latency eager, with the package applied, and (with
---compile) under torch.compile; then the same forward replayed from CUDA graphs, eager and
-with the package (and torch.compile's mode="reduce-overhead"), which shows what the kernels
-do in a forward bound by launch overhead. Outputs with the package must equal eager within
-tolerance.
+HBM floor, and the model's forward latency eager and with the package applied; then the
+same forward replayed from CUDA graphs, eager and with the package, which shows what the kernels do in a forward bound by launch overhead. With
+--compile the same rounds also time torch.compile and kforge.compile (the package's kernels in
+Inductor's graphs), default and mode="reduce-overhead". Outputs with the package must equal
+eager within tolerance.
 
     python bench/bench_model.py examples/sd_vae_decoder.py --iterations 50 --out bench/results/model_sd_vae.json
 """
@@ -26,7 +26,7 @@ from kforge import timing
 from kforge.capture import shares_by_family
 from kforge.cards import flatten_outputs, load_cards
 from kforge.hardware import current
-from kforge.modelcheck import time_graphs
+from kforge.modelcheck import compiled_forwards, time_graphs
 from kforge.modelspec import load_model_spec
 
 
@@ -69,7 +69,7 @@ def main(argv=None) -> None:
     ap.add_argument("--min-share", type=float, default=0.0)
     ap.add_argument("--ops", default="", help="only search cards of these ops (comma-separated name parts)")
     ap.add_argument("--wall-time", type=float, default=None, help="search wall-time budget in seconds")
-    ap.add_argument("--compile", action="store_true", help="also time the model under torch.compile")
+    ap.add_argument("--compile", action="store_true", help="also time torch.compile and kforge.compile, default and reduce-overhead")
     ap.add_argument("--run-dir", default=None)
     args = ap.parse_args(argv)
 
@@ -80,7 +80,7 @@ def main(argv=None) -> None:
     result = kforge.run(model, inputs, out=cast, iterations=args.iterations, run_dir=run_dir,
                         min_share=args.min_share, wall_time_s=args.wall_time, progress=False,
                         ops=[o for o in args.ops.split(",") if o] or None,
-                        model_name=Path(args.model).stem, check_model=False)  # timed below, with torch.compile
+                        model_name=Path(args.model).stem, check_model=False)  # timed below (and, with --compile, under torch.compile)
     wall_s = time.perf_counter() - t0
     pkg = kforge.load(result.package_path)
     decisions = {c.id: c for c in pkg.cards}
@@ -93,33 +93,27 @@ def main(argv=None) -> None:
 
     entries = [("eager", contextlib.nullcontext, lambda: forward(model, inputs)),
                ("kforge", pkg.apply, lambda: forward(model, inputs))]
-    compile_s = None
+    compile_s = compile_err = None
+    compile_hits: dict[str, int] = {}
     if args.compile:
-        compiled = torch.compile(model)
+        # torch.compile and kforge.compile, default and reduce-overhead, timed in the same rounds.
         t1 = time.perf_counter()
-        forward(compiled, inputs)
+        before = {c.id: c.counters.hits for c in pkg.cards}
+        compiled = compiled_forwards(model, pkg, lambda m: lambda: forward(m, inputs))
         compile_s = time.perf_counter() - t1
-        entries.append(("torch.compile", contextlib.nullcontext, lambda: forward(compiled, inputs)))
+        compile_hits = {c.id: c.counters.hits - before[c.id] for c in pkg.cards if c.counters.hits > before[c.id]}
+        compile_err = max_rel_err(compiled["kforge.compile"](), ref)
+        entries += [(name, contextlib.nullcontext, fn) for name, fn in compiled.items()]
     ms = timing.time_as_called([(ctx, fn) for _, ctx, fn in entries], calls=3, rounds=15)
     model_us = {name: m.summary() for (name, _, _), m in zip(entries, ms)}
     # The same forward replayed from CUDA graphs: no host overhead, so what the kernels do in a
-    # forward bound by launch overhead; torch.compile's own graphs ("reduce-overhead") beside it.
+    # forward bound by launch overhead (torch.compile's own graphs are the reduce-overhead rows above).
     graph_errors = {}
     try:
         g_eager, g_pkg = time_graphs(lambda: forward(model, inputs), pkg, calls=3, rounds=15)
         model_us["eager, CUDA graph"], model_us["kforge, CUDA graph"] = g_eager.summary(), g_pkg.summary()
     except Exception as e:  # noqa: BLE001 (a model a graph cannot hold keeps the rows above)
         graph_errors["kforge"] = f"{type(e).__name__}: {e}"
-    if args.compile:
-        try:
-            graphed_compile = torch.compile(model, mode="reduce-overhead")
-            for _ in range(3):  # cudagraph trees record on a later call than the first
-                forward(graphed_compile, inputs)
-            m, = timing.time_as_called([(contextlib.nullcontext, lambda: forward(graphed_compile, inputs))],
-                                       calls=3, rounds=15)
-            model_us["torch.compile, CUDA graphs"] = m.summary()
-        except Exception as e:  # noqa: BLE001
-            graph_errors["torch.compile"] = f"{type(e).__name__}: {e}"
     report = pkg.report()
 
     captured = {c.id: c for c in load_cards(run_dir)}
@@ -143,7 +137,13 @@ def main(argv=None) -> None:
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
         "iterations": args.iterations, "search_wall_s": wall_s, "run_dir": str(run_dir),
         "dispatched": report["dispatched"], "cards_total": len(result.table),
-        "model_us": model_us, "torch_compile_s": compile_s,
+        "model_us": model_us, "compile_s": compile_s, "kforge_compile_max_rel_err_vs_eager": compile_err,
+        "kforge_compile_speedup_vs_torch_compile": (
+            model_us["torch.compile"]["median_us"] / model_us["kforge.compile"]["median_us"] if args.compile else None),
+        "kforge_compile_graph_speedup_vs_torch_compile": (
+            model_us["torch.compile reduce-overhead"]["median_us"] / model_us["kforge.compile reduce-overhead"]["median_us"]
+            if args.compile else None),
+        "compile_hits": compile_hits,
         "speedup_vs_eager": model_us["eager"]["median_us"] / model_us["kforge"]["median_us"],
         "graph_speedup_vs_eager": (model_us["eager, CUDA graph"]["median_us"] / model_us["kforge, CUDA graph"]["median_us"]
                                    if "kforge, CUDA graph" in model_us else None),

@@ -8,7 +8,10 @@
 # (search iterations per model card), WALL (search seconds per model), COMPILE=1 (time
 # torch.compile too), GPU_TESTS (test paths) and TESTS_K (a pytest -k expression) for item tests,
 # GPU_TESTS2 and TESTS_K2 for item tests2, ABLATE_MODEL and T_ABLATE for item ablate. ONLY and
-# ONLY2 pick the built-in cases of items builtin and builtin2 ('|' between name parts).
+# ONLY2 pick the built-in cases of items builtin and builtin2 ('|' between name parts). Items
+# compile_tests and ab (or ab_<model>): kforge.compile's GPU tests, and the eager / package /
+# torch.compile / kforge.compile A/B, default and reduce-overhead, per example model (T_AB each):
+#   LANE_A="compile_tests ab_sd_vae ab_gemma" LANE_B="ab_resnet50 ab_qwen_moe" bash bench/gpu_suite.sh
 source bench/device_setup.sh
 set +e  # a step that fails or runs out of time must not stop the steps after it
 step() {  # step LOG NAME SECONDS CMD...
@@ -25,6 +28,13 @@ model() {  # model LOG NAME FILE [bench_model.py args...]; DTYPE etc. pass throu
   local limit_var="T_$name"  # T_gemma=200 overrides T_MODEL for one model
   step "$log" "model-$name" "${!limit_var:-${T_MODEL:-90}}" python3 bench/bench_model.py "$file" --iterations "${ITERS:-6}" \
     ${WALL:+--wall-time "$WALL"} $compile_flag --out "$OUT/model_${name}_h200.json" "$@"
+}
+# The A/B of issue 23 on one example model, in one process: eager, the package, torch.compile,
+# kforge.compile, and both compiles with mode="reduce-overhead" (T_AB seconds per model).
+ab() {  # ab LOG NAME FILE [bench_model.py args...]
+  local log=$1 name=$2 file=$3; shift 3
+  step "$log" "ab-$name" "${T_AB:-300}" python3 bench/bench_model.py "$file" --iterations "${ITERS:-6}" \
+    ${WALL:+--wall-time "$WALL"} --compile --out "$OUT/ab_${name}_h200.json" "$@"
 }
 lane() {  # lane LOG ITEM...: run the items in order
   local log=$1 item; shift
@@ -54,6 +64,14 @@ lane() {  # lane LOG ITEM...: run the items in order
       # The router softmax is ~0.1 % of this block's runtime: searched by name, not by share
       # ("softmax" takes softmax.int, the router's F.softmax(dtype=float32), and _softmax).
       qwen_moe) model "$log" qwen_moe examples/qwen_moe.py --ops softmax ;;
+      # kforge.compile on the GPU (tests/gpu/test_compile_gpu.py), then the A/B on every example model.
+      compile_tests) step "$log" compile-tests "${T_TESTS:-100}" python3 -m pytest -q -p no:cacheprovider --timeout 300 \
+                       tests/gpu/test_compile_gpu.py ;;
+      ab) lane "$log" ab_sd_vae ab_gemma ab_resnet50 ab_qwen_moe ;;
+      ab_sd_vae) ab "$log" sd_vae examples/sd_vae_decoder.py --min-share 0.02 ;;
+      ab_gemma) ab "$log" gemma examples/gemma_decoder.py --min-share 0.02 ;;
+      ab_resnet50) ab "$log" resnet50 examples/resnet50.py --min-share 0.003 ;;
+      ab_qwen_moe) ab "$log" qwen_moe examples/qwen_moe.py --ops softmax ;;
       *) echo "unknown item $item" | tee -a "$log" ;;
     esac
   done

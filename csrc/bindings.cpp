@@ -104,7 +104,7 @@ PYBIND11_MODULE(_C, m) {
           py::gil_scoped_release release;  // compiles take 100s of ms; let other threads run
           out = nvrtc_compile(source, name, options, want_cubin);
         }
-        return py::make_tuple(out.ok, py::bytes(out.image), out.log);
+        return py::make_tuple(out.ok, py::bytes(out.image), py::bytes(out.log));  // the log may quote non-UTF-8 bytes
       },
       py::arg("source"), py::arg("name"), py::arg("options"), py::arg("want_cubin") = true);
 

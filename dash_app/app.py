@@ -21,7 +21,8 @@ from .data import TTL_S, Catalog
 HERE = Path(__file__).resolve().parent
 
 # Pages that belong to one run; the nav bar links them when the URL names a run.
-RUN_PAGES = (("cards", "Cards"), ("failures", "Failures"), ("providers", "Providers"), ("package", "Package"))
+RUN_PAGES = (("cards", "Cards"), ("timeline", "Timeline"), ("failures", "Failures"), ("providers", "Providers"),
+             ("package", "Package"))
 
 
 def create_app(run_dirs: list[str | Path], ttl_s: float = TTL_S) -> dash.Dash:
@@ -44,7 +45,8 @@ def create_app(run_dirs: list[str | Path], ttl_s: float = TTL_S) -> dash.Dash:
     @app.callback(Output("nav", "children"), Input("nav-url", "search"))
     def nav(search: str | None) -> list:
         run = (parse_qs((search or "").lstrip("?")).get("run") or [None])[0]
-        links = [dcc.Link("kforge", href=href(""), className="brand"), dcc.Link("Runs", href=href(""), id="nav-runs")]
+        links = [dcc.Link("kforge", href=href(""), className="brand"), dcc.Link("Runs", href=href(""), id="nav-runs"),
+                 dcc.Link("Compare", href=href("compare"), id="nav-compare")]
         if run:
             links += [dcc.Link(label, href=href(page, run=run), id=f"nav-{page}") for page, label in RUN_PAGES]
             links.append(html.Span(f"run {run}", className="context"))

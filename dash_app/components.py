@@ -107,6 +107,27 @@ def missing(*names: str) -> html.Div:
                             f"open it from the runs page"))
 
 
+def proposer_errors(groups: list[dict], run_id: str) -> html.Div:
+    """The proposer's failures (no candidate came of them), grouped: Failures and Providers show them."""
+    rows = [html.Tr([html.Td(g["count"]), html.Td(html.Code(g["kind"])),
+                     html.Td([html.Div(dcc.Link(summary, href=href("card", run=run_id, card=cid)))
+                              for cid, summary in list(g["cards"].items())[:5]]
+                             + ([html.Span(f"+{len(g['cards']) - 5} more", className="muted")]
+                                if len(g["cards"]) > 5 else []))]) for g in groups]
+    return html.Div([
+        html.H3(f"Proposer errors ({sum(g['count'] for g in groups)})"),
+        html.P("Asks that gave no candidate to evaluate: the endpoint failed, or its replies held no usable kernel.",
+               className="muted"),
+        html.Table([html.Thead(html.Tr([html.Th(h) for h in ("count", "error", "cards")])), html.Tbody(rows)],
+                   className="failures panel"),
+    ], id="proposer-errors")
+
+
+def next_step(run: dict) -> html.Div | None:
+    """What a captured-only or compile-only run needs next, as a banner."""
+    return html.Div(run["next"], className="next-step", id="next-step") if run["next"] else None
+
+
 def num(id: str, name: str, digits: int = 4) -> dict:
     """A numeric DataTable column: sorts as a number, shows `digits` significant digits."""
     return {"id": id, "name": name, "type": "numeric",
@@ -140,10 +161,12 @@ def table(id: str, columns: list[dict], data: list[dict], page_size: int = 25, *
     return dash_table.DataTable(
         id=id, columns=columns, data=data, page_size=page_size, sort_action="native", filter_action="native",
         markdown_options={"link_target": "_self"}, style_as_list_view=True,
+        # Cells and headers wrap, so a wide table fits a 1400 px window instead of scrolling sideways.
         style_table={"overflowX": "auto"},
-        style_cell={"fontFamily": "inherit", "fontSize": "13px", "padding": "4px 8px", "textAlign": "left",
-                    "maxWidth": "320px", "overflow": "hidden", "textOverflow": "ellipsis"},
-        style_header={"fontWeight": "600", "backgroundColor": "#f3f4f6"},
+        style_cell={"fontFamily": "inherit", "fontSize": "13px", "padding": "4px 6px", "textAlign": "left",
+                    "maxWidth": "320px", "whiteSpace": "normal", "height": "auto", "overflowWrap": "anywhere"},
+        style_header={"fontWeight": "600", "backgroundColor": "#f3f4f6", "whiteSpace": "normal",
+                      "overflowWrap": "normal"},
         style_data_conditional=verdict_styles + kw.pop("style_data_conditional", []),
         **kw,
     )

@@ -9,7 +9,10 @@ cost one query per period. Cached values are shared: callers must not mutate the
 A path given to `Catalog` may be a run dir holding `search.sqlite`, the SQLite file itself,
 a folder whose immediate subfolders are run dirs (`kforge dash runs/`), or a .cast package
 (matched to its run by the manifest's run_id; packages in or next to a run dir are found
-without being named).
+without being named). A run dir that `kforge capture` wrote and nothing searched yet (cards
+and capture.json, no log) is shown as a run of status "captured", named after its folder:
+its cards go, with SearchLog, into a log in the catalog's own scratch folder (never into the
+run dir), so every page reads it like any other run.
 """
 
 from __future__ import annotations
@@ -18,20 +21,28 @@ import functools
 import json
 import math
 import re
+import shutil
 import sqlite3
 import statistics
+import tempfile
 import threading
 import time
+import weakref
 import zipfile
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from kforge.log import LOG_NAME, connect
+from kforge.errors import KforgeError
+from kforge.log import LOG_NAME, SearchLog, connect
 
 TTL_S = 1.5
 
-# Verdicts the search keeps (correct kernels); everything else is a failure.
+# Verdicts the search keeps (correct kernels); everything else but "untimed" (compiled, with
+# no GPU to run it: not a failure) is a failure.
 CORRECT = ("valid", "slower")
+NOT_FAILED = CORRECT + ("untimed",)
+CAPTURED = "captured"  # the status of a run dir that holds cards and no search log
+CAPTURE_FILE = "capture.json"
 
 
 class NotFound(LookupError):
@@ -57,6 +68,12 @@ def _loads(text: str | None, default: Any) -> Any:
         return default
 
 
+def proposer_of_call(model: str) -> str:
+    """The proposer an llm_calls row belongs to. The search logs a call under its proposer's
+    name (`llm:<model>`); the LLM client's per-attempt recorder logs the bare model."""
+    return model if model.startswith("llm:") else f"llm:{model}"
+
+
 def first_line(text: str | None) -> str:
     for line in (text or "").splitlines():
         if line.strip():
@@ -66,7 +83,7 @@ def first_line(text: str | None) -> str:
 
 # Numbers, hex addresses and quoted names vary between otherwise identical failures
 # ("max abs err 0.31 at index 17" vs "... 0.29 at index 4"); grouping ignores them.
-_VARYING = re.compile(r"0x[0-9a-fA-F]+|[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+_VARYING = re.compile(r"\b[0-9a-f]{16}\b|0x[0-9a-fA-F]+|[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")  # card ids too
 
 
 def failure_kind(message: str | None) -> str:
@@ -81,6 +98,8 @@ class Catalog:
         self.ttl_s = ttl_s
         self._cache: dict[tuple, tuple[float, Any]] = {}
         self._lock = threading.Lock()
+        self._scratch: Path | None = None  # logs of capture-only run dirs, removed with the catalog
+        self._capture_lock = threading.Lock()
 
     def _cached(self, key: tuple, compute: Callable[[], Any]) -> Any:
         now = time.monotonic()
@@ -107,6 +126,51 @@ class Catalog:
                 paths += sorted(root.glob(f"*/{LOG_NAME}"))
         return paths
 
+    def capture_dirs(self) -> list[Path]:
+        """Run dirs that `kforge capture` wrote and no search has logged into yet."""
+        dirs: list[Path] = []
+        for root in self.roots:
+            if not root.is_dir() or (root / LOG_NAME).exists():
+                continue
+            dirs += [root] if (root / CAPTURE_FILE).is_file() else [
+                p.parent for p in sorted(root.glob(f"*/{CAPTURE_FILE}")) if not (p.parent / LOG_NAME).exists()]
+        return dirs
+
+    def _capture_log(self, run_dir: Path) -> Path:
+        """A log of the captured cards of `run_dir` (status "captured"), in the scratch folder;
+        written again when the capture is."""
+        stamp = (run_dir / CAPTURE_FILE).stat().st_mtime_ns
+        with self._lock:
+            if self._scratch is None:
+                self._scratch = Path(tempfile.mkdtemp(prefix="kforge-dash-"))
+                weakref.finalize(self, shutil.rmtree, self._scratch, True)
+        where = self._scratch / f"{abs(hash(str(run_dir))):x}-{stamp}"
+        with self._capture_lock:  # one writer, so no request reads a half-written log
+            if (where / LOG_NAME).is_file():
+                return where / LOG_NAME
+            self._write_capture_log(run_dir, where)
+        return where / LOG_NAME
+
+    @staticmethod
+    def _write_capture_log(run_dir: Path, where: Path) -> None:
+        from kforge.capture import skip_reason
+        from kforge.cards import load_cards
+
+        info = _loads((run_dir / CAPTURE_FILE).read_text(), {})
+        cards = load_cards(run_dir)
+        log = SearchLog(where)
+        try:
+            log.start_run(run_dir.name, config={"captured_only": True, "run_dir": str(run_dir)},
+                          device=info.get("device"), arch=cards[0].arch if cards else None)
+            for card in cards:
+                log.upsert_card(run_dir.name, card)
+                why = skip_reason(card)
+                if why:
+                    log.set_card_status(run_dir.name, card.id, "skipped", why)
+            log.set_run_status(run_dir.name, CAPTURED)
+        finally:
+            log.close()
+
     @_ttl
     def _run_index(self) -> dict[str, Path]:
         """run id -> its log. A run id seen in two logs is read from the first one given."""
@@ -116,6 +180,11 @@ class Catalog:
                 for row in self._read(path, "SELECT id FROM runs"):
                     index.setdefault(row["id"], path)
             except NotFound:  # a log being created, or not a log at all
+                continue
+        for run_dir in self.capture_dirs():
+            try:
+                index.setdefault(run_dir.name, self._capture_log(run_dir))
+            except (OSError, ValueError, KforgeError):  # a capture being written, or a broken card
                 continue
         return index
 
@@ -154,7 +223,12 @@ class Catalog:
             (last,) = self._read(path, "SELECT COUNT(*) AS n, MAX(created) AS t FROM candidates WHERE run_id=?",
                                  (run_id,))
             winners = sorted((c for c in cards if c["best_speedup"]), key=lambda c: -c["best_speedup"])
+            config = _loads(run["config_json"], {})
+            kind = (CAPTURED if run["status"] == CAPTURED else "search" if config.get("validated", True)
+                    else "compile-only")
+            run_dir = Path(config.get("run_dir") or path.parent)
             out.append({
+                "kind": kind, "run_dir": str(run_dir), "next": _next_step(kind, run_dir),
                 "id": run_id, "model": run["model"] or "", "status": run["status"], "device": run["device"] or "",
                 "arch": run["arch"] or "", "torch": run["torch"] or "", "kforge": run["kforge"] or "",
                 "created": run["created"], "updated": last["t"] or run["created"],
@@ -172,6 +246,26 @@ class Catalog:
             if r["id"] == run_id:
                 return r
         raise NotFound(f"no run {run_id!r}; pick one on the runs page")
+
+    def compare(self, a: str, b: str) -> list[dict]:
+        """Two runs' cards side by side, matched by op and argument summary (card ids differ
+        between devices), largest share in either run first."""
+        def keyed(run_id: str) -> dict[tuple[str, int], dict]:
+            seen: dict[str, int] = {}
+            out = {}
+            for c in self.cards(run_id):
+                n = seen[c["summary"]] = seen.get(c["summary"], -1) + 1
+                out[(c["summary"], n)] = c
+            return out
+
+        ca, cb = keyed(a), keyed(b)
+        rows = []
+        for key in dict.fromkeys([*ca, *cb]):
+            x, y = ca.get(key, {}), cb.get(key, {})
+            rows.append({"summary": key[0], "card_a": x.get("card_id"), "card_b": y.get("card_id"),
+                         **{f"{k}_{side}": c.get(k) for side, c in (("a", x), ("b", y))
+                            for k in ("share", "status", "eager_us", "best_us", "best_speedup")}})
+        return sorted(rows, key=lambda r: -max(r["share_a"] or 0, r["share_b"] or 0))
 
     @_ttl
     def run_config(self, run_id: str) -> dict:
@@ -199,17 +293,28 @@ class Catalog:
         row["best_floor_pct"] = _pct(row["floor_us"], row["best_us"])
         return row
 
+    def _timed(self, run_id: str) -> bool:
+        """Whether a GPU timed this run. Without one the search still sets an HBM floor, of the
+        GPU it compiled for; the run's own device has none, so none is shown."""
+        return bool(self.run_config(run_id).get("validated", True)) and not self.run_config(run_id).get("captured_only")
+
+    def _card_rows(self, run_id: str, rows: list[dict]) -> list[dict]:
+        if not self._timed(run_id):
+            for r in rows:
+                r["floor_us"] = None
+        return [self._card_row(r) for r in rows]
+
     @_ttl
     def cards(self, run_id: str) -> list[dict]:
         """Cards of a run ranked by share of runtime."""
-        return [self._card_row(r) for r in self._q(run_id, self._CARD_SQL.format(where=""), (run_id,))]
+        return self._card_rows(run_id, self._q(run_id, self._CARD_SQL.format(where=""), (run_id,)))
 
     @_ttl
     def card(self, run_id: str, card_id: str) -> dict:
         rows = self._q(run_id, self._CARD_SQL.format(where="AND c.card_id=?"), (run_id, card_id))
         if not rows:
             raise NotFound(f"run {run_id!r} has no card {card_id!r}; pick one on the run's cards page")
-        row = self._card_row(rows[0])
+        (row,) = self._card_rows(run_id, rows)
         (extra,) = self._q(run_id, "SELECT card_json FROM cards WHERE run_id=? AND card_id=?", (run_id, card_id))
         card = _loads(extra["card_json"], {})
         row["module_paths"] = card.get("module_paths", [])
@@ -272,14 +377,20 @@ class Catalog:
                         "kernel_us": c["kernel_us"], "best_us": best if math.isfinite(best) else None})
         return out
 
+    @_ttl
+    def timeline(self, run_id: str) -> list[dict]:
+        """Every candidate of the run in the order it was evaluated: card, time, verdict, speedup."""
+        return self._q(run_id, "SELECT id, card_id, created, verdict, speedup FROM candidates WHERE run_id=? "
+                               "ORDER BY created, id", (run_id,))
+
     # ---- failures, events, providers ------------------------------------------------------
     @_ttl
     def failures(self, run_id: str) -> list[dict]:
         """Failed candidates grouped by verdict and the first line of their message, biggest group first."""
         rows = self._q(run_id, "SELECT k.id, k.card_id, k.verdict, k.message, c.summary FROM candidates k "
                                "LEFT JOIN cards c ON c.run_id=k.run_id AND c.card_id=k.card_id "
-                               f"WHERE k.run_id=? AND k.verdict NOT IN ({','.join('?' * len(CORRECT))}) ORDER BY k.id",
-                       (run_id, *CORRECT))
+                               f"WHERE k.run_id=? AND k.verdict NOT IN ({','.join('?' * len(NOT_FAILED))}) "
+                               "ORDER BY k.id", (run_id, *NOT_FAILED))
         groups: dict[tuple[str, str], dict] = {}
         for r in rows:
             key = (r["verdict"], failure_kind(r["message"]))
@@ -289,6 +400,22 @@ class Catalog:
             g["cards"].setdefault(r["card_id"], r["summary"] or r["card_id"])
             g["candidates"].append((r["card_id"], r["id"]))
         return sorted(groups.values(), key=lambda g: (-g["count"], g["verdict"], g["kind"]))
+
+    @_ttl
+    def proposer_errors(self, run_id: str) -> list[dict]:
+        """What the proposer failed to deliver (an unreachable endpoint, replies without a usable
+        kernel: the search's "proposer_error" events), grouped like failures, biggest first."""
+        rows = self._q(run_id, "SELECT e.card_id, e.message, c.summary FROM events e LEFT JOIN cards c "
+                               "ON c.run_id=e.run_id AND c.card_id=e.card_id "
+                               "WHERE e.run_id=? AND e.kind='proposer_error' ORDER BY e.id", (run_id,))
+        groups: dict[str, dict] = {}
+        for r in rows:
+            kind = failure_kind(r["message"])
+            g = groups.setdefault(kind, {"kind": kind, "example": first_line(r["message"]), "count": 0, "cards": {}})
+            g["count"] += 1
+            if r["card_id"]:
+                g["cards"].setdefault(r["card_id"], r["summary"] or r["card_id"])
+        return sorted(groups.values(), key=lambda g: (-g["count"], g["kind"]))
 
     @_ttl
     def events(self, run_id: str, limit: int = 30) -> list[dict]:
@@ -301,22 +428,25 @@ class Catalog:
         cands = self._q(run_id, "SELECT card_id, id, proposer, verdict, speedup FROM candidates WHERE run_id=?",
                         (run_id,))
         winners = {r["best_candidate"] for r in self.cards(run_id) if r["best_candidate"] is not None}
-        spend = {r["model"]: r for r in self._q(
-            run_id, "SELECT model, COUNT(*) AS calls, SUM(status != 'ok') AS failed_calls, "
-                    "COALESCE(SUM(cost_usd), 0) AS cost_usd, "
-                    "COALESCE(SUM(prompt_tokens), 0) + COALESCE(SUM(completion_tokens), 0) AS tokens, "
-                    "COALESCE(SUM(duration_s), 0) AS llm_s FROM llm_calls WHERE run_id=? GROUP BY model", (run_id,))}
+        spend: dict[str, dict] = {}
+        for r in self._q(run_id, "SELECT model, COUNT(*) AS calls, COALESCE(SUM(status != 'ok'), 0) AS failed_calls, "
+                                 "COALESCE(SUM(cost_usd), 0) AS cost_usd, "
+                                 "COALESCE(SUM(prompt_tokens), 0) + COALESCE(SUM(completion_tokens), 0) AS tokens "
+                                 "FROM llm_calls WHERE run_id=? GROUP BY model", (run_id,)):
+            total = spend.setdefault(proposer_of_call(r.pop("model")), dict.fromkeys(r, 0))
+            for k, v in r.items():
+                total[k] += v
         by: dict[str, list[dict]] = {}
         for c in cands:
             by.setdefault(c["proposer"], []).append(c)
-        for model in spend:  # a model whose calls produced nothing parseable still cost money
-            by.setdefault(f"llm:{model}", [])
+        for proposer in spend:  # a model whose calls produced nothing parseable still cost money
+            by.setdefault(proposer, [])
         out = []
         for proposer, cs in by.items():
             speedups = [c["speedup"] for c in cs if c["verdict"] == "valid" and c["speedup"]]
             valid, slower = len(speedups), sum(c["verdict"] == "slower" for c in cs)
             failed = len(cs) - valid - slower
-            s = spend.get(proposer.removeprefix("llm:"), {}) if proposer.startswith("llm:") else {}
+            s = spend.get(proposer, {})
             cost = s.get("cost_usd", 0.0)
             out.append({
                 "proposer": proposer, "candidates": len(cs), "valid": valid, "slower": slower, "failed": failed,
@@ -366,13 +496,25 @@ class Catalog:
             view["header"] = _flatten(manifest, skip=("cards",))
             view["cards"] = [manifest_row(e) for e in manifest.get("cards", []) if isinstance(e, dict)]
             return view
-        view["error"] = "; ".join(problems) or (
-            f"no package for this run yet: `kforge package {self._log_of(run_id).parent} --out model.cast` writes "
+        run = self.run(run_id)
+        view["error"] = "; ".join(problems) or run["next"] or (
+            f"no package for this run yet: `kforge package {run['run_dir']} --out model.cast` writes "
             "one (on the GPU that searched it); give its path to the dashboard if it is elsewhere")
         return view
 
 
 MANIFEST = "manifest.json"
+
+
+def _next_step(kind: str, run_dir: Path) -> str:
+    """What the user can do next with a run of this kind, in one sentence."""
+    if kind == CAPTURED:
+        return (f"captured only: nothing searched yet. Search it with `kforge search {run_dir}` on a machine with "
+                "an NVIDIA GPU (without one, kforge compiles candidates but times nothing)")
+    if kind == "compile-only":
+        return (f"compile-only: nothing timed; run on a GPU. `kforge search {run_dir}` on a machine with an NVIDIA "
+                "GPU validates and times kernels, then `kforge package` writes the winners")
+    return ""
 
 
 def _model_check_of(checks: list[dict], package: Path) -> dict | None:
@@ -401,18 +543,29 @@ def manifest_row(e: dict) -> dict:
     """One card entry of a manifest (kforge.package format), flattened for a table."""
     timing, error = e.get("timing") or {}, e.get("error") or {}
     eager, kernel = timing.get("eager_us"), timing.get("kernel_us")
-    tolerances = error.get("tolerances")
-    if isinstance(tolerances, dict):
-        tolerances = ", ".join(f"{k}={v:g}" for k, v in tolerances.items() if isinstance(v, (int, float)))
     return {
         "card_id": e.get("id", ""), "op": e.get("op", ""), "summary": e.get("summary", ""),
         "decision": e.get("decision", ""), "reason": e.get("reason") or "", "kind": e.get("kind") or "",
         "eager_us": eager, "kernel_us": kernel, "dispatched_us": timing.get("dispatched_us"),
         "eager_dispatched_us": timing.get("eager_dispatched_us"),
         "speedup": eager / kernel if eager and kernel else None,
-        "max_abs_err": error.get("max_abs_err"), "tolerance": tolerances or "",
+        "max_abs_err": error.get("max_abs_err"), "tolerance": tolerance_text(error.get("tolerances")),
         "candidate": (e.get("candidate") or {}).get("log_id"),
     }
+
+
+def tolerance_text(tolerances: Any) -> str:
+    """The tolerance a packaged kernel passed, per output: kforge.worker records one list per
+    input set (one {atol, rtol, how} per observed tensor); the loosest over the sets is shown."""
+    if not isinstance(tolerances, dict):
+        return ""
+    outputs: dict[int, tuple[float, float]] = {}
+    for per_output in tolerances.values():
+        for j, t in enumerate(per_output if isinstance(per_output, list) else []):
+            if isinstance(t, dict) and isinstance(t.get("atol"), (int, float)) and isinstance(t.get("rtol"), (int, float)):
+                a, r = outputs.get(j, (0.0, 0.0))
+                outputs[j] = (max(a, t["atol"]), max(r, t["rtol"]))
+    return "; ".join(f"atol={a:.2g}, rtol={r:.2g}" for _, (a, r) in sorted(outputs.items()))
 
 
 def estimated_speedup(cards: list[dict]) -> float | None:

@@ -72,3 +72,100 @@ def latency_figure(card: dict, history: list[dict]) -> go.Figure:
                       uirevision="keep")  # keep the user's zoom across live updates
     fig.update_yaxes(type="log")
     return fig
+
+
+SHARE_BARS = 15  # cards in the share chart; the table lists them all
+
+
+def share_figure(cards: list[dict]) -> go.Figure:
+    """The cards' shares of the captured runtime, largest first, colored by what the search did:
+    with a winner (best speedup), searched, waiting, or skipped (view ops, vendor libraries)."""
+    top = sorted((c for c in cards if c["share"]), key=lambda c: -c["share"])[:SHARE_BARS]
+
+    def color(c: dict) -> str:
+        if c["best_speedup"] and c["best_speedup"] > 1:
+            return "#2e7d32"
+        return {"skipped": "#cbd5e1", "pending": "#93c5fd"}.get(c["status"], "#6366f1")
+
+    fig = go.Figure(go.Bar(
+        x=[100 * c["share"] for c in top], y=[f"{c['op_name']} · {c['card_id'][:6]}" for c in top], orientation="h",
+        marker_color=[color(c) for c in top], customdata=[c["summary"] for c in top],
+        hovertemplate="%{customdata}<br>%{x:.1f} % of runtime<extra></extra>"))
+    fig.update_layout(height=max(160, 22 * len(top) + 60), margin={"l": 10, "r": 20, "t": 30, "b": 30},
+                      template="plotly_white", title={"text": "share of captured runtime (%)", "font": {"size": 13}},
+                      yaxis={"autorange": "reversed", "automargin": True}, uirevision="keep")
+    return fig
+
+
+def _empty(fig: go.Figure, why: str) -> go.Figure:
+    """A figure that says why it has nothing to draw, instead of empty axes."""
+    fig.add_annotation(text=why, showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5, font={"size": 13})
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    return fig
+
+
+def _layout(fig: go.Figure, title: str, **kw) -> go.Figure:
+    fig.update_layout(height=320, template="plotly_white", margin={"l": 50, "r": 20, "t": 40, "b": 40},
+                      title={"text": title, "font": {"size": 13}}, uirevision="keep", **kw)
+    return fig
+
+
+def best_over_time_figure(run: dict, cards: list[dict], timeline: list[dict], empty_why: str) -> go.Figure:
+    """Per card, the best speedup of a valid kernel so far against minutes since the run started."""
+    fig = _layout(go.Figure(), "best speedup per card over time", xaxis_title="minutes since start",
+                  yaxis_title="best speedup (×)", legend={"orientation": "h", "y": -0.25})
+    names = {c["card_id"]: f"{c['op_name']} · {c['card_id'][:6]}" for c in cards}
+    best: dict[str, list[tuple[float, float]]] = {}
+    for t in timeline:
+        if t["verdict"] == "valid" and t["speedup"]:
+            points = best.setdefault(t["card_id"], [])
+            if not points or t["speedup"] > points[-1][1]:
+                points.append(((t["created"] - run["created"]) / 60, t["speedup"]))
+    if not best:
+        return _empty(fig, empty_why)
+    end = max((t["created"] - run["created"]) / 60 for t in timeline)
+    for card_id, points in best.items():
+        xs, ys = [p[0] for p in points] + [end], [p[1] for p in points] + [points[-1][1]]
+        fig.add_scatter(x=xs, y=ys, mode="lines+markers", line={"shape": "hv"}, name=names.get(card_id, card_id),
+                        hovertemplate="%{y:.2f}× at %{x:.1f} min<extra>%{fullData.name}</extra>")
+    return fig
+
+
+def rate_figure(run: dict, timeline: list[dict], empty_why: str) -> go.Figure:
+    """Candidates evaluated per minute of the run, stacked by verdict."""
+    fig = _layout(go.Figure(), "candidates per minute", xaxis_title="minute since start", yaxis_title="candidates",
+                  barmode="stack", legend={"orientation": "h", "y": -0.25})
+    if not timeline:
+        return _empty(fig, empty_why)
+    counts: dict[str, dict[int, int]] = {}
+    for t in timeline:
+        minute = int((t["created"] - run["created"]) // 60)
+        per = counts.setdefault(t["verdict"], {})
+        per[minute] = per.get(minute, 0) + 1
+    for verdict, per in counts.items():
+        fig.add_bar(x=list(per), y=list(per.values()), name=verdict, marker_color=VERDICT_COLORS.get(verdict))
+    return fig
+
+
+def share_before_after_figure(cards: list[dict], top: int = 8) -> go.Figure:
+    """The captured runtime eager and with every card's best kernel (Amdahl), per card: what the
+    winners would save, in % of the eager runtime."""
+    fig = _layout(go.Figure(), "runtime share before / after the winners (% of eager runtime)", barmode="stack",
+                  xaxis_title="% of eager runtime", legend={"orientation": "h", "y": -0.25})
+    timed = sorted((c for c in cards if c["share"]), key=lambda c: -c["share"])
+    if not timed:
+        return _empty(fig, "no card has a measured share of the runtime")
+    shown, rest = timed[:top], timed[top:]
+    for c in shown:
+        after = c["share"] / c["best_speedup"] if c["best_speedup"] and c["best_speedup"] > 1 else c["share"]
+        fig.add_bar(y=["eager", "with winners"], x=[100 * c["share"], 100 * after], orientation="h",
+                    name=f"{c['op_name']} · {c['card_id'][:6]}", hovertemplate="%{x:.1f} %<extra>%{fullData.name}</extra>")
+    if rest:
+        before = sum(c["share"] for c in rest)
+        after = sum(c["share"] / c["best_speedup"] if c["best_speedup"] and c["best_speedup"] > 1 else c["share"]
+                    for c in rest)
+        fig.add_bar(y=["eager", "with winners"], x=[100 * before, 100 * after], orientation="h",
+                    name=f"{len(rest)} more cards", marker_color="#cbd5e1")
+    fig.update_layout(height=260)
+    return fig

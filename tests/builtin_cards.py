@@ -12,6 +12,7 @@ import dataclasses
 
 import torch
 
+from kforge.capture import _aliases
 from kforge.cards import ArgSpec, Card, TensorMeta, encode_value, flatten_outputs
 
 A = torch.ops.aten
@@ -41,9 +42,9 @@ def make_card(op: torch._ops.OpOverload, *args, align: int = 16, **kwargs) -> Ca
             specs.append(ArgSpec(a.name, "tensor", a.kwarg_only, tensor=_cuda(v, align), written=written))
         else:
             specs.append(ArgSpec(a.name, "value", a.kwarg_only, value=encode_value(v)))
-    outs = flatten_outputs(op(*args, **kwargs))
-    ret = op._schema.returns[0]
-    aliases = {0: 0} if ret.alias_info is not None and ret.alias_info.is_write else {}
+    result = op(*args, **kwargs)
+    outs = flatten_outputs(result)
+    aliases = _aliases(op, specs, result)  # in-place and out= outputs, as capture records them
     name = f"aten::{op._schema.name.split('::')[-1]}.{op._overloadname}"
     return Card(op=name, schema=str(op._schema), args=specs, outputs=[_cuda(o, 16) for o in outs], arch="sm_90",
                 aliases=aliases)

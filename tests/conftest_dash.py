@@ -1,37 +1,44 @@
-"""Search logs for the dashboard tests.
+"""Search logs for the dashboard tests, every one written by kforge's own writers.
 
 `write_demo_run` writes a run with SearchLog directly: several cards, a tree of candidates
-with every verdict, repairs, LLM calls, events and a .cast package, so every view has
-something to show and the data tests can assert exact groupings.
+with every verdict, repairs, LLM calls (named as the search names them), events, and a .cast
+package written by `kforge.package.write_package`, so every view has something to show and
+the data tests can assert exact groupings.
 
 `make_demo_run` is what a user would see: a real `kforge.runner.run` on a tiny CPU model
 with the deterministic fake proposer and evaluator of tests/fakes.py (no GPU needed).
+`write_capture_only`, `make_compile_only_run` and `make_llm_error_run` are the other runs a
+user can make: a capture without a search, a run on a machine without a GPU, and a run whose
+LLM endpoint never gives a usable answer (the real LLM proposer against tests/llm_server.py).
 
-Both capture TinyModel for real on the CPU, so card shares are measured and vary a little
-from run to run: tests take the ranking from the log, not from here.
+All capture TinyModel for real on the CPU, so card shares are measured and vary a little
+from run to run: tests take the ranking from the log, not from here. No fixture writes a
+log row or manifest field by hand: a reader can only pass on the formats kforge writes.
 """
 
 from __future__ import annotations
 
-import json
 import sys
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 from fakes import FakeEvaluator, FakeProposer
+from llm_server import ScriptedLLMServer, error, reply
 
-from kforge import runner
+from kforge import runner, worker
 from kforge.candidate import Candidate, LaunchPlan
 from kforge.capture import capture, skip_reason
 from kforge.cards import Card
 from kforge.hardware import H200
 from kforge.log import SearchLog, connect
+from kforge.package import write_package
+from kforge.proposers.llm import LLMConfig, LLMProposer
 from kforge.verdict import EvalResult, Verdict
 
-LLM = "llm:demo-coder"
+LLM_MODEL = "demo-coder"
+LLM = f"llm:{LLM_MODEL}"  # LLMProposer's name: what the search writes as proposer and LLM call model
 
 
 @dataclass
@@ -65,24 +72,65 @@ class TinyModel(torch.nn.Module):
         return torch.softmax(self.norm(torch.nn.functional.gelu(self.fc(x))), dim=-1)
 
 
-def make_demo_run(tmp_path: Path) -> DemoRun:
-    run_dir = tmp_path / "real-run"
-    # The runner's GPU seam says "one GPU" so the search runs its full budget and packages;
-    # the fake evaluator gives the verdicts, so nothing touches a GPU (CPU-captured cards
-    # all fall back in the package).
+def _real_run(run_dir: Path, *, gpu: bool, evaluator, proposer=FakeProposer, iterations: int = 10):
+    """kforge.runner.run on TinyModel with the runner's GPU seam set to one GPU or none."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(runner, "gpu_devices", lambda devices: [0])
-        result = runner.run(TinyModel().eval(), (torch.randn(32, 64),), out=run_dir / "model.cast",
-                            proposer=FakeProposer, iterations=10, run_dir=run_dir, progress=False,
-                            model_name="TinyModel", evaluator_factory=lambda run_dir, device: FakeEvaluator())
+        mp.setattr(runner, "gpu_devices", lambda devices: [0] if gpu else [])
+        return runner.run(TinyModel().eval(), (torch.randn(32, 64),), out=run_dir / "model.cast",
+                          proposer=proposer, iterations=iterations, run_dir=run_dir, progress=False,
+                          model_name="TinyModel", evaluator_factory=evaluator)
+
+
+def make_demo_run(tmp_path: Path) -> DemoRun:
+    # The runner's GPU seam says "one GPU" so the search runs its full budget and packages;
+    # the fake evaluator gives the verdicts (with the tolerances the worker derives), so nothing
+    # touches a GPU (CPU-captured cards all fall back in the package).
+    run_dir = tmp_path / "real-run"
+    result = _real_run(run_dir, gpu=True, evaluator=lambda run_dir, device: FakeEvaluator(evidence_dir=run_dir))
+    return DemoRun(run_dir, result.run_id, *_ranked(run_dir, result.run_id), real=True)
+
+
+def write_capture_only(tmp_path: Path) -> Path:
+    """What `kforge capture` leaves: cards and capture.json, no search log."""
+    return capture(TinyModel().eval(), (torch.randn(32, 64),), tmp_path / "capture-only").run_dir
+
+
+def make_compile_only_run(tmp_path: Path) -> DemoRun:
+    """`kforge run` on a machine without a GPU: candidates compiled, nothing timed, no package."""
+    run_dir = tmp_path / "compile-only"
+    result = _real_run(run_dir, gpu=False, evaluator=lambda run_dir, device: FakeEvaluator(untimed=True))
+    return DemoRun(run_dir, result.run_id, *_ranked(run_dir, result.run_id), real=True)
+
+
+def make_llm_error_run(tmp_path: Path) -> DemoRun:
+    """A run whose LLM endpoint answers, and is paid, but never with a usable kernel; every
+    third request fails with HTTP 500. The real LLMProposer and search write what that costs."""
+    answers = iter(range(10**6))
+
+    def respond(body: dict):
+        return error(500, "upstream overloaded") if next(answers) % 3 == 2 else reply("I cannot write that kernel.",
+                                                                                   usage=(1000, 200))
+
+    run_dir = tmp_path / "llm-errors"
+    with ScriptedLLMServer(api_key="k", models={LLM_MODEL}, responder=respond) as server:
+        config = LLMConfig(model=LLM_MODEL, base_url=server.base_url, api_key="k", max_retries=0,
+                           max_repair_attempts=1, prices={LLM_MODEL: (1.0, 5.0)})
+        result = _real_run(run_dir, gpu=True, evaluator=lambda run_dir, device: FakeEvaluator(),
+                           proposer=lambda: LLMProposer(config), iterations=2)
     return DemoRun(run_dir, result.run_id, *_ranked(run_dir, result.run_id), real=True)
 
 
 # ---- a run written row by row ------------------------------------------------------------
 
 def _demo_cards(run_dir: Path) -> list[Card]:
-    """TinyModel's cards, captured for real on the CPU (ranked by share)."""
-    return capture(TinyModel().eval(), (torch.randn(32, 64),), run_dir).cards
+    """TinyModel's cards, captured for real on the CPU (ranked by share) and retargeted to the
+    H200 as a GPU capture would have them. Each takes at least 20 µs, so the package's rule
+    (faster as dispatched, beyond noise) decides by the speedups below, not the CPU's timing."""
+    cards = [c.retarget("cuda", H200.arch) for c in capture(TinyModel().eval(), (torch.randn(32, 64),), run_dir).cards]
+    for c in cards:
+        if c.eager_us is not None:
+            c.eager_us = max(c.eager_us, 20.0)
+    return cards
 
 
 def kernel(name: str, threads: int, vec: int, bug: str = "") -> Candidate:
@@ -128,19 +176,20 @@ def write_demo_run(tmp_path: Path, run_id: str = "demo-run") -> DemoRun:
     run_dir = tmp_path / "written-run"
     cards = _demo_cards(run_dir)
     log = SearchLog(run_dir)
-    log.start_run(run_id, model="TinyModel", config={"proposer": "builtin"},
-                  device="NVIDIA H200", arch="sm_90", torch=torch.__version__, kforge="0.1.0")
+    log.start_run(run_id, model="TinyModel",
+                  config={"proposer": "builtin", "validated": True, "out": str((run_dir / "model.cast").resolve())},
+                  device=H200.name, arch=H200.arch, torch=torch.__version__, kforge="0.1.0")
     log.event(run_id, "start", f"searching {len(cards)} cards")
     for card in cards:
         log.upsert_card(run_id, card, floor_us=H200.floor_us(card.io_bytes()))
     by_op = {c.op: c for c in cards}
     main, second, third = (by_op[f"aten::{op}.default"] for op in ("gelu", "_softmax", "native_layer_norm"))
-    ids = _write_tree(log, run_id, main, TREE)
-    _write_tree(log, run_id, second, [("a", None, None, 0, "builtin", 256, 1, "valid", 1.2, ""),
-                                      ("b", "a", None, 1, "builtin", 256, 4, "compile_error", None,
-                                       'kernel.cu(5): error: identifier "blockDimx" is undefined'),
-                                      ("c", "a", None, 2, "builtin", 64, 1, "slower", 0.9, "")])
-    _write_tree(log, run_id, third, [("a", None, None, 0, LLM, 256, 1, "valid", 1.1, "")])
+    ids = _write_tree(log, run_dir, run_id, main, TREE)
+    _write_tree(log, run_dir, run_id, second, [("a", None, None, 0, "builtin", 256, 1, "valid", 1.02, ""),
+                                               ("b", "a", None, 1, "builtin", 256, 4, "compile_error", None,
+                                                'kernel.cu(5): error: identifier "blockDimx" is undefined'),
+                                               ("c", "a", None, 2, "builtin", 64, 1, "slower", 0.9, "")])
+    _write_tree(log, run_dir, run_id, third, [("a", None, None, 0, LLM, 256, 1, "valid", 1.02, "")])
     log.set_card_status(run_id, main.id, "done")
     log.set_card_status(run_id, second.id, "done")
     log.set_card_status(run_id, third.id, "searching")
@@ -150,22 +199,25 @@ def write_demo_run(tmp_path: Path, run_id: str = "demo-run") -> DemoRun:
             log.set_card_status(run_id, extra.id, "skipped", why)
             log.event(run_id, "skip", why, card_id=extra.id)
     for key in ("e", "f", "g", "j"):
-        log.add_llm_call(run_id, main.id, LLM.removeprefix("llm:"), prompt_tokens=1800, completion_tokens=600,
+        log.add_llm_call(run_id, main.id, LLM, prompt_tokens=1800, completion_tokens=600,
                          cost_usd=0.0125, duration_s=4.2, candidate_id=ids[key], base_url="http://localhost:9/v1")
-    log.add_llm_call(run_id, main.id, "demo-coder", status="error", error="HTTP 429: rate limited", duration_s=0.3)
-    log.add_llm_call(run_id, third.id, "demo-coder", prompt_tokens=1500, completion_tokens=500, cost_usd=0.01,
+    log.add_llm_call(run_id, main.id, LLM, status="error", error="HTTP 429: rate limited", duration_s=0.3)
+    log.add_llm_call(run_id, third.id, LLM, prompt_tokens=1500, completion_tokens=500, cost_usd=0.01,
                      duration_s=3.1)
     log.event(run_id, "llm", "rate limited; retrying in 2 s", level="warning", card_id=main.id)
     log.event(run_id, "card_done", "best 2.90x after 9 iterations", card_id=main.id)
     log.event(run_id, "model-check", f"{(run_dir / 'model.cast').resolve()}: {DEMO_MODEL_CHECK}")
     log.close()
-    _write_package(run_dir / "model.cast", run_id, main, second, ids)
+    write_package(run_dir, run_dir / "model.cast", run_id=run_id)
     ranked, _ = _ranked(run_dir, run_id)
     return DemoRun(run_dir, run_id, ranked, [main.id, second.id, third.id], real=False)
 
 
-def _write_tree(log: SearchLog, run_id: str, card: Card, tree: list[tuple]) -> dict[str, int]:
-    eager = card.eager_us or 10.0
+def _write_tree(log: SearchLog, run_dir: Path, run_id: str, card: Card, tree: list[tuple]) -> dict[str, int]:
+    eager = card.eager_us
+    tolerances: dict = {}  # what the worker records for a kernel that passed every input set
+    for s in worker.prepare(card, run_dir, torch.device("cpu"), fresh_sets=1)[0]:
+        worker.record_tolerances(tolerances, s)
     ids: dict[str, int] = {}
     for key, parent, repair_of, iteration, proposer, threads, vec, verdict, speedup, message in tree:
         cand = kernel("gelu_rows", threads, vec, bug=" blockDimx;" if verdict == "compile_error" else "")
@@ -178,7 +230,7 @@ def _write_tree(log: SearchLog, run_id: str, card: Card, tree: list[tuple]) -> d
             result.eager_us, result.kernel_us = eager, eager / speedup
             result.dispatched_us = result.kernel_us + 2.0
             result.max_abs_err, result.max_rel_err = 2e-7, 1e-6
-            result.evidence = {"tolerance": {"atol": 1e-5, "rtol": 1e-5},
+            result.evidence = {**tolerances,
                                "kernel_samples_us": [eager / speedup * (1 + 0.01 * (i % 7)) for i in range(100)],
                                "eager_samples_us": [eager * (1 + 0.01 * (i % 5)) for i in range(100)]}
         if v == Verdict.INCORRECT:
@@ -189,27 +241,6 @@ def _write_tree(log: SearchLog, run_id: str, card: Card, tree: list[tuple]) -> d
                                      repair_of=ids[repair_of] if repair_of else None,
                                      reward=speedup, eval_s=0.4)
     return ids
-
-
-def _write_package(path: Path, run_id: str, won: Card, lost: Card, ids: dict[str, int]) -> None:
-    """A manifest in kforge.package's format (written by hand: packaging CPU-captured cards
-    would, rightly, dispatch nothing)."""
-    def entry(card: Card, decision: str, reason: str, kind: str, speedup: float, cand: int | None) -> dict:
-        return {"id": card.id, "op": card.op, "summary": card.summary(), "decision": decision, "reason": reason,
-                "kind": kind, "timing": {"eager_us": card.eager_us, "kernel_us": card.eager_us / speedup,
-                                         "eager_dispatched_us": card.eager_us + 3.0,
-                                         "dispatched_us": card.eager_us / speedup + 2.0, "noise_us": 0.2},
-                "error": {"max_abs_err": 2e-7, "max_rel_err": 1e-6, "tolerances": {"atol": 1e-5, "rtol": 1e-5}},
-                "candidate": {"log_id": cand} if cand else None}
-
-    manifest = {
-        "format": 1, "kforge": "0.1.0", "torch": torch.__version__, "cuda": {"nvrtc": "13.0", "torch_cuda": "13.0"},
-        "gpu": {"name": "NVIDIA H200", "arch": "sm_90"}, "run_id": run_id,
-        "cards": [entry(won, "dispatched", "2.90x faster than eager as dispatched", "custom", 2.9, ids["j"]),
-                  entry(lost, "fallback", "not faster than eager as dispatched", "vendor", 1.2, None)],
-    }
-    with zipfile.ZipFile(path, "w") as z:
-        z.writestr("manifest.json", json.dumps(manifest))
 
 
 def import_dash_app():

@@ -51,6 +51,17 @@ class FakeProposer(Proposer):
         self.cost_usd = cost_usd
         self.tokens = tokens
         self.closed = False
+        self.bound = None
+
+    def bind(self, log, run_id, spend) -> None:
+        self.bound = (log, run_id, spend)
+
+    def pay(self, ctx: ProposalContext) -> None:
+        """Charge one call of `tokens` and `cost_usd` as a paid proposer must: reserve, settle, log."""
+        if self.tokens or self.cost_usd:
+            log, run_id, spend = self.bound
+            spend.settle(spend.reserve(self.tokens, self.cost_usd), self.tokens, self.cost_usd)
+            log.add_llm_call(run_id, ctx.card.id, "fake", prompt_tokens=self.tokens, cost_usd=self.cost_usd)
 
     def supports(self, card: Card) -> tuple[bool, str]:
         why = self.decline(card)
@@ -63,7 +74,8 @@ class FakeProposer(Proposer):
             knobs = dict(ctx.parent.candidate.knobs)
             k = ctx.rng.choice(sorted(KNOBS))
             knobs[k] = ctx.rng.choice([v for v in KNOBS[k] if v != knobs[k]])
-        return Proposal(candidate(knobs), prompt_tokens=self.tokens, cost_usd=self.cost_usd)
+        self.pay(ctx)
+        return Proposal(candidate(knobs))
 
     def repair(self, ctx: ProposalContext, failed: Tried) -> Proposal | None:
         knobs = dict(failed.candidate.knobs, unroll=1)
@@ -88,8 +100,13 @@ class FakeEvaluator(Evaluator):
 
     def __init__(self, speedup: Callable[[Card, dict], float] = default_speedup, *, sleep_s: float = 0.0,
                  record: str | Path | None = None, raise_on: Callable[[dict], bool] = lambda knobs: False,
-                 untimed: bool = False):
+                 untimed: bool = False, evidence_dir: str | Path | None = None):
+        """With `evidence_dir` (the run dir), correct results carry what the GPU worker adds too:
+        a latency as dispatched and the tolerances kforge.worker derives for the card (here on
+        the CPU), so a package written from them holds real manifest fields."""
         self.speedup = speedup
+        self.evidence_dir = Path(evidence_dir) if evidence_dir else None
+        self._tolerances: dict[str, dict] = {}
         self.untimed = untimed
         self.sleep_s = sleep_s
         self.record = Path(record) if record else None
@@ -120,7 +137,24 @@ class FakeEvaluator(Evaluator):
             return EvalResult(Verdict.INCORRECT, "max abs err 3.0", max_abs_err=3.0)
         s = self.speedup(card, k)
         eager = card.eager_us
-        return EvalResult(Verdict.VALID if s > 1 else Verdict.SLOWER, eager_us=eager, kernel_us=eager / s)
+        result = EvalResult(Verdict.VALID if s > 1 else Verdict.SLOWER, eager_us=eager, kernel_us=eager / s)
+        if self.evidence_dir is not None:
+            result.dispatched_us = result.kernel_us + 0.01 * eager  # the guard's and the launch's overhead
+            result.evidence = dict(self._worker_tolerances(card))
+        return result
+
+    def _worker_tolerances(self, card: Card) -> dict:
+        if card.id not in self._tolerances:
+            import torch
+
+            from kforge import worker
+
+            evidence: dict = {}
+            sets, _ = worker.prepare(card, self.evidence_dir, torch.device("cpu"), fresh_sets=1)
+            for s in sets:
+                worker.record_tolerances(evidence, s)
+            self._tolerances[card.id] = evidence
+        return self._tolerances[card.id]
 
     def close(self) -> None:
         self.closed = True

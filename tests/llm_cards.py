@@ -26,7 +26,7 @@ def softmax_card(rows: int = 4096, cols: int = 1024, eager_us: float = 12.0) -> 
     return Card(op="aten::_softmax.default", schema=str(torch.ops.aten._softmax.default._schema),
                 args=[ArgSpec("self", "tensor", tensor=x), ArgSpec("dim", "value", value=-1),
                       ArgSpec("half_to_float", "value", value=False)],
-                outputs=[x], arch="sm_90", family="normalization", calls=1, eager_us=eager_us)
+                outputs=[x], arch="sm_90", device_name="NVIDIA H200", family="normalization", calls=1, eager_us=eager_us)
 
 
 def group_norm_card() -> Card:
@@ -36,14 +36,14 @@ def group_norm_card() -> Card:
     return Card(op="aten::native_group_norm.default", schema=str(torch.ops.aten.native_group_norm.default._schema),
                 args=[ArgSpec("input", "tensor", tensor=x), ArgSpec("weight", "tensor", tensor=wb),
                       ArgSpec("bias", "tensor", tensor=wb)] + [ArgSpec(n, "value", value=v) for n, v in values],
-                outputs=[x, stats, stats], arch="sm_90", family="normalization", calls=1, eager_us=15.0)
+                outputs=[x, stats, stats], arch="sm_90", device_name="NVIDIA H200", family="normalization", calls=1, eager_us=15.0)
 
 
 def inplace_relu_card() -> Card:
     x = _meta((1 << 20,), torch.float16)
     return Card(op="aten::relu_.default", schema=str(torch.ops.aten.relu_.default._schema),
                 args=[ArgSpec("self", "tensor", tensor=x, written=True)], outputs=[x], aliases={0: 0},
-                arch="sm_90", family="pointwise", calls=1)
+                arch="sm_90", device_name="NVIDIA H200", family="pointwise", calls=1)
 
 
 def source(name: str) -> str:

@@ -16,7 +16,7 @@ from fakes import FakeEvaluator, FakeProposer, toy_card
 from kforge import cuda, proposers, runner
 from kforge.cards import load_cards, save_card
 from kforge.cli import _resume_command, build_parser, main
-from kforge.errors import CudaUnavailableError
+from kforge.errors import CudaUnavailableError, ExitCode
 from kforge.log import connect
 
 MODEL = textwrap.dedent("""
@@ -167,7 +167,7 @@ def test_verify_without_a_gpu_checks_the_package_then_says_the_kernels_need_one(
     card = toy_card(n=1024)
     build_run(tmp_path / "run", [(card, [(relu_candidate(1024), result())], None)])
     cast = write_package(tmp_path / "run", tmp_path / "m.cast")
-    assert main(["verify", str(cast)]) == 1  # re-validation needs the GPU the package is for
+    assert main(["verify", str(cast)]) == ExitCode.NO_GPU  # re-validation needs the GPU the package is for
     captured = capsys.readouterr()
     assert "no CUDA GPU" in captured.err
     assert "checksums and format ok; 1 of 1 cards dispatched" in " ".join(captured.out.split())
@@ -222,3 +222,103 @@ def test_run_prints_the_model_check_and_the_flag_turns_it_off(model_file, tmp_pa
     out = " ".join(capsys.readouterr().out.split())
     assert seen["check_model"] is checked
     assert ("0.833x, slower" in out and "do not apply the package" in out) is checked
+
+
+# ---- for scripts: --version, --json; for people: short tables that do not wrap when piped ----
+
+def test_version(capsys):
+    import kforge
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"kforge {kforge.__version__}"
+
+
+def test_capture_json_is_the_only_thing_on_stdout_and_progress_goes_to_stderr(model_file, tmp_path, capsys):
+    import json
+
+    run_dir = tmp_path / "run"
+    assert main(["capture", str(model_file), "--run-dir", str(run_dir), "--json"]) == 0
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert doc["run_dir"] == str(run_dir) and {c["id"] for c in doc["cards"]} == {c.id for c in load_cards(run_dir)}
+    assert {"calls", "share", "module_paths", "searchable"} <= set(doc["cards"][0])
+    assert "capture: running the model" in captured.err and "capture: done in" in captured.err
+    assert main(["capture", str(model_file), "--run-dir", str(tmp_path / "quiet"), "-q"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_inspect_json_of_a_capture_a_run_and_a_package(tmp_path, capsys, monkeypatch):
+    import json
+
+    monkeypatch.setattr(runner, "gpu_devices", lambda requested: [0])
+    monkeypatch.setattr(runner, "default_evaluator", lambda run_dir, device: FakeEvaluator())
+    monkeypatch.setattr(proposers, "get_proposer", lambda name, **options: FakeProposer())
+    run_dir, cast = tmp_path / "run", tmp_path / "m.cast"
+    card = toy_card()
+    save_card(card, run_dir)
+    assert main(["inspect", str(run_dir), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kind"] == "capture"
+    assert main(["search", str(run_dir), "--iterations", "4", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(run_dir), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["kind"] == "run" and doc["run"]["status"] == "done" and doc["cards"][0]["card_id"] == card.id
+    assert doc["proposer_errors"] == {"count": 0, "top": []}
+    assert main(["package", str(run_dir), "--out", str(cast)]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(cast), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["kind"] == "package" and doc["cards"][0]["id"] == card.id and doc["cards"][0]["decision"]
+
+
+def test_run_json_and_doctor_json(model_file, tmp_path, capsys, cpu_only, monkeypatch):
+    import json
+
+    monkeypatch.setattr(runner, "default_evaluator", lambda run_dir, device: FakeEvaluator(untimed=True))
+    assert main(["run", str(model_file), "--run-dir", str(tmp_path / "run"), "--iterations", "2", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)  # the progress display went to stderr
+    assert doc["validated"] is False and doc["package"] is None and "need a GPU" in doc["message"]
+    assert main(["doctor", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert "devices" in doc and "dispatch" in doc
+    if not doc["devices"]:
+        assert any("What works: `kforge capture`" in line for line in doc["without_gpu"])
+
+
+def test_tables_show_the_top_searchable_cards_one_line_each_and_all_with_the_flag(tmp_path, capsys):
+    from kforge.capture import capture, skip_reason
+
+    class Many(torch.nn.Module):
+        def forward(self, x):
+            for _ in range(3):
+                x = torch.relu(x.view(-1, 64).t().t()) + 1.0
+            return torch.softmax(x, dim=-1)
+
+    run_dir = tmp_path / "run"
+    cards = capture(Many(), (torch.randn(8, 64),), run_dir).cards
+    skipped = [c for c in cards if skip_reason(c)]
+    assert skipped
+    assert main(["inspect", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("│")]
+    assert len(rows) == len(cards) - len(skipped)  # one line per searchable card, none wrapped
+    for c in cards:
+        assert (skip_reason(c) is None) == any(c.id in r and c.summary() in r for r in rows)
+    assert f"{len(skipped)} more cards not shown (--all lists them)" in out
+    assert main(["inspect", str(run_dir), "--all"]) == 0
+    assert sum(line.startswith("│") for line in capsys.readouterr().out.splitlines()) == len(cards)
+
+
+def test_inspect_names_the_proposer_errors_of_a_run(tmp_path, capsys):
+    import json
+
+    from conftest_dash import make_llm_error_run
+
+    run = make_llm_error_run(tmp_path)
+    assert main(["inspect", str(run.run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "proposer error(s)" in out and "gave no usable answer" in out and "failed)" in out
+    assert main(["inspect", str(run.run_dir), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["proposer_errors"]["count"] > 0 and doc["llm"]["cost_usd"] > 0

@@ -2,8 +2,10 @@
 navigation works, clicking a tree node opens its candidate, and a candidate written to the
 log shows up without a reload.
 
-The app reads two runs: one written row by row (every verdict, repairs, LLM calls, a
-package) and one made by a real `kforge.runner.run` on a CPU model with fake evaluator.
+The app reads the runs a user can make, all written by kforge's own writers: one written row
+by row (every verdict, repairs, LLM calls, a package), one made by a real `kforge.runner.run`
+on a CPU model with fake evaluator, a capture without a search, a run without a GPU
+(compile-only) and a run whose LLM proposer never gave a usable kernel.
 Set KFORGE_SCREENSHOTS=docs/screenshots to refresh the README's screenshots.
 """
 
@@ -24,7 +26,8 @@ pytest.importorskip("selenium", reason="dash[testing] (selenium) is needed for b
 if not (shutil.which("chromium") or shutil.which("google-chrome")) or not shutil.which("chromedriver"):
     pytest.skip("needs Chromium (or Chrome) and chromedriver on PATH", allow_module_level=True)
 
-from conftest_dash import import_dash_app, kernel, make_demo_run, write_demo_run  # noqa: E402
+from conftest_dash import (LLM, import_dash_app, kernel, make_compile_only_run, make_demo_run,  # noqa: E402
+                           make_llm_error_run, write_capture_only, write_demo_run)
 from dash.testing.application_runners import ThreadedRunner  # noqa: E402
 from dash.testing.composite import DashComposite  # noqa: E402
 from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402
@@ -49,8 +52,16 @@ def runs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def duo(runs):
-    app = create_app([r.run_dir for r in runs], ttl_s=0.5)
+def others(tmp_path_factory):
+    """(capture-only run dir, compile-only run, run with proposer errors)."""
+    base = tmp_path_factory.mktemp("dash-browser-others")
+    return write_capture_only(base), make_compile_only_run(base), make_llm_error_run(base)
+
+
+@pytest.fixture(scope="module")
+def duo(runs, others):
+    captured, compile_only, llm_errors = others
+    app = create_app([r.run_dir for r in runs] + [captured, compile_only.run_dir, llm_errors.run_dir], ttl_s=0.5)
     with ThreadedRunner() as server, DashComposite(server, browser="Chrome", headless=True, percy_run=False,
                                                    wait_timeout=20) as dc:
         dc.driver.set_window_size(1400, 1000)
@@ -110,6 +121,85 @@ def test_pages_of_the_real_run(duo, runs):
         open_page(duo, f"/{page}?run={real.run_id}", ready)
         duo.wait_for_contains_text(ready, text)
     no_console_errors(duo)
+
+
+def fits_the_window(duo) -> None:
+    """No sideways scroll at 1400 px: neither the page nor any table is wider than its box."""
+    wide = duo.driver.execute_script(
+        "const els = [document.documentElement, ...document.querySelectorAll('.dash-spreadsheet-container')];"
+        "return els.filter(e => e.scrollWidth > e.clientWidth + 1).map(e => e.className || e.tagName);")
+    assert wide == [], wide
+
+
+def test_capture_only_run_shows_cards_shares_and_what_to_do_next(duo, others):
+    captured, _, _ = others
+    open_page(duo, "/", "#runs-table")
+    duo.wait_for_contains_text("#runs-table", captured.name)
+    duo.wait_for_contains_text("#runs-table", "captured")
+    open_page(duo, f"/cards?run={captured.name}", "#cards-table")
+    duo.wait_for_contains_text("#next-step", f"kforge search {captured}")
+    duo.wait_for_contains_text("#cards-table", "gelu")
+    duo.wait_for_contains_text("#cards-table", "view/metadata op")
+    duo.wait_for_element("#cards-share .main-svg")
+    duo.wait_for_contains_text("#cards-floor-note", "No HBM floor")
+    for page, ready, text in (("failures", "#failures-body", "captured only"),
+                              ("providers", "#providers-note", "No proposer has run yet"),
+                              ("package", "#package-head", "captured only")):
+        open_page(duo, f"/{page}?run={captured.name}", ready)
+        duo.wait_for_contains_text(ready, text)
+    no_console_errors(duo)
+
+
+def test_compile_only_run_says_nothing_was_timed(duo, others):
+    _, run, _ = others
+    open_page(duo, f"/cards?run={run.run_id}", "#cards-table")
+    duo.wait_for_contains_text("#next-step", "compile-only: nothing timed; run on a GPU")
+    duo.wait_for_contains_text("#cards-floor-note", "No HBM floor")
+    assert "H200" not in duo.find_element("#cards-head").text
+    open_page(duo, f"/package?run={run.run_id}", "#package-head")
+    duo.wait_for_contains_text("#package-head", "compile-only: nothing timed")
+    assert "--out model.cast" not in duo.find_element("#package-head").text  # the CLI refuses that here
+    open_page(duo, f"/card?run={run.run_id}&card={run.searched[0]}", "#card-table")
+    duo.wait_for_contains_text("#card-table", "untimed")
+    no_console_errors(duo)
+
+
+def test_proposer_errors_show_on_failures_and_providers(duo, others):
+    _, _, run = others
+    open_page(duo, f"/failures?run={run.run_id}", "#failures-body")
+    duo.wait_for_contains_text("#proposer-errors", "gave no usable answer")
+    duo.wait_for_contains_text("#failures-body", "the proposer gave no candidate to evaluate")
+    open_page(duo, f"/providers?run={run.run_id}", "#providers-table")
+    duo.wait_for_contains_text("#providers-table", LLM)
+    duo.wait_for_contains_text("#proposer-errors", "gave no usable answer")
+    assert "llm:llm:" not in duo.find_element("#providers-table").text
+    no_console_errors(duo)
+
+
+def test_timeline_and_compare_pages(duo, runs, others):
+    written, real = runs
+    open_page(duo, f"/timeline?run={written.run_id}", "#timeline-best")
+    duo.wait_for_contains_text("#timeline-best", "best speedup per card over time")
+    duo.wait_for_contains_text("#timeline-rate", "candidates per minute")
+    duo.wait_for_contains_text("#timeline-share", "with winners")
+    _, compile_only, _ = others
+    open_page(duo, f"/timeline?run={compile_only.run_id}", "#timeline-best")
+    duo.wait_for_contains_text("#timeline-best", "nothing timed; run on a GPU")
+    open_page(duo, f"/compare?a={written.run_id}&b={real.run_id}", "#compare-table")
+    duo.wait_for_contains_text("#compare-kv", written.run_id)
+    duo.wait_for_contains_text("#compare-kv", "NVIDIA H200")
+    duo.wait_for_contains_text("#compare-table", "gelu")
+    fits_the_window(duo)
+    no_console_errors(duo)
+
+
+def test_tables_fit_at_1400_px(duo, runs):
+    written, _ = runs
+    for page in ("", f"cards?run={written.run_id}", f"card?run={written.run_id}&card={written.searched[0]}",
+                 f"providers?run={written.run_id}", f"package?run={written.run_id}"):
+        open_page(duo, f"/{page}", ".dash-spreadsheet-container")
+        time.sleep(0.5)
+        fits_the_window(duo)
 
 
 def wait_for_tree(duo, at_least: int) -> None:
@@ -205,6 +295,7 @@ def test_screenshots(duo, runs, tmp_path):
     pages = {
         "runs": ("/", "#runs-table", written.run_id),
         "cards": (f"/cards?run={run}", "#cards-table", "gelu"),
+        "timeline": (f"/timeline?run={run}", "#timeline-share", "with winners"),
         "card": (f"/card?run={run}&card={main}", "#card-table", "blockDimx"),
         "candidate": (f"/candidate?run={run}&id={best}", "#cand-title", "Candidate"),
         "candidate_repair": (f"/candidate?run={run}&id={repair}", "#cand-title", "Candidate"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import zipfile
 
 import pytest
@@ -11,7 +12,8 @@ import pytest
 pytest.importorskip("dash")
 pytest.importorskip("dash_cytoscape")
 
-from conftest_dash import DEMO_MODEL_CHECK, LLM, import_dash_app, kernel, write_demo_run  # noqa: E402
+from conftest_dash import (DEMO_MODEL_CHECK, LLM, import_dash_app, kernel, make_compile_only_run,  # noqa: E402
+                           make_demo_run, make_llm_error_run, write_capture_only, write_demo_run)
 
 from kforge.log import SearchLog  # noqa: E402
 from kforge.verdict import EvalResult, Verdict  # noqa: E402
@@ -165,17 +167,19 @@ def test_providers_compared(cat, demo):
 
 
 def test_package_rows_and_missing_or_corrupt_package(cat, demo, tmp_path):
-    view = cat.package(demo.run_id)
+    view = cat.package(demo.run_id)  # written by kforge.package.write_package
     assert view["error"] is None and view["path"].endswith("model.cast")
-    assert view["header"]["gpu name"] == "NVIDIA H200" and view["header"]["cuda nvrtc"] == "13.0"
-    rows = {r["decision"]: r for r in view["cards"]}
-    won, lost = rows["dispatched"], rows["fallback"]
-    assert won["kind"] == "custom" and won["speedup"] == pytest.approx(2.9) and won["candidate"] is not None
-    assert won["tolerance"] == "atol=1e-05, rtol=1e-05"
+    assert view["header"]["gpu name"] == "NVIDIA H200" and view["header"]["gpu arch"] == "sm_90"
+    rows = {r["card_id"]: r for r in view["cards"]}
+    won, noisy, untouched = rows[demo.searched[0]], rows[demo.searched[1]], rows[demo.card_ids[-1]]
+    assert won["decision"] == "dispatched" and won["kind"] == "custom" and won["candidate"] is not None
+    assert won["speedup"] == pytest.approx(2.9)
     assert won["dispatched_us"] == pytest.approx(won["kernel_us"] + 2.0)
-    assert won["eager_dispatched_us"] == pytest.approx(won["eager_us"] + 3.0)
-    assert lost["reason"] == "not faster than eager as dispatched" and lost["kind"] == "vendor"
-    assert lost["candidate"] is None
+    assert won["eager_dispatched_us"] == pytest.approx(won["eager_us"])  # no separate eager-as-dispatched timing
+    assert re.fullmatch(r"atol=\d\.?\d*e-0\d, rtol=1e-05", won["tolerance"]), won["tolerance"]
+    assert noisy["decision"] == "fallback" and "eager as dispatched" in noisy["reason"]  # slower, or within noise
+    assert noisy["candidate"] is None and noisy["tolerance"] == ""
+    assert untouched["reason"].startswith("not searched")
     assert won["summary"] == cat.card(demo.run_id, demo.searched[0])["summary"]
 
     other = write_demo_run(tmp_path, run_id="no-package")
@@ -296,3 +300,107 @@ def test_unreadable_log_is_skipped_and_reported(tmp_path):
     assert cat.runs() == []
     with pytest.raises(NotFound, match="is it a kforge search log"):
         cat._read(bad, "SELECT id FROM runs")
+
+
+# ---- runs written by the real code: a reader must read what the writers write ----------------
+
+def test_providers_show_a_real_llm_runs_cost_under_its_proposer(tmp_path):
+    run = make_llm_error_run(tmp_path)
+    log = SearchLog(run.run_dir)
+    (calls, cost, failed), = log.rows("SELECT COUNT(*), SUM(cost_usd), SUM(status != 'ok') FROM llm_calls "
+                                      "WHERE run_id=?", (run.run_id,))
+    log.close()
+    assert calls and cost > 0 and 0 < failed < calls  # one row per attempt: the HTTP 500s failed, the rest answered
+    rows = {r["proposer"]: r for r in Catalog([run.run_dir], ttl_s=0).providers(run.run_id)}
+    assert list(rows) == [LLM]  # not a phantom llm:llm:<model> row beside a $0 one
+    assert rows[LLM]["cost_usd"] == pytest.approx(cost) and rows[LLM]["llm_calls"] == calls
+    assert rows[LLM]["failed_calls"] == failed and rows[LLM]["candidates"] == 0
+
+
+def test_proposer_errors_are_grouped_with_their_cards(tmp_path):
+    run = make_llm_error_run(tmp_path)
+    cat = Catalog([run.run_dir], ttl_s=0)
+    groups = cat.proposer_errors(run.run_id)
+    assert sum(g["count"] for g in groups) >= len(run.searched or cat.cards(run.run_id)[:1])
+    useless = next(g for g in groups if "gave no usable answer" in g["example"])
+    assert len(useless["cards"]) > 1  # one group over every card: card ids are normalized away
+    assert any("500" in g["example"] or "overloaded" in g["example"] for g in groups)
+    assert cat.failures(run.run_id) == []  # no candidate was ever evaluated
+
+
+def test_package_tolerances_of_a_real_run(tmp_path):
+    run = make_demo_run(tmp_path)
+    rows = Catalog([run.run_dir], ttl_s=0).package(run.run_id)["cards"]
+    with_winner = [r for r in rows if r["reason"].startswith("captured on cpu")]  # a winner, not dispatchable here
+    assert with_winner and all(re.fullmatch(r"atol=\S+, rtol=1e-05(; atol=\S+, rtol=\S+)*", r["tolerance"])
+                               for r in with_winner), [r["tolerance"] for r in with_winner]
+
+
+def test_tolerance_text_takes_the_loosest_per_output_over_input_sets():
+    from dash_app.data import tolerance_text
+
+    sets = {"seed1": [{"atol": 1e-6, "rtol": 1e-5, "how": "."}, {"atol": 0.0, "rtol": 0.0, "how": "exact"}],
+            "seed2": [{"atol": 3e-6, "rtol": 1e-5, "how": "."}, {"atol": 0.0, "rtol": 0.0, "how": "exact"}]}
+    assert tolerance_text(sets) == "atol=3e-06, rtol=1e-05; atol=0, rtol=0"
+    assert tolerance_text(None) == "" and tolerance_text({"seed1": "junk"}) == ""
+
+
+def test_capture_only_dir_is_a_run_with_its_cards_and_what_to_do_next(tmp_path):
+    run_dir = write_capture_only(tmp_path)
+    cat = Catalog([tmp_path], ttl_s=0)
+    (run,) = cat.runs()
+    assert run["id"] == run_dir.name and run["status"] == "captured" and run["kind"] == "captured"
+    assert f"kforge search {run_dir}" in run["next"]
+    cards = cat.cards(run["id"])
+    assert len(cards) == run["cards"] > 3 and cards[0]["share"] >= cards[-1]["share"]
+    assert {c["status"] for c in cards} == {"pending", "skipped"} and all(c["floor_us"] is None for c in cards)
+    assert cat.card(run["id"], cards[0]["card_id"])["module_paths"]
+    assert cat.failures(run["id"]) == [] and cat.providers(run["id"]) == []
+    assert "captured only" in cat.package(run["id"])["error"]
+    assert not (run_dir / "search.sqlite").exists()  # the dashboard never writes into a run dir
+
+
+def test_compile_only_run_has_no_floor_and_says_to_run_on_a_gpu(tmp_path):
+    run = make_compile_only_run(tmp_path)
+    cat = Catalog([run.run_dir], ttl_s=0)
+    info = cat.run(run.run_id)
+    assert info["kind"] == "compile-only" and "nothing timed; run on a GPU" in info["next"]
+    assert all(c["floor_us"] is None and c["best_floor_pct"] is None for c in cat.cards(run.run_id))
+    assert "untimed" not in {g["verdict"] for g in cat.failures(run.run_id)}  # compiled fine: not a failure
+    assert "nothing timed" in cat.package(run.run_id)["error"]
+
+
+def test_run_plots_best_speedup_over_time_rate_and_share_before_after(cat, demo, tmp_path):
+    run, cards, timeline = cat.run(demo.run_id), cat.cards(demo.run_id), cat.timeline(demo.run_id)
+    assert len(timeline) == run["candidates"] and [t["created"] for t in timeline] == sorted(t["created"]
+                                                                                              for t in timeline)
+    best = figures.best_over_time_figure(run, cards, timeline, "unused")
+    assert len(best.data) == 3  # the three cards with a valid kernel
+    for trace in best.data:
+        assert list(trace.y) == sorted(trace.y) and list(trace.x) == sorted(trace.x)
+    assert max(max(t.y) for t in best.data) == pytest.approx(2.9)
+    rate = figures.rate_figure(run, timeline, "unused")
+    assert sum(sum(t.y) for t in rate.data) == len(timeline)
+    share = figures.share_before_after_figure(cards)
+    before, after = (sum(t.x[i] for t in share.data) for i in (0, 1))
+    saved = sum(c["share"] * (1 - 1 / c["best_speedup"]) for c in cards if c["best_speedup"])
+    assert before - after == pytest.approx(100 * saved) and 1 / (1 - saved) == pytest.approx(run["est_speedup"])
+
+    compile_only = make_compile_only_run(tmp_path)
+    other = Catalog([compile_only.run_dir], ttl_s=0)
+    info = other.run(compile_only.run_id)
+    empty = figures.best_over_time_figure(info, other.cards(compile_only.run_id), other.timeline(compile_only.run_id),
+                                          info["next"])
+    assert not empty.data and "nothing timed; run on a GPU" in empty.layout.annotations[0].text
+
+
+def test_compare_matches_cards_of_two_runs_by_op_and_arguments(demo, tmp_path):
+    compile_only = make_compile_only_run(tmp_path)
+    cat = Catalog([demo.run_dir, compile_only.run_dir], ttl_s=0)
+    rows = cat.compare(demo.run_id, compile_only.run_id)
+    gelu = next(r for r in rows if r["summary"].startswith("gelu"))
+    assert gelu["card_a"] == demo.searched[0] and gelu["card_b"] is not None
+    assert gelu["best_speedup_a"] == pytest.approx(2.9) and gelu["best_speedup_b"] is None
+    assert gelu["status_b"] == "done" and gelu["share_b"] is not None
+    assert [max(r["share_a"] or 0, r["share_b"] or 0) for r in rows] == sorted(
+        (max(r["share_a"] or 0, r["share_b"] or 0) for r in rows), reverse=True)

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
+import torch
+
 from kforge.candidate import Candidate, LaunchPlan
+from kforge.capture import _arg_specs
+from kforge.cards import Card, TensorMeta, flatten_outputs
 from kforge.hardware import H200
 from kforge.proposers.base import ProposalContext, Tried
 from kforge.proposers.llm import prompts
+from kforge.proposers.llm.references import decomposed
 from kforge.verdict import EvalResult, Verdict
 from llm_cards import group_norm_card, inplace_relu_card, plan, softmax_card, source
 
@@ -44,7 +50,7 @@ def test_multi_output_and_in_place_cards():
     assert "in1 (weight): shape [128]" in gn and "out2: shape [1, 32], stride [32, 1] (elements), bfloat16" in gn
     relu = prompts.describe_card(inplace_relu_card(), H200, {"atol": 1e-3, "rtol": 1e-3, "how": "derived"})
     assert "WRITTEN by the op (in-place)" in relu and "the same memory as in0 (in-place)" in relu
-    assert "Tolerance: atol = 0.001, rtol = 0.001, how = derived" in relu
+    assert "(expected = PyTorch's output); atol = 0.001, rtol = 0.001, how = derived" in relu
 
 
 def test_revision_shows_parent_timing_lineage_and_sibling_failures():
@@ -100,3 +106,122 @@ def test_retry_continues_the_conversation():
     again = prompts.retry_messages(first, "no code, sorry", "expected exactly one ```cuda block")
     assert again[:2] == first and again[2] == {"role": "assistant", "content": "no code, sorry"}
     assert again[3]["content"].startswith(f"{prompts.RETRY_HEADING} expected exactly one ```cuda block")
+
+
+
+# ---- what every prompt says ---------------------------------------------------------------
+
+def test_the_compile_environment_and_plan_features_are_spelled_out():
+    system = prompts.SYSTEM
+    for fact in ["only <cuda_fp16.h> and <cuda_bf16.h>", "INFINITY, NAN, FLT_MAX, FLT_MIN",
+                 "int8_t, int16_t,\n  int32_t, int64_t, uint8_t", "no <<<...>>> launches",
+                 "kforge launches the kernels itself from the launch plan", "is `long long`",
+                 "(no <cooperative_groups.h>, no <cuda/std/...>", 'inside an `extern "C" { }`',
+                 '"cluster": n', "barrier.cluster.arrive", "ld.shared::cluster", '"pdl": true',
+                 "griddepcontrol.wait", "griddepcontrol.launch_dependents"]:
+        assert fact in system, fact
+
+
+def test_a_first_proposal_states_the_tolerance_rule():
+    text = user_text(prompts.proposal_messages(ProposalContext(softmax_card(), H200)))
+    assert ("Tolerance: |got - expected| <= atol + rtol * |expected| per element (expected = PyTorch's output); "
+            "out0 (float32): rtol 1e-05, atol 4x PyTorch's own error against float64, between 1e-05 and 0.001 "
+            "times the RMS of the expected values.") in text
+    gn = prompts.describe_card(group_norm_card(), H200)
+    assert "out0, out1, out2 (bfloat16): rtol 0.00781" in gn
+    measured = tried("softmax_v1", Verdict.INCORRECT, kernel_us=None, evidence={"tolerance": {"atol": 2e-6, "rtol": 1e-5}})
+    ctx = ProposalContext(softmax_card(), H200, sibling_failures=[measured])
+    assert "atol = 2e-06, rtol = 1e-05" in user_text(prompts.proposal_messages(ctx))
+
+
+def test_eager_time_only_from_the_gpu_the_kernel_runs_on():
+    from dataclasses import replace
+
+    gpu = softmax_card(eager_us=12.0)
+    assert "eager takes 12.00 us per call on this GPU" in prompts.describe_card(gpu, H200, eager_us=12.0)
+    cpu = replace(softmax_card(eager_us=950.0), device_name="cpu", arch="cpu", id="").retarget("cuda", "sm_90")
+    first = user_text(prompts.proposal_messages(ProposalContext(cpu, H200)))
+    assert "eager takes" not in first and "950" not in first
+    other_gpu = replace(gpu, device_name="NVIDIA A100-SXM4-80GB")
+    assert "eager takes" not in user_text(prompts.proposal_messages(ProposalContext(other_gpu, H200)))
+    parent = tried("softmax_v3_warp", kernel_us=11.6)  # its eager time was measured on this GPU: 12.0
+    assert "eager takes 12.00 us" in user_text(prompts.proposal_messages(ProposalContext(cpu, H200, parent=parent)))
+
+
+def test_siblings_carry_their_notes_and_compile_only_results_are_not_failures():
+    broken = tried("softmax_v1_broken", Verdict.RUNTIME_ERROR, kernel_us=None, message="illegal address")
+    broken.candidate.note = "Two rows per warp with float4 loads."
+    compiled = tried("softmax_v1", Verdict.UNTIMED, kernel_us=None)
+    compiled.candidate.note = "One block per row, three passes."
+    text = user_text(prompts.proposal_messages(ProposalContext(softmax_card(), H200,
+                                                               sibling_failures=[broken, compiled])))
+    failed, _, rest = text.partition("Earlier attempts that failed (do not repeat):")
+    assert "approach: Two rows per warp with float4 loads.\n  runtime_error: illegal address" in rest
+    assert "Earlier attempts that compiled but could not be checked here" in rest
+    assert "approach: One block per row, three passes.\n  compiled; not run or timed" in rest
+    assert "untimed" not in text
+    failures_part = rest.split("Earlier attempts that compiled")[0]
+    assert "One block per row" not in failures_part
+    parent = tried("softmax_v1", Verdict.SLOWER, kernel_us=21.0)
+    revision = user_text(prompts.proposal_messages(ProposalContext(softmax_card(), H200, parent=parent,
+                                                                   sibling_failures=[compiled])))
+    assert "Revisions of the current kernel that failed" not in revision
+    assert "compiled but could not be checked here" in revision
+
+
+# ---- decomposed references ------------------------------------------------------------------
+
+def _card(op, *args, **kwargs) -> tuple[Card, list[torch.Tensor]]:
+    """A card for one real call on the CPU, with its inputs."""
+    specs, tensors = _arg_specs(op, args, kwargs)
+    outs = flatten_outputs(op(*args, **kwargs))
+    return Card(op=f"aten::{op._schema.name.split('::')[1]}.{op._overloadname}", schema=str(op._schema), args=specs,
+                outputs=[TensorMeta.of(t) for t in outs], arch="cpu"), tensors
+
+
+aten = torch.ops.aten
+g = torch.Generator().manual_seed(0)
+x3 = torch.randn(4, 8, 64, generator=g)
+w64, b64 = torch.randn(64, generator=g), torch.randn(64, generator=g)
+img = torch.randn(2, 16, 8, 8, generator=g).bfloat16()
+w16, b16 = torch.randn(16, generator=g).bfloat16(), torch.randn(16, generator=g).bfloat16()
+masked = x3.masked_fill(torch.rand(4, 8, 64, generator=g) < 0.3, float("-inf"))
+masked[0, 0] = float("-inf")
+
+CALLS = [
+    (aten.native_layer_norm.default, (x3, [64], w64, b64, 1e-5), {}),
+    (aten.native_layer_norm.default, (x3.bfloat16(), [8, 64], None, None, 1e-6), {}),
+    (aten.native_group_norm.default, (img, w16, b16, 2, 16, 64, 4, 1e-5), {}),
+    (aten._fused_rms_norm.default, (x3, [64], w64, 1e-6), {}),
+    (aten._fused_rms_norm.default, (x3.bfloat16(), [64], None, None), {}),
+    (aten._softmax.default, (x3, -1, False), {}),
+    (aten._log_softmax.default, (x3.double(), 1, False), {}),
+    (aten.softmax.int, (x3.bfloat16(), -1, torch.float32), {}),
+    (aten.log_softmax.int, (x3, -1, torch.bfloat16), {}),
+    (aten._safe_softmax.default, (masked, -1), {}),
+    (aten.var_mean.correction, (x3, [2]), {"correction": 0, "keepdim": True}),
+    (aten.std_mean.correction, (x3.bfloat16(), None), {}),
+]
+
+
+@pytest.mark.parametrize("op, args, kwargs", CALLS, ids=lambda v: getattr(v, "__name__", None))
+def test_decomposed_references_compute_what_the_op_computes(op, args, kwargs):
+    card, inputs = _card(op, *args, **kwargs)
+    lines = decomposed(card)
+    assert lines and prompts.describe_card(card, H200).count("which computes, step by step:") == 1
+    scope = {"torch": torch, **{f"in{i}": t for i, t in enumerate(inputs)}}
+    exec("\n".join(lines), scope)  # noqa: S102 - our own generated code, on the test's tensors
+    for j, want in enumerate(flatten_outputs(op(*args, **kwargs))):
+        got = scope[f"out{j}"]
+        assert got.dtype == want.dtype and got.shape == want.shape, (j, got.dtype, got.shape)
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2, equal_nan=True)
+
+
+def test_layer_norm_outputs_are_named():
+    card, _ = _card(aten.native_layer_norm.default, x3, [64], w64, b64, 1e-5)
+    text = prompts.describe_card(card, H200)
+    assert "out0, out1, out2 = torch.ops.aten.native_layer_norm.default(in0, [64], in1, in2, 1e-05)" in text
+    assert "out0 = normalized input, out1 = mean, out2 = rstd = 1/sqrt(biased var + eps)" in text
+    values, _ = _card(aten.max.dim, x3, 1)
+    assert decomposed(values) == ["# out0 = values, out1 = indices"]
+    assert decomposed(_card(aten.relu.default, x3)[0]) == []

@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 from fakes import FAST_HW, FakeEvaluator, FakeProposer, toy_card
 
-from kforge.errors import BudgetExhausted
+from kforge.errors import BudgetExhausted, ProposerError, ProposerUnavailable
 from kforge.hardware import Hardware
 from kforge.log import SearchLog
-from kforge.proposers.base import ProposalFailed
 from kforge.search import Budget, search_card
 from kforge.search.tree import Tree
 from kforge.verdict import EvalResult, Verdict
@@ -158,9 +157,8 @@ def test_cost_budget_and_llm_accounting(tmp_path):
     outcome, log = _search(tmp_path, proposer=proposer, budget=Budget(iterations=100, max_cost_usd=0.035))
     assert outcome.stop_reason == "cost"
     calls = log.rows("SELECT * FROM llm_calls")
-    assert len(calls) == 4  # the 4th proposal crosses $0.035
-    assert log.llm_spend(RUN) == (400, pytest.approx(0.04))
-    assert {c["candidate_id"] for c in calls} <= {r["id"] for r in log.candidates(RUN, outcome.card_id)} | {None}
+    assert len(calls) == 3  # a 4th proposal would cross $0.035: refused before it is made
+    assert log.llm_spend(RUN) == (300, pytest.approx(0.03))
 
 
 def test_llm_conversations_that_gave_nothing_usable_still_count_against_the_budget(tmp_path):
@@ -171,19 +169,20 @@ def test_llm_conversations_that_gave_nothing_usable_still_count_against_the_budg
         def propose(self, ctx):
             self.asked += 1
             if self.asked % 2:
-                raise ProposalFailed("no usable answer in 3 asks", prompt_tokens=100, cost_usd=0.01)
+                self.pay(ctx)
+                raise ProposerError("no usable answer in 3 asks")
             return super().propose(ctx)
 
-    outcome, log = _search(tmp_path, proposer=Unusable(), budget=Budget(iterations=100, max_cost_usd=0.025))
-    assert outcome.stop_reason == "cost" and outcome.iterations < 10
-    assert log.llm_spend(RUN) == (300, pytest.approx(0.03))
-    for call in log.rows("SELECT * FROM llm_calls"):
-        assert call["status"] == "error" and call["candidate_id"] is None and "no usable answer" in call["error"]
+    outcome, log = _search(tmp_path, proposer=Unusable(cost_usd=0.01, tokens=100),
+                           budget=Budget(iterations=100, max_cost_usd=0.045))
+    assert outcome.stop_reason == "cost" and outcome.iterations == 4
+    assert log.llm_spend(RUN) == (400, pytest.approx(0.04)) and len(log.rows("SELECT * FROM llm_calls")) == 4
+    assert len(log.rows("SELECT * FROM candidates WHERE repair_of IS NULL")) == 2  # half the paid asks gave one
 
 
 def test_token_budget(tmp_path):
-    outcome, _ = _search(tmp_path, proposer=FakeProposer(tokens=1000), budget=Budget(iterations=100, max_tokens=2500))
-    assert outcome.stop_reason == "tokens" and outcome.iterations == 3
+    outcome, log = _search(tmp_path, proposer=FakeProposer(tokens=1000), budget=Budget(iterations=100, max_tokens=2500))
+    assert outcome.stop_reason == "tokens" and outcome.iterations == 2 and log.llm_spend(RUN)[0] == 2000
 
 
 def test_budget_exhausted_from_the_proposer_stops_the_search(tmp_path):
@@ -279,3 +278,43 @@ def test_a_card_with_no_kernel_faster_than_eager_is_given_up(tmp_path):
     assert outcome.stop_reason == "iterations"
     outcome, _ = _search(tmp_path / "wins", budget=Budget(iterations=30, give_up=5))
     assert outcome.stop_reason != "no_gain"  # one valid kernel is enough to go on
+
+
+def test_a_proposer_service_that_stays_down_stops_the_card_and_one_that_refuses_stops_the_search(tmp_path):
+    class Down(FakeProposer):
+        asked = 0
+
+        def propose(self, ctx):
+            self.asked += 1
+            raise ProposerUnavailable("endpoint down", transient=True)
+
+    down = Down()
+    outcome, log = _search(tmp_path / "down", proposer=down, budget=Budget(iterations=100))
+    assert (outcome.stop_reason, outcome.stop_detail, down.asked) == ("unavailable", "endpoint down", 3)
+    assert log.rows("SELECT status, skip_reason FROM cards")[0][:] == ("failed", "the proposer gave no answer: "
+                                                                                  "endpoint down")
+
+    class Refused(FakeProposer):
+        def propose(self, ctx):
+            raise ProposerUnavailable("bad key")
+
+    with pytest.raises(ProposerUnavailable, match="bad key"):
+        _search(tmp_path / "refused", proposer=Refused())
+    log = SearchLog(tmp_path / "refused")
+    assert log.rows("SELECT status FROM cards")[0][0] == "searching"  # never 'done': no answer came
+    log.close()
+
+
+def test_only_consecutive_unanswered_asks_stop_a_card(tmp_path):
+    class Flaky(FakeProposer):
+        """Down, down, then an answer it cannot use, and again: never 3 unanswered in a row."""
+        asked = 0
+
+        def propose(self, ctx):
+            self.asked += 1
+            if self.asked % 3:
+                raise ProposerUnavailable("endpoint down", transient=True)
+            raise ProposerError("no usable answer")
+
+    outcome, _ = _search(tmp_path, proposer=Flaky(), budget=Budget(iterations=30))
+    assert outcome.stop_reason != "unavailable"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -151,3 +152,17 @@ def test_without_a_graph_the_check_says_why():
     assert "not replayed from a CUDA graph (RuntimeError: capture failed)" in check.message()
     cpu = ModelCheck(100.0, 2.0, 90.0, 2.0, "cpu", hits=3)
     assert "CUDA graph" not in cpu.message() and cpu.to_json()["graph_speedup"] is None
+
+
+def test_the_check_compares_kforge_compile_with_torch_compile_and_names_the_sites_to_drop():
+    base = ModelCheck(100.0, 1.0, 90.0, 1.0, "cuda:0", hits=4, compile_hits=("c1",))
+    level = dataclasses.replace(base, compiled={"torch.compile": (60.0, 1.0), "kforge.compile": (59.8, 1.0),
+                                                "torch.compile reduce-overhead": (40.0, 0.5),
+                                                "kforge.compile reduce-overhead": (40.1, 0.5)})
+    assert (level.compile_verdict(), level.compile_verdict("reduce-overhead")) == ("level", "level")
+    assert "kforge.compile is not faster than torch.compile" in level.message() and "(c1)" in level.message()
+    faster = dataclasses.replace(level, compiled={**level.compiled, "kforge.compile": (50.0, 1.0)})
+    assert faster.compile_verdict() == "faster" and "not faster" not in faster.message()
+    assert "torch.compile 60.0 µs, kforge.compile 50.0 µs: 1.200x, faster" in faster.message()
+    assert faster.to_json()["compile_verdict"] == "faster"
+    assert base.compile_verdict() is None and "torch.compile" not in base.message()  # not measured: not said

@@ -180,9 +180,9 @@ def test_captured_sample_is_checked_first(tmp_path):
 
 def test_card_that_eager_cannot_run_raises_card_error(tmp_path):
     card = relu_card((8,))
-    card.op = "aten::cholesky.default"  # rejects a 1-D input: the card, not the kernel, is broken
+    card.op = "aten::linalg_cholesky.default"  # rejects a 1-D input: the card, not the kernel, is broken
     with make_evaluator(tmp_path, backend="fake", **FAST) as p:
-        with pytest.raises(CardError, match="eager aten::cholesky.default fails"):
+        with pytest.raises(CardError, match="eager aten::linalg_cholesky.default fails"):
             p.evaluate(card, fake("relu_good"))
 
 

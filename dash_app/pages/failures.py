@@ -28,12 +28,16 @@ def layout(run: str | None = None, **_query: str) -> html.Div:
 @callback(Output("failures-body", "children"), Input("failures-poll", "n_intervals"), State("failures-params", "data"))
 def refresh(_n: int, params: dict) -> html.Div:
     run_id = params["run"]
+    cat = ui.catalog()
     try:
-        groups = ui.catalog().failures(run_id)
+        groups, proposer, run = cat.failures(run_id), cat.proposer_errors(run_id), cat.run(run_id)
     except NotFound as e:
         return ui.problem(e)
+    parts = [ui.proposer_errors(proposer, run_id)] if proposer else []
     if not groups:
-        return html.P("No failed candidates.", className="muted")
+        why = run["next"] or ("the proposer gave no candidate to evaluate" if proposer else
+                              "no candidate has failed" if run["candidates"] else "nothing evaluated yet")
+        return html.Div(parts + [html.P(f"No failed candidates: {why}.", className="muted", id="failures-empty")])
     header = html.Tr([html.Th(h) for h in ("count", "verdict", "kind", "cards", "candidates")])
     body = [html.Tr([
         html.Td(g["count"]), html.Td(ui.badge(g["verdict"])),
@@ -45,4 +49,5 @@ def refresh(_n: int, params: dict) -> html.Div:
                 + ([html.Span(f"+{len(g['candidates']) - EXAMPLES} more", className="muted")]
                    if len(g["candidates"]) > EXAMPLES else [])),
     ], className="failure-group") for g in groups]
-    return html.Table([html.Thead(header), html.Tbody(body)], className="failures panel")
+    return html.Div(parts + [html.H3("Failed candidates"),
+                             html.Table([html.Thead(header), html.Tbody(body)], className="failures panel")])

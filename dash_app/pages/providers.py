@@ -37,8 +37,9 @@ def layout(run: str | None = None, **_query: str) -> html.Div:
 @callback(Output("providers-table", "data"), Output("providers-graph", "figure"), Output("providers-note", "children"),
           Input("providers-poll", "n_intervals"), State("providers-params", "data"))
 def refresh(_n: int, params: dict) -> tuple:
+    cat = ui.catalog()
     try:
-        rows = ui.catalog().providers(params["run"])
+        rows, errors, run = cat.providers(params["run"]), cat.proposer_errors(params["run"]), cat.run(params["run"])
     except NotFound as e:
         return [], go.Figure(), ui.problem(e)
     data = [{**r, "failure_pct": None if r["failure_rate"] is None else 100 * r["failure_rate"]} for r in rows]
@@ -53,5 +54,13 @@ def refresh(_n: int, params: dict) -> tuple:
     fig.add_bar(x=names, y=[r["cost_usd"] for r in rows], name="cost", marker_color="#6366f1", row=1, col=3)
     fig.update_layout(barmode="group", height=340, template="plotly_white", margin={"l": 40, "r": 20, "t": 40, "b": 40},
                       legend={"orientation": "h", "y": -0.2})
-    note = None if rows else html.P("No candidates yet.", className="muted")
+    if rows:
+        note = []
+    elif run["kind"] == "captured":
+        note = [html.P(f"No proposer has run yet: {run['next']}.", className="muted")]
+    else:
+        note = [html.P("No candidates yet." if not errors else "No candidates: every ask failed (below).",
+                       className="muted")]
+    if errors:
+        note.append(ui.proposer_errors(errors, params["run"]))
     return data, fig, note

@@ -34,10 +34,11 @@ def refresh(_n: int) -> tuple[list[dict], html.Div | None]:
     runs = ui.catalog().runs()
     if not runs:
         roots = ", ".join(map(str, ui.catalog().roots))
-        return [], ui.problem(LookupError(f"no search log found under {roots}; start one with `kforge run` "
-                                          f"or point the dashboard at a run directory"))
+        return [], ui.problem(LookupError(f"no search log or capture found under {roots}; start one with "
+                                          f"`kforge capture` or `kforge run`, or point the dashboard at a run directory"))
     rows = [{
-        "run": ui.md_link(r["id"], "cards", run=r["id"]), "model": r["model"], "status": r["status"],
+        "run": ui.md_link(r["id"], "cards", run=r["id"]), "model": r["model"],
+        "status": r["status"] + (" (compile-only)" if r["kind"] == "compile-only" else ""),
         "device": " ".join(x for x in (r["device"], r["arch"]) if x),
         "searched": f"{r['searched']} / {r['cards']} ({r['done']} done)",
         "best": ", ".join(f"{name} {ui.fmt_x(s)}" for name, s in r["best"]) or "—",

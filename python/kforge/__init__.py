@@ -2,7 +2,8 @@
 
     import kforge
     result = kforge.run(model, example_inputs, out="model.cast")
-    kforge.load("model.cast").apply()
+    kforge.load("model.cast").apply()                 # eager: the ops overridden
+    compiled = kforge.compile(model, kforge.load("model.cast"))  # torch.compile with the kernels inside
 
 Submodules are imported on first use, so `import kforge` is cheap and works without a GPU.
 """
@@ -24,7 +25,7 @@ _LAZY = {
     "optimize": ("kforge.optimize", None),
     "run": ("kforge.runner", "run"),
     "load": ("kforge.package", "load"),
-    "compile": ("kforge.compiler", "compile"),
+    "compile": ("kforge.inductor", "compile"),  # the model under torch.compile; kernels: kforge.compiler.compile
     "cuda_status": ("kforge.cuda", "cuda_status"),
     "Card": ("kforge.cards", "Card"),
     "Candidate": ("kforge.candidate", "Candidate"),

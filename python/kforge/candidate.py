@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import PlanError
+from .redact import scrub
+from .sourcebox import SourceRefused, check_options
 
 ARG_KINDS = ("in", "out", "ws", "i32", "i64", "f32", "f64")
 KINDS = ("custom", "vendor")  # custom CUDA, or a wrapper of a vendor library (audited as such)
@@ -55,13 +57,27 @@ class KernelLaunch:
         return d
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON's true is not a count
+
+
 def _dim3(v: Any, what: str) -> tuple[int, int, int]:
-    if isinstance(v, int):
+    if _is_int(v):
         v = [v]
-    if not isinstance(v, (list, tuple)) or not 1 <= len(v) <= 3 or not all(isinstance(x, int) for x in v):
+    if not isinstance(v, (list, tuple)) or not 1 <= len(v) <= 3 or not all(_is_int(x) for x in v):
         raise PlanError(f"{what} must be 1 to 3 integers, got {v!r}")
     v = list(v) + [1] * (3 - len(v))
     return (v[0], v[1], v[2])
+
+
+def _check_workspace(w: Any) -> None:
+    ok = _is_int(w) and w >= 0
+    if isinstance(w, dict):
+        ok = (_is_int(w.get("bytes")) and w["bytes"] >= 0 and isinstance(w.get("zero", False), bool)
+              and set(w) <= {"bytes", "zero"})
+    if not ok:
+        raise PlanError(f'workspace entry {json.dumps(w, default=str)} must be a byte count (an integer) or '
+                        '{"bytes": n, "zero": true}')
 
 
 @dataclass
@@ -72,10 +88,7 @@ class LaunchPlan:
 
     def workspace_bytes(self) -> list[tuple[int, bool]]:
         """(bytes, zero before launch) per workspace buffer."""
-        out = []
-        for w in self.workspace:
-            out.append((int(w["bytes"]), bool(w.get("zero", False))) if isinstance(w, dict) else (int(w), False))
-        return out
+        return [(w["bytes"], w.get("zero", False)) if isinstance(w, dict) else (w, False) for w in self.workspace]
 
     def to_json(self) -> dict:
         return {"kernels": [k.to_json() for k in self.kernels], "workspace": self.workspace, "options": self.options}
@@ -89,7 +102,7 @@ class LaunchPlan:
         if isinstance(d, str):
             try:
                 d = json.loads(d)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 raise PlanError(f"launch plan is not valid JSON: {e}") from e
         if not isinstance(d, dict) or not isinstance(d.get("kernels"), list) or not d["kernels"]:
             raise PlanError('launch plan must be an object with a non-empty "kernels" list')
@@ -107,10 +120,10 @@ class LaunchPlan:
                 if kind in ("f32", "f64"):
                     if not isinstance(v, (int, float)) or isinstance(v, bool):
                         raise PlanError(f"kernel {k['name']}: {kind} argument needs a number, got {v!r}")
-                elif not isinstance(v, int) or isinstance(v, bool):
+                elif not _is_int(v):
                     raise PlanError(f"kernel {k['name']}: {kind} argument needs an integer, got {v!r}")
             smem = k.get("smem", 0)
-            if not isinstance(smem, int) or smem < 0:
+            if not _is_int(smem) or smem < 0:
                 raise PlanError(f"kernel {k['name']}: smem must be a non-negative integer")
             coop, pdl = k.get("cooperative", False), k.get("pdl", False)
             if not isinstance(coop, bool) or not isinstance(pdl, bool):
@@ -119,7 +132,7 @@ class LaunchPlan:
                 raise PlanError(f"kernel {k['name']}: a kernel is cooperative or pdl, not both")
             grid = _dim3(k.get("grid"), "grid")
             cluster = k.get("cluster", 0)
-            if not isinstance(cluster, int) or isinstance(cluster, bool) or not 0 <= cluster <= 16:
+            if not _is_int(cluster) or not 0 <= cluster <= 16:
                 raise PlanError(f"kernel {k['name']}: \"cluster\" must be 0 (none) to 16 blocks")
             if cluster and (coop or grid[0] % cluster):
                 raise PlanError(f"kernel {k['name']}: a cluster of {cluster} blocks must divide grid x ({grid[0]}) "
@@ -130,9 +143,13 @@ class LaunchPlan:
         opts = d.get("options", [])
         if not isinstance(ws, list) or not isinstance(opts, list) or not all(isinstance(o, str) for o in opts):
             raise PlanError('"workspace" must be a list and "options" a list of strings')
-        plan = LaunchPlan(kernels, ws, opts)
-        plan.workspace_bytes()
-        return plan
+        for w in ws:
+            _check_workspace(w)
+        try:
+            check_options(opts)
+        except SourceRefused as e:
+            raise PlanError(str(e)) from None
+        return LaunchPlan(kernels, ws, opts)
 
     def validate(self, n_inputs: int, n_outputs: int) -> None:
         """Check the plan fits a card with this many inputs and outputs, and CUDA's limits."""
@@ -166,6 +183,9 @@ class Candidate:
     note: str = ""
 
     def __post_init__(self) -> None:
+        # A reply may repeat a secret it saw; the source and note are stored, shown and re-sent.
+        self.source = scrub(self.source, limit=None)
+        self.note = scrub(self.note)
         if self.kind not in KINDS:
             raise PlanError(f"candidate kind must be one of {KINDS}, got {self.kind!r}")
 

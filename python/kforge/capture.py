@@ -86,7 +86,8 @@ class CaptureResult:
 def capture(model: torch.nn.Module, example_inputs: Any, run_dir: str | Path | None = None, *,
             device: str | torch.device | None = None, eval_mode: bool = True, no_grad: bool = True,
             max_samples_per_card: int = 1, max_sample_bytes: int = MAX_SAMPLE_BYTES,
-            time_cards: bool = True, regions: bool = False) -> CaptureResult:
+            time_cards: bool = True, progress: Callable[[str], None] | None = None,
+            regions: bool = False) -> CaptureResult:
     """Run `model` on `example_inputs` and write one card per distinct backend call under run_dir/cards/.
 
     regions: also trace the model into aten graphs and write a region card per distinct
@@ -95,8 +96,10 @@ def capture(model: torch.nn.Module, example_inputs: Any, run_dir: str | Path | N
 
     example_inputs: a tensor, a tuple/list of tensors (positional) or a dict of tensors (keyword).
     device: when given, the model and the inputs are moved there first (the model in place).
+    progress: called with a short line as each stage starts (a large model takes minutes).
     Raises CaptureError when the inputs do not fit or the model raises (naming module and op).
     """
+    say = progress or (lambda line: None)
     if run_dir is not None:
         _check_run_dir(Path(run_dir))
     if device is not None:
@@ -109,17 +112,22 @@ def capture(model: torch.nn.Module, example_inputs: Any, run_dir: str | Path | N
     target = _Target.of(dev)
 
     with _model_state(model, eval_mode), (torch.no_grad() if no_grad else contextlib.nullcontext()):
+        say(f"running the model on {dev} to record the ops it calls")
         rec, notes = _record(model, args, kwargs, target, max_samples_per_card, max_sample_bytes)
+        say("timing the model's forward")
         model_us = _model_wall_us(model, args, kwargs, dev)
         region_entries = _capture_regions(model, args, kwargs, target, max_sample_bytes, notes) if regions else []
     cards = rec.finish()
     notes += rec.notes()
     if time_cards:
-        for entry in rec.entries.values():
+        for i, entry in enumerate(rec.entries.values()):
+            if i % 25 == 0:
+                say(f"timing cards: {i} of {len(rec.entries)}")
             _time_entry(entry, dev)
         if region_entries:
             from .region_capture import time_entries
 
+            say(f"timing {len(region_entries)} region cards")
             time_entries(region_entries, dev, _time_fn)
     total_us = _assign_shares(rec)
     for e in region_entries:  # a share of the same runtime as the op cards', overlapping theirs
@@ -127,6 +135,7 @@ def capture(model: torch.nn.Module, example_inputs: Any, run_dir: str | Path | N
         c.share = c.total_us / total_us if c.total_us is not None and total_us > 0 else None
         cards.append(c)
     cards.sort(key=lambda c: -(c.share or 0.0))
+    say(f"writing {len(cards)} cards")
     # Made only now: a capture that fails must not leave an empty directory behind.
     run_dir = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="kforge-capture-"))
     result = CaptureResult(cards, run_dir, total_us, model_us, str(dev), notes)
@@ -755,15 +764,19 @@ def _write(result: CaptureResult, rec: _Recorder, region_entries: Sequence = ())
     (result.run_dir / "capture.json").write_text(json.dumps(result.to_json(), indent=1))
 
 
-def cards_table(cards: list[Card], limit: int | None = None):
-    """A rich Table of cards ranked by share: op with shapes/dtypes, family, calls, time, share, status."""
+def cards_table(cards: list[Card], limit: int | None = None, searchable_only: bool = False):
+    """A rich Table of cards ranked by share: op with shapes/dtypes, family, calls, time, share,
+    status, card id (what `kforge search --cards` takes) and where in the model it ran. With
+    `searchable_only`, cards the search leaves alone (view ops, vendor libraries) are left out."""
     from rich.table import Table
 
     ranked = sorted(cards, key=lambda c: -(c.share or 0.0))
-    shown = ranked[:limit] if limit is not None else ranked
+    picked = [c for c in ranked if skip_reason(c) is None] if searchable_only else ranked
+    shown = picked[:limit] if limit is not None else picked
     table = Table(title="operator cards", show_lines=False)
     for name, justify in (("#", "right"), ("op (shapes:dtypes)", "left"), ("family", "left"), ("calls", "right"),
-                          ("eager µs", "right"), ("share", "right"), ("status", "left")):
+                          ("eager µs", "right"), ("share", "right"), ("status", "left"), ("card", "left"),
+                          ("module", "left")):
         table.add_column(name, justify=justify, overflow="fold")
     nested = 0
     for i, c in enumerate(shown, 1):
@@ -773,13 +786,20 @@ def cards_table(cards: list[Card], limit: int | None = None):
             nested += 1
             status += f"; inside {inside}"
         table.add_row(str(i), c.summary(), c.family, str(c.calls), _fmt(c.eager_us, "{:.1f}"),
-                      _fmt(c.share, "{:.1%}"), status)
-    captions = [f"{len(ranked) - len(shown)} more cards not shown"] if len(shown) < len(ranked) else []
+                      _fmt(c.share, "{:.1%}"), status, c.id, module_path(c))
+    hidden = len(ranked) - len(shown)
+    captions = [f"{hidden} more cards not shown" + (" (--all lists them)" if searchable_only else "")] if hidden else []
     if nested:
         captions.append("a card marked 'inside' runs within another card's calls: its share is also in that "
                         "card's share (the other cards' shares add up to 100 %)")
     table.caption = "\n".join(captions) or None
     return table
+
+
+def module_path(card: Card) -> str:
+    """Where in the model a card ran: its first module path, and how many others there are."""
+    paths = card.module_paths or []
+    return (paths[0] + (f" (+{len(paths) - 1})" if len(paths) > 1 else "")) if paths else "-"
 
 
 _INSIDE = " calls run inside "  # the nesting note's words, written at capture and read by cards_table

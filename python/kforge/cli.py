@@ -1,23 +1,30 @@
 """The `kforge` command line: run | capture | search | package | inspect | verify | dash | doctor.
 
-Exit codes: 0 ok, 1 error (a KforgeError prints its message, no traceback), 130 interrupted.
+Exit codes are errors.ExitCode (listed by `kforge --help`); a KforgeError prints its message
+on one line, never a traceback. Every command that reports takes -q/-v; capture, run,
+inspect, verify and doctor take --json (one JSON document on stdout, everything else on
+stderr).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
+import logging
 import shlex
+import sys
+import time
 import warnings
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .errors import KforgeError
+from .errors import EXIT_CODE_HELP, ExitCode, KforgeError
 
 
 def _devices(text: str) -> list[int]:
@@ -35,6 +42,62 @@ def _names(text: str) -> list[str]:
     return names
 
 
+def _price(text: str) -> tuple[float, float]:
+    try:
+        prompt, completion = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected USD per 1M prompt and completion tokens, like 2.5,10 (got {text!r})") from None
+    return prompt, completion
+
+
+def _header(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition(":")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"expected a header as 'Name: value' (got {text!r})")
+    return name.strip(), value.strip()
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, like '{{\"top_k\": 20}}' ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, like '{{\"top_k\": 20}}' (got {text!r})")
+    return value
+
+
+def _llm_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("LLM proposer (override the environment and the config file)")
+    g.add_argument("--llm-config", type=Path, metavar="FILE",
+                   help="TOML or JSON file of LLM settings (default $KFORGE_LLM_CONFIG)")
+    g.add_argument("--llm-base-url", help="OpenAI-compatible endpoint (the API key comes from the environment)")
+    g.add_argument("--llm-model", help="model name at that endpoint")
+    g.add_argument("--llm-price", type=_price, metavar="PROMPT,COMPLETION",
+                   help="the model's price in USD per 1M tokens (0,0 for a free local model); needed with "
+                        "--max-cost for a model kforge has no price for")
+    g.add_argument("--llm-reply-tokens", type=int, metavar="N",
+                   help="reply limit per call (default 8192; 32768 for reasoning models)")
+    g.add_argument("--llm-temperature", metavar="T|none", help="sampling temperature, or none to send none")
+    g.add_argument("--llm-top-p", type=float, metavar="P")
+    g.add_argument("--llm-reasoning-effort", metavar="LEVEL", help="e.g. low, medium, high (reasoning models)")
+    g.add_argument("--llm-header", type=_header, action="append", metavar="'NAME: VALUE'",
+                   help="extra HTTP header (repeatable); put credentials in the config file instead")
+    g.add_argument("--llm-body", type=_json_object, metavar="JSON",
+                   help="JSON object merged into each request body, e.g. '{\"top_k\": 20}'")
+
+
+def _llm_settings(args: argparse.Namespace) -> dict:
+    """The LLM flags given, as LLMConfig.resolve settings."""
+    settings = {"config_file": args.llm_config, "base_url": args.llm_base_url, "model": args.llm_model,
+                "price": args.llm_price, "max_reply_tokens": args.llm_reply_tokens,
+                "temperature": args.llm_temperature, "top_p": args.llm_top_p,
+                "reasoning_effort": args.llm_reasoning_effort,
+                "extra_headers": dict(args.llm_header) if args.llm_header else None, "extra_body": args.llm_body}
+    return {k: v for k, v in settings.items() if v is not None}
+
+
 def _search_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("search")
     g.add_argument("--proposer", default="builtin", help="builtin (default), llm or llm:<model>")
@@ -49,16 +112,42 @@ def _search_options(p: argparse.ArgumentParser) -> None:
                    help="GPU ordinals to evaluate on (default: all)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-progress", action="store_true", help="no live progress display")
-    g.add_argument("--llm-base-url", help="OpenAI-compatible endpoint (the API key comes from the environment)")
-    g.add_argument("--llm-model", help="model name at that endpoint")
+    _llm_options(p)
+
+
+# Rows a default table shows: the largest searchable cards; --all shows every card.
+TOP_CARDS = 20
+# Width of a console that is not a terminal (a pipe, a file): rows stay on one line each.
+PIPE_WIDTH = 100_000
+
+
+def _output_options(json_flag: bool, table: bool = False) -> argparse.ArgumentParser:
+    """-q/-v (and --json, --all where the command has them), accepted after the command name."""
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("output")
+    g.add_argument("-q", "--quiet", action="store_true", help="no progress, only the result")
+    g.add_argument("-v", "--verbose", action="count", default=0, help="log what kforge does (-vv: debug)")
+    if json_flag:
+        g.add_argument("--json", action="store_true",
+                       help="print one JSON document on stdout and nothing else (messages go to stderr)")
+    if table:
+        g.add_argument("--all", action="store_true",
+                       help=f"list every card (default: the {TOP_CARDS} largest searchable ones)")
+    return p
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kforge", description="Generated, verified, guarded CUDA kernels for "
-                                                                "unmodified PyTorch models.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    from . import __version__
 
-    p = sub.add_parser("run", help="capture a model, search kernels, package the winners")
+    parser = argparse.ArgumentParser(
+        prog="kforge", description="Generated, verified, guarded CUDA kernels for unmodified PyTorch models.",
+        epilog="exit codes:\n" + "\n".join(f"  {int(code):<4} {EXIT_CODE_HELP[code]}" for code in ExitCode),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"kforge {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    scripted, plain = _output_options(True, table=True), _output_options(False)
+
+    p = sub.add_parser("run", help="capture a model, search kernels, package the winners", parents=[scripted])
     p.add_argument("model", nargs="?", help="model.py (defining get_model() and get_inputs()) or pkg.module:factory")
     p.add_argument("--out", default="model.cast", help="package to write (default model.cast)")
     p.add_argument("--run-dir", type=Path, help="where cards and the search log go")
@@ -69,40 +158,43 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also trace the model and write a card per fused multi-op region (experimental)")
     _search_options(p)
 
-    p = sub.add_parser("capture", help="record the operators a model runs as cards")
+    p = sub.add_parser("capture", help="record the operators a model runs as cards", parents=[scripted])
     p.add_argument("model", help="model.py (defining get_model() and get_inputs()) or pkg.module:factory")
     p.add_argument("--run-dir", type=Path,
                    help="where the cards go (created; default: a new temporary directory, printed at the end)")
     p.add_argument("--regions", action="store_true",
                    help="also trace the model and write a card per fused multi-op region (experimental)")
 
-    p = sub.add_parser("search", help="search kernels for the cards of a run directory")
+    p = sub.add_parser("search", help="search kernels for the cards of a run directory",
+                       parents=[_output_options(False, table=True)])
     p.add_argument("run_dir", type=Path)
     p.add_argument("--cards", nargs="+", metavar="ID", help="only these card ids")
     _search_options(p)
 
-    p = sub.add_parser("package", help="write the winners of a run directory into a .cast package")
+    p = sub.add_parser("package", help="write the winners of a run directory into a .cast package", parents=[plain])
     p.add_argument("run_dir", type=Path)
     p.add_argument("--out", required=True, type=Path)
 
-    p = sub.add_parser("inspect", help="show a run directory or a .cast package")
+    p = sub.add_parser("inspect", help="show a run directory or a .cast package", parents=[scripted])
     p.add_argument("path", type=Path)
 
     p = sub.add_parser("verify", help="check a .cast package: checksums and format, then re-run its dispatched "
-                                      "kernels on this GPU")
+                                      "kernels on this GPU", parents=[_output_options(True)])
     p.add_argument("path", type=Path)
 
-    p = sub.add_parser("dash", help="serve the dashboard over run directories")
+    p = sub.add_parser("dash", help="serve the dashboard over run directories", parents=[plain])
     p.add_argument("run_dirs", nargs="*", type=Path)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8050)
 
-    sub.add_parser("doctor", help="what kforge finds of CUDA, the driver and NVRTC")
+    p = sub.add_parser("doctor", help="what kforge finds of CUDA, the driver and NVRTC, the LLM settings, and "
+                       "what works without a GPU", parents=[_output_options(True)])
+    _llm_options(p)
     return parser
 
 
 def _search_kwargs(args: argparse.Namespace) -> dict:
-    options = {k: v for k, v in (("base_url", args.llm_base_url), ("model", args.llm_model)) if v}
+    options = _llm_settings(args)
     return dict(proposer=args.proposer, iterations=args.iterations, wall_time_s=args.wall_time,
                 max_cost_usd=args.max_cost, min_share=args.min_share, include_vendor=args.include_vendor,
                 devices=args.devices, seed=args.seed, progress=not args.no_progress, proposer_options=options,
@@ -113,8 +205,11 @@ def _search_kwargs(args: argparse.Namespace) -> dict:
 _SEARCH_FLAGS = (("proposer", "--proposer"), ("iterations", "--iterations"), ("wall_time", "--wall-time"),
                  ("max_cost", "--max-cost"), ("min_share", "--min-share"), ("include_vendor", "--include-vendor"),
                  ("ops", "--ops"),
-                 ("devices", "--devices"), ("seed", "--seed"), ("llm_base_url", "--llm-base-url"),
-                 ("llm_model", "--llm-model"))
+                 ("devices", "--devices"), ("seed", "--seed"), ("llm_config", "--llm-config"),
+                 ("llm_base_url", "--llm-base-url"), ("llm_model", "--llm-model"), ("llm_price", "--llm-price"),
+                 ("llm_reply_tokens", "--llm-reply-tokens"), ("llm_temperature", "--llm-temperature"),
+                 ("llm_top_p", "--llm-top-p"), ("llm_reasoning_effort", "--llm-reasoning-effort"),
+                 ("llm_body", "--llm-body"))  # not --llm-header: its values may be credentials
 
 
 def _resume_command(args: argparse.Namespace, run_dir: Path) -> str:
@@ -134,12 +229,68 @@ def _resume_command(args: argparse.Namespace, run_dir: Path) -> str:
         if value is True:
             words.append(flag)
         else:
-            words += [flag, ",".join(map(str, value)) if isinstance(value, list) else str(value)]
+            words += [flag, json.dumps(value) if isinstance(value, dict) else
+                      ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)]
     return shlex.join(words)
 
 
-def _report(result, console: Console) -> int:
-    console.print(result.rich_table())
+def _out_console() -> Console:
+    """stdout for people. Piped or redirected it is as wide as a row needs: a table then has
+    one line per row instead of wrapping at 80 columns."""
+    console = Console()
+    return console if console.is_terminal else Console(width=PIPE_WIDTH)
+
+
+def _err_console() -> Console:
+    console = Console(stderr=True)
+    return console if console.is_terminal else Console(stderr=True, width=PIPE_WIDTH)
+
+
+def _emit(data: Any) -> int:
+    """The one JSON document a --json command prints on stdout."""
+    sys.stdout.write(json.dumps(data, indent=1, default=str) + "\n")
+    return 0
+
+
+def _stage_printer(args: argparse.Namespace, err: Console, what: str):
+    """Progress of a long step on stderr: a live status line on a terminal, a few plain lines
+    otherwise (a log file stays readable), nothing with -q."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def stages():
+        t0 = time.monotonic()
+        if args.quiet:
+            yield lambda line: None
+            return
+        if err.is_terminal:
+            with err.status(what) as status:
+                yield lambda line: status.update(f"{what}: {escape(line)}")
+        else:
+            yield lambda line: err.print(f"{what}: {line}", highlight=False, markup=False, soft_wrap=True)
+        err.print(f"{what}: done in {time.monotonic() - t0:.1f} s", highlight=False, markup=False)
+
+    return stages()
+
+
+def _table_limit(args: argparse.Namespace) -> dict:
+    return {} if getattr(args, "all", False) else {"limit": TOP_CARDS}
+
+
+def _result_json(result) -> dict:
+    check = result.model_check
+    return {"run_id": result.run_id, "run_dir": str(result.run_dir), "validated": result.validated,
+            "package": str(result.package_path) if result.package_path else None, "message": result.message,
+            "cards": [dataclasses.asdict(r) for r in result.table], "stop_reasons": result.stop_reasons,
+            "model_check": {"verdict": check.verdict, "message": check.message()} if check is not None else None,
+            "model_check_error": result.model_check_error or None}
+
+
+def _report(result, console: Console, args: argparse.Namespace) -> int:
+    if getattr(args, "json", False):
+        return _emit(_result_json(result))
+    everything = getattr(args, "all", False)
+    console.print(_results_table(result.table, f"run {result.run_id}", args, everything))
     if result.message:
         console.print(f"[yellow]{escape(result.message)}[/]", soft_wrap=True)
     if result.package_path:
@@ -154,33 +305,64 @@ def _report(result, console: Console) -> int:
     return 0
 
 
+def _results_table(rows, title: str, args: argparse.Namespace, everything: bool):
+    from .runner import results_table
+
+    return results_table(rows, title, searched_only=not everything, **({} if everything else {"limit": TOP_CARDS}))
+
+
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
     from . import runner
 
+    err = _err_console()
+    kwargs = dict(_search_kwargs(args), console=err)
+    kwargs["progress"] = kwargs["progress"] and not args.quiet
     if args.resume:
         if args.run_dir is None:
             raise KforgeError("--resume needs --run-dir: the directory of the run to continue")
-        result = runner.run(out=args.out, run_dir=args.run_dir, resume=True, **_search_kwargs(args))
+        result = runner.run(out=args.out, run_dir=args.run_dir, resume=True, **kwargs)
     else:
         if args.model is None:
             raise KforgeError("kforge run needs a model file (model.py) or pkg.module:factory")
         from .modelspec import load_model_spec
 
         model, inputs = load_model_spec(args.model)
-        result = runner.run(model, inputs, out=args.out, run_dir=args.run_dir, model_name=args.model,
-                            check_model=not args.no_model_check, regions=args.regions, **_search_kwargs(args))
-    return _report(result, console)
+        with _stage_printer(args, err, "capture") as say:
+            kwargs["capture_progress"] = say
+            result = runner.run(model, inputs, out=args.out, run_dir=args.run_dir, model_name=args.model,
+                                check_model=not args.no_model_check, regions=args.regions, **kwargs)
+    return _report(result, console, args)
+
+
+def _card_json(card) -> dict:
+    from .capture import skip_reason
+
+    return {"id": card.id, "op": card.op, "summary": card.summary(), "family": card.family, "calls": card.calls,
+            "eager_us": card.eager_us, "share": card.share, "module_paths": card.module_paths,
+            "searchable": skip_reason(card) is None, "skip_reason": skip_reason(card)}
+
+
+def _cards_table(cards, args: argparse.Namespace):
+    from .capture import cards_table
+
+    everything = getattr(args, "all", False)
+    return cards_table(cards, searchable_only=not everything, **({} if everything else {"limit": TOP_CARDS}))
 
 
 def cmd_capture(args: argparse.Namespace, console: Console) -> int:
-    from .capture import capture, cards_table
+    from .capture import capture
     from .modelspec import load_model_spec
 
-    model, inputs = load_model_spec(args.model)
-    result = capture(model, inputs, args.run_dir, regions=args.regions)
-    console.print(cards_table(result.cards))
+    err = _err_console()
+    with _stage_printer(args, err, "capture") as say:
+        say(f"loading {args.model}")
+        model, inputs = load_model_spec(args.model)
+        result = capture(model, inputs, args.run_dir, progress=say, regions=args.regions)
+    if args.json:
+        return _emit({**result.to_json(), "cards": [_card_json(c) for c in result.cards]})
+    console.print(_cards_table(result.cards, args))
     for note in result.notes if args.regions else ():
-        console.print(f"[yellow]{escape(note)}[/]", soft_wrap=True)
+        err.print(f"[yellow]{escape(note)}[/]", soft_wrap=True)
     console.print(f"{len(result.cards)} cards written to {result.run_dir}")
     return 0
 
@@ -188,7 +370,9 @@ def cmd_capture(args: argparse.Namespace, console: Console) -> int:
 def cmd_search(args: argparse.Namespace, console: Console) -> int:
     from . import runner
 
-    return _report(runner.search_run(args.run_dir, cards=args.cards, **_search_kwargs(args)), console)
+    kwargs = dict(_search_kwargs(args), console=_err_console())
+    kwargs["progress"] = kwargs["progress"] and not args.quiet
+    return _report(runner.search_run(args.run_dir, cards=args.cards, **kwargs), console, args)
 
 
 def cmd_package(args: argparse.Namespace, console: Console) -> int:
@@ -201,9 +385,9 @@ def cmd_package(args: argparse.Namespace, console: Console) -> int:
 def cmd_inspect(args: argparse.Namespace, console: Console) -> int:
     path: Path = args.path
     if path.is_dir():
-        return _inspect_run(path, console)
+        return _inspect_run(path, console, args)
     if path.suffix == ".cast" and path.is_file():
-        return _inspect_package(path, console)
+        return _inspect_package(path, console, args)
     if not path.exists():
         raise KforgeError(f"{path} does not exist: give a run directory or a .cast package")
     raise KforgeError(f"{path} is neither a run directory nor a .cast package")
@@ -229,26 +413,44 @@ def _notes(caught, console: Console) -> None:
         console.print(f"[yellow]on this machine:[/] {escape(str(w.message))}", soft_wrap=True)
 
 
-def _inspect_package(path: Path, console: Console) -> int:
+_PACKAGE_CARD_KEYS = ("id", "op", "summary", "family", "calls", "share", "decision", "reason", "kind", "timing",
+                      "error", "flags")
+
+
+def _inspect_package(path: Path, console: Console, args: argparse.Namespace) -> int:
     pkg, _, summary, caught = _load_package(path)
+    if args.json:
+        manifest = pkg.manifest
+        return _emit({"kind": "package", "path": str(path), "gpu": pkg.gpu, "arch": pkg.arch, "summary": summary,
+                      **{k: manifest.get(k) for k in ("format", "kforge", "torch", "cuda", "run_id")},
+                      "cards": [{k: e.get(k) for k in _PACKAGE_CARD_KEYS} for e in manifest.get("cards", [])],
+                      "notes": [str(w.message) for w in caught]})
     console.print(f"{escape(str(path))}: built for {escape(pkg.gpu)} ({pkg.arch}); {summary}")
     console.print(pkg.report(fmt="table"))
     _notes(caught, console)
     return 0
 
 
-def _inspect_run(run_dir: Path, console: Console) -> int:
+def _proposer_errors(conn, run_id: str, top: int = 3) -> tuple[int, list[dict]]:
+    """(how many proposer errors the run logged, the most frequent messages with their counts)."""
+    rows = conn.execute("SELECT message, COUNT(*) AS n FROM events WHERE run_id=? AND kind='proposer_error' "
+                        "GROUP BY message ORDER BY n DESC, MIN(id)", (run_id,)).fetchall()
+    return sum(r["n"] for r in rows), [{"message": r["message"], "count": r["n"]} for r in rows[:top]]
+
+
+def _inspect_run(run_dir: Path, console: Console, args: argparse.Namespace) -> int:
     from .cards import load_cards
     from .log import LOG_NAME, connect
-    from .runner import card_results, results_table
+    from .runner import card_results
 
     if not (run_dir / LOG_NAME).exists():
         cards = load_cards(run_dir)
         if not cards:
             raise KforgeError(f"{run_dir} holds no cards and no search log: run `kforge capture` or `kforge run`")
-        from .capture import cards_table
-
-        console.print(cards_table(cards))
+        if args.json:
+            return _emit({"kind": "capture", "run_dir": str(run_dir), "cards": [_card_json(c) for c in cards],
+                          "next": f"kforge search {run_dir}"})
+        console.print(_cards_table(cards, args))
         console.print(f"{len(cards)} cards, not searched yet: `kforge search {run_dir}`")
         return 0
     conn = connect(run_dir, readonly=True)
@@ -256,15 +458,29 @@ def _inspect_run(run_dir: Path, console: Console) -> int:
         run = conn.execute("SELECT * FROM runs ORDER BY created DESC, rowid DESC LIMIT 1").fetchone()
         if run is None:
             raise KforgeError(f"the search log in {run_dir} has no run yet")
+        rows = card_results(conn, run["id"])
+        calls, failed, tokens, cost = conn.execute(
+            "SELECT COUNT(*), COALESCE(SUM(status != 'ok'), 0), COALESCE(SUM(prompt_tokens + completion_tokens), 0), "
+            "COALESCE(SUM(cost_usd), 0) FROM llm_calls WHERE run_id=?", (run["id"],)).fetchone()
+        n_errors, errors = _proposer_errors(conn, run["id"])
+        resume = f"kforge search {run_dir}" if run["status"] in ("interrupted", "running") else None
+        if args.json:
+            info = {k: run[k] for k in run.keys() if k != "config_json"}
+            return _emit({"kind": "run", "run_dir": str(run_dir), "run": {**info, "config": json.loads(run["config_json"])},
+                          "cards": [dataclasses.asdict(r) for r in rows],
+                          "llm": {"calls": calls, "failed_calls": failed, "tokens": tokens, "cost_usd": cost},
+                          "proposer_errors": {"count": n_errors, "top": errors}, "resume": resume})
         console.print(f"run [bold]{run['id']}[/] ({run['status']}) model {run['model'] or '-'} on "
                       f"{run['device'] or '-'} {run['arch'] or ''}, torch {run['torch'] or '-'}")
-        console.print(results_table(card_results(conn, run["id"]), "cards"))
-        tokens, cost = conn.execute("SELECT COALESCE(SUM(prompt_tokens + completion_tokens), 0), "
-                                    "COALESCE(SUM(cost_usd), 0) FROM llm_calls WHERE run_id=?", (run["id"],)).fetchone()
-        if tokens or cost:
-            console.print(f"LLM: {tokens} tokens, ${cost:.4f}")
-        if run["status"] in ("interrupted", "running"):
-            console.print(f"resume with: kforge search {run_dir}")
+        console.print(_results_table(rows, "cards", args, getattr(args, "all", False)))
+        if calls:
+            console.print(f"LLM: {calls} calls ({failed} failed), {tokens} tokens, ${cost:.4f}")
+        if n_errors:
+            console.print(f"[red]{n_errors} proposer error(s)[/], the most frequent:")
+            for e in errors:
+                console.print(f"  {e['count']} x {escape(e['message'])}", soft_wrap=True, highlight=False)
+        if resume:
+            console.print(f"resume with: {resume}")
     finally:
         conn.close()
     return 0
@@ -273,19 +489,26 @@ def _inspect_run(run_dir: Path, console: Console) -> int:
 def cmd_verify(args: argparse.Namespace, console: Console) -> int:
     """Re-validate every dispatched kernel of a package on this GPU; 1 if any fails."""
     pkg, packaged, summary, caught = _load_package(args.path)
+    if args.json:
+        results = pkg.verify() if packaged else {}
+        failed = [c for c, r in results.items() if r.verdict.failed]
+        _emit({"path": str(args.path), "summary": summary, "notes": [str(w.message) for w in caught],
+               "results": {c: {"verdict": r.verdict.value, "speedup": r.speedup, "message": r.message}
+                           for c, r in results.items()}, "failed": failed})
+        return 1 if failed else 0
     console.print(f"{escape(str(args.path))}: checksums and format ok; {summary}")
     _notes(caught, console)
     if not packaged:
         console.print("no kernel to re-run: every card falls back to PyTorch")
         return 0
     results = pkg.verify()
+    failed = [c for c, r in results.items() if r.verdict.failed]
     t = Table(title=f"verify {args.path.name}", title_justify="left")
     for col in ("card", "verdict", "speedup", "message"):
         t.add_column(col, overflow="fold")
     for card_id, r in results.items():
         t.add_row(card_id, r.verdict.value, f"{r.speedup:.2f}x" if r.speedup else "-", escape(r.message))
     console.print(t)
-    failed = [c for c, r in results.items() if r.verdict.failed]
     if failed:
         console.print(f"[red]{len(failed)} kernel(s) failed here and will fall back:[/] {', '.join(failed)}")
         return 1
@@ -316,22 +539,66 @@ def _dash_serve():
     raise KforgeError("the dashboard (kforge.dash_app) is not installed with this kforge")
 
 
+def _without_gpu(status: dict) -> list[str]:
+    """What works on this machine, in words, for one without a usable GPU (or NVRTC)."""
+    lines = []
+    if not status["devices"]:
+        lines.append("No usable GPU here. What works: `kforge capture` (cards, shares and samples of any model on "
+                     "the CPU), `kforge inspect`, `kforge dash` over captures and runs, and LLM prompting.")
+        lines.append("`kforge run` / `kforge search` without a GPU only generate and compile a few candidates per "
+                     "card (compile-only): nothing is validated or timed, and no package is written.")
+        lines.append("Validation, timing, packaging (`kforge package`) and `kforge verify` need an NVIDIA GPU.")
+    if status["nvrtc"] is None:
+        lines.append("Without NVRTC no candidate can be compiled: `pip install 'nvidia-cuda-nvrtc>=13,<14'`.")
+    return lines
+
+
 def cmd_doctor(args: argparse.Namespace, console: Console) -> int:
     from .cuda import cuda_status
+    from .dispatch import native_status
 
+    status = cuda_status()
+    native, why = native_status("CUDA")
+    advice = _without_gpu(status)
+    llm = _llm_rows(_llm_settings(args))
+    if args.json:
+        return _emit({**status, "dispatch": {"native": native, "why": why}, "without_gpu": advice, "llm": dict(llm)})
     t = Table(title="kforge doctor", title_justify="left", show_header=False)
     t.add_column("what")
     t.add_column("status", overflow="fold")  # paths whole, folded, never cut with an ellipsis
-    for key, value in cuda_status().items():
+    for key, value in status.items():
         shown = ("none found" if value is None or value == [] else value if isinstance(value, str)
                  else json.dumps(value, default=str))
         t.add_row(str(key), shown)
-    from .dispatch import native_status
-
-    native, why = native_status("CUDA")
     t.add_row("dispatch", f"{'C++' if native else 'Python'}: {why}")
+    for what, value in llm:
+        t.add_row(what, escape(value))
     console.print(t)
+    for line in advice:
+        console.print(line, soft_wrap=True, highlight=False)
+    if not advice:
+        console.print("A GPU and NVRTC are here: everything works.")
     return 0
+
+
+def _llm_rows(settings: dict) -> list[tuple[str, str]]:
+    """What the LLM proposer would use: model, endpoint, reply limit and the price it charges."""
+    from .errors import LLMError
+    from .proposers.llm.config import LLMConfig
+    from .proposers.llm.prices import PRICES, PRICES_AS_OF, find_price
+
+    try:
+        cfg = LLMConfig.resolve(**settings)
+    except LLMError as e:
+        return [("llm", f"not configured ({e})")]
+    price = cfg.price()
+    if price is None:
+        shown = "unknown: --max-cost is refused until one is given (--llm-price PROMPT,COMPLETION)"
+    else:
+        source = f"kforge's table of {PRICES_AS_OF}" if find_price(cfg.model, PRICES) == price else "given"
+        shown = f"${price[0]:g} prompt, ${price[1]:g} completion per 1M tokens ({source})"
+    return [("llm model", cfg.model), ("llm endpoint", cfg.base_url), ("llm price", shown),
+            ("llm reply limit", f"{cfg.max_reply_tokens} tokens per call")]
 
 
 COMMANDS = {"run": cmd_run, "capture": cmd_capture, "search": cmd_search, "package": cmd_package,
@@ -340,7 +607,10 @@ COMMANDS = {"run": cmd_run, "capture": cmd_capture, "search": cmd_search, "packa
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    console, err = Console(), Console(stderr=True)
+    if args.verbose:
+        logging.basicConfig(level=logging.INFO if args.verbose == 1 else logging.DEBUG, stream=sys.stderr,
+                            format="%(levelname)s %(name)s: %(message)s")
+    console, err = _out_console(), _err_console()
     from .runner import RunInterrupted
 
     try:
@@ -348,10 +618,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RunInterrupted as e:
         err.print(f"[yellow]interrupted[/]: everything evaluated so far is in {escape(str(e.run_dir))}. "
                   f"Resume with:\n  {escape(_resume_command(args, e.run_dir))}", soft_wrap=True, highlight=False)
-        return 130
+        return ExitCode.INTERRUPTED
     except KeyboardInterrupt:
         err.print("[yellow]interrupted[/]")
-        return 130
+        return ExitCode.INTERRUPTED
     except KforgeError as e:
         err.print(f"[red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
-        return 1
+        return ExitCode.of(e)

@@ -1,6 +1,8 @@
 """CUDA source -> cubin for one exact arch, through NVRTC in-process, with a disk cache.
 
-Flow: memory cache -> disk cache -> compile -> atomic write. The cache key hashes the
+Flow: compile box -> memory cache -> disk cache -> compile -> atomic write. Every source
+passes the compile box first (sourcebox.py: allowed includes and options only, a small
+prelude); what it refuses is a CompileError like any other, so a proposer gets it back. The cache key hashes the
 source, the options, the arch, the NVRTC version and kforge's CACHE_VERSION, so changing
 any one of them is a miss. A corrupt entry (its stored hash does not match) is a miss,
 never a crash. Only `compile` raises: CompileError for a kernel NVRTC rejects,
@@ -20,7 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import env
+from . import env, sourcebox
 from .cuda import load_nvrtc
 from .errors import CompileError
 
@@ -130,8 +132,13 @@ def compile(source: str, name: str = "kernel.cu", options: tuple[str, ...] | lis
     arch = arch or default_arch()
     if not _ARCH.match(arch):
         raise ValueError(f"arch must look like sm_90 (a real architecture, so a cubin is emitted), got {arch!r}")
-    opts = full_options(tuple(options), arch)
-    key = cache_key(source, opts, arch, nvrtc_version())
+    try:
+        box = sourcebox.prepare(source, options)
+    except sourcebox.SourceRefused as e:
+        raise CompileError(f"kforge refused to compile this source: {e}", source, name, list(options)) from None
+    notes = "".join(f"kforge: {n}\n" for n in box.notes)
+    opts = full_options(tuple(box.options), arch)
+    key = cache_key(box.source, opts, arch, nvrtc_version())
     if use_cache:
         with _memory_lock:
             hit = _memory.get(key)
@@ -139,8 +146,10 @@ def compile(source: str, name: str = "kernel.cu", options: tuple[str, ...] | lis
             hit = DiskCache(env.kernel_cache_dir()).get(key)
         if hit is not None:
             _remember(key, hit)
-            return CompiledKernel(hit, "", arch, key, True)
-    ok, image, log = _C.nvrtc_compile(source, name, opts, True)
+            return CompiledKernel(hit, notes, arch, key, True)
+    ok, image, raw_log = _C.nvrtc_compile(box.source, name, opts, True)
+    # NVRTC's log may quote bytes of the source that are not UTF-8.
+    log = notes + raw_log.decode("utf-8", "replace")
     if not ok:
         raise CompileError(log, source, name, opts)
     if use_cache:

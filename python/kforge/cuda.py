@@ -47,6 +47,25 @@ def device_attributes(ordinal: int = 0) -> dict:
     return _core().device_attributes(ordinal)
 
 
+def _preload_builtins(nvrtc_path: str) -> None:
+    """Load libnvrtc-builtins from NVRTC's own directory first. NVRTC dlopens it by soname
+    at the first compile and some wheels' NVRTC does not look beside itself; unless torch was
+    imported first (it loads the library as a side effect), every compile would fail with
+    "failed to open libnvrtc-builtins". A library already loaded is found by its soname."""
+    import ctypes
+    import glob
+    import os
+
+    if not os.path.isabs(nvrtc_path):
+        return
+    for lib in sorted(glob.glob(os.path.join(os.path.dirname(nvrtc_path), "libnvrtc-builtins.so.*"))):
+        try:
+            ctypes.CDLL(lib)
+        except OSError:
+            continue
+        return
+
+
 @functools.lru_cache(maxsize=1)
 def load_nvrtc() -> str:
     """dlopen NVRTC from the first working candidate path; returns the path used."""
@@ -54,6 +73,7 @@ def load_nvrtc() -> str:
     errors = []
     for path in env.nvrtc_candidates():
         try:
+            _preload_builtins(path)
             C.nvrtc_load(path)
             return path
         except C.NvrtcError as e:

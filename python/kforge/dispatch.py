@@ -338,6 +338,27 @@ class Variant:
             (self.card.aliases.get(j), tuple(m.shape), tuple(m.stride), m.torch_dtype)
             for j, m in enumerate(self.card.outputs))
 
+    def run(self, ins: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+        """The kernel on `ins` (Card.inputs order) into outputs from the caching allocator, on the
+        current stream; counts the hit. None, with the reason counted, when it did not run: its
+        kernels cannot load on this device ("device"), or the driver refused the launch ("refused")."""
+        dev = ins[0].device
+        outs = [ins[src] if src is not None else torch.empty_strided(shape, stride, dtype=dt, device=dev)
+                for src, shape, stride, dt in self.out_specs]
+        ws = [torch.empty(n, dtype=torch.uint8, device=dev) for n in self.workspace]
+        try:
+            self.launcher.launch(self.vid, ins, outs, ws, dev)
+        except NotPrepared:
+            self.counters.fell_back("device")
+            return None
+        except LaunchError as e:
+            if _REFUSED not in str(e):
+                raise
+            self.counters.fell_back("refused")
+            return None
+        self.counters.hit()
+        return outs
+
 
 def _guard_key(card: Card, schema: torch.FunctionSchema) -> tuple:
     """The key a call must produce to hit this card: one entry per schema argument."""
@@ -481,28 +502,13 @@ class _OpOverride:
         why = _unrunnable(v, ins, [vals[i] for i in self._device_slots] if self._device_slots else ())
         if not why and self._above_autograd and composite.needs_grad(ins):
             why = "autograd"
-        if not why:
-            try:
-                out = self._run(v, ins)
-            except NotPrepared:
-                why = "device"
-            except LaunchError as e:
-                if _REFUSED not in str(e):
-                    raise
-                why = "refused"
-            else:
-                v.counters.hit()
-                return out
-        v.counters.fell_back(why)
+        if why:
+            v.counters.fell_back(why)
+        else:
+            outs = v.run(ins)
+            if outs is not None:
+                return outs[0] if self._single else tuple(outs)
         return call_original(self.original, self.op, keyset, args, kwargs)
-
-    def _run(self, v: Variant, ins: list[torch.Tensor]) -> Any:
-        dev = ins[0].device
-        outs = [ins[src] if src is not None else torch.empty_strided(shape, stride, dtype=dt, device=dev)
-                for src, shape, stride, dt in v.out_specs]
-        ws = [torch.empty(n, dtype=torch.uint8, device=dev) for n in v.workspace]
-        v.launcher.launch(v.vid, ins, outs, ws, dev)
-        return outs[0] if self._single else tuple(outs)
 
     def _count_miss(self, key: tuple) -> None:
         hit = self._misses.get(key)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import enum
+
 
 class KforgeError(Exception):
     """Base class of every error kforge raises on purpose."""
@@ -74,8 +76,53 @@ class ProposerError(KforgeError):
 
 
 class LLMError(ProposerError):
-    """The LLM endpoint failed in a way retrying will not fix (auth, unknown model, budget)."""
+    """The LLM proposer's settings cannot work (no model, a bad config file, no price for a cost budget)."""
+
+
+class ProposerUnavailable(ProposerError):
+    """The proposer's service gives no answer: it refuses (bad key, unknown model, a request it
+    rejects; `transient` False, no later call can do better) or stays unreachable after its
+    retries (`transient` True). The search stops rather than spend its budget on failures."""
+
+    def __init__(self, message: str, *, transient: bool = False):
+        super().__init__(message)
+        self.transient = transient
 
 
 class BudgetExhausted(KforgeError):
-    """A search budget (iterations, wall time, tokens or cost) is spent."""
+    """A search budget is spent; `reason` is the search's stop reason (cost, tokens, budget)."""
+
+    def __init__(self, message: str, reason: str = "budget"):
+        super().__init__(message)
+        self.reason = reason
+
+
+class ExitCode(enum.IntEnum):
+    """What `kforge` exits with; `kforge --help` lists them from here."""
+
+    OK = 0
+    ERROR = 1  # bad input or a check that failed: the message says what to fix
+    USAGE = 2  # the command line itself is wrong (argparse)
+    NO_GPU = 3  # what was asked needs a CUDA GPU, driver or NVRTC that is not here
+    PROPOSER_UNAVAILABLE = 4  # the LLM endpoint refused or could not be reached
+    INTERRUPTED = 130  # Ctrl-C
+
+    @staticmethod
+    def of(error: BaseException) -> "ExitCode":
+        if isinstance(error, KeyboardInterrupt):
+            return ExitCode.INTERRUPTED
+        if isinstance(error, CudaUnavailableError):
+            return ExitCode.NO_GPU
+        if isinstance(error, ProposerUnavailable):
+            return ExitCode.PROPOSER_UNAVAILABLE
+        return ExitCode.ERROR
+
+
+EXIT_CODE_HELP = {
+    ExitCode.OK: "success",
+    ExitCode.ERROR: "bad input or a failed check (the message says what to fix)",
+    ExitCode.USAGE: "bad command line",
+    ExitCode.NO_GPU: "no CUDA GPU, driver or NVRTC for what was asked",
+    ExitCode.PROPOSER_UNAVAILABLE: "the proposer is unavailable (LLM endpoint refused or unreachable)",
+    ExitCode.INTERRUPTED: "interrupted (Ctrl-C); the run can be resumed",
+}

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .errors import KforgeError
+from .redact import scrub
 
 SCHEMA_VERSION = 1
 LOG_NAME = "search.sqlite"
@@ -151,7 +152,7 @@ class SearchLog:
     def set_card_status(self, run_id: str, card_id: str, status: str, skip_reason: str | None = None) -> None:
         with self.conn:
             self.conn.execute("UPDATE cards SET status=?, skip_reason=? WHERE run_id=? AND card_id=?",
-                              (status, skip_reason, run_id, card_id))
+                              (status, scrub(skip_reason) if skip_reason else skip_reason, run_id, card_id))
 
     # ---- candidates -----------------------------------------------------------------
     def add_candidate(self, run_id: str, card_id: str, candidate, result, *, parent_id: int | None,
@@ -167,7 +168,8 @@ class SearchLog:
                    VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)""",
                 (run_id, card_id, parent_id, repair_of, iteration, time.time(), candidate.proposer, candidate.kind,
                  candidate.digest(), candidate.source, candidate.plan.dumps(), json.dumps(candidate.knobs, default=str),
-                 candidate.note, r.verdict.value, r.message, r.compile_log, json.dumps(r.evidence, default=str),
+                 candidate.note, r.verdict.value, r.message, r.compile_log,
+                 scrub(json.dumps(r.evidence, default=str), limit=None),
                  r.eager_us, r.kernel_us, r.dispatched_us, r.speedup, reward, r.max_abs_err, r.max_rel_err,
                  json.dumps(r.flags), eval_s),
             )
@@ -192,14 +194,14 @@ class SearchLog:
                 """INSERT INTO llm_calls (run_id, card_id, candidate_id, created, model, base_url, prompt_tokens,
                    completion_tokens, cost_usd, duration_s, status, error) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)""",
                 (run_id, card_id, candidate_id, time.time(), model, base_url, prompt_tokens, completion_tokens,
-                 cost_usd, duration_s, status, error),
+                 cost_usd, duration_s, status, scrub(error) if error else error),
             )
         return cur.lastrowid
 
     def event(self, run_id: str, kind: str, message: str, level: str = "info", card_id: str | None = None) -> None:
         with self.conn:
             self.conn.execute("INSERT INTO events (run_id, card_id, created, level, kind, message) VALUES (?,?,?,?,?,?)",
-                              (run_id, card_id, time.time(), level, kind, message))
+                              (run_id, card_id, time.time(), level, kind, scrub(message)))
 
     def note_iteration(self, run_id: str, card_id: str, iterations: int) -> None:
         """Record that `iterations` search iterations are done for a card. Iterations that

@@ -50,6 +50,11 @@ class ModelCheck:
     graph_package_us: float | None = None
     graph_package_iqr_us: float | None = None
     graph_error: str = ""
+    # The forward under torch.compile and kforge.compile, default and reduce-overhead, timed in the
+    # same interleaved rounds ({} when not measured): name (COMPILED) -> (median µs, iqr µs).
+    compiled: dict = dataclasses.field(default_factory=dict)
+    compile_hits: tuple = ()  # cards whose kernels ran inside kforge.compile's graphs
+    compile_error: str = ""
 
     @property
     def speedup(self) -> float:
@@ -93,6 +98,35 @@ class ModelCheck:
         noise: host overhead, not the GPU, sets its pace."""
         return self.graphed and self.eager_us - self.graph_eager_us > self.noise_us
 
+    def compile_verdict(self, mode: str = "") -> str | None:
+        """kforge.compile against torch.compile (mode "" or "reduce-overhead"), by the same noise
+        rule; None when not measured."""
+        suffix = f" {mode}" if mode else ""
+        ours, theirs = self.compiled.get("kforge.compile" + suffix), self.compiled.get("torch.compile" + suffix)
+        if ours is None or theirs is None:
+            return None
+        return _compare(theirs[0], ours[0], _noise(theirs[0], theirs[1], ours[1]))
+
+    def _compile_message(self) -> str:
+        if self.compile_error:
+            return f"; not timed under torch.compile ({self.compile_error})"
+        if not self.compiled:
+            return ""
+        parts = []
+        for mode in ("", "reduce-overhead"):
+            verdict = self.compile_verdict(mode)
+            if verdict is None:
+                continue
+            suffix = f" {mode}" if mode else ""
+            (t, _), (k, _) = self.compiled["torch.compile" + suffix], self.compiled["kforge.compile" + suffix]
+            parts.append(f"torch.compile{suffix} {t:.1f} µs, kforge.compile{suffix} {k:.1f} µs: {t / k:.3f}x, {verdict}")
+        line = "; " + "; ".join(parts)
+        if "faster" not in (self.compile_verdict(), self.compile_verdict("reduce-overhead")):
+            line += (". kforge.compile is not faster than torch.compile on this model: compile it with torch.compile "
+                     "alone, or drop the cards its graphs ran (" + (", ".join(self.compile_hits) or "none") +
+                     ") from the package and check again")
+        return line
+
     def message(self) -> str:
         line = (f"model forward on {self.device}: eager {self.eager_us:.1f} µs (iqr {self.eager_iqr_us:.1f}), "
                 f"with the package {self.package_us:.1f} µs (iqr {self.package_iqr_us:.1f}): "
@@ -121,13 +155,14 @@ class ModelCheck:
         elif self.verdict == "unused":
             line += ("; no call of this forward reached the package's kernels (other shapes, dtypes or device "
                      "than the capture's): the package does nothing for it")
-        return line
+        return line + self._compile_message()
 
     def to_json(self) -> dict:
         """The fields, and the verdicts derived from them."""
         return {**dataclasses.asdict(self), "speedup": self.speedup, "verdict": self.verdict,
                 "graph_speedup": self.graph_speedup, "graph_verdict": self.graph_verdict,
-                "launch_bound": self.launch_bound}
+                "launch_bound": self.launch_bound, "compile_verdict": self.compile_verdict(),
+                "compile_graph_verdict": self.compile_verdict("reduce-overhead")}
 
 
 def _noise(eager_us: float, *iqrs_us: float) -> float:
@@ -230,8 +265,32 @@ def time_graphs(forward, package, *, calls: int, rounds: int, device=None,
             del packaged  # before the uninstall unloads the kernels it launches
 
 
+COMPILED = ("torch.compile", "kforge.compile", "torch.compile reduce-overhead", "kforge.compile reduce-overhead")
+
+
+def compiled_forwards(model: torch.nn.Module, package, forward_of, *, launcher=None) -> dict[str, Any]:
+    """COMPILED name -> a forward of `model` compiled that way, compiled and warmed up here (three
+    calls each: cudagraph trees record on a later call than the first). `forward_of(m)` is the
+    forward to time with `m` in place of the model."""
+    from .inductor import compile as kforge_compile
+
+    makers = {"torch.compile": lambda: torch.compile(model),
+              "kforge.compile": lambda: kforge_compile(model, package, launcher=launcher),
+              "torch.compile reduce-overhead": lambda: torch.compile(model, mode="reduce-overhead"),
+              "kforge.compile reduce-overhead": lambda: kforge_compile(model, package, launcher=launcher,
+                                                                       mode="reduce-overhead")}
+    forwards = {}
+    for name in COMPILED:
+        fn = forward_of(makers[name]())
+        for _ in range(3):
+            fn()
+        forwards[name] = fn
+    return forwards
+
+
 def check_model(model: torch.nn.Module, example_inputs: Any, package, *, rounds: int = 10, calls: int | None = None,
-                budget_s: float = 10.0, graphs: bool = True, **install_options: Any) -> ModelCheck:
+                budget_s: float = 10.0, graphs: bool = True, with_compile: bool = False,
+                **install_options: Any) -> ModelCheck:
     """Time `model` on `example_inputs` eager and under `package.apply(**install_options)`,
     interleaved: `rounds` rounds of `calls` forwards each (calls=None: about a millisecond of
     forwards per sample), in eval mode under torch.inference_mode, as a deployed forward runs and
@@ -242,7 +301,10 @@ def check_model(model: torch.nn.Module, example_inputs: Any, package, *, rounds:
     for all rounds (unless install_options names a launcher). On a CUDA device (and with
     `graphs`) the forward is then replayed from CUDA graphs too, eager and with the package;
     a forward a graph cannot hold (one that syncs with the host, say) is reported in
-    graph_error, not raised."""
+    graph_error, not raised. With `with_compile` (CUDA only), the same rounds also time the forward
+    under torch.compile and kforge.compile, default and reduce-overhead (COMPILED), and the check
+    says whether kforge.compile beats torch.compile; a model that does not compile is reported in
+    compile_error."""
     args, kwargs = _as_call(example_inputs, None)
     dev = _model_device(model, args, kwargs)
 
@@ -261,8 +323,10 @@ def check_model(model: torch.nn.Module, example_inputs: Any, package, *, rounds:
         one = max(time.perf_counter() - t0, 1e-7)
         if calls is None:
             calls = max(1, min(20, math.ceil(1e-3 / one)))
-        # Each round runs both entries, each an untimed call then `calls` timed ones; plus 2 warm-up rounds.
-        per_round = 2 * (1 + calls) * one
+        with_compile = with_compile and dev.type == "cuda"
+        # Each round runs every entry (eager, the package, and COMPILED's with_compile), each an
+        # untimed call then `calls` timed ones; plus 2 warm-up rounds.
+        per_round = (2 + len(COMPILED) * with_compile) * (1 + calls) * one
         if (MIN_ROUNDS + 2) * per_round > 3 * budget_s:
             raise KforgeError(f"one forward takes {one:.3g} s, so the model check would take "
                               f"{(MIN_ROUNDS + 2) * per_round:.3g} s; time the model with and without the "
@@ -270,12 +334,36 @@ def check_model(model: torch.nn.Module, example_inputs: Any, package, *, rounds:
         rounds = max(MIN_ROUNDS, min(rounds, int(budget_s / per_round) - 2))
         if "launcher" not in install_options and any(c.dispatched for c in package.cards):
             install_options = {**install_options, "launcher": package.launcher()}
-        hits0 = sum(c.counters.hits for c in package.cards)
-        eager, packaged = timing.time_as_called(
-            [(contextlib.nullcontext, forward), (lambda: package.apply(**install_options), forward)],
-            calls=calls, rounds=rounds, device=dev)
-        hits = sum(c.counters.hits for c in package.cards) - hits0
-        check = ModelCheck(eager.median, eager.iqr, packaged.median, packaged.iqr, str(dev), calls, rounds, hits)
+        compiled, compile_error, compile_hits = {}, "", ()
+        if with_compile:
+            before = {c.id: c.counters.hits for c in package.cards}
+            try:
+                compiled = compiled_forwards(model, package, lambda m: lambda: m(*args, **kwargs),
+                                             launcher=install_options.get("launcher"))
+            except Exception as e:  # noqa: BLE001 (a model torch.compile cannot take: said, not raised)
+                compile_error = _first_line(e)
+            compile_hits = tuple(c.id for c in package.cards if c.counters.hits > before[c.id])
+
+        def total_hits() -> int:
+            return sum(c.counters.hits for c in package.cards)
+
+        in_graphs = [0]  # hits of the compiled forwards' rounds, which are not the eager package's
+
+        @contextlib.contextmanager
+        def counted_apart():
+            h = total_hits()
+            yield
+            in_graphs[0] += total_hits() - h
+
+        hits0 = total_hits()
+        entries = [(contextlib.nullcontext, forward), (lambda: package.apply(**install_options), forward)]
+        measured = timing.time_as_called(entries + [(counted_apart, fn) for fn in compiled.values()],
+                                         calls=calls, rounds=rounds, device=dev)
+        eager, packaged = measured[:2]
+        hits = total_hits() - hits0 - in_graphs[0]
+        check = ModelCheck(eager.median, eager.iqr, packaged.median, packaged.iqr, str(dev), calls, rounds, hits,
+                           compiled={n: (m.median, m.iqr) for n, m in zip(compiled, measured[2:])},
+                           compile_hits=compile_hits, compile_error=compile_error)
         if graphs and dev.type == "cuda" and hits:
             try:
                 with torch.cuda.device(dev):  # graphed() captures on the current device's streams

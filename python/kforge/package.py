@@ -663,15 +663,23 @@ class CastPackage:
         if self.installed:
             raise PackageError(f"{self.path} is already installed; call uninstall() first")
         dispatcher = dispatcher or Dispatcher.shared("CUDA")
-        # Variant ids are positions among all dispatched cards (the launcher's registry order);
-        # region cards are dispatched by kforge.optimize, not by an aten override.
-        active = [(i, c) for i, c in enumerate(c for c in self.cards if c.dispatched) if c.card.region is None]
+        active = self.variants(launcher)
         if active:
-            launcher = launcher or self.launcher()
-            dispatcher.add(self, [Variant(c.card, i, launcher, tuple(n for n, _ in c.candidate.plan.workspace_bytes()),
-                                          c.counters) for i, c in active])
+            dispatcher.add(self, active)
         self._dispatcher = dispatcher
-        log.info("installed %s: %d kernels over %s", self.path, len(active), ", ".join(sorted({c.card.op for _, c in active})))
+        log.info("installed %s: %d kernels over %s", self.path, len(active), ", ".join(sorted({v.card.op for v in active})))
+
+    def variants(self, launcher: Launcher | None = None) -> list[Variant]:
+        """The dispatched single-op cards' kernels, in card order, launched by `launcher`
+        (default: a new self.launcher()); each counts into its card's counters. Variant ids
+        are positions among all dispatched cards (the launcher's registry order); region cards
+        are dispatched by kforge.optimize, not by an aten override."""
+        active = [(i, c) for i, c in enumerate(c for c in self.cards if c.dispatched) if c.card.region is None]
+        if not active:
+            return []
+        launcher = launcher or self.launcher()
+        return [Variant(c.card, i, launcher, tuple(n for n, _ in c.candidate.plan.workspace_bytes()), c.counters)
+                for i, c in active]
 
     def launcher(self) -> RegistryLauncher:
         """The C++ registry of the dispatched cards' kernels, loaded on the current device (in
@@ -702,6 +710,27 @@ class CastPackage:
             yield self
         finally:
             self.uninstall()
+
+    # ---- inside torch.compile (kforge.inductor) ---------------------------------------
+    @property
+    def digest(self) -> str:
+        """Identity of what this package does here: its manifest (which holds every kernel's hash)
+        and each card's decision on this machine. Inductor's caches key on it."""
+        state = [self.manifest, [(c.id, c.decision) for c in self.cards]]
+        return hashlib.sha256(json.dumps(state, sort_keys=True, default=str).encode()).hexdigest()
+
+    def compile(self, model: Any, **torch_compile_options: Any) -> Any:
+        """kforge.compile(model, self, ...): torch.compile with this package's kernels in the graphs."""
+        from .inductor import compile
+
+        return compile(model, self, **torch_compile_options)
+
+    def inductor_options(self, *, launcher: Launcher | None = None) -> dict:
+        """Options for torch.compile(model, options=...) that install this package's pass (see
+        kforge.inductor.options)."""
+        from .inductor import options
+
+        return options(self, launcher=launcher)
 
     # ---- auditing ---------------------------------------------------------------------
     def report(self, fmt: str = "dict") -> dict | Table:

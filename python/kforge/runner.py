@@ -27,12 +27,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from .capture import module_path
 from .cards import Card, load_cards
-from .errors import CardError, KforgeError
+from .errors import CardError, KforgeError, ProposerUnavailable
 from .hardware import Hardware, current
 from .log import SearchLog
 from .proposers.base import Proposer
-from .search.mcts import Budget, SearchProgress, Spend, search_card
+from .search.mcts import Budget, SearchOutcome, SearchProgress, search_card
+from .spend import Spend
 from .verdict import Evaluator
 
 # Without a GPU nothing can be ranked, so only a few first versions per card are compiled:
@@ -64,6 +66,9 @@ class CardResult:
     speedup: float | None
     note: str  # why it was skipped, or what its candidates' verdicts were
     search_s: float = 0.0  # evaluation wall time spent on the card (sum over its candidates)
+    calls: int | None = None
+    share: float | None = None  # of the captured runtime
+    module: str = ""  # where in the model it ran (capture.module_path)
 
 
 @dataclass
@@ -82,7 +87,9 @@ class RunResult:
         return results_table(self.table, f"run {self.run_id}")
 
 
-def results_table(rows: list[CardResult], title: str) -> Table:
+def results_table(rows: list[CardResult], title: str, limit: int | None = None, searched_only: bool = False) -> Table:
+    """Cards ranked by share with their search results; with `searched_only`, the skipped ones
+    are left out, and `limit` keeps the first rows (the caption says how many are not shown)."""
     t = Table(title=title, title_justify="left")
     t.add_column("op", overflow="fold", ratio=3)
     t.add_column("family")
@@ -90,9 +97,17 @@ def results_table(rows: list[CardResult], title: str) -> Table:
     for col in ("iters", "time", "eager µs", "best µs", "speedup"):
         t.add_column(col, justify="right")
     t.add_column("note", overflow="fold", ratio=2)
-    for r in rows:
+    for col, justify in (("calls", "right"), ("share", "right"), ("card", "left"), ("module", "left")):
+        t.add_column(col, justify=justify, overflow="fold")
+    picked = [r for r in rows if r.status != "skipped"] if searched_only else rows
+    shown = picked[:limit] if limit is not None else picked
+    for r in shown:
         t.add_row(r.summary, r.family, r.status, str(r.iterations), f"{r.search_s:.0f} s" if r.search_s else "-",
-                  _us(r.eager_us), _us(r.best_us), _speedup(r.speedup), r.note)
+                  _us(r.eager_us), _us(r.best_us), _speedup(r.speedup), r.note,
+                  str(r.calls) if r.calls is not None else "-", f"{r.share:.1%}" if r.share is not None else "-",
+                  r.card_id, r.module or "-")
+    if len(shown) < len(rows):
+        t.caption = f"{len(rows) - len(shown)} more cards not shown (skipped ones and the smallest; --all lists them)"
     return t
 
 
@@ -212,11 +227,16 @@ def run(model=None, example_inputs=None, out: str | Path | None = "model.cast", 
         max_cost_usd: float | None = None, seed: int = 0, progress: bool = True, *,
         proposer_options: dict | None = None, evaluator_factory: EvaluatorFactory | None = None,
         cards: Sequence[str] | None = None, ops: Sequence[str] | None = None, console: Console | None = None,
-        model_name: str | None = None, check_model: bool = True, regions: bool = False) -> RunResult:
+        model_name: str | None = None, check_model: bool = True,
+        capture_progress: Callable[[str], None] | None = None, regions: bool = False) -> RunResult:
     """Capture `model` on `example_inputs`, search kernels for its cards and package the winners.
 
     proposer: "builtin", "llm", "llm:<model>" (options in proposer_options), or a callable
-      returning a Proposer (called once per evaluation worker).
+      returning a Proposer (called once per evaluation worker). For "llm", proposer_options
+      are LLMConfig settings (base_url, model, price=(prompt, completion) USD per 1M tokens,
+      max_reply_tokens, temperature or "none", top_p, reasoning_effort, extra_headers,
+      extra_body, config_file, ...); the endpoint is checked before the capture.
+    max_cost_usd: a hard limit on the run's LLM spend, checked before every call.
     resume: continue the run in `run_dir` from its cards and search log, without capturing.
     evaluator_factory(run_dir, device): the evaluator of one worker (device None: no GPU);
       default `default_evaluator`.
@@ -224,6 +244,7 @@ def run(model=None, example_inputs=None, out: str | Path | None = "model.cast", 
     ops: only search cards whose op name contains one of these (e.g. ["softmax", "group_norm"]).
     check_model: when a package was written, time the model's forward eager and with the
       package (kforge.modelcheck) and say in result.model_check whether it is faster.
+    capture_progress: called with a line as each stage of the capture starts.
     regions: also capture region cards (fused multi-op regions, kforge.region_capture) and
       search them like any card.
     Ctrl-C raises RunInterrupted (a KeyboardInterrupt) after marking the run interrupted.
@@ -235,11 +256,15 @@ def run(model=None, example_inputs=None, out: str | Path | None = "model.cast", 
     else:
         if model is None:
             raise KforgeError("run() needs a model and example inputs (or resume=True with a run_dir)")
-        if isinstance(proposer, str):  # an unknown or misconfigured proposer fails before the capture
-            _make_proposer(proposer, proposer_options or {}).close()
+        if isinstance(proposer, str):  # an unknown, misconfigured or unreachable proposer fails before the capture
+            trial = _make_proposer(proposer, proposer_options or {})
+            try:
+                trial.preflight(Spend(max_cost_usd=max_cost_usd))
+            finally:
+                trial.close()
         from .capture import capture
 
-        run_dir = capture(model, example_inputs, run_dir, regions=regions).run_dir
+        run_dir = capture(model, example_inputs, run_dir, progress=capture_progress, regions=regions).run_dir
         model_name = model_name or type(model).__name__
     result = search_run(run_dir, out=out, proposer=proposer, iterations=iterations, min_share=min_share,
                         include_vendor=include_vendor, devices=devices, wall_time_s=wall_time_s,
@@ -323,8 +348,10 @@ def search_run(run_dir: str | Path, *, out: str | Path | None = None, proposer: 
         budget = Budget(iterations=iterations if validated else min(iterations, COMPILE_ONLY_ITERATIONS),
                         deadline=time.monotonic() + wall_time_s if wall_time_s else None, max_cost_usd=max_cost_usd)
         factory = evaluator_factory or default_evaluator
+        spend = Spend.from_log(log, run_id, max_cost_usd=budget.max_cost_usd, max_tokens=budget.max_tokens)
         first = _make_proposer(proposer, proposer_options or {})
         try:
+            first.preflight(spend)
             chosen = []
             for card in all_cards:
                 log.upsert_card(run_id, card, hardware.floor_us(card.io_bytes()))
@@ -334,10 +361,15 @@ def search_run(run_dir: str | Path, *, out: str | Path | None = None, proposer: 
                     log.event(run_id, "skip", why, card_id=card.id)
                 else:
                     chosen.append(card)
-            stops = _search_all(chosen, first, proposer, proposer_options or {}, factory, run_dir, run_id, devs,
-                                budget, hardware, seed, progress, console, log)
+            outcomes = _search_all(chosen, first, proposer, proposer_options or {}, factory, run_dir, run_id, devs,
+                                   budget, spend, hardware, seed, progress, console, log)
         finally:
             first.close()
+        unanswered = [o for o in outcomes.values() if o.stop_reason == "unavailable"]
+        if unanswered and len(unanswered) == len(outcomes):
+            raise ProposerUnavailable(f"{first.name} gave no answer for any card; the last error: "
+                                      f"{unanswered[-1].stop_detail}", transient=True)
+        stops = {card_id: o.stop_reason for card_id, o in outcomes.items()}
         log.set_run_status(run_id, "done")
         package_path = package_run(run_dir, out, run_id) if validated and out else None
         table = card_results(log.conn, run_id)
@@ -421,17 +453,17 @@ def fair_share(budget: Budget, cards_left: int, workers: int) -> Budget:
 
 def _search_all(cards: list[Card], first: Proposer, proposer_spec: Any, proposer_options: dict,
                 factory: EvaluatorFactory, run_dir: Path, run_id: str, devs: list[int], budget: Budget,
-                hardware: Hardware, seed: int, progress: bool, console: Console | None,
-                log: SearchLog) -> dict[str, str]:
+                spend: Spend, hardware: Hardware, seed: int, progress: bool, console: Console | None,
+                log: SearchLog) -> dict[str, SearchOutcome]:
     """Search every card: inline with one worker, or one thread per GPU pulling cards from a
-    queue, each with its own evaluator, proposer and log connection (SQLite serializes writes)."""
-    spend = Spend.from_log(log, run_id)
+    queue, each with its own evaluator, proposer and log connection (SQLite serializes writes).
+    `spend` is the run's: every worker's proposer charges it, so its limits are run-wide."""
     view = _ProgressView(console, progress)
     for card in cards:
         done = log.card_iterations(run_id, card.id)
         best = log.rows("SELECT best_speedup FROM cards WHERE run_id=? AND card_id=?", (run_id, card.id))[0][0]
         view.add(card, budget.iterations, done, best)
-    stops: dict[str, str] = {}
+    outcomes: dict[str, SearchOutcome] = {}
     todo: queue.Queue[Card] = queue.Queue()
     for card in cards:
         todo.put(card)
@@ -448,7 +480,7 @@ def _search_all(cards: list[Card], first: Proposer, proposer_spec: Any, proposer
                 share = fair_share(budget, todo.qsize() + 1, max(len(devs), 1))
                 outcome = search_card(card, proposer, evaluator, wlog, run_id, budget=share, hardware=hardware,
                                       rng_seed=seed, on_progress=view.update, spend=spend, cancel=cancel)
-                stops[card.id] = outcome.stop_reason
+                outcomes[card.id] = outcome
                 view.finish(card.id)
         finally:
             evaluator.close()
@@ -456,7 +488,7 @@ def _search_all(cards: list[Card], first: Proposer, proposer_spec: Any, proposer
     with view.progress:
         if len(devs) <= 1:
             work(devs[0] if devs else None, first, log)
-            return stops
+            return outcomes
         errors: list[BaseException] = []
 
         def thread_main(device: int) -> None:
@@ -485,7 +517,7 @@ def _search_all(cards: list[Card], first: Proposer, proposer_spec: Any, proposer
             raise
         if errors:
             raise errors[0]
-    return stops
+    return outcomes
 
 
 def card_results(conn: sqlite3.Connection, run_id: str) -> list[CardResult]:
@@ -499,7 +531,8 @@ def card_results(conn: sqlite3.Connection, run_id: str) -> list[CardResult]:
         note = row["skip_reason"] or ", ".join(f"{n} {v}" for v, n in counts) or "no candidates"
         spent = conn.execute("SELECT COALESCE(SUM(eval_s), 0) FROM candidates WHERE run_id=? AND card_id=?",
                              (run_id, row["card_id"])).fetchone()[0]
+        card = Card.from_json(json.loads(row["card_json"]))
         out.append(CardResult(row["card_id"], row["op"], row["family"], row["summary"], row["status"],
                               row["iterations"], row["eager_us"], best["kernel_us"] if best else None,
-                              row["best_speedup"], note, spent))
+                              row["best_speedup"], note, spent, row["calls"], row["share"], module_path(card)))
     return out

@@ -7,6 +7,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .redact import scrub
+
 
 class Verdict(str, enum.Enum):
     COMPILE_ERROR = "compile_error"
@@ -81,6 +83,12 @@ class EvalResult:
     max_abs_err: float | None = None
     max_rel_err: float | None = None
     flags: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # Every text of a verdict reaches the search log, the dashboard and the next prompt:
+        # no secret and no unbounded host output in any of them.
+        self.message = scrub(self.message)
+        self.compile_log = scrub(self.compile_log)
 
     @property
     def speedup(self) -> float | None:

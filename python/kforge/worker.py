@@ -423,6 +423,13 @@ def prepare(card: Card, run_dir: str | Path, device: torch.device, fresh_sets: i
     return sets[:-1], sets[-1]
 
 
+def record_tolerances(evidence: dict, s: InputSet) -> None:
+    """Add the tolerances a candidate passed on input set `s` to its evidence: per set, one per
+    observed tensor (what the package's manifest and the dashboard read back)."""
+    evidence.setdefault("tolerances", {})[s.name] = [t.to_json() for t in s.tolerances]
+    evidence.setdefault("tolerance", s.tolerances[0].to_json())  # the first output on the first set
+
+
 # ---- judging one candidate ------------------------------------------------------------
 
 class Rejected(Exception):
@@ -576,8 +583,7 @@ class Judge:
         f = V.check_repeatable(got1, got2, s.tolerances if self.cand.knobs.get("atomics") else None)
         if f:
             self._reject(f, s)
-        self.evidence.setdefault("tolerances", {})[s.name] = [t.to_json() for t in s.tolerances]
-        self.evidence.setdefault("tolerance", s.tolerances[0].to_json())  # the first output on the first set
+        record_tolerances(self.evidence, s)
 
     def _time(self) -> EvalResult:
         o, card = self.opts, self.card

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from ..candidate import Candidate
 from ..cards import Card
-from ..errors import ProposerError
 from ..hardware import Hardware
+from ..spend import Spend
 from ..verdict import EvalResult
 
 
@@ -38,21 +38,6 @@ class ProposalContext:
 @dataclass
 class Proposal:
     candidate: Candidate
-    # LLM accounting for this proposal (zero for the builtin proposer)
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cost_usd: float = 0.0
-
-
-class ProposalFailed(ProposerError):
-    """No usable candidate, after calls that cost tokens: the search still counts them
-    against its budgets and logs them."""
-
-    def __init__(self, message: str, *, prompt_tokens: int = 0, completion_tokens: int = 0, cost_usd: float = 0.0):
-        super().__init__(message)
-        self.prompt_tokens = prompt_tokens
-        self.completion_tokens = completion_tokens
-        self.cost_usd = cost_usd
 
 
 class Proposer(abc.ABC):
@@ -65,11 +50,22 @@ class Proposer(abc.ABC):
     @abc.abstractmethod
     def propose(self, ctx: ProposalContext) -> Proposal:
         """A new candidate: a first version when ctx.parent is None, else a revision of it.
-        Raises ProposerError when it has nothing new to offer (ProposalFailed when that cost tokens)."""
+        Raises ProposerError when it has nothing new to offer, ProposerUnavailable when its
+        service gives no answer, BudgetExhausted when a paid call would pass the run's limits."""
 
     def repair(self, ctx: ProposalContext, failed: Tried) -> Proposal | None:
         """A fix for a candidate that failed to compile, load or run; None if it cannot."""
         return None
+
+    def bind(self, log, run_id: str, spend: Spend) -> None:
+        """Where a proposer that pays for its calls records each attempt (the log's llm_calls)
+        and charges it (`spend`, whose limits it checks before every call). The search calls it
+        before asking; a proposer that pays nothing ignores it."""
+
+    def preflight(self, spend: Spend) -> None:
+        """Raise now if this proposer cannot work for a run with `spend`'s limits (endpoint
+        down, a cost budget it cannot price): called before a run's capture, so that a dead
+        endpoint costs seconds, not a capture and a search of failures."""
 
     def close(self) -> None:
         """Release clients, connections."""

@@ -18,10 +18,11 @@ from typing import Callable
 
 from ..candidate import Candidate
 from ..cards import Card
-from ..errors import BudgetExhausted
+from ..errors import BudgetExhausted, ProposerUnavailable
 from ..hardware import Hardware
 from ..log import SearchLog
-from ..proposers.base import Proposal, ProposalContext, ProposalFailed, Proposer, Tried
+from ..proposers.base import Proposal, ProposalContext, Proposer, Tried
+from ..spend import Spend
 from ..verdict import EvalResult, Evaluator, Verdict
 from . import policy as P
 from .tree import Node, Tree
@@ -34,7 +35,7 @@ class Budget:
     iterations: int = 50  # per card, counted across resumes; repairs belong to their iteration
     wall_time_s: float | None = None  # per card, from when this session starts searching it
     deadline: float | None = None  # time.monotonic() after which no card starts an iteration (run-wide)
-    max_cost_usd: float | None = None  # LLM spend, run-wide (see Spend)
+    max_cost_usd: float | None = None  # LLM spend, run-wide: the limits of the run's Spend
     max_tokens: int | None = None
     near_floor: float = 0.9  # stop once the best kernel reaches this fraction of the HBM floor
     stagnation: int = 10  # iterations without a new best before exploring harder from the root
@@ -51,33 +52,7 @@ class Policy:
     alpha_end: float = 0.25
     stagnation_boost: float = 2.0  # c is multiplied by this while the search is stagnant
     proposer_retries: int = 2  # proposer failures (errors, duplicates) at a node before giving up on it
-
-
-class Spend:
-    """LLM tokens and cost spent so far, shared by every card of a run (thread-safe)."""
-
-    def __init__(self, tokens: int = 0, cost_usd: float = 0.0):
-        self._lock = threading.Lock()
-        self.tokens = tokens
-        self.cost_usd = cost_usd
-
-    @classmethod
-    def from_log(cls, log: SearchLog, run_id: str) -> "Spend":
-        tokens, cost = log.llm_spend(run_id)
-        return cls(tokens, cost)
-
-    def add(self, tokens: int, cost_usd: float) -> None:
-        with self._lock:
-            self.tokens += tokens
-            self.cost_usd += cost_usd
-
-    def over(self, budget: Budget) -> str | None:
-        """Which LLM budget is spent, if any."""
-        if budget.max_cost_usd is not None and self.cost_usd >= budget.max_cost_usd:
-            return "cost"
-        if budget.max_tokens is not None and self.tokens >= budget.max_tokens:
-            return "tokens"
-        return None
+    unavailable_after: int = 3  # consecutive asks that got no answer from the proposer's service before the card stops
 
 
 @dataclass(frozen=True)
@@ -97,8 +72,9 @@ class SearchOutcome:
     best: Tried | None  # fastest valid candidate (tried.id is its log row)
     iterations: int  # done in total, resumed ones included
     evaluated: int  # candidates evaluated by this call
-    stop_reason: str  # iterations | wall_time | cost | tokens | budget | near_floor | no_gain | exhausted | interrupted
+    stop_reason: str  # iterations | wall_time | cost | tokens | budget | near_floor | no_gain | exhausted | interrupted | unavailable
     tree: Tree = field(repr=False)
+    stop_detail: str = ""  # the proposer's last error when it was unavailable
 
     @property
     def best_speedup(self) -> float | None:
@@ -133,6 +109,7 @@ class _CardSearch:
         self.tree = Tree.replay(log.candidates(run_id, card.id))
         self.best = self.tree.best()
         self.evaluated = 0
+        self.unanswered = 0  # consecutive asks the proposer's service did not answer
 
     # ---- the loop ---------------------------------------------------------------------
     def run(self, rng_seed: int, on_progress: Callable[[SearchProgress], None] | None) -> SearchOutcome:
@@ -141,6 +118,7 @@ class _CardSearch:
         rng = random.Random(f"{rng_seed}:{self.card.id}:{it}")
         started = time.monotonic()
         c, stagnant, from_root = self.policy.c, 0, False
+        detail = ""
         while True:
             stop = self._stop_reason(it, started)
             if stop:
@@ -158,7 +136,12 @@ class _CardSearch:
                 last = self._expand(leaf, it, rng)
             except BudgetExhausted as e:
                 self.log.event(self.run_id, "budget", str(e), card_id=self.card.id)
-                stop = "budget"
+                stop = e.reason
+                break
+            except ProposerUnavailable as e:
+                if not e.transient:  # no later ask can do better: the run stops
+                    raise
+                stop, detail = "unavailable", str(e)  # it stayed down for unavailable_after asks
                 break
             it += 1
             self.log.note_iteration(self.run_id, self.card.id, it)
@@ -175,7 +158,8 @@ class _CardSearch:
                 on_progress(SearchProgress(self.card.id, it, self.budget.iterations, self._best_speedup(),
                                            last.result.verdict.value if last else None))
         self.log.event(self.run_id, "search_done", f"stopped ({stop}) after {it} iterations", card_id=self.card.id)
-        return SearchOutcome(self.card.id, self.best.tried if self.best else None, it, self.evaluated, stop, self.tree)
+        return SearchOutcome(self.card.id, self.best.tried if self.best else None, it, self.evaluated, stop, self.tree,
+                             detail)
 
     def _stop_reason(self, it: int, started: float) -> str | None:
         b, now = self.budget, time.monotonic()
@@ -185,7 +169,7 @@ class _CardSearch:
             return "iterations"
         if (b.wall_time_s is not None and now - started >= b.wall_time_s) or (b.deadline is not None and now >= b.deadline):
             return "wall_time"
-        over = self.spend.over(b)
+        over = self.spend.over()
         if over:
             return over
         best_us = self.best.tried.result.kernel_us if self.best else None
@@ -234,20 +218,26 @@ class _CardSearch:
         return tried
 
     def _ask(self, leaf: Node, what: str, call: Callable[[], Proposal | None]) -> Proposal | None:
-        """Call the proposer; an exception is recorded against the node, never raised
-        (except BudgetExhausted and KeyboardInterrupt, which stop the search)."""
+        """Call the proposer; an exception is recorded against the node, never raised, except
+        BudgetExhausted and KeyboardInterrupt, a ProposerUnavailable that is not transient, and
+        a transient one that lasted `unavailable_after` asks: these stop the search."""
         try:
-            return call()
+            proposal = call()
         except (BudgetExhausted, KeyboardInterrupt):
             raise
         except Exception as e:  # any proposer bug or bad reply becomes a recorded failure
-            if isinstance(e, ProposalFailed):
-                self._charge(e)
-                self._record_llm(self.proposer.name, e, None, error=str(e))
             self.log.event(self.run_id, "proposer_error", f"{what} failed: {type(e).__name__}: {e}",
                            level="warning", card_id=self.card.id)
+            if isinstance(e, ProposerUnavailable):  # the service's fault, not the node's
+                self.unanswered += 1
+                if not e.transient or self.unanswered >= self.policy.unavailable_after:
+                    raise
+                return None
+            self.unanswered = 0  # it answered, if not usefully
             self._proposer_failed(leaf)
             return None
+        self.unanswered = 0
+        return proposal
 
     def _proposer_failed(self, leaf: Node) -> None:
         leaf.proposer_failures += 1
@@ -258,10 +248,8 @@ class _CardSearch:
         """Evaluate a proposal, log it, add it to the tree and back its reward up.
         None when it was a duplicate of something already evaluated (not re-evaluated)."""
         cand = proposal.candidate
-        self._charge(proposal)
         digest = cand.digest()
         if digest in self.tree.digests:
-            self._record_llm(cand.proposer, proposal, None)
             self.log.event(self.run_id, "duplicate", f"candidate {digest} was already evaluated; skipped",
                            card_id=self.card.id)
             self._proposer_failed(leaf)
@@ -270,7 +258,6 @@ class _CardSearch:
         reward = P.result_reward(result)
         row = self.log.add_candidate(self.run_id, self.card.id, cand, result, parent_id=leaf.id, iteration=it,
                                      reward=reward, repair_of=repair_of, eval_s=eval_s)
-        self._record_llm(cand.proposer, proposal, row)
         tried = Tried(cand, result, row)
         node = self.tree.add(tried, leaf, digest)
         Tree.backpropagate(node, reward)
@@ -294,20 +281,6 @@ class _CardSearch:
                                 evidence={"evaluator_error": repr(e)})
         return result, time.monotonic() - t0
 
-    def _charge(self, usage: Proposal | ProposalFailed) -> None:
-        """Count LLM spend against the run-wide budgets, before the (slow) evaluation."""
-        tokens = usage.prompt_tokens + usage.completion_tokens
-        if tokens or usage.cost_usd:
-            self.spend.add(tokens, usage.cost_usd)
-
-    def _record_llm(self, proposer: str, usage: Proposal | ProposalFailed, row: int | None,
-                    error: str | None = None) -> None:
-        """Log LLM spend (linked to the candidate it produced, if any), so a resume counts it."""
-        if usage.prompt_tokens or usage.completion_tokens or usage.cost_usd:
-            self.log.add_llm_call(self.run_id, self.card.id, proposer, prompt_tokens=usage.prompt_tokens,
-                                  completion_tokens=usage.completion_tokens, cost_usd=usage.cost_usd,
-                                  candidate_id=row, status="error" if error else "ok", error=error)
-
 
 def search_card(card: Card, proposer: Proposer, evaluator: Evaluator, log: SearchLog, run_id: str, *,
                 budget: Budget = Budget(), hardware: Hardware, rng_seed: int = 0, repair_attempts: int = 2,
@@ -317,19 +290,27 @@ def search_card(card: Card, proposer: Proposer, evaluator: Evaluator, log: Searc
 
     The card is registered in the log (status 'searching', then 'done'). `spend` is shared
     by the cards of a run so LLM budgets are run-wide; without it, it starts from what the
-    log says this run already spent. Setting `cancel` (another thread's Ctrl-C) stops it
-    before the next iteration with stop_reason 'interrupted'; KeyboardInterrupt in this
+    log says this run already spent, with the budget's limits. The proposer records and
+    charges its calls there (Proposer.bind). Setting `cancel` (another thread's Ctrl-C) stops
+    it before the next iteration with stop_reason 'interrupted'; KeyboardInterrupt in this
     thread propagates. Either way everything evaluated is in the log, the card stays
-    'searching' and resumes later.
+    'searching' and resumes later. A proposer whose service stays unavailable leaves the card
+    'failed' (stop_reason 'unavailable'); one that refuses for good raises ProposerUnavailable
+    with the card left 'searching': neither is 'done', as no answer came.
     """
     log.upsert_card(run_id, card, hardware.floor_us(card.io_bytes()))
     log.set_card_status(run_id, card.id, "searching")
-    search = _CardSearch(card, proposer, evaluator, log, run_id, budget, hardware, policy,
-                         spend if spend is not None else Spend.from_log(log, run_id), repair_attempts, cancel)
+    if spend is None:
+        spend = Spend.from_log(log, run_id, max_cost_usd=budget.max_cost_usd, max_tokens=budget.max_tokens)
+    proposer.bind(log, run_id, spend)
+    search = _CardSearch(card, proposer, evaluator, log, run_id, budget, hardware, policy, spend, repair_attempts,
+                         cancel)
     outcome = search.run(rng_seed, on_progress)
-    if outcome.stop_reason != "interrupted":
+    if outcome.stop_reason == "unavailable":
+        log.set_card_status(run_id, card.id, "failed", f"the proposer gave no answer: {outcome.stop_detail}")
+    elif outcome.stop_reason != "interrupted":
         log.set_card_status(run_id, card.id, "done")
     return outcome
 
 
-__all__ = ["Budget", "Policy", "SearchOutcome", "SearchProgress", "Spend", "search_card", "select"]
+__all__ = ["Budget", "Policy", "SearchOutcome", "SearchProgress", "search_card", "select"]

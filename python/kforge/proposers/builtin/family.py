@@ -29,6 +29,10 @@ class Family:
     spaces: Callable[[Card, Hardware], list[KnobSpace]]
     default: Callable[[Card, Hardware], Knobs]
     build: Callable[[Card, Knobs, Hardware], Candidate]
+    accepts: Callable[[str], bool] | None = None  # ops beyond `ops` (a generator's table)
+
+    def takes(self, op: str) -> bool:
+        return op in self.ops or (self.accepts is not None and self.accepts(op))
 
 
 def launch(name: str, grid, block, args: list[dict], smem: int = 0, cooperative: bool = False,

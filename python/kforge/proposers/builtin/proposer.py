@@ -1,21 +1,29 @@
-"""BuiltinProposer: the default proposer. No network; every candidate is a template
-specialized to the card, and a revision is a neighbourhood move in the template's knobs."""
+"""BuiltinProposer: the default proposer. No network; every candidate is a template or a
+generated kernel specialized to the card, and a revision is a neighbourhood move in the
+knobs. Where a hand-written template and the generator both take a card, their algorithms
+share one knob space (the template's default first: it stays where it wins)."""
 
 from __future__ import annotations
 
 from ...cards import Card
 from ...errors import ProposerError
 from ..base import Proposal, ProposalContext, Proposer, Tried
-from . import batch_norm, group_norm, layer_norm, pointwise, pooling, rms_norm, softmax, space
-from .family import Family, Knobs
+from . import batch_norm, generated, group_norm, layer_norm, pointwise, pooling, rms_norm, softmax, space
+from .family import Family, Knobs, KnobSpace
 
 FAMILIES: tuple[Family, ...] = tuple(m.FAMILY for m in (pointwise, softmax, layer_norm, rms_norm, group_norm,
-                                                      batch_norm, pooling))
+                                                      batch_norm, pooling, generated))
 TIER_WEIGHTS = {1: 4.0, 2: 2.0, 3: 1.0}  # small moves are tried more often than algorithm switches
 
 
 def family_for(card: Card, families: tuple[Family, ...] = FAMILIES) -> Family | None:
-    return next((f for f in families if card.op in f.ops), None)
+    """The first family that takes the card's op (a template before the generator)."""
+    return next((f for f in families if f.takes(card.op)), None)
+
+
+def families_for(card: Card, families: tuple[Family, ...] = FAMILIES) -> list[Family]:
+    """Every family that takes the card's op and does not decline the card."""
+    return [f for f in families if f.takes(card.op) and not f.check(card)]
 
 
 class BuiltinProposer(Proposer):
@@ -24,25 +32,33 @@ class BuiltinProposer(Proposer):
     def __init__(self, families: tuple[Family, ...] = FAMILIES):
         self.families = families
 
-    def _family(self, card: Card) -> Family:
+    def _families(self, card: Card, hw) -> tuple[list[Family], list[KnobSpace]]:
         ok, why = self.supports(card)
         if not ok:
             raise ProposerError(f"the builtin proposer has no template for this card: {why}")
-        return family_for(card, self.families)
+        fams = families_for(card, self.families)
+        return fams, [s for f in fams for s in f.spaces(card, hw)]
 
     def supports(self, card: Card) -> tuple[bool, str]:
-        fam = family_for(card, self.families)
-        if fam is None:
-            return False, f"no builtin template for {card.op}"
-        why = fam.check(card)
-        return (False, f"{fam.name}: {why}") if why else (True, "")
+        takers = [f for f in self.families if f.takes(card.op)]
+        if not takers:
+            return False, f"no builtin template for {card.op} and the code generator declines it"
+        whys = [(f.name, f.check(card)) for f in takers]
+        if any(why is None for _, why in whys):
+            return True, ""
+        return False, "; ".join(f"{name}: {why}" for name, why in whys)
+
+    def _owner(self, card: Card, hw, knobs: Knobs) -> Family:
+        for f in families_for(card, self.families):
+            if any(s["algo"][0] == knobs.get("algo") for s in f.spaces(card, hw)):
+                return f
+        raise ProposerError(f"no builtin family has algorithm {knobs.get('algo')!r} for {card.summary()}")
 
     def propose(self, ctx: ProposalContext) -> Proposal:
-        fam = self._family(ctx.card)
-        spaces = fam.spaces(ctx.card, ctx.hardware)
+        fams, spaces = self._families(ctx.card, ctx.hardware)
         if ctx.parent is None:
-            origin = fam.default(ctx.card, ctx.hardware)
-            first = self._build(fam, ctx, origin)
+            origin = fams[0].default(ctx.card, ctx.hardware)
+            first = self._build(ctx, origin)
             if first.candidate.digest() not in ctx.tried_digests:
                 return first
         else:
@@ -59,23 +75,21 @@ class BuiltinProposer(Proposer):
             k = tiers[tier].pop(ctx.rng.randrange(len(tiers[tier])))
             if not tiers[tier]:
                 del tiers[tier]
-            proposal = self._build(fam, ctx, k)
+            proposal = self._build(ctx, k)
             if proposal.candidate.digest() not in ctx.tried_digests:
                 return proposal
-        raise ProposerError(f"{fam.name}: every knob setting near {origin} has been tried for {ctx.card.summary()}")
+        raise ProposerError(f"{fams[0].name}: every knob setting near {origin} has been tried for {ctx.card.summary()}")
 
     def repair(self, ctx: ProposalContext, failed: Tried) -> Proposal | None:
         """A step toward safety (narrower vectors, fewer threads, ...) from the failed knobs."""
-        fam = self._family(ctx.card)
-        spaces = fam.spaces(ctx.card, ctx.hardware)
+        _, spaces = self._families(ctx.card, ctx.hardware)
         for k in space.safer(spaces, failed.candidate.knobs):
-            proposal = self._build(fam, ctx, k)
+            proposal = self._build(ctx, k)
             if proposal.candidate.digest() not in ctx.tried_digests:
                 return proposal
         return None
 
-    @staticmethod
-    def _build(fam: Family, ctx: ProposalContext, knobs: Knobs) -> Proposal:
-        cand = fam.build(ctx.card, knobs, ctx.hardware)
+    def _build(self, ctx: ProposalContext, knobs: Knobs) -> Proposal:
+        cand = self._owner(ctx.card, ctx.hardware, knobs).build(ctx.card, knobs, ctx.hardware)
         cand.plan.validate(len(ctx.card.inputs), len(ctx.card.outputs))
         return Proposal(cand)

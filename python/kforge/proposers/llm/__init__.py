@@ -2,9 +2,9 @@
 
     from kforge.proposers.llm import LLMProposer
     proposer = LLMProposer(model="gpt-4.1", max_cost_usd=5.0)   # + environment, config file
-    proposer.record_calls(search_log, run_id)
+    proposer.bind(search_log, run_id, Spend(max_cost_usd=5.0))   # what the search does: log and charge each call
 
-config.py (settings, key handling, prices) · client.py (calls, retries, budgets, accounting)
+config.py (settings, key handling) · prices.py (price table) · client.py (calls, retries, budgets, accounting)
 · prompts.py (messages) · parse.py (reply -> Candidate) · proposer.py (the conversation).
 """
 

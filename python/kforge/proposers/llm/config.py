@@ -7,7 +7,13 @@ or $KFORGE_LLM_CONFIG, with the same keys as LLMConfig plus a price table:
     base_url = "http://localhost:8000/v1"
     model = "qwen3-coder"
     max_cost_usd = 5.0
-    [prices."qwen3-coder"]        # USD per 1M tokens
+    max_reply_tokens = 4096       # default 8192, 32768 for reasoning models
+    temperature = "none"          # a number, or "none" to send none (default 0.7; none for reasoning models)
+    top_p = 0.95
+    reasoning_effort = "high"     # sent as is (OpenAI-style reasoning models)
+    extra_headers = {"X-Team" = "kernels"}
+    extra_body = {top_k = 20}     # merged into the request body (vLLM, Ollama, ... options)
+    [prices."qwen3-coder"]        # USD per 1M tokens; the table in prices.py covers the big providers
     prompt = 0.0
     completion = 0.0
 
@@ -15,36 +21,41 @@ Environment variables:
   KFORGE_LLM_BASE_URL (or OPENAI_BASE_URL)   endpoint, e.g. http://localhost:8000/v1
   KFORGE_LLM_MODEL                           model name as the endpoint knows it
   KFORGE_LLM_API_KEY (or OPENAI_API_KEY)     the key; never logged, stored or shown
-  KFORGE_LLM_CONFIG                          path of the config file
+  KFORGE_LLM_CONFIG                          path of the config file (or --llm-config)
 
 The key is held in a Secret whose repr and str are masked, so printing or logging a config
-cannot leak it, and `public()` (what goes into a search log's run config) leaves it out.
+cannot leak it, and `public()` (what goes into a search log's run config) leaves it out, and
+the values of extra headers with it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
 from ...errors import LLMError
+from .prices import PRICES, PRICES_AS_OF, find_price
 
 OPENAI_URL = "https://api.openai.com/v1"
 
-# USD per 1M (prompt, completion) tokens, list prices when this table was written. Models
-# not listed (local servers, new models) cost 0 unless the config file prices them.
-DEFAULT_PRICES: dict[str, tuple[float, float]] = {
-    "gpt-4o": (2.50, 10.00),
-    "gpt-4o-mini": (0.15, 0.60),
-    "gpt-4.1": (2.00, 8.00),
-    "gpt-4.1-mini": (0.40, 1.60),
-    "gpt-5": (1.25, 10.00),
-    "gpt-5-mini": (0.25, 2.00),
-    "o3": (2.00, 8.00),
-    "o4-mini": (1.10, 4.40),
-}
+REPLY_TOKENS = 8192
+# Reasoning models spend most of a reply's tokens thinking before the answer, and the limit
+# covers both: 8192 leaves some with nothing left for the code.
+REASONING_REPLY_TOKENS = 32768
+DEFAULT_TEMPERATURE = 0.7
+_REASONING = re.compile(r"^(o\d+(-|$)|gpt-5|gpt-oss|deepseek-r1|deepseek-reasoner|qwq|magistral|gemini-2\.5|grok-4"
+                        r"|grok-3-mini)"
+                        r"|thinking|reasoner|reasoning|-r1(\b|-|$)")
+
+
+def is_reasoning_model(model: str) -> bool:
+    """A model that thinks before it answers (o-series, gpt-5, DeepSeek-R1, QwQ, ...), by name."""
+    return bool(_REASONING.search(model.rsplit("/", 1)[-1].lower()))
 
 
 class Secret:
@@ -78,11 +89,15 @@ class LLMConfig:
     timeout_s: float = 120.0  # per attempt
     max_retries: int = 4  # retries after the first attempt, on 429 / 5xx / timeouts / connection errors
     max_retry_wait_s: float = 60.0  # longest backoff or Retry-After we sleep through
-    prices: dict[str, tuple[float, float]] = field(default_factory=lambda: dict(DEFAULT_PRICES))
-    max_cost_usd: float | None = None  # budget over every call of this proposer
+    prices: dict[str, tuple[float, float]] = field(default_factory=lambda: dict(PRICES))
+    max_cost_usd: float | None = None  # budget over every call of this proposer (the run's is --max-cost)
     max_tokens: int | None = None  # budget of prompt + completion tokens over every call
-    max_reply_tokens: int = 8192  # cap of one reply, sent to the endpoint
-    temperature: float | None = 0.7  # None: leave it to the endpoint (some models reject it)
+    max_reply_tokens: int | None = None  # cap of one reply, sent to the endpoint; None: by model (see above)
+    temperature: float | str | None = "auto"  # a number; "none" sends none; "auto": 0.7, none for reasoning models
+    top_p: float | None = None
+    reasoning_effort: str | None = None  # e.g. low | medium | high, for models that take it
+    extra_headers: dict[str, str] = field(default_factory=dict)
+    extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request's JSON body
     max_repair_attempts: int = 3  # re-asks after a malformed reply, and repair rounds
 
     def __post_init__(self) -> None:
@@ -92,17 +107,38 @@ class LLMConfig:
             object.__setattr__(self, "api_key", Secret(str(self.api_key)))
         if self.max_retries < 0 or self.max_repair_attempts < 0 or self.timeout_s <= 0:
             raise LLMError("max_retries and max_repair_attempts must be >= 0 and timeout_s > 0")
+        reasoning = is_reasoning_model(self.model)
+        if self.max_reply_tokens is None:
+            object.__setattr__(self, "max_reply_tokens", REASONING_REPLY_TOKENS if reasoning else REPLY_TOKENS)
+        elif isinstance(self.max_reply_tokens, bool) or not isinstance(self.max_reply_tokens, int) \
+                or self.max_reply_tokens < 1:
+            raise LLMError(f"max_reply_tokens must be a whole number >= 1, got {self.max_reply_tokens!r}")
+        object.__setattr__(self, "temperature", _temperature(self.temperature, reasoning))
+        if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise LLMError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        for name in ("extra_headers", "extra_body"):
+            if not isinstance(getattr(self, name), Mapping):
+                raise LLMError(f"{name} must be a table of names and values, got {getattr(self, name)!r}")
+        if self.max_cost_usd is not None:
+            self.require_price("max_cost_usd")
 
-    def price(self) -> tuple[float, float]:
-        """USD per 1M (prompt, completion) tokens: exact model name, else the longest listed
-        prefix (dated snapshots such as gpt-4o-2024-08-06), else free."""
-        if self.model in self.prices:
-            return self.prices[self.model]
-        prefixes = [k for k in self.prices if self.model.startswith(k)]
-        return self.prices[max(prefixes, key=len)] if prefixes else (0.0, 0.0)
+    def price(self) -> tuple[float, float] | None:
+        """USD per 1M (prompt, completion) tokens (prices.find_price), None when unpriced."""
+        return find_price(self.model, self.prices)
+
+    def require_price(self, budget: str) -> tuple[float, float]:
+        """The price, or an LLMError saying how to give one: a cost budget cannot be kept
+        on calls whose cost is unknown."""
+        price = self.price()
+        if price is None:
+            raise LLMError(
+                f"model {self.model!r} has no known price (table of {PRICES_AS_OF}), so the cost budget "
+                f"({budget}) cannot be kept; give its price in USD per 1M tokens with --llm-price PROMPT,COMPLETION "
+                f"(0,0 for a free local model) or a [prices.\"{self.model}\"] table in the --llm-config file")
+        return price
 
     def cost(self, prompt_tokens: int, completion_tokens: int) -> float:
-        p, c = self.price()
+        p, c = self.price() or (0.0, 0.0)  # unpriced runs only without a cost budget (require_price)
         return (prompt_tokens * p + completion_tokens * c) / 1e6
 
     def key_for_client(self) -> str:
@@ -117,8 +153,9 @@ class LLMConfig:
 
     def public(self) -> dict[str, Any]:
         """Everything but the key, JSON-ready (for the search log's run config)."""
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "api_key"}
-        d["prices"] = {k: list(v) for k, v in self.prices.items()}
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("api_key", "prices")}
+        d["price"] = list(self.price()) if self.price() else None
+        d["extra_headers"] = sorted(self.extra_headers)  # names only: values may be credentials
         d["api_key_set"] = self.api_key is not None
         return d
 
@@ -137,32 +174,55 @@ class LLMConfig:
         }
         values.update({k: v for k, v in from_env.items() if v})
         values.update({k: v for k, v in flags.items() if v is not None})
+        # `price` (--llm-price): the price of the model in use, whatever its name resolves to.
+        price = values.pop("price", None)
         known = {f.name for f in fields(LLMConfig)}
         unknown = set(values) - known
         if unknown:
-            raise LLMError(f"unknown LLM settings {sorted(unknown)}; known: {sorted(known)}")
-        if "prices" in values:
-            values["prices"] = {**DEFAULT_PRICES, **_prices(values["prices"])}
+            raise LLMError(f"unknown LLM settings {sorted(unknown)}; known: {sorted(known | {'price'})}")
+        if "prices" in values or price is not None:
+            given = _prices(values.get("prices", {}))
+            if price is not None:
+                given.update(_prices({values.get("model") or "the model": price}))
+            values["prices"] = {**PRICES, **given}
         return LLMConfig(**{"model": "", **values})
 
 
 def _prices(table: Mapping[str, Any]) -> dict[str, tuple[float, float]]:
-    """{"model": {"prompt": p, "completion": c}} or {"model": [p, c]} -> {"model": (p, c)}."""
+    """{"model": {"prompt": p, "completion": c}}, {"model": [p, c]} or {"model": "p,c"} -> {"model": (p, c)}."""
     out = {}
     for model, v in table.items():
         try:
-            p, c = (v["prompt"], v["completion"]) if isinstance(v, Mapping) else v
+            p, c = (v["prompt"], v["completion"]) if isinstance(v, Mapping) else v.split(",") if isinstance(v, str) else v
             out[model] = (float(p), float(c))
+            if min(out[model]) < 0 or not all(map(math.isfinite, out[model])):
+                raise ValueError("negative or not finite")
         except (KeyError, TypeError, ValueError) as e:
             raise LLMError(f"price of {model!r} must be {{prompt = USD/1M, completion = USD/1M}}, got {v!r}") from e
     return out
+
+
+def _temperature(value: Any, reasoning: bool) -> float | None:
+    """The temperature to send: "auto" is 0.7, or none for a reasoning model (they reject
+    any but their default); "none" (or None) sends none."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().lower() in ("auto", "none", "default"):
+        return None if value.strip().lower() != "auto" or reasoning else DEFAULT_TEMPERATURE
+    try:
+        t = float(value)
+    except (TypeError, ValueError):
+        t = -1.0
+    if isinstance(value, bool) or not 0.0 <= t <= 2.0:
+        raise LLMError(f"temperature must be a number from 0 to 2 or \"none\", got {value!r}")
+    return t
 
 
 def _read_file(path: Path) -> dict[str, Any]:
     try:
         text = path.read_text()
     except OSError as e:
-        raise LLMError(f"cannot read LLM config {path}: {e.strerror}; fix KFORGE_LLM_CONFIG or --llm-config") from e
+        raise LLMError(f"cannot read LLM config {path}: {e.strerror}; fix --llm-config or KFORGE_LLM_CONFIG") from e
     try:
         if path.suffix == ".json":
             data = json.loads(text)

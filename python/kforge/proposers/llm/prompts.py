@@ -19,13 +19,18 @@ from ...candidate import Candidate
 from ...cards import Card, TensorMeta, decode_value
 from ...errors import numbered
 from ...hardware import Hardware
+from ...verdict import Verdict
+from ...tolerance import SLACK, bounds
 from ..base import ProposalContext, Tried
+from .references import decomposed, reference_code
 
 # Fixed openings of the user turns, so a scripted test endpoint can tell them apart.
 PROPOSE_HEADING = "Write a CUDA kernel for this operator call."
 REVISE_HEADING = "Write a faster CUDA kernel for this operator call."
 REPAIR_HEADING = "The kernel below failed. Fix it."
 RETRY_HEADING = "Your answer could not be used:"
+
+UNTIMED = "compiled; not run or timed (no GPU where this search runs), so neither right nor wrong"
 
 LINEAGE_CHARS = 12_000  # sources of best + ancestors shown in a revision prompt
 FAILURE_CHARS = 600  # per sibling failure
@@ -47,10 +52,20 @@ shapes, strides and dtypes. Your kernel is compiled with NVRTC, checked against 
 fresh random inputs, timed against PyTorch with the L2 cache flushed, and kept only if it
 is correct and faster.
 
+Compile environment (NVRTC, device code only)
+- Headers: only <cuda_fp16.h> and <cuda_bf16.h>. Other standard includes (<cmath>,
+  <cstdint>, <cfloat>, ...) are dropped with a note; every other header is refused
+  (no <cooperative_groups.h>, no <cuda/std/...>, no files of your own).
+- Predefined, no include needed: INFINITY, NAN, FLT_MAX, FLT_MIN; int8_t, int16_t,
+  int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t. CUDA's device math (expf,
+  rsqrtf, fmaxf, __expf, ...) and intrinsics (__shfl_xor_sync, atomicAdd, ...) are built in.
+- No host code: no main, no <<<...>>> launches, no cudaMalloc, no printf, no malloc.
+  kforge launches the kernels itself from the launch plan.
+- A 64-bit integer parameter is `long long` (what {"i64": v} passes).
+
 Kernel ABI
-- Every kernel is `extern "C" __global__ void name(...)`. Only device code: no host code,
-  no main, no printf, no malloc. Include nothing but <cuda_fp16.h> and <cuda_bf16.h>; use
-  int / long long / unsigned / float / double rather than <cstdint> types.
+- Every kernel is `extern "C" __global__ void name(...)` (or inside an `extern "C" { }`
+  block): templates and C++ names are mangled and cannot be launched by name.
 - Write the kernel yourself in CUDA C++. Do not call cuBLAS, cuDNN, CUTLASS, Thrust, CUB
   or PyTorch; nothing outside your source runs.
 - Kernels are launched by kforge from a launch plan (JSON, data not code). Several kernels
@@ -63,10 +78,21 @@ Kernel ABI
                            {"bytes": n, "zero": true} to have it zeroed before the first kernel
     {"i32": v} int   {"i64": v} long long   {"f32": v} float   {"f64": v} double
 - "grid" and "block" are [x, y, z]; at most 1024 threads per block; "smem" is dynamic
-  shared memory in bytes. "options" are extra NVRTC flags (may be empty). A kernel with
+  shared memory in bytes. "options" are extra NVRTC flags (may be empty; NVRTC
+  has no -O3). A kernel with
   "cooperative": true is launched with every block resident at once, so its blocks may
   wait for each other (a grid-wide barrier on a zeroed workspace counter); a grid too
   large to be resident is refused, so keep it to a few blocks per SM.
+- "cluster": n (2 to 8; 16 where the GPU allows it; n divides grid x; not with
+  cooperative) makes every n consecutive blocks along x one thread block cluster (sm_90+):
+  they run at the same time and may barrier together and read each other's shared memory,
+  with inline PTX (no cooperative_groups here):
+    asm volatile("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;" ::: "memory");
+    `mapa.shared::cluster.u32` maps a shared address to another block's, `ld.shared::cluster` reads it.
+- "pdl": true (programmatic dependent launch, sm_90+) lets a kernel start before the
+  previous kernel of the plan finishes: it must run `asm volatile("griddepcontrol.wait;" :::
+  "memory")` before reading anything that kernel wrote; the previous kernel may run
+  `asm volatile("griddepcontrol.launch_dependents;")` once its remaining work is stores.
 
 Correctness rules
 - Write every element of every output on every call; never modify an input unless the
@@ -107,25 +133,6 @@ def _tensor_line(label: str, m: TensorMeta, note: str = "") -> str:
             f"{m.align}-byte aligned{note}")
 
 
-def reference_code(card: Card) -> str:
-    """The call as PyTorch code, tensors named in0.. and out0.. like the launch plan; a
-    region card's is a function of its aten calls, returning out0.. in order."""
-    if card.region is not None:
-        return card.region.code(card.inputs)
-    it = iter(range(len(card.inputs)))
-    args = []
-    for a in card.args:
-        if a.kind == "tensor":
-            v = f"in{next(it)}"
-        elif a.kind == "tensors":
-            v = "[" + ", ".join(f"in{next(it)}" if m is not None else "None" for m in a.tensors) + "]"
-        else:
-            v = repr(decode_value(a.value, card.device_type))
-        args.append(f"{a.name}={v}" if a.kwarg_only else v)
-    outs = ", ".join(f"out{j}" for j in range(len(card.outputs))) or "_"
-    return f"{outs} = torch.ops.{card.op.replace('::', '.')}({', '.join(args)})"
-
-
 def _input_names(card: Card) -> list[str]:
     names: list[str] = []
     for a in card.args:
@@ -136,7 +143,9 @@ def _input_names(card: Card) -> list[str]:
     return names
 
 
-def describe_card(card: Card, hw: Hardware, tolerance: dict | None = None) -> str:
+def describe_card(card: Card, hw: Hardware, tolerance: dict | None = None, eager_us: float | None = None) -> str:
+    """The card as the model needs it. `tolerance` is a measured one (else the rule is
+    stated); `eager_us` is eager's time on this GPU, when known (a CPU capture's is not)."""
     written = card.written_inputs
     lines = [f"Operator: {card.op}", f"Schema: {card.schema}", "Inputs (numbered as in the launch plan):"]
     names = _input_names(card)
@@ -150,15 +159,37 @@ def describe_card(card: Card, hw: Hardware, tolerance: dict | None = None) -> st
         alias = f", the same memory as in{card.aliases[j]} (in-place)" if j in card.aliases else ""
         lines.append(_tensor_line(f"out{j}", m, alias))
     lines += ["Reference semantics (PyTorch):", *(f"  {line}" for line in reference_code(card).splitlines())]
+    steps = decomposed(card)
+    if steps:
+        lines += ["  which computes, step by step:"] + [f"    {line}" for line in steps]
     nbytes = card.io_bytes()
     lines.append(f"Minimum traffic: {nbytes / 1e6:.3f} MB, so no kernel beats {hw.floor_us(nbytes):.2f} us "
                  "on this GPU (HBM floor).")
-    if card.eager_us:
-        lines.append(f"PyTorch eager takes {card.eager_us:.2f} us per call.")
-    if tolerance:
-        lines.append("Tolerance: " + ", ".join(f"{k} = {v}" for k, v in tolerance.items()
-                                               if isinstance(v, (int, float, str))))
+    if eager_us:
+        lines.append(f"PyTorch eager takes {eager_us:.2f} us per call on this GPU.")
+    lines.append(tolerance_text(card, tolerance))
     return "\n".join(lines)
+
+
+def tolerance_text(card: Card, measured: dict | None) -> str:
+    """How outputs are compared: the measured tolerance when the search has one, else the
+    rule kforge derives it by (kforge.tolerance), with each output dtype's bounds."""
+    head = "Tolerance: |got - expected| <= atol + rtol * |expected| per element (expected = PyTorch's output)"
+    if measured:
+        return head + "; " + ", ".join(f"{k} = {v}" for k, v in measured.items() if isinstance(v, (int, float, str)))
+    by_dtype: dict[str, list[int]] = {}
+    for j, m in enumerate(card.outputs):
+        by_dtype.setdefault(m.dtype, []).append(j)
+    rules = []
+    for dtype, js in by_dtype.items():
+        outs, t = ", ".join(f"out{j}" for j in js), card.outputs[js[0]].torch_dtype
+        if not (t.is_floating_point or t.is_complex):
+            rules.append(f"{outs} ({dtype}): exact")
+            continue
+        rtol, floor, cap = bounds(t)
+        rules.append(f"{outs} ({dtype}): rtol {rtol:.3g}, atol {SLACK:g}x PyTorch's own error against float64, "
+                     f"between {floor:.3g} and {cap:.3g} times the RMS of the expected values")
+    return f"{head}; {'; '.join(rules)}."
 
 
 def describe_hardware(hw: Hardware) -> str:
@@ -180,7 +211,9 @@ def _code(candidate: Candidate) -> str:
 
 def _timing(t: Tried, hw: Hardware, card: Card) -> str:
     r = t.result
-    if not r.kernel_us:  # failed, untimed, or a bogus zero: no ratio to show
+    if r.verdict is Verdict.UNTIMED:
+        return UNTIMED
+    if not r.kernel_us:  # failed, or a bogus zero: no ratio to show
         return f"verdict {r.verdict.value}"
     floor = hw.floor_us(card.io_bytes())
     parts = [f"{r.kernel_us:.2f} us"]
@@ -241,16 +274,53 @@ def _lineage(ctx: ProposalContext) -> str:
     return "\n\n".join(shown)
 
 
-def _failures(ctx: ProposalContext) -> str:
-    items = [f"- {trim(failure_feedback(t), FAILURE_CHARS)}" for t in ctx.sibling_failures[-MAX_FAILURES:]]
-    return "\n".join(items)
+def _sibling(t: Tried) -> str:
+    """One earlier attempt: what its author said it does, then what happened to it."""
+    approach = f"approach: {trim(t.candidate.note, 200)}\n  " if t.candidate.note else ""
+    what = UNTIMED if t.result.verdict is Verdict.UNTIMED else trim(failure_feedback(t), FAILURE_CHARS)
+    return f"- {approach}{what}"
+
+
+def _siblings(ctx: ProposalContext) -> tuple[str, str]:
+    """(failed attempts, compile-only attempts) among the siblings, newest last."""
+    untimed = [t for t in ctx.sibling_failures if t.result.verdict is Verdict.UNTIMED]
+    failed = [t for t in ctx.sibling_failures if t.result.verdict is not Verdict.UNTIMED]
+    return ("\n".join(_sibling(t) for t in failed[-MAX_FAILURES:]),
+            "\n".join(_sibling(t) for t in untimed[-MAX_FAILURES:]))
+
+
+def _sibling_sections(ctx: ProposalContext, failed_heading: str) -> list[str]:
+    failed, untimed = _siblings(ctx)
+    sections = [f"{failed_heading}\n{failed}"] if failed else []
+    if untimed:
+        sections.append(f"Earlier attempts that compiled but could not be checked here (try a different "
+                        f"approach, not a fix):\n{untimed}")
+    return sections
+
+
+def _searched(ctx: ProposalContext) -> list[Tried]:
+    return [t for t in (ctx.parent, ctx.best, *reversed(ctx.lineage), *ctx.sibling_failures) if t is not None]
 
 
 def _tolerance(ctx: ProposalContext) -> dict | None:
-    for t in (ctx.parent, ctx.best):
-        if t is not None and isinstance(t.result.evidence.get("tolerance"), dict):
+    """The tolerance the evaluator measured for this card, from any result that carries it."""
+    for t in _searched(ctx):
+        if isinstance(t.result.evidence.get("tolerance"), dict):
             return t.result.evidence["tolerance"]
     return None
+
+
+def _eager_us(ctx: ProposalContext) -> float | None:
+    """Eager's time on the GPU the kernel will run on: as the evaluator measured it, else
+    the capture's when it ran on this GPU (a CPU capture's time would mislead)."""
+    for t in _searched(ctx):
+        if t.result.eager_us:
+            return t.result.eager_us
+    return ctx.card.eager_us if ctx.card.device_name == ctx.hardware.name else None
+
+
+def _facts(ctx: ProposalContext) -> str:
+    return f"{describe_card(ctx.card, ctx.hardware, _tolerance(ctx), _eager_us(ctx))}\n{describe_hardware(ctx.hardware)}"
 
 
 # ---- conversations ------------------------------------------------------------------------
@@ -261,21 +331,16 @@ def _system() -> dict[str, str]:
 
 def proposal_messages(ctx: ProposalContext) -> list[dict[str, str]]:
     card, hw = ctx.card, ctx.hardware
-    facts = f"{describe_card(card, hw, _tolerance(ctx))}\n{describe_hardware(hw)}"
     if ctx.parent is None:
-        body = f"{PROPOSE_HEADING}\n\n{facts}"
-        failures = _failures(ctx)
-        if failures:
-            body += f"\n\nEarlier attempts that failed (do not repeat):\n{failures}"
-        return [_system(), {"role": "user", "content": f"{body}\n\n{ANSWER_FORMAT}"}]
-    sections = [REVISE_HEADING, facts,
+        sections = [PROPOSE_HEADING, _facts(ctx), *_sibling_sections(ctx, "Earlier attempts that failed (do not "
+                                                                            "repeat):"), ANSWER_FORMAT]
+        return [_system(), {"role": "user", "content": "\n\n".join(sections)}]
+    sections = [REVISE_HEADING, _facts(ctx),
                 f"Current kernel, to improve: {_timing(ctx.parent, hw, card)}\n{_code(ctx.parent.candidate)}"]
     lineage = _lineage(ctx)
     if lineage:
         sections.append(f"Earlier versions:\n{lineage}")
-    failures = _failures(ctx)
-    if failures:
-        sections.append(f"Revisions of the current kernel that failed (do not repeat):\n{failures}")
+    sections += _sibling_sections(ctx, "Revisions of the current kernel that failed (do not repeat):")
     sections.append("Make it faster. If it is far from the HBM floor, change the approach (parallelism, "
                     "memory access pattern, vector width, work per thread) rather than a constant.\n\n"
                     + ANSWER_FORMAT)
@@ -283,10 +348,9 @@ def proposal_messages(ctx: ProposalContext) -> list[dict[str, str]]:
 
 
 def repair_messages(ctx: ProposalContext, failed: Tried) -> list[dict[str, str]]:
-    card, hw = ctx.card, ctx.hardware
     body = "\n\n".join([
         REPAIR_HEADING,
-        f"{describe_card(card, hw, _tolerance(ctx))}\n{describe_hardware(hw)}",
+        _facts(ctx),
         f"Failed kernel:\n{_code(failed.candidate)}",
         f"What went wrong:\n{failure_feedback(failed)}",
         "Fix the cause. Keep the approach unless it cannot work.\n\n" + ANSWER_FORMAT,

@@ -1,0 +1,205 @@
+"""aten nodes -> Program (the builder the ir docstring describes), and a card as a one-node region.
+
+Each node's value comes from the op table (ops.POINTWISE, ops.REDUCTION_OPS). Nodes before
+the one reduction are its prologue, evaluated over the reduced operand's shape (the
+domain); nodes after it are the epilogue, over the reduction's output shape. A node's value
+is rounded to its output dtype, as eager stores it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..cards import Card, TensorMeta, decode_value
+from . import ops
+from .ir import FLOATS, Expr, Node, Program, Reduction, Ref, broadcast_strides
+
+IR_DTYPES = FLOATS + ("int64", "int32", "int16", "int8", "uint8", "bool")
+
+
+def table_key(op: str) -> tuple[str, str]:
+    """'aten::add_.Tensor' -> ('add', 'Tensor'): in-place and out= forms share the entry."""
+    name, _, overload = op.removeprefix("aten::").partition(".")
+    if not name.startswith("__") and name.endswith("_"):
+        name = name[:-1]
+    return name, overload or "default"
+
+
+def _overload(op: str):
+    name, _, ov = op.removeprefix("aten::").partition(".")
+    try:
+        return getattr(getattr(torch.ops.aten, name), ov or "default")
+    except AttributeError:
+        return None
+
+
+def entry_for(op: str):
+    """('pointwise' | 'reduction', entry) for an op overload, or (None, why)."""
+    name, overload = table_key(op)
+    ov = _overload(op)
+    if ov is not None and torch.Tag.pointwise in ov.tags or name in ("_to_copy", "copy"):
+        if name in ops.POINTWISE:
+            return "pointwise", ops.POINTWISE[name]
+        return None, ops.DECLINED.get(name, f"{name} is not in the op table (kforge/codegen/ops.py)")
+    entry = ops.REDUCTION_OPS.get(f"{name}.{overload}") or ops.REDUCTION_OPS.get(name)
+    if entry is not None and (f"{name}.{overload}" in ops.REDUCTION_OPS or name not in ("max", "min")):
+        return "reduction", entry
+    return None, f"{op} is neither a pointwise op in the table nor a generated reduction"
+
+
+def _to_domain(strides: tuple[int, ...], domain: tuple[int, ...], dims: tuple[int, ...], keepdim: bool):
+    """Strides over a reduction's output shape -> strides over its domain (0 on reduced dims)."""
+    if keepdim:
+        return tuple(0 if d in dims else s for d, s in enumerate(strides))
+    it = iter(strides)
+    return tuple(0 if d in dims else next(it) for d in range(len(domain)))
+
+
+def _copy_declined(args: dict, src: TensorMeta) -> str | None:
+    device, layout = args.get("device"), args.get("layout")
+    if device is not None and device.type != src.device:
+        return f"a copy to {device.type} from {src.device} is not a kernel on one device"
+    if args.get("pin_memory"):
+        return "a copy with pin_memory=True makes a pinned host tensor"
+    if layout is not None and layout != torch.strided:
+        return f"a copy to layout {layout} is not generated (only torch.strided is)"
+    return None
+
+
+def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], out_metas: list[TensorMeta],
+               aliases: dict[int, int]) -> Program | str:
+    for m in list(inputs) + list(out_metas):
+        if m.dtype not in IR_DTYPES:
+            return f"dtype {m.dtype} is not generated (real floats, ints and bool are)"
+    if not out_metas or any(m.numel == 0 for m in out_metas):
+        return "no output, or an empty one"
+    values: dict[tuple[int, int], tuple[Expr, TensorMeta]] = {}
+    phase = "pro"  # prologue, then epilogue after the reduction
+    red: ops.ReductionPlan | None = None
+    domain: tuple[int, ...] | None = None
+    out_shape: tuple[int, ...] | None = None
+    in_strides: dict[int, tuple[int, ...]] = {}
+    loads: dict[int, str] = {}  # input -> the phase that loads it
+
+    def val(ref: Ref) -> ops.Val:
+        if ref.kind == "in":
+            m = inputs[ref.index]
+            loads.setdefault(ref.index, phase)
+            if loads[ref.index] != phase:
+                raise _Decline(f"input {ref.index} is read both before and after the reduction")
+            return ops.Val(Expr.load(ref.index, m.dtype), m.dtype, len(m.shape))
+        e, m = values[(ref.index, ref.output)]
+        return ops.Val(e, m.dtype, len(m.shape))
+
+    try:
+        for j, node in enumerate(nodes):
+            kind, entry = entry_for(node.op)
+            if kind is None:
+                return entry
+            bound = {}
+            for k, v in node.args.items():
+                if isinstance(v, Ref):
+                    bound[k] = val(v)
+                elif isinstance(v, list) and any(isinstance(x, Ref) for x in v):
+                    return f"{node.op}: tensor-list arguments are not generated"
+                else:
+                    bound[k] = v
+            name, overload = table_key(node.op)
+            if name == "_to_copy":
+                why = _copy_declined(bound, inputs[0])
+                if why:
+                    return why
+            call = ops.Call(name, overload, bound)
+            if kind == "reduction":
+                if red is not None:
+                    return "a second reduction: the IR has one reduction level"
+                plan = entry(call)
+                if isinstance(plan, str):
+                    return plan
+                src_meta = _meta_of(node.args["self"], inputs, values)
+                red, domain, phase = plan, tuple(src_meta.shape), "epi"
+                out_shape = tuple(node.metas[0].shape)
+                kind_ = ops.REDUCTIONS[plan.kind]
+                refs = tuple(Expr.var(f"s{i}", d) for i, d in enumerate(kind_.state(plan.operand.dtype)))
+                n = math.prod(domain[d] for d in plan.dims) if domain else 1
+                for k, (e, m) in enumerate(zip(plan.outputs(refs, n), node.metas)):
+                    values[(j, k)] = (e.cast(m.dtype), m)
+                continue
+            e = entry(call)
+            if isinstance(e, str):
+                return e
+            results = e if isinstance(e, tuple) else (e,)
+            for k, (r, m) in enumerate(zip(results, node.metas)):
+                values[(j, k)] = (r.cast(m.dtype), m)
+    except _Decline as d:
+        return str(d)
+    except TypeError as e:  # a primitive given a dtype it does not take
+        return f"not generated for these dtypes: {e}"
+
+    if red is None:
+        domain = out_shape = tuple(out_metas[0].shape)
+        if any(tuple(m.shape) != domain for m in out_metas):
+            return "pointwise outputs of different shapes"
+    results = [values[(r.index, r.output)][0] for r in outputs]
+    for i in loads:
+        m = inputs[i]
+        if loads[i] == "pro":
+            st = broadcast_strides(m.shape, m.stride, domain)
+        else:
+            st = broadcast_strides(m.shape, m.stride, out_shape)
+            st = st if st is None else _to_domain(st, domain, red.dims, red.keepdim)
+        if st is None:
+            return f"input {i} of shape {m.shape} does not broadcast to {domain}"
+        in_strides[i] = st
+    out_strides = []
+    for m in out_metas:
+        if tuple(m.shape) != out_shape:
+            return f"output of shape {m.shape}, expected {out_shape}"
+        out_strides.append(tuple(m.stride) if red is None else _to_domain(tuple(m.stride), domain, red.dims, red.keepdim))
+    if any(s < 0 for st in list(in_strides.values()) + out_strides for s in st):
+        return "negative strides are not generated"
+    for m in out_metas:
+        if m.span() != m.numel:
+            return "an output is not dense (it overlaps or has gaps)"
+    reduction = Reduction(ops.REDUCTIONS[red.kind], red.operand, red.dims) if red is not None else None
+    if reduction is not None and not red.dims:
+        return "a reduction over no dims"
+    return Program(domain, list(inputs), list(out_metas), in_strides, out_strides, results, reduction, dict(aliases))
+
+
+class _Decline(Exception):
+    pass
+
+
+def _meta_of(ref, inputs, values) -> TensorMeta:
+    return inputs[ref.index] if ref.kind == "in" else values[(ref.index, ref.output)][1]
+
+
+def node_of_card(card: Card) -> Node:
+    """The card's call as one node whose tensors are the card's inputs."""
+    args, idx = {}, 0
+    for a in card.args:
+        if a.kind == "tensor":
+            args[a.name] = Ref("in", idx)
+            idx += 1
+        elif a.kind == "tensors":
+            refs = []
+            for m in a.tensors:
+                refs.append(Ref("in", idx) if m is not None else None)
+                idx += m is not None
+            args[a.name] = refs
+        else:
+            args[a.name] = decode_value(a.value)
+    return Node(card.op, args, list(card.outputs))
+
+
+def program_for_card(card: Card) -> Program | str:
+    if any(m.device != "cuda" for m in card.inputs + card.outputs):
+        return "a tensor is not on the GPU: generated kernels read CUDA memory only"
+    if not card.outputs:
+        return "the op returns no tensor"
+    node = node_of_card(card)
+    refs = [Ref("node", 0, k) for k in range(len(card.outputs))]
+    return from_nodes([node], card.inputs, refs, list(card.outputs), card.aliases)

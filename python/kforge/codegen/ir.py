@@ -1,0 +1,271 @@
+"""The kernel IR: what a generated kernel computes, with no CUDA in it.
+
+A `Program` is one kernel's worth of memory-bound work over an iteration `domain` (a
+shape). Every tensor it touches carries its strides over that domain (0 where it
+broadcasts), so any layout is indexed through its own strides and nothing is copied.
+
+- Pointwise: each output is an `Expr` evaluated at every point of the domain.
+- One reduction level: `reduction` folds an `Expr` (the prologue) over the domain's
+  `reduce_dims` with a `ReductionKind` (ops.REDUCTIONS); the outputs are then `Expr`s over
+  the kept dims that may use the reduction's state (`Expr.var("s0")`, ...) and inputs that do not
+  vary over the reduced dims (the epilogue: mean's divide, std's sqrt, a residual add).
+
+`Expr` is a small immutable tree (a DAG once equal subtrees are shared) of primitives
+(`PRIMS`). Values are in their compute dtype: float16/bfloat16 are loaded as float32 and
+rounded once on store (eager's opmath); ints and bool compute in their own dtype. The same
+tree is lowered to CUDA (lower.py) and evaluated by the reference interpreter (interp.py).
+
+Builder API (for single-op cards and for fused regions):
+
+    from kforge.codegen.build import from_nodes
+    prog = from_nodes(nodes, inputs, outputs, out_metas, aliases)   # Program, or a str: why not
+
+    nodes:   [Node(op, args, metas), ...] in execution order; `op` is an aten overload name
+             ("aten::add.Tensor"); `args` maps every schema argument name to its value, a
+             tensor being `Ref("in", i)` (inputs[i]) or `Ref("node", j, k)` (output k of
+             node j); `metas` are the node's output TensorMetas (eager rounds every node's
+             result to its dtype, and so does the program).
+    inputs:  the region's input TensorMetas (launch-plan numbering).
+    outputs: [Ref, ...] the values the kernel writes; out_metas: their TensorMetas.
+    aliases: output index -> input index it overwrites (in-place and out= ops).
+
+A node's expression comes from ops.py (the one op table); at most one node may be a
+reduction, nodes before it form its prologue and nodes after it its epilogue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+FLOATS = ("float64", "float32", "float16", "bfloat16")
+INTS = ("int64", "int32", "int16", "int8", "uint8")
+DTYPES = FLOATS + INTS + ("bool",)
+
+
+def opmath(dtype: str) -> str:
+    """The dtype eager computes a `dtype` op in: float32 for the 16-bit floats, else itself."""
+    return "float32" if dtype in ("float16", "bfloat16") else dtype
+
+
+# name -> (arity, result: "same" (the operands' dtype) | "bool", which dtypes it takes)
+# "float": floating only, "int": integers and bool, "any": everything.
+PRIMS: dict[str, tuple[int, str, str]] = {
+    **{n: (1, "same", "float") for n in (
+        "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt", "sin", "cos", "tan", "asin",
+        "acos", "atan", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh", "erf", "erfc", "erfinv", "lgamma",
+        "ceil", "floor", "trunc", "rint", "j0", "j1", "i0", "i1")},
+    **{n: (2, "same", "float") for n in ("pow", "atan2", "fmod", "hypot", "copysign", "nextafter", "fmax", "fmin")},
+    **{n: (1, "same", "any") for n in ("neg", "abs")},
+    **{n: (2, "same", "any") for n in ("add", "sub", "mul", "div", "max", "min")},
+    **{n: (2, "same", "int") for n in ("and", "or", "xor", "shl", "shr", "mod")},
+    "not": (1, "same", "int"),
+    **{n: (2, "bool", "any") for n in ("lt", "le", "gt", "ge", "eq", "ne")},
+    **{n: (1, "bool", "any") for n in ("isnan", "isinf", "signbit")},
+    "where": (3, "same", "any"),  # where(cond: bool, a, b): a and b's dtype
+}
+
+
+@dataclass(frozen=True)
+class Expr:
+    """op: a PRIMS name, or "load" (value: (input index, stored dtype)), "const" (value: the
+    number), "cast" (to `dtype`; value ("round", d): rounded to storage dtype d, held in
+    float32), "var" (value: a name the kernel binds: "ridx", the flat row-major index of the
+    reduced element, int64; the reduction's state "s0", "s1", ... in the epilogue; merge's
+    operands "a0", "b0", ... inside a ReductionKind)."""
+
+    op: str
+    args: tuple["Expr", ...] = ()
+    dtype: str = "float32"
+    value: Any = None
+
+    # ---- building -------------------------------------------------------------------
+    @staticmethod
+    def const(v: float | int | bool, dtype: str) -> "Expr":
+        if dtype == "bool":
+            v = bool(v)
+        elif dtype in INTS:
+            v = int(v)
+        else:
+            v = float(v)
+        return Expr("const", (), dtype, v)
+
+    @staticmethod
+    def load(i: int, stored: str) -> "Expr":
+        return Expr("load", (), opmath(stored), (i, stored))
+
+    @staticmethod
+    def var(name: str, dtype: str) -> "Expr":
+        return Expr("var", (), dtype, name)
+
+    def cast(self, dtype: str) -> "Expr":
+        """To compute dtype `dtype` (a storage dtype rounds: cast(x, "bfloat16") is x rounded to
+        bf16 and held as float32)."""
+        if dtype in ("float16", "bfloat16"):
+            return Expr("cast", (self,), "float32", ("round", dtype))
+        return self if dtype == self.dtype else Expr("cast", (self,), dtype)
+
+    def _lift(self, x) -> "Expr":
+        return x if isinstance(x, Expr) else Expr.const(x, self.dtype)
+
+    def __add__(self, o): return prim("add", self, o)
+    def __radd__(self, o): return prim("add", self._lift(o), self)
+    def __sub__(self, o): return prim("sub", self, o)
+    def __rsub__(self, o): return prim("sub", self._lift(o), self)
+    def __mul__(self, o): return prim("mul", self, o)
+    def __rmul__(self, o): return prim("mul", self._lift(o), self)
+    def __truediv__(self, o): return prim("div", self, o)
+    def __rtruediv__(self, o): return prim("div", self._lift(o), self)
+    def __neg__(self): return prim("neg", self)
+    def __lt__(self, o): return prim("lt", self, o)
+    def __le__(self, o): return prim("le", self, o)
+    def __gt__(self, o): return prim("gt", self, o)
+    def __ge__(self, o): return prim("ge", self, o)
+    def __and__(self, o): return prim("and", self, o)
+    def __or__(self, o): return prim("or", self, o)
+    def __invert__(self): return prim("not", self)
+    # == and != stay structural (Expr is a dict key); use eq(a, b) / ne(a, b).
+
+    def walk(self):
+        """Every node once, operands before users."""
+        seen: dict[Expr, None] = {}
+
+        def go(e: Expr):
+            if e in seen:
+                return
+            for a in e.args:
+                go(a)
+            seen[e] = None
+        go(self)
+        return list(seen)
+
+
+def prim(name: str, *args) -> Expr:
+    """A primitive applied to operands; Python numbers take the dtype of the Expr operands."""
+    arity, result, takes = PRIMS[name]
+    if len(args) != arity:
+        raise TypeError(f"{name} takes {arity} operands")
+    ref = next((a for a in (args[1:] if name == "where" else args) if isinstance(a, Expr)), None)
+    if ref is None:
+        raise TypeError(f"{name}: at least one operand must be an Expr")
+    ops = []
+    for i, a in enumerate(args):
+        if name == "where" and i == 0:
+            ops.append(a if isinstance(a, Expr) else Expr.const(a, "bool"))
+        else:
+            ops.append(a.cast(ref.dtype) if isinstance(a, Expr) else Expr.const(a, ref.dtype))
+    dtype = "bool" if result == "bool" else ref.dtype
+    if takes == "float" and ref.dtype not in FLOATS:
+        raise TypeError(f"{name} needs a floating operand, got {ref.dtype}")
+    if takes == "int" and ref.dtype in FLOATS:
+        raise TypeError(f"{name} needs an integer or bool operand, got {ref.dtype}")
+    return Expr(name, tuple(ops), dtype)
+
+
+def where(c: Expr, a, b) -> Expr:
+    return prim("where", c, a, b)
+
+
+def eq(a: Expr, b) -> Expr:
+    return prim("eq", a, b)
+
+
+def ne(a: Expr, b) -> Expr:
+    return prim("ne", a, b)
+
+
+def isnan(a: Expr) -> Expr:
+    return prim("isnan", a) if a.dtype in FLOATS else Expr.const(False, "bool")
+
+
+# ---- programs -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ReductionKind:
+    """A fold as data: `lift(x, ridx)` makes one element's state, `merge(a, b)` combines two
+    states (a holds the elements before b's: merge must be associative, not commutative),
+    `identity` is the state of no elements; states are tuples of Exprs whose dtypes are
+    `state(x.dtype)`; the epilogue sees the folded state as Expr.var("s<i>")."""
+
+    name: str
+    state: Callable[[str], tuple[str, ...]]
+    identity: Callable[[str], tuple]
+    lift: Callable[[Expr, Expr], tuple]
+    merge: Callable[[tuple, tuple], tuple]
+
+    def merge_exprs(self, dtype: str) -> tuple[tuple[Expr, ...], tuple[Expr, ...], tuple[Expr, ...]]:
+        """merge over variables: (a vars, b vars, merged state)."""
+        st = self.state(dtype)
+        a = tuple(Expr.var(f"a{i}", d) for i, d in enumerate(st))
+        b = tuple(Expr.var(f"b{i}", d) for i, d in enumerate(st))
+        return a, b, tuple(m.cast(d) for m, d in zip(self.merge(a, b), st))
+
+    def lift_exprs(self, x: Expr) -> tuple[Expr, ...]:
+        """One element's state from the prologue value x (may use var "ridx")."""
+        return tuple(e if isinstance(e, Expr) else Expr.const(e, d)
+                     for e, d in zip(self.lift(x, Expr.var("ridx", "int64")), self.state(x.dtype)))
+
+    def identity_exprs(self, dtype: str) -> tuple[Expr, ...]:
+        return tuple(Expr.const(v, d) for v, d in zip(self.identity(dtype), self.state(dtype)))
+
+
+@dataclass
+class Reduction:
+    kind: ReductionKind
+    operand: Expr  # the prologue: evaluated at every point of the domain
+    dims: tuple[int, ...]  # reduced dims of the domain
+
+
+@dataclass
+class Program:
+    domain: tuple[int, ...]
+    inputs: list  # TensorMeta per launch-plan input
+    outputs: list  # TensorMeta per output
+    in_strides: dict[int, tuple[int, ...]]  # input index -> strides over the domain (only inputs read)
+    out_strides: list[tuple[int, ...]]  # per output: strides over the domain (0 over reduced dims)
+    results: list[Expr]  # per output: its value
+    reduction: Reduction | None = None
+    aliases: dict[int, int] = field(default_factory=dict)  # output -> input it overwrites
+
+    @property
+    def reduce_dims(self) -> tuple[int, ...]:
+        return self.reduction.dims if self.reduction else ()
+
+    def loads(self) -> set[int]:
+        exprs = list(self.results) + ([self.reduction.operand] if self.reduction else [])
+        return {e.value[0] for x in exprs for e in x.walk() if e.op == "load"}
+
+
+def broadcast_strides(shape: tuple[int, ...], stride: tuple[int, ...], domain: tuple[int, ...]) -> tuple[int, ...] | None:
+    """Strides of a tensor of `shape` broadcast to `domain` (right-aligned), or None."""
+    lead = len(domain) - len(shape)
+    if lead < 0:
+        return None
+    out = []
+    for d, size in enumerate(domain):
+        k = d - lead
+        if k < 0 or shape[k] == 1:
+            out.append(0)
+        elif shape[k] != size:
+            return None
+        else:
+            out.append(stride[k])
+    return tuple(out)
+
+
+# ---- what the builder takes (build.from_nodes) ------------------------------------------
+
+@dataclass(frozen=True)
+class Ref:
+    """A tensor argument of a node: ("in", i) is inputs[i], ("node", j, k) output k of node j."""
+
+    kind: str
+    index: int
+    output: int = 0
+
+
+@dataclass
+class Node:
+    op: str  # "aten::name.overload"
+    args: dict  # schema argument name -> Ref, a list of Refs, or a plain value
+    metas: list  # TensorMeta per output

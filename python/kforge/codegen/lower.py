@@ -1,0 +1,522 @@
+"""IR -> CUDA C for NVRTC plus a launch plan, for one point of the knob space.
+
+Layout: the domain's dims are reduced the way TensorIterator does it (size-1 dims dropped,
+dims ordered by the first output's strides, neighbours merged where every tensor is
+contiguous across them); a reduction does this separately for its kept and reduced dims.
+Shapes and strides are compile-time constants, so the index arithmetic folds.
+
+Pointwise (`algo` "flat"): each thread handles `items` vectors of `vec` elements, loads
+issued for all items before any math (16-byte accesses where a tensor is contiguous along
+the inner dim), values computed in the compute dtype and rounded once on store.
+
+Reduction: a group of `lanes` threads folds each output's reduced elements (`items` loads
+in flight per thread), merges through warp shuffles and, for groups wider than a warp,
+shared memory; `algo` "rows" puts whole warps on an output (reduced dims contiguous), "cols"
+one thread per output (kept dims contiguous: the loads coalesce across outputs). `split` > 1
+divides the reduced elements over that many blocks, which write their states to a workspace
+that a second kernel merges in order (two passes) before the epilogue.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..proposers.builtin.common import ceil_div, f32
+from .ir import FLOATS, INTS, Expr, Program
+
+CTYPE = {"float32": "float", "float64": "double", "float16": "__half", "bfloat16": "__nv_bfloat16",
+         "int64": "long long", "int32": "int", "int16": "short", "int8": "signed char", "uint8": "unsigned char",
+         "bool": "bool"}
+ITEMSIZE = {"float64": 8, "int64": 8, "float32": 4, "int32": 4, "float16": 2, "bfloat16": 2, "int16": 2,
+            "int8": 1, "uint8": 1, "bool": 1}
+
+_PRELUDE = r"""
+typedef long long kf_i64;
+template <typename T> __device__ __forceinline__ T kf_ld(T x) { return x; }
+template <typename T, int V> struct alignas(sizeof(T) * V) kf_vec { T v[V]; };
+template <typename T> __device__ __forceinline__ T kf_nanmax(T a, T b) { return (a != a || a > b) ? a : (b != b ? b : b); }
+template <typename T> __device__ __forceinline__ T kf_nanmin(T a, T b) { return (a != a || a < b) ? a : (b != b ? b : b); }
+template <typename T> __device__ __forceinline__ T kf_imax(T a, T b) { return a > b ? a : b; }
+template <typename T> __device__ __forceinline__ T kf_imin(T a, T b) { return a < b ? a : b; }
+"""
+_HALF = r"""
+#include <cuda_fp16.h>
+__device__ __forceinline__ float kf_ld(__half x) { return __half2float(x); }
+"""
+_BF16 = r"""
+#include <cuda_bf16.h>
+__device__ __forceinline__ float kf_ld(__nv_bfloat16 x) { return __bfloat162float(x); }
+"""
+
+# primitive -> C for floats (libm name; the float32 form takes an f suffix)
+_LIBM = {"exp": "exp", "exp2": "exp2", "expm1": "expm1", "log": "log", "log2": "log2", "log10": "log10",
+         "log1p": "log1p", "sqrt": "sqrt", "rsqrt": "rsqrt", "sin": "sin", "cos": "cos", "tan": "tan",
+         "asin": "asin", "acos": "acos", "atan": "atan", "sinh": "sinh", "cosh": "cosh", "tanh": "tanh",
+         "asinh": "asinh", "acosh": "acosh", "atanh": "atanh", "erf": "erf", "erfc": "erfc", "erfinv": "erfinv",
+         "lgamma": "lgamma", "ceil": "ceil", "floor": "floor", "trunc": "trunc", "rint": "rint", "j0": "j0",
+         "j1": "j1", "i0": "cyl_bessel_i0", "i1": "cyl_bessel_i1", "pow": "pow", "atan2": "atan2", "fmod": "fmod",
+         "hypot": "hypot", "copysign": "copysign", "nextafter": "nextafter", "fmax": "fmax", "fmin": "fmin",
+         "abs": "fabs"}
+_INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/", "mod": "%", "and": "&", "or": "|", "xor": "^",
+          "shl": "<<", "shr": ">>", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
+
+
+def _const(e: Expr) -> str:
+    v = e.value
+    if e.dtype == "bool":
+        return "true" if v else "false"
+    if e.dtype in INTS:
+        if e.dtype == "int64":
+            return f"(-9223372036854775807LL - 1)" if v == -2**63 else f"{v}LL"
+        return f"(({CTYPE[e.dtype]}){v})"
+    if e.dtype == "float32":
+        return f32(v)
+    if math.isnan(v):
+        return "__longlong_as_double(0x7ff8000000000000LL)"
+    if math.isinf(v):
+        return f"__longlong_as_double({'0x7ff0000000000000LL' if v > 0 else '0xfff0000000000000LL'})"
+    return repr(v)
+
+
+def convert(x: str, src: str, dst: str) -> str:
+    """C for value x (compute dtype src, or a storage dtype) converted to dtype dst."""
+    if src == dst:
+        return x
+    if dst == "float16":
+        return f"__float2half_rn((float)({x}))"
+    if dst == "bfloat16":
+        return f"__float2bfloat16_rn((float)({x}))"
+    if src in ("float16", "bfloat16"):
+        x, src = f"kf_ld({x})", "float32"
+        if src == dst:
+            return x
+    return f"(({CTYPE[dst]})({x}))"
+
+
+class Emitter:
+    """SSA statements for Expr DAGs in one scope; equal subtrees are emitted once."""
+
+    def __init__(self, prefix: str, env: dict[str, str], load):
+        self.prefix, self.env, self.load = prefix, env, load
+        self.names: dict[Expr, str] = {}
+        self.lines: list[str] = []
+
+    def __call__(self, e: Expr) -> str:
+        for n in e.walk():
+            if n not in self.names:
+                self.names[n] = self._emit(n)
+        return self.names[e]
+
+    def _emit(self, n: Expr) -> str:
+        if n.op == "const":
+            return _const(n)
+        if n.op == "var":
+            return self.env[n.value]
+        if n.op == "load":
+            c = self.load(*n.value)
+            expr = convert(c, n.value[1], n.dtype)
+        elif n.op == "cast":
+            x = self.names[n.args[0]]
+            src = n.args[0].dtype
+            expr = f"kf_ld({convert(x, src, n.value[1])})" if n.value else convert(x, src, n.dtype)
+        else:
+            expr = self._prim(n, [self.names[a] for a in n.args])
+        name = f"{self.prefix}{len(self.lines)}"
+        self.lines.append(f"const {CTYPE[n.dtype]} {name} = {expr};")
+        return name
+
+    @staticmethod
+    def _prim(n: Expr, a: list[str]) -> str:
+        t = n.args[-1].dtype if n.args else n.dtype
+        floating = t in FLOATS
+        ct = CTYPE[n.dtype]
+        if n.op == "where":
+            return f"({a[0]} ? {a[1]} : {a[2]})"
+        if n.op in ("isnan", "isinf", "signbit"):
+            return f"{n.op}({a[0]})"
+        if n.op == "neg":
+            return f"(({ct})(-{a[0]}))"
+        if n.op == "not":
+            return f"(!{a[0]})" if t == "bool" else f"(({ct})(~{a[0]}))"
+        if n.op in ("max", "min"):
+            fn = ("kf_nan" if floating else "kf_i") + n.op
+            return f"{fn}<{CTYPE[t]}>({a[0]}, {a[1]})"
+        if n.op == "abs" and not floating:
+            return f"(({ct})({a[0]} < 0 ? -{a[0]} : {a[0]}))"
+        if n.op in _INFIX:
+            return f"(({ct})({a[0]} {_INFIX[n.op]} {a[1]}))"
+        fn = _LIBM[n.op] + ("f" if t == "float32" else "")
+        return f"{fn}({', '.join(a)})"
+
+
+# ---- layout --------------------------------------------------------------------------
+
+def coalesce(sizes: list[int], strides: list[list[int]], order: list[int]) -> tuple[list[int], list[list[int]]]:
+    """Dims `order` (outermost first, size-1 dims dropped) merged where every tensor is
+    contiguous across neighbours: (sizes, per-tensor strides)."""
+    out_sizes: list[int] = []
+    out: list[list[int]] = [[] for _ in strides]
+    for d in order:
+        if sizes[d] == 1:
+            continue
+        if out_sizes and all(o[-1] == st[d] * sizes[d] for o, st in zip(out, strides)):
+            out_sizes[-1] *= sizes[d]
+            for o, st in zip(out, strides):
+                o[-1] = st[d]
+        else:
+            out_sizes.append(sizes[d])
+            for o, st in zip(out, strides):
+                o.append(st[d])
+    if not out_sizes:
+        return [1], [[0] for _ in strides]
+    return out_sizes, out
+
+
+def offsets_code(var: str, sizes: list[int], strides: list[list[int]], names: list[str], idx: str,
+                 declare: bool = True) -> list[str]:
+    """Statements setting names[t] (declared here unless `declare` is False) to tensor t's
+    offset of flat index `var`."""
+    lines = [f"{idx + ' ' if declare else ''}{n} = 0;" for n in names]
+    lines.append(f"{{ {idx} e_ = {var};")
+    for d in range(len(sizes) - 1, -1, -1):
+        c = f"(e_ % {sizes[d]})" if d else "e_"
+        used = [(n, st[d]) for n, st in zip(names, strides) if st[d]]
+        if used:
+            lines.append(f"  {{ const {idx} c_ = {c};" + "".join(f" {n} += c_ * {s};" for n, s in used) + " }")
+        if d:
+            lines.append(f"  e_ /= {sizes[d]};")
+    lines.append("}")
+    return lines
+
+
+@dataclass
+class Built:
+    source: str
+    kernels: list  # (name, grid, block, args, smem)
+    workspace: list
+
+
+def _header(body: str) -> str:
+    parts = ["// kforge codegen"]
+    if "__half" in body:
+        parts.append(_HALF)
+    if "__nv_bfloat16" in body:
+        parts.append(_BF16)
+    return "\n".join(parts + [_PRELUDE, body]) + "\n"
+
+
+def _pointers(prog: Program) -> tuple[list[str], list[dict], dict[int, str]]:
+    """Kernel parameters, launch args, and the pointer each loaded input is read through
+    (an input an output overwrites is read through that output: no second pointer to it)."""
+    params, args, ptr = [], [], {}
+    written = {i: j for j, i in prog.aliases.items()}
+    for j, m in enumerate(prog.outputs):
+        aliased = j in prog.aliases and prog.aliases[j] in prog.in_strides
+        params.append(f"{CTYPE[m.dtype]}* {'' if aliased else '__restrict__ '}out{j}")
+        args.append({"out": j})
+    for i in sorted(prog.in_strides):
+        if i in written:
+            ptr[i] = f"out{written[i]}"
+        else:
+            ptr[i] = f"in{i}"
+            params.append(f"const {CTYPE[prog.inputs[i].dtype]}* __restrict__ in{i}")
+            args.append({"in": i})
+    return params, args, ptr
+
+
+def _index_type(prog: Program, extra: int = 0) -> str:
+    spans = [m.span() for m in prog.outputs] + [prog.inputs[i].span() for i in prog.in_strides]
+    big = max(spans + [math.prod(prog.domain) if prog.domain else 1]) + extra >= 2**31 - 2**20
+    return "kf_i64" if big else "int"
+
+
+# ---- pointwise -----------------------------------------------------------------------
+
+def pointwise_layout(prog: Program):
+    tensors = [list(s) for s in prog.out_strides] + [list(prog.in_strides[i]) for i in sorted(prog.in_strides)]
+    nd = len(prog.domain)
+    order = sorted(range(nd), key=lambda d: -prog.out_strides[0][d])
+    return coalesce(list(prog.domain), tensors, order)
+
+
+def pointwise_vecs(prog: Program) -> tuple[int, ...]:
+    """Legal vector widths (elements) along the inner coalesced dim, narrowest first."""
+    sizes, strides = pointwise_layout(prog)
+    metas = list(prog.outputs) + [prog.inputs[i] for i in sorted(prog.in_strides)]
+    out = []
+    for v in (1, 2, 4, 8, 16):
+        ok = sizes[-1] % v == 0
+        for m, st in zip(metas, strides):
+            if st[-1] == 1 and v > 1:
+                ok &= v * m.itemsize <= 16 and m.align % (v * m.itemsize) == 0 and all(s % v == 0 for s in st[:-1])
+        if ok:
+            out.append(v)
+    return tuple(out)
+
+
+def lower_pointwise(prog: Program, knobs: dict, sm_count: int) -> Built:
+    nt, v, it = knobs["threads"], knobs["vec"], knobs["items"]
+    sizes, strides = pointwise_layout(prog)
+    numel = math.prod(sizes)
+    nv = numel // v
+    params, args, ptr = _pointers(prog)
+    no = len(prog.outputs)
+    loaded = sorted(prog.in_strides)
+    idx = _index_type(prog, 2 * nt * it * v)
+    names = [f"o{t}" for t in range(len(strides))]
+    ins_of = {i: no + k for k, i in enumerate(loaded)}
+    hoist, decl, loads, body = [], [], [], []
+    for i in loaded:
+        t = ins_of[i]
+        st = strides[t]
+        ct = CTYPE[prog.inputs[i].dtype]
+        if not any(st):
+            hoist.append(f"  const {ct} h{i} = {ptr[i]}[0];")
+            continue
+        decl.append(f"    {ct} x{i}[IT][V];")
+        if st[-1] == 1 and v > 1:
+            loads.append(f"        *reinterpret_cast<kf_vec<{ct}, V>*>(x{i}[k]) = "
+                         f"*reinterpret_cast<const kf_vec<{ct}, V>*>({ptr[i]} + off[k][{t}]);")
+        else:
+            loads.append(f"        for (int j = 0; j < V; ++j) x{i}[k][j] = {ptr[i]}[off[k][{t}] + j * {st[-1]}];")
+
+    def load(i, stored):
+        return f"h{i}" if not any(strides[ins_of[i]]) else f"x{i}[k][j]"
+
+    em = Emitter("v", {}, load)
+    res = [em(e) for e in prog.results]
+    body += [f"          {line}" for line in em.lines]
+    stores = []
+    for j, (m, r) in enumerate(zip(prog.outputs, res)):
+        ct = CTYPE[m.dtype]
+        body.append(f"          r{j}[j] = {convert(r, prog.results[j].dtype, m.dtype)};")
+        if strides[j][-1] == 1 and v > 1:
+            stores.append(f"        *reinterpret_cast<kf_vec<{ct}, V>*>(out{j} + off[k][{j}]) = "
+                          f"*reinterpret_cast<const kf_vec<{ct}, V>*>(r{j});")
+        else:
+            stores.append(f"        for (int j = 0; j < V; ++j) out{j}[off[k][{j}] + j * {strides[j][-1]}] = r{j}[j];")
+    rdecl = [f"        {CTYPE[m.dtype]} r{j}[V];" for j, m in enumerate(prog.outputs)]
+    offs = offsets_code("(base + k * NT) * V", sizes, strides, [f"off[k][{t}]" for t in range(len(strides))], idx, False)
+    src = "\n".join([
+        f"typedef {idx} kf_idx;",
+        f"constexpr int NT = {nt}; constexpr int V = {v}; constexpr int IT = {it}; constexpr kf_idx NV = {nv};",
+        f'extern "C" __global__ void __launch_bounds__(NT) kf_gen({", ".join(params)}) {{',
+        *hoist,
+        "  for (kf_idx base = (kf_idx)blockIdx.x * (NT * IT) + threadIdx.x; base < NV;"
+        " base += (kf_idx)gridDim.x * (NT * IT)) {",
+        f"    kf_idx off[IT][{len(strides)}];",
+        *decl,
+        "#pragma unroll",
+        "    for (int k = 0; k < IT; ++k) {",
+        "      if (base + k * NT < NV) {",
+        *[f"        {line}" for line in offs],
+        *loads,
+        "      }",
+        "    }",
+        "#pragma unroll",
+        "    for (int k = 0; k < IT; ++k) {",
+        "      if (base + k * NT < NV) {",
+        *rdecl,
+        "#pragma unroll",
+        "        for (int j = 0; j < V; ++j) {",
+        *body,
+        "        }",
+        *stores,
+        "      }",
+        "    }",
+        "  }",
+        "}",
+    ])
+    blocks = max(1, ceil_div(nv, nt * it))
+    if knobs.get("grid") == "stride":
+        blocks = min(blocks, sm_count * max(1, 2048 // nt))
+    return Built(_header(src), [("kf_gen", (blocks,), (nt,), args, 0)], [])
+
+
+# ---- reduction -----------------------------------------------------------------------
+
+@dataclass
+class RedLayout:
+    ksizes: list[int]
+    kstrides: list[list[int]]  # per tensor: outputs, loaded inputs, then the logical index
+    rsizes: list[int]
+    rstrides: list[list[int]]
+    kn: int
+    rn: int
+
+
+def reduction_layout(prog: Program) -> RedLayout:
+    dims = prog.reduce_dims
+    nd = len(prog.domain)
+    dom = list(prog.domain)
+    logical, acc = [0] * nd, 1
+    for d in reversed(dims):
+        logical[d] = acc
+        acc *= dom[d]
+    tensors = [list(s) for s in prog.out_strides] + [list(prog.in_strides[i]) for i in sorted(prog.in_strides)] + [logical]
+    kept = [d for d in range(nd) if d not in dims]
+    korder = sorted(kept, key=lambda d: -prog.out_strides[0][d])
+    # the reduced dims in the memory order of the input read most (the prologue's first load)
+    pro = sorted({e.value[0] for e in prog.reduction.operand.walk() if e.op == "load"})
+    ref = list(prog.in_strides[pro[0]]) if pro else logical
+    rorder = sorted(dims, key=lambda d: -ref[d])
+    ks, kst = coalesce(dom, tensors, korder)
+    rs, rst = coalesce(dom, tensors, rorder)
+    return RedLayout(ks, kst, rs, rst, math.prod(ks), math.prod(rs))
+
+
+def reduced_is_inner(prog: Program) -> bool:
+    """The reduced elements of one output are contiguous in memory (rows suit, not cols)."""
+    lay = reduction_layout(prog)
+    pro = [t for t, i in enumerate(sorted(prog.in_strides)) if prog.in_strides[i] and any(
+        prog.in_strides[i][d] for d in prog.reduce_dims)]
+    if not pro:
+        return True
+    t = len(prog.outputs) + pro[0]
+    return lay.rstrides[t][-1] == 1
+
+
+def _shfl(x: str, dtype: str, o: int, width: int) -> str:
+    if dtype == "bool":
+        return f"(bool)__shfl_down_sync(0xffffffffu, (int){x}, {o}, {width})"
+    if dtype in ("int8", "uint8", "int16"):
+        return f"({CTYPE[dtype]})__shfl_down_sync(0xffffffffu, (int){x}, {o}, {width})"
+    return f"__shfl_down_sync(0xffffffffu, {x}, {o}, {width})"
+
+
+def _merge_block(kind, dtype: str, into: list[str], other: list[str], tag: str) -> list[str]:
+    """Statements: into = merge(into, other)."""
+    a, b, merged = kind.merge_exprs(dtype)
+    env = {v.value: n for v, n in zip(a, into)}
+    env.update({v.value: n for v, n in zip(b, other)})
+    em = Emitter(f"m{tag}_", env, None)
+    res = [em(m) for m in merged]
+    return ["{"] + [f"  {line}" for line in em.lines] + [f"  {n} = {r};" for n, r in zip(into, res)] + ["}"]
+
+
+def lower_reduction(prog: Program, knobs: dict, sm_count: int) -> Built:
+    red = prog.reduction
+    kind, dt = red.kind, red.operand.dtype
+    st_types = kind.state(dt)
+    ns = len(st_types)
+    lay = reduction_layout(prog)
+    nt, it, split = knobs["threads"], knobs["items"], knobs["split"]
+    lanes = 1 if knobs["algo"] == "gen_cols" else (nt if knobs["lanes"] == "block" else knobs["lanes"])
+    rows = nt // lanes
+    params, args, ptr = _pointers(prog)
+    no = len(prog.outputs)
+    loaded = sorted(prog.in_strides)
+    tix = {i: no + k for k, i in enumerate(loaded)}
+    logical_t = no + len(loaded)
+    idx = _index_type(prog, 2 * nt * it)
+    pro_loads = {e.value[0] for e in red.operand.walk() if e.op == "load"}
+    ch = ceil_div(lay.rn, split)
+    ident = [_const(e) for e in kind.identity_exprs(dt)]
+    st = [f"st{c}" for c in range(ns)]
+    lines = [f"typedef {idx} kf_idx;",
+             f"constexpr int NT = {nt}; constexpr int LANES = {lanes}; constexpr int ROWS = {rows}; "
+             f"constexpr int IT = {it};",
+             f"constexpr kf_idx KN = {lay.kn}; constexpr kf_idx RN = {lay.rn}; constexpr kf_idx CH = {ch};"]
+    if split > 1:
+        params = params + ["unsigned char* __restrict__ ws"]
+
+    def ws_ptr(c: int) -> str:
+        return f"reinterpret_cast<{CTYPE[st_types[c]]}*>(ws + {c * split * lay.kn * 8}LL)"
+
+    # kept offsets of every tensor for output q
+    kofs = offsets_code("q", lay.ksizes, lay.kstrides, [f"k{t}" for t in range(len(lay.kstrides))], idx)
+    rofs = offsets_code("r", lay.rsizes, [lay.rstrides[tix[i]] for i in sorted(pro_loads)] + [lay.rstrides[logical_t]],
+                        [f"ro{i}" for i in sorted(pro_loads)] + ["rl"], idx)
+    xv = red.operand
+    body = [f'extern "C" __global__ void __launch_bounds__(NT) kf_gen({", ".join(params)}) {{',
+            "  const int lane = threadIdx.x % LANES;",
+            "  const kf_idx q = (kf_idx)blockIdx.x * ROWS + threadIdx.x / LANES;",
+            "  const bool live = q < KN;",
+            *[f"  {line}" for line in kofs],
+            f"  const kf_idx lo = (kf_idx)blockIdx.y * CH, hi = lo + CH < RN ? lo + CH : RN;",
+            *[f"  {CTYPE[t]} {n} = {v};" for n, t, v in zip(st, st_types, ident)],
+            "  if (live) {",
+            "    for (kf_idx r0 = lo + lane; r0 < hi; r0 += (kf_idx)LANES * IT) {"]
+    for i in sorted(pro_loads):
+        body.append(f"      {CTYPE[prog.inputs[i].dtype]} x{i}[IT];")
+    body += ["      kf_i64 ri[IT];",
+             "#pragma unroll",
+             "      for (int u = 0; u < IT; ++u) {",
+             "        const kf_idx r = r0 + (kf_idx)u * LANES;",
+             "        if (r < hi) {",
+             *[f"          {line}" for line in rofs],
+             *[f"          x{i}[u] = {ptr[i]}[k{tix[i]} + ro{i}];" for i in sorted(pro_loads)],
+             "          ri[u] = rl;",
+             "        }",
+             "      }",
+             "#pragma unroll",
+             "      for (int u = 0; u < IT; ++u) {",
+             "        if (r0 + (kf_idx)u * LANES < hi) {"]
+
+    def pro_load(i, stored):
+        return f"x{i}[u]" if i in pro_loads else f"{ptr[i]}[k{tix[i]}]"
+
+    em = Emitter("p", {"ridx": "ri[u]"}, pro_load)
+    x = em(xv)
+    lift = kind.lift_exprs(Expr.var("x", dt))
+    em.env["x"] = x
+    lifted = [em(e) for e in lift]
+    body += [f"          {line}" for line in em.lines]
+    body += [f"          {line}" for line in _merge_block(kind, dt, st, lifted, "u")]
+    body += ["        }", "      }", "    }", "  }"]
+    # lanes -> lane 0 of the group: shuffles within a warp, then shared memory across warps
+    w = min(lanes, 32)
+    if w > 1:
+        body.append("#pragma unroll")
+        body.append(f"  for (int o = {w // 2}; o > 0; o >>= 1) {{")
+        other = [f"sh{c}" for c in range(ns)]
+        body += [f"    const {CTYPE[t]} {o} = {_shfl(n, t, 'o', w)};" for o, n, t in zip(other, st, st_types)]
+        body += [f"    {line}" for line in _merge_block(kind, dt, st, other, "s")]
+        body.append("  }")
+    if lanes > 32:
+        nw = lanes // 32
+        body += [f"  __shared__ {CTYPE[t]} sm{c}[ROWS][{nw}];" for c, t in enumerate(st_types)]
+        body.append("  if (lane % 32 == 0) {")
+        body += [f"    sm{c}[threadIdx.x / LANES][lane / 32] = {n};" for c, n in enumerate(st)]
+        body += ["  }", "  __syncthreads();", "  if (lane == 0) {", f"    for (int wi = 1; wi < {nw}; ++wi) {{"]
+        other = [f"sm{c}[threadIdx.x / LANES][wi]" for c in range(ns)]
+        body += [f"      {line}" for line in _merge_block(kind, dt, st, other, "w")]
+        body += ["    }", "  }"]
+
+    def epilogue(state: list[str], indent: str) -> list[str]:
+        def epi_load(i, stored):
+            return f"{ptr[i]}[k{tix[i]}]"
+        em2 = Emitter("e", {f"s{c}": n for c, n in enumerate(state)}, epi_load)
+        res = [em2(e) for e in prog.results]
+        out = [indent + line for line in em2.lines]
+        for j, (m, r) in enumerate(zip(prog.outputs, res)):
+            out.append(f"{indent}out{j}[k{j}] = {convert(r, prog.results[j].dtype, m.dtype)};")
+        return out
+
+    if split == 1:
+        body += ["  if (live && lane == 0) {", *epilogue(st, "    "), "  }", "}"]
+    else:
+        body += ["  if (live && lane == 0) {"]
+        body += [f"    {ws_ptr(c)}[(kf_idx)blockIdx.y * KN + q] = {n};" for c, n in enumerate(st)]
+        body += ["  }", "}"]
+        fin_params = [p for p in params]
+        body += [f'extern "C" __global__ void __launch_bounds__(256) kf_gen_finish({", ".join(fin_params)}) {{',
+                 "  const kf_idx q = (kf_idx)blockIdx.x * 256 + threadIdx.x;",
+                 "  if (q >= KN) return;",
+                 *[f"  {line}" for line in kofs],
+                 *[f"  {CTYPE[t]} {n} = {ws_ptr(c)}[q];" for c, (n, t) in enumerate(zip(st, st_types))],
+                 f"  for (int s = 1; s < {split}; ++s) {{",
+                 *[f"    const {CTYPE[t]} o{c} = {ws_ptr(c)}[(kf_idx)s * KN + q];" for c, t in enumerate(st_types)],
+                 *[f"    {line}" for line in _merge_block(kind, dt, st, [f"o{c}" for c in range(ns)], "f")],
+                 "  }",
+                 *epilogue(st, "  "),
+                 "}"]
+    src = "\n".join(lines + body)
+    grid = (ceil_div(lay.kn, rows), split)
+    kernels = [("kf_gen", grid, (nt,), args + ([{"ws": 0}] if split > 1 else []), 0)]
+    workspace = []
+    if split > 1:
+        kernels.append(("kf_gen_finish", (ceil_div(lay.kn, 256),), (256,), args + [{"ws": 0}], 0))
+        workspace = [ns * split * lay.kn * 8]
+    return Built(_header(src), kernels, workspace)

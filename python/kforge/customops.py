@@ -1,0 +1,127 @@
+"""A dispatched card's kernel as a functional torch.library custom op: what a compiled graph calls.
+
+One op per card and kernel, kforge::k_<card id>_<kernel digest>. It takes the card's tensor
+inputs in launch-plan order (Card.inputs) and returns its outputs; the card's other arguments
+are part of its guard, so they are constants of the op. The fake implementation makes outputs
+with the card's shapes, strides and dtypes on the inputs' device, which is all Inductor needs
+to plan around the call. The real one, registered at the card's device key only (a CUDA card's
+op has no CPU kernel), launches through the package's launcher (Variant.run: outputs from the
+caching allocator, the current stream, no host sync), so it records into CUDA graphs and
+cudagraph trees. A pointer's alignment is the one guard a traced graph cannot see: an input
+whose alignment is not the card's goes to eager's op, counted as an "alignment" fallback.
+Where kforge._dispatch can serve the op (its launcher has native()), the op's kernel at that
+key is the C++ boxed one, exactly as an overridden aten op's (dispatch.Dispatcher): host cost
+per call as an eager override's hit, and the Python implementation below it only serves the
+misses the C++ guard has already counted.
+
+Only functional cards become ops: a compiled graph is functional, so an in-place or out= call
+never appears in it as the card recorded it.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from .cards import ArgSpec, Card
+from .dispatch import _ALIGN, Dispatcher, DispatchError, Variant, _native_variants
+
+NAMESPACE = "kforge"
+
+_lock = threading.Lock()
+_lib: torch.library.Library | None = None
+_ops: dict[str, "_KernelOp"] = {}
+_native: dict[str, Dispatcher] = {}  # device key -> the C++ kernels in front of the ops' Python ones
+
+
+def op_blocker(card: Card) -> str | None:
+    """Why this card has no custom op (its kernel stays out of compiled graphs), or None."""
+    if card.written_inputs or card.aliases:
+        return "it writes its inputs (in-place or out=), and a compiled graph is functional"
+    if not card.inputs or not card.outputs:
+        return "it has no tensor inputs or outputs"
+    if card.device_type not in ("cuda", "cpu"):
+        return f"custom ops are registered for CUDA and CPU cards, not {card.device_type}"
+    return None
+
+
+@dataclass(eq=False)
+class _KernelOp:
+    """One op's binding: the variant whose launcher serves it (the last package to bind it)."""
+
+    variant: Variant
+    native: bool = False  # kforge._dispatch's kernel is in front: calls reaching this one missed, and are counted
+
+    def __call__(self, *ins: torch.Tensor):
+        v = self.variant
+        if self.native:
+            outs = v.card.call_eager(list(ins))
+        elif any(_ALIGN[t.data_ptr() & 15] != m.align for t, m in zip(ins, v.card.inputs)):
+            v.counters.fell_back("alignment")
+            outs = v.card.call_eager(list(ins))
+        else:
+            outs = v.run(ins)
+            if outs is None:  # counted by run(): eager's op serves the call
+                outs = v.card.call_eager(list(ins))
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def fake(self, *ins: torch.Tensor):
+        dev = ins[0].device
+        outs = [torch.empty_strided(shape, stride, dtype=dt, device=dev) for _, shape, stride, dt in self.variant.out_specs]
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def op_name(card: Card, kernel_digest: str) -> str:
+    return f"k_{card.id}_{kernel_digest[:12]}"
+
+
+def kernel_op(variant: Variant, kernel_digest: str) -> torch._ops.OpOverload:
+    """The custom op of `variant`'s card and kernel (defined on first use), now launched
+    through `variant`. The same card and kernel from another package is the same op: it
+    launches through whichever package bound it last, which runs the same kernel."""
+    global _lib
+    card = variant.card
+    why = op_blocker(card)
+    if why:
+        raise DispatchError(f"card {card.id} has no custom op: {why}")
+    name = op_name(card, kernel_digest)
+    with _lock:
+        bound = _ops.get(name)
+        if bound is not None:
+            bound.variant = variant
+        else:
+            if _lib is None:
+                _lib = torch.library.Library(NAMESPACE, "FRAGMENT")
+            bound = _KernelOp(variant)
+            params = ", ".join(f"Tensor x{i}" for i in range(len(card.inputs)))
+            returns = "Tensor" if len(card.outputs) == 1 else "(" + ", ".join(["Tensor"] * len(card.outputs)) + ")"
+            _lib.define(f"{name}({params}) -> {returns}")
+            _lib.impl(name, bound, "CUDA" if card.device_type == "cuda" else "CPU")
+            torch.library.register_fake(f"{NAMESPACE}::{name}", bound.fake, lib=_lib)
+            _ops[name] = bound
+        op = getattr(getattr(torch.ops, NAMESPACE), name).default
+        _serve_natively(bound, op)
+    return op
+
+
+def _serve_natively(bound: _KernelOp, op: torch._ops.OpOverload) -> None:
+    """Put kforge._dispatch's kernel in front of the op's Python one, guarding the op's own
+    arguments (the card's tensors), where it can serve the bound variant; else leave the Python one."""
+    v = bound.variant
+    key = "CUDA" if v.card.device_type == "cuda" else "CPU"
+    dispatcher = _native.setdefault(key, Dispatcher(key))
+    if dispatcher.owns(bound):
+        dispatcher.remove(bound)
+    bound.native = False
+    schema = op._schema
+    own = Card(op=f"{schema.name}.default", schema=str(schema), outputs=list(v.card.outputs), arch=v.card.arch,
+               args=[ArgSpec(a.name, "tensor", tensor=m) for a, m in zip(schema.arguments, v.card.inputs)])
+    variant = Variant(own, v.vid, v.launcher, v.workspace, v.counters)
+    if _native_variants([variant], key)[0] is None:
+        return
+    dispatcher.add(bound, [variant])
+    bound.native = dispatcher.path(own.op)[0] == "native"
+    if not bound.native:  # kforge._dispatch refused it: a Python override over the Python op would only cost time
+        dispatcher.remove(bound)

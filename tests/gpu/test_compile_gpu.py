@@ -1,0 +1,79 @@
+"""A real .cast inside torch.compile on a real GPU: the layer_norm kernel of test_dispatch_gpu in
+Inductor's graphs, default and reduce-overhead (cudagraph trees)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import kforge
+from kforge.package import load
+from test_dispatch_gpu import D, ROWS, packages  # noqa: F401 (packages is a fixture)
+
+pytestmark = pytest.mark.gpu
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.LayerNorm(D), nn.GELU()).cuda().eval()
+    with torch.no_grad():
+        m[0].weight.uniform_(0.5, 1.5)
+        m[0].bias.uniform_(-0.2, 0.2)
+    return m
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def hits(pkg) -> int:
+    return sum(c.counters.hits for c in pkg.cards)
+
+
+def test_kforge_compile_runs_the_kernel_inside_inductors_graph(packages):  # noqa: F811
+    m, x = model(), torch.randn(ROWS, D, device="cuda")
+    pkg = load(packages["ln"])
+    compiled = kforge.compile(m, pkg)
+    with torch.inference_mode():
+        want = m(x)
+        got = compiled(x)
+        other = torch.randn(ROWS, D, device="cuda")
+        got_other = compiled(other)
+        want_other = m(other)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_other, want_other, atol=1e-4, rtol=1e-4)
+    assert hits(pkg) == 2
+
+
+def test_reduce_overhead_records_the_kernel_into_cudagraph_trees(packages):  # noqa: F811
+    m = model()
+    pkg = load(packages["ln"])
+    compiled = kforge.compile(m, pkg, mode="reduce-overhead")
+    with torch.inference_mode():
+        for _ in range(3):  # warm-up, record, replay
+            x = torch.randn(ROWS, D, device="cuda")
+            got = compiled(x).clone()
+            torch.testing.assert_close(got, m(x), atol=1e-4, rtol=1e-4)
+    assert hits(pkg) >= 1  # replays launch the recorded kernel without calling the op
+
+
+def test_the_options_alone_install_the_pass_and_stay_correct(packages):  # noqa: F811
+    m, x = model(), torch.randn(ROWS, D, device="cuda")
+    pkg = load(packages["ln"])
+    compiled = torch.compile(m, options=pkg.inductor_options())
+    with torch.inference_mode():
+        torch.testing.assert_close(compiled(x), m(x), atol=1e-4, rtol=1e-4)
+    # Inductor decomposes layer_norm before any post-grad pass: only kforge.compile keeps it whole.
+    assert hits(pkg) == 0
+
+
+def test_a_call_the_guard_misses_is_inductors(packages):  # noqa: F811
+    m, x = model(), torch.randn(ROWS + 1, D, device="cuda")
+    pkg = load(packages["ln"])
+    with torch.inference_mode():
+        torch.testing.assert_close(kforge.compile(m, pkg)(x), m(x), atol=1e-4, rtol=1e-4)
+    assert hits(pkg) == 0
