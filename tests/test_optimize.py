@@ -145,9 +145,7 @@ def test_package_optimize_and_kforge_optimize(tmp_path):
         assert len(fast.replaced) == 4
 
 
-def test_op_cards_run_through_the_package_overrides_beside_the_regions(tmp_path):
-    from kforge.dispatch import Dispatcher
-
+def test_op_cards_run_in_the_graph_beside_the_regions_and_nothing_is_installed(tmp_path):
     model, x = resnet(), torch.randn(2, 4, 8, 8)
     cards = capture(model, x, tmp_path, regions=True, time_cards=False).cards
     bn_relu = next(c for c in cards if c.region is not None and c.region.ops == [BN, "relu"])
@@ -157,15 +155,11 @@ def test_op_cards_run_through_the_package_overrides_beside_the_regions(tmp_path)
     launcher = FakeLauncher([bn_relu, relu], fns={
         0: lambda ins: [F.batch_norm(ins[0], ins[3], ins[4], ins[1], ins[2]).clamp(min=0)],
         1: lambda ins: [ins[0].clamp(min=0)]})
-    fast = optimize(model, pkg, launcher=launcher, dispatcher=Dispatcher("CPU"))
-    try:
-        assert pkg.installed
-        with torch.no_grad():
-            got = fast(x)
-            # bn+relu at both blocks by its region kernel; the relu after each residual add
-            # (not a region of the package) by the op card's kernel, through its override
-            assert sorted(launcher.calls) == [0, 0, 1, 1]
-            assert torch.equal(got, model(x))
-    finally:
-        fast.close()
-    assert not pkg.installed
+    fast = optimize(model, pkg, launcher=launcher)
+    with torch.no_grad():
+        got = fast(x)
+        # bn+relu at both blocks by its region kernel; the relu after each residual add (not a
+        # region of the package) by the op card's kernel, its custom op in the graph
+        assert sorted(launcher.calls) == [0, 0, 1, 1] and fast.ops_replaced == 2
+        assert torch.equal(got, model(x))
+    assert sorted(launcher.calls) == [0, 0, 1, 1] and not pkg.installed  # eager's own calls stay eager

@@ -222,7 +222,7 @@ class KforgePass(_PassBase):
 
 def _rewrites(package: Any, launcher: Launcher | None) -> list[Rewrite]:
     """The package's rewrites: its single-op cards' today; region cards add theirs here."""
-    dispatched = [c for c in package.cards if c.dispatched]
+    dispatched = [c for c in package.cards if c.dispatched and c.card.region is None]  # variants()' cards
     sites = []
     for c, v in zip(dispatched, package.variants(launcher)):
         why = customops.op_blocker(c.card)
