@@ -53,6 +53,12 @@ lane() {  # lane LOG ITEM...: run the items in order
       # Which card helps or hurts a model, and the same forward from CUDA graphs (ABLATE_MODEL, default Gemma).
       ablate) step "$log" ablate "${T_ABLATE:-200}" python3 bench/ablate_model.py "${ABLATE_MODEL:-examples/gemma_decoder.py}" \
                 --wall-time "${WALL:-45}" --out "$OUT/ablate_$(basename "${ABLATE_MODEL:-gemma}" .py)_h200.json" ;;
+      # KernelBench problems (a checkout carried as .kb/; bench/README.md): KB_LEVEL, KB_PROBLEMS, KB_BYTES,
+      # KB_ITERS, KB_WALL (search seconds per problem), T_KB for the whole item.
+      kernelbench) step "$log" kernelbench "${T_KB:-480}" python3 bench/kernelbench.py --kernelbench "${KB_ROOT:-.kb}" \
+                     --level "${KB_LEVEL:-1}" --skip-vendor --max-bytes "${KB_BYTES:-5e8}" --iterations "${KB_ITERS:-6}" \
+                     --wall-time "${KB_WALL:-8}" ${KB_PROBLEMS:+--problems $KB_PROBLEMS} \
+                     --out "$OUT/kernelbench_l${KB_LEVEL:-1}_h200.json" ;;
       probe) step "$log" probe "${T_PROBE:-60}" python3 bench/probe_long_rows.py --out "$OUT/probe_long_rows_h200.json" ;;
       dispatch) step "$log" dispatch "${T_DISPATCH:-40}" python3 bench/bench_dispatch.py --iterations 4 \
                   --out "$OUT/dispatch_h200.json" ;;

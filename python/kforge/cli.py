@@ -35,6 +35,13 @@ def _devices(text: str) -> list[int]:
             f"expected GPU ordinals separated by commas, like 0,1 (got {text!r})") from None
 
 
+def _port(text: str) -> int:
+    port = int(text) if text.isdigit() else 0
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port from 1 to 65535, like 8050 (got {text!r})")
+    return port
+
+
 def _names(text: str) -> list[str]:
     names = [x.strip() for x in text.split(",") if x.strip()]
     if not names:
@@ -185,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("dash", help="serve the dashboard over run directories", parents=[plain])
     p.add_argument("run_dirs", nargs="*", type=Path)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8050)
+    p.add_argument("--port", type=_port, default=8050)
 
     p = sub.add_parser("doctor", help="what kforge finds of CUDA, the driver and NVRTC, the LLM settings, and "
                        "what works without a GPU", parents=[_output_options(True)])
@@ -324,8 +331,11 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     else:
         if args.model is None:
             raise KforgeError("kforge run needs a model file (model.py) or pkg.module:factory")
+        from .capture import check_run_dir
         from .modelspec import load_model_spec
 
+        if args.run_dir is not None:
+            check_run_dir(args.run_dir)  # before the model is even built
         model, inputs = load_model_spec(args.model)
         with _stage_printer(args, err, "capture") as say:
             kwargs["capture_progress"] = say
@@ -350,9 +360,11 @@ def _cards_table(cards, args: argparse.Namespace):
 
 
 def cmd_capture(args: argparse.Namespace, console: Console) -> int:
-    from .capture import capture
+    from .capture import capture, check_run_dir
     from .modelspec import load_model_spec
 
+    if args.run_dir is not None:
+        check_run_dir(args.run_dir)  # before the model is even built
     err = _err_console()
     with _stage_printer(args, err, "capture") as say:
         say(f"loading {args.model}")
@@ -383,9 +395,12 @@ def cmd_package(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace, console: Console) -> int:
+    from .log import log_path, translated
+
     path: Path = args.path
     if path.is_dir():
-        return _inspect_run(path, console, args)
+        with translated(log_path(path)):  # a log damaged past what opening it checks
+            return _inspect_run(path, console, args)
     if path.suffix == ".cast" and path.is_file():
         return _inspect_package(path, console, args)
     if not path.exists():
