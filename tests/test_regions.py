@@ -198,3 +198,18 @@ def test_region_id_changes_with_structure_metadata_and_arch():
     assert card(site.subgraph, bf16).id != base.id
     gelu = replace(site.subgraph, nodes=[site.subgraph.nodes[0], replace(site.subgraph.nodes[1], op="aten::gelu.default")])
     assert card(gelu, site.input_metas).id != base.id
+
+
+def test_kforge_capture_writes_region_cards_only_with_the_flag(tmp_path):
+    from kforge.cards import load_cards
+    from kforge.cli import main
+
+    spec = tmp_path / "gated.py"
+    spec.write_text("import torch\nimport torch.nn.functional as F\n\n"
+                    "class M(torch.nn.Module):\n    def forward(self, a, b):\n        return F.silu(a) * b\n\n"
+                    "def get_model():\n    return M()\n\n"
+                    "def get_inputs():\n    return (torch.randn(8, 16), torch.randn(8, 16))\n")
+    assert main(["capture", str(spec), "--run-dir", str(tmp_path / "plain"), "-q"]) == 0
+    assert not any(c.region for c in load_cards(tmp_path / "plain"))  # the default path is unchanged
+    assert main(["capture", str(spec), "--run-dir", str(tmp_path / "regions"), "--regions", "-q"]) == 0
+    assert [c.region.ops for c in load_cards(tmp_path / "regions") if c.region] == [["silu", "mul"]]
