@@ -213,3 +213,12 @@ def test_kforge_capture_writes_region_cards_only_with_the_flag(tmp_path):
     assert not any(c.region for c in load_cards(tmp_path / "plain"))  # the default path is unchanged
     assert main(["capture", str(spec), "--run-dir", str(tmp_path / "regions"), "--regions", "-q"]) == 0
     assert [c.region.ops for c in load_cards(tmp_path / "regions") if c.region] == [["silu", "mul"]]
+
+
+def test_region_samples_keep_to_the_sample_budget(tmp_path):
+    from kforge.capture import capture
+
+    r = capture(GroupNormSiLU(), torch.randn(2, 8, 4, 4), tmp_path, regions=True, time_cards=False, max_sample_bytes=0)
+    (card,) = [c for c in r.cards if c.region is not None]
+    assert card.samples == 0 and any("sample budget was spent" in n for n in card.notes)
+    assert not list((tmp_path / "cards" / card.id).glob("sample*.safetensors"))
