@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ...cards import Card, decode_value
+from ...errors import CardError
 
 
 def arg_exprs(card: Card) -> list[tuple[str, str, Any]]:
@@ -48,13 +49,13 @@ def decomposed(card: Card) -> list[str]:
     if card.region is not None:  # its code is already step by step
         return []
     build = _DECOMPOSED.get(card.op)
-    if build is not None:
-        return build(_Call(card))
-    if len(card.outputs) > 1:
-        names = [r.name for r in card.overload()._schema.returns]
-        if all(names):
-            return [f"# {', '.join(f'out{j} = {n}' for j, n in enumerate(names))}"]
-    return []
+    try:
+        if build is not None:
+            return build(_Call(card))
+        names = [r.name for r in card.overload()._schema.returns] if len(card.outputs) > 1 else []
+    except (KeyError, CardError):  # a card from a torch whose schema differs: the call alone says it
+        return []
+    return [f"# {', '.join(f'out{j} = {n}' for j, n in enumerate(names))}"] if names and all(names) else []
 
 
 class _Call:
