@@ -295,6 +295,7 @@ class Catalog:
     _CARD_SQL = """
         SELECT c.card_id, c.op, c.family, c.summary, c.calls, c.eager_us, c.share, c.status, c.skip_reason,
                c.best_candidate, c.best_speedup, c.iterations, c.floor_us,
+               json_extract(c.card_json, '$.top_calls') AS top_calls,
                (SELECT COUNT(*) FROM candidates k WHERE k.run_id=c.run_id AND k.card_id=c.card_id) AS n_candidates,
                (SELECT COUNT(*) FROM candidates k WHERE k.run_id=c.run_id AND k.card_id=c.card_id
                   AND k.verdict='valid') AS n_valid,

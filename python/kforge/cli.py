@@ -9,6 +9,7 @@ stderr).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -18,7 +19,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from rich.console import Console
 from rich.markup import escape
@@ -259,25 +260,26 @@ def _emit(data: Any) -> int:
     return 0
 
 
-def _stage_printer(args: argparse.Namespace, err: Console, what: str):
-    """Progress of a long step on stderr: a live status line on a terminal, a few plain lines
-    otherwise (a log file stays readable), nothing with -q."""
-    import contextlib
+def _progress_lines(args: argparse.Namespace, err: Console, what: str) -> Callable[[str], None]:
+    """Progress of a long step as plain lines on stderr (a log file stays readable); nothing
+    with -q or --no-progress."""
+    if args.quiet or getattr(args, "no_progress", False):
+        return lambda line: None
+    return lambda line: err.print(f"{what}: {line}", highlight=False, markup=False, soft_wrap=True)
 
-    @contextlib.contextmanager
-    def stages():
-        t0 = time.monotonic()
-        if args.quiet:
-            yield lambda line: None
-            return
-        if err.is_terminal:
-            with err.status(what) as status:
-                yield lambda line: status.update(f"{what}: {escape(line)}")
-        else:
-            yield lambda line: err.print(f"{what}: {line}", highlight=False, markup=False, soft_wrap=True)
-        err.print(f"{what}: done in {time.monotonic() - t0:.1f} s", highlight=False, markup=False)
 
-    return stages()
+@contextlib.contextmanager
+def _capture_progress(args: argparse.Namespace, err: Console) -> Iterator[Callable[[str], None]]:
+    """The capture's stages on stderr: a live status line on a terminal, plain lines and the
+    time it took otherwise, nothing with -q."""
+    t0 = time.monotonic()
+    if args.quiet or not err.is_terminal:
+        yield _progress_lines(args, err, "capture")
+    else:
+        with err.status("capture") as status:
+            yield lambda line: status.update(f"capture: {escape(line)}")
+    if not args.quiet:
+        err.print(f"capture: done in {time.monotonic() - t0:.1f} s", highlight=False, markup=False)
 
 
 def _table_limit(args: argparse.Namespace) -> dict:
@@ -337,10 +339,10 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         if args.run_dir is not None:
             check_run_dir(args.run_dir)  # before the model is even built
         model, inputs = load_model_spec(args.model)
-        with _stage_printer(args, err, "capture") as say:
-            kwargs["capture_progress"] = say
-            result = runner.run(model, inputs, out=args.out, run_dir=args.run_dir, model_name=args.model,
-                                check_model=not args.no_model_check, regions=args.regions, **kwargs)
+        # Plain lines: a live status here would clash with the search's progress display after it.
+        result = runner.run(model, inputs, out=args.out, run_dir=args.run_dir, model_name=args.model,
+                            check_model=not args.no_model_check, regions=args.regions,
+                            capture_progress=_progress_lines(args, err, "capture"), **kwargs)
     return _report(result, console, args)
 
 
@@ -366,7 +368,7 @@ def cmd_capture(args: argparse.Namespace, console: Console) -> int:
     if args.run_dir is not None:
         check_run_dir(args.run_dir)  # before the model is even built
     err = _err_console()
-    with _stage_printer(args, err, "capture") as say:
+    with _capture_progress(args, err) as say:
         say(f"loading {args.model}")
         model, inputs = load_model_spec(args.model)
         result = capture(model, inputs, args.run_dir, progress=say, regions=args.regions)
