@@ -303,6 +303,7 @@ def write_package(run_dir: str | Path, out: str | Path, *, run_id: str | None = 
             members.update(files)
     finally:
         slog.close()
+    regions = _region_decisions(run_dir, entries, members)
     dispatched = sum(e["decision"] == "dispatched" for e in entries)
     manifest = {
         "format": FORMAT, "kforge": kforge.__version__, "torch": torch.__version__,
@@ -310,12 +311,55 @@ def write_package(run_dir: str | Path, out: str | Path, *, run_id: str | None = 
         "gpu": {"name": run["device"] or next((c.device_name for c in cards if c.device_name), ""), "arch": arch},
         "run_id": run_id, "selection": {"noise_factor": noise_factor, "margin": margin},
         "cards": entries,
+        **({"regions": regions} if regions is not None else {}),
     }
     members[MANIFEST] = json.dumps(manifest, indent=1, sort_keys=True).encode()
     check_manifest(out, members[MANIFEST])  # never write what load() would refuse
     castfile.write_zip(out, members, sign_key)
     log.info("packaged %s: %d of %d cards dispatched, for %s", out, dispatched, len(entries), arch)
     return out
+
+
+def _region_decisions(run_dir: Path, entries: list[dict], members: dict[str, bytes]) -> dict | None:
+    """Region cards overlap each other and the op cards inside them. Each region's baseline is
+    its eager replay less what the dispatched op cards of its nodes save; per captured call
+    site (run_dir/regions.json) choose_regions keeps the non-overlapping set that saves the
+    most. A dispatched region chosen at no site falls back. Returns the manifest's evidence."""
+    from .region_capture import SITES
+
+    by_id = {e["id"]: e for e in entries}
+    region_entries = {e["id"]: e for e in entries if "region" in e}
+    if not region_entries:
+        return None
+    for e in region_entries.values():
+        eager = e["timing"]["eager_dispatched_us"] or e["timing"]["eager_us"]
+        savings = {}
+        for n in e["region"]["nodes"]:
+            op = by_id.get(n.get("op_card"))
+            if op is not None and op["decision"] == "dispatched":
+                savings[op["id"]] = op["timing"]["eager_dispatched_us"] - op["timing"]["dispatched_us"]
+        e["baseline"] = {"eager_us": eager, "op_savings_us": savings,
+                         "baseline_us": eager - sum(savings.values()) if eager is not None else None}
+    path = run_dir / SITES
+    sites = json.loads(path.read_text())["sites"] if path.exists() else []
+    report, chosen_ids = [], set()
+    for graph in sorted({s["graph"] for s in sites}):
+        here = [s for s in sites if s["graph"] == graph and s["card"] in region_entries]
+        options = [RegionOption(s["card"], frozenset(s["nodes"]), region_entries[s["card"]]["timing"]["dispatched_us"],
+                                region_entries[s["card"]]["baseline"]["baseline_us"])
+                   for s in here if region_entries[s["card"]]["decision"] == "dispatched"]
+        chosen = {id(o) for o in choose_regions(options)}
+        chosen_ids |= {o.card for o in options if id(o) in chosen}
+        report.append({"graph": graph, "options": [{"card": o.card, "nodes": sorted(o.nodes), "kernel_us": o.kernel_us,
+                                                    "baseline_us": o.baseline_us, "chosen": id(o) in chosen}
+                                                   for o in options]})
+    for e in region_entries.values():
+        if e["decision"] == "dispatched" and e["id"] not in chosen_ids:
+            for name in e["files"].values():
+                members.pop(name, None)
+            e.update(decision="fallback", plan=None, files=None, hashes=None,
+                     reason="overlapping regions or the op kernels inside it save more at every call site")
+    return {"sites": report}
 
 
 # ---- the manifest ---------------------------------------------------------------------------
