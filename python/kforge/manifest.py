@@ -142,6 +142,8 @@ _CARD = _record({
     "guard": _record({"args": _kind(list, "a list"), "arch": _text}, required=("args", "arch")),
     "outputs": _kind(list, "a list"), "aliases": _kind(dict, "an object"),
     "region": _optional(_kind(dict, "an object")),
+    # A region card's baseline: its eager replay less what the op kernels inside it save.
+    "baseline": _optional(_record({"eager_us": _US, "op_savings_us": _plain, "baseline_us": _optional(_plain)})),
     "decision": _one_of("dispatched", "fallback"), "reason": _text, "kind": _optional(_one_of(*KINDS)),
     "timing": _optional(_record({k: _US for k in ("eager_us", "kernel_us", "eager_dispatched_us", "dispatched_us",
                                                    "noise_us")})),
@@ -162,6 +164,8 @@ _MANIFEST = _record({
     "run_id": _optional(_text),
     "selection": _record({"noise_factor": _number, "margin": _number}),
     "cards": _list_of(_CARD),
+    # Which overlapping region cards were chosen at each captured call site, with the numbers.
+    "regions": _record({"sites": _plain}),
 }, required=("format", "kforge", "torch", "gpu", "cards"))
 
 
