@@ -387,6 +387,8 @@ def test_run_plots_best_speedup_over_time_rate_and_share_before_after(cat, demo,
     before, after = (sum(t.x[i] for t in share.data) for i in (0, 1))
     saved = sum(c["share"] * (1 - 1 / c["best_speedup"]) for c in cards if c["best_speedup"])
     assert before - after == pytest.approx(100 * saved) and 1 / (1 - saved) == pytest.approx(run["est_speedup"])
+    assert before == pytest.approx(100 * sum(c["share"] for c in cards if c["top_calls"] != 0))
+    assert before < 100 * sum(c["share"] for c in cards)  # nested cards (inside another card's calls) left out
 
     compile_only = make_compile_only_run(tmp_path)
     other = Catalog([compile_only.run_dir], ttl_s=0)

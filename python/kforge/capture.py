@@ -41,8 +41,9 @@ from .errors import CaptureError, CardError
 from .families import family_of
 
 # Every family but views and vendor ops: whether a card is searched is then up to the
-# proposer (`supports`), so `other` ops (cumsum, index, scatter, cat, ...) reach the LLM.
-SEARCHABLE = frozenset({"pointwise", "reduction", "normalization", "pooling", "other"})
+# proposer (`supports`), so `other` ops (cumsum, index, scatter, cat, ...) reach the LLM. A
+# region card (capture(regions=True)) is searched like the families it fuses.
+SEARCHABLE = frozenset({"pointwise", "reduction", "normalization", "pooling", "other", "region"})
 
 _SKIP_REASONS = {
     "view": "view/metadata op: no kernel to write",
@@ -781,6 +782,11 @@ def _write(result: CaptureResult, rec: _Recorder, region_entries: Sequence = ())
         if e.sample is not None:
             save_sample(e.card, result.run_dir, 0, *e.sample)
         save_card(e.card, result.run_dir)
+    if region_entries:  # where each region card was seen: the packager chooses among overlapping ones per site
+        from .region_capture import SITES
+
+        sites = [dict(site, card=e.card.id) for e in region_entries for site in e.sites]
+        (result.run_dir / SITES).write_text(json.dumps({"sites": sites}, indent=1))
     (result.run_dir / "capture.json").write_text(json.dumps(result.to_json(), indent=1))
 
 
