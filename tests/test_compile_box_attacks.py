@@ -1,0 +1,67 @@
+"""Attacks on the compile box that got a host file into NVRTC's log, each one a place where
+the box read the source differently from the preprocessor. The file here stands for
+/proc/self/environ: its first line is echoed by NVRTC when it is included, so a leak shows
+as its marker in the compile log."""
+
+from __future__ import annotations
+
+import pytest
+
+from kforge import compiler, sourcebox
+from kforge.errors import CompileError
+
+GOOD = 'extern "C" __global__ void k(float* y, int n) { int i = threadIdx.x; if (i < n) y[i] = INFINITY; }\n'
+MARKER = "KFORGE_MARKER_host_file_line"
+
+
+@pytest.fixture
+def host_file(tmp_path):
+    path = tmp_path / "host_file.txt"
+    path.write_text(MARKER + "\n")
+    return str(path)
+
+
+def _attacks(f: str) -> dict[str, tuple[str, list[str]]]:
+    inc = f'#include "{f}"\n'
+    return {
+        # `1'0` is one pp-number (a C++14 digit separator), so `'/*'` is a character literal;
+        # read as the literal `'0 + '`, the `/*` after it opened a comment that hid the include.
+        "digit separator": ("int x = 1'0 + '/*';\n" + inc + "// */\n", []),
+        "hex digit separator": ("int x = 0x1'F + '/*';\n" + inc + "// */\n", []),
+        # `8R`, `1.R` are pp-numbers and `LLR` an identifier: the `"(` after them is an ordinary
+        # string, not a raw string running to `)"` over the include.
+        "pp-number before R": ('const char* s = 8R"(";\n' + inc + '//)";\n', []),
+        "dotted pp-number before R": ('auto s = 1.R"(";\n' + inc + '//)";\n', []),
+        "identifier ending in R": ('const char* s = LLR"(";\n' + inc + '//)";\n', []),
+        # Where a raw string ends depends on whether splices are undone inside it (the standard
+        # says yes, NVRTC's front end does not): the box refuses raw strings rather than guess.
+        "splice inside a raw string": ('auto s = R"()\\\n" /*\n)";\n' + inc + "// */\n", []),
+        # A -D macro spelling __has_include probes the host past the source check.
+        "-D macro naming __has_include": (f'#if H("{f}")\n#error the file exists\n#endif\n', ["-DH=__has_include"]),
+        "-D macro naming _Pragma": ('P("unroll")\n', ["-DP=_Pragma"]),
+        # Not a directive name: passed as the null directive.
+        "universal character name in a directive": (f'#\\u0069nclude "{f}"\n', []),
+        "line marker": (f'# 1 "{f}"\n', []),
+        "universal character name in a probe": (f'#if __has_incl\\u0075de("{f}")\n#endif\n', []),
+    }
+
+
+@pytest.mark.parametrize("attack", list(_attacks("f")))
+def test_the_box_reads_the_source_as_the_preprocessor_does(attack, host_file):
+    source, options = _attacks(host_file)[attack]
+    with pytest.raises(CompileError) as e:
+        compiler.compile(source + GOOD, arch="sm_90", options=options, use_cache=False)
+    assert "kforge refused to compile this source" in e.value.log
+    assert MARKER not in e.value.log and "the file exists" not in e.value.log
+
+
+@pytest.mark.parametrize("source", ["int x = 1'000'000;\n", "float f = 1.5e+3f, g = 0x1p-3f;\n",
+                                    "#include <cuda_fp16.h> // for __half\n", '#include "cuda_bf16.h"  /* bf16 */\n',
+                                    "const char c = '\\'';\n"])
+def test_everyday_spellings_still_compile(source):
+    assert compiler.compile(source + GOOD, arch="sm_90", use_cache=False).cubin[:4] == b"\x7fELF"
+
+
+def test_a_refused_raw_string_says_what_to_write_instead():
+    with pytest.raises(sourcebox.SourceRefused, match="ordinary string literal"):
+        sourcebox.prepare('auto s = R"(x)";\n')
