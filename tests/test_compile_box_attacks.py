@@ -65,3 +65,37 @@ def test_everyday_spellings_still_compile(source):
 def test_a_refused_raw_string_says_what_to_write_instead():
     with pytest.raises(sourcebox.SourceRefused, match="ordinary string literal"):
         sourcebox.prepare('auto s = R"(x)";\n')
+
+
+def test_a_key_spelled_with_json_escapes_in_the_plan_is_scrubbed_from_the_candidate(monkeypatch):
+    """The raw reply is scrubbed before parsing, but the plan's JSON decoder turns `\\u002d`
+    back into `-`: kforge itself rebuilt the key, so kforge must scrub what it decoded."""
+    import json
+
+    from kforge.proposers.llm.parse import parse_reply
+    from kforge.proposers.llm.client import scrub
+    from llm_cards import plan, softmax_card, source
+
+    key = "sk-kforgeTEST0123456789abcdefSECRET"
+    monkeypatch.setenv("KFORGE_LLM_API_KEY", key)
+    p = plan("softmax_v3_warp")
+    p["options"] = ["-DK=" + key]
+    body = json.dumps(p).replace(key, key.replace("-", "\\u002d"))
+    reply = scrub(f"```cuda\n{source('softmax_v3_warp')}\n```\n```json\n{body}\n```\n")
+    candidate = parse_reply(reply, softmax_card(), "llm:m")
+    assert key not in candidate.plan.dumps() and key not in json.dumps(candidate.to_json())
+
+
+def test_a_source_over_the_size_cap_is_refused_before_it_is_read():
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(sourcebox.SourceRefused, match="at most"):
+        sourcebox.prepare(GOOD + "// " + "x" * sourcebox.MAX_SOURCE + "\n")
+    assert time.monotonic() - t0 < 0.5
+
+
+@pytest.mark.parametrize("option", ["-DX=1\n", "--use_fast_math\n", "-O3\n"])
+def test_an_option_must_match_the_allow_list_whole(option):
+    with pytest.raises(sourcebox.SourceRefused, match="not allowed"):
+        sourcebox.check_options([option])

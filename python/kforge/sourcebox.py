@@ -34,6 +34,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+# Reading a source costs the box seconds per MiB and NVRTC more: a cap keeps a 100 MB reply
+# or package entry from holding the search. Real kernels are tens of KiB.
+MAX_SOURCE = 1 << 20
 ALLOWED_HEADERS = frozenset({"cuda_fp16.h", "cuda_bf16.h", "cuda_fp8.h"})
 # Dropped with a note: NVRTC's built-ins and the prelude cover what device code uses of them.
 HARMLESS_HEADERS = frozenset({
@@ -121,13 +124,13 @@ def check_options(options: list[str] | tuple[str, ...]) -> tuple[list[str], list
     for o in options:
         if not isinstance(o, str):
             raise SourceRefused(f"NVRTC option {o!r} is not a string")
-        if _OPTION_OK.match(o) and (_PROBES.search(o) or _PRAGMA_OP.search(o)):
+        if _OPTION_OK.fullmatch(o) and (_PROBES.search(o) or _PRAGMA_OP.search(o)):
             # -DH=__has_include would let `#if H("/etc/passwd")` probe the host past the source check.
             raise SourceRefused(f"NVRTC option {o[:80]!r} is not allowed: a -D macro may not name __has_include "
                                 "or _Pragma")
-        if _OPTION_OK.match(o):
+        if _OPTION_OK.fullmatch(o):
             kept.append(o)
-        elif _OPTION_DROPPED.match(o):
+        elif _OPTION_DROPPED.fullmatch(o):
             notes.append(f"dropped NVRTC option {o!r}: NVRTC optimizes fully by default and kforge sets the arch")
         else:
             raise SourceRefused(
@@ -187,6 +190,9 @@ def _code_view(source: str) -> str:
 
 def prepare(source: str, options: list[str] | tuple[str, ...] = ()) -> Prepared:
     """Check a candidate's source and options; raise SourceRefused with the line and the fix."""
+    if len(source) > MAX_SOURCE:
+        raise SourceRefused(f"the source is {len(source)} characters; kforge compiles at most {MAX_SOURCE} "
+                            "(kernels are far smaller): send only the kernels the plan launches")
     if "\0" in source:
         raise SourceRefused("the source contains a NUL byte; send plain CUDA C++ text")
     try:
