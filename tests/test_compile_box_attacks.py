@@ -99,3 +99,54 @@ def test_a_source_over_the_size_cap_is_refused_before_it_is_read():
 def test_an_option_must_match_the_allow_list_whole(option):
     with pytest.raises(sourcebox.SourceRefused, match="not allowed"):
         sourcebox.check_options([option])
+
+
+# ---- a compile is bounded in time and memory -------------------------------------------------
+
+
+def _bomb_candidate(body: str):
+    from kforge.candidate import Candidate, LaunchPlan
+
+    plan = {"kernels": [{"name": "relu_k", "grid": [1], "block": [32], "args": [{"in": 0}, {"out": 0}]}]}
+    src = body + 'extern "C" __global__ void relu_k(const float* x, float* y) { y[0] = x[0]; }\n'
+    return Candidate(src, LaunchPlan.from_json(plan))
+
+
+def test_a_macro_bomb_is_stopped_at_the_compile_timeout_and_the_next_candidate_compiles():
+    """2^24 statements from 1 KB of #defines: NVRTC would expand them for hours, and cannot
+    be stopped in-process. Without a GPU the search compiles in a child it can kill."""
+    import time
+
+    from evalkit import relu_card
+    from kforge.evaluate import CompileOnlyEvaluator
+    from kforge.verdict import Verdict
+
+    defines = "#define A0 y[0] += x[0];\n" + "".join(f"#define A{i} A{i - 1} A{i - 1}\n" for i in range(1, 25))
+    ev = CompileOnlyEvaluator("sm_90", timeout_s=5)
+    try:
+        t0 = time.monotonic()
+        r = ev.evaluate(relu_card(), _bomb_candidate(defines + "__device__ void bomb(const float* x, float* y) { A24 }\n"))
+        assert r.verdict is Verdict.COMPILE_ERROR and "did not finish within 5 s" in r.message
+        assert time.monotonic() - t0 < 90  # starting the compiler process included, on a loaded machine
+        assert ev.evaluate(relu_card(), _bomb_candidate("")).verdict is Verdict.UNTIMED
+    finally:
+        ev.close()
+
+
+def test_a_template_bomb_is_stopped_at_the_memory_limit():
+    """Each level doubles a type's name: at 2^26 NVRTC's log alone is gigabytes."""
+    from evalkit import relu_card
+    from kforge.evaluate import CompileOnlyEvaluator
+    from kforge.verdict import Verdict
+
+    bomb = ("template<class A, class B> struct P {};\n"
+            "template<class T, int N> struct D { typedef typename D<P<T, T>, N - 1>::type type; };\n"
+            "template<class T> struct D<T, 0> { typedef T type; };\n"
+            "typedef D<int, 30>::type X; X* bad = 1;\n")
+    ev = CompileOnlyEvaluator("sm_90", timeout_s=120, memory_bytes=1 << 30)
+    try:
+        r = ev.evaluate(relu_card(), _bomb_candidate(bomb))
+        assert r.verdict is Verdict.COMPILE_ERROR
+        assert "memory" in r.message
+    finally:
+        ev.close()
