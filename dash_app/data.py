@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterable
 
 from kforge.errors import KforgeError
 from kforge.log import LOG_NAME, SearchLog, connect
+from kforge.redact import scrub
 
 TTL_S = 1.5
 
@@ -200,7 +201,9 @@ class Catalog:
         try:
             conn = connect(path, readonly=True)
             try:
-                return [dict(r) for r in conn.execute(sql, tuple(params)).fetchall()]
+                # A log written before kforge scrubbed its texts may hold a key in any of them.
+                return [{k: scrub(v, limit=None) if isinstance(v, str) else v for k, v in dict(r).items()}
+                        for r in conn.execute(sql, tuple(params)).fetchall()]
             finally:
                 conn.close()
         except sqlite3.DatabaseError as e:

@@ -150,3 +150,33 @@ def test_a_template_bomb_is_stopped_at_the_memory_limit():
         assert "memory" in r.message
     finally:
         ev.close()
+
+
+# ---- the dashboard over a log written before texts were scrubbed -----------------------------
+
+
+def test_the_dashboard_scrubs_what_it_reads_from_an_old_log(tmp_path, monkeypatch):
+    """Logs written before scrubbing (the /proc/self/environ runs) hold the key in compile
+    logs and messages; the dashboard shows them, so it scrubs what it reads too."""
+    import json
+    import sqlite3
+
+    from conftest_dash import write_demo_run
+    from kforge.dash_app.data import Catalog
+
+    key = "sk-kforgeOLDLOG0123456789abcdefSECRET"
+    demo = write_demo_run(tmp_path)
+    conn = sqlite3.connect(demo.run_dir / "search.sqlite")
+    with conn:
+        conn.execute("UPDATE candidates SET compile_log = ?, message = ?, note = ?",
+                     (f"KFORGE_LLM_API_KEY={key}\n", f"failed near {key}", key))
+        conn.execute("UPDATE events SET message = ?", (f"echo {key}",))
+    conn.close()
+    monkeypatch.setenv("KFORGE_LLM_API_KEY", key)
+    cat = Catalog([demo.run_dir], ttl_s=0)
+    shown = [cat.runs(), cat.failures(demo.run_id), cat.events(demo.run_id)]
+    for card in cat.cards(demo.run_id):
+        for cand in cat.candidates(demo.run_id, card["card_id"]):
+            shown.append(cat.candidate(demo.run_id, cand["id"]))
+    dumped = json.dumps(shown, default=str)
+    assert "failed near" in dumped and key not in dumped
