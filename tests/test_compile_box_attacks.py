@@ -180,3 +180,22 @@ def test_the_dashboard_scrubs_what_it_reads_from_an_old_log(tmp_path, monkeypatc
             shown.append(cat.candidate(demo.run_id, cand["id"]))
     dumped = json.dumps(shown, default=str)
     assert "failed near" in dumped and key not in dumped
+
+
+# ---- secrets the scrubber did not know -------------------------------------------------------
+
+
+def test_passwords_connection_strings_and_aws_keys_are_scrubbed(monkeypatch):
+    from kforge.redact import scrub
+
+    monkeypatch.setenv("MYSQL_PWD", "hunter2hunter2")
+    monkeypatch.setenv("SMTP_PASS", "mailpass-123456")
+    monkeypatch.setenv("GCP_CREDS", "gcp-creds-value-1")
+    monkeypatch.setenv("SENTRY_DSN", "https://abcdef0123@o1.ingest.sentry.io/1")
+    text = ("hunter2hunter2 mailpass-123456 gcp-creds-value-1 https://abcdef0123@o1.ingest.sentry.io/1 "
+            "postgres://admin:s3cretpw@db.internal/prod AKIAIOSFODNN7EXAMPLE")
+    out = scrub(text)
+    for secret in ["hunter2hunter2", "mailpass-123456", "gcp-creds-value-1", "abcdef0123", "s3cretpw",
+                   "AKIAIOSFODNN7EXAMPLE"]:
+        assert secret not in out, secret
+    assert "db.internal/prod" in out  # only the credential of a URL is masked
