@@ -30,11 +30,12 @@ model() {  # model LOG NAME FILE [bench_model.py args...]; DTYPE etc. pass throu
     ${WALL:+--wall-time "$WALL"} $compile_flag --out "$OUT/model_${name}_h200.json" "$@"
 }
 # The A/B of issue 23 on one example model, in one process: eager, the package, torch.compile,
-# kforge.compile, and both compiles with mode="reduce-overhead" (T_AB seconds per model).
+# kforge.compile, and both compiles with mode="reduce-overhead" (T_AB seconds per model). With
+# RUNS_DIR set, each model's run directory is kept there (for the dashboard's screenshots).
 ab() {  # ab LOG NAME FILE [bench_model.py args...]
   local log=$1 name=$2 file=$3; shift 3
   step "$log" "ab-$name" "${T_AB:-300}" python3 bench/bench_model.py "$file" --iterations "${ITERS:-6}" \
-    ${WALL:+--wall-time "$WALL"} --compile --out "$OUT/ab_${name}_h200.json" "$@"
+    ${WALL:+--wall-time "$WALL"} --compile ${RUNS_DIR:+--run-dir "$RUNS_DIR/$name"} --out "$OUT/ab_${name}_h200.json" "$@"
 }
 lane() {  # lane LOG ITEM...: run the items in order
   local log=$1 item; shift
@@ -53,6 +54,12 @@ lane() {  # lane LOG ITEM...: run the items in order
       # Which card helps or hurts a model, and the same forward from CUDA graphs (ABLATE_MODEL, default Gemma).
       ablate) step "$log" ablate "${T_ABLATE:-200}" python3 bench/ablate_model.py "${ABLATE_MODEL:-examples/gemma_decoder.py}" \
                 --wall-time "${WALL:-45}" --out "$OUT/ablate_$(basename "${ABLATE_MODEL:-gemma}" .py)_h200.json" ;;
+      # KernelBench problems (a checkout carried as .kb/; bench/README.md): KB_LEVEL, KB_PROBLEMS, KB_BYTES,
+      # KB_ITERS, KB_WALL (search seconds per problem), T_KB for the whole item.
+      kernelbench) step "$log" kernelbench "${T_KB:-480}" python3 bench/kernelbench.py --kernelbench "${KB_ROOT:-.kb}" \
+                     --level "${KB_LEVEL:-1}" --skip-vendor --max-bytes "${KB_BYTES:-5e8}" --iterations "${KB_ITERS:-6}" \
+                     --wall-time "${KB_WALL:-8}" ${KB_PROBLEMS:+--problems $KB_PROBLEMS} \
+                     --out "$OUT/kernelbench_l${KB_LEVEL:-1}_h200.json" ;;
       probe) step "$log" probe "${T_PROBE:-60}" python3 bench/probe_long_rows.py --out "$OUT/probe_long_rows_h200.json" ;;
       dispatch) step "$log" dispatch "${T_DISPATCH:-40}" python3 bench/bench_dispatch.py --iterations 4 \
                   --out "$OUT/dispatch_h200.json" ;;
@@ -71,6 +78,7 @@ lane() {  # lane LOG ITEM...: run the items in order
       ab_sd_vae) ab "$log" sd_vae examples/sd_vae_decoder.py --min-share 0.02 ;;
       ab_gemma) ab "$log" gemma examples/gemma_decoder.py --min-share 0.02 ;;
       ab_resnet50) ab "$log" resnet50 examples/resnet50.py --min-share 0.003 ;;
+      ab_resnet50_bf16) DTYPE=bfloat16 ab "$log" resnet50_bf16 examples/resnet50.py --min-share 0.003 ;;
       ab_qwen_moe) ab "$log" qwen_moe examples/qwen_moe.py --ops softmax ;;
       *) echo "unknown item $item" | tee -a "$log" ;;
     esac

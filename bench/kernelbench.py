@@ -37,7 +37,7 @@ import torch
 
 # Matmul, convolution and attention: cuBLAS/cuDNN work that the built-in proposer leaves to
 # the vendor (issue scope: the level-1 problems that are not these).
-VENDOR = re.compile(r"matmul|matrix_mult|multiplication|conv|attention|gemm|bmm|linear", re.I)
+VENDOR = re.compile(r"matmul|matrix_multiplication|matrix_vector|conv|attention|gemm|bmm|linear", re.I)
 KB_ATOL = KB_RTOL = 1e-2
 FAST_P = (0.0, 1.0, 1.5, 2.0)
 
@@ -234,7 +234,12 @@ def main(argv=None) -> None:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     files = select(problem_files(args.kernelbench, args.level), args.problems, args.skip_vendor)
-    rows = []
+    head = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+            "level": args.level, "proposer": args.proposer, "iterations": args.iterations,
+            "wall_time_s": args.wall_time, "max_bytes": args.max_bytes, "command": " ".join(sys.argv)}
+    rows: list[dict] = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     for f in files:
         try:
             problem = fit(load_problem(f), args.max_bytes)
@@ -247,14 +252,10 @@ def main(argv=None) -> None:
                                                    "speedup_vs_compile", "error")}), flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()
-    out = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-           "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
-           "level": args.level, "proposer": args.proposer, "iterations": args.iterations,
-           "wall_time_s": args.wall_time, "max_bytes": args.max_bytes, "command": " ".join(sys.argv),
-           "summary": summarize(rows), "problems": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1, default=str))
-    print(json.dumps(out["summary"], indent=1))
+        # Written after every problem: a run cut short by its time limit keeps what it measured.
+        out = {**head, "summary": summarize(rows), "problems": rows, "of": len(files)}
+        args.out.write_text(json.dumps(out, indent=1, default=str))
+    print(json.dumps(summarize(rows), indent=1))
 
 
 if __name__ == "__main__":

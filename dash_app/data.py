@@ -22,18 +22,17 @@ import json
 import math
 import re
 import shutil
-import sqlite3
 import statistics
 import tempfile
 import threading
 import time
 import weakref
-import zipfile
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from kforge.errors import KforgeError
-from kforge.log import LOG_NAME, SearchLog, connect
+from kforge.errors import KforgeError, LogError, PackageError
+from kforge.log import LOG_NAME, SearchLog, connect, translated
+from kforge.manifest import read_manifest
 from kforge.redact import scrub
 
 TTL_S = 1.5
@@ -173,21 +172,26 @@ class Catalog:
             log.close()
 
     @_ttl
-    def _run_index(self) -> dict[str, Path]:
-        """run id -> its log. A run id seen in two logs is read from the first one given."""
+    def _scan(self) -> tuple[dict[str, Path], dict[Path, str]]:
+        """(run id -> its log, unreadable log -> why). A run id seen in two logs is read from
+        the first one given."""
         index: dict[str, Path] = {}
+        unreadable: dict[Path, str] = {}
         for path in self.log_paths():
             try:
                 for row in self._read(path, "SELECT id FROM runs"):
                     index.setdefault(row["id"], path)
-            except NotFound:  # a log being created, or not a log at all
-                continue
+            except NotFound as e:  # listed with its error on the runs page, never hidden
+                unreadable[path] = str(e)
         for run_dir in self.capture_dirs():
             try:
                 index.setdefault(run_dir.name, self._capture_log(run_dir))
             except (OSError, ValueError, KforgeError):  # a capture being written, or a broken card
                 continue
-        return index
+        return index, unreadable
+
+    def _run_index(self) -> dict[str, Path]:
+        return self._scan()[0]
 
     def _log_of(self, run_id: str) -> Path:
         path = self._run_index().get(run_id)
@@ -201,13 +205,14 @@ class Catalog:
         try:
             conn = connect(path, readonly=True)
             try:
-                # A log written before kforge scrubbed its texts may hold a key in any of them.
-                return [{k: scrub(v, limit=None) if isinstance(v, str) else v for k, v in dict(r).items()}
-                        for r in conn.execute(sql, tuple(params)).fetchall()]
+                with translated(path):
+                    # A log written before kforge scrubbed its texts may hold a key in any of them.
+                    return [{k: scrub(v, limit=None) if isinstance(v, str) else v for k, v in dict(r).items()}
+                            for r in conn.execute(sql, tuple(params)).fetchall()]
             finally:
                 conn.close()
-        except sqlite3.DatabaseError as e:
-            raise NotFound(f"cannot read {path}: {e}; is it a kforge search log, and readable?") from e
+        except LogError as e:
+            raise NotFound(str(e)) from e
 
     def _q(self, run_id: str, sql: str, params: Iterable = ()) -> list[dict]:
         return self._read(self._log_of(run_id), sql, params)
@@ -216,15 +221,29 @@ class Catalog:
     @_ttl
     def runs(self) -> list[dict]:
         """Every run, newest first, with what the overview shows."""
+        return self._overview()[0]
+
+    def unreadable(self) -> list[dict]:
+        """The logs that cannot be read, newest first: each its `log`, `error` and `created` (mtime)."""
+        return self._overview()[1]
+
+    @_ttl
+    def _overview(self) -> tuple[list[dict], list[dict]]:
+        index, unreadable = self._scan()
+        broken = [{"log": str(path), "error": error, "created": _mtime(path)} for path, error in unreadable.items()]
         out = []
-        for run_id, path in self._run_index().items():
-            (run,) = self._read(path, "SELECT * FROM runs WHERE id=?", (run_id,))
-            cards = self.cards(run_id)
-            (spend,) = self._read(path, "SELECT COALESCE(SUM(cost_usd), 0) AS cost, COUNT(*) AS calls, "
-                                        "COALESCE(SUM(prompt_tokens + completion_tokens), 0) AS tokens "
-                                        "FROM llm_calls WHERE run_id=?", (run_id,))
-            (last,) = self._read(path, "SELECT COUNT(*) AS n, MAX(created) AS t FROM candidates WHERE run_id=?",
-                                 (run_id,))
+        for run_id, path in index.items():
+            try:
+                (run,) = self._read(path, "SELECT * FROM runs WHERE id=?", (run_id,))
+                cards = self.cards(run_id)
+                (spend,) = self._read(path, "SELECT COALESCE(SUM(cost_usd), 0) AS cost, COUNT(*) AS calls, "
+                                            "COALESCE(SUM(prompt_tokens + completion_tokens), 0) AS tokens "
+                                            "FROM llm_calls WHERE run_id=?", (run_id,))
+                (last,) = self._read(path, "SELECT COUNT(*) AS n, MAX(created) AS t FROM candidates WHERE run_id=?",
+                                     (run_id,))
+            except NotFound as e:  # damaged past what opening it checks
+                broken.append({"log": str(path), "error": str(e), "created": _mtime(path)})
+                continue
             winners = sorted((c for c in cards if c["best_speedup"]), key=lambda c: -c["best_speedup"])
             config = _loads(run["config_json"], {})
             kind = (CAPTURED if run["status"] == CAPTURED else "search" if config.get("validated", True)
@@ -242,7 +261,7 @@ class Catalog:
                 "cost_usd": spend["cost"], "llm_calls": spend["calls"], "tokens": spend["tokens"],
                 "log": str(path),
             })
-        return sorted(out, key=lambda r: -r["created"])
+        return sorted(out, key=lambda r: -r["created"]), sorted(broken, key=lambda r: -r["created"])
 
     def run(self, run_id: str) -> dict:
         for r in self.runs():
@@ -279,6 +298,7 @@ class Catalog:
     _CARD_SQL = """
         SELECT c.card_id, c.op, c.family, c.summary, c.calls, c.eager_us, c.share, c.status, c.skip_reason,
                c.best_candidate, c.best_speedup, c.iterations, c.floor_us,
+               json_extract(c.card_json, '$.top_calls') AS top_calls,
                (SELECT COUNT(*) FROM candidates k WHERE k.run_id=c.run_id AND k.card_id=c.card_id) AS n_candidates,
                (SELECT COUNT(*) FROM candidates k WHERE k.run_id=c.run_id AND k.card_id=c.card_id
                   AND k.verdict='valid') AS n_valid,
@@ -486,11 +506,10 @@ class Catalog:
                                  "ORDER BY id DESC", (run_id,))
         problems = []
         for path in self._package_files(run_id):
-            try:
-                with zipfile.ZipFile(path) as z:
-                    manifest = json.loads(z.read(MANIFEST))
-            except (zipfile.BadZipFile, KeyError, ValueError, OSError) as e:
-                problems.append(f"cannot read {path.name}: {e}; rebuild it with `kforge package`")
+            try:  # within the loader's size limits, every field checked: a package is untrusted
+                manifest = read_manifest(path).manifest
+            except PackageError as e:
+                problems.append(f"cannot read {path.name}: {e}")
                 continue
             if manifest.get("run_id", run_id) != run_id:
                 continue
@@ -505,8 +524,6 @@ class Catalog:
             "one (on the GPU that searched it); give its path to the dashboard if it is elsewhere")
         return view
 
-
-MANIFEST = "manifest.json"
 
 
 def _next_step(kind: str, run_dir: Path) -> str:
@@ -575,6 +592,13 @@ def estimated_speedup(cards: list[dict]) -> float | None:
     """Whole-model speedup implied by the winners and their shares (Amdahl), if any won."""
     saved = sum((c["share"] or 0.0) * (1.0 - 1.0 / c["best_speedup"]) for c in cards if c["best_speedup"])
     return 1.0 / (1.0 - saved) if saved > 0 and saved < 1 else None
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def _pct(floor_us: float | None, latency_us: float | None) -> float | None:

@@ -9,8 +9,8 @@ one warp per row.
 A style is the replies a scripted model gives, in order: the first answer, then, where the
 first is expected to be sent back (a parse problem, or a compile error fed back through
 repair), the model's corrected answer. `needs_prelude` marks styles whose kernel uses what
-only kforge's compile prelude provides (INFINITY, FLT_MAX, <cmath>, int64_t, ...): they
-compile once that prelude is in the compile path.
+only kforge's compile box provides (INFINITY, FLT_MAX, int64_t predefined; <cmath> dropped):
+NVRTC alone rejects them.
 """
 
 from __future__ import annotations
@@ -268,4 +268,11 @@ STYLES: list[Style] = [
         "#include <cfloat>\n" + _kernel(neg_inf="-FLT_MAX")))], needs_prelude=True),
     Style("<cmath>, <cstdint> and int64_t", "qwen2.5-coder-32b", [reply(_answer(
         "#include <cmath>\n#include <cstdint>\n" + _kernel(index_type="int64_t")))], needs_prelude=True),
+    Style("Visual Studio template includes", "gpt-4o", [reply(_answer(
+        '#include "cuda_runtime.h"\n#include "device_launch_parameters.h"\n' + KERNEL))], needs_prelude=True),
+    Style("-O3 and fast math in the plan", "gemini-2.5-pro", [reply(_answer(plan_text=json.dumps(
+        dict(PLAN, options=["-O3", "--use_fast_math"]))))], needs_prelude=True),
+    Style("cooperative_groups include, then removed", "claude-sonnet-4", [
+        reply(_answer("#include <cooperative_groups.h>\nnamespace cg = cooperative_groups;\n" + KERNEL)),
+        reply(CANONICAL)], note="refused by the compile box with the fix; repaired"),
 ]

@@ -7,6 +7,7 @@ Inductor's C++ backend, which is slow on a small machine."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import kforge
 from kforge import customops, inductor
 from kforge.candidate import Candidate, LaunchPlan
+from kforge.dispatch import native_status
 from kforge.package import CastPackage, PackagedCard
 from test_dispatch import FakeLauncher, make_card, relu_kernel, softmax_kernel, to_copy_card
 
@@ -108,6 +110,19 @@ def test_fallback_and_in_place_cards_stay_out_of_graphs():
     assert "writes its inputs" in customops.op_blocker(relu_inplace)
     pkg = fake_package(make_card(aten.relu.default, x), relu_inplace, decisions=["fallback", "dispatched"])
     assert inductor._rewrites(pkg, FakeLauncher(relu_kernel, relu_kernel)) == []
+
+
+def test_region_cards_stay_kforge_optimizes_and_op_cards_keep_their_kernel_and_variant():
+    x = torch.randn(4, 8)
+    relu = make_card(aten.relu.default, x)
+    region = dataclasses.replace(make_card(aten.sigmoid.default, x), region=object(), id="0123456789abcdef")
+    pkg = fake_package(region, relu)
+    launcher = FakeLauncher(relu_kernel, relu_kernel)
+    (rewrite,) = inductor._rewrites(pkg, launcher)
+    op = rewrite.match(aten.relu.default, (x,), {})
+    assert op.name() == f"kforge::{customops.op_name(relu, pkg.cards[1].candidate.digest())}"
+    op(x)
+    assert [vid for vid, *_ in launcher.calls] == [1]  # its place in the launcher's registry, after the region's
 
 
 def test_the_custom_op_has_the_cards_outputs_under_fake_mode_and_runs_nothing():
@@ -203,10 +218,12 @@ def test_compiled_model_runs_the_kernels_inductor_runs_the_rest_and_equals_eager
 
 
 def test_where_kforge_dispatch_serves_it_the_custom_op_is_its_cpp_kernel(monkeypatch):
-    _dispatch = pytest.importorskip("kforge._dispatch", reason="kforge._dispatch is not built")
+    monkeypatch.delenv("KFORGE_DISPATCH", raising=False)
+    ok, why = native_status("CPU")
+    if not ok:
+        pytest.skip(why)
     from test_dispatch_native import RELU, NativeLauncher, calls
 
-    monkeypatch.delenv("KFORGE_DISPATCH", raising=False)
     x = torch.randn(4, 8)
     launcher = NativeLauncher(RELU)
     pkg = fake_package(make_card(aten.relu.default, x))

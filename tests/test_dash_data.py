@@ -292,13 +292,15 @@ def test_pretty_json_keeps_deep_values_on_one_line():
     assert pretty_json({}) == "{}" and pretty_json([1, [2]], inline_from=1) == "[\n  1,\n  [2]\n]"
 
 
-def test_unreadable_log_is_skipped_and_reported(tmp_path):
+def test_unreadable_log_is_listed_with_its_error(tmp_path):
     bad = tmp_path / "bad" / "search.sqlite"
     bad.parent.mkdir()
     bad.write_bytes(b"this is not sqlite" * 100)
     cat = Catalog([bad], ttl_s=0)
     assert cat.runs() == []
-    with pytest.raises(NotFound, match="is it a kforge search log"):
+    (log,) = cat.unreadable()
+    assert log["log"] == str(bad) and "not an SQLite file" in log["error"]
+    with pytest.raises(NotFound, match="not an SQLite file.*move it away"):
         cat._read(bad, "SELECT id FROM runs")
 
 
@@ -385,6 +387,8 @@ def test_run_plots_best_speedup_over_time_rate_and_share_before_after(cat, demo,
     before, after = (sum(t.x[i] for t in share.data) for i in (0, 1))
     saved = sum(c["share"] * (1 - 1 / c["best_speedup"]) for c in cards if c["best_speedup"])
     assert before - after == pytest.approx(100 * saved) and 1 / (1 - saved) == pytest.approx(run["est_speedup"])
+    assert before == pytest.approx(100 * sum(c["share"] for c in cards if c["top_calls"] != 0))
+    assert before < 100 * sum(c["share"] for c in cards)  # nested cards (inside another card's calls) left out
 
     compile_only = make_compile_only_run(tmp_path)
     other = Catalog([compile_only.run_dir], ttl_s=0)

@@ -98,6 +98,7 @@ JSONC = """{
     f"```cuda\n{source('softmax_v1')}```\n```json5\n{{kernels: [{{name: 'softmax_rows_block', grid: [4096], "
     f"block: [256], args: [{{in: 0}}, {{out: 0}}, {{i32: 1024}}]}}]}}\n```",
     f"```cuda\n{source('softmax_v1')}```\n```javascript\nconst plan = {json.dumps(V1_PLAN)};\n```",
+    f"```cuda\n{source('softmax_v1')}```\n```json\n{json.dumps({'launch_plan': V1_PLAN})}\n```",
     f"```cuda\n{source('softmax_v1')}/* plan: {json.dumps(V1_PLAN)} */\n```",
     f"```cuda\n{source('softmax_v1')}/*\n * launch plan:\n * {json.dumps(V1_PLAN)}\n */\n```",
     f"```cuda\n{source('softmax_v1')}// plan: {{\"kernels\": [{{\"name\": \"softmax_rows_block\",\n"

@@ -113,13 +113,21 @@ def test_retry_continues_the_conversation():
 
 def test_the_compile_environment_and_plan_features_are_spelled_out():
     system = prompts.SYSTEM
-    for fact in ["only <cuda_fp16.h> and <cuda_bf16.h>", "INFINITY, NAN, FLT_MAX, FLT_MIN",
-                 "int8_t, int16_t,\n  int32_t, int64_t, uint8_t", "no <<<...>>> launches",
+    flat = " ".join(system.split())
+    for fact in ["only <cuda_bf16.h>, <cuda_fp16.h> and <cuda_fp8.h>.", "INFINITY, NAN, FLT_MAX, FLT_MIN",
+                 "int8_t, uint8_t, int16_t, uint16_t, int32_t, uint32_t, int64_t, uint64_t.", "no <<<...>>> launches",
                  "kforge launches the kernels itself from the launch plan", "is `long long`",
-                 "(no <cooperative_groups.h>, no <cuda/std/...>", 'inside an `extern "C" { }`',
+                 "(no <cooperative_groups.h>, no files of your own)", "-O flags are dropped",
+                 'inside an `extern "C" { }`',
                  '"cluster": n', "barrier.cluster.arrive", "ld.shared::cluster", '"pdl": true',
                  "griddepcontrol.wait", "griddepcontrol.launch_dependents"]:
-        assert fact in system, fact
+        assert fact in flat, fact
+    # Exactly what the compile box gives: a kernel using every predefined name compiles.
+    from kforge import compiler
+
+    uses = "INFINITY + NAN + FLT_MAX + FLT_MIN + (int64_t)1 + (uint8_t)1 + (int16_t)1 + (uint32_t)1"
+    compiler.compile(f'#include <cmath>\nextern "C" __global__ void k(float* y) {{ y[0] = {uses}; }}', "k.cu",
+                     ["-O3"], arch="sm_90")
 
 
 def test_a_first_proposal_states_the_tolerance_rule():
@@ -225,3 +233,14 @@ def test_layer_norm_outputs_are_named():
     values, _ = _card(aten.max.dim, x3, 1)
     assert decomposed(values) == ["# out0 = values, out1 = indices"]
     assert decomposed(_card(aten.relu.default, x3)[0]) == []
+
+
+def test_a_card_from_another_torch_gets_the_call_without_steps():
+    from dataclasses import replace
+
+    card, _ = _card(aten.native_layer_norm.default, x3, [64], w64, b64, 1e-5)
+    renamed = replace(card, args=[replace(a, name="x" if a.name == "input" else a.name) for a in card.args])
+    assert decomposed(renamed) == []
+    missing = replace(card, op="aten::native_layer_norm_v9.default", outputs=card.outputs)
+    assert decomposed(missing) == [] and "torch.ops.aten.native_layer_norm_v9.default" in prompts.describe_card(
+        missing, H200)

@@ -153,6 +153,8 @@ def test_a_reply_that_is_all_reasoning_is_asked_for_the_code_not_brevity(server,
                 reply("<think>short</think>\n" + answer("softmax_v3_warp")))
     proposal = proposer.propose(ProposalContext(softmax_card(), H200))
     assert proposal.candidate.plan.kernels[0].name == "softmax_warp_row" and proposal.candidate.knobs["asks"] == 3
+    assert [m["content"] for m in server.requests[2].messages if m["role"] == "assistant"] == [
+        "(no answer)"] * 2  # the thoughts are not sent back, nor an empty turn
     for r in server.requests[1:]:
         assert "the reasoning used the whole reply budget" in r.last_user
         assert "write the ```cuda and ```json blocks directly" in r.last_user and "briefly" not in r.last_user

@@ -14,6 +14,7 @@ COLUMNS = [
     ui.text("device", "device"), ui.text("searched", "cards searched"), ui.text("best", "best speedups"),
     ui.fixed("est_speedup", "est. model speedup"), ui.count("candidates", "candidates"),
     ui.fixed("cost_usd", "LLM cost ($)", 4), ui.text("started", "started"), ui.text("updated", "last result"),
+    ui.text("problem", "problem"),
 ]
 
 
@@ -31,8 +32,8 @@ def layout(**_query: str) -> html.Div:
 
 @callback(Output("runs-table", "data"), Output("runs-note", "children"), Input("runs-poll", "n_intervals"))
 def refresh(_n: int) -> tuple[list[dict], html.Div | None]:
-    runs = ui.catalog().runs()
-    if not runs:
+    runs, unreadable = ui.catalog().runs(), ui.catalog().unreadable()
+    if not runs and not unreadable:
         roots = ", ".join(map(str, ui.catalog().roots))
         return [], ui.problem(LookupError(f"no search log or capture found under {roots}; start one with "
                                           f"`kforge capture` or `kforge run`, or point the dashboard at a run directory"))
@@ -45,4 +46,11 @@ def refresh(_n: int) -> tuple[list[dict], html.Div | None]:
         "est_speedup": r["est_speedup"], "candidates": r["candidates"], "cost_usd": r["cost_usd"],
         "started": ui.fmt_when(r["created"]), "updated": ui.fmt_when(r["updated"]),
     } for r in runs]
-    return rows, None
+    return rows + [_unreadable(r) for r in unreadable], None
+
+
+def _unreadable(r: dict) -> dict:
+    """A log that cannot be read, listed with its error so a broken run is never hidden. The
+    path is a code span: the run column is Markdown, and paths hold `_` and `*`."""
+    return {"run": f"`{r['log']}`", "status": "unreadable", "problem": r["error"],
+            "started": ui.fmt_when(r["created"])}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 
 from .errors import (BudgetExhausted, CaptureError, CardError, CompileError, CudaUnavailableError, KforgeError,
-                     LaunchError, LLMError, PackageError, PlanError, ProposerError)
+                     LaunchError, LLMError, LogError, PackageError, PlanError, ProposerError)
 
 __version__ = "0.1.0"
 
@@ -33,7 +33,7 @@ _LAZY = {
 }
 
 __all__ = list(_LAZY) + ["__version__", "BudgetExhausted", "CaptureError", "CardError", "CompileError",
-                         "CudaUnavailableError", "KforgeError", "LaunchError", "LLMError", "PackageError",
+                         "CudaUnavailableError", "KforgeError", "LaunchError", "LLMError", "LogError", "PackageError",
                          "PlanError", "ProposerError"]
 
 

@@ -40,7 +40,8 @@ from .cards import (ArgSpec, Card, TensorMeta, encode_value, flatten_outputs, pa
 from .errors import CaptureError, CardError
 from .families import family_of
 
-SEARCHABLE = frozenset({"pointwise", "reduction", "normalization", "pooling"})
+# A region card (capture(regions=True)) is searched like the families it fuses; proposers decline what they cannot write.
+SEARCHABLE = frozenset({"pointwise", "reduction", "normalization", "pooling", "region"})
 
 _SKIP_REASONS = {
     "view": "view/metadata op: no kernel to write",
@@ -100,7 +101,7 @@ def capture(model: torch.nn.Module, example_inputs: Any, run_dir: str | Path | N
     """
     say = progress or (lambda line: None)
     if run_dir is not None:
-        _check_run_dir(Path(run_dir))
+        check_run_dir(Path(run_dir))
     if device is not None:
         if torch.device(device).type == "cuda" and not torch.cuda.is_available():
             raise CaptureError(f"device={device!r} asked for, but torch sees no CUDA GPU here "
@@ -152,18 +153,43 @@ def _capture_regions(model, args, kwargs, target: _Target, max_sample_bytes: int
     return entries
 
 
-def _check_run_dir(run_dir: Path) -> None:
+def check_run_dir(run_dir: Path) -> None:
     """Before the model runs: a run directory the cards cannot go into, or one whose search
     log would be left describing other cards, is refused with what to do instead."""
     from .log import LOG_NAME
 
     if run_dir.exists() and not run_dir.is_dir():
         raise CaptureError(f"run directory {run_dir} is a file: give a directory (it is created when missing)")
+    _check_writable(run_dir)
     if (run_dir / LOG_NAME).exists():
         raise CaptureError(
             f"{run_dir} already holds the search log of an earlier run ({LOG_NAME}); capturing there would "
             f"replace its cards under that log. Capture into a new directory, continue that run with "
             f"`kforge run --resume --run-dir {run_dir}`, or delete {run_dir} first.")
+
+
+def _check_writable(run_dir: Path) -> None:
+    """The directory can be made and written (not under a file, /proc or a read-only mount).
+    Tried for real, since permission bits do not tell (root may write anywhere, /proc refuses
+    mkdir); what the probe creates is removed, so a capture that fails leaves nothing behind."""
+    missing, existing = [], run_dir
+    while not existing.exists():
+        missing.append(existing)
+        existing = existing.parent
+    if not existing.is_dir():
+        raise CaptureError(f"run directory {run_dir} is under {existing}, which is a file: give a directory path")
+    made = []
+    try:
+        for d in reversed(missing):
+            d.mkdir()
+            made.append(d)
+        tempfile.TemporaryFile(dir=run_dir).close()
+    except OSError as e:
+        raise CaptureError(f"cannot write run directory {run_dir} ({e.strerror or e}): give a directory you can "
+                           f"create files in, like ./runs/NAME") from None
+    finally:
+        for d in reversed(made):
+            d.rmdir()
 
 
 # ---- inputs and device ------------------------------------------------------------------
@@ -755,6 +781,11 @@ def _write(result: CaptureResult, rec: _Recorder, region_entries: Sequence = ())
         if e.sample is not None:
             save_sample(e.card, result.run_dir, 0, *e.sample)
         save_card(e.card, result.run_dir)
+    if region_entries:  # where each region card was seen: the packager chooses among overlapping ones per site
+        from .region_capture import SITES
+
+        sites = [dict(site, card=e.card.id) for e in region_entries for site in e.sites]
+        (result.run_dir / SITES).write_text(json.dumps({"sites": sites}, indent=1))
     (result.run_dir / "capture.json").write_text(json.dumps(result.to_json(), indent=1))
 
 

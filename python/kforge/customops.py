@@ -97,7 +97,9 @@ def kernel_op(variant: Variant, kernel_digest: str) -> torch._ops.OpOverload:
             bound = _KernelOp(variant)
             params = ", ".join(f"Tensor x{i}" for i in range(len(card.inputs)))
             returns = "Tensor" if len(card.outputs) == 1 else "(" + ", ".join(["Tensor"] * len(card.outputs)) + ")"
-            _lib.define(f"{name}({params}) -> {returns}")
+            # Fixed stride order: Inductor hands the op its inputs laid out as traced, which are the
+            # strides its guard matched (else a producer Inductor fuses could pick other strides).
+            _lib.define(f"{name}({params}) -> {returns}", tags=(torch.Tag.needs_fixed_stride_order,))
             _lib.impl(name, bound, "CUDA" if card.device_type == "cuda" else "CPU")
             torch.library.register_fake(f"{NAMESPACE}::{name}", bound.fake, lib=_lib)
             _ops[name] = bound

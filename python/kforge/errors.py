@@ -71,6 +71,10 @@ class PackageError(KforgeError):
     """A .cast package is malformed, corrupt or unsafe."""
 
 
+class LogError(KforgeError):
+    """A search log is missing, damaged, locked, or not one this kforge can read or write."""
+
+
 class ProposerError(KforgeError):
     """A proposer could not produce a candidate (reply malformed, no template, ...)."""
 

@@ -222,14 +222,14 @@ class KforgePass(_PassBase):
 
 def _rewrites(package: Any, launcher: Launcher | None) -> list[Rewrite]:
     """The package's rewrites: its single-op cards' today; region cards add theirs here."""
-    dispatched = [c for c in package.cards if c.dispatched]
+    kernels = {c.id: c.candidate for c in package.cards if c.dispatched}
     sites = []
-    for c, v in zip(dispatched, package.variants(launcher)):
-        why = customops.op_blocker(c.card)
+    for v in package.variants(launcher):  # the single-op cards (region cards are kforge.optimize's)
+        why = customops.op_blocker(v.card)
         if why:
-            log.info("card %s stays out of compiled graphs: %s", c.id, why)
+            log.info("card %s stays out of compiled graphs: %s", v.card.id, why)
             continue
-        sites.append((v, customops.kernel_op(v, c.candidate.digest())))
+        sites.append((v, customops.kernel_op(v, kernels[v.card.id].digest())))
     return [OpRewrite(sites)] if sites else []
 
 

@@ -9,13 +9,19 @@ API keys are never written here.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
+import os
+import secrets
 import sqlite3
+import struct
+import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
-from .errors import KforgeError
+from .errors import LogError
 from .redact import scrub
 
 SCHEMA_VERSION = 1
@@ -91,18 +97,230 @@ CREATE TABLE IF NOT EXISTS events (
 """
 
 
-def connect(path: str | Path, readonly: bool = False) -> sqlite3.Connection:
+# The JSON columns and the type each must parse to. Resume rebuilds every search tree from
+# them, so a writer checks every row; runs.config_json is checked by every reader too.
+JSON_COLUMNS: dict[str, dict[str, type]] = {
+    "runs": {"config_json": dict},
+    "cards": {"card_json": dict},
+    "candidates": {"plan_json": dict, "knobs_json": dict, "evidence_json": dict, "flags_json": list},
+}
+
+# How long an open or a write waits for a log another process holds, before saying who holds it.
+LOCK_WAIT_S = 5.0
+
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def log_path(path: str | Path) -> Path:
+    """The log file of a run directory (or the file itself)."""
     path = Path(path)
-    if path.is_dir():
-        path = path / LOG_NAME
-    if readonly:
-        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10, check_same_thread=False)
-    else:
-        conn = sqlite3.connect(str(path), timeout=30)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")
-    conn.row_factory = sqlite3.Row
+    return path / LOG_NAME if path.is_dir() else path
+
+
+def connect(path: str | Path, readonly: bool = False) -> sqlite3.Connection:
+    """Open a search log (a run directory or the file) after checking it: the one way the
+    search, resume, `kforge inspect` and the dashboard open one.
+
+    Checked: it is a whole SQLite file (not empty, garbage or truncated), of this kforge's
+    schema version, with every table and column of SCHEMA, and runs.config_json parses.
+    A writer also runs SQLite's quick_check and parses every JSON column of every row,
+    since resume rebuilds the search from them; readers (the dashboard polls) skip those
+    scans. A writer creates a missing log. Every problem, and any sqlite3 error on the way,
+    raises a one-line LogError that says what to do; a log another process holds is waited
+    for LOCK_WAIT_S seconds first.
+    """
+    path = log_path(path)
+    with translated(path):
+        if not path.exists():
+            if readonly:
+                raise LogError(f"no search log at {path}: run `kforge search {path.parent}` (or `kforge run`) first")
+            try:
+                _create(path)
+            except OSError as e:
+                raise LogError(f"cannot create {path} ({e.strerror or e}): give a run directory you can "
+                               f"write") from None
+        try:
+            _check_file(path)
+        except OSError as e:
+            raise LogError(f"cannot read {path} ({e.strerror or e}): check its permissions") from None
+        if readonly:
+            conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=LOCK_WAIT_S, check_same_thread=False)
+        else:
+            conn = sqlite3.connect(str(path), timeout=LOCK_WAIT_S)
+        try:
+            conn.row_factory = sqlite3.Row
+            _check_schema(conn, path)
+            _check_json(conn, path, ["runs"] if readonly else list(JSON_COLUMNS))
+            if not readonly:
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA synchronous=NORMAL")
+                problem = conn.execute("PRAGMA quick_check(1)").fetchone()[0]
+                if problem != "ok":
+                    raise LogError(_broken(path, f"is damaged (SQLite quick_check: {problem})"))
+        except BaseException:
+            conn.close()
+            raise
     return conn
+
+
+@contextlib.contextmanager
+def translated(path: Path) -> Iterator[None]:
+    """sqlite3 errors inside become a one-line LogError about `path`."""
+    try:
+        yield
+    except sqlite3.Error as e:
+        raise LogError(_sqlite_problem(path, e)) from None
+
+
+def _broken(path: Path, what: str) -> str:
+    return (f"{path} {what}; restore it from a copy, or move it away to start a new run in {path.parent} "
+            f"(its cards are kept)")
+
+
+def _sqlite_problem(path: Path, e: sqlite3.Error) -> str:
+    text = str(e)
+    if "locked" in text or "busy" in text:
+        return (f"{path} is locked by {_lock_holder(path)}; waited {LOCK_WAIT_S:g} s. Let it finish or stop it, "
+                f"then retry")
+    if "disk is full" in text:
+        return f"no space left to write {path} ({text}): free some space, then resume the run"
+    if "readonly" in text or "unable to open" in text:
+        return f"cannot open {path} for what kforge needs ({text}): check its permissions and its directory's"
+    if isinstance(e, sqlite3.DatabaseError) and not isinstance(e, sqlite3.OperationalError):
+        return _broken(path, f"is damaged or not a kforge search log (SQLite: {text})")
+    return f"{path}: SQLite failed: {text}"
+
+
+def _create(path: Path) -> None:
+    """A new log with its schema, built beside the final name and linked into place, so a log
+    file that exists is always complete (an empty one is damage, never a log being made)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    try:
+        conn = sqlite3.connect(str(tmp))
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            with conn:
+                conn.executescript(SCHEMA)
+                conn.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        finally:
+            conn.close()
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass  # another process created it first: that one is used
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _check_file(path: Path) -> None:
+    """Not empty, an SQLite file, and (unless a WAL holds newer pages) as long as its header says."""
+    with open(path, "rb") as f:
+        header = f.read(100)
+    size = path.stat().st_size
+    if not header:
+        raise LogError(_broken(path, "is empty (0 bytes): its content was lost"))
+    if len(header) < 100 or not header.startswith(_SQLITE_MAGIC):
+        raise LogError(_broken(path, "is not an SQLite file (garbage, or replaced by another file)"))
+    page_size = int.from_bytes(header[16:18], "big")
+    page_size = 65536 if page_size == 1 else page_size
+    pages = int.from_bytes(header[28:32], "big")
+    valid = header[92:96] == header[24:28]  # SQLite's own rule for trusting the in-header size
+    wal = path.with_name(path.name + "-wal")
+    if valid and size < pages * page_size and not (wal.exists() and wal.stat().st_size):
+        raise LogError(_broken(path, f"is truncated ({size} of {pages * page_size} bytes)"))
+
+
+@functools.cache
+def _expected_columns() -> dict[str, list[str]]:
+    """table -> columns, from SCHEMA itself (one definition of the schema)."""
+    mem = sqlite3.connect(":memory:")
+    try:
+        mem.executescript(SCHEMA)
+        return _columns(mem)
+    finally:
+        mem.close()
+
+
+def _columns(conn: sqlite3.Connection) -> dict[str, list[str]]:
+    rows = conn.execute("SELECT m.name, p.name FROM sqlite_master m JOIN pragma_table_info(m.name) p "
+                        "WHERE m.type = 'table' ORDER BY m.name, p.cid").fetchall()
+    out: dict[str, list[str]] = {}
+    for table, column in rows:
+        out.setdefault(table, []).append(column)
+    return out
+
+
+def _check_schema(conn: sqlite3.Connection, path: Path) -> None:
+    found, expected = _columns(conn), _expected_columns()
+    if not found.keys() & expected.keys():
+        raise LogError(_broken(path, f"is an SQLite file but not a kforge search log (its tables: "
+                                     f"{', '.join(found) or 'none'})"))
+    row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() if "meta" in found else None
+    version = row[0] if row else None
+    if version is not None and str(version).isdigit() and int(version) > SCHEMA_VERSION:  # before its tables
+        raise LogError(f"{path} was written by a newer kforge (log schema {version}); upgrade kforge to read it")
+    for table, columns in expected.items():
+        if table not in found:
+            raise LogError(_broken(path, f"has no {table} table: it is not a complete kforge search log"))
+        missing = [c for c in columns if c not in found[table]]
+        if missing:
+            raise LogError(_broken(path, f"lacks column(s) {', '.join(missing)} of table {table}: it was written "
+                                         f"by another kforge version or edited"))
+    if version is None or str(version) != str(SCHEMA_VERSION):
+        raise LogError(_broken(path, f"has log schema version {version!r}, not {SCHEMA_VERSION}"))
+
+
+def _check_json(conn: sqlite3.Connection, path: Path, tables: list[str]) -> None:
+    for table in tables:
+        columns = JSON_COLUMNS[table]
+        key = "id" if table != "cards" else "card_id"
+        for row in conn.execute(f"SELECT {key}, {', '.join(columns)} FROM {table}"):
+            for column, kind in columns.items():
+                try:
+                    ok = isinstance(json.loads(row[column]), kind)
+                except (TypeError, ValueError):
+                    ok = False
+                if not ok:
+                    what = "object" if kind is dict else "array"
+                    raise LogError(_broken(path, f"has a {table}.{column} that is not a JSON {what} "
+                                                 f"({key} {row[0]}): it was damaged or edited"))
+
+
+def _lock_holder(path: Path) -> str:
+    """Who holds the log: 'kforge process 123', 'process 123 (sqlite3)' or 'another process'.
+    Asked of the kernel (fcntl F_GETLK) on the lock bytes SQLite uses: the WAL write lock in
+    the -shm file, then the database file's lock range (an exclusive-mode holder)."""
+    for file, start, length in ((path.with_name(path.name + "-shm"), 120, 1), (path, 0x40000000, 512)):
+        pid = _posix_lock_pid(file, start, length)
+        if pid:
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                return f"process {pid}"
+            if any(b"kforge" in a for a in argv):
+                return f"kforge process {pid}"
+            return f"process {pid} ({Path(argv[0].decode(errors='replace')).name})"
+    return "another process"
+
+
+def _posix_lock_pid(file: Path, start: int, length: int) -> int | None:
+    if sys.platform != "linux":  # struct flock below is Linux's (64-bit off_t)
+        return None
+    import fcntl
+
+    try:
+        fd = os.open(file, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        query = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, start, length, 0)
+        l_type, _, _, _, pid = struct.unpack("hhqqi4x", fcntl.fcntl(fd, fcntl.F_GETLK, query))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return pid if l_type != fcntl.F_UNLCK else None
 
 
 class SearchLog:
@@ -110,22 +328,21 @@ class SearchLog:
 
     def __init__(self, run_dir: str | Path):
         self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.conn = connect(self.run_dir / LOG_NAME)
-        with self.conn:
-            self.conn.executescript(SCHEMA)
-            row = self.conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-            if row is None:
-                self.conn.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-            elif int(row[0]) > SCHEMA_VERSION:
-                raise KforgeError(f"{self.run_dir} was written by a newer kforge (log schema {row[0]}); upgrade kforge")
+        self.path = self.run_dir / LOG_NAME
+        self.conn = connect(self.path)
+
+    @contextlib.contextmanager
+    def _tx(self) -> Iterator[None]:
+        """One write transaction; an sqlite3 error in it (a lock held too long, a full disk) is a LogError."""
+        with translated(self.path), self.conn:
+            yield
 
     def close(self) -> None:
         self.conn.close()
 
     # ---- runs -----------------------------------------------------------------------
     def start_run(self, run_id: str, model: str = "", config: dict | None = None, **info: Any) -> None:
-        with self.conn:
+        with self._tx():
             self.conn.execute(
                 "INSERT OR IGNORE INTO runs (id, created, model, config_json, device, arch, torch, kforge) VALUES (?,?,?,?,?,?,?,?)",
                 (run_id, time.time(), model, json.dumps(config or {}), info.get("device"), info.get("arch"),
@@ -134,12 +351,12 @@ class SearchLog:
             self.conn.execute("UPDATE runs SET status='running' WHERE id=?", (run_id,))
 
     def set_run_status(self, run_id: str, status: str) -> None:
-        with self.conn:
+        with self._tx():
             self.conn.execute("UPDATE runs SET status=? WHERE id=?", (status, run_id))
 
     # ---- cards ----------------------------------------------------------------------
     def upsert_card(self, run_id: str, card, floor_us: float | None = None) -> None:
-        with self.conn:
+        with self._tx():
             self.conn.execute(
                 """INSERT INTO cards (run_id, card_id, op, family, summary, calls, eager_us, share, floor_us, card_json)
                    VALUES (?,?,?,?,?,?,?,?,?,?)
@@ -150,7 +367,7 @@ class SearchLog:
             )
 
     def set_card_status(self, run_id: str, card_id: str, status: str, skip_reason: str | None = None) -> None:
-        with self.conn:
+        with self._tx():
             self.conn.execute("UPDATE cards SET status=?, skip_reason=? WHERE run_id=? AND card_id=?",
                               (status, scrub(skip_reason) if skip_reason else skip_reason, run_id, card_id))
 
@@ -160,7 +377,7 @@ class SearchLog:
                       eval_s: float | None = None) -> int:
         """Record one evaluated candidate and update the card's best; returns its id."""
         r = result
-        with self.conn:
+        with self._tx():
             cur = self.conn.execute(
                 """INSERT INTO candidates (run_id, card_id, parent_id, repair_of, iteration, created, proposer, kind,
                    digest, source, plan_json, knobs_json, note, verdict, message, compile_log, evidence_json,
@@ -189,7 +406,7 @@ class SearchLog:
                      completion_tokens: int = 0, cost_usd: float = 0.0, duration_s: float = 0.0,
                      status: str = "ok", error: str | None = None, base_url: str | None = None,
                      candidate_id: int | None = None) -> int:
-        with self.conn:
+        with self._tx():
             cur = self.conn.execute(
                 """INSERT INTO llm_calls (run_id, card_id, candidate_id, created, model, base_url, prompt_tokens,
                    completion_tokens, cost_usd, duration_s, status, error) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)""",
@@ -199,37 +416,38 @@ class SearchLog:
         return cur.lastrowid
 
     def event(self, run_id: str, kind: str, message: str, level: str = "info", card_id: str | None = None) -> None:
-        with self.conn:
+        with self._tx():
             self.conn.execute("INSERT INTO events (run_id, card_id, created, level, kind, message) VALUES (?,?,?,?,?,?)",
                               (run_id, card_id, time.time(), level, kind, scrub(message)))
 
     def note_iteration(self, run_id: str, card_id: str, iterations: int) -> None:
         """Record that `iterations` search iterations are done for a card. Iterations that
         evaluated nothing (a duplicate, a proposer error) count too, so resume continues the count."""
-        with self.conn:
+        with self._tx():
             self.conn.execute("UPDATE cards SET iterations = MAX(iterations, ?) WHERE run_id=? AND card_id=?",
                               (iterations, run_id, card_id))
 
     # ---- reads used by the search itself --------------------------------------------------
     def candidates(self, run_id: str, card_id: str) -> list[sqlite3.Row]:
-        return self.conn.execute("SELECT * FROM candidates WHERE run_id=? AND card_id=? ORDER BY id",
-                                 (run_id, card_id)).fetchall()
+        return self.rows("SELECT * FROM candidates WHERE run_id=? AND card_id=? ORDER BY id", (run_id, card_id))
 
     def card_iterations(self, run_id: str, card_id: str) -> int:
-        row = self.conn.execute("SELECT iterations FROM cards WHERE run_id=? AND card_id=?", (run_id, card_id)).fetchone()
-        return int(row[0]) if row else 0
+        rows = self.rows("SELECT iterations FROM cards WHERE run_id=? AND card_id=?", (run_id, card_id))
+        return int(rows[0][0]) if rows else 0
 
     def latest_run(self) -> str | None:
         """The id of the most recently started run in this log, if any."""
-        row = self.conn.execute("SELECT id FROM runs ORDER BY created DESC, rowid DESC LIMIT 1").fetchone()
-        return row[0] if row else None
+        rows = self.rows("SELECT id FROM runs ORDER BY created DESC, rowid DESC LIMIT 1")
+        return rows[0][0] if rows else None
 
     def llm_spend(self, run_id: str) -> tuple[int, float]:
         """(tokens, cost in USD) the run's LLM calls have spent."""
-        row = self.conn.execute(
+        (row,) = self.rows(
             "SELECT COALESCE(SUM(prompt_tokens + completion_tokens), 0), COALESCE(SUM(cost_usd), 0.0) "
-            "FROM llm_calls WHERE run_id=?", (run_id,)).fetchone()
+            "FROM llm_calls WHERE run_id=?", (run_id,))
         return int(row[0]), float(row[1])
 
     def rows(self, sql: str, params: Iterable = ()) -> list[sqlite3.Row]:
-        return self.conn.execute(sql, tuple(params)).fetchall()
+        """The rows of a query; an sqlite3 error is a LogError."""
+        with translated(self.path):
+            return self.conn.execute(sql, tuple(params)).fetchall()

@@ -24,7 +24,7 @@ def load_model_spec(spec: str) -> tuple[Any, Any]:
     if spec.endswith(".py") or Path(spec).is_file():
         module = _load_file(Path(spec))
         hint = "a model file must define get_model() and get_inputs()"
-        model = _call(_function(module, "get_model", spec, hint), spec)
+        model = _module(_call(_function(module, "get_model", spec, hint), spec), f"{spec}: get_model() returned")
         return model, _call(_function(module, "get_inputs", spec, hint), spec)
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
@@ -38,7 +38,17 @@ def load_model_spec(spec: str) -> tuple[Any, Any]:
     result = _call(_function(module, attr, spec, "the factory must be a function returning (model, inputs)"), spec)
     if not (isinstance(result, tuple) and len(result) == 2):
         raise CaptureError(f"{spec}() returned {type(result).__name__}; it must return a (model, inputs) tuple")
-    return result
+    return _module(result[0], f"{spec}() returned as the model"), result[1]
+
+
+def _module(model: Any, what: str) -> Any:
+    """The model must be a torch.nn.Module: capture reads its parameters and modules."""
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise CaptureError(f"{what} a {type(model).__name__}, not a torch.nn.Module: return the model itself "
+                           f"(like `return MyModel()`), not a function that builds or runs it")
+    return model
 
 
 def _load_file(path: Path) -> ModuleType:

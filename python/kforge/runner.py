@@ -26,12 +26,13 @@ from typing import Any, Callable, Sequence
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 from .capture import module_path
 from .cards import Card, load_cards
 from .errors import CardError, KforgeError, ProposerUnavailable
 from .hardware import Hardware, current
-from .log import SearchLog
+from .log import SearchLog, translated
 from .proposers.base import Proposer
 from .search.mcts import Budget, SearchOutcome, SearchProgress, search_card
 from .spend import Spend
@@ -101,11 +102,11 @@ def results_table(rows: list[CardResult], title: str, limit: int | None = None, 
         t.add_column(col, justify=justify, overflow="fold")
     picked = [r for r in rows if r.status != "skipped"] if searched_only else rows
     shown = picked[:limit] if limit is not None else picked
-    for r in shown:
-        t.add_row(r.summary, r.family, r.status, str(r.iterations), f"{r.search_s:.0f} s" if r.search_s else "-",
-                  _us(r.eager_us), _us(r.best_us), _speedup(r.speedup), r.note,
-                  str(r.calls) if r.calls is not None else "-", f"{r.share:.1%}" if r.share is not None else "-",
-                  r.card_id, r.module or "-")
+    for r in shown:  # Text cells: notes come from the log (compile errors, LLM text), never rich markup
+        t.add_row(*map(Text, (r.summary, r.family, r.status, str(r.iterations),
+                              f"{r.search_s:.0f} s" if r.search_s else "-", _us(r.eager_us), _us(r.best_us),
+                              _speedup(r.speedup), r.note, str(r.calls) if r.calls is not None else "-",
+                              f"{r.share:.1%}" if r.share is not None else "-", r.card_id, r.module or "-")))
     if len(shown) < len(rows):
         t.caption = f"{len(rows) - len(shown)} more cards not shown (skipped ones and the smallest; --all lists them)"
     return t
@@ -118,10 +119,15 @@ def _us(v: float | None) -> str:
 # ---- seams to the GPU-side modules ------------------------------------------------------------
 
 def gpu_devices(devices: Sequence[int] | None) -> list[int]:
-    """The GPU ordinals to evaluate on: `devices`, or every visible GPU; [] without CUDA."""
+    """The GPU ordinals to evaluate on: `devices`, or every visible GPU; [] without CUDA
+    (then asking for devices is an error: they would be silently ignored)."""
     from . import cuda
 
     if not cuda.available():
+        if devices:
+            raise KforgeError(f"GPU {', '.join(map(str, devices))} asked for (--devices), but no CUDA GPU is usable "
+                              f"here (`kforge doctor` says why); leave out --devices to only generate and compile "
+                              f"kernels")
         return []
     import torch
 
@@ -262,6 +268,7 @@ def run(model=None, example_inputs=None, out: str | Path | None = "model.cast", 
                 trial.preflight(Spend(max_cost_usd=max_cost_usd))
             finally:
                 trial.close()
+        gpu_devices(devices)  # and so do devices that are not here
         from .capture import capture
 
         run_dir = capture(model, example_inputs, run_dir, progress=capture_progress, regions=regions).run_dir
@@ -372,8 +379,9 @@ def search_run(run_dir: str | Path, *, out: str | Path | None = None, proposer: 
         stops = {card_id: o.stop_reason for card_id, o in outcomes.items()}
         log.set_run_status(run_id, "done")
         package_path = package_run(run_dir, out, run_id) if validated and out else None
-        table = card_results(log.conn, run_id)
-        message = "" if validated else _compile_only_message(log.conn, run_id)
+        with translated(log.path):  # these read the log's connection directly
+            table = card_results(log.conn, run_id)
+            message = "" if validated else _compile_only_message(log.conn, run_id)
         if finished:
             message = " ".join(filter(None, [
                 f"Run {run_id} had finished; it was continued: cards below {iterations} iterations were searched "
@@ -468,6 +476,7 @@ def _search_all(cards: list[Card], first: Proposer, proposer_spec: Any, proposer
     for card in cards:
         todo.put(card)
     cancel = threading.Event()
+    busy: dict[int | None, str] = {}  # device -> the card its worker is searching
 
     def work(device: int | None, proposer: Proposer, wlog: SearchLog) -> None:
         evaluator = factory(run_dir, device)
@@ -477,11 +486,13 @@ def _search_all(cards: list[Card], first: Proposer, proposer_spec: Any, proposer
                     card = todo.get_nowait()
                 except queue.Empty:
                     return
+                busy[device] = card.id
                 share = fair_share(budget, todo.qsize() + 1, max(len(devs), 1))
                 outcome = search_card(card, proposer, evaluator, wlog, run_id, budget=share, hardware=hardware,
                                       rng_seed=seed, on_progress=view.update, spend=spend, cancel=cancel)
                 outcomes[card.id] = outcome
                 view.finish(card.id)
+                del busy[device]
         finally:
             evaluator.close()
 
@@ -491,33 +502,55 @@ def _search_all(cards: list[Card], first: Proposer, proposer_spec: Any, proposer
             return outcomes
         errors: list[BaseException] = []
 
-        def thread_main(device: int) -> None:
-            proposer = _make_proposer(proposer_spec, proposer_options)
-            wlog = SearchLog(run_dir)
+        def thread_main(device: int, finished: threading.Event) -> None:
             try:
-                work(device, proposer, wlog)
+                proposer = _make_proposer(proposer_spec, proposer_options)
+                try:
+                    wlog = SearchLog(run_dir)
+                    try:
+                        work(device, proposer, wlog)
+                    finally:
+                        wlog.close()
+                finally:
+                    proposer.close()
             except BaseException as e:  # re-raised in the main thread below
                 errors.append(e)
                 cancel.set()
             finally:
-                proposer.close()
-                wlog.close()
+                finished.set()  # after its log is closed: all it evaluated is committed
 
-        threads = [threading.Thread(target=thread_main, args=(d,), name=f"kforge-gpu{d}") for d in devs]
-        for t in threads:
-            t.start()
+        # The main thread waits on these events, not on Thread.join: on Python 3.11 a Ctrl-C
+        # landing in join() can mark a live thread finished, and the run would exit while a
+        # worker is still writing its candidate. Daemon threads, so that a second Ctrl-C
+        # (which stops the wait) is not undone by the interpreter waiting for them at exit.
+        done = [threading.Event() for _ in devs]
+        for d, finished in zip(devs, done):
+            threading.Thread(target=thread_main, args=(d, finished), name=f"kforge-gpu{d}", daemon=True).start()
         try:
-            for t in threads:
-                while t.is_alive():
-                    t.join(0.2)
+            _wait_all(done)
         except KeyboardInterrupt:
             cancel.set()  # each worker stops after its current candidate is logged
-            for t in threads:
-                t.join()
+            if progress:
+                view.progress.console.print("stopping: the workers log the candidates they are evaluating "
+                                            "(Ctrl-C again stops now; those are then marked lost)")
+            try:
+                _wait_all(done)
+            except KeyboardInterrupt:
+                for device, finished in zip(devs, done):
+                    if not finished.is_set() and device in busy:
+                        log.event(run_id, "lost", f"stopped while the worker on GPU {device} was busy with this "
+                                  "card: the candidate it had in flight is not in the log (the search proposes "
+                                  "again on resume)", level="warning", card_id=busy[device])
             raise
         if errors:
             raise errors[0]
     return outcomes
+
+
+def _wait_all(events: list[threading.Event]) -> None:
+    for e in events:
+        while not e.wait(0.2):  # a timed wait, so Ctrl-C is seen promptly on every platform
+            pass
 
 
 def card_results(conn: sqlite3.Connection, run_id: str) -> list[CardResult]:

@@ -77,3 +77,15 @@ def test_a_call_the_guard_misses_is_inductors(packages):  # noqa: F811
     with torch.inference_mode():
         torch.testing.assert_close(kforge.compile(m, pkg)(x), m(x), atol=1e-4, rtol=1e-4)
     assert hits(pkg) == 0
+
+
+def test_the_model_check_times_torch_compile_and_kforge_compile_in_the_same_rounds(packages):  # noqa: F811
+    from kforge.modelcheck import COMPILED, check_model
+
+    m, x = model(), torch.randn(ROWS, D, device="cuda")
+    pkg = load(packages["ln"])
+    check = check_model(m, x, pkg, rounds=3, calls=2, with_compile=True)
+    assert not check.compile_error and set(check.compiled) == set(COMPILED)
+    assert check.compile_hits == (pkg.cards[0].id,)
+    assert check.compile_verdict() in ("faster", "level", "slower") and "kforge.compile" in check.message()
+    assert check.hits > 0  # the eager package's own hits, counted apart from the compiled graphs'

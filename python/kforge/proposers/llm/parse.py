@@ -13,7 +13,8 @@ plain and strict where a guess could run the wrong thing:
   a key that means nothing to kforge is named in the message, never silently ignored (a
   dropped `dyn_smem` would launch with no shared memory);
 - of several CUDA blocks (drafts, a fixed version), the last one that defines every kernel
-  the plan launches is the source.
+  the plan launches is the source, with any block of `__device__` helpers it calls;
+- whatever else goes wrong while reading is a message too: a reply never crashes the search.
 Checks that need no compiler follow: the plan fits the card, every kernel it launches is
 `extern "C" __global__` in the source (directly or inside an `extern "C" { }` block), and each
 argument matches the kind and width of its parameter (a 32-bit int bound to a 64-bit
@@ -71,6 +72,8 @@ _ARG_KINDS = {"in": "in", "input": "in", "out": "out", "output": "out", "ws": "w
               "i32": "i32", "int": "i32", "int32": "i32", "i64": "i64", "int64": "i64", "longlong": "i64",
               "f32": "f32", "float": "f32", "float32": "f32", "f64": "f64", "double": "f64", "float64": "f64"}
 _NOTE_KEYS = {"comment", "comments", "description", "note", "notes", "purpose", "explanation"}  # prose, dropped
+_PYTHON_WORDS = {"True": "true", "False": "false", "None": "null"}
+_WORD = re.compile(r"([A-Za-z_$][\w$]*)(\s*:)?")  # a bare key when a colon follows
 _ARG_NAME = re.compile(r"^(in|out|ws)(\d+)$")
 _DEVICE_FN = re.compile(r"__device__\b[^;{}()]*?\b(\w+)\s*\(")
 _PLAN_COMMENT = re.compile(r"/\*.*?\*/|(?:^[ \t]*//[^\n]*(?:\n|$))+", re.S | re.M)
@@ -184,19 +187,18 @@ def lenient_json(text: str) -> Any:
             i = j + 1
             continue
         if text.startswith("//", i) or text.startswith("#", i):
-            i = text.find("\n", i) if "\n" in text[i:] else len(text)
+            end = text.find("\n", i)
+            i = end if end >= 0 else len(text)
             continue
         if text.startswith("/*", i):
             end = text.find("*/", i + 2)
             i = end + 2 if end >= 0 else len(text)
             continue
-        m = re.compile(r"[A-Za-z_$][\w$]*").match(text, i)
+        m = _WORD.match(text, i)
         if m:
-            word = m.group(0)
-            after = text[m.end():].lstrip()
-            out.append(json.dumps(word) if after.startswith(":") else
-                       {"True": "true", "False": "false", "None": "null"}.get(word, word))
-            i = m.end()
+            word = m.group(1)
+            out.append(json.dumps(word) if m.group(2) else _PYTHON_WORDS.get(word, word))
+            i = m.end(1)
             continue
         if c in "}]":
             while out and out[-1].strip() == "":
@@ -235,6 +237,8 @@ def _comment_text(comment: str) -> str:
 def normalize_plan(d: Any) -> Any:
     """A plan as models write it -> the plan's own keys and forms; raises ProposerError
     naming any key that has no meaning here."""
+    if isinstance(d, dict) and len(d) == 1 and isinstance(inner := next(iter(d.values())), dict) and "kernels" in inner:
+        d = inner  # {"launch_plan": {...}}
     if isinstance(d, dict) and "kernels" not in d and any(_norm(k) in _KERNEL_KEYS for k in d):
         d = {"kernels": [d]}  # a single kernel's launch, without the list around it
     if isinstance(d, list) and d and all(isinstance(k, dict) and "name" in k for k in d):

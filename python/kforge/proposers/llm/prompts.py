@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import json
 import re
+import textwrap
 
+from ... import sourcebox
 from ...candidate import Candidate
 from ...cards import Card, TensorMeta, decode_value
 from ...errors import numbered
@@ -38,6 +40,25 @@ MAX_FAILURES = 6
 COMPILE_LOG_CHARS = 2_500
 MAX_COMPILE_ERRORS = 5
 
+def _environment() -> str:
+    """What the compile box (kforge.sourcebox) lets through and predefines, so the prompt
+    says exactly that."""
+    headers = ", ".join(f"<{h}>" for h in sorted(sourcebox.ALLOWED_HEADERS)).rsplit(", ", 1)
+    defined = [a or b for a, b in re.findall(r"#define (\w+)|typedef [\w ]+ (\w+);", sourcebox.PRELUDE)]
+    bullets = [
+        f"Headers: only {' and '.join(headers)}. Host headers written out of habit (<cmath>, <cstdint>, "
+        "<cfloat>, <cuda_runtime.h>, ...) are dropped with a note; any other include is refused (no "
+        "<cooperative_groups.h>, no files of your own).",
+        f"Predefined, no include needed: {', '.join(defined)}. CUDA's device math (expf, rsqrtf, fmaxf, __expf, "
+        "...) and intrinsics (__shfl_xor_sync, atomicAdd, ...) are built in.",
+        "No host code: no main, no <<<...>>> launches, no cudaMalloc, no printf, no malloc. kforge launches the "
+        "kernels itself from the launch plan.",
+        'A 64-bit integer parameter is `long long` (what {"i64": v} passes).',
+    ]
+    return "Compile environment (NVRTC, device code only)\n" + "\n".join(
+        textwrap.fill(b, 90, initial_indent="- ", subsequent_indent="  ") for b in bullets)
+
+
 ANSWER_FORMAT = """\
 Answer format, exactly:
 1. one ```cuda block with the complete source;
@@ -52,34 +73,26 @@ shapes, strides and dtypes. Your kernel is compiled with NVRTC, checked against 
 fresh random inputs, timed against PyTorch with the L2 cache flushed, and kept only if it
 is correct and faster.
 
-Compile environment (NVRTC, device code only)
-- Headers: only <cuda_fp16.h> and <cuda_bf16.h>. Other standard includes (<cmath>,
-  <cstdint>, <cfloat>, ...) are dropped with a note; every other header is refused
-  (no <cooperative_groups.h>, no <cuda/std/...>, no files of your own).
-- Predefined, no include needed: INFINITY, NAN, FLT_MAX, FLT_MIN; int8_t, int16_t,
-  int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t. CUDA's device math (expf,
-  rsqrtf, fmaxf, __expf, ...) and intrinsics (__shfl_xor_sync, atomicAdd, ...) are built in.
-- No host code: no main, no <<<...>>> launches, no cudaMalloc, no printf, no malloc.
-  kforge launches the kernels itself from the launch plan.
-- A 64-bit integer parameter is `long long` (what {"i64": v} passes).
+{environment}
 
 Kernel ABI
-- Every kernel is `extern "C" __global__ void name(...)` (or inside an `extern "C" { }`
+- Every kernel is `extern "C" __global__ void name(...)` (or inside an `extern "C" {{ }}`
   block): templates and C++ names are mangled and cannot be launched by name.
 - Write the kernel yourself in CUDA C++. Do not call cuBLAS, cuDNN, CUTLASS, Thrust, CUB
   or PyTorch; nothing outside your source runs.
 - Kernels are launched by kforge from a launch plan (JSON, data not code). Several kernels
   may run in sequence on one stream. Each plan argument binds one kernel parameter, in
   order, one to one:
-    {"in": i}    const T*  pointer to element 0 of input i (index it with its strides)
-    {"out": j}   T*        pointer to element 0 of output j (kforge allocates it with the
+    {{"in": i}}    const T*  pointer to element 0 of input i (index it with its strides)
+    {{"out": j}}   T*        pointer to element 0 of output j (kforge allocates it with the
                            listed shape, strides and dtype; an in-place output is the input)
-    {"ws": k}    void*     workspace k: "workspace" lists byte counts, or
-                           {"bytes": n, "zero": true} to have it zeroed before the first kernel
-    {"i32": v} int   {"i64": v} long long   {"f32": v} float   {"f64": v} double
+    {{"ws": k}}    void*     workspace k: "workspace" lists byte counts, or
+                           {{"bytes": n, "zero": true}} to have it zeroed before the first kernel
+    {{"i32": v}} int   {{"i64": v}} long long   {{"f32": v}} float   {{"f64": v}} double
 - "grid" and "block" are [x, y, z]; at most 1024 threads per block; "smem" is dynamic
-  shared memory in bytes. "options" are extra NVRTC flags (may be empty; NVRTC
-  has no -O3). A kernel with
+  shared memory in bytes. "options" are extra NVRTC flags, usually none: code
+  generation and math flags only (--use_fast_math, --ftz=true, --maxrregcount=N, -DNAME);
+  -O flags are dropped (NVRTC optimizes fully by default). A kernel with
   "cooperative": true is launched with every block resident at once, so its blocks may
   wait for each other (a grid-wide barrier on a zeroed workspace counter); a grid too
   large to be resident is refused, so keep it to a few blocks per SM.
@@ -107,22 +120,22 @@ tensors of shape [1048576], 16-byte aligned:
 ```cuda
 extern "C" __global__ void __launch_bounds__(256)
 mul_f32x4(const float4* __restrict__ a, const float4* __restrict__ b, float4* __restrict__ out, int n4)
-{
+{{
     int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n4) {
+    if (i < n4) {{
         float4 x = a[i], y = b[i];
         out[i] = make_float4(x.x * y.x, x.y * y.y, x.z * y.z, x.w * y.w);
-    }
-}
+    }}
+}}
 ```
 ```json
-{"kernels": [{"name": "mul_f32x4", "grid": [1024, 1, 1], "block": [256, 1, 1], "smem": 0,
-              "args": [{"in": 0}, {"in": 1}, {"out": 0}, {"i32": 262144}]}],
- "workspace": [], "options": []}
+{{"kernels": [{{"name": "mul_f32x4", "grid": [1024, 1, 1], "block": [256, 1, 1], "smem": 0,
+              "args": [{{"in": 0}}, {{"in": 1}}, {{"out": 0}}, {{"i32": 262144}}]}}],
+ "workspace": [], "options": []}}
 ```
 kind: custom
 
-""" + ANSWER_FORMAT
+""".format(environment=_environment()) + ANSWER_FORMAT
 
 
 # ---- the card, the hardware, the reference ----------------------------------------------
@@ -158,7 +171,7 @@ def describe_card(card: Card, hw: Hardware, tolerance: dict | None = None, eager
     for j, m in enumerate(card.outputs):
         alias = f", the same memory as in{card.aliases[j]} (in-place)" if j in card.aliases else ""
         lines.append(_tensor_line(f"out{j}", m, alias))
-    lines += ["Reference semantics (PyTorch):", f"  {reference_code(card)}"]
+    lines += ["Reference semantics (PyTorch):", *(f"  {line}" for line in reference_code(card).splitlines())]
     steps = decomposed(card)
     if steps:
         lines += ["  which computes, step by step:"] + [f"    {line}" for line in steps]
@@ -320,7 +333,8 @@ def _eager_us(ctx: ProposalContext) -> float | None:
 
 
 def _facts(ctx: ProposalContext) -> str:
-    return f"{describe_card(ctx.card, ctx.hardware, _tolerance(ctx), _eager_us(ctx))}\n{describe_hardware(ctx.hardware)}"
+    card = describe_card(ctx.card, ctx.hardware, _tolerance(ctx), _eager_us(ctx))
+    return f"{card}\n{describe_hardware(ctx.hardware)}"
 
 
 # ---- conversations ------------------------------------------------------------------------

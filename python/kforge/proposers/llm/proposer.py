@@ -78,7 +78,12 @@ class LLMProposer(Proposer):
                 problem = str(e)
                 if reply.finish_reason == "length":
                     problem = _cut_off(problem, reply.text, self.client.reply_limit)
-                messages = prompts.retry_messages(messages, excerpt(reply.text), problem)
+                # The model's reasoning is not sent back: reasoning models expect only their earlier
+                # answers in the conversation (DeepSeek documents it), and thoughts cost prompt tokens.
+                # Nor is an empty turn: some endpoints refuse an assistant message without content.
+                answer = strip_reasoning(reply.text)
+                answer = answer if answer.strip() else "(no answer)"
+                messages = prompts.retry_messages(messages, excerpt(answer), problem)
                 continue
             candidate.knobs = {"model": self.config.model, "asks": ask}
             candidate.note = "; ".join(x for x in (note, candidate.note) if x)

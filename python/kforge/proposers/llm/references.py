@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ...cards import Card, decode_value
+from ...errors import CardError
 
 
 def arg_exprs(card: Card) -> list[tuple[str, str, Any]]:
@@ -33,7 +34,10 @@ def arg_exprs(card: Card) -> list[tuple[str, str, Any]]:
 
 
 def reference_code(card: Card) -> str:
-    """The call as PyTorch code, tensors named in0.. and out0.. like the launch plan."""
+    """The call as PyTorch code, tensors named in0.. and out0.. like the launch plan; a
+    region card's is a function of its aten calls, returning out0.. in order."""
+    if card.region is not None:
+        return card.region.code(card.inputs)
     args = [f"{name}={expr}" if a.kwarg_only else expr for a, (name, expr, _) in zip(card.args, arg_exprs(card))]
     outs = ", ".join(f"out{j}" for j in range(len(card.outputs))) or "_"
     return f"{outs} = torch.ops.{card.op.replace('::', '.')}({', '.join(args)})"
@@ -42,14 +46,16 @@ def reference_code(card: Card) -> str:
 def decomposed(card: Card) -> list[str]:
     """The call step by step (lines of PyTorch), or the outputs' names; [] when the call
     says it all."""
+    if card.region is not None:  # its code is already step by step
+        return []
     build = _DECOMPOSED.get(card.op)
-    if build is not None:
-        return build(_Call(card))
-    if len(card.outputs) > 1:
-        names = [r.name for r in card.overload()._schema.returns]
-        if all(names):
-            return [f"# {', '.join(f'out{j} = {n}' for j, n in enumerate(names))}"]
-    return []
+    try:
+        if build is not None:
+            return build(_Call(card))
+        names = [r.name for r in card.overload()._schema.returns] if len(card.outputs) > 1 else []
+    except (KeyError, CardError):  # a card from a torch whose schema differs: the call alone says it
+        return []
+    return [f"# {', '.join(f'out{j} = {n}' for j, n in enumerate(names))}"] if names and all(names) else []
 
 
 class _Call:
