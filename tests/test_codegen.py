@@ -483,3 +483,9 @@ def test_generated_c_runs_on_the_cpu_like_eager(name):
         for g, w in zip(got, want):
             assert g.dtype == w.dtype and g.stride() == w.stride() or g.numel() <= 1, (knobs, g.stride(), w.stride())
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"{knobs}: {m}")
+
+
+def test_pooling_of_integer_tensors_is_declined_since_eager_cuda_cannot_check_it():
+    card = make_card(torch.ops.aten.max_pool2d_with_indices.default, meta(2, 5, 17, 13, dtype=torch.int32),
+                     [3, 3], [2, 2], [1, 1], [2, 2], True)
+    assert "eager has no CUDA kernel" in generated.check(card)

@@ -81,6 +81,8 @@ def _window_program(node: Node, inputs: list[TensorMeta], out_metas: list[Tensor
     if not isinstance(ref, Ref) or ref.kind != "in":
         return "a window over a computed tensor is not generated (pooling reads a card input)"
     m = inputs[ref.index]
+    if m.dtype not in FLOATS:
+        return f"pooling of {m.dtype} tensors: eager has no CUDA kernel for it to check a kernel against"
     plan = ops.WINDOW_OPS[name](ops.Call(name, overload, {**node.args, "self": ops.Val(Expr.load(ref.index, m.dtype),
                                                                                         m.dtype, len(m.shape))}))
     if isinstance(plan, str):
