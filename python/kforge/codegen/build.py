@@ -255,9 +255,9 @@ def _view_input(n: SubNode, j: int, src, inputs: list[TensorMeta], sources: list
     what = f"region node {j} ({packet_name(n.op)})"
     if not isinstance(src, Ref) or src.kind != "in":
         return f"{what} is a view of a computed value: views of intermediates are not generated"
-    m, out = inputs[src.index], n.outputs[0]
-    if len(n.outputs) != 1 or out.dtype != m.dtype:
+    if len(n.outputs) != 1 or n.outputs[0].dtype != inputs[src.index].dtype:
         return f"{what} splits its input or reinterprets its dtype: not generated"
+    m, out = inputs[src.index], n.outputs[0]
     if out.storage_offset != m.storage_offset:
         return (f"{what} starts at storage offset {out.storage_offset}, its input at {m.storage_offset}: "
                 "the kernel reads from the input's pointer")
