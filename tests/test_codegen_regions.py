@@ -160,7 +160,8 @@ DECLINED = {
     "slice_at_an_offset": (SliceOfInput, lambda: (torch.randn(8, 33), torch.randn(8, 32)), "storage offset 1"),
     "input_read_around_the_reduction": (RMSNorm, lambda: (torch.randn(4, 48),),
                                         "input 0 is read both before and after the reduction"),
-    "vendor_epilogue": (LinearGelu, lambda: (torch.randn(4, 48),), "no builtin template or generated kernel for aten::addmm"),
+    "vendor_epilogue": (LinearGelu, lambda: (torch.randn(4, 48),),
+                        "no builtin template or generated kernel for aten::addmm"),
 }
 
 
