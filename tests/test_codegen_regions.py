@@ -65,6 +65,18 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
 
 
+class AddRMSNorm(nn.Module):
+    """The residual sum is the prologue and is used again after the reduction."""
+
+    def __init__(self, d=48):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d))
+
+    def forward(self, x, y):
+        h = x + y
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
 class LinearGelu(nn.Module):
     def __init__(self):
         super().__init__()
@@ -160,6 +172,8 @@ DECLINED = {
     "slice_at_an_offset": (SliceOfInput, lambda: (torch.randn(8, 33), torch.randn(8, 32)), "storage offset 1"),
     "input_read_around_the_reduction": (RMSNorm, lambda: (torch.randn(4, 48),),
                                         "input 0 is read both before and after the reduction"),
+    "normalization": (AddRMSNorm, lambda: (torch.randn(2, 3, 48), torch.randn(2, 3, 48)),
+                      "an output of shape (2, 3, 48) after the reduction to (2, 3, 1): a normalization"),
     "vendor_epilogue": (LinearGelu, lambda: (torch.randn(4, 48),),
                         "no builtin template or generated kernel for aten::addmm"),
 }

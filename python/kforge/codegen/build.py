@@ -193,6 +193,12 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
             return "pointwise outputs of different shapes"
         if scan is not None and not domain:
             return "a scan of a 0-dim tensor is a copy"
+    for m in out_metas:
+        if tuple(m.shape) != out_shape and red is not None:
+            return (f"an output of shape {m.shape} after the reduction to {out_shape}: a normalization (the "
+                    "reduced elements used again after their reduction) is not generated")
+        if tuple(m.shape) != out_shape:
+            return f"output of shape {m.shape}, expected {out_shape}"
     results = [values[(r.index, r.output)][0] for r in outputs]
     for i in loads:
         m = inputs[i]
@@ -206,8 +212,6 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
         in_strides[i] = st
     out_strides = []
     for m in out_metas:
-        if tuple(m.shape) != out_shape:
-            return f"output of shape {m.shape}, expected {out_shape}"
         out_strides.append(tuple(m.stride) if red is None else _to_domain(tuple(m.stride), domain, red.dims, red.keepdim))
     if any(s < 0 for st in list(in_strides.values()) + out_strides for s in st):
         return "negative strides are not generated"
