@@ -1,4 +1,5 @@
-"""aten nodes -> Program (the builder the ir docstring describes), and a card as a one-node region.
+"""aten nodes -> Program (the builder the ir docstring describes), for a single-op card (one
+node) and for a region card (its subgraph's nodes, region_nodes).
 
 Each node's value comes from the op table (ops.POINTWISE, ops.REDUCTION_OPS). Nodes before
 the one reduction are its prologue, evaluated over the reduced operand's shape (the
@@ -9,10 +10,15 @@ is rounded to its output dtype, as eager stores it.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
 from ..cards import Card, TensorMeta, decode_value
+from ..errors import CardError
+from ..families import family_of, packet_name
+from ..subgraph import Node as SubNode
+from ..subgraph import is_ref
 from . import ops
 from .ir import FLOATS, Expr, Node, Program, Reduction, Ref, Scan, Window, broadcast_strides
 
@@ -145,7 +151,7 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
                     bound[k] = v
             name, overload = table_key(node.op)
             if name == "_to_copy":
-                why = _copy_declined(bound, inputs[0], node.metas[0])
+                why = _copy_declined(bound, _meta_of(node.args["self"], inputs, values), node.metas[0])
                 if why:
                     return why
             call = ops.Call(name, overload, bound)
@@ -189,6 +195,12 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
             return "pointwise outputs of different shapes"
         if scan is not None and not domain:
             return "a scan of a 0-dim tensor is a copy"
+    for m in out_metas:
+        if tuple(m.shape) != out_shape and red is not None:
+            return (f"an output of shape {m.shape} after the reduction to {out_shape}: a normalization (the "
+                    "reduced elements used again after their reduction) is not generated")
+        if tuple(m.shape) != out_shape:
+            return f"output of shape {m.shape}, expected {out_shape}"
     results = [values[(r.index, r.output)][0] for r in outputs]
     for i in loads:
         m = inputs[i]
@@ -202,8 +214,6 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
         in_strides[i] = st
     out_strides = []
     for m in out_metas:
-        if tuple(m.shape) != out_shape:
-            return f"output of shape {m.shape}, expected {out_shape}"
         out_strides.append(tuple(m.stride) if red is None else _to_domain(tuple(m.stride), domain, red.dims, red.keepdim))
     if any(s < 0 for st in list(in_strides.values()) + out_strides for s in st):
         return "negative strides are not generated"
@@ -244,11 +254,84 @@ def node_of_card(card: Card) -> Node:
     return Node(card.op, args, list(card.outputs))
 
 
+def _view_input(n: SubNode, j: int, src, inputs: list[TensorMeta], sources: list[int]) -> Ref | str:
+    """A view of a region input folded into an input of its own: the same memory read with the
+    view's shape and strides (program input appended to `inputs`, its launch-plan input to
+    `sources`), or why not."""
+    what = f"region node {j} ({packet_name(n.op)})"
+    if not isinstance(src, Ref) or src.kind != "in":
+        return f"{what} is a view of a computed value: views of intermediates are not generated"
+    if len(n.outputs) != 1 or n.outputs[0].dtype != inputs[src.index].dtype:
+        return f"{what} splits its input or reinterprets its dtype: not generated"
+    m, out = inputs[src.index], n.outputs[0]
+    if out.storage_offset != m.storage_offset:
+        return (f"{what} starts at storage offset {out.storage_offset}, its input at {m.storage_offset}: "
+                "the kernel reads from the input's pointer")
+    inputs.append(replace(out, device=m.device, align=m.align, lo=m.lo, hi=m.hi))
+    sources.append(sources[src.index])
+    return Ref("in", len(inputs) - 1)
+
+
+def region_nodes(card: Card) -> tuple[list[Node], list[TensorMeta], list[int], list[Ref]] | str:
+    """A region card's subgraph as builder nodes: (nodes, program inputs, the launch-plan input
+    each reads, the refs it returns), or why not. Arguments are bound to schema names with
+    their defaults filled; views of inputs become inputs (_view_input)."""
+    inputs, sources = list(card.inputs), list(range(len(card.inputs)))
+    refs: dict[tuple[int, int], Ref] = {}  # subgraph (node, out) -> its ref among the builder's nodes or inputs
+    nodes: list[Node] = []
+
+    def value(v):
+        if is_ref(v):
+            return Ref("in", v["in"]) if "in" in v else refs[(v["node"], v["out"])]
+        if isinstance(v, list):
+            return [value(x) for x in v]
+        return decode_value(v)
+
+    for j, n in enumerate(card.region.nodes):
+        try:
+            schema = n.overload()._schema.arguments
+        except CardError as e:
+            return str(e)
+        positional = [a for a in schema if not a.kwarg_only]
+        unknown = set(n.kwargs) - {a.name for a in schema}
+        if len(n.args) > len(positional) or unknown:
+            return f"region node {j} ({n.op}) does not match its schema"
+        args = {}
+        for k, a in enumerate(schema):
+            if k < len(n.args) and not a.kwarg_only:
+                args[a.name] = value(n.args[k])
+            elif a.name in n.kwargs:
+                args[a.name] = value(n.kwargs[a.name])
+            elif a.has_default_value():
+                args[a.name] = a.default_value
+            else:
+                return f"region node {j} ({n.op}) has no value for argument {a.name}"
+        if family_of(n.op) == "view":
+            ref = _view_input(n, j, args.get(schema[0].name) if schema else None, inputs, sources)
+            if isinstance(ref, str):
+                return ref
+            refs[(j, 0)] = ref
+            continue
+        refs.update({(j, k): Ref("node", len(nodes), k) for k in range(len(n.outputs))})
+        nodes.append(Node(n.op, args, list(n.outputs)))
+    outputs = [refs[(r["node"], r["out"])] for r in card.region.outputs]
+    if any(r.kind == "in" for r in outputs):
+        return "a region output is a view of an input: there is nothing to compute"
+    return nodes, inputs, sources, outputs
+
+
 def program_for_card(card: Card) -> Program | str:
     if any(m.device != "cuda" for m in card.inputs + card.outputs):
         return "a tensor is not on the GPU: generated kernels read CUDA memory only"
     if not card.outputs:
         return "the op returns no tensor"
+    if card.region is not None:
+        conv = region_nodes(card)
+        if isinstance(conv, str):
+            return conv
+        nodes, inputs, sources, refs = conv
+        prog = from_nodes(nodes, inputs, refs, list(card.outputs), card.aliases)
+        return prog if isinstance(prog, str) else replace(prog, sources=sources)
     node = node_of_card(card)
     refs = [Ref("node", 0, k) for k in range(len(card.outputs))]
     return from_nodes([node], card.inputs, refs, list(card.outputs), card.aliases)

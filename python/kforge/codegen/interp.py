@@ -111,7 +111,7 @@ def _scan(scan, x: torch.Tensor) -> torch.Tensor:
 def _window(prog: Program, inputs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     """The folded state and the divisor at every output point of a pooling program."""
     w = prog.window
-    m, t = prog.inputs[w.input], inputs[w.input]
+    m, t = prog.inputs[w.input], inputs[prog.source(w.input)]
     dt = w.kind.state(opmath(m.dtype))[0]
     x = torch.as_strided(t, m.shape, prog.in_strides[w.input], t.storage_offset()).to(_T[dt])
     (h, wd), (oh_n, ow_n) = m.shape[-2:], prog.domain[-2:]
@@ -139,14 +139,15 @@ def _window(prog: Program, inputs: list[torch.Tensor]) -> dict[str, torch.Tensor
 
 
 def run(prog: Program, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The program's outputs (contiguous, with the output shapes and dtypes) for CPU `inputs`."""
+    """The program's outputs (contiguous, with the output shapes and dtypes) for CPU `inputs`
+    (the launch plan's: a region's views of an input read that input)."""
     dom = prog.domain
     red = prog.reduction
     kept = tuple(1 if d in prog.reduce_dims else s for d, s in enumerate(dom))
 
     def loads_over(shape):
         def load(i, stored):
-            t = inputs[i]
+            t = inputs[prog.source(i)]
             return torch.as_strided(t, shape, prog.in_strides[i], t.storage_offset())
         return load
 

@@ -261,6 +261,13 @@ class Program:
     aliases: dict[int, int] = field(default_factory=dict)  # output -> input it overwrites
     scan: Scan | None = None  # outputs over the whole domain see the running state as var "s0"...
     window: Window | None = None  # the domain is the output shape; in_strides holds the input's own strides
+    # per input: the launch-plan input whose memory it reads (a region's view of an input is
+    # an input of its own, with the view's shape and strides); None: every input is its own
+    sources: list[int] | None = None
+
+    def source(self, i: int) -> int:
+        """The launch-plan input ({"in": n}) that program input i reads."""
+        return i if self.sources is None else self.sources[i]
 
     @property
     def reduce_dims(self) -> tuple[int, ...]:

@@ -223,7 +223,7 @@ def _pointers(prog: Program) -> tuple[list[str], list[dict], dict[int, str]]:
         else:
             ptr[i] = f"in{i}"
             params.append(f"const {CTYPE[prog.inputs[i].dtype]}* __restrict__ in{i}")
-            args.append({"in": i})
+            args.append({"in": prog.source(i)})
     return params, args, ptr
 
 

@@ -1,6 +1,6 @@
 """Kernels from the code generator (kforge.codegen) for any card its op table covers:
 every pointwise op torch tags, copies, one-level reductions, scans (cumsum, cumprod) and
-2-D max/avg pooling. It adds candidates beside
+2-D max/avg pooling, and region cards whose subgraph is such a chain. It adds candidates beside
 the hand-written templates for the same cards (algorithms "gen_*"), and is the only
 built-in source for the rest.
 """

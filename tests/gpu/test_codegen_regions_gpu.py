@@ -1,0 +1,60 @@
+"""Region cards captured on the GPU get generated kernels that the evaluator accepts (fresh
+input sets, poisoned outputs, tolerance from eager's own error, against the subgraph's replay):
+a pointwise chain, views of inputs read in place, and a reduction with a prologue."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kforge.capture import capture
+from kforge.evaluate import make_evaluator
+from kforge.hardware import current
+from kforge.proposers.base import ProposalContext
+from kforge.proposers.builtin import BuiltinProposer, generated
+from kforge.proposers.builtin import space as knob_space
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_dynamo")]
+FAST = dict(min_reps=5, min_ms=0.0, warmup_ms=0.0, fresh_sets=3)
+
+
+class SiluMul(nn.Module):
+    def forward(self, a, b):
+        return F.silu(a) * b
+
+
+class ViewsOfInputs(nn.Module):
+    def forward(self, a, b):
+        return torch.sigmoid(a.view(64, 32, 128)) * b.unsqueeze(-1)
+
+
+class Rstd(nn.Module):
+    def forward(self, x):
+        return torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+CASES = {
+    "silu_mul": (SiluMul, lambda: (torch.randn(64, 4096, device="cuda"), torch.randn(64, 4096, device="cuda"))),
+    "views_of_inputs": (ViewsOfInputs, lambda: (torch.randn(2048, 128, device="cuda"),
+                                                torch.randn(64, 32, device="cuda"))),
+    "rstd_bf16": (Rstd, lambda: (torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16),)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_generated_region_kernel_passes_the_evaluator(tmp_path, name):
+    model, make_inputs = CASES[name]
+    with torch.no_grad():
+        r = capture(model(), make_inputs(), tmp_path, regions=True)
+    (card,) = [c for c in r.cards if c.region is not None]
+    hw = current()
+    assert BuiltinProposer().supports(card) == (True, "")
+    first = BuiltinProposer().propose(ProposalContext(card, hw)).candidate
+    # and each generated algorithm's most aggressive setting
+    others = [generated.build(card, knob_space.configs(s)[-1], hw) for s in generated.spaces(card, hw)]
+    with make_evaluator(tmp_path, devices=[0], timeout_s=20.0, **FAST) as ev:
+        for cand in [first] + others:
+            res = ev.evaluate(card, cand)
+            assert not res.verdict.failed, f"{card.summary()} {cand.knobs}: {res.verdict.value}: {res.message}"

@@ -1,0 +1,187 @@
+"""Region cards through the code generator on the CPU: regions captured from small CPU models
+are retargeted to CUDA metadata, lowered to one Program, compiled by NVRTC for sm_90 and
+checked against their subgraph's replay through the reference interpreter and through the
+generated C itself (g++, tests/cuda_on_cpu.py, which binds the launch plan's arguments as the
+GPU would). Views of inputs are read in place; what the generator cannot do is declined with
+its reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import cuda_on_cpu
+from kforge import compiler
+from kforge.capture import capture
+from kforge.codegen import build, interp
+from kforge.hardware import H200
+from kforge.proposers.base import ProposalContext
+from kforge.proposers.builtin import BuiltinProposer, generated
+from kforge.proposers.builtin import space as knob_space
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+
+class SiluMul(nn.Module):
+    def forward(self, a, b):
+        return F.silu(a) * b
+
+
+class AddMul(nn.Module):
+    def forward(self, a, b, c):
+        return (a + b) * c
+
+
+class Rstd(nn.Module):
+    """RMSNorm's statistics: a cast and a square before the mean (the prologue), eps and rsqrt after."""
+
+    def forward(self, x):
+        return torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class ViewsOfInputs(nn.Module):
+    def forward(self, a, b):
+        return torch.sigmoid(a.view(4, 8, 6)) * b.unsqueeze(-1).expand(4, 8, 6)
+
+
+class ViewOfIntermediate(nn.Module):
+    def forward(self, a, b):
+        return torch.sigmoid(a).view(4, 8, 6) * b
+
+
+class SliceOfInput(nn.Module):
+    def forward(self, a, b):
+        return torch.sigmoid(a[:, 1:]) * b
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d=48):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class AddRMSNorm(nn.Module):
+    """The residual sum is the prologue and is used again after the reduction."""
+
+    def __init__(self, d=48):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d))
+
+    def forward(self, x, y):
+        h = x + y
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+class LinearGelu(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(48, 32)
+
+    def forward(self, x):
+        return F.gelu(self.lin(x))
+
+
+def region_card(tmp_path, model, *inputs):
+    """The one region card of a CPU capture, retargeted to an H200."""
+    with torch.no_grad():
+        r = capture(model, inputs, tmp_path, regions=True, time_cards=False)
+    (card,) = [c for c in r.cards if c.region is not None]
+    return card.retarget("cuda", "sm_90")
+
+
+CASES = {
+    "silu_mul": (SiluMul, lambda: (torch.randn(64, 48), torch.randn(64, 48)), ["silu", "mul"]),
+    "add_mul_broadcast": (AddMul, lambda: (torch.randn(16, 48), torch.randn(48), torch.randn(16, 1)), ["add", "mul"]),
+    "rstd_of_float64": (Rstd, lambda: (torch.randn(16, 300, dtype=torch.float64),),
+                        ["_to_copy", "pow", "mean", "add", "rsqrt"]),
+    "views_of_inputs": (ViewsOfInputs, lambda: (torch.randn(32, 6), torch.randn(4, 8)), ["sigmoid", "mul"]),
+}
+
+
+def _knobs(card):
+    """The default and settings whose threads do not cooperate (what cuda_on_cpu runs exactly)."""
+    out = [generated.default(card, H200)]
+    for s in generated.spaces(card, H200):
+        if s["algo"] != ("gen_rows",):
+            out += [k for k in knob_space.configs(s) if k["threads"] == 64][::7]
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_region_lowers_compiles_and_matches_its_replay(tmp_path, name):
+    model, make_inputs, ops = CASES[name]
+    inputs = make_inputs()
+    card = region_card(tmp_path, model(), *inputs)
+    assert card.region.ops == ops
+    prog = build.program_for_card(card)
+    assert not isinstance(prog, str), prog
+    assert BuiltinProposer().supports(card) == (True, "")
+    want = card.region.replay([t.clone() for t in inputs])
+    for got, w in zip(interp.run(prog, inputs), want):
+        torch.testing.assert_close(got, w, rtol=1e-6, atol=1e-6)
+    for knobs in _knobs(card):
+        cand = generated.build(card, knobs, H200)
+        cand.plan.validate(len(card.inputs), len(card.outputs))
+        assert compiler.compile(cand.source, arch="sm_90").cubin
+        if knobs["algo"] != "gen_rows":
+            for got, w in zip(cuda_on_cpu.run(card, cand, inputs), want):
+                torch.testing.assert_close(got, w, rtol=1e-6, atol=1e-6, msg=lambda m: f"{knobs}: {m}")
+
+
+def test_the_reduction_region_has_its_cast_and_square_as_prologue(tmp_path):
+    card = region_card(tmp_path, Rstd(), torch.randn(16, 300, dtype=torch.float16))
+    prog = build.program_for_card(card)
+    assert not isinstance(prog, str), prog
+    assert prog.reduction is not None and prog.reduction.dims == (1,) and prog.domain == (16, 300)
+    assert generated.default(card, H200)["algo"] == "gen_rows"
+    x = torch.randn(16, 300, dtype=torch.float16)
+    (got,) = interp.run(prog, [x])
+    torch.testing.assert_close(got, card.region.replay([x])[0])
+    for s in generated.spaces(card, H200):
+        for knobs in knob_space.configs(s)[::40]:
+            assert compiler.compile(generated.build(card, knobs, H200).source, arch="sm_90").cubin
+
+
+def test_views_of_inputs_are_read_in_place_through_the_real_inputs(tmp_path):
+    """view and unsqueeze+expand become program inputs of their own, launched with the card's
+    input they view: the plan passes only in0 and in1."""
+    card = region_card(tmp_path, ViewsOfInputs(), torch.randn(32, 6), torch.randn(4, 8))
+    prog = build.program_for_card(card)
+    assert not isinstance(prog, str), prog
+    assert len(card.inputs) == 2 and [prog.source(i) for i in sorted(prog.in_strides)] == [0, 1]
+    assert prog.in_strides[min(prog.in_strides)] == (48, 6, 1)
+    assert prog.in_strides[max(prog.in_strides)] == (8, 1, 0)
+    cand = generated.build(card, generated.default(card, H200), H200)
+    assert sorted(a["in"] for a in cand.plan.kernels[0].args if "in" in a) == [0, 1]
+
+
+def test_the_builtin_proposer_proposes_for_a_region_card(tmp_path):
+    card = region_card(tmp_path, SiluMul(), torch.randn(64, 48), torch.randn(64, 48))
+    proposal = BuiltinProposer().propose(ProposalContext(card, H200))
+    assert proposal.candidate.knobs["algo"] == "gen_flat" and proposal.candidate.note == "generated"
+
+
+DECLINED = {
+    "view_of_intermediate": (ViewOfIntermediate, lambda: (torch.randn(4, 48), torch.randn(4, 8, 6)),
+                             "views of intermediates are not generated"),
+    "slice_at_an_offset": (SliceOfInput, lambda: (torch.randn(8, 33), torch.randn(8, 32)), "storage offset 1"),
+    "input_read_around_the_reduction": (RMSNorm, lambda: (torch.randn(4, 48),),
+                                        "input 0 is read both before and after the reduction"),
+    "normalization": (AddRMSNorm, lambda: (torch.randn(2, 3, 48), torch.randn(2, 3, 48)),
+                      "an output of shape (2, 3, 48) after the reduction to (2, 3, 1): a normalization"),
+    "vendor_epilogue": (LinearGelu, lambda: (torch.randn(4, 48),),
+                        "no builtin template or generated kernel for aten::addmm"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DECLINED))
+def test_region_the_generator_cannot_do_is_declined_with_its_reason(tmp_path, name):
+    model, make_inputs, reason = DECLINED[name]
+    card = region_card(tmp_path, model(), *make_inputs())
+    ok, why = BuiltinProposer().supports(card)
+    assert not ok and reason in why, why
