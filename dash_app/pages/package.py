@@ -1,6 +1,7 @@
-"""The run's .cast package: per card, dispatched or fallback and why, custom or vendor wrapper,
-and eager vs kernel latency, both as GPU time and as dispatched (guard and launch included);
-above them, the run's model check (the whole model eager and with the package)."""
+"""The run's .cast package: per card, dispatched or fallback and why, in eager dispatch and in
+kforge.compile's graphs (against the card compiled alone by torch.compile), custom or vendor
+wrapper, and eager vs kernel latency, both as GPU time and as dispatched (guard and launch
+included); above them, the run's model check (the whole model eager and with the package)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,15 @@ dash.register_page(__name__, path="/package", name="Package", title="kforge · p
 
 COLUMNS = [
     ui.text("card", "card", markdown=True), ui.text("decision", "decision"), ui.text("reason", "why"),
+    ui.text("compile_decision", "compiled graphs"), ui.text("compile_reason", "why (compiled)"),
     ui.text("kind", "kind"), ui.text("winner", "kernel", markdown=True), ui.num("eager_us", "eager µs"),
-    ui.num("kernel_us", "kernel µs"), ui.fixed("speedup", "speedup"),
+    ui.num("kernel_us", "kernel µs"), ui.num("compile_us", "torch.compile µs"), ui.fixed("speedup", "speedup"),
     ui.num("eager_dispatched_us", "eager as dispatched µs"), ui.num("dispatched_us", "kernel as dispatched µs"),
     ui.sci("max_abs_err", "max abs err"), ui.text("tolerance", "tolerance"),
 ]
-DECISION_STYLES = [{"if": {"filter_query": f'{{decision}} = "{d}"', "column_id": "decision"}, "color": color,
-                    "fontWeight": "600"} for d, color in (("dispatched", "#2e7d32"), ("fallback", "#b45309"))]
+DECISION_STYLES = [{"if": {"filter_query": f'{{{col}}} = "{d}"', "column_id": col}, "color": color, "fontWeight": "600"}
+                   for col in ("decision", "compile_decision")
+                   for d, color in (("dispatched", "#2e7d32"), ("fallback", "#b45309"))]
 
 
 def layout(run: str | None = None, **_query: str) -> html.Div:

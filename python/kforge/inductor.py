@@ -221,10 +221,12 @@ class KforgePass(_PassBase):
 
 
 def _rewrites(package: Any, launcher: Launcher | None) -> list[Rewrite]:
-    """The package's rewrites: its single-op cards' today; region cards add theirs here."""
-    kernels = {c.id: c.candidate for c in package.cards if c.dispatched}
+    """The package's rewrites: its single-op cards' whose compile decision is "dispatched" (the
+    kernel beat the card compiled alone by torch.compile; eager's decision does not count
+    here); region cards add theirs here."""
+    kernels = {c.id: c.candidate for c in package.cards if c.compiled}
     sites = []
-    for v in package.variants(launcher):  # the single-op cards (region cards are kforge.optimize's)
+    for v in package.variants(launcher, compiled=True):  # single-op cards (region cards are kforge.optimize's)
         why = customops.op_blocker(v.card)
         if why:
             log.info("card %s stays out of compiled graphs: %s", v.card.id, why)

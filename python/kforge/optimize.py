@@ -189,11 +189,10 @@ def contract(gm: fx.GraphModule, chosen: list[tuple[regions_mod.Site, Callable]]
 
 def region_kernels(package: Any, launcher: Launcher) -> list[RegionKernel]:
     """The package's dispatched region cards as kernels. Variant ids are positions among the
-    package's dispatched cards (the order of CastPackage.launcher()'s registry)."""
-    dispatched = [c for c in package.cards if c.dispatched]
+    package's kernel_cards() (the order of CastPackage.launcher()'s registry)."""
     out = []
-    for vid, c in enumerate(dispatched):
-        if c.card.region is None:
+    for vid, c in enumerate(package.kernel_cards()):
+        if c.card.region is None or not c.dispatched:
             continue
         timing = c.entry.get("timing") or {}
         ws = [n for n, _ in c.candidate.plan.workspace_bytes()] if c.candidate is not None else []
