@@ -228,6 +228,11 @@ class CudaBackend(Backend):
         from . import cuda, hardware
 
         cuda.require()
+        # The worker is a daemonic process: Inductor compiles the baseline's kernels in it,
+        # with no pool of compile processes of its own.
+        import torch._inductor.config as inductor_config
+
+        inductor_config.compile_threads = 1
         torch.cuda.set_device(device)
         self.index = device
         self.device = torch.device("cuda", device)
