@@ -30,11 +30,12 @@ model() {  # model LOG NAME FILE [bench_model.py args...]; DTYPE etc. pass throu
     ${WALL:+--wall-time "$WALL"} $compile_flag --out "$OUT/model_${name}_h200.json" "$@"
 }
 # The A/B of issue 23 on one example model, in one process: eager, the package, torch.compile,
-# kforge.compile, and both compiles with mode="reduce-overhead" (T_AB seconds per model).
+# kforge.compile, and both compiles with mode="reduce-overhead" (T_AB seconds per model). With
+# RUNS_DIR set, each model's run directory is kept there (for the dashboard's screenshots).
 ab() {  # ab LOG NAME FILE [bench_model.py args...]
   local log=$1 name=$2 file=$3; shift 3
   step "$log" "ab-$name" "${T_AB:-300}" python3 bench/bench_model.py "$file" --iterations "${ITERS:-6}" \
-    ${WALL:+--wall-time "$WALL"} --compile --out "$OUT/ab_${name}_h200.json" "$@"
+    ${WALL:+--wall-time "$WALL"} --compile ${RUNS_DIR:+--run-dir "$RUNS_DIR/$name"} --out "$OUT/ab_${name}_h200.json" "$@"
 }
 lane() {  # lane LOG ITEM...: run the items in order
   local log=$1 item; shift
@@ -77,6 +78,7 @@ lane() {  # lane LOG ITEM...: run the items in order
       ab_sd_vae) ab "$log" sd_vae examples/sd_vae_decoder.py --min-share 0.02 ;;
       ab_gemma) ab "$log" gemma examples/gemma_decoder.py --min-share 0.02 ;;
       ab_resnet50) ab "$log" resnet50 examples/resnet50.py --min-share 0.003 ;;
+      ab_resnet50_bf16) DTYPE=bfloat16 ab "$log" resnet50_bf16 examples/resnet50.py --min-share 0.003 ;;
       ab_qwen_moe) ab "$log" qwen_moe examples/qwen_moe.py --ops softmax ;;
       *) echo "unknown item $item" | tee -a "$log" ;;
     esac

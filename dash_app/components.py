@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
+import re
 from typing import Any
 from urllib.parse import urlencode
 
@@ -47,9 +48,14 @@ def href(page: str, **params: Any) -> str:
     return dash.get_relative_path(f"/{page}") + (f"?{query}" if query else "")
 
 
+_MD_SPECIAL = re.compile(r"[\\`*_{}\[\]()<>#+!|~-]")
+
+
 def md_link(text: Any, page: str, **params: Any) -> str:
-    """A Markdown link for DataTable cells (columns with presentation='markdown')."""
-    return f"[{text}]({href(page, **params)})"
+    """A Markdown link for DataTable cells (columns with presentation='markdown'). The text is
+    escaped: it comes from logs and packages, and must not add links or markup of its own."""
+    escaped = _MD_SPECIAL.sub(lambda m: "\\" + m.group(0), str(text))
+    return f"[{escaped}]({href(page, **params)})"
 
 
 # ---- formats ---------------------------------------------------------------------------

@@ -27,12 +27,12 @@ import tempfile
 import threading
 import time
 import weakref
-import zipfile
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from kforge.errors import KforgeError, LogError
+from kforge.errors import KforgeError, LogError, PackageError
 from kforge.log import LOG_NAME, SearchLog, connect, translated
+from kforge.manifest import read_manifest
 
 TTL_S = 1.5
 
@@ -295,6 +295,7 @@ class Catalog:
     _CARD_SQL = """
         SELECT c.card_id, c.op, c.family, c.summary, c.calls, c.eager_us, c.share, c.status, c.skip_reason,
                c.best_candidate, c.best_speedup, c.iterations, c.floor_us,
+               json_extract(c.card_json, '$.top_calls') AS top_calls,
                (SELECT COUNT(*) FROM candidates k WHERE k.run_id=c.run_id AND k.card_id=c.card_id) AS n_candidates,
                (SELECT COUNT(*) FROM candidates k WHERE k.run_id=c.run_id AND k.card_id=c.card_id
                   AND k.verdict='valid') AS n_valid,
@@ -502,11 +503,10 @@ class Catalog:
                                  "ORDER BY id DESC", (run_id,))
         problems = []
         for path in self._package_files(run_id):
-            try:
-                with zipfile.ZipFile(path) as z:
-                    manifest = json.loads(z.read(MANIFEST))
-            except (zipfile.BadZipFile, KeyError, ValueError, OSError) as e:
-                problems.append(f"cannot read {path.name}: {e}; rebuild it with `kforge package`")
+            try:  # within the loader's size limits, every field checked: a package is untrusted
+                manifest = read_manifest(path).manifest
+            except PackageError as e:
+                problems.append(f"cannot read {path.name}: {e}")
                 continue
             if manifest.get("run_id", run_id) != run_id:
                 continue
@@ -521,8 +521,6 @@ class Catalog:
             "one (on the GPU that searched it); give its path to the dashboard if it is elsewhere")
         return view
 
-
-MANIFEST = "manifest.json"
 
 
 def _next_step(kind: str, run_dir: Path) -> str:

@@ -150,10 +150,11 @@ def rate_figure(run: dict, timeline: list[dict], empty_why: str) -> go.Figure:
 
 def share_before_after_figure(cards: list[dict], top: int = 8) -> go.Figure:
     """The captured runtime eager and with every card's best kernel (Amdahl), per card: what the
-    winners would save, in % of the eager runtime."""
+    winners would save, in % of the eager runtime. Cards whose calls all run inside another
+    card's (top_calls 0) are left out: their time is in that card's share already."""
     fig = _layout(go.Figure(), "runtime share before / after the winners (% of eager runtime)", barmode="stack",
                   xaxis_title="% of eager runtime", legend={"orientation": "h", "y": -0.25})
-    timed = sorted((c for c in cards if c["share"]), key=lambda c: -c["share"])
+    timed = sorted((c for c in cards if c["share"] and c["top_calls"] != 0), key=lambda c: -c["share"])
     if not timed:
         return _empty(fig, "no card has a measured share of the runtime")
     shown, rest = timed[:top], timed[top:]

@@ -38,3 +38,14 @@ def _isolated_kernel_cache(tmp_path_factory, monkeypatch):
     compiler.clear_memory_cache()
     yield
     compiler.clear_memory_cache()
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """For tests that trace models (kforge.graph, kforge.optimize): each starts with no
+    compiled code, so dynamo's recompile limit never carries over from another test."""
+    import torch
+
+    torch.compiler.reset()
+    yield
+    torch.compiler.reset()

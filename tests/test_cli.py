@@ -136,6 +136,9 @@ def test_progress_rows_are_shown_per_card(model_file, tmp_path, capsys, cpu_only
     assert main(["run", str(model_file), "--run-dir", str(tmp_path / "run"), "--iterations", "2"]) == 0
     captured = capsys.readouterr()
     assert "best" in captured.out + captured.err
+    assert "capture: running the model on cpu" in captured.err  # the capture's stages, before the search
+    assert main(["run", str(model_file), "--run-dir", str(tmp_path / "quiet"), "--iterations", "2", "-q"]) == 0
+    assert capsys.readouterr().err == ""
 
 
 def test_package_then_inspect_and_verify_the_cast(tmp_path, capsys, monkeypatch):
@@ -345,3 +348,19 @@ def test_inspect_names_the_proposer_errors_of_a_run(tmp_path, capsys):
     assert main(["inspect", str(run.run_dir), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["proposer_errors"]["count"] > 0 and doc["llm"]["cost_usd"] > 0
+
+
+def test_inspect_json_pipes_into_json_load_for_a_run_and_a_package(tmp_path):
+    """`kforge inspect RUN --json | python -c 'import json,sys; json.load(sys.stdin)'`, as a user types it."""
+    import subprocess
+
+    from conftest_dash import write_demo_run
+
+    run = write_demo_run(tmp_path)
+    for target in (run.run_dir, run.run_dir / "model.cast"):
+        inspect = subprocess.run([sys.executable, "-m", "kforge", "inspect", str(target), "--json"],
+                                 capture_output=True, text=True, timeout=300)
+        assert inspect.returncode == 0, inspect.stderr
+        load = subprocess.run([sys.executable, "-c", "import json,sys; print(json.load(sys.stdin)['kind'])"],
+                              input=inspect.stdout, capture_output=True, text=True, timeout=60)
+        assert load.returncode == 0 and load.stdout.strip() in ("run", "package"), (load.stderr, inspect.stdout[:300])

@@ -10,12 +10,8 @@ from torch import nn
 from kforge import graph
 from kforge.capture import capture
 
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch.compiler.reset()
-    yield
-    torch.compiler.reset()
 
 
 def traced(model, *inputs) -> graph.Trace:

@@ -11,18 +11,15 @@ import torch.nn.functional as F
 from torch import nn
 
 import kforge
+from kforge.candidate import Candidate, LaunchPlan
 from kforge.capture import capture
-from kforge.optimize import RegionKernel, _SiteCall, optimize
+from kforge.optimize import RegionCall, RegionKernel, optimize
 from kforge.package import CastPackage, PackagedCard
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 BN = "_native_batch_norm_legit_no_training"
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch.compiler.reset()
-    yield
-    torch.compiler.reset()
 
 
 class BasicBlock(nn.Module):
@@ -50,21 +47,23 @@ class FakeLauncher:
     """The package's launcher on the CPU: variant id -> the region computed by PyTorch, plus 1
     when asked (a kernel whose use shows in the output)."""
 
-    def __init__(self, cards, offset: float = 0.0):
-        self.cards, self.offset = cards, offset
+    def __init__(self, cards, offset: float = 0.0, fns: dict | None = None):
+        self.cards, self.offset, self.fns = cards, offset, fns or {}
         self.calls: list[int] = []
 
     def launch(self, vid, inputs, outputs, workspaces, device):
         self.calls.append(vid)
-        for out, ref in zip(outputs, self.cards[vid].call_eager(list(inputs))):
+        fn = self.fns.get(vid, self.cards[vid].call_eager)
+        for out, ref in zip(outputs, fn(list(inputs))):
             out.copy_(ref + self.offset)
 
 
 def fake_package(cards, timings: dict[str, tuple[float, float]]) -> CastPackage:
     """A package whose region cards are all dispatched; timings: card id -> (kernel, baseline) µs."""
+    plan = LaunchPlan.from_json({"kernels": [{"name": "k", "grid": [1], "block": [1], "args": []}]})
     entries = [PackagedCard(c, "dispatched", "test", "custom",
                             {"timing": {"dispatched_us": timings[c.id][0]},
-                             "region": {"baseline_us": timings[c.id][1]}}) for c in cards]
+                             "baseline": {"baseline_us": timings[c.id][1]}}, Candidate("", plan)) for c in cards]
     return CastPackage(Path("fake.cast"), {"gpu": {"arch": "cpu", "name": "cpu"}}, entries)
 
 
@@ -115,11 +114,7 @@ def test_a_guard_miss_runs_the_region_eagerly_and_says_why(tmp_path):
     card = next(c for c in cards if c.region.ops == [BN, "relu"])
     launcher = FakeLauncher([card])
     kernel = RegionKernel(card, lambda ins: launcher.launch(0, ins, [], [], None) or [])
-
-    class Site:  # what _SiteCall reads of a site
-        subgraph = card.region
-
-    call = _SiteCall(Site(), [kernel])
+    call = RegionCall(card.region, [kernel])
     ins = [torch.rand(m.shape) + 0.5 for m in card.inputs]  # (a positive running variance)
     ins[0] = torch.randn(ins[0].numel() + 1)[1:].view(ins[0].shape)  # 4-byte aligned, the card says 16
     (got,) = call(*ins)
@@ -148,3 +143,23 @@ def test_package_optimize_and_kforge_optimize(tmp_path):
         with torch.no_grad():
             assert torch.equal(fast(x), model(x))
         assert len(fast.replaced) == 4
+
+
+def test_op_cards_run_in_the_graph_beside_the_regions_and_nothing_is_installed(tmp_path):
+    model, x = resnet(), torch.randn(2, 4, 8, 8)
+    cards = capture(model, x, tmp_path, regions=True, time_cards=False).cards
+    bn_relu = next(c for c in cards if c.region is not None and c.region.ops == [BN, "relu"])
+    relu = next(c for c in cards if c.op == "aten::relu.default")
+    pkg = fake_package([bn_relu, relu], {bn_relu.id: (1.0, 5.0), relu.id: (1.0, 2.0)})
+    # Stand-ins that call no relu: one would be served by the relu override under test.
+    launcher = FakeLauncher([bn_relu, relu], fns={
+        0: lambda ins: [F.batch_norm(ins[0], ins[3], ins[4], ins[1], ins[2]).clamp(min=0)],
+        1: lambda ins: [ins[0].clamp(min=0)]})
+    fast = optimize(model, pkg, launcher=launcher)
+    with torch.no_grad():
+        got = fast(x)
+        # bn+relu at both blocks by its region kernel; the relu after each residual add (not a
+        # region of the package) by the op card's kernel, its custom op in the graph
+        assert sorted(launcher.calls) == [0, 0, 1, 1] and fast.ops_replaced == 2
+        assert torch.equal(got, model(x))
+    assert sorted(launcher.calls) == [0, 0, 1, 1] and not pkg.installed  # eager's own calls stay eager

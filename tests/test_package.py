@@ -14,7 +14,7 @@ from rich.console import Console
 from fakes import toy_card
 from test_dispatch import FakeLauncher, make_card, relu_kernel
 
-from kforge import package
+from kforge import castfile, package
 from kforge.candidate import Candidate, LaunchPlan
 from kforge.cards import save_card
 from kforge.dispatch import Dispatcher
@@ -89,7 +89,7 @@ def rewrite(path: Path, edit, *, checksums: bool = True, infos: dict[str, zipfil
     edit(members)
     if checksums:
         body = {n: b for n, b in members.items() if n != CHECKSUMS}
-        members[CHECKSUMS] = "".join(f"{package._sha256(b)}  {n}\n" for n, b in sorted(body.items())).encode()
+        members[CHECKSUMS] = "".join(f"{castfile.sha256(b)}  {n}\n" for n, b in sorted(body.items())).encode()
     out = path.with_name("edited.cast")
     with zipfile.ZipFile(out, "w") as z:
         for n, b in members.items():
@@ -212,7 +212,7 @@ def test_manifest_records_guard_evidence_and_an_exact_arch_cubin(cast):
     assert manifest["format"] == package.FORMAT and manifest["gpu"] == {"name": "NVIDIA H200", "arch": "sm_90"}
     assert manifest["cuda"]["nvrtc"].startswith("13.") and manifest["torch"] == torch.__version__
     assert cubin_sm(cubin) == 90, "the cubin must be for sm_90 exactly, not PTX"
-    assert entry["hashes"]["cubin"] == package._sha256(cubin)
+    assert entry["hashes"]["cubin"] == castfile.sha256(cubin)
     assert entry["guard"]["args"][0]["tensor"] == {"shape": [1024], "stride": [1], "dtype": "float32", "device": "cuda",
                                                    "align": 16, "storage_offset": 0, "lo": None, "hi": None}
     assert entry["kind"] == "custom" and entry["plan"]["kernels"][0]["name"] == "relu_k"
@@ -339,12 +339,16 @@ def test_symlink_entry_is_refused(cast):
 
 
 def test_oversized_entry_is_refused(cast, monkeypatch):
-    monkeypatch.setattr(package, "MAX_ENTRY_BYTES", 512)
+    monkeypatch.setattr(castfile, "MAX_ENTRY_BYTES", 512)
     with pytest.raises(PackageError, match="over the 512-byte limit"):
         load(cast, arch="sm_90")
-    monkeypatch.setattr(package, "MAX_ENTRY_BYTES", 64 << 20)
-    monkeypatch.setattr(package, "MAX_TOTAL_BYTES", 1024)
-    with pytest.raises(PackageError, match="add up to more than 1024 bytes"):
+    monkeypatch.setattr(castfile, "MAX_ENTRY_BYTES", 64 << 20)
+    small = cast.stat().st_size + 1  # the zip passes, its entries inflated do not
+    monkeypatch.setattr(castfile, "MAX_TOTAL_BYTES", small)
+    with pytest.raises(PackageError, match=f"add up to more than {small} bytes"):
+        load(cast, arch="sm_90")
+    monkeypatch.setattr(castfile, "MAX_TOTAL_BYTES", 1024)
+    with pytest.raises(PackageError, match="the file is .* over the 1024-byte limit"):
         load(cast, arch="sm_90")
 
 
@@ -353,13 +357,13 @@ def _dispatched(m):
 
 
 @pytest.mark.parametrize("edit, words", [
-    (lambda m: m.update(gpu="sm_90"), "manifest.gpu must be dict"),
-    (lambda m: m.update(format="1"), "manifest.format must be int"),
-    (lambda m: m.pop("cards"), "manifest.cards must be list"),
-    (lambda m: _dispatched(m).update(decision="maybe"), "not dispatched or fallback"),
+    (lambda m: m.update(gpu="sm_90"), "manifest.gpu must be an object"),
+    (lambda m: m.update(format="1"), "manifest.format must be a non-negative integer"),
+    (lambda m: m.pop("cards"), "manifest.cards must be present"),
+    (lambda m: _dispatched(m).update(decision="maybe"), r"decision must be 'dispatched' or 'fallback'"),
     (lambda m: _dispatched(m)["guard"]["args"][0]["tensor"].update(shape=[2048]), "does not hash to its id"),
-    (lambda m: _dispatched(m).update(outputs="x"), "is not a valid card"),
-    (lambda m: _dispatched(m).update(kind="magic"), "must name kind in"),
+    (lambda m: _dispatched(m).update(outputs="x"), r"cards\[\d\]\.outputs must be a list"),
+    (lambda m: _dispatched(m).update(kind="magic"), r"kind must be 'custom' or 'vendor'"),
     (lambda m: _dispatched(m)["plan"]["kernels"][0]["args"].append({"in": 5}), "kernel is unusable"),
     # Fields only install() reads must fail the load too, as a PackageError.
     (lambda m: _dispatched(m).update(aliases={"0": "x"}), "must map output indices"),
@@ -385,7 +389,7 @@ def test_ptx_in_place_of_the_cubin_is_refused(cast):
         name = next(n for n in m if n.endswith(".cubin"))
         m[name] = ptx
         manifest = json.loads(m[MANIFEST])
-        _dispatched(manifest)["hashes"]["cubin"] = package._sha256(ptx)
+        _dispatched(manifest)["hashes"]["cubin"] = castfile.sha256(ptx)
         m[MANIFEST] = json.dumps(manifest).encode()
     with pytest.raises(PackageError, match="not a cubin for sm_90"):
         load(rewrite(cast, edit), arch="sm_90")

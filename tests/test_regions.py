@@ -10,14 +10,10 @@ from torch import nn
 
 from kforge import graph, regions
 
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
 BN = "_native_batch_norm_legit_no_training"
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch.compiler.reset()  # each test traces its own models: no recompile limit carried over
-    yield
-    torch.compiler.reset()
 
 
 def sites(model: nn.Module, *inputs: torch.Tensor) -> list[regions.Site]:
@@ -202,3 +198,27 @@ def test_region_id_changes_with_structure_metadata_and_arch():
     assert card(site.subgraph, bf16).id != base.id
     gelu = replace(site.subgraph, nodes=[site.subgraph.nodes[0], replace(site.subgraph.nodes[1], op="aten::gelu.default")])
     assert card(gelu, site.input_metas).id != base.id
+
+
+def test_kforge_capture_writes_region_cards_only_with_the_flag(tmp_path):
+    from kforge.cards import load_cards
+    from kforge.cli import main
+
+    spec = tmp_path / "gated.py"
+    spec.write_text("import torch\nimport torch.nn.functional as F\n\n"
+                    "class M(torch.nn.Module):\n    def forward(self, a, b):\n        return F.silu(a) * b\n\n"
+                    "def get_model():\n    return M()\n\n"
+                    "def get_inputs():\n    return (torch.randn(8, 16), torch.randn(8, 16))\n")
+    assert main(["capture", str(spec), "--run-dir", str(tmp_path / "plain"), "-q"]) == 0
+    assert not any(c.region for c in load_cards(tmp_path / "plain"))  # the default path is unchanged
+    assert main(["capture", str(spec), "--run-dir", str(tmp_path / "regions"), "--regions", "-q"]) == 0
+    assert [c.region.ops for c in load_cards(tmp_path / "regions") if c.region] == [["silu", "mul"]]
+
+
+def test_region_samples_keep_to_the_sample_budget(tmp_path):
+    from kforge.capture import capture
+
+    r = capture(GroupNormSiLU(), torch.randn(2, 8, 4, 4), tmp_path, regions=True, time_cards=False, max_sample_bytes=0)
+    (card,) = [c for c in r.cards if c.region is not None]
+    assert card.samples == 0 and any("sample budget was spent" in n for n in card.notes)
+    assert not list((tmp_path / "cards" / card.id).glob("sample*.safetensors"))

@@ -27,6 +27,10 @@ ARG_KINDS = ("in", "out", "ws", "i32", "i64", "f32", "f64")
 KINDS = ("custom", "vendor")  # custom CUDA, or a wrapper of a vendor library (audited as such)
 MAX_THREADS = 1024
 MAX_GRID = (2**31 - 1, 65535, 65535)
+# Far above what any kernel here needs (partial sums, counters), far below a GPU that could
+# not hold it: a plan from a package or an LLM reply asking more is refused when parsed,
+# not when the user's forward allocates it.
+MAX_WORKSPACE_BYTES = 1 << 32
 
 
 @dataclass
@@ -71,13 +75,13 @@ def _dim3(v: Any, what: str) -> tuple[int, int, int]:
 
 
 def _check_workspace(w: Any) -> None:
-    ok = _is_int(w) and w >= 0
+    ok = _is_int(w) and 0 <= w <= MAX_WORKSPACE_BYTES
     if isinstance(w, dict):
-        ok = (_is_int(w.get("bytes")) and w["bytes"] >= 0 and isinstance(w.get("zero", False), bool)
-              and set(w) <= {"bytes", "zero"})
+        ok = (_is_int(w.get("bytes")) and 0 <= w["bytes"] <= MAX_WORKSPACE_BYTES
+              and isinstance(w.get("zero", False), bool) and set(w) <= {"bytes", "zero"})
     if not ok:
-        raise PlanError(f'workspace entry {json.dumps(w, default=str)} must be a byte count (an integer) or '
-                        '{"bytes": n, "zero": true}')
+        raise PlanError(f'workspace entry {json.dumps(w, default=str):.80} must be a byte count (an integer, 0 to '
+                        f'{MAX_WORKSPACE_BYTES}) or {{"bytes": n, "zero": true}}')
 
 
 @dataclass

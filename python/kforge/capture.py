@@ -40,7 +40,8 @@ from .cards import (ArgSpec, Card, TensorMeta, encode_value, flatten_outputs, pa
 from .errors import CaptureError, CardError
 from .families import family_of
 
-SEARCHABLE = frozenset({"pointwise", "reduction", "normalization", "pooling"})
+# A region card (capture(regions=True)) is searched like the families it fuses; proposers decline what they cannot write.
+SEARCHABLE = frozenset({"pointwise", "reduction", "normalization", "pooling", "region"})
 
 _SKIP_REASONS = {
     "view": "view/metadata op: no kernel to write",
@@ -780,6 +781,11 @@ def _write(result: CaptureResult, rec: _Recorder, region_entries: Sequence = ())
         if e.sample is not None:
             save_sample(e.card, result.run_dir, 0, *e.sample)
         save_card(e.card, result.run_dir)
+    if region_entries:  # where each region card was seen: the packager chooses among overlapping ones per site
+        from .region_capture import SITES
+
+        sites = [dict(site, card=e.card.id) for e in region_entries for site in e.sites]
+        (result.run_dir / SITES).write_text(json.dumps({"sites": sites}, indent=1))
     (result.run_dir / "capture.json").write_text(json.dumps(result.to_json(), indent=1))
 
 

@@ -309,12 +309,15 @@ class Card:
         if self.region is not None:
             raise CardError(f"{self.op} is a region of {len(self.region.nodes)} aten calls, not one overload: "
                             "run it with call_eager")
-        ns, rest = self.op.split("::", 1)
+        ns, sep, rest = self.op.partition("::")
         name, _, ov = rest.partition(".")
         try:
-            return getattr(getattr(getattr(torch.ops, ns), name), ov or "default")
+            op = None if not sep or ns.startswith("__") else getattr(getattr(getattr(torch.ops, ns), name), ov or "default")
         except AttributeError as e:
             raise CardError(f"op {self.op} does not exist in torch {torch.__version__}") from e
+        if not isinstance(op, torch._ops.OpOverload):  # "__class__::__init__.__call__" walks Python attributes
+            raise CardError(f"op {self.op!r} is not an operator overload (ns::name.overload) of torch {torch.__version__}")
+        return op
 
     def build_call(self, tensors: list[torch.Tensor], device: str | torch.device | None = None) -> tuple[list, dict]:
         """Put `tensors` (in `inputs` order) back into the schema's args and kwargs."""

@@ -9,6 +9,7 @@ stderr).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -18,7 +19,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from rich.console import Console
 from rich.markup import escape
@@ -143,6 +144,11 @@ def _output_options(json_flag: bool, table: bool = False) -> argparse.ArgumentPa
     return p
 
 
+def _trusted_key_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trusted-key", type=Path, action="append", metavar="PUBKEY", dest="trusted_keys",
+                   help="refuse the package unless this Ed25519 public key (PEM) signed it; repeat for several")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -181,13 +187,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("package", help="write the winners of a run directory into a .cast package", parents=[plain])
     p.add_argument("run_dir", type=Path)
     p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--sign", type=Path, metavar="KEYFILE",
+                   help="sign the package with this Ed25519 private key (PEM; make a pair with `openssl genpkey "
+                        "-algorithm ed25519 -out key.pem && openssl pkey -in key.pem -pubout -out key.pub.pem`)")
 
     p = sub.add_parser("inspect", help="show a run directory or a .cast package", parents=[scripted])
     p.add_argument("path", type=Path)
+    _trusted_key_option(p)
 
     p = sub.add_parser("verify", help="check a .cast package: checksums and format, then re-run its dispatched "
                                       "kernels on this GPU", parents=[_output_options(True)])
     p.add_argument("path", type=Path)
+    _trusted_key_option(p)
 
     p = sub.add_parser("dash", help="serve the dashboard over run directories", parents=[plain])
     p.add_argument("run_dirs", nargs="*", type=Path)
@@ -259,25 +270,26 @@ def _emit(data: Any) -> int:
     return 0
 
 
-def _stage_printer(args: argparse.Namespace, err: Console, what: str):
-    """Progress of a long step on stderr: a live status line on a terminal, a few plain lines
-    otherwise (a log file stays readable), nothing with -q."""
-    import contextlib
+def _progress_lines(args: argparse.Namespace, err: Console, what: str) -> Callable[[str], None]:
+    """Progress of a long step as plain lines on stderr (a log file stays readable); nothing
+    with -q or --no-progress."""
+    if args.quiet or getattr(args, "no_progress", False):
+        return lambda line: None
+    return lambda line: err.print(f"{what}: {line}", highlight=False, markup=False, soft_wrap=True)
 
-    @contextlib.contextmanager
-    def stages():
-        t0 = time.monotonic()
-        if args.quiet:
-            yield lambda line: None
-            return
-        if err.is_terminal:
-            with err.status(what) as status:
-                yield lambda line: status.update(f"{what}: {escape(line)}")
-        else:
-            yield lambda line: err.print(f"{what}: {line}", highlight=False, markup=False, soft_wrap=True)
-        err.print(f"{what}: done in {time.monotonic() - t0:.1f} s", highlight=False, markup=False)
 
-    return stages()
+@contextlib.contextmanager
+def _capture_progress(args: argparse.Namespace, err: Console) -> Iterator[Callable[[str], None]]:
+    """The capture's stages on stderr: a live status line on a terminal, plain lines and the
+    time it took otherwise, nothing with -q."""
+    t0 = time.monotonic()
+    if args.quiet or not err.is_terminal:
+        yield _progress_lines(args, err, "capture")
+    else:
+        with err.status("capture") as status:
+            yield lambda line: status.update(f"capture: {escape(line)}")
+    if not args.quiet:
+        err.print(f"capture: done in {time.monotonic() - t0:.1f} s", highlight=False, markup=False)
 
 
 def _table_limit(args: argparse.Namespace) -> dict:
@@ -337,10 +349,10 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         if args.run_dir is not None:
             check_run_dir(args.run_dir)  # before the model is even built
         model, inputs = load_model_spec(args.model)
-        with _stage_printer(args, err, "capture") as say:
-            kwargs["capture_progress"] = say
-            result = runner.run(model, inputs, out=args.out, run_dir=args.run_dir, model_name=args.model,
-                                check_model=not args.no_model_check, regions=args.regions, **kwargs)
+        # Plain lines: a live status here would clash with the search's progress display after it.
+        result = runner.run(model, inputs, out=args.out, run_dir=args.run_dir, model_name=args.model,
+                            check_model=not args.no_model_check, regions=args.regions,
+                            capture_progress=_progress_lines(args, err, "capture"), **kwargs)
     return _report(result, console, args)
 
 
@@ -366,7 +378,7 @@ def cmd_capture(args: argparse.Namespace, console: Console) -> int:
     if args.run_dir is not None:
         check_run_dir(args.run_dir)  # before the model is even built
     err = _err_console()
-    with _stage_printer(args, err, "capture") as say:
+    with _capture_progress(args, err) as say:
         say(f"loading {args.model}")
         model, inputs = load_model_spec(args.model)
         result = capture(model, inputs, args.run_dir, progress=say, regions=args.regions)
@@ -390,7 +402,7 @@ def cmd_search(args: argparse.Namespace, console: Console) -> int:
 def cmd_package(args: argparse.Namespace, console: Console) -> int:
     from .package import write_package
 
-    console.print(f"package: [bold]{write_package(args.run_dir, args.out)}[/]")
+    console.print(f"package: [bold]{escape(str(write_package(args.run_dir, args.out, sign_key=args.sign)))}[/]")
     return 0
 
 
@@ -408,7 +420,7 @@ def cmd_inspect(args: argparse.Namespace, console: Console) -> int:
     raise KforgeError(f"{path} is neither a run directory nor a .cast package")
 
 
-def _load_package(path: Path):
+def _load_package(path: Path, trusted_keys: list[Path] | None):
     """(package, number of cards it dispatches as packaged, "N of M cards dispatched as
     packaged", fallback warnings). A package that is not intact raises PackageError. Loading on
     another GPU (or none) makes every card fall back here: the warnings are returned, to be
@@ -417,7 +429,7 @@ def _load_package(path: Path):
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", PackageFallbackWarning)
-        pkg = load(path)
+        pkg = load(path, trusted_keys=trusted_keys)
     entries = pkg.manifest.get("cards", [])
     packaged = sum(e.get("decision") == "dispatched" for e in entries)
     return pkg, packaged, f"{packaged} of {len(entries)} cards dispatched as packaged", caught
@@ -433,14 +445,15 @@ _PACKAGE_CARD_KEYS = ("id", "op", "summary", "family", "calls", "share", "decisi
 
 
 def _inspect_package(path: Path, console: Console, args: argparse.Namespace) -> int:
-    pkg, _, summary, caught = _load_package(path)
+    pkg, _, summary, caught = _load_package(path, args.trusted_keys)
     if args.json:
         manifest = pkg.manifest
         return _emit({"kind": "package", "path": str(path), "gpu": pkg.gpu, "arch": pkg.arch, "summary": summary,
+                      "integrity": pkg.integrity,
                       **{k: manifest.get(k) for k in ("format", "kforge", "torch", "cuda", "run_id")},
                       "cards": [{k: e.get(k) for k in _PACKAGE_CARD_KEYS} for e in manifest.get("cards", [])],
                       "notes": [str(w.message) for w in caught]})
-    console.print(f"{escape(str(path))}: built for {escape(pkg.gpu)} ({pkg.arch}); {summary}")
+    console.print(f"{escape(str(path))}: built for {escape(pkg.gpu)} ({pkg.arch}); {summary}; {pkg.integrity}")
     console.print(pkg.report(fmt="table"))
     _notes(caught, console)
     return 0
@@ -503,15 +516,16 @@ def _inspect_run(run_dir: Path, console: Console, args: argparse.Namespace) -> i
 
 def cmd_verify(args: argparse.Namespace, console: Console) -> int:
     """Re-validate every dispatched kernel of a package on this GPU; 1 if any fails."""
-    pkg, packaged, summary, caught = _load_package(args.path)
+    pkg, packaged, summary, caught = _load_package(args.path, args.trusted_keys)
     if args.json:
         results = pkg.verify() if packaged else {}
         failed = [c for c, r in results.items() if r.verdict.failed]
-        _emit({"path": str(args.path), "summary": summary, "notes": [str(w.message) for w in caught],
+        _emit({"path": str(args.path), "summary": summary, "integrity": pkg.integrity,
+               "notes": [str(w.message) for w in caught],
                "results": {c: {"verdict": r.verdict.value, "speedup": r.speedup, "message": r.message}
                            for c, r in results.items()}, "failed": failed})
         return 1 if failed else 0
-    console.print(f"{escape(str(args.path))}: checksums and format ok; {summary}")
+    console.print(f"{escape(str(args.path))}: checksums and format ok; {summary}; {pkg.integrity}")
     _notes(caught, console)
     if not packaged:
         console.print("no kernel to re-run: every card falls back to PyTorch")

@@ -220,13 +220,13 @@ class KforgePass(_PassBase):
         return self._uuid
 
 
-def _rewrites(package: Any, launcher: Launcher | None) -> list[Rewrite]:
+def _rewrites(package: Any, launcher: Launcher | None, *, compiled: bool = True) -> list[Rewrite]:
     """The package's rewrites: its single-op cards' whose compile decision is "dispatched" (the
-    kernel beat the card compiled alone by torch.compile; eager's decision does not count
-    here); region cards add theirs here."""
-    kernels = {c.id: c.candidate for c in package.cards if c.compiled}
+    kernel beat the card compiled alone by torch.compile), or with compiled=False those eager
+    dispatch takes (kforge.optimize's graphs run eager around them); region cards add theirs here."""
+    kernels = {c.id: c.candidate for c in package.cards if (c.compiled if compiled else c.dispatched)}
     sites = []
-    for v in package.variants(launcher, compiled=True):  # single-op cards (region cards are kforge.optimize's)
+    for v in package.variants(launcher, compiled=compiled):  # single-op cards (region cards are kforge.optimize's)
         why = customops.op_blocker(v.card)
         if why:
             log.info("card %s stays out of compiled graphs: %s", v.card.id, why)

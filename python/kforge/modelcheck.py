@@ -120,6 +120,9 @@ class ModelCheck:
             suffix = f" {mode}" if mode else ""
             (t, _), (k, _) = self.compiled["torch.compile" + suffix], self.compiled["kforge.compile" + suffix]
             parts.append(f"torch.compile{suffix} {t:.1f} µs, kforge.compile{suffix} {k:.1f} µs: {t / k:.3f}x, {verdict}")
+        if "kforge.optimize" in self.compiled:
+            o = self.compiled["kforge.optimize"][0]
+            parts.append(f"kforge.optimize {o:.1f} µs: {self.eager_us / o:.3f}x eager")
         line = "; " + "; ".join(parts)
         if "faster" not in (self.compile_verdict(), self.compile_verdict("reduce-overhead")):
             line += (". kforge.compile is not faster than torch.compile on this model: compile it with torch.compile "
@@ -265,7 +268,9 @@ def time_graphs(forward, package, *, calls: int, rounds: int, device=None,
             del packaged  # before the uninstall unloads the kernels it launches
 
 
-COMPILED = ("torch.compile", "kforge.compile", "torch.compile reduce-overhead", "kforge.compile reduce-overhead")
+# kforge.optimize: the traced graphs with the package's region and op kernels, the rest eager (no Inductor).
+COMPILED = ("torch.compile", "kforge.compile", "torch.compile reduce-overhead", "kforge.compile reduce-overhead",
+            "kforge.optimize")
 
 
 def compiled_forwards(model: torch.nn.Module, package, forward_of, *, launcher=None) -> dict[str, Any]:
@@ -273,12 +278,14 @@ def compiled_forwards(model: torch.nn.Module, package, forward_of, *, launcher=N
     calls each: cudagraph trees record on a later call than the first). `forward_of(m)` is the
     forward to time with `m` in place of the model."""
     from .inductor import compile as kforge_compile
+    from .optimize import optimize
 
     makers = {"torch.compile": lambda: torch.compile(model),
               "kforge.compile": lambda: kforge_compile(model, package, launcher=launcher),
               "torch.compile reduce-overhead": lambda: torch.compile(model, mode="reduce-overhead"),
               "kforge.compile reduce-overhead": lambda: kforge_compile(model, package, launcher=launcher,
-                                                                       mode="reduce-overhead")}
+                                                                       mode="reduce-overhead"),
+              "kforge.optimize": lambda: optimize(model, package, launcher=launcher)}
     forwards = {}
     for name in COMPILED:
         fn = forward_of(makers[name]())

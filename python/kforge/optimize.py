@@ -7,12 +7,13 @@ in place of the regions they match, and everything else as eager runs it (no Ind
 How: torch.compile with kforge's aten backend (kforge.graph). In each graph, the regions are
 found as capture found them (kforge.regions); a region whose structure and input metadata
 match a dispatched region card of the package is contracted into one call of a plain Python
-callable (_SiteCall), which checks every input's exact metadata (shape, stride, dtype,
+callable (RegionCall), which checks every input's exact metadata (shape, stride, dtype,
 device type, pointer alignment) against the card and launches the card's kernel, or, on a
 miss, runs the region's original aten calls. Where matched regions overlap (a fused region
 and a vendor op's epilogue), package.choose_regions keeps the set that saves the most by
-the package's own measurements. Single-op cards are served by the package's aten overrides
-(pkg.install), installed by optimize for as long as the optimized model is open.
+the package's own measurements. Then each remaining node whose call hits a single-op card's
+guard becomes that card's custom op (the rewrite kforge.compile's pass runs). Nothing is
+installed: the model's own eager calls elsewhere are untouched.
 
 Guards and recompiles: dynamo guards each graph on its inputs' shapes, strides and dtypes
 (dynamic=False); a new shape traces a new graph, whose regions are matched anew, and a
@@ -42,6 +43,7 @@ from . import graph as graph_mod
 from . import regions as regions_mod
 from .cards import Card
 from .dispatch import REASONS, Counters, Launcher, _meta_key, _tensor_key, differences
+from .subgraph import Subgraph
 
 
 @dataclass(eq=False)
@@ -75,15 +77,15 @@ def launch_kernel(card: Card, launcher: Launcher, vid: int, workspace: Sequence[
     return run
 
 
-class _SiteCall:
+class RegionCall:
     """What one region site of a graph becomes: guard hit -> the card's kernel, miss -> the
-    region's own aten calls."""
+    region's own aten calls (the evaluation worker times a region as dispatched through it)."""
 
-    def __init__(self, site: regions_mod.Site, kernels: list[RegionKernel]):
-        self.subgraph = site.subgraph
+    def __init__(self, subgraph: Subgraph, kernels: list[RegionKernel]):
+        self.subgraph = subgraph
         self.table = {k.guard: k for k in kernels}
         self.kernels = kernels
-        self.__name__ = "kforge_region_" + "_".join(site.subgraph.ops)[:60]
+        self.__name__ = "kforge_region_" + "_".join(subgraph.ops)[:60]
 
     def __call__(self, *inputs: torch.Tensor) -> tuple:
         key = tuple(_tensor_key(t) for t in inputs)
@@ -179,8 +181,10 @@ def contract(gm: fx.GraphModule, chosen: list[tuple[regions_mod.Site, Callable]]
             continue
         site, fn = chosen[x]
         call = new.call_function(fn, tuple(value_node(src, k) for src, k in site.inputs))
-        for j, value in enumerate(site.outputs):
-            outputs_of[value] = new.call_function(operator.getitem, (call, j))
+        for j, (src, k) in enumerate(site.outputs):
+            outputs_of[(src, k)] = out = new.call_function(operator.getitem, (call, j))
+            val = src.meta.get("val")
+            out.meta["val"] = val[k] if isinstance(val, (tuple, list)) else val  # later rewrites read it
     new.lint()
     return fx.GraphModule(gm, new)
 
@@ -197,7 +201,7 @@ def region_kernels(package: Any, launcher: Launcher) -> list[RegionKernel]:
         timing = c.entry.get("timing") or {}
         ws = [n for n, _ in c.candidate.plan.workspace_bytes()] if c.candidate is not None else []
         out.append(RegionKernel(c.card, launch_kernel(c.card, launcher, vid, ws), timing.get("dispatched_us"),
-                                (c.entry.get("region") or {}).get("baseline_us"), c.counters))
+                                (c.entry.get("baseline") or {}).get("baseline_us"), c.counters))
     return out
 
 
@@ -212,16 +216,17 @@ class Replaced:
 
 class OptimizedModel(torch.nn.Module):
     """`model` traced by kforge's backend with the package's kernels in its graphs (see the
-    module doc). close() uninstalls the package's op overrides that optimize installed."""
+    module doc)."""
 
-    def __init__(self, model: torch.nn.Module, package: Any, kernels: list[RegionKernel], installed: bool):
+    def __init__(self, model: torch.nn.Module, package: Any, kernels: list[RegionKernel], op_rewrites: list):
         super().__init__()
         self.model = model
         self.package = package
         self.kernels = kernels
         self.notes: list[str] = []
         self.replaced: list[Replaced] = []
-        self._installed = installed
+        self.ops_replaced = 0  # graph nodes given a single-op card's kernel
+        self._op_rewrites = op_rewrites
         by_match: dict[tuple, list[RegionKernel]] = collections.defaultdict(list)
         for k in kernels:
             by_match[regions_mod.match_key(k.card.region, k.card.inputs)].append(k)
@@ -245,40 +250,37 @@ class OptimizedModel(torch.nn.Module):
             options.append(opt)
             matched[opt] = (site, ks)
         chosen = [matched[o] for o in choose_regions(options)]
-        if not chosen:
-            return gm
         chosen.sort(key=lambda sk: min(n.name for n in sk[0].nodes))
         for site, ks in chosen:
             self.replaced.append(Replaced(index, site.nodes[0].name, [k.card.id for k in ks]))
-        return contract(gm, [(site, _SiteCall(site, ks)) for site, ks in chosen])
+        out = contract(gm, [(site, RegionCall(site.subgraph, ks)) for site, ks in chosen]) if chosen else gm
+        replaced = sum(rewrite(out.graph) for rewrite in self._op_rewrites)
+        if replaced:
+            self.ops_replaced += replaced
+            out.recompile()
+        return out
 
     def report(self) -> dict:
         """Per region kernel: hits and fallbacks by reason; the sites replaced; notes."""
         return {"regions": [{"id": k.card.id, "op": k.card.op, "hits": k.counters.hits,
                              "fallbacks": dict(k.counters.fallbacks)} for k in self.kernels],
-                "replaced": [vars(r) for r in self.replaced], "notes": list(self.notes)}
-
-    def close(self) -> None:
-        if self._installed:
-            self.package.uninstall()
-            self._installed = False
+                "replaced": [vars(r) for r in self.replaced], "ops_replaced": self.ops_replaced,
+                "notes": list(self.notes)}
 
 
-def optimize(model: torch.nn.Module, package: Any, *, launcher: Launcher | None = None,
-             dispatcher: Any = None) -> OptimizedModel:
-    """`model` with the package's kernels: regions in its traced graphs, single-op cards through
-    the package's aten overrides (installed now unless the package already is). `launcher`
-    defaults to the package's kernels loaded on the current device; `dispatcher` to the
-    shared CUDA one (tests pass CPU stand-ins for both)."""
-    ops = any(c.dispatched and c.card.region is None for c in package.cards)
-    needs_launcher = ops or any(c.dispatched and c.card.region is not None for c in package.cards)
-    if launcher is None and needs_launcher:
+def optimize(model: torch.nn.Module, package: Any, *, ops: bool = True, launcher: Launcher | None = None) -> OptimizedModel:
+    """`model` with the package's kernels in its traced graphs: its region cards, and with
+    `ops` its single-op cards too, each node whose call hits a card's guard given the card's
+    custom op (kforge.inductor.OpRewrite, the pass kforge.compile runs). Nothing is installed:
+    eager calls outside the optimized model are untouched. `launcher` defaults to the
+    package's kernels loaded on the current device (tests pass a CPU stand-in)."""
+    from .inductor import _rewrites
+
+    if launcher is None and any(c.dispatched for c in package.cards):
         launcher = package.launcher()
-    installed = False
-    if ops and not package.installed:
-        package.install(dispatcher=dispatcher, launcher=launcher)
-        installed = True
-    return OptimizedModel(model, package, region_kernels(package, launcher) if needs_launcher else [], installed)
+    kernels = region_kernels(package, launcher) if launcher is not None else []
+    op_rewrites = _rewrites(package, launcher, compiled=False) if ops and launcher is not None else []
+    return OptimizedModel(model, package, kernels, op_rewrites)
 
 
 class _CallableModule(types.ModuleType):

@@ -10,59 +10,47 @@ A .cast is a zip that holds no host code and no pickles:
     kernels/<card>.cu          source of each dispatched kernel
     kernels/<card>.<sm>.cubin  its cubin, compiled for exactly that arch (never PTX)
     checksums.sha256           sha256 of every other entry (`sha256sum -c` reads it)
+    checksums.sha256.sig       optional: Ed25519 signature of the checksums (`kforge package --sign`)
 
-Loading decides two ways. A package that is corrupt, unsafe, malformed or newer than this
-kforge raises PackageError. A sound package built for another GPU, or loaded where there is
-no GPU, loads with every card falling back to PyTorch and a loud warning.
+Loading decides two ways. A package that is corrupt, unsafe, malformed, too new, or (with
+trusted_keys) not signed by a trusted key raises PackageError: kforge.castfile reads the
+zip within size limits, kforge.manifest checks every field. A sound package built for
+another GPU, or loaded where there is no GPU, loads with every card falling back to
+PyTorch and a loud warning. Checksums catch corruption, not tampering (anyone who edits a
+kernel can recompute them); only a signature checked against trusted keys shows who wrote
+the package.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import hashlib
 import json
 import logging
-import os
-import re
 import sqlite3
-import stat
 import tempfile
 import warnings
-import zipfile
-import zlib
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
-from typing import Any, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 from rich.table import Table
+from rich.text import Text
 
-from .candidate import KINDS, Candidate, LaunchPlan
+from . import castfile
+from .candidate import Candidate, LaunchPlan
 from . import customops
 from .cards import CARD_FORMAT, Card, card_id, decode_value, load_card
+from .castfile import CHECKSUMS, MANIFEST, SIGNATURE, sha256
 from .dispatch import Counters, Dispatcher, Launcher, RegistryLauncher, Variant, dispatch_blocker
-from .errors import CardError, CompileError, CudaUnavailableError, PackageError, PlanError
+from .errors import CardError, CompileError, CudaUnavailableError, KforgeError, PackageError, PlanError
 from .log import LOG_NAME, SearchLog
+from .manifest import ARCH, FORMAT, MAX_TEXT, check_manifest, read_manifest
 from .verdict import EvalResult, Verdict
 
-# 2: each card carries a second decision, "compile" (into kforge.compile's graphs, against
-# torch.compile's time), and a kernel ships where either decision dispatches it. Format 1
-# packages load, their kernels in no compiled graph (no torch.compile time to beat).
-FORMAT = 2
-MANIFEST = "manifest.json"
-CHECKSUMS = "checksums.sha256"
-# Limits for reading untrusted zips: cubins and sources are kilobytes, a manifest megabytes at most.
-MAX_ENTRY_BYTES = 64 << 20
-MAX_TOTAL_BYTES = 256 << 20
-MAX_ENTRIES = 4096
 # Without an IQR in the evidence a kernel must beat eager by this fraction to be dispatched.
 DEFAULT_MARGIN = 0.03
-
-_ARCH = re.compile(r"^sm_(\d+)a?$")
-_KERNEL_ENTRY = re.compile(r"^kernels/[0-9a-f]{16}\.(cu|sm_\d+a?\.cubin)$")
-_HOST_CODE = (".py", ".pyc", ".pyo", ".pkl", ".pickle", ".pt", ".pth", ".so", ".dll", ".dylib", ".sh")
-_ZIP_TIME = (1980, 1, 1, 0, 0, 0)  # fixed, so the same run packages to the same bytes
 _EM_CUDA = 190
 
 log = logging.getLogger("kforge.package")
@@ -70,10 +58,6 @@ log = logging.getLogger("kforge.package")
 
 class PackageFallbackWarning(UserWarning):
     """A package loaded, but some or all of its kernels will not run on this machine."""
-
-
-def _sha256(b: bytes) -> str:
-    return hashlib.sha256(b).hexdigest()
 
 
 def cubin_sm(image: bytes) -> int | None:
@@ -88,7 +72,7 @@ def cubin_sm(image: bytes) -> int | None:
 
 
 def _arch_sm(arch: str) -> int | None:
-    m = _ARCH.match(arch or "")
+    m = ARCH.match(arch or "")
     return int(m.group(1)) if m else None
 
 
@@ -317,7 +301,7 @@ def _guard_entry(card: Card) -> dict:
 
 def _compile_entry(d: Decision) -> dict:
     decision = {True: "dispatched", False: "fallback", None: None}[d.dispatched]
-    return {"decision": decision, "reason": d.reason, "compile_us": d.baseline_us, "kernel_us": d.kernel_us,
+    return {"decision": decision, "reason": d.reason[:MAX_TEXT], "compile_us": d.baseline_us, "kernel_us": d.kernel_us,
             "noise_us": d.noise_us}
 
 
@@ -328,7 +312,7 @@ def _card_entry(card: Card, choice: Choice, arch: str) -> tuple[dict, dict[str, 
     row = choice.row
     evidence = json.loads(row["evidence_json"] or "{}") if row is not None else {}
     entry.update(
-        decision="fallback", reason=choice.eager.reason, kind=row["kind"] if row is not None else None,
+        decision="fallback", reason=choice.eager.reason[:MAX_TEXT], kind=row["kind"] if row is not None else None,
         timing={"eager_us": row["eager_us"] if row is not None else card.eager_us,
                 "kernel_us": row["kernel_us"] if row is not None else None,
                 "eager_dispatched_us": choice.eager.baseline_us,
@@ -355,7 +339,8 @@ def _card_entry(card: Card, choice: Choice, arch: str) -> tuple[dict, dict[str, 
         cubin = _compile_cubin(row["source"], f"{card.id}.cu", plan.options, arch)
     except (CompileError, CudaUnavailableError) as e:
         log.warning("card %s: recompiling its winner for %s failed; it falls back: %s", card.id, arch, e)
-        entry["reason"] = f"the winning kernel did not compile for {arch} at packaging time: {str(e).splitlines()[0]}"
+        first_line = str(e).splitlines()[0]
+        entry["reason"] = f"the winning kernel did not compile for {arch} at packaging time: {first_line}"[:MAX_TEXT]
         if choice.compiled.dispatched:
             entry["compile"].update(decision="fallback", reason=entry["reason"])
         return entry, {}
@@ -363,7 +348,7 @@ def _card_entry(card: Card, choice: Choice, arch: str) -> tuple[dict, dict[str, 
         raise PackageError(f"the compiler returned no {arch} cubin for card {card.id} (got sm {cubin_sm(cubin)}); "
                            "a package must carry cubins for its exact arch")
     if choice.compiled.dispatched:
-        blocked = customops.op_blocker(card)
+        blocked = "region cards run through kforge.optimize" if card.region is not None else customops.op_blocker(card)
         if blocked:
             entry["compile"].update(decision="fallback", reason=f"stays out of compiled graphs: {blocked}")
     if choice.eager.dispatched:
@@ -373,17 +358,18 @@ def _card_entry(card: Card, choice: Choice, arch: str) -> tuple[dict, dict[str, 
     source = row["source"].encode()
     files = {"source": f"kernels/{card.id}.cu", "cubin": f"kernels/{card.id}.{arch}.cubin"}
     entry.update(plan=plan.to_json(), files=files,
-                 hashes={"source": _sha256(source), "cubin": _sha256(cubin)},
+                 hashes={"source": sha256(source), "cubin": sha256(cubin)},
                  candidate={"log_id": row["id"], "digest": row["digest"], "proposer": row["proposer"],
-                            "knobs": json.loads(row["knobs_json"] or "{}"), "note": row["note"]})
+                            "knobs": json.loads(row["knobs_json"] or "{}"), "note": (row["note"] or "")[:MAX_TEXT]})
     return entry, {files["source"]: source, files["cubin"]: cubin}
 
 
 def write_package(run_dir: str | Path, out: str | Path, *, run_id: str | None = None, noise_factor: float = 1.0,
-                  margin: float = DEFAULT_MARGIN) -> Path:
+                  margin: float = DEFAULT_MARGIN, sign_key: str | Path | bytes | None = None) -> Path:
     """Package a search run: per card two decisions (see choose()), eager dispatch against eager
     as dispatched and compiled graphs against torch.compile, each beyond noise, and the kernel
     where either dispatches it; else the reasons it falls back. Returns the .cast path.
+    With `sign_key` (an Ed25519 private key, PEM path or bytes) the checksums are signed.
 
     Raises PackageError when there is no log or run to package; a winner that no longer
     compiles falls back (logged) instead of failing the package.
@@ -415,6 +401,7 @@ def write_package(run_dir: str | Path, out: str | Path, *, run_id: str | None = 
             members.update(files)
     finally:
         slog.close()
+    regions = _region_decisions(run_dir, entries, members)
     dispatched = sum("dispatched" in (e["decision"], e["compile"]["decision"]) for e in entries)
     manifest = {
         "format": FORMAT, "kforge": kforge.__version__, "torch": torch.__version__,
@@ -422,111 +409,64 @@ def write_package(run_dir: str | Path, out: str | Path, *, run_id: str | None = 
         "gpu": {"name": run["device"] or next((c.device_name for c in cards if c.device_name), ""), "arch": arch},
         "run_id": run_id, "selection": {"noise_factor": noise_factor, "margin": margin},
         "cards": entries,
+        **({"regions": regions} if regions is not None else {}),
     }
     members[MANIFEST] = json.dumps(manifest, indent=1, sort_keys=True).encode()
-    _write_zip(out, members)
+    check_manifest(out, members[MANIFEST])  # never write what load() would refuse
+    castfile.write_zip(out, members, sign_key)
     log.info("packaged %s: a kernel for %d of %d cards, for %s", out, dispatched, len(entries), arch)
     return out
 
 
-def _write_zip(out: Path, members: dict[str, bytes]) -> None:
-    members = dict(members)
-    members[CHECKSUMS] = "".join(f"{_sha256(b)}  {name}\n" for name, b in sorted(members.items())).encode()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
-        for name in sorted(members):
-            info = zipfile.ZipInfo(name, _ZIP_TIME)
-            info.external_attr = (stat.S_IFREG | 0o644) << 16
-            info.compress_type = zipfile.ZIP_DEFLATED
-            z.writestr(info, members[name])
-    os.replace(tmp, out)
+def _region_decisions(run_dir: Path, entries: list[dict], members: dict[str, bytes]) -> dict | None:
+    """Region cards overlap each other and the op cards inside them. Each region's baseline is
+    its eager replay less what the dispatched op cards of its nodes save; per captured call
+    site (run_dir/regions.json) choose_regions keeps the non-overlapping set that saves the
+    most. A dispatched region chosen at no site falls back. Returns the manifest's evidence."""
+    from .region_capture import SITES
 
-
-# ---- reading untrusted zips ---------------------------------------------------------------
-
-def _unsafe(path: Path, what: str) -> PackageError:
-    return PackageError(f"{path} is not a safe .cast package: {what}; refusing to load it. "
-                        "Use packages written by `kforge package` from a source you trust.")
-
-
-def _check_entry(path: Path, info: zipfile.ZipInfo) -> None:
-    name = info.filename
-    parts = PurePosixPath(name).parts
-    if name.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", name) or "\\" in name or ".." in parts or "\0" in name:
-        raise _unsafe(path, f"entry {name!r} has an absolute path or '..'")
-    if stat.S_ISLNK(info.external_attr >> 16):
-        raise _unsafe(path, f"entry {name!r} is a symlink")
-    if name.lower().endswith(_HOST_CODE):
-        raise _unsafe(path, f"entry {name!r} holds host code or a pickle; a .cast carries only CUDA source and cubins")
-    if info.is_dir():
-        return
-    if name not in (MANIFEST, CHECKSUMS) and not _KERNEL_ENTRY.match(name):
-        raise _unsafe(path, f"unexpected entry {name!r} (only {MANIFEST}, {CHECKSUMS} and kernels/<card>.cu/.cubin belong)")
-    if info.file_size > MAX_ENTRY_BYTES:
-        raise _unsafe(path, f"entry {name!r} is {info.file_size} bytes, over the {MAX_ENTRY_BYTES}-byte limit")
-
-
-def _read_members(path: Path) -> dict[str, bytes]:
-    try:
-        zf = zipfile.ZipFile(path)
-    except FileNotFoundError as e:
-        raise PackageError(f"no package at {path}") from e
-    except (zipfile.BadZipFile, OSError) as e:
-        raise PackageError(f"{path} is not a readable .cast package (corrupt zip: {e}); rebuild it with `kforge package`") from e
-    with zf:
-        infos = zf.infolist()
-        if len(infos) > MAX_ENTRIES:
-            raise _unsafe(path, f"{len(infos)} entries, over the limit of {MAX_ENTRIES}")
-        members: dict[str, bytes] = {}
-        total = 0
-        for info in infos:
-            _check_entry(path, info)
-            if info.is_dir():
-                continue
-            if info.filename in members:
-                raise _unsafe(path, f"entry {info.filename!r} appears twice")
-            total += info.file_size
-            if total > MAX_TOTAL_BYTES:
-                raise _unsafe(path, f"entries add up to more than {MAX_TOTAL_BYTES} bytes")
-            try:
-                members[info.filename] = zf.read(info)
-            except (zipfile.BadZipFile, zlib.error, EOFError, OSError, RuntimeError, NotImplementedError) as e:
-                raise PackageError(f"{path} is corrupt: entry {info.filename!r} cannot be read ({e}); "
-                                   "rebuild it with `kforge package`") from e
-    return members
-
-
-def _verify_checksums(path: Path, members: dict[str, bytes]) -> None:
-    if CHECKSUMS not in members:
-        raise PackageError(f"{path} has no {CHECKSUMS}: it is not a .cast written by kforge, or it was modified")
-    listed: dict[str, str] = {}
-    for line in members[CHECKSUMS].decode("utf-8", "replace").splitlines():
-        m = re.match(r"^([0-9a-f]{64})  (\S+)$", line)
-        if not m:
-            raise PackageError(f"{path}: malformed line in {CHECKSUMS}: {line[:80]!r}; rebuild the package")
-        listed[m.group(2)] = m.group(1)
-    for name, data in members.items():
-        if name == CHECKSUMS:
-            continue
-        if name not in listed:
-            raise PackageError(f"{path}: entry {name!r} has no checksum; the package was modified, rebuild it")
-        if _sha256(data) != listed[name]:
-            raise PackageError(f"{path}: checksum mismatch for {name!r}; the package is corrupt or was modified, "
-                               "rebuild it with `kforge package`")
-    missing = sorted(set(listed) - set(members))
-    if missing:
-        raise PackageError(f"{path}: {CHECKSUMS} lists entries that are missing: {missing}; rebuild the package")
+    by_id = {e["id"]: e for e in entries}
+    region_entries = {e["id"]: e for e in entries if "region" in e}
+    if not region_entries:
+        return None
+    for e in region_entries.values():
+        eager = e["timing"]["eager_dispatched_us"] or e["timing"]["eager_us"]
+        savings = {}
+        for n in e["region"]["nodes"]:
+            op = by_id.get(n.get("op_card"))
+            if op is not None and op["decision"] == "dispatched":
+                savings[op["id"]] = op["timing"]["eager_dispatched_us"] - op["timing"]["dispatched_us"]
+        e["baseline"] = {"eager_us": eager, "op_savings_us": savings,
+                         "baseline_us": eager - sum(savings.values()) if eager is not None else None}
+    path = run_dir / SITES
+    sites = json.loads(path.read_text())["sites"] if path.exists() else []
+    report, chosen_ids = [], set()
+    for graph in sorted({s["graph"] for s in sites}):
+        here = [s for s in sites if s["graph"] == graph and s["card"] in region_entries]
+        options = [RegionOption(s["card"], frozenset(s["nodes"]), region_entries[s["card"]]["timing"]["dispatched_us"],
+                                region_entries[s["card"]]["baseline"]["baseline_us"])
+                   for s in here if region_entries[s["card"]]["decision"] == "dispatched"]
+        chosen = {id(o) for o in choose_regions(options)}
+        chosen_ids |= {o.card for o in options if id(o) in chosen}
+        report.append({"graph": graph, "options": [{"card": o.card, "nodes": sorted(o.nodes), "kernel_us": o.kernel_us,
+                                                    "baseline_us": o.baseline_us, "chosen": id(o) in chosen}
+                                                   for o in options]})
+    for e in region_entries.values():
+        if e["decision"] == "dispatched" and e["id"] not in chosen_ids:
+            for name in e["files"].values():
+                members.pop(name, None)
+            e.update(decision="fallback", plan=None, files=None, hashes=None,
+                     reason="overlapping regions or the op kernels inside it save more at every call site")
+    return {"sites": report}
 
 
 # ---- the manifest ---------------------------------------------------------------------------
 
-def _need(d: Any, key: str, types: type | tuple[type, ...], where: str) -> Any:
-    v = d.get(key) if isinstance(d, dict) else None
-    if not isinstance(v, types) or (isinstance(v, bool) and types is int):
-        names = "/".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
-        raise PackageError(f"malformed manifest: {where}.{key} must be {names}; rebuild the package with `kforge package`")
-    return v
+def _present(e: dict, key: str, where: str) -> Any:
+    if e.get(key) is None:
+        raise PackageError(f"malformed manifest: {where}.{key} must be present for a dispatched card; rebuild the "
+                           "package with `kforge package`")
+    return e[key]
 
 
 def _check_card(card: Card) -> None:
@@ -591,26 +531,16 @@ _OLD_FORMAT = ("the package predates torch.compile baselines (package format 1):
                "compiled graphs; rebuild it with `kforge package` to decide them")
 
 
-def _parse_compile(e: dict, where: str) -> tuple[str | None, str]:
-    """(decision, reason) for compiled graphs; a format 1 entry has none."""
+def _parse_compile(e: dict) -> tuple[str | None, str]:
+    """(decision, reason) for compiled graphs (types checked by kforge.manifest); a format 1 entry has none."""
     c = e.get("compile")
-    if c is None:
-        return None, _OLD_FORMAT
-    if not isinstance(c, dict) or c.get("decision") not in ("dispatched", "fallback", None) \
-            or not isinstance(c.get("reason"), str):
-        raise PackageError(f"malformed manifest: {where}.compile must hold a decision (dispatched, fallback or null) "
-                           "and a reason; rebuild the package with `kforge package`")
-    return c["decision"], c["reason"]
+    return (None, _OLD_FORMAT) if c is None else (c.get("decision"), c.get("reason") or "")
 
 
-def _parse_card(e: Any, i: int, arch: str, members: dict[str, bytes]) -> PackagedCard:
+def _parse_card(e: dict, i: int, arch: str, members: dict[str, bytes]) -> PackagedCard:
+    """One entry, already type-checked by kforge.manifest, as a typed card."""
     where = f"cards[{i}]"
-    cid = _need(e, "id", str, where)
-    guard = _need(e, "guard", dict, where)
-    decision = _need(e, "decision", str, where)
-    if decision not in ("dispatched", "fallback"):
-        raise PackageError(f"malformed manifest: {where}.decision is {decision!r}, not dispatched or fallback")
-    reason = _need(e, "reason", str, where)
+    cid, guard, decision, reason = e["id"], e.get("guard") or {}, e["decision"], e["reason"]
     try:
         card = Card.from_json({"format": CARD_FORMAT, "id": cid, "op": e["op"], "schema": e["schema"],
                                "args": guard["args"], "outputs": e["outputs"], "aliases": e["aliases"],
@@ -625,23 +555,22 @@ def _parse_card(e: Any, i: int, arch: str, members: dict[str, bytes]) -> Package
         raise PackageError(f"malformed manifest: {where} is not a valid card ({err!r}); rebuild the package") from err
     if not hashes_to_id:
         raise PackageError(f"malformed manifest: {where}'s guard does not hash to its id {cid}; the manifest was edited")
-    compile_decision, compile_reason = _parse_compile(e, where)
+    compile_decision, compile_reason = _parse_compile(e)
     decisions = dict(compile_decision=compile_decision, compile_reason=compile_reason)
     if "dispatched" not in (decision, compile_decision):
         return PackagedCard(card, decision, reason, e.get("kind"), e, **decisions)
-    kind = _need(e, "kind", str, where)
-    files, hashes = _need(e, "files", dict, where), _need(e, "hashes", dict, where)
+    kind, files, hashes = (_present(e, k, where) for k in ("kind", "files", "hashes"))
     want = {"source": f"kernels/{cid}.cu", "cubin": f"kernels/{cid}.{arch}.cubin"}
-    if kind not in KINDS or files != want or card.arch != arch:
-        raise PackageError(f"malformed manifest: {where} must name kind in {KINDS}, files {want} and arch {arch}")
+    if files != want or card.arch != arch:
+        raise PackageError(f"malformed manifest: {where} must name files {want} and arch {arch}")
     for what, name in want.items():
-        if name not in members or _sha256(members[name]) != _need(hashes, what, str, f"{where}.hashes"):
+        if name not in members or sha256(members[name]) != hashes[what]:
             raise PackageError(f"{where}: {name} is missing or does not match its hash in the manifest; rebuild the package")
     cubin = members[want["cubin"]]
     if cubin_sm(cubin) != _arch_sm(arch):
         raise PackageError(f"{where}: {want['cubin']} is not a cubin for {arch} (PTX or another arch); rebuild the package")
     try:
-        plan = LaunchPlan.from_json(_need(e, "plan", dict, where))
+        plan = LaunchPlan.from_json(_present(e, "plan", where))
         plan.validate(len(card.inputs), len(card.outputs))
         source = members[want["source"]].decode()
     except (PlanError, UnicodeDecodeError) as err:
@@ -649,30 +578,16 @@ def _parse_card(e: Any, i: int, arch: str, members: dict[str, bytes]) -> Package
     return PackagedCard(card, decision, reason, kind, e, Candidate(source, plan, kind), cubin, **decisions)
 
 
-def _parse_manifest(path: Path, members: dict[str, bytes]) -> tuple[dict, list[PackagedCard]]:
-    if MANIFEST not in members:
-        raise PackageError(f"{path} has no {MANIFEST}; it is not a .cast package")
-    try:
-        manifest = json.loads(members[MANIFEST])
-    except (ValueError, RecursionError) as e:  # RecursionError: nesting deep enough to exhaust the stack
-        raise PackageError(f"malformed manifest in {path}: not JSON ({e}); rebuild the package") from e
-    fmt = _need(manifest, "format", int, "manifest")
-    if fmt > FORMAT:
-        raise PackageError(f"{path} was written by a newer kforge (package format {fmt}; this kforge reads up to "
-                           f"{FORMAT}): upgrade kforge")
-    if fmt < 1:
-        raise PackageError(f"malformed manifest in {path}: format {fmt}")
-    for key in ("kforge", "torch"):
-        _need(manifest, key, str, "manifest")
-    gpu = _need(manifest, "gpu", dict, "manifest")
-    _need(gpu, "name", str, "manifest.gpu")
-    arch = _need(gpu, "arch", str, "manifest.gpu")
-    cards = [_parse_card(e, i, arch, members) for i, e in enumerate(_need(manifest, "cards", list, "manifest"))]
-    referenced = {MANIFEST, CHECKSUMS} | {n for c in cards if c.candidate is not None for n in c.entry["files"].values()}
+def _parse_cards(path: Path, manifest: dict, members: dict[str, bytes]) -> list[PackagedCard]:
+    arch = manifest["gpu"]["arch"]
+    cards = [_parse_card(e, i, arch, members) for i, e in enumerate(manifest["cards"])]
+    referenced = {MANIFEST, CHECKSUMS, SIGNATURE} | {n for c in cards if c.candidate is not None
+                                                     for n in c.entry["files"].values()}
     stray = sorted(set(members) - referenced)
     if stray:
-        raise _unsafe(path, f"entries {stray} are not referenced by the manifest")
-    return manifest, cards
+        raise PackageError(f"{path} is not a safe .cast package: entries {stray} are not referenced by the manifest; "
+                           "refusing to load it. Use packages written by `kforge package` from a source you trust.")
+    return cards
 
 
 def _device_arch() -> tuple[str | None, str]:
@@ -683,18 +598,19 @@ def _device_arch() -> tuple[str | None, str]:
     return f"sm_{major}{minor}", torch.cuda.get_device_name()
 
 
-def load(path: str | Path, *, arch: str | None = None) -> "CastPackage":
-    """Open a .cast. Raises PackageError if it is corrupt, unsafe, malformed or too new.
+def load(path: str | Path, *, arch: str | None = None,
+         trusted_keys: Iterable[str | Path | bytes] | None = None) -> "CastPackage":
+    """Open a .cast. Raises PackageError if it is corrupt, unsafe, malformed or too new, or,
+    given `trusted_keys` (Ed25519 public keys: PEM file paths or PEM bytes), if none of them
+    signed it. Without trusted keys the audit (report()) says whether it was signed.
 
     `arch` is the GPU the package will run on (default: the current CUDA device's). When it
     differs from the package's, or there is no GPU, the package loads with every card
     falling back, and a PackageFallbackWarning says why.
     """
     path = Path(path)
-    members = _read_members(path)
-    _verify_checksums(path, members)
-    manifest, cards = _parse_manifest(path, members)
-    pkg = CastPackage(path, manifest, cards)
+    manifest, members, integrity = read_manifest(path, trusted_keys)
+    pkg = CastPackage(path, manifest, _parse_cards(path, manifest, members), integrity)
     here, name = (arch, arch) if arch else _device_arch()
     if here is None:
         pkg._fall_back(f"{name}; the package's kernels need a {pkg.arch} GPU")
@@ -719,10 +635,12 @@ def _warn(message: str) -> None:
 class CastPackage:
     """A loaded .cast: install() routes its dispatched cards' exact calls to its kernels."""
 
-    def __init__(self, path: Path, manifest: dict, cards: list[PackagedCard]):
+    def __init__(self, path: Path, manifest: dict, cards: list[PackagedCard],
+                 integrity: str = "built in memory, not read from a .cast"):
         self.path = path
         self.manifest = manifest
         self.cards = cards
+        self.integrity = integrity  # signed by a trusted key, signed but unchecked, or unsigned
         self._dispatcher: Dispatcher | None = None
 
     @property
@@ -748,7 +666,8 @@ class CastPackage:
     # ---- installing -------------------------------------------------------------------
     def install(self, *, dispatcher: Dispatcher | None = None, launcher: Launcher | None = None) -> None:
         """Override the ops of the dispatched cards. `dispatcher` defaults to the shared CUDA one,
-        `launcher` to the C++ registry with this package's cubins loaded on the current device."""
+        `launcher` to the C++ registry with this package's cubins loaded on the current device
+        (see variants(): without a GPU that registry's absence makes every card fall back)."""
         if self.installed:
             raise PackageError(f"{self.path} is already installed; call uninstall() first")
         dispatcher = dispatcher or Dispatcher.shared("CUDA")
@@ -762,13 +681,20 @@ class CastPackage:
         """The dispatched single-op cards' kernels, in card order, launched by `launcher`
         (default: a new self.launcher()); each counts into its card's counters. compiled=True:
         the cards kforge.compile dispatches (their compile decision) instead of eager's. Variant
-        ids are positions among kernel_cards() (the launcher's registry order);
-        region cards are dispatched by kforge.optimize, not by an aten override."""
+        ids are positions among kernel_cards() (the launcher's registry order); region cards
+        are dispatched by kforge.optimize, not by an aten override. Where the default launcher
+        cannot be made (no GPU or driver, a cubin the driver refuses) every card falls back,
+        with a PackageFallbackWarning, and there are none: a package never fails the program."""
         active = [(i, c) for i, c in enumerate(self.kernel_cards())
                   if c.card.region is None and (c.compiled if compiled else c.dispatched)]
         if not active:
             return []
-        launcher = launcher or self.launcher()
+        if launcher is None:
+            try:
+                launcher = self.launcher()
+            except KforgeError as e:  # nothing has run yet: PyTorch serves every call
+                self._fall_back(f"its kernels cannot be loaded here: {e}")
+                return []
         return [Variant(c.card, i, launcher, tuple(n for n, _ in c.candidate.plan.workspace_bytes()), c.counters)
                 for i, c in active]
 
@@ -779,7 +705,10 @@ class CastPackage:
     def launcher(self) -> RegistryLauncher:
         """The C++ registry of the dispatched cards' kernels, loaded on the current device (in
         install()'s variant order). install() makes one each time unless given one: pass the
-        same launcher to install the package again and again without reloading its cubins."""
+        same launcher to install the package again and again without reloading its cubins.
+        Raises CudaUnavailableError without a GPU, LaunchError if the driver refuses a cubin."""
+        if not torch.cuda.is_available():
+            raise CudaUnavailableError(f"no CUDA GPU or driver is visible, and the package's kernels need a {self.arch} GPU")
         registry = RegistryLauncher([(c.candidate, c.cubin) for c in self.kernel_cards()])
         registry.prepare(torch.cuda.current_device())  # load now, not inside a forward or a graph capture
         return registry
@@ -812,7 +741,7 @@ class CastPackage:
         """Identity of what this package does here: its manifest (which holds every kernel's hash)
         and each card's decision on this machine. Inductor's caches key on it."""
         state = [self.manifest, [(c.id, c.decision, c.compile_decision) for c in self.cards]]
-        return hashlib.sha256(json.dumps(state, sort_keys=True, default=str).encode()).hexdigest()
+        return sha256(json.dumps(state, sort_keys=True, default=str).encode())
 
     def compile(self, model: Any, **torch_compile_options: Any) -> Any:
         """kforge.compile(model, self, ...): torch.compile with this package's kernels in the graphs."""
@@ -831,23 +760,25 @@ class CastPackage:
     def report(self, fmt: str = "dict") -> dict | Table:
         """Per card: dispatched or fallback and why, in eager dispatch and in compiled graphs
         (compile: none where there was no torch.compile time to decide against), kind, hits,
-        fallbacks by reason. fmt="table" gives a rich Table. Calls replayed from a CUDA graph
-        are not counted."""
+        fallbacks by reason; and what the package's integrity rests on (signature or checksums
+        only). fmt="table" gives a rich Table. Calls replayed from a CUDA graph are not counted."""
         rows = [{"id": c.id, "op": c.card.op, "summary": c.card.summary(), "decision": c.decision,
                  "reason": c.reason, "compile": c.compile_decision or "none", "compile_reason": c.compile_reason,
                  "kind": c.kind, "hits": c.counters.hits, "fallbacks": dict(c.counters.fallbacks)} for c in self.cards]
         if fmt == "dict":
             return {"package": str(self.path), "gpu": self.gpu, "arch": self.arch, "installed": self.installed,
-                    "dispatched": sum(c.dispatched for c in self.cards), "cards": rows}
+                    "integrity": self.integrity, "dispatched": sum(c.dispatched for c in self.cards), "cards": rows}
         if fmt != "table":
             raise ValueError(f"fmt must be 'dict' or 'table', got {fmt!r}")
-        table = Table(title=f"{self.path.name} ({self.arch}, {'installed' if self.installed else 'not installed'})")
+        # Every cell is Text: package text is data, never rich markup ("[/]" or "[link=...]" in a reason).
+        table = Table(title=Text(f"{self.path.name} ({self.arch}, {'installed' if self.installed else 'not installed'})"),
+                      caption=Text(self.integrity))
         for col in ("card", "op", "decision", "compile", "kind", "hits", "fallbacks", "why", "why (compile)"):
             table.add_column(col, justify="right" if col == "hits" else "left")
         for r in rows:
             falls = ", ".join(f"{k} {v}" for k, v in sorted(r["fallbacks"].items())) or "-"
-            table.add_row(r["id"], r["summary"], r["decision"], r["compile"], r["kind"] or "-", str(r["hits"]), falls,
-                          r["reason"], r["compile_reason"])
+            table.add_row(*map(Text, (r["id"], r["summary"], r["decision"], r["compile"], r["kind"] or "-",
+                                      str(r["hits"]), falls, r["reason"], r["compile_reason"])))
         return table
 
     def verify(self, *, devices: list[int] | None = None, **evaluator_options: Any) -> dict[str, EvalResult]:

@@ -1,10 +1,11 @@
 """Traced graphs -> region cards: one card per distinct region, with the evidence of an op card.
 
 The model is traced once (kforge.graph), its regions found (kforge.regions), and each graph
-run once more node by node on the real inputs of its first call, so that every region site
-gets its real input metadata (pointer alignment and integer value ranges included), the ids
-of the op cards its nodes are on their own, and, for the first site of each card, a sample:
-its inputs and outputs. Structurally equal sites with the same metadata are one card with
+run node by node on the real inputs of its first call: once for every region site's real
+input metadata (pointer alignment and integer value ranges included) and the ids of the op
+cards its nodes are on their own, then once more for CPU copies of the inputs and outputs
+of each new card's first site, within the sample budget (no activation is held longer than
+eager holds it). Structurally equal sites with the same metadata are one card with
 many calls. A card's eager latency is its subgraph replayed (one eager aten call per node,
 CUDA events and L2 flushed on the GPU); its share is of the per-op capture's runtime, so it
 overlaps the shares of the op cards inside it (top_calls is 0: family shares leave it out).
@@ -25,13 +26,14 @@ from .families import family_of
 from .regions import Site, find
 
 _FIRST_LINE_LIMIT = 100
+SITES = "regions.json"  # in the run directory: every region call site, for the packager
 
 
 @dataclass
 class RegionEntry:
     card: Card
     sample: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # CPU copies
-    sites: list[str] = field(default_factory=list)  # "graph <i>: <first node>" of every call site
+    sites: list[dict] = field(default_factory=list)  # every call site: {"graph": i, "nodes": [node names]}
 
 
 def _common_path(paths: list[str]) -> str:
@@ -53,19 +55,24 @@ def _signature(card_inputs: list[TensorMeta], n_out: int) -> str:
 
 
 class _Recorder(fx.Interpreter):
-    """Runs an aten graph as eager would, keeping what the region cards need: real values at
-    site boundaries and the op card id of every member call."""
+    """Runs an aten graph as eager would, keeping `keep(value)` of the values region sites read
+    and return (their metadata on a first run, CPU copies of the sampled sites' on a second,
+    so that no activation outlives its use) and the op card id of every member call."""
 
-    def __init__(self, module: fx.GraphModule, keep: set[fx.Node], members: set[fx.Node], arch: str):
+    def __init__(self, module: fx.GraphModule, values: set[tuple[fx.Node, int]], members: set[fx.Node], arch: str,
+                 keep: Any):
         super().__init__(module)
-        self.keep, self.members, self.arch = keep, members, arch
-        self.values: dict[fx.Node, Any] = {}
+        self.indices: dict[fx.Node, list[int]] = {}
+        for src, k in values:
+            self.indices.setdefault(src, []).append(k)
+        self.members, self.arch, self.keep = members, arch, keep
+        self.kept: dict[tuple[fx.Node, int], Any] = {}
         self.op_cards: dict[fx.Node, str | None] = {}
 
     def run_node(self, n: fx.Node) -> Any:
         out = super().run_node(n)
-        if n in self.keep:
-            self.values[n] = out
+        for k in self.indices.get(n, ()):
+            self.kept[(n, k)] = self.keep(out[k] if isinstance(out, (tuple, list)) else out)
         if n in self.members:
             self.op_cards[n] = self._op_card(n)
         return out
@@ -81,19 +88,26 @@ class _Recorder(fx.Interpreter):
         return Card(op=_op_name(n.target), schema="", args=specs, outputs=[], arch=self.arch).id
 
 
-def _real(values: dict[fx.Node, Any], value: tuple[fx.Node, int]) -> torch.Tensor:
-    src, k = value
-    v = values[src]
-    return v[k] if isinstance(v, (tuple, list)) else v
+def _replay(g: graph_mod.Graph, values: set, members: set, arch: str, keep: Any, notes: list[str]) -> _Recorder | None:
+    rec = _Recorder(g.module, values, members, arch, keep)
+    try:
+        with torch.no_grad():
+            rec.run(*g.inputs)
+    except Exception as e:  # noqa: BLE001 (a graph that does not replay gives no region cards)
+        first = str(e).splitlines()[0][:_FIRST_LINE_LIMIT] if str(e) else ""
+        notes.append(f"graph {g.index} did not replay node by node ({type(e).__name__}: {first}): "
+                     "its regions are not captured")
+        return None
+    return rec
 
 
 def region_cards(trace: graph_mod.Trace, arch: str, device_name: str, *, max_sample_bytes: int) -> tuple[list[RegionEntry], list[str]]:
     """The region cards of a trace, deduplicated, in first-seen order, with notes."""
-    from .capture import _bytes, _cpu_copy
+    from .capture import _cpu_copy
 
     entries: dict[str, RegionEntry] = {}
     notes: list[str] = list(trace.notes)
-    budget = [max_sample_bytes]
+    budget = max_sample_bytes
     for g in trace.graphs:
         sites = find(g.module)
         if not sites:
@@ -101,18 +115,22 @@ def region_cards(trace: graph_mod.Trace, arch: str, device_name: str, *, max_sam
         if g.inputs is None:
             notes.append(f"graph {g.index} never ran: its {len(sites)} region(s) are not captured")
             continue
-        keep = {v[0] for s in sites for v in (*s.inputs, *s.outputs)}
-        members = {n for s in sites for n in s.nodes}
-        rec = _Recorder(g.module, keep, members, arch)
-        try:
-            with torch.no_grad():
-                rec.run(*g.inputs)
-        except Exception as e:  # noqa: BLE001 (a graph that does not replay gives no region cards)
-            notes.append(f"graph {g.index} did not replay node by node ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0][:_FIRST_LINE_LIMIT] if str(e) else ''}): its regions are not captured")
+        values = {v for s in sites for v in (*s.inputs, *s.outputs)}
+        rec = _replay(g, values, {n for s in sites for n in s.nodes}, arch, TensorMeta.of, notes)
+        if rec is None:
             continue
+        sampled: list[tuple[RegionEntry, Site]] = []
         for s in sites:
-            _add_site(entries, s, g, rec, arch, device_name, budget, _cpu_copy, _bytes)
+            entry, first = _add_site(entries, s, g, rec, arch, device_name)
+            size = sum(m.span() * m.itemsize for m in entry.card.inputs + entry.card.outputs)
+            if first and size <= budget:
+                budget -= size
+                sampled.append((entry, s))
+        if sampled:
+            wanted = {v for _, s in sampled for v in (*s.inputs, *s.outputs)}
+            copies = _replay(g, wanted, set(), arch, _cpu_copy, notes)
+            for entry, s in sampled if copies is not None else ():
+                entry.sample = ([copies.kept[v] for v in s.inputs], [copies.kept[v] for v in s.outputs])
         g.inputs = None  # the real activations are no longer needed
     for e in entries.values():
         c = e.card
@@ -125,29 +143,27 @@ def region_cards(trace: graph_mod.Trace, arch: str, device_name: str, *, max_sam
     return list(entries.values()), notes
 
 
-def _add_site(entries, s: Site, g: graph_mod.Graph, rec: _Recorder, arch: str, device_name: str, budget: list[int],
-              cpu_copy, nbytes) -> None:
-    ins = [_real(rec.values, v) for v in s.inputs]
-    outs = [_real(rec.values, v) for v in s.outputs]
+def _add_site(entries: dict[str, RegionEntry], s: Site, g: graph_mod.Graph, rec: _Recorder, arch: str,
+              device_name: str) -> tuple[RegionEntry, bool]:
+    """Count one call site into its card (made if new); (entry, whether the card is new)."""
+    ins = [rec.kept[v] for v in s.inputs]
+    outs = [rec.kept[v] for v in s.outputs]
     nodes = [replace(node, op_card=rec.op_cards.get(fxn)) for node, fxn in zip(s.subgraph.nodes, s.nodes)]
     sub = replace(s.subgraph, nodes=nodes)  # (the op cards are not part of the id: Node.key leaves them out)
-    args = [ArgSpec(f"in{i}", "tensor", tensor=TensorMeta.of(t)) for i, t in enumerate(ins)]
-    card = Card(op=REGION_NS + "+".join(sub.ops), schema=_signature(ins, len(outs)), args=args,
-                outputs=[TensorMeta.of(t) for t in outs], arch=arch, family="region", device_name=device_name,
-                region=sub)
+    args = [ArgSpec(f"in{i}", "tensor", tensor=m) for i, m in enumerate(ins)]
+    card = Card(op=REGION_NS + "+".join(sub.ops), schema=_signature(ins, len(outs)), args=args, outputs=outs,
+                arch=arch, family="region", device_name=device_name, region=sub)
     entry = entries.get(card.id)
-    if entry is None:
+    first = entry is None
+    if first:
         entry = entries[card.id] = RegionEntry(card)
-        size = nbytes(ins) + nbytes(outs)
-        if size <= budget[0]:
-            budget[0] -= size
-            entry.sample = ([cpu_copy(t) for t in ins], [cpu_copy(t) for t in outs])
     card = entry.card
     card.calls += 1
     path = _common_path([graph_mod.module_path(n) for n in s.nodes if family_of(n.target) != "view"])
     if path not in card.module_paths:
         card.module_paths.append(path)
-    entry.sites.append(f"graph {g.index}: {s.nodes[0].name}")
+    entry.sites.append({"graph": g.index, "nodes": [n.name for n in s.nodes]})
+    return entry, first
 
 
 def time_entries(entries: list[RegionEntry], device: torch.device, time_fn) -> None:

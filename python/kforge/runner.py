@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 from .capture import module_path
 from .cards import Card, load_cards
@@ -101,11 +102,11 @@ def results_table(rows: list[CardResult], title: str, limit: int | None = None, 
         t.add_column(col, justify=justify, overflow="fold")
     picked = [r for r in rows if r.status != "skipped"] if searched_only else rows
     shown = picked[:limit] if limit is not None else picked
-    for r in shown:
-        t.add_row(r.summary, r.family, r.status, str(r.iterations), f"{r.search_s:.0f} s" if r.search_s else "-",
-                  _us(r.eager_us), _us(r.best_us), _speedup(r.speedup), r.note,
-                  str(r.calls) if r.calls is not None else "-", f"{r.share:.1%}" if r.share is not None else "-",
-                  r.card_id, r.module or "-")
+    for r in shown:  # Text cells: notes come from the log (compile errors, LLM text), never rich markup
+        t.add_row(*map(Text, (r.summary, r.family, r.status, str(r.iterations),
+                              f"{r.search_s:.0f} s" if r.search_s else "-", _us(r.eager_us), _us(r.best_us),
+                              _speedup(r.speedup), r.note, str(r.calls) if r.calls is not None else "-",
+                              f"{r.share:.1%}" if r.share is not None else "-", r.card_id, r.module or "-")))
     if len(shown) < len(rows):
         t.caption = f"{len(rows) - len(shown)} more cards not shown (skipped ones and the smallest; --all lists them)"
     return t

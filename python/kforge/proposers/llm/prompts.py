@@ -171,7 +171,7 @@ def describe_card(card: Card, hw: Hardware, tolerance: dict | None = None, eager
     for j, m in enumerate(card.outputs):
         alias = f", the same memory as in{card.aliases[j]} (in-place)" if j in card.aliases else ""
         lines.append(_tensor_line(f"out{j}", m, alias))
-    lines += ["Reference semantics (PyTorch):", f"  {reference_code(card)}"]
+    lines += ["Reference semantics (PyTorch):", *(f"  {line}" for line in reference_code(card).splitlines())]
     steps = decomposed(card)
     if steps:
         lines += ["  which computes, step by step:"] + [f"    {line}" for line in steps]

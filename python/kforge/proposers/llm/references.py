@@ -34,7 +34,10 @@ def arg_exprs(card: Card) -> list[tuple[str, str, Any]]:
 
 
 def reference_code(card: Card) -> str:
-    """The call as PyTorch code, tensors named in0.. and out0.. like the launch plan."""
+    """The call as PyTorch code, tensors named in0.. and out0.. like the launch plan; a
+    region card's is a function of its aten calls, returning out0.. in order."""
+    if card.region is not None:
+        return card.region.code(card.inputs)
     args = [f"{name}={expr}" if a.kwarg_only else expr for a, (name, expr, _) in zip(card.args, arg_exprs(card))]
     outs = ", ".join(f"out{j}" for j in range(len(card.outputs))) or "_"
     return f"{outs} = torch.ops.{card.op.replace('::', '.')}({', '.join(args)})"
@@ -43,6 +46,8 @@ def reference_code(card: Card) -> str:
 def decomposed(card: Card) -> list[str]:
     """The call step by step (lines of PyTorch), or the outputs' names; [] when the call
     says it all."""
+    if card.region is not None:  # its code is already step by step
+        return []
     build = _DECOMPOSED.get(card.op)
     try:
         if build is not None:
