@@ -6,7 +6,8 @@
 
 The pass (Inductor's post_grad_custom_post_pass, a CustomGraphPass whose uuid() is the
 package's digest, so Inductor's FX-graph and AOT caches key on it) replaces every node whose
-call hits a dispatched card's guard with the card's custom op (kforge.customops). The guard is
+call hits the guard of a card whose compile decision is "dispatched" (its kernel beat the card
+compiled alone by torch.compile; kforge.package) with the card's custom op (kforge.customops). The guard is
 dispatch.py's: the card's key against the key of the node's arguments, its tensors described
 from their FakeTensors (node.meta["val"]) as a card describes tensors, their alignment that of
 their storage offset (storage bases are 16-byte aligned; the op checks real pointers when it
