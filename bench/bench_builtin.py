@@ -30,7 +30,7 @@ from kforge.cards import empty_like_meta, faithful_clone  # noqa: E402
 from kforge.errors import KforgeError, ProposerError  # noqa: E402
 from kforge.hardware import current  # noqa: E402
 from kforge.proposers.base import ProposalContext, Tried  # noqa: E402
-from kforge.proposers.builtin import BuiltinProposer  # noqa: E402
+from kforge.proposers.builtin import FAMILIES, BuiltinProposer  # noqa: E402
 from kforge.proposers.builtin.proposer import family_for  # noqa: E402
 from kforge.verdict import EvalResult, Verdict  # noqa: E402
 
@@ -113,11 +113,11 @@ def correct(card, cand, inputs) -> bool:
     return True
 
 
-def survey(card, hw) -> list[dict]:
+def survey(card, hw, families=FAMILIES) -> list[dict]:
     """One setting of each algorithm besides the default's, as near the default as its knob
     space allows (the widest vector, else the middle value), so a short sweep measures every
     algorithm once before it climbs from the best."""
-    fam = family_for(card)
+    fam = family_for(card, families)
     first = fam.default(card, hw)
     out = []
     for sp in fam.spaces(card, hw):
@@ -128,24 +128,24 @@ def survey(card, hw) -> list[dict]:
     return out
 
 
-def sweep(card, hw, inputs, budget: int):
+def sweep(card, hw, inputs, budget: int, families=FAMILIES):
     """Hill climbing over knobs: (best candidate, its sweep time, candidates tried, what
     each measured). The default comes first, then one setting of every other algorithm,
-    then revisions of the best so far."""
-    proposer = BuiltinProposer()
+    then revisions of the best so far. `families`: the built-in families to draw from."""
+    proposer = BuiltinProposer(families)
     rng = random.Random(0)
     tried: set[str] = set()
     best, best_us, n = None, float("inf"), 0
     failures: list[Tried] = []
     log: list[dict] = []
-    queued = survey(card, hw)
+    queued = survey(card, hw, families)
     while n < budget:
         ctx = ProposalContext(card=card, hardware=hw, parent=best and Tried(best, EvalResult(Verdict.VALID)),
                               sibling_failures=failures, tried_digests=tried, rng=rng)
         try:
             surveyed = bool(n and queued)
             if surveyed:
-                cand = family_for(card).build(card, queued.pop(0), hw)
+                cand = family_for(card, families).build(card, queued.pop(0), hw)
                 cand.plan.validate(len(card.inputs), len(card.outputs))
                 if cand.digest() in tried:
                     continue
@@ -209,10 +209,14 @@ def compiled_fn(card, inputs):
     return lambda: fn(*ts)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "builtin_h200.json"))
-    ap.add_argument("--budget", type=int, default=50, help="candidates per card (default 50)")
+def main(argv=None, cases=None, families=FAMILIES, out_name: str = "builtin_h200.json", budget: int = 50,
+         title: str = "builtin templates vs eager and torch.compile (GPU time, median)", doc: str = __doc__) -> int:
+    """The benchmark over `cases` (default CASES) with the built-in `families`; bench_codegen.py
+    runs it with the generated family alone."""
+    cases = CASES if cases is None else cases
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / out_name))
+    ap.add_argument("--budget", type=int, default=budget, help=f"candidates per card (default {budget})")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile (saves its compile time)")
     ap.add_argument("--only", default="", help="run only cases whose name contains one of these '|'-separated strings")
     opts = ap.parse_args(argv)
@@ -223,56 +227,66 @@ def main(argv=None) -> int:
     rows = []
     start = time.perf_counter()
     only = [part for part in opts.only.split("|") if part]
-    for name, (make, target) in CASES.items():
+    out = Path(opts.out)
+    for name, (make, target) in cases.items():
         if only and not any(part in name for part in only):
             continue
-        card = make()
-        inputs = fresh_inputs(card, 0)
-        print(f"{name}: sweeping")
-        best, sweep_us, n, tried = sweep(card, hw, inputs, opts.budget)
-        fns = [eager_fn(card, [faithful_clone(t) for t in inputs])]
-        if best is not None:
-            fns.append(Runner(card, best, [faithful_clone(t) for t in inputs]))
-        if not opts.no_compile:
-            fns.append(compiled_fn(card, [faithful_clone(t) for t in inputs]))
-        ms = timing.time_fns(fns)
-        eager_us = ms[0].median
-        kernel_us = ms[1].median if best is not None else None
-        compile_us = ms[-1].median if not opts.no_compile else None
-        floor = hw.floor_us(card.io_bytes())
-        row = {"name": name, "card": card.summary(), "eager_us": eager_us, "compile_us": compile_us,
-               "kernel_us": kernel_us, "kernel_iqr_us": ms[1].iqr if best is not None else None,
-               "floor_us": floor, "eager_frac": floor / eager_us,
-               "kernel_frac": floor / kernel_us if kernel_us else None,
-               "speedup": eager_us / kernel_us if kernel_us else None,
-               "speedup_vs_compile": compile_us / kernel_us if kernel_us and compile_us else None,
-               "knobs": best.knobs if best else None, "candidates": n, "target": target,
-               "best_per_algo": best_per_algo(tried), "tried": tried}
-        if target and kernel_us:
-            kind, value = target
-            row["target_met"] = (row["speedup"] if kind == "speedup" else row["kernel_frac"]) >= value
-        rows.append(row)
-        print(f"  eager {eager_us:.1f} us, kernel {kernel_us or float('nan'):.1f} us, floor {floor:.1f} us, "
-              f"{n} candidates, best {row['knobs']}")
-        print("  best per algorithm (sweep us): " + ", ".join(f"{a} {'failed' if u is None else f'{u:.1f}'}"
-                                                          for a, u in row["best_per_algo"].items()))
+        rows.append(run_case(name, make(), target, hw, opts.budget, not opts.no_compile, families))
         # Written after every case, so a run cut short by its time limit keeps what it measured.
-        out = Path(opts.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                   "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                   "budget": opts.budget, "bandwidth_Bps": hw.bandwidth,
-                                   "seconds": time.perf_counter() - start, "rows": rows}, indent=1))
-    print_table(rows)
+        out = save(opts.out, rows, opts.budget, hw, start)
+    print_table(rows, title)
     print(f"wrote {out} in {time.perf_counter() - start:.0f} s")
     return 0
 
 
-def print_table(rows) -> None:
+def run_case(name: str, card, target, hw, budget: int, with_compile: bool, families=FAMILIES) -> dict:
+    """Sweep the card's knobs, then time eager, the best kernel and torch.compile together."""
+    inputs = fresh_inputs(card, 0)
+    print(f"{name}: sweeping")
+    best, sweep_us, n, tried = sweep(card, hw, inputs, budget, families)
+    fns = [eager_fn(card, [faithful_clone(t) for t in inputs])]
+    if best is not None:
+        fns.append(Runner(card, best, [faithful_clone(t) for t in inputs]))
+    if with_compile:
+        fns.append(compiled_fn(card, [faithful_clone(t) for t in inputs]))
+    ms = timing.time_fns(fns)
+    eager_us = ms[0].median
+    kernel_us = ms[1].median if best is not None else None
+    compile_us = ms[-1].median if with_compile else None
+    floor = hw.floor_us(card.io_bytes())
+    row = {"name": name, "card": card.summary(), "eager_us": eager_us, "compile_us": compile_us,
+           "kernel_us": kernel_us, "kernel_iqr_us": ms[1].iqr if best is not None else None,
+           "floor_us": floor, "eager_frac": floor / eager_us,
+           "kernel_frac": floor / kernel_us if kernel_us else None,
+           "speedup": eager_us / kernel_us if kernel_us else None,
+           "speedup_vs_compile": compile_us / kernel_us if kernel_us and compile_us else None,
+           "knobs": best.knobs if best else None, "candidates": n, "target": target,
+           "best_per_algo": best_per_algo(tried), "tried": tried}
+    if target and kernel_us:
+        kind, value = target
+        row["target_met"] = (row["speedup"] if kind == "speedup" else row["kernel_frac"]) >= value
+    print(f"  eager {eager_us:.1f} us, kernel {kernel_us or float('nan'):.1f} us, floor {floor:.1f} us, "
+          f"{n} candidates, best {row['knobs']}")
+    print("  best per algorithm (sweep us): " + ", ".join(f"{a} {'failed' if u is None else f'{u:.1f}'}"
+                                                      for a, u in row["best_per_algo"].items()))
+    return row
+
+
+def save(path, rows, budget: int, hw, start: float) -> Path:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                               "budget": budget, "bandwidth_Bps": hw.bandwidth,
+                               "seconds": time.perf_counter() - start, "rows": rows}, indent=1))
+    return out
+
+
+def print_table(rows, title: str = "builtin templates vs eager and torch.compile (GPU time, median)") -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title="builtin templates vs eager and torch.compile (GPU time, median)")
+    t = Table(title=title)
     for col in ("case", "eager us", "compile us", "kernel us", "x eager", "x compile", "% floor", "target"):
         t.add_column(col, justify="left" if col == "case" else "right")
     f = lambda v, fmt: format(v, fmt) if v is not None else "-"  # noqa: E731

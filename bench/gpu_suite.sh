@@ -8,7 +8,8 @@
 # (search iterations per model card), WALL (search seconds per model), COMPILE=1 (time
 # torch.compile too), GPU_TESTS (test paths) and TESTS_K (a pytest -k expression) for item tests,
 # GPU_TESTS2 and TESTS_K2 for item tests2, ABLATE_MODEL and T_ABLATE for item ablate. ONLY and
-# ONLY2 pick the built-in cases of items builtin and builtin2 ('|' between name parts). Items
+# ONLY2 pick the built-in cases of items builtin and builtin2 ('|' between name parts); item codegen
+# (bench_codegen.py: generated kernels alone) takes T_CODEGEN and ONLY_CODEGEN. Items
 # compile_tests and ab (or ab_<model>): kforge.compile's GPU tests, and the eager / package /
 # torch.compile / kforge.compile A/B, default and reduce-overhead, per example model (T_AB each):
 #   LANE_A="compile_tests ab_sd_vae ab_gemma" LANE_B="ab_resnet50 ab_qwen_moe" bash bench/gpu_suite.sh
@@ -54,6 +55,9 @@ lane() {  # lane LOG ITEM...: run the items in order
       # Which card helps or hurts a model, and the same forward from CUDA graphs (ABLATE_MODEL, default Gemma).
       ablate) step "$log" ablate "${T_ABLATE:-200}" python3 bench/ablate_model.py "${ABLATE_MODEL:-examples/gemma_decoder.py}" \
                 --wall-time "${WALL:-45}" --out "$OUT/ablate_$(basename "${ABLATE_MODEL:-gemma}" .py)_h200.json" ;;
+      # Generated kernels (kforge.codegen) alone on pointwise and reduction cards, >= 64 MB ones included.
+      codegen) step "$log" codegen "${T_CODEGEN:-240}" python3 bench/bench_codegen.py --budget "${BUDGET:-12}" \
+                 $no_compile_flag ${ONLY_CODEGEN:+--only "$ONLY_CODEGEN"} --out "$OUT/codegen_h200.json" ;;
       # KernelBench problems (a checkout carried as .kb/; bench/README.md): KB_LEVEL, KB_PROBLEMS, KB_BYTES,
       # KB_ITERS, KB_WALL (search seconds per problem), T_KB for the whole item.
       kernelbench) step "$log" kernelbench "${T_KB:-480}" python3 bench/kernelbench.py --kernelbench "${KB_ROOT:-.kb}" \

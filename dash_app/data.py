@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterable
 from kforge.errors import KforgeError, LogError, PackageError
 from kforge.log import LOG_NAME, SearchLog, connect, translated
 from kforge.manifest import read_manifest
+from kforge.redact import scrub
 
 TTL_S = 1.5
 
@@ -205,7 +206,9 @@ class Catalog:
             conn = connect(path, readonly=True)
             try:
                 with translated(path):
-                    return [dict(r) for r in conn.execute(sql, tuple(params)).fetchall()]
+                    # A log written before kforge scrubbed its texts may hold a key in any of them.
+                    return [{k: scrub(v, limit=None) if isinstance(v, str) else v for k, v in dict(r).items()}
+                            for r in conn.execute(sql, tuple(params)).fetchall()]
             finally:
                 conn.close()
         except LogError as e:

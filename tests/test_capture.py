@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import tempfile
 
@@ -410,6 +412,9 @@ def test_skip_reasons_and_table(tmp_path):
     assert gn.family in SEARCHABLE and skip_reason(gn) is None
     assert "vendor-backed" in skip_reason(conv)
     assert all(skip_reason(c) for c in r.cards if c.family == "view")
+    # No family but views and vendor ops is skipped wholesale: proposers decide (cumsum, cat, ...).
+    other = dataclasses.replace(gn, op="aten::cumsum.default", family="other", id="")
+    assert skip_reason(other) is None
 
     console = Console(record=True, width=250)
     console.print(cards_table(r.cards, limit=3))

@@ -255,3 +255,20 @@ def test_where_kforge_dispatch_serves_it_the_custom_op_is_its_cpp_kernel(monkeyp
     torch.testing.assert_close(op(shifted), shifted.clamp(min=0))  # the C++ guard's miss: eager's relu
     assert calls() == before + 1 and launcher.python_calls == 0
     assert pkg.cards[0].counters.hits == 1 and pkg.cards[0].counters.fallbacks == {"alignment": 1}
+
+
+def test_the_options_survive_inductors_deepcopy_of_its_config():
+    """cudagraph trees deep-copy Inductor's config, options and pass included; the pass holds
+    loaded kernels (a C++ registry on the GPU), which must not be copied."""
+    import copy
+
+    class Uncopyable:
+        def __deepcopy__(self, memo):
+            raise TypeError("cannot pickle 'kforge._C.Registry' object")
+
+    x = torch.randn(4, 8)
+    launcher = FakeLauncher(relu_kernel)
+    launcher.registry = Uncopyable()
+    options = fake_package(make_card(aten.relu.default, x)).inductor_options(launcher=launcher)
+    copied = copy.deepcopy(options)
+    assert copied["post_grad_custom_post_pass"] is options["post_grad_custom_post_pass"]

@@ -328,3 +328,17 @@ def test_a_proposer_factory_is_not_called_before_the_search(tmp_path, monkeypatc
     runner.run(torch.nn.ReLU(), torch.randn(64), run_dir=tmp_path / "r", out=tmp_path / "m.cast", proposer=factory, iterations=2,
                progress=False, check_model=False)
     assert calls == [1]  # once for the one worker, as run() documents
+
+
+def test_other_family_cards_are_searched_by_a_proposer_that_supports_them(tmp_path, monkeypatch):
+    """No family but views and vendor ops is skipped wholesale: a cumsum card (family
+    `other`) is searched when the proposer supports it and skipped with its reason when not."""
+    d = tmp_path / "run"
+    cumsum = toy_card(op="aten::cumsum.default", family="other", share=0.9)
+    save_card(cumsum, d)
+    GPU(monkeypatch, [0])
+    rows = _rows(runner.search_run(d, proposer=FakeProposer, iterations=2, progress=False))
+    assert rows["aten::cumsum.default"].status == "done"
+    decline = lambda: FakeProposer(decline=lambda c: "no builtin template for aten::cumsum.default")  # noqa: E731
+    rows = _rows(runner.search_run(d, proposer=decline, iterations=2, progress=False))
+    assert rows["aten::cumsum.default"].status == "skipped" and "no builtin template" in rows["aten::cumsum.default"].note

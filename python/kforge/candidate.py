@@ -187,9 +187,14 @@ class Candidate:
     note: str = ""
 
     def __post_init__(self) -> None:
-        # A reply may repeat a secret it saw; the source and note are stored, shown and re-sent.
+        # A reply may repeat a secret it saw; the source, note and plan are stored, shown and
+        # re-sent. The plan's strings are scrubbed after its JSON was decoded: `sk\u002d...` in
+        # the reply's text is a key only once decoded. A masked name or option fails its check later.
         self.source = scrub(self.source, limit=None)
         self.note = scrub(self.note)
+        self.plan.options = [scrub(o, limit=None) for o in self.plan.options]
+        for k in self.plan.kernels:
+            k.name = scrub(k.name, limit=None)
         if self.kind not in KINDS:
             raise PlanError(f"candidate kind must be one of {KINDS}, got {self.kind!r}")
 

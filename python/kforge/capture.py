@@ -40,13 +40,14 @@ from .cards import (ArgSpec, Card, TensorMeta, encode_value, flatten_outputs, pa
 from .errors import CaptureError, CardError
 from .families import family_of
 
-# A region card (capture(regions=True)) is searched like the families it fuses; proposers decline what they cannot write.
-SEARCHABLE = frozenset({"pointwise", "reduction", "normalization", "pooling", "region"})
+# Every family but views and vendor ops: whether a card is searched is then up to the
+# proposer (`supports`), so `other` ops (cumsum, index, scatter, cat, ...) reach the LLM. A
+# region card (capture(regions=True)) is searched like the families it fuses.
+SEARCHABLE = frozenset({"pointwise", "reduction", "normalization", "pooling", "other", "region"})
 
 _SKIP_REASONS = {
     "view": "view/metadata op: no kernel to write",
     "vendor": "vendor-backed (cuBLAS/cuDNN): skipped unless asked",
-    "other": "no kernel family for this op (indexing, scatter, sort, ...): skipped unless asked",
 }
 
 MAX_SAMPLE_BYTES = 256 * 2**20

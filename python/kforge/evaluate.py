@@ -250,22 +250,55 @@ def make_evaluator(run_dir: str | Path, *, devices: Sequence[int] | None = None,
 
 class CompileOnlyEvaluator(Evaluator):
     """Without a GPU: NVRTC compiles each candidate, so a CPU-only `kforge run` still
-    generates and compiles; the verdict is compile_error, load_error or untimed."""
+    generates and compiles; the verdict is compile_error, load_error or untimed.
 
-    def __init__(self, arch: str = "sm_90"):
-        self.arch = arch
+    NVRTC runs in a child process with a time and an address-space limit, as it does in the
+    GPU worker (which has the time limit): a 1 KB source can expand macros or instantiate
+    templates for hours or into gigabytes, and NVRTC cannot be stopped in-process (its flow
+    callback fires only between phases, after the front end is done). The child stays up
+    between candidates and is replaced after it is killed."""
+
+    def __init__(self, arch: str = "sm_90", timeout_s: float = 300.0, memory_bytes: int = 8 << 30):
+        self.arch, self.timeout_s, self.memory_bytes = arch, timeout_s, memory_bytes
+        self._ctx = mp.get_context("spawn")  # the parent may hold threads and a CUDA-less torch: never fork it
+        self._proc = self._conn = None
 
     def evaluate(self, card: Card, candidate: Candidate) -> EvalResult:
-        from . import compiler
-
         early = screen(card, candidate)
         if early is not None:
             return early
+        if self._proc is None or not self._proc.is_alive():
+            self.close()
+            parent, child = self._ctx.Pipe(duplex=True)
+            self._proc = self._ctx.Process(target=_compile_serve, args=(child, self.memory_bytes),
+                                           name="kforge-compile", daemon=True)
+            self._proc.start()
+            child.close()
+            self._conn = parent
+            # Starting the child (an interpreter, NVRTC loaded) is not the candidate's time.
+            started = self._conn.recv() if self._conn.poll(_START_S) else ("raise", RuntimeError(
+                f"the compiler process did not start within {_START_S:.0f} s"))
+            if started[0] == "raise":
+                self.close()
+                raise started[1]
+        self._conn.send((candidate.source, f"cand_{candidate.digest()}.cu", list(candidate.plan.options), self.arch))
+        ev = {"phase": "compiling", "timeout_s": self.timeout_s, "memory_bytes": self.memory_bytes}
         try:
-            k = compiler.compile(candidate.source, name=f"cand_{candidate.digest()}.cu", options=candidate.plan.options,
-                                 arch=self.arch)
-        except CompileError as e:
-            return EvalResult(Verdict.COMPILE_ERROR, f"compile failed: {e.log.strip()[:500]}", compile_log=e.log)
+            ready = self._conn.poll(self.timeout_s)
+            reply = self._conn.recv() if ready else None
+        except (EOFError, OSError):
+            reply = ("died", None)
+        if reply is None or reply[0] == "died":
+            self.close()
+            why = (f"did not finish within {self.timeout_s:.0f} s" if reply is None else
+                   f"died (it may have passed the {self.memory_bytes >> 20} MiB memory limit)")
+            return EvalResult(Verdict.COMPILE_ERROR, f"compilation {why}; the compiler process was killed and "
+                              "restarted: keep macro expansion and template instantiation small", ev)
+        if reply[0] == "raise":
+            raise reply[1]
+        if reply[0] == "error":
+            return EvalResult(Verdict.COMPILE_ERROR, f"compile failed: {reply[1].strip()[:500]}", compile_log=reply[1])
+        k = reply[1]
         missing = [kl.name for kl in candidate.plan.kernels if not has_kernel(k.cubin, kl.name)]
         if missing:
             return EvalResult(Verdict.LOAD_ERROR, f"kernel(s) {missing} named in the launch plan are not in the cubin; "
@@ -273,6 +306,45 @@ class CompileOnlyEvaluator(Evaluator):
         return _flag_vendor(candidate, EvalResult(
             Verdict.UNTIMED, f"compiled for {self.arch}; no GPU here to validate or time it",
             {"cubin_bytes": len(k.cubin), "compile_cached": k.cached, "arch": self.arch}, compile_log=k.log))
+
+    def close(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()  # it holds no state worth a goodbye: the disk cache is written atomically
+            self._proc.join()
+            self._proc.close()
+            self._conn.close()
+        self._proc = self._conn = None
+
+
+_START_S = 120.0  # a loaded machine can take tens of seconds to start an interpreter
+
+
+def _compile_serve(conn, memory_bytes: int) -> None:
+    """The compile child: (source, name, options, arch) in, ("ok", CompiledKernel) or ("error", log) out."""
+    import resource
+
+    try:
+        from . import compiler
+
+        compiler.nvrtc_version()  # maps NVRTC's libraries before the limit, which counts them
+        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))  # NVRTC then fails "out of memory"
+    except Exception as e:  # noqa: BLE001 - NVRTC missing and the like: the parent raises it as before
+        conn.send(("raise", e))
+        return
+    conn.send(("ready",))
+    while True:
+        try:
+            source, name, options, arch = conn.recv()
+        except EOFError:
+            return
+        try:
+            conn.send(("ok", compiler.compile(source, name=name, options=options, arch=arch)))
+        except CompileError as e:
+            conn.send(("error", e.log))
+        except MemoryError:
+            conn.send(("error", f"the compiler ran out of its {memory_bytes >> 20} MiB memory limit"))
+        except Exception as e:  # noqa: BLE001 - NVRTC missing and the like: the parent raises it as before
+            conn.send(("raise", e))
 
 
 def has_kernel(cubin: bytes, name: str) -> bool:

@@ -220,6 +220,12 @@ class KforgePass(_PassBase):
     def uuid(self) -> str:
         return self._uuid
 
+    def __deepcopy__(self, memo: dict) -> "KforgePass":
+        # Inductor deep-copies its config (cudagraph trees do, with the options holding this
+        # pass); the pass holds loaded kernels, which cannot be copied and need not be: it
+        # never changes after it is made, and uuid() is what caches key on.
+        return self
+
 
 def _rewrites(package: Any, launcher: Launcher | None, *, compiled: bool = True) -> list[Rewrite]:
     """The package's rewrites: its single-op cards' whose compile decision is "dispatched" (the

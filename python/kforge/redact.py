@@ -14,11 +14,14 @@ import os
 import re
 
 MAX_TEXT = 64 << 10  # characters kept of one stored text (a compile log, a message)
-_SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|AUTH|PRIVATE|SESSION|COOKIE|SIGNATURE", re.I)
+# `_PWD` (MYSQL_PWD), not PWD: the working directory is no secret, and every path in a log holds it.
+_SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASS|_PWD|CRED|AUTH|PRIVATE|SESSION|COOKIE|SIGNATURE|DSN", re.I)
 _MIN_SECRET = 8  # shorter values ("1", "true") would blank ordinary words
-# Provider key shapes: OpenAI/Anthropic/DeepSeek sk-..., Google AIza..., HF hf_..., GitHub gh?_..., bearer tokens.
+# Provider key shapes: OpenAI/Anthropic/DeepSeek sk-..., Google AIza..., HF hf_..., GitHub gh?_...,
+# AWS access key ids, bearer tokens, and the user:password of a URL (postgres://u:p@host).
 _KEY_SHAPES = re.compile(r"\b(?:sk-[A-Za-z0-9_-]{16,}|AIza[0-9A-Za-z_-]{30,}|hf_[A-Za-z0-9]{20,}"
-                         r"|gh[pousr]_[A-Za-z0-9]{20,}|xox[abprs]-[A-Za-z0-9-]{10,})\b|(?i:bearer\s+)[A-Za-z0-9._~+/-]{16,}=*")
+                         r"|gh[pousr]_[A-Za-z0-9]{20,}|xox[abprs]-[A-Za-z0-9-]{10,}|(?:AKIA|ASIA)[0-9A-Z]{16})\b"
+                         r"|(?i:bearer\s+)[A-Za-z0-9._~+/-]{16,}=*|(?<=://)[^\s/@:]+:[^\s/@]+(?=@)")
 MASK = "***"
 
 _extra: set[str] = set()

@@ -5,7 +5,7 @@ opens any file a `#include` names, absolute paths included, and echoes the offen
 of a file it cannot parse into its log, which goes into the search log, the dashboard and
 the next prompt. So before NVRTC sees a source, this module reads its preprocessor
 directives the way the preprocessor will (after line splices, outside comments and string
-literals, digraphs included) and allows only:
+literals, numbers with digit separators read whole, digraphs included) and allows only:
 
 - `#include <cuda_fp16.h>`, `<cuda_bf16.h>` and `<cuda_fp8.h>` (the quoted form of these
   names too); NVRTC's include path holds nothing else of ours;
@@ -18,8 +18,11 @@ literals, digraphs included) and allows only:
 Anything else is refused with a message that says what to do: other includes, `#include`
 of a macro, `#include_next`, `#import`, `#embed`, `#line`, other pragmas, `_Pragma` with
 anything but unroll, `__has_include` probing, token pasting in directives (it could spell
-`__has_include`) and trigraphs. NVRTC options come from an allow-list (optimization and
-math flags, `-D` macros, ptxas' register report); paths (`-I`, `--pre-include`, ...) are never accepted.
+`__has_include`), trigraphs, raw string literals and universal character names outside
+literals (two places where a reading could differ from NVRTC's; kernels need neither).
+NVRTC options come from an allow-list (optimization and math flags, `-D` macros that do not
+name `__has_include` or `_Pragma`, ptxas' register report); paths (`-I`, `--pre-include`,
+...) are never accepted.
 
 The prelude defines INFINITY, NAN, FLT_MAX/MIN, DBL_MAX/MIN and the fixed-width integer
 types, which NVRTC lacks without host headers. It is followed by `#line 1` so compiler
@@ -31,6 +34,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+# Reading a source costs the box seconds per MiB and NVRTC more: a cap keeps a 100 MB reply
+# or package entry from holding the search. Real kernels are tens of KiB.
+MAX_SOURCE = 1 << 20
 ALLOWED_HEADERS = frozenset({"cuda_fp16.h", "cuda_bf16.h", "cuda_fp8.h"})
 # Dropped with a note: NVRTC's built-ins and the prelude cover what device code uses of them.
 HARMLESS_HEADERS = frozenset({
@@ -47,7 +53,10 @@ _PRAGMAS = frozenset({"unroll", "nounroll", "once", "nv_diag_suppress", "nv_diag
 _PROBES = re.compile(r"\b(__has_include|__has_include_next)\b")
 _PRAGMA_OP = re.compile(r"\b_Pragma\b")
 _PRAGMA_OK = re.compile(r'_Pragma\s*\(\s*"\s*(unroll|nounroll)\b[^"\\]*"\s*\)')
-_HEADER = re.compile(r'^\s*(?:<([A-Za-z0-9_./]+)>|"([A-Za-z0-9_./]+)")\s*$')
+# An include line as the code view shows it (comments blanked, so `#include <cuda_fp16.h> // half`
+# passes); the name between the delimiters is then read from the original text, which the
+# view blanks inside "...", and must be one of the names above exactly.
+_INCLUDE = re.compile(r'^\s*(?:#|%:)\s*include\s*(<[^>]*>|"[^"]*")\s*$')
 
 PRELUDE = """\
 #ifndef INFINITY
@@ -115,9 +124,13 @@ def check_options(options: list[str] | tuple[str, ...]) -> tuple[list[str], list
     for o in options:
         if not isinstance(o, str):
             raise SourceRefused(f"NVRTC option {o!r} is not a string")
-        if _OPTION_OK.match(o):
+        if _OPTION_OK.fullmatch(o) and (_PROBES.search(o) or _PRAGMA_OP.search(o)):
+            # -DH=__has_include would let `#if H("/etc/passwd")` probe the host past the source check.
+            raise SourceRefused(f"NVRTC option {o[:80]!r} is not allowed: a -D macro may not name __has_include "
+                                "or _Pragma")
+        if _OPTION_OK.fullmatch(o):
             kept.append(o)
-        elif _OPTION_DROPPED.match(o):
+        elif _OPTION_DROPPED.fullmatch(o):
             notes.append(f"dropped NVRTC option {o!r}: NVRTC optimizes fully by default and kforge sets the arch")
         else:
             raise SourceRefused(
@@ -125,6 +138,16 @@ def check_options(options: list[str] | tuple[str, ...]) -> tuple[list[str], list
                 "(--use_fast_math, --ftz=, --prec-div=, --prec-sqrt=, --fmad=, --maxrregcount=, -lineinfo, "
                 "--std=c++17, -DNAME[=value]); include paths and extra files are never accepted")
     return kept, notes
+
+
+# Tokens the preprocessor reads whole, so a quote inside them starts no literal: an
+# identifier, and a pp-number, which takes letters, `.`, exponent signs and C++14 digit
+# separators (`1'000`, `0x1'F`: the `'` there is no character literal).
+_IDENTIFIER = re.compile(r"(?:[A-Za-z_]|[^\x00-\x7f])(?:\w|[^\x00-\x7f])*")
+_PP_NUMBER = re.compile(r"\.?[0-9](?:[eEpP][+-]|'[A-Za-z0-9_]|[A-Za-z0-9_.]|[^\x00-\x7f])*")
+# Raw string literals are refused, not read: where one ends depends on whether line splices
+# are undone inside it (the standard says yes, NVRTC does not), and kernels have no use for them.
+_RAW_PREFIXES = frozenset({"R", "uR", "UR", "LR", "u8R"})
 
 
 def _code_view(source: str) -> str:
@@ -135,15 +158,20 @@ def _code_view(source: str) -> str:
     i, n = 0, len(source)
     while i < n:
         c, two = source[i], source[i:i + 2]
-        if two == "//":
+        token = _IDENTIFIER.match(source, i) or _PP_NUMBER.match(source, i)
+        if token:
+            if token.group() in _RAW_PREFIXES and source.startswith('"', token.end()):
+                raise SourceRefused("raw string literals (R\"(...)\") are not allowed in kforge kernels; "
+                                    "use an ordinary string literal")
+            out.append(token.group())
+            i = token.end()
+            continue
+        elif two == "//":
             j = source.find("\n", i)
             j = n if j < 0 else j
         elif two == "/*":
             j = source.find("*/", i + 2)
             j = n if j < 0 else j + 2
-        elif c == '"' and (delim := _raw_string_start(source, i)) is not None:
-            end = source.find(")" + delim + '"', i)
-            j = n if end < 0 else end + len(delim) + 2
         elif c in "\"'":
             j = i + 1
             while j < n and source[j] not in (c, "\n"):
@@ -153,32 +181,18 @@ def _code_view(source: str) -> str:
             out.append(c)
             i += 1
             continue
-        comment = two in ("//", "/*")  # a comment is one space to the preprocessor: blank it whole
-        kept = "" if comment else c
-        out.append(kept + "".join(ch if ch == "\n" else " " for ch in source[i + len(kept):j]))
+        # A comment is one space to the preprocessor: blanked whole. A literal keeps its quotes.
+        lo, hi = (i, j) if two in ("//", "/*") else (i + 1, j - 1 if j - i > 1 and source[j - 1] == c else j)
+        out.append(source[i:lo] + "".join(ch if ch == "\n" else " " for ch in source[lo:hi]) + source[hi:j])
         i = j
     return "".join(out)
 
 
-def _raw_string_start(source: str, quote: int) -> str | None:
-    """The delimiter when the `"` at `quote` opens a raw string literal (R"delim( ... )delim")."""
-    k = quote - 1
-    if k < 0 or source[k] != "R":
-        return None
-    k -= 1
-    while k >= 0 and source[k] in "u8UL" and quote - k <= 3:
-        k -= 1
-    if k >= 0 and (source[k].isalnum() or source[k] == "_"):
-        return None  # part of a longer identifier, e.g. FOOR"..."
-    paren = source.find("(", quote)
-    if paren < 0 or paren - quote - 1 > 16:
-        return None
-    delim = source[quote + 1:paren]
-    return delim if re.fullmatch(r'[^()\\\s"]*', delim) else None
-
-
 def prepare(source: str, options: list[str] | tuple[str, ...] = ()) -> Prepared:
     """Check a candidate's source and options; raise SourceRefused with the line and the fix."""
+    if len(source) > MAX_SOURCE:
+        raise SourceRefused(f"the source is {len(source)} characters; kforge compiles at most {MAX_SOURCE} "
+                            "(kernels are far smaller): send only the kernels the plan launches")
     if "\0" in source:
         raise SourceRefused("the source contains a NUL byte; send plain CUDA C++ text")
     try:
@@ -204,11 +218,12 @@ def prepare(source: str, options: list[str] | tuple[str, ...] = ()) -> Prepared:
         logical.append((len(source.split("\n")) - len(block) + 1, block))
     texts = ["".join(b[:-1] for b in blk[:-1]) + blk[-1] if len(blk) > 1 else blk[0] for _, blk in logical]
     joined = "\n".join(texts)
-    view = _code_view(joined).split("\n")
-    if len(view) != len(logical):
-        raise SourceRefused("the source has an unterminated raw string literal or comment")
-
-    code = "\n".join(view)
+    code = _code_view(joined)
+    view = code.split("\n")
+    if re.search(r"\\[uU]", code):
+        # NVRTC reads `\u0069nclude` or `_Pr\u0061gma` its own way; identifiers are plain ASCII.
+        raise SourceRefused("universal character names (\\u...) are allowed only inside string literals; "
+                            "write identifiers in plain letters")
     probe = _PROBES.search(code)
     if probe:
         raise SourceRefused(f"{probe.group(1)} is not allowed: only <cuda_fp16.h>, <cuda_bf16.h> and <cuda_fp8.h> "
@@ -223,7 +238,7 @@ def prepare(source: str, options: list[str] | tuple[str, ...] = ()) -> Prepared:
         if not d:
             kept.extend(blk)
             continue
-        name, rest = d.group(1) or "", d.group(2)
+        name, rest = d.group(1) or d.group(2).strip()[:20], d.group(2)
         where = f"line {lineno}"
         if name not in _DIRECTIVES:
             raise SourceRefused(f"{where}: #{name} is not allowed in a kforge kernel; use only #include of "
@@ -240,10 +255,8 @@ def prepare(source: str, options: list[str] | tuple[str, ...] = ()) -> Prepared:
         if name != "include":
             kept.extend(blk)
             continue
-        # The header name is read from the original text: the code view blanks "..." contents.
-        original = re.match(r"^\s*(?:#|%:)\s*include(.*)$", text)
-        header = _HEADER.match(original.group(1) if original else "")
-        h = (header.group(1) or header.group(2)) if header else None
+        inc = _INCLUDE.match(seen)
+        h = text[inc.start(1) + 1:inc.end(1) - 1] if inc else None
         if h in ALLOWED_HEADERS:
             kept.extend([f"#include <{h}>"] + [""] * (len(blk) - 1))
         elif h in HARMLESS_HEADERS:
@@ -252,8 +265,8 @@ def prepare(source: str, options: list[str] | tuple[str, ...] = ()) -> Prepared:
                          "built in")
             kept.extend([""] * len(blk))
         else:
-            shown = (original.group(1).strip() if original else text.strip())[:80]
-            raise SourceRefused(f"{where}: #include {shown} is not allowed: a kforge kernel may include only "
+            shown = text.strip()[:80]
+            raise SourceRefused(f"{where}: {shown} is not allowed: a kforge kernel may include only "
                                 "<cuda_fp16.h>, <cuda_bf16.h> and <cuda_fp8.h>; write everything else in the source")
     body = "\n".join(kept)
     return Prepared(PRELUDE + "#line 1\n" + body, opts, notes)

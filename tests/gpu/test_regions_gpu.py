@@ -56,8 +56,12 @@ def test_region_cards_on_the_gpu_are_timed_and_replay_their_samples(tmp_path):
     model = Block().cuda().eval().to(torch.bfloat16)
     r = capture(model, torch.randn(8, 64, 32, 32, device="cuda", dtype=torch.bfloat16), tmp_path, regions=True)
     regions = {tuple(c.region.ops): c for c in load_cards(tmp_path) if c.region is not None}
-    assert ("_native_batch_norm_legit_no_training", "add", "relu") in regions, list(regions)
-    assert ("native_group_norm", "silu") in regions, list(regions)
+    # The finder may fuse the two chains into one region (one reduction, the batch norm chain its
+    # prologue: what the H200's bf16 graph gives) or keep them apart; each chain is in a region.
+    def found(chain):
+        return any(ops[i:i + len(chain)] == chain for ops in regions for i in range(len(ops)))
+    assert found(("_native_batch_norm_legit_no_training", "add", "relu")), list(regions)
+    assert found(("native_group_norm", "silu")), list(regions)
     for c in regions.values():
         assert c.arch.startswith("sm_") and c.eager_us > 0 and c.share > 0
         ins, outs = load_sample(c, tmp_path, device="cuda")

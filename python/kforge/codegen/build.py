@@ -14,7 +14,7 @@ import torch
 
 from ..cards import Card, TensorMeta, decode_value
 from . import ops
-from .ir import FLOATS, Expr, Node, Program, Reduction, Ref, broadcast_strides
+from .ir import FLOATS, Expr, Node, Program, Reduction, Ref, Scan, Window, broadcast_strides
 
 IR_DTYPES = FLOATS + ("int64", "int32", "int16", "int8", "uint8", "bool")
 
@@ -36,17 +36,21 @@ def _overload(op: str):
 
 
 def entry_for(op: str):
-    """('pointwise' | 'reduction', entry) for an op overload, or (None, why)."""
+    """('pointwise' | 'reduction' | 'scan', entry) for an op overload, or (None, why)."""
     name, overload = table_key(op)
     ov = _overload(op)
     if ov is not None and torch.Tag.pointwise in ov.tags or name in ("_to_copy", "copy"):
         if name in ops.POINTWISE:
             return "pointwise", ops.POINTWISE[name]
         return None, ops.DECLINED.get(name, f"{name} is not in the op table (kforge/codegen/ops.py)")
+    if name in ops.SCAN_OPS:
+        return "scan", ops.SCAN_OPS[name]
+    if name in ops.WINDOW_OPS:
+        return "window", ops.WINDOW_OPS[name]
     entry = ops.REDUCTION_OPS.get(f"{name}.{overload}") or ops.REDUCTION_OPS.get(name)
     if entry is not None and (f"{name}.{overload}" in ops.REDUCTION_OPS or name not in ("max", "min")):
         return "reduction", entry
-    return None, f"{op} is neither a pointwise op in the table nor a generated reduction"
+    return None, f"no builtin template or generated kernel for {op}: not a pointwise op or reduction of the table"
 
 
 def _to_domain(strides: tuple[int, ...], domain: tuple[int, ...], dims: tuple[int, ...], keepdim: bool):
@@ -57,8 +61,10 @@ def _to_domain(strides: tuple[int, ...], domain: tuple[int, ...], dims: tuple[in
     return tuple(0 if d in dims else next(it) for d in range(len(domain)))
 
 
-def _copy_declined(args: dict, src: TensorMeta) -> str | None:
-    device, layout = args.get("device"), args.get("layout")
+def _copy_declined(args: dict, src: TensorMeta, out: TensorMeta) -> str | None:
+    device, layout, dtype = args.get("device"), args.get("layout"), args.get("dtype")
+    if dtype is not None and str(dtype).removeprefix("torch.") != out.dtype:
+        return f"_to_copy dtype={str(dtype).removeprefix('torch.')} but the card's output is {out.dtype}"
     if device is not None and device.type != src.device:
         return f"a copy to {device.type} from {src.device} is not a kernel on one device"
     if args.get("pin_memory"):
@@ -66,6 +72,32 @@ def _copy_declined(args: dict, src: TensorMeta) -> str | None:
     if layout is not None and layout != torch.strided:
         return f"a copy to layout {layout} is not generated (only torch.strided is)"
     return None
+
+
+def _window_program(node: Node, inputs: list[TensorMeta], out_metas: list[TensorMeta], aliases) -> Program | str:
+    """A pooling node alone (windows are not fused with other nodes yet)."""
+    name, overload = table_key(node.op)
+    ref = node.args["self"]
+    if not isinstance(ref, Ref) or ref.kind != "in":
+        return "a window over a computed tensor is not generated (pooling reads a card input)"
+    m = inputs[ref.index]
+    if m.dtype not in FLOATS:
+        return f"pooling of {m.dtype} tensors: eager has no CUDA kernel for it to check a kernel against"
+    plan = ops.WINDOW_OPS[name](ops.Call(name, overload, {**node.args, "self": ops.Val(Expr.load(ref.index, m.dtype),
+                                                                                        m.dtype, len(m.shape))}))
+    if isinstance(plan, str):
+        return plan
+    if any(s < 0 for s in m.stride):
+        return "negative strides are not generated"
+    kind = ops.REDUCTIONS[plan.kind]
+    x = Expr.load(ref.index, m.dtype)
+    refs = tuple(Expr.var(f"s{i}", d) for i, d in enumerate(kind.state(x.dtype)))
+    results = [e.cast(o.dtype) for e, o in zip(plan.outputs(refs, Expr.var("count", "int64")), out_metas)]
+    domain = tuple(out_metas[0].shape)
+    win = Window(kind, ref.index, plan.kernel, plan.stride, plan.padding, plan.dilation, plan.count_include_pad,
+                 plan.divisor_override)
+    return Program(domain, list(inputs), list(out_metas), {ref.index: tuple(m.stride)},
+                   [tuple(o.stride) for o in out_metas], results, None, dict(aliases), None, win)
 
 
 def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], out_metas: list[TensorMeta],
@@ -78,6 +110,7 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
     values: dict[tuple[int, int], tuple[Expr, TensorMeta]] = {}
     phase = "pro"  # prologue, then epilogue after the reduction
     red: ops.ReductionPlan | None = None
+    scan: ops.ScanPlan | None = None
     domain: tuple[int, ...] | None = None
     out_shape: tuple[int, ...] | None = None
     in_strides: dict[int, tuple[int, ...]] = {}
@@ -93,11 +126,15 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
         e, m = values[(ref.index, ref.output)]
         return ops.Val(e, m.dtype, len(m.shape))
 
+    if len(nodes) == 1 and entry_for(nodes[0].op)[0] == "window":
+        return _window_program(nodes[0], inputs, out_metas, aliases)
     try:
         for j, node in enumerate(nodes):
             kind, entry = entry_for(node.op)
             if kind is None:
                 return entry
+            if kind == "window":
+                return "a window fused with other nodes is not generated yet"
             bound = {}
             for k, v in node.args.items():
                 if isinstance(v, Ref):
@@ -108,12 +145,20 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
                     bound[k] = v
             name, overload = table_key(node.op)
             if name == "_to_copy":
-                why = _copy_declined(bound, inputs[0])
+                why = _copy_declined(bound, inputs[0], node.metas[0])
                 if why:
                     return why
             call = ops.Call(name, overload, bound)
+            if kind == "scan":
+                if red is not None or scan is not None:
+                    return "a scan beside a reduction or another scan: the IR has one fold level"
+                plan = entry(call)
+                scan, domain = plan, tuple(_meta_of(node.args["self"], inputs, values).shape)
+                state = ops.REDUCTIONS[plan.kind].state(plan.operand.dtype)[0]
+                values[(j, 0)] = (Expr.var("s0", state).cast(node.metas[0].dtype), node.metas[0])
+                continue
             if kind == "reduction":
-                if red is not None:
+                if red is not None or scan is not None:
                     return "a second reduction: the IR has one reduction level"
                 plan = entry(call)
                 if isinstance(plan, str):
@@ -142,6 +187,8 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
         domain = out_shape = tuple(out_metas[0].shape)
         if any(tuple(m.shape) != domain for m in out_metas):
             return "pointwise outputs of different shapes"
+        if scan is not None and not domain:
+            return "a scan of a 0-dim tensor is a copy"
     results = [values[(r.index, r.output)][0] for r in outputs]
     for i in loads:
         m = inputs[i]
@@ -166,7 +213,9 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
     reduction = Reduction(ops.REDUCTIONS[red.kind], red.operand, red.dims) if red is not None else None
     if reduction is not None and not red.dims:
         return "a reduction over no dims"
-    return Program(domain, list(inputs), list(out_metas), in_strides, out_strides, results, reduction, dict(aliases))
+    scan_ = Scan(ops.REDUCTIONS[scan.kind], scan.operand, scan.dim) if scan is not None else None
+    return Program(domain, list(inputs), list(out_metas), in_strides, out_strides, results, reduction, dict(aliases),
+                   scan_)
 
 
 class _Decline(Exception):

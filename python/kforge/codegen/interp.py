@@ -3,7 +3,8 @@
 It evaluates the very Expr trees lower.py turns into CUDA (the op table's formulas, the
 casts, the reduction kinds' lift and merge), with one torch function per primitive, so a
 test against eager checks the table and the kinds, not a second copy of them. Reductions
-fold with merge as a balanced tree over the reduced elements in row-major order.
+fold with merge as a balanced tree over the reduced elements in row-major order, scans one
+element after another.
 """
 
 from __future__ import annotations
@@ -12,11 +13,17 @@ import math
 
 import torch
 
-from .ir import INTS, Expr, Program
+from .ir import INTS, Expr, Program, opmath
 
 _T = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16,
       "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
       "bool": torch.bool}
+
+
+def _fmod(a, b):
+    # fmod is exact, so float64 gives the same float32 result without CPU's vectorized
+    # fmod, which returns NaN for denormal or huge operands (CUDA's fmodf does not).
+    return torch.fmod(a.double(), b.double()).to(a.dtype) if a.dtype == torch.float32 else torch.fmod(a, b)
 
 
 def _idiv(a, b):
@@ -31,7 +38,7 @@ PRIM_FNS = {
     "atanh": torch.atanh, "erf": torch.erf, "erfc": torch.erfc, "erfinv": torch.erfinv, "lgamma": torch.lgamma,
     "ceil": torch.ceil, "floor": torch.floor, "trunc": torch.trunc, "rint": torch.round,
     "j0": torch.special.bessel_j0, "j1": torch.special.bessel_j1, "i0": torch.i0, "i1": torch.special.i1,
-    "pow": torch.pow, "atan2": torch.atan2, "fmod": torch.fmod, "hypot": torch.hypot, "copysign": torch.copysign,
+    "pow": torch.pow, "atan2": torch.atan2, "fmod": _fmod, "hypot": torch.hypot, "copysign": torch.copysign,
     "nextafter": torch.nextafter, "fmax": torch.fmax, "fmin": torch.fmin,
     "neg": torch.neg, "abs": torch.abs, "add": torch.add, "sub": torch.sub, "mul": torch.mul,
     "div": lambda a, b: torch.div(a, b) if a.is_floating_point() else _idiv(a, b),
@@ -84,6 +91,53 @@ def _fold(kind, dtype: str, states: tuple[torch.Tensor, ...]) -> tuple[torch.Ten
     return tuple(s[:, 0] for s in states)
 
 
+def _scan(scan, x: torch.Tensor) -> torch.Tensor:
+    """The running state along scan.dim, one merge per element in order (as the kernel does)."""
+    (a,), (b,), (merged,) = scan.kind.merge_exprs(scan.operand.dtype)
+    (ident,) = scan.kind.identity_exprs(scan.operand.dtype)
+    (lift,) = scan.kind.lift_exprs(Expr.var("x", scan.operand.dtype))
+    xs = x.movedim(scan.dim, 0)
+    order = range(xs.shape[0] - 1, -1, -1) if scan.reverse else range(xs.shape[0])
+    state = evaluate(ident, {}, None).expand(xs.shape[1:])
+    out = torch.empty_like(xs, dtype=state.dtype)
+    for i in order:
+        el = evaluate(lift, {"x": xs[i]}, None).expand(xs.shape[1:])
+        nxt = evaluate(merged, {a.value: state, b.value: el}, None).expand(xs.shape[1:])
+        out[i] = state if scan.exclusive else nxt
+        state = nxt
+    return out.movedim(0, scan.dim)
+
+
+def _window(prog: Program, inputs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The folded state and the divisor at every output point of a pooling program."""
+    w = prog.window
+    m, t = prog.inputs[w.input], inputs[w.input]
+    dt = w.kind.state(opmath(m.dtype))[0]
+    x = torch.as_strided(t, m.shape, prog.in_strides[w.input], t.storage_offset()).to(_T[dt])
+    (h, wd), (oh_n, ow_n) = m.shape[-2:], prog.domain[-2:]
+    (kh_n, kw_n), (sh, sw), (ph, pw), (dh, dw) = w.kernel, w.stride, w.padding, w.dilation
+    oh, ow = torch.arange(oh_n)[:, None], torch.arange(ow_n)[None, :]
+    a_vars, b_vars, merged = w.kind.merge_exprs(dt)
+    lifted = w.kind.lift_exprs(Expr.var("x", dt))
+    state = [evaluate(i, {}, None).expand(prog.domain) for i in w.kind.identity_exprs(dt)]
+    for kh in range(kh_n):
+        for kw in range(kw_n):
+            ih, iw = oh * sh - ph + kh * dh, ow * sw - pw + kw * dw
+            valid = (ih >= 0) & (ih < h) & (iw >= 0) & (iw < wd)
+            val = x[..., ih.clamp(0, h - 1), iw.clamp(0, wd - 1)]
+            env = {"x": val, "ridx": (ih * wd + iw).expand(oh_n, ow_n)}
+            el = [evaluate(e, env, None).expand(prog.domain) for e in lifted]
+            env = {v.value: s for v, s in zip(a_vars, state)}
+            env.update({v.value: s for v, s in zip(b_vars, el)})
+            state = [torch.where(valid, evaluate(e, env, None).expand(prog.domain), s) for e, s in zip(merged, state)]
+    hs, ws = oh * sh - ph, ow * sw - pw
+    he, we = torch.clamp(hs + kh_n, max=h + ph), torch.clamp(ws + kw_n, max=wd + pw)
+    pool = (he - hs) * (we - ws)
+    valid = (he.clamp(max=h) - hs.clamp(min=0)) * (we.clamp(max=wd) - ws.clamp(min=0))
+    count = torch.full_like(pool, w.divisor_override) if w.divisor_override else pool if w.count_include_pad else valid
+    return {**{f"s{i}": s for i, s in enumerate(state)}, "count": count.to(torch.int64).expand(prog.domain)}
+
+
 def run(prog: Program, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """The program's outputs (contiguous, with the output shapes and dtypes) for CPU `inputs`."""
     dom = prog.domain
@@ -110,10 +164,14 @@ def run(prog: Program, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         states = tuple(flat(evaluate(e, {"x": x, "ridx": ridx_dom}, None)) for e in lifted)
         folded = _fold(red.kind, red.operand.dtype, states)
         env = {f"s{i}": s.reshape(kept) for i, s in enumerate(folded)}
+    if prog.window is not None:
+        env = _window(prog, inputs)
+    if prog.scan is not None:
+        env = {"s0": _scan(prog.scan, evaluate(prog.scan.operand, {}, loads_over(dom)).expand(dom))}
     shape = kept if red is not None else dom
     outs = []
     for e, m in zip(prog.results, prog.outputs):
-        v = evaluate(e, env, loads_over(shape)).expand(shape)
+        v = evaluate(e, env, None if prog.window else loads_over(shape)).expand(shape)
         outs.append(v.to(_T[m.dtype]).reshape(m.shape).contiguous())
     return outs
 

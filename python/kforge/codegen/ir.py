@@ -5,6 +5,9 @@ shape). Every tensor it touches carries its strides over that domain (0 where it
 broadcasts), so any layout is indexed through its own strides and nothing is copied.
 
 - Pointwise: each output is an `Expr` evaluated at every point of the domain.
+- A scan: `scan` folds the prologue along one dim, every output point seeing the running
+  state (cumsum, cumprod; reversed and exclusive forms for regions).
+- A windowed fold: `window` (max/avg pooling over the last two dims, with indices).
 - One reduction level: `reduction` folds an `Expr` (the prologue) over the domain's
   `reduce_dims` with a `ReductionKind` (ops.REDUCTIONS); the outputs are then `Expr`s over
   the kept dims that may use the reduction's state (`Expr.var("s0")`, ...) and inputs that do not
@@ -30,7 +33,7 @@ Builder API (for single-op cards and for fused regions):
     aliases: output index -> input index it overwrites (in-place and out= ops).
 
 A node's expression comes from ops.py (the one op table); at most one node may be a
-reduction, nodes before it form its prologue and nodes after it its epilogue.
+reduction or a scan, nodes before it form its prologue and nodes after it its epilogue.
 """
 
 from __future__ import annotations
@@ -217,6 +220,36 @@ class Reduction:
 
 
 @dataclass
+class Scan:
+    """A running fold along one dim of the domain: the output at each point sees the state of
+    the elements up to it (`exclusive`: before it; `reverse`: from the far end)."""
+
+    kind: ReductionKind
+    operand: Expr  # the prologue, at every point of the domain
+    dim: int
+    reverse: bool = False
+    exclusive: bool = False
+
+
+@dataclass
+class Window:
+    """A fold over a 2-D window of input `input` per output point (pooling): output (.., oh,
+    ow) folds input (.., oh*stride - pad + k*dilation, ...) for k inside `kernel`, skipping
+    points in the padding. The operand is the input's value there (var "x"), the element's
+    index in its plane (ih * W + iw) is var "ridx"; the epilogue sees the state (s0, ...) and
+    the divisor eager's avg_pool uses (var "count", int64)."""
+
+    kind: ReductionKind
+    input: int
+    kernel: tuple[int, int]
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+    dilation: tuple[int, int]
+    count_include_pad: bool = True
+    divisor_override: int | None = None
+
+
+@dataclass
 class Program:
     domain: tuple[int, ...]
     inputs: list  # TensorMeta per launch-plan input
@@ -226,14 +259,13 @@ class Program:
     results: list[Expr]  # per output: its value
     reduction: Reduction | None = None
     aliases: dict[int, int] = field(default_factory=dict)  # output -> input it overwrites
+    scan: Scan | None = None  # outputs over the whole domain see the running state as var "s0"...
+    window: Window | None = None  # the domain is the output shape; in_strides holds the input's own strides
 
     @property
     def reduce_dims(self) -> tuple[int, ...]:
         return self.reduction.dims if self.reduction else ()
 
-    def loads(self) -> set[int]:
-        exprs = list(self.results) + ([self.reduction.operand] if self.reduction else [])
-        return {e.value[0] for x in exprs for e in x.walk() if e.op == "load"}
 
 
 def broadcast_strides(shape: tuple[int, ...], stride: tuple[int, ...], domain: tuple[int, ...]) -> tuple[int, ...] | None:

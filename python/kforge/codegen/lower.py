@@ -15,6 +15,9 @@ shared memory; `algo` "rows" puts whole warps on an output (reduced dims contigu
 one thread per output (kept dims contiguous: the loads coalesce across outputs). `split` > 1
 divides the reduced elements over that many blocks, which write their states to a workspace
 that a second kernel merges in order (two passes) before the epilogue.
+
+Scan (`algo` "gen_scan"): one thread per line along the scanned dim, walking it in order.
+Window (`algo` "gen_window", pooling): one thread per output point folding its window.
 """
 
 from __future__ import annotations
@@ -23,20 +26,19 @@ import math
 from dataclasses import dataclass
 
 from ..proposers.builtin.common import ceil_div, f32
-from .ir import FLOATS, INTS, Expr, Program
+from .ir import FLOATS, INTS, Expr, Program, opmath
 
 CTYPE = {"float32": "float", "float64": "double", "float16": "__half", "bfloat16": "__nv_bfloat16",
          "int64": "long long", "int32": "int", "int16": "short", "int8": "signed char", "uint8": "unsigned char",
          "bool": "bool"}
-ITEMSIZE = {"float64": 8, "int64": 8, "float32": 4, "int32": 4, "float16": 2, "bfloat16": 2, "int16": 2,
-            "int8": 1, "uint8": 1, "bool": 1}
 
 _PRELUDE = r"""
 typedef long long kf_i64;
 template <typename T> __device__ __forceinline__ T kf_ld(T x) { return x; }
 template <typename T, int V> struct alignas(sizeof(T) * V) kf_vec { T v[V]; };
-template <typename T> __device__ __forceinline__ T kf_nanmax(T a, T b) { return (a != a || a > b) ? a : (b != b ? b : b); }
-template <typename T> __device__ __forceinline__ T kf_nanmin(T a, T b) { return (a != a || a < b) ? a : (b != b ? b : b); }
+// NaN-propagating, as torch.maximum/minimum: a NaN b fails the comparison and is returned.
+template <typename T> __device__ __forceinline__ T kf_nanmax(T a, T b) { return (a != a || a > b) ? a : b; }
+template <typename T> __device__ __forceinline__ T kf_nanmin(T a, T b) { return (a != a || a < b) ? a : b; }
 template <typename T> __device__ __forceinline__ T kf_imax(T a, T b) { return a > b ? a : b; }
 template <typename T> __device__ __forceinline__ T kf_imin(T a, T b) { return a < b ? a : b; }
 """
@@ -520,3 +522,123 @@ def lower_reduction(prog: Program, knobs: dict, sm_count: int) -> Built:
         kernels.append(("kf_gen_finish", (ceil_div(lay.kn, 256),), (256,), args + [{"ws": 0}], 0))
         workspace = [ns * split * lay.kn * 8]
     return Built(_header(src), kernels, workspace)
+
+
+# ---- scan ------------------------------------------------------------------------------
+
+def lower_scan(prog: Program, knobs: dict) -> Built:
+    """One thread per line along the scan dim, walking it in order: every layout, no
+    cooperation between threads (coalesced when the scan dim is not the innermost)."""
+    scan = prog.scan
+    kind, dt = scan.kind, scan.operand.dtype
+    (st_type,) = kind.state(dt)
+    nt, unroll = knobs["threads"], knobs["unroll"]
+    params, args, ptr = _pointers(prog)
+    no = len(prog.outputs)
+    loaded = sorted(prog.in_strides)
+    tix = {i: no + k for k, i in enumerate(loaded)}
+    tensors = [list(s) for s in prog.out_strides] + [list(prog.in_strides[i]) for i in loaded]
+    nd = len(prog.domain)
+    kept = [d for d in range(nd) if d != scan.dim]
+    ks, kst = coalesce(list(prog.domain), tensors, sorted(kept, key=lambda d: -prog.out_strides[0][d]))
+    kn, length = math.prod(ks), prog.domain[scan.dim]
+    sd = [t[scan.dim] for t in tensors]
+    idx = _index_type(prog, 2 * nt)
+    kofs = offsets_code("q", ks, kst, [f"k{t}" for t in range(len(tensors))], idx)
+
+    def load(i, stored):
+        return f"{ptr[i]}[k{tix[i]} + i * {sd[tix[i]]}]"
+
+    em = Emitter("p", {}, load)
+    x = em(scan.operand)
+    (lift,) = kind.lift_exprs(Expr.var("x", dt))
+    em.env["x"] = x
+    lifted = em(lift)
+    (ident,) = kind.identity_exprs(dt)
+    step = _merge_block(kind, dt, ["st0"], [lifted], "u")
+    epi = Emitter("e", {"s0": "st0"}, load)
+    res = [epi(e) for e in prog.results]
+    stores = [f"    out{j}[k{j} + i * {sd[j]}] = {convert(r, prog.results[j].dtype, m.dtype)};"
+              for j, (m, r) in enumerate(zip(prog.outputs, res))]
+    before, after = (epi.lines + stores, []) if scan.exclusive else ([], epi.lines + stores)
+    body = [f"typedef {idx} kf_idx;",
+            f"constexpr int NT = {nt}; constexpr kf_idx KN = {kn}; constexpr kf_idx LEN = {length};",
+            f'extern "C" __global__ void __launch_bounds__(NT) kf_gen({", ".join(params)}) {{',
+            "  const kf_idx q = (kf_idx)blockIdx.x * NT + threadIdx.x;",
+            "  if (q >= KN) return;",
+            *[f"  {line}" for line in kofs],
+            f"  {CTYPE[st_type]} st0 = {_const(ident)};",
+            f"#pragma unroll {unroll}",
+            "  for (kf_idx i0 = 0; i0 < LEN; ++i0) {",
+            f"    const kf_idx i = {'LEN - 1 - i0' if scan.reverse else 'i0'};",
+            *[f"    {line}" for line in em.lines],
+            *[f"    {line}" if not line.startswith("    ") else line for line in before],
+            *[f"    {line}" for line in step],
+            *[f"    {line}" if not line.startswith("    ") else line for line in after],
+            "  }",
+            "}"]
+    return Built(_header("\n".join(body)), [("kf_gen", (ceil_div(kn, nt),), (nt,), args, 0)], [])
+
+
+# ---- window (pooling) -------------------------------------------------------------------
+
+def lower_window(prog: Program, knobs: dict) -> Built:
+    """One thread per output point folding its window (padding skipped), then the epilogue."""
+    w = prog.window
+    m = prog.inputs[w.input]
+    dt = opmath(m.dtype)
+    kind = w.kind
+    st_types = kind.state(dt)
+    nt, unroll = knobs["threads"], knobs["unroll"]
+    params, args, ptr = _pointers(prog)
+    nd = len(prog.domain)
+    order = sorted(range(nd), key=lambda d: -prog.out_strides[0][d])
+    ist = prog.in_strides[w.input]
+    (h, wd), (kh, kw), (sh, sw), (ph, pw), (dh, dw) = m.shape[-2:], w.kernel, w.stride, w.padding, w.dilation
+    idx = _index_type(prog, 2 * nt)
+    n_out = math.prod(prog.domain)
+    # coordinates of output point q, innermost (in the first output's memory order) first
+    coords = [f"  {idx} e_ = q;"]
+    for d in reversed(order):
+        coords.append(f"  const {idx} c{d} = e_ % {prog.domain[d]}; e_ /= {prog.domain[d]};")
+    base = " + ".join([f"c{d} * {ist[d]}" for d in range(nd - 2)] or ["0"])
+    outs = [" + ".join([f"c{d} * {st[d]}" for d in range(nd)]) for st in prog.out_strides]
+    st = [f"st{c}" for c in range(len(st_types))]
+    em = Emitter("p", {"ridx": "ri", "x": "xv"}, None)
+    lifted = [em(e) for e in kind.lift_exprs(Expr.var("x", dt))]
+    count = (str(w.divisor_override) if w.divisor_override else
+             "(he - hs) * (we - ws)" if w.count_include_pad else
+             "((he < H ? he : H) - (hs > 0 ? hs : 0)) * ((we < W ? we : W) - (ws > 0 ? ws : 0))")
+    epi = Emitter("e", {**{f"s{c}": n for c, n in enumerate(st)}, "count": "cnt"}, None)
+    res = [epi(e) for e in prog.results]
+    body = [f"typedef {idx} kf_idx;",
+            f"constexpr int NT = {nt}; constexpr int H = {h}; constexpr int W = {wd};",
+            f'extern "C" __global__ void __launch_bounds__(NT) kf_gen({", ".join(params)}) {{',
+            "  const kf_idx q = (kf_idx)blockIdx.x * NT + threadIdx.x;",
+            f"  if (q >= {n_out}) return;",
+            *coords,
+            f"  const {CTYPE[m.dtype]}* x = {ptr[w.input]} + ({base});",
+            f"  const int oh = (int)c{nd - 2}, ow = (int)c{nd - 1};",
+            *[f"  {CTYPE[t]} {n} = {_const(v)};" for n, t, v in zip(st, st_types, kind.identity_exprs(dt))],
+            f"#pragma unroll {unroll}",
+            f"  for (int kh = 0; kh < {kh}; ++kh) {{",
+            f"    const int ih = oh * {sh} - {ph} + kh * {dh};",
+            "    if (ih < 0 || ih >= H) continue;",
+            f"#pragma unroll {unroll}",
+            f"    for (int kw = 0; kw < {kw}; ++kw) {{",
+            f"      const int iw = ow * {sw} - {pw} + kw * {dw};",
+            "      if (iw < 0 || iw >= W) continue;",
+            f"      const {CTYPE[dt]} xv = {convert(f'x[(kf_idx)ih * {ist[nd - 2]} + (kf_idx)iw * {ist[nd - 1]}]', m.dtype, dt)};",
+            "      const kf_i64 ri = (kf_i64)ih * W + iw;",
+            *[f"      {line}" for line in em.lines],
+            *[f"      {line}" for line in _merge_block(kind, dt, st, lifted, "u")],
+            "    }",
+            "  }",
+            f"  const int hs = oh * {sh} - {ph}, ws = ow * {sw} - {pw};",
+            f"  const int he = hs + {kh} < H + {ph} ? hs + {kh} : H + {ph}, we = ws + {kw} < W + {pw} ? ws + {kw} : W + {pw};",
+            f"  const kf_i64 cnt = {count};",
+            *[f"  {line}" for line in epi.lines],
+            *[f"  out{j}[{o}] = {convert(r, prog.results[j].dtype, om.dtype)};"
+              for j, (om, r, o) in enumerate(zip(prog.outputs, res, outs))],
+            "}"]
+    return Built(_header("\n".join(body)), [("kf_gen", (ceil_div(n_out, nt),), (nt,), args, 0)], [])

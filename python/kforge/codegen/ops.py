@@ -1,6 +1,6 @@
 """The one table: aten op -> IR expression (POINTWISE), or the reason it is not generated
-(DECLINED); and the reduction kinds (REDUCTIONS) with the aten reductions built on them
-(REDUCTION_OPS).
+(DECLINED); the reduction kinds (REDUCTIONS) with the aten reductions (REDUCTION_OPS), scans
+(SCAN_OPS) and windowed reductions (WINDOW_OPS: pooling) built on them.
 
 A POINTWISE entry is keyed by the op's packet name without a trailing underscore (`add`
 serves add.Tensor, add.Scalar, add_.Tensor, add.out, ...) and maps a `Call` (the node's
@@ -261,8 +261,10 @@ def _pow(c: Call):
     if a.dtype == "bool":
         return "pow of bool is not generated"
     if a.dtype in FLOATS:
-        if not e.is_tensor and c.v(base_name).is_tensor:  # pow_tensor_scalar_optimized_kernel
-            n = float(e.number)
+        if not e.is_tensor and c.v(base_name).is_tensor:  # pow_tensor_scalar_kernel_impl
+            # eager takes the exponent in the tensor's dtype (rounded for fp16/bf16)
+            n = float(torch.tensor(float(e.number), dtype=getattr(torch, common)))
+            b = Expr.const(n, a.dtype)
             special = {0.5: lambda: prim("sqrt", a), 2.0: lambda: a * a, 3.0: lambda: a * a * a,
                        -0.5: lambda: prim("rsqrt", a), -1.0: lambda: 1.0 / a, -2.0: lambda: 1.0 / (a * a)}
             if n in special:
@@ -313,9 +315,8 @@ def _nan_to_num(c: Call):
 def _sign(x: Expr) -> Expr:
     if x.dtype == "bool":
         return x
-    zero = _k(x, 0)
-    s = where(zero < x, _k(x, 1), zero) - where(x < zero, _k(x, 1), zero)
-    return where(isnan(x), x, s) if x.dtype in FLOATS else s
+    zero = _k(x, 0)  # (0 < x) - (x < 0): NaN gives 0, as eager
+    return where(zero < x, _k(x, 1), zero) - where(x < zero, _k(x, 1), zero)
 
 
 def _logit(c: Call):
@@ -378,7 +379,7 @@ def _gelu_backward(c: Call):
         inner_d = k_beta * (1.0 + 3.0 * k_kappa * x_sq)
         return g * (left_d + left * tanh_d * inner_d)
     cdf = 0.5 * (1.0 + prim("erf", x * 0.7071067811865476))
-    pdf = prim("exp", -0.5 * x * x) * (2.0 / math.sqrt(math.pi) * 0.7071067811865476 * 0.5)
+    pdf = (2.0 / math.sqrt(math.pi) * 0.7071067811865476 * 0.5) * prim("exp", x * x * -0.5)
     return g * (cdf + x * pdf)
 
 
@@ -463,7 +464,7 @@ POINTWISE: dict[str, Entry] = {
     "hardswish": _unary(lambda x: x * minimum(maximum(x + 3.0, _k(x, 0)), _k(x, 6)) / 6.0, floats_only=True),
     "hardshrink": lambda c: (lambda x, l: where((x >= -l) & (x <= l), _k(x, 0), x))(
         c.promote(["self"])[1][0], c.s("lambd", 0.5)),
-    "softshrink": lambda c: (lambda x, l: where(x > l, x - l, where(x < -l, x + l, _k(x, 0))))(
+    "softshrink": lambda c: (lambda x, l: where(x > l, x - l, where(x < -l, x + l, x * 0.0)))(
         c.promote(["self"])[1][0], c.s("lambd", 0.5)),
     "silu": _unary(lambda x: x / (1.0 + prim("exp", -x)), floats_only=True),
     "mish": _unary(lambda x: x * prim("tanh", prim("log1p", prim("exp", x))), floats_only=True),
@@ -743,3 +744,65 @@ REDUCTION_OPS: dict[str, Callable] = {
     "var_mean": _reduce_var(False, True), "std_mean": _reduce_var(True, True),
     "logsumexp": _logsumexp, "linalg_vector_norm": _vector_norm, "norm": _vector_norm,
 }
+
+
+# ---- scans -------------------------------------------------------------------------------
+
+@dataclass
+class ScanPlan:
+    kind: str  # a one-component REDUCTIONS kind
+    operand: Expr
+    dim: int
+
+
+def _scan(kind: str) -> Callable:
+    def entry(c: Call):
+        x = c.v("self")
+        dt = c.s("dtype")
+        acc = _acc(str(dt).removeprefix("torch.") if dt is not None else x.dtype, kind)
+        return ScanPlan(kind, x.at(x.dtype).cast(acc), c.s("dim") % max(x.ndim, 1) if x.ndim else 0)
+    return entry
+
+
+SCAN_OPS: dict[str, Callable] = {"cumsum": _scan("sum"), "cumprod": _scan("prod")}
+
+
+# ---- windows (pooling) -------------------------------------------------------------------
+
+@dataclass
+class WindowPlan:
+    kind: str
+    kernel: tuple[int, int]
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+    dilation: tuple[int, int]
+    outputs: Callable[[tuple[Expr, ...], Expr], list[Expr]]  # (state, divisor) -> per output
+    count_include_pad: bool = True
+    divisor_override: int | None = None
+
+
+def _pair(v, default) -> tuple[int, int]:
+    v = default if v is None or v == [] else v
+    v = [v] if isinstance(v, int) else list(v)
+    return (v[0], v[0]) if len(v) == 1 else (v[0], v[1])
+
+
+def _pool(kind: str) -> Callable:
+    def entry(c: Call):
+        x = c.v("self")
+        if x.ndim not in (3, 4):
+            return "pooling needs a 3-D or 4-D input"
+        k = _pair(c.s("kernel_size"), None)
+        geo = (k, _pair(c.s("stride"), k), _pair(c.s("padding"), 0), _pair(c.s("dilation"), 1))
+        if kind == "avg":
+            if x.dtype not in FLOATS:
+                return "avg_pool of integers raises in eager"
+            return WindowPlan("sum", *geo, lambda s, n: [s[0] / n.cast(s[0].dtype)],
+                              bool(c.s("count_include_pad", True)), c.s("divisor_override"))
+        with_indices = c.name.endswith("with_indices")
+        return WindowPlan("argmax", *geo, (lambda s, n: [s[0], s[1]]) if with_indices else (lambda s, n: [s[0]]))
+    return entry
+
+
+WINDOW_OPS: dict[str, Callable] = {"max_pool2d_with_indices": _pool("max"), "max_pool2d": _pool("max"),
+                                   "avg_pool2d": _pool("avg")}

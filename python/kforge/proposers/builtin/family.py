@@ -24,15 +24,14 @@ Knobs = dict[str, Any]
 @dataclass(frozen=True)
 class Family:
     name: str
-    ops: frozenset[str]
+    ops: frozenset[str] | None  # None: any op, and `check` says which cards it declines (the generator)
     check: Callable[[Card], str | None]  # why the card is declined, or None
     spaces: Callable[[Card, Hardware], list[KnobSpace]]
     default: Callable[[Card, Hardware], Knobs]
     build: Callable[[Card, Knobs, Hardware], Candidate]
-    accepts: Callable[[str], bool] | None = None  # ops beyond `ops` (a generator's table)
 
     def takes(self, op: str) -> bool:
-        return op in self.ops or (self.accepts is not None and self.accepts(op))
+        return self.ops is None or op in self.ops
 
 
 def launch(name: str, grid, block, args: list[dict], smem: int = 0, cooperative: bool = False,

@@ -1,5 +1,6 @@
 """Kernels from the code generator (kforge.codegen) for any card its op table covers:
-every pointwise op torch tags, copies, and one-level reductions. It adds candidates beside
+every pointwise op torch tags, copies, one-level reductions, scans (cumsum, cumprod) and
+2-D max/avg pooling. It adds candidates beside
 the hand-written templates for the same cards (algorithms "gen_*"), and is the only
 built-in source for the rest.
 """
@@ -28,10 +29,6 @@ def program(card: Card) -> Program | str:
     return _PROGRAMS[card.id]
 
 
-def accepts(op: str) -> bool:
-    return cg_build.entry_for(op)[0] is not None
-
-
 def check(card: Card) -> str | None:
     p = program(card)
     return p if isinstance(p, str) else None
@@ -44,6 +41,10 @@ def _splits(prog: Program) -> tuple[int, ...]:
 
 def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
     prog = program(card)
+    if prog.window is not None:
+        return [{"algo": ("gen_window",), "threads": (64, 128, 256, 512), "unroll": (1, 2, 4)}]
+    if prog.scan is not None:
+        return [{"algo": ("gen_scan",), "threads": (32, 64, 128, 256, 512), "unroll": (1, 2, 4)}]
     if prog.reduction is None:
         return [{"algo": ("gen_flat",), "threads": (64, 128, 256, 512, 1024), "vec": lower.pointwise_vecs(prog),
                  "items": (1, 2, 4, 8), "grid": ("exact", "stride")}]
@@ -55,6 +56,12 @@ def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
 
 def default(card: Card, hw: Hardware) -> Knobs:
     prog = program(card)
+    if prog.window is not None:
+        return {"algo": "gen_window", "threads": 256 if card.outputs[0].numel >= 256 * 2 * hw.sm_count else 128,
+                "unroll": 2}
+    if prog.scan is not None:  # enough blocks to fill the GPU before wider blocks
+        lines = card.outputs[0].numel // max(1, prog.domain[prog.scan.dim])
+        return {"algo": "gen_scan", "threads": pick((32, 64, 128, 256, 512), lines / (2 * hw.sm_count)), "unroll": 2}
     if prog.reduction is None:
         vec = lower.pointwise_vecs(prog)[-1]
         nvec = card.outputs[0].numel // vec
@@ -79,7 +86,11 @@ def default(card: Card, hw: Hardware) -> Knobs:
 
 def build(card: Card, knobs: Knobs, hw: Hardware) -> Candidate:
     prog = program(card)
-    if prog.reduction is None:
+    if prog.window is not None:
+        built = lower.lower_window(prog, knobs)
+    elif prog.scan is not None:
+        built = lower.lower_scan(prog, knobs)
+    elif prog.reduction is None:
         built = lower.lower_pointwise(prog, knobs, hw.sm_count)
     else:
         built = lower.lower_reduction(prog, knobs, hw.sm_count)
@@ -89,4 +100,4 @@ def build(card: Card, knobs: Knobs, hw: Hardware) -> Candidate:
                      proposer="builtin", knobs=dict(knobs), note="generated")
 
 
-FAMILY = Family("generated", frozenset(), check, spaces, default, build, accepts)
+FAMILY = Family("generated", None, check, spaces, default, build)

@@ -42,7 +42,7 @@ class BuiltinProposer(Proposer):
     def supports(self, card: Card) -> tuple[bool, str]:
         takers = [f for f in self.families if f.takes(card.op)]
         if not takers:
-            return False, f"no builtin template for {card.op} and the code generator declines it"
+            return False, f"no builtin template for {card.op}"
         whys = [(f.name, f.check(card)) for f in takers]
         if any(why is None for _, why in whys):
             return True, ""

@@ -1,0 +1,58 @@
+"""Generated kernels (kforge.codegen, the built-in proposer's `generated` family alone) vs
+eager and torch.compile, over a spread of pointwise and reduction cards, the large ones
+over 64 MB (target: >= 80 % of the HBM floor). Same harness as bench_builtin.py: a knob
+sweep checked against eager, then eager, torch.compile and the best kernel timed together
+(L2 flushed before every rep, interleaved, one event pair per rep).
+
+    python bench/bench_codegen.py [--out bench/results/codegen_h200.json] [--budget 16] [--no-compile] [--only NAME]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "python"), str(ROOT / "tests"), str(ROOT / "bench")]
+
+import bench_builtin  # noqa: E402
+from builtin_cards import A, BF16, F16, make_card, meta  # noqa: E402
+from kforge.proposers.builtin import generated  # noqa: E402
+
+FLOOR = ("floor", 0.8)
+BIG = (8192, 8192)  # 256 MB of fp32, 128 MB of bf16
+CASES = {
+    # >= 64 MB: the HBM target
+    "relu 8192x8192 fp32": (lambda: make_card(A.relu.default, meta(*BIG)), FLOOR),
+    "gelu tanh 8192x11008 bf16": (lambda: make_card(A.gelu.default, meta(8192, 11008, dtype=BF16), approximate="tanh"), FLOOR),
+    "leaky_relu 8192x8192 fp32": (lambda: make_card(A.leaky_relu.default, meta(*BIG), 0.01), FLOOR),
+    "softplus 8192x8192 bf16": (lambda: make_card(A.softplus.default, meta(*BIG, dtype=BF16)), FLOOR),
+    "add bias 8192x8192 bf16": (lambda: make_card(A.add.Tensor, meta(*BIG, dtype=BF16), meta(8192, dtype=BF16)), FLOOR),
+    "mul 8192x8192 int32": (lambda: make_card(A.mul.Tensor, meta(*BIG, dtype=torch.int32), meta(*BIG, dtype=torch.int32)), FLOOR),
+    "hardtanh_ 8192x8192 fp32 (in place)": (lambda: make_card(A.hardtanh_.default, meta(*BIG)), FLOOR),
+    "sum rows 8192x8192 fp32": (lambda: make_card(A.sum.dim_IntList, meta(*BIG), [-1]), FLOOR),
+    "sum cols 8192x8192 fp32": (lambda: make_card(A.sum.dim_IntList, meta(*BIG), [0]), FLOOR),
+    "sum all 8192x8192 fp32": (lambda: make_card(A.sum.default, meta(*BIG)), FLOOR),
+    "mean rows 16384x4096 bf16": (lambda: make_card(A.mean.dim, meta(16384, 4096, dtype=BF16), [-1]), FLOOR),
+    "amax rows 8192x8192 f16": (lambda: make_card(A.amax.default, meta(*BIG, dtype=F16), [-1]), FLOOR),
+    "argmax rows 8192x8192 fp32": (lambda: make_card(A.argmax.default, meta(*BIG), 1), FLOOR),
+    "var rows 8192x8192 fp32": (lambda: make_card(A.var.correction, meta(*BIG), [-1]), FLOOR),
+    "norm2 rows 8192x8192 bf16": (lambda: make_card(A.linalg_vector_norm.default, meta(*BIG, dtype=BF16), 2.0, [-1]), FLOOR),
+    "logsumexp 1024x65536 fp32": (lambda: make_card(A.logsumexp.default, meta(1024, 65536), [1]), FLOOR),
+    "mean hw 64x256x56x56 channels_last fp32": (lambda: make_card(A.mean.dim, meta(64, 256, 56, 56, channels_last=True),
+                                                                  [2, 3]), FLOOR),
+    # smaller, KernelBench-like shapes
+    "sum dim1 16x256x256 fp32": (lambda: make_card(A.sum.dim_IntList, meta(16, 256, 256), [1], True), None),
+    "max dim 16x256x256 fp32": (lambda: make_card(A.max.dim, meta(16, 256, 256), 1), None),
+    "argmin dim 16x256x256 fp32": (lambda: make_card(A.argmin.default, meta(16, 256, 256), 1), None),
+    "elu 16x16384 fp32": (lambda: make_card(A.elu.default, meta(16, 16384)), None),
+    "hardsigmoid 16x16384 fp32": (lambda: make_card(A.hardsigmoid.default, meta(16, 16384)), None),
+}
+
+
+if __name__ == "__main__":
+    raise SystemExit(bench_builtin.main(cases=CASES, families=(generated.FAMILY,), out_name="codegen_h200.json",
+                                        budget=16, title="generated kernels vs eager and torch.compile (GPU time, median)",
+                                        doc=__doc__))

@@ -1,0 +1,82 @@
+"""Run a generated candidate's CUDA C on the CPU: g++ compiles the source with a few shims
+(CUDA qualifiers, thread and block indices, the device math names libm lacks) and every
+(block, thread) of each launch runs one after the other. That is exact for kernels whose
+threads do not cooperate (pointwise kernels; reductions with one thread per output,
+split or not), so the generated indexing, vector accesses, workspaces and epilogues are
+checked on a machine without a GPU. fp32, fp64, int and bool tensors only."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kforge.cards import empty_like_meta
+
+SHIM = r"""
+#include <cmath>
+#include <cstring>
+#include <cstdint>
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__
+#define __launch_bounds__(n)
+#define __shared__ static
+struct kf_dim3 { unsigned x = 0, y = 0, z = 0; };
+static kf_dim3 threadIdx, blockIdx, gridDim, blockDim;
+extern "C" void kf_set_ids(unsigned bx, unsigned by, unsigned tx, unsigned gx, unsigned gy, unsigned nx) {
+  blockIdx.x = bx; blockIdx.y = by; threadIdx.x = tx; gridDim.x = gx; gridDim.y = gy; blockDim.x = nx;
+}
+inline void __syncthreads() {}
+inline float rsqrtf(float x) { return 1.f / sqrtf(x); }
+inline double rsqrt(double x) { return 1.0 / sqrt(x); }
+inline float cyl_bessel_i0f(float x) { return std::cyl_bessel_i(0.f, std::fabs(x)); }
+inline float cyl_bessel_i1f(float x) { return std::copysign(std::cyl_bessel_i(1.f, std::fabs(x)), x); }
+inline double __longlong_as_double(long long v) { double d; std::memcpy(&d, &v, 8); return d; }
+inline float __int_as_float(int v) { float f; std::memcpy(&f, &v, 4); return f; }
+using std::isnan; using std::isinf; using std::signbit;
+"""
+
+
+def _library(source: str) -> ctypes.CDLL:
+    body = SHIM + source.replace('extern "C" __global__', 'extern "C"')
+    key = hashlib.sha256(body.encode()).hexdigest()[:16]
+    d = Path(tempfile.gettempdir()) / "kforge_cuda_on_cpu"
+    d.mkdir(exist_ok=True)
+    so = d / f"{key}.so"
+    if not so.exists():
+        src = d / f"{key}.cpp"
+        src.write_text(body)
+        cc = shutil.which("g++")
+        subprocess.run([cc, "-O1", "-std=c++17", "-shared", "-fPIC", "-w", "-o", str(so), str(src)], check=True,
+                       capture_output=True)
+    return ctypes.CDLL(str(so))
+
+
+def run(card, cand, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The candidate's outputs for CPU `inputs` (NaN-poisoned first), after every launch."""
+    lib = _library(cand.source)
+    outs = [inputs[card.aliases[j]] if j in card.aliases else empty_like_meta(m, "cpu") for j, m in enumerate(card.outputs)]
+    for j, o in enumerate(outs):
+        if j not in card.aliases and o.is_floating_point():
+            o.fill_(float("nan"))
+    ws = [torch.empty(b, dtype=torch.uint8) for b, _ in cand.plan.workspace_bytes()]
+    for k in cand.plan.kernels:
+        fn = getattr(lib, k.name)
+        ptrs = []
+        for a in k.args:
+            kind, i = next(iter(a.items()))
+            t = {"in": inputs, "out": outs, "ws": ws}[kind][i]
+            ptrs.append(ctypes.c_void_p(t.data_ptr()))
+        for by in range(k.grid[1]):
+            for bx in range(k.grid[0]):
+                for tx in range(k.block[0]):
+                    lib.kf_set_ids(bx, by, tx, k.grid[0], k.grid[1], k.block[0])
+                    fn(*ptrs)
+    return outs

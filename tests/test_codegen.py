@@ -1,0 +1,491 @@
+"""The code generator on the CPU: every op torch tags pointwise is generated from the op
+table (compiled by NVRTC for sm_90) or declined with a reason; the table's expressions and
+the reduction kinds match eager on edge values through the reference interpreter (which
+evaluates the same trees lower.py emits); reductions compile across their knob space for
+a spread of shapes, dims, dtypes and layouts, and so do scans and pooling; the generated C itself runs
+on the CPU (g++) like eager; the region builder takes a chain of nodes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from builtin_cards import A, BF16, F16, make_card, meta
+from codegen_cards import EDGES, card_for, pointwise_overloads
+from kforge import compiler
+from kforge.cards import TensorMeta
+from kforge.codegen import build, interp, ops
+from kforge.codegen.ir import Node, Ref
+from kforge.hardware import H200
+from kforge.proposers.builtin import BuiltinProposer, generated
+from kforge.proposers.builtin import space as knob_space
+
+TAGGED = pointwise_overloads()
+
+
+def test_every_tagged_pointwise_op_is_in_the_table_or_declined_and_the_declined_list_is_printed(capsys):
+    missing = [n for n in TAGGED if build.table_key(f"aten::{n}.default")[0] not in {**ops.POINTWISE, **ops.DECLINED}]
+    assert not missing, f"tagged pointwise but neither in ops.POINTWISE nor ops.DECLINED: {missing}"
+    with capsys.disabled():
+        print(f"\n{len(ops.DECLINED)} pointwise ops declined by the code generator:")
+        for name, why in sorted(ops.DECLINED.items()):
+            print(f"  {name}: {why}")
+    # Declining grows only with a reason here: the count is pinned.
+    assert len(ops.DECLINED) == 37
+
+
+def _generated_card(op):
+    """The first dtype (float32, int64, bool) whose card the generator takes, or (None, why)."""
+    why = "no card could be built"
+    for dt in (torch.float32, torch.int64, torch.bool):
+        card = card_for(op, dt)
+        if card is None:
+            continue
+        prog = build.program_for_card(card)
+        if not isinstance(prog, str):
+            return card, None
+        why = prog
+    return None, why
+
+
+@pytest.mark.parametrize("name", sorted(TAGGED))
+def test_tagged_pointwise_op_compiles_from_the_table(name):
+    key = build.table_key(f"aten::{name}.default")[0]
+    for op in TAGGED[name]:
+        card, why = _generated_card(op)
+        if key in ops.DECLINED:
+            assert card is None, f"{op} is listed as declined but the generator takes it"
+            continue
+        assert card is not None, f"{op}: {why}"
+        assert BuiltinProposer().supports(card) == (True, "")
+        cand = generated.build(card, generated.default(card, H200), H200)
+        cand.plan.validate(len(card.inputs), len(card.outputs))
+        assert compiler.compile(cand.source, arch="sm_90").cubin
+
+
+# ---- numerics against eager through the interpreter ------------------------------------
+
+def _gpu_card(op, tensors, *scalars, **kw):
+    """A (CUDA) card of op on meta tensors with these tensors' shapes, strides and dtypes."""
+    metas = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor)
+             else t for t in tensors]
+    return make_card(op, *metas, *scalars, **kw)
+
+
+def _run(op, tensors, *scalars, **kw):
+    """(interpreter's outputs, eager's) for op on CPU tensors."""
+    card = _gpu_card(op, tensors, *scalars, **kw)
+    prog = build.program_for_card(card)
+    assert not isinstance(prog, str), prog
+    got = interp.run(prog, [t for t in tensors if isinstance(t, torch.Tensor)])
+    want = op(*tensors, *scalars, **kw)
+    return got, [want] if isinstance(want, torch.Tensor) else list(want)
+
+
+X1 = torch.tensor(EDGES)
+_XG, _YG = torch.meshgrid(X1, X1, indexing="ij")
+X2, Y2 = _XG.contiguous(), _YG.contiguous()
+# Eager's CPU fmod (vectorized) gives NaN for denormal or huge operands, its CUDA fmodf does
+# not: fmod and remainder are checked on the rest here, on every edge value on the GPU.
+_MODEST = torch.tensor([v for v in EDGES if v == 0 or 1e-30 < abs(v) < 1e30])
+_XM, _YM = torch.meshgrid(_MODEST, _MODEST, indexing="ij")
+XM, YM = _XM.contiguous(), _YM.contiguous()
+
+EDGE_CASES = {
+    "gelu_erf": (A.gelu.default, [X1], (), {}),
+    "gelu_tanh": (A.gelu.default, [X1], (), {"approximate": "tanh"}),
+    "softplus": (A.softplus.default, [X1], (), {}),
+    "softplus_beta2_threshold5": (A.softplus.default, [X1], (2.0, 5.0), {}),
+    "elu": (A.elu.default, [X1], (), {}),
+    "elu_alpha_scale": (A.elu.default, [X1], (0.3, 1.7, 0.8), {}),
+    "selu": (A.selu.default, [X1], (), {}),
+    "celu": (A.celu.default, [X1], (0.7,), {}),
+    "silu": (A.silu.default, [X1], (), {}),
+    "mish": (A.mish.default, [X1], (), {}),
+    "sigmoid": (A.sigmoid.default, [X1], (), {}),
+    "hardsigmoid": (A.hardsigmoid.default, [X1], (), {}),
+    "hardtanh": (A.hardtanh.default, [X1], (-0.5, 2.0), {}),
+    "leaky_relu": (A.leaky_relu.default, [X1], (0.2,), {}),
+    "softshrink": (A.softshrink.default, [X1], (), {}),
+    "hardshrink": (A.hardshrink.default, [X1], (), {}),
+    "threshold": (A.threshold.default, [X1], (0.5, -2.0), {}),
+    "clamp": (A.clamp.default, [X1], (-1.0, 0.5), {}),
+    "nan_to_num": (A.nan_to_num.default, [X1], (), {}),
+    "sign": (A.sign.default, [X1], (), {}),
+    "pow_tensor": (A.pow.Tensor_Tensor, [X2, Y2], (), {}),
+    "pow_2": (A.pow.Tensor_Scalar, [X1], (2,), {}),
+    "pow_half": (A.pow.Tensor_Scalar, [X1], (0.5,), {}),
+    "pow_minus_half": (A.pow.Tensor_Scalar, [X1], (-0.5,), {}),
+    "pow_3_3": (A.pow.Tensor_Scalar, [X1], (3.3,), {}),
+    "div_floor": (A.div.Tensor_mode, [X2, Y2], (), {"rounding_mode": "floor"}),
+    "div_trunc": (A.div.Tensor_mode, [X2, Y2], (), {"rounding_mode": "trunc"}),
+    "div_scalar": (A.div.Scalar, [X1], (3.0,), {}),
+    "remainder": (A.remainder.Tensor, [XM, YM], (), {}),
+    "fmod": (A.fmod.Tensor, [XM, YM], (), {}),
+    "round": (A.round.default, [X1 * 3.7], (), {}),
+    "round_decimals": (A.round.decimals, [X1 * 3.7], (), {"decimals": 2}),
+    "round_negative_decimals": (A.round.decimals, [X1 * 370], (), {"decimals": -1}),
+    "logaddexp": (A.logaddexp.default, [X2, Y2], (), {}),
+    "logaddexp2": (A.logaddexp2.default, [X2, Y2], (), {}),
+    "xlogy": (A.xlogy.Tensor, [X2, Y2], (), {}),
+    "xlog1py": (A.special_xlog1py.default, [X2, Y2], (), {}),
+    "maximum": (A.maximum.default, [X2, Y2], (), {}),
+    "atan2": (A.atan2.default, [X2, Y2], (), {}),
+    "hypot": (A.hypot.default, [X2, Y2], (), {}),
+    "copysign": (A.copysign.Tensor, [X2, Y2], (), {}),
+    "heaviside": (A.heaviside.default, [X2, Y2], (), {}),
+    "lerp": (A.lerp.Scalar, [X2, Y2], (0.3,), {}),
+    "add_alpha": (A.add.Tensor, [X2, Y2], (), {"alpha": 0.5}),
+    "logit": (A.logit.default, [X1], (), {}),
+    "logit_eps": (A.logit.default, [X1], (1e-3,), {}),
+    "sinc": (A.sinc.default, [X1], (), {}),
+    "frac": (A.frac.default, [X1], (), {}),
+    "angle": (A.angle.default, [X1], (), {}),
+    "entr": (A.special_entr.default, [X1], (), {}),
+    "gelu_backward": (A.gelu_backward.default, [X2, Y2], (), {}),
+    "gelu_backward_tanh": (A.gelu_backward.default, [X2, Y2], (), {"approximate": "tanh"}),
+    "silu_backward": (A.silu_backward.default, [X2, Y2], (), {}),
+    "sigmoid_backward": (A.sigmoid_backward.default, [X2, Y2], (), {}),
+}
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-5),
+       torch.float16: dict(rtol=2e-3, atol=1e-5)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16, F16], ids=str)
+@pytest.mark.parametrize("name", sorted(EDGE_CASES))
+def test_expression_matches_eager_on_edge_values(name, dtype):
+    """0, -0, ±1, denormals, thresholds, large magnitudes, ±inf and NaN (rounded to the
+    dtype first); fp16/bf16 computed in fp32 and rounded once, as eager does."""
+    op, tensors, scalars, kw = EDGE_CASES[name]
+    if name == "logit_eps" and dtype != torch.float32:
+        pytest.skip("eager's CPU logit rounds eps to the 16-bit dtype; its CUDA kernel (which the table follows) keeps fp32")
+    if name in ("pow_half", "pow_minus_half") and dtype == F16:
+        pytest.skip("eager's CPU fp16 pow skips the sqrt/rsqrt shortcut of its CUDA kernel (pow(-inf, 0.5) = inf)")
+    got, want = _run(op, [t.to(dtype) for t in tensors], *scalars, **kw)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g, w, equal_nan=True, **TOL.get(w.dtype, dict(rtol=0, atol=0)))
+
+
+INTS = torch.tensor([-7, -3, -1, 0, 1, 2, 5, 100, 2**31 - 1, -2**31])
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int8], ids=str)
+@pytest.mark.parametrize("op, kw", [
+    (A.div.Tensor_mode, {"rounding_mode": "floor"}), (A.div.Tensor_mode, {"rounding_mode": "trunc"}),
+    (A.div.Tensor, {}), (A.remainder.Tensor, {}), (A.fmod.Tensor, {}), (A.mul.Tensor, {}), (A.add.Tensor, {}),
+    (A.bitwise_xor.Tensor, {}), (A.maximum.default, {}), (A.eq.Tensor, {}),
+], ids=lambda x: str(x) if not isinstance(x, dict) else ",".join(f"{k}={v}" for k, v in x.items()))
+def test_integer_arithmetic_matches_eager(op, kw, dtype):
+    """Integer division rounds toward zero or -inf as asked, true division promotes to
+    float, arithmetic wraps in the dtype."""
+    v = INTS.to(dtype)
+    # Divisors leave out 0 and -1 (INT_MIN / -1 traps on the CPU; CUDA has no such trap).
+    x, y = torch.meshgrid(v, v[(v != 0) & (v != -1)], indexing="ij")
+    got, want = _run(op, [x.contiguous(), y.contiguous()], **kw)
+    assert got[0].dtype == want[0].dtype
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("op", [A.bitwise_left_shift.Tensor, A.bitwise_right_shift.Tensor])
+def test_shifts_past_the_width_match_eager(op):
+    a, b = torch.meshgrid(torch.tensor([-5, 1, 7, -128], dtype=torch.int32), torch.arange(-3, 70, dtype=torch.int32),
+                          indexing="ij")
+    got, want = _run(op, [a.contiguous(), b.contiguous()])
+    assert torch.equal(got[0], want[0])
+
+
+def test_bool_ops_and_comparisons_match_eager():
+    a, b = torch.meshgrid(torch.tensor([True, False]), torch.tensor([True, False]), indexing="ij")
+    for op in (A.logical_xor.default, A.bitwise_and.Tensor, A.add.Tensor, A.mul.Tensor, A.logical_not.default):
+        args = [a.contiguous()] if op == A.logical_not.default else [a.contiguous(), b.contiguous()]
+        got, want = _run(op, args)
+        assert torch.equal(got[0], want[0]), op
+    got, want = _run(A.lt.Tensor, [X2.to(BF16), Y2])
+    assert torch.equal(got[0], want[0])
+
+
+def test_mixed_dtypes_promote_like_eager():
+    # bf16 * fp32 0-dim CUDA tensor: eager's CUDA kernel rounds the 0-dim operand to bf16 first
+    # (a CPU 0-dim tensor would be a scalar kept in fp32, so this is checked on the tree).
+    prog = build.program_for_card(make_card(A.mul.Tensor, meta(6, 4, dtype=BF16), meta()))
+    assert any(e.op == "cast" and e.value == ("round", "bfloat16") and e.args[0].op == "load"
+               for e in prog.results[0].walk())
+    i = torch.arange(-5, 5, dtype=torch.int32)
+    got, want = _run(A.add.Tensor, [i, torch.randn(10)])
+    assert torch.equal(got[0], want[0])
+
+
+# ---- reductions --------------------------------------------------------------------------
+
+def _red_cases():
+    x4 = torch.randn(3, 5, 4, 7)
+    cl = x4.to(memory_format=torch.channels_last)
+    t = torch.randn(9, 13).t()
+    h = torch.randn(6, 1000).to(BF16)
+    return {
+        "sum_inner": (A.sum.dim_IntList, [x4], ([-1],), {}),
+        "sum_middle_keepdim": (A.sum.dim_IntList, [x4], ([1, 2], True), {}),
+        "sum_all": (A.sum.default, [x4], (), {}),
+        "sum_channels_last_hw": (A.sum.dim_IntList, [cl], ([2, 3],), {}),
+        "sum_transposed": (A.sum.dim_IntList, [t], ([0],), {}),
+        "sum_bf16_to_f32": (A.sum.dim_IntList, [h], ([1],), {"dtype": torch.float32}),
+        "sum_int": (A.sum.dim_IntList, [torch.randint(-50, 50, (4, 9), dtype=torch.int32)], ([1],), {}),
+        "sum_bool": (A.sum.dim_IntList, [torch.rand(4, 9) > 0.5], ([0],), {}),
+        "mean_bf16": (A.mean.dim, [h], ([-1],), {}),
+        "mean_one_element_rows": (A.mean.dim, [torch.randn(7, 1)], ([1],), {}),
+        "prod": (A.prod.dim_int, [torch.rand(5, 6) + 0.5], (1,), {}),
+        "amax_edges": (A.amax.default, [X2], ([1],), {}),
+        "amin_f16": (A.amin.default, [X2.to(F16)], ([0],), {}),
+        "max_dim_edges": (A.max.dim, [X2], (1,), {}),
+        "min_dim_keepdim": (A.min.dim, [x4], (2, True), {}),
+        "argmax_ties": (A.argmax.default, [torch.tensor([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0]])], (1,), {}),
+        "argmax_flat": (A.argmax.default, [cl], (), {}),
+        "argmin_transposed": (A.argmin.default, [t], (0,), {}),
+        "argmax_nan": (A.argmax.default, [X2], (1,), {}),
+        "var": (A.var.correction, [x4], ([1, 3],), {}),
+        "std_unbiased_false": (A.std.correction, [x4], ([-1],), {"correction": 0}),
+        "var_one_element": (A.var.correction, [torch.randn(4, 1)], ([1],), {}),
+        "var_mean": (A.var_mean.correction, [h], ([1],), {}),
+        "std_mean_keepdim": (A.std_mean.correction, [x4], ([0, 2],), {"keepdim": True}),
+        "any": (A.any.dim, [torch.rand(6, 7) > 0.8], (1,), {}),
+        "all_float": (A.all.dim, [torch.randn(6, 7).round()], (0,), {}),
+        "logsumexp": (A.logsumexp.default, [x4], ([-1],), {}),
+        "logsumexp_edges": (A.logsumexp.default, [X2], ([1],), {}),
+        "norm2": (A.linalg_vector_norm.default, [x4], (2.0, [1, 2]), {}),
+        "norm1": (A.linalg_vector_norm.default, [x4], (1.0, [-1]), {}),
+        "norm_inf": (A.linalg_vector_norm.default, [x4], (float("inf"), [-1]), {}),
+        "norm_3": (A.linalg_vector_norm.default, [x4.abs() + 0.1], (3.0, [-1]), {}),
+        "cumsum_inner": (A.cumsum.default, [x4], (-1,), {}),
+        "cumsum_channels_last": (A.cumsum.default, [cl], (1,), {}),
+        "cumsum_transposed_bf16": (A.cumsum.default, [t.to(BF16)], (0,), {}),
+        "cumsum_int_to_int64": (A.cumsum.default, [torch.randint(-9, 9, (5, 30), dtype=torch.int32)], (1,), {}),
+        "cumsum_bool": (A.cumsum.default, [torch.rand(5, 30) > 0.5], (1,), {}),
+        "cumsum_dtype": (A.cumsum.default, [h], (1,), {"dtype": torch.float32}),
+        "cumprod": (A.cumprod.default, [torch.rand(4, 20) + 0.5], (1,), {}),
+        "max_pool_indices_pad": (A.max_pool2d_with_indices.default, [torch.randn(2, 3, 11, 9)], ([3, 3], [2, 2], [1, 1]), {}),
+        "max_pool_dilated_ceil": (A.max_pool2d_with_indices.default, [torch.randn(1, 2, 10, 10)],
+                                  ([3, 3], [1, 1], [1, 1], [2, 2], True), {}),
+        "max_pool_channels_last_bf16": (A.max_pool2d.default, [torch.randn(2, 4, 8, 8).to(BF16).to(
+            memory_format=torch.channels_last)], ([2, 2],), {}),
+        "max_pool_int": (A.max_pool2d_with_indices.default, [torch.randint(-9, 9, (2, 6, 7), dtype=torch.int32)],
+                         ([2, 2],), {}),
+        "avg_pool_pad": (A.avg_pool2d.default, [torch.randn(2, 3, 11, 9)], ([3, 3], [2, 2], [1, 1]), {}),
+        "avg_pool_no_pad_count_ceil": (A.avg_pool2d.default, [torch.randn(3, 11, 9)], ([3, 2], [2, 1], [1, 1], True, False),
+                                       {}),
+        "avg_pool_divisor": (A.avg_pool2d.default, [torch.randn(2, 3, 11, 9)], ([3, 3], [2, 2], [1, 0], True, True, 5), {}),
+    }
+
+
+RED = _red_cases()
+
+
+@pytest.mark.parametrize("name", sorted(RED))
+def test_reduction_matches_eager_through_the_interpreter(name):
+    op, tensors, scalars, kw = RED[name]
+    got, want = _run(op, tensors, *scalars, **kw)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        tol = dict(rtol=1e-5, atol=1e-5) if w.dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(g, w, equal_nan=True, **(tol if w.is_floating_point() else dict(rtol=0, atol=0)))
+
+
+@pytest.mark.parametrize("name", sorted(RED))
+def test_reduction_compiles_for_sm90_across_its_knobs(name):
+    """The default and each algorithm's corners compile; every setting has its own digest
+    and a plan that fits the card (split > 1: two kernels and a workspace)."""
+    op, tensors, scalars, kw = RED[name]
+    card = _gpu_card(op, tensors, *scalars, **kw)
+    assert BuiltinProposer().supports(card) == (True, "")
+    spaces = generated.spaces(card, H200)
+    settings = [generated.default(card, H200)]
+    for s in spaces:
+        settings += [{k: v[0] for k, v in s.items()}, {k: v[-1] for k, v in s.items()}]
+    for knobs in settings:
+        cand = generated.build(card, knobs, H200)
+        cand.plan.validate(len(card.inputs), len(card.outputs))
+        assert len(cand.plan.kernels) == (2 if knobs.get("split", 1) > 1 else 1)
+        assert compiler.compile(cand.source, arch="sm_90").cubin
+    digests = {generated.build(card, k, H200).digest() for s in spaces for k in knob_space.configs(s)[:40]}
+    assert len(digests) == sum(len(knob_space.configs(s)[:40]) for s in spaces)
+
+
+@pytest.mark.parametrize("reverse, exclusive", [(True, False), (False, True), (True, True)])
+def test_reversed_and_exclusive_scans(reverse, exclusive):
+    """The IR's scan flags (regions lower flip + cumsum, or a shifted cumsum, to them): the
+    interpreter and the generated C run on the CPU agree with torch."""
+    import dataclasses
+
+    import cuda_on_cpu
+
+    card = make_card(A.cumsum.default, meta(6, 23), 1)
+    prog = build.program_for_card(card)
+    prog.scan = dataclasses.replace(prog.scan, reverse=reverse, exclusive=exclusive)
+    x = torch.randn(6, 23)
+    want = x.flip(1).cumsum(1).flip(1) if reverse else x.cumsum(1)
+    if exclusive:
+        want = want - x
+    (got,) = interp.run(prog, [x])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    generated._PROGRAMS[card.id] = prog
+    try:
+        cand = generated.build(card, generated.default(card, H200), H200)
+    finally:
+        del generated._PROGRAMS[card.id]
+    (ran,) = cuda_on_cpu.run(card, cand, [x])
+    torch.testing.assert_close(ran, want, rtol=1e-5, atol=1e-5)
+
+
+def test_long_reduction_with_few_outputs_splits_across_blocks():
+    card = make_card(A.sum.default, meta(64, 1 << 20))
+    knobs = generated.default(card, H200)
+    cand = generated.build(card, knobs, H200)
+    assert knobs["split"] >= 256 and [k.name for k in cand.plan.kernels] == ["kf_gen", "kf_gen_finish"]
+    assert cand.plan.kernels[0].grid[1] == knobs["split"] and cand.plan.workspace_bytes() == [(knobs["split"] * 8, False)]
+
+
+def test_templates_stay_first_and_the_generator_adds_its_algorithms():
+    from kforge.proposers.builtin.proposer import families_for
+
+    card = make_card(A.relu.default, meta(64, 256))
+    assert [f.name for f in families_for(card)] == ["pointwise", "generated"]
+    from test_builtin_templates import ctx
+
+    first = BuiltinProposer().propose(ctx(card)).candidate
+    assert first.knobs["algo"] == "flat"  # the template's default
+    seen = {BuiltinProposer().propose(ctx(card, parent=_tried(first), seed=s)).candidate.knobs["algo"] for s in range(40)}
+    assert "gen_flat" in seen
+
+
+def _tried(cand):
+    from kforge.proposers.base import Tried
+    from kforge.verdict import EvalResult, Verdict
+
+    return Tried(cand, EvalResult(Verdict.VALID))
+
+
+def test_cards_without_a_template_are_generated():
+    from builtin_cards import to_copy
+
+    for card in (make_card(A.leaky_relu.default, meta(16, 1000)), make_card(A.sum.dim_IntList, meta(8, 64), [1]),
+                 make_card(A.argmax.default, meta(8, 64), 1), make_card(A.abs.default, meta(9, dtype=torch.int32)),
+                 make_card(A.relu.default, meta(8, dtype=torch.float64)),
+                 make_card(A.mean.dim, meta(4, 10, 33), [0, 2], True),
+                 make_card(A.mean.dim, meta(4, 8), [1], dtype=torch.float64), to_copy(meta(8, 4), torch.int64),
+                 to_copy(meta(8, 4, dtype=BF16), torch.bool), to_copy(meta(8, 4), torch.float64)):
+        assert BuiltinProposer().supports(card) == (True, ""), card.op
+
+
+@pytest.mark.parametrize("card, reason", [
+    (lambda: make_card(A.sort.default, meta(8, 8)), "no builtin template or generated kernel"),
+    (lambda: make_card(A.frexp.Tensor, meta(8)), "two outputs"),
+    (lambda: make_card(A.relu.default, meta(8, dtype=torch.complex64)), "complex64"),
+    (lambda: make_card(A.sum.dim_IntList, meta(8, 8, dtype=torch.complex64), [1]), "complex64"),
+])
+def test_generator_declines_with_a_reason(card, reason):
+    ok, why = BuiltinProposer().supports(card())
+    assert not ok and reason in why, why
+
+
+# ---- the region builder ------------------------------------------------------------------
+
+def test_region_of_pointwise_nodes_and_a_reduction_with_an_epilogue():
+    """x * w -> sum over the last dim -> + bias -> sigmoid: one Program, its prologue and
+    epilogue evaluated by the interpreter like eager runs the four ops."""
+    x, w, b = torch.randn(6, 40), torch.randn(40), torch.randn(6)
+    ins = [TensorMeta.of(t) for t in (x, w, b)]
+    m = lambda *s: TensorMeta(s, torch.empty(s).stride(), "float32", "cuda")  # noqa: E731
+    nodes = [Node("aten::mul.Tensor", {"self": Ref("in", 0), "other": Ref("in", 1)}, [m(6, 40)]),
+             Node("aten::sum.dim_IntList", {"self": Ref("node", 0), "dim": [-1], "keepdim": False, "dtype": None}, [m(6)]),
+             Node("aten::add.Tensor", {"self": Ref("node", 1), "other": Ref("in", 2), "alpha": 1}, [m(6)]),
+             Node("aten::sigmoid.default", {"self": Ref("node", 2)}, [m(6)])]
+    prog = build.from_nodes(nodes, ins, [Ref("node", 3)], [m(6)], {})
+    assert not isinstance(prog, str), prog
+    assert prog.reduction is not None and prog.in_strides[2] == (1, 0)
+    (got,) = interp.run(prog, [x, w, b])
+    torch.testing.assert_close(got, torch.sigmoid((x * w).sum(-1) + b))
+    from kforge.codegen import lower
+
+    built = lower.lower_reduction(prog, {"algo": "gen_rows", "threads": 128, "lanes": 32, "items": 2, "split": 1}, 132)
+    assert compiler.compile(built.source, arch="sm_90").cubin
+
+
+def test_region_with_two_reductions_is_declined():
+    m = lambda *s: TensorMeta(s, torch.empty(s).stride(), "float32", "cuda")  # noqa: E731
+    nodes = [Node("aten::amax.default", {"self": Ref("in", 0), "dim": [1], "keepdim": True}, [m(4, 1)]),
+             Node("aten::sum.dim_IntList", {"self": Ref("node", 0), "dim": [1], "keepdim": True, "dtype": None}, [m(4, 1)])]
+    why = build.from_nodes(nodes, [m(4, 8)], [Ref("node", 1)], [m(4, 1)], {})
+    assert isinstance(why, str) and "one reduction level" in why
+
+
+# ---- the generated C itself, run on the CPU ----------------------------------------------
+
+I32 = torch.int32
+ON_CPU = {
+    "relu_odd": lambda: make_card(A.relu.default, meta(37, 3)),
+    "add_broadcast_alpha": lambda: make_card(A.add.Tensor, meta(7, 5, 12), meta(5, 1), alpha=2),
+    "mul_sliced": lambda: make_card(A.mul.Tensor, meta(16, 40)[:, :24], meta(24)),
+    "elu_transposed": lambda: make_card(A.elu.default, meta(16, 24).t()),
+    "div_channels_last": lambda: make_card(A.div.Tensor, meta(2, 8, 3, 5, channels_last=True), meta(8, 1, 1)),
+    "hardtanh_inplace": lambda: make_card(A.hardtanh_.default, meta(6, 40)),
+    "add_out": lambda: make_card(A.add.out, meta(7, 8), meta(8), out=meta(7, 8)),
+    "where_bool": lambda: make_card(A.where.self, meta(9, 8, dtype=torch.bool), meta(9, 8), meta(8)),
+    "eq_int": lambda: make_card(A.eq.Tensor, meta(6, 16, dtype=I32), meta(6, 16, dtype=I32)),
+    "to_copy_int_to_f64": lambda: make_card(A._to_copy.default, meta(8, 12, dtype=I32), dtype=torch.float64),
+    "zero_dim": lambda: make_card(A.exp.default, meta()),
+    "sum_rows": lambda: make_card(A.sum.dim_IntList, meta(5, 300), [-1]),
+    "sum_dim0_keepdim": lambda: make_card(A.sum.dim_IntList, meta(600, 7), [0], True),
+    "sum_all": lambda: make_card(A.sum.default, meta(20, 700)),
+    "mean_channels_last": lambda: make_card(A.mean.dim, meta(2, 8, 3, 5, channels_last=True), [2, 3]),
+    "sum_int_transposed": lambda: make_card(A.sum.dim_IntList, meta(30, 9, dtype=I32).t(), [1]),
+    "max_dim": lambda: make_card(A.max.dim, meta(6, 700), 1),
+    "argmin_flat": lambda: make_card(A.argmin.default, meta(3, 4, 70)),
+    "var_mean": lambda: make_card(A.var_mean.correction, meta(4, 900), [1]),
+    "logsumexp": lambda: make_card(A.logsumexp.default, meta(3, 800), [1]),
+    "any_bool": lambda: make_card(A.any.dim, meta(5, 600, dtype=torch.bool), 1),
+    "norm2": lambda: make_card(A.linalg_vector_norm.default, meta(6, 500), 2.0, [-1]),
+    "cumsum_rows": lambda: make_card(A.cumsum.default, meta(5, 300), 1),
+    "cumsum_dim0_int": lambda: make_card(A.cumsum.default, meta(70, 6, dtype=I32), 0),
+    "cumprod_channels_last": lambda: make_card(A.cumprod.default, meta(2, 8, 3, 5, channels_last=True), 1),
+    "max_pool_indices": lambda: make_card(A.max_pool2d_with_indices.default, meta(2, 3, 11, 9), [3, 3], [2, 2], [1, 1]),
+    "max_pool_channels_last_dilated": lambda: make_card(A.max_pool2d.default, meta(1, 4, 10, 10, channels_last=True),
+                                                        [3, 3], [1, 1], [1, 1], [2, 2], True),
+    "avg_pool_count_exclude_pad": lambda: make_card(A.avg_pool2d.default, meta(3, 11, 9), [3, 2], [2, 1], [1, 1], True, False),
+}
+
+
+def _cpu_settings(card):
+    """Settings whose threads do not cooperate (every pointwise one; one thread per output)."""
+    out = []
+    for s in generated.spaces(card, H200):
+        if s["algo"] == ("gen_rows",):
+            continue
+        for k in knob_space.configs(s):
+            if k["threads"] == 64 or (k["threads"] == 128 and k.get("grid") == "stride"):
+                out.append(k)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(ON_CPU))
+def test_generated_c_runs_on_the_cpu_like_eager(name):
+    """g++ runs the very source NVRTC compiles, thread by thread: for each knob setting
+    (vector widths, items, grid-stride, splits with their workspace and second kernel) the
+    outputs match eager, every element written."""
+    import cuda_on_cpu
+
+    card = ON_CPU[name]()
+    settings = _cpu_settings(card)
+    assert settings
+    for seed, knobs in enumerate(settings[::max(1, len(settings) // 6)]):
+        inputs = card.random_inputs(seed, "cpu")
+        want = card.call_eager([t.clone() for t in inputs], "cpu")
+        got = cuda_on_cpu.run(card, generated.build(card, knobs, H200), inputs)
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and g.stride() == w.stride() or g.numel() <= 1, (knobs, g.stride(), w.stride())
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"{knobs}: {m}")
+
+
+def test_pooling_of_integer_tensors_is_declined_since_eager_cuda_cannot_check_it():
+    card = make_card(torch.ops.aten.max_pool2d_with_indices.default, meta(2, 5, 17, 13, dtype=torch.int32),
+                     [3, 3], [2, 2], [1, 1], [2, 2], True)
+    assert "eager has no CUDA kernel" in generated.check(card)
