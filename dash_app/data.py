@@ -562,6 +562,7 @@ def _flatten(d: dict, skip: tuple[str, ...] = (), prefix: str = "") -> dict[str,
 def manifest_row(e: dict) -> dict:
     """One card entry of a manifest (kforge.package format), flattened for a table."""
     timing, error = e.get("timing") or {}, e.get("error") or {}
+    compiled = e.get("compile") if isinstance(e.get("compile"), dict) else {}  # none in format 1 packages
     eager, kernel = timing.get("eager_us"), timing.get("kernel_us")
     return {
         "card_id": e.get("id", ""), "op": e.get("op", ""), "summary": e.get("summary", ""),
@@ -569,6 +570,8 @@ def manifest_row(e: dict) -> dict:
         "eager_us": eager, "kernel_us": kernel, "dispatched_us": timing.get("dispatched_us"),
         "eager_dispatched_us": timing.get("eager_dispatched_us"),
         "speedup": eager / kernel if eager and kernel else None,
+        "compile_decision": compiled.get("decision") or "none", "compile_reason": compiled.get("reason") or "",
+        "compile_us": compiled.get("compile_us"),
         "max_abs_err": error.get("max_abs_err"), "tolerance": tolerance_text(error.get("tolerances")),
         "candidate": (e.get("candidate") or {}).get("log_id"),
     }

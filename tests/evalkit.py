@@ -48,6 +48,11 @@ def fake(name: str, kind: str = "custom", **knobs) -> Candidate:
     return Candidate(f"evalkit:{name}", plan, kind=kind, proposer="test", knobs=knobs)
 
 
+def failing_compile_backend(gm, example_inputs):
+    """A torch.compile backend that raises: plays a card torch.compile cannot compile."""
+    raise RuntimeError("this op cannot be compiled here")
+
+
 # ---- stand-in kernels for relu ---------------------------------------------------------
 
 def relu_good(ins, outs, ws):

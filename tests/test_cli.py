@@ -160,6 +160,29 @@ def test_package_then_inspect_and_verify_the_cast(tmp_path, capsys, monkeypatch)
     assert "checksums and format ok; 0 of 1 cards dispatched" in " ".join(capsys.readouterr().out.split())
 
 
+def test_inspect_shows_the_eager_and_the_compiled_graphs_decision_of_each_card(tmp_path, capsys):
+    import json
+
+    from test_package import build_run, relu_candidate, result
+
+    from kforge.package import write_package
+
+    wins, loses = toy_card(n=1024), toy_card(n=2048)
+    build_run(tmp_path / "run", [(wins, [(relu_candidate(1024), result())], None),
+                                 (loses, [(relu_candidate(2048), result(compiled=4.0))], None)])
+    cast = write_package(tmp_path / "run", tmp_path / "m.cast")
+    assert main(["inspect", str(cast)]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if "decision" in line)
+    assert [c.strip() for c in header.split("┃")][3:5] == ["decision", "compile"], header
+    assert "why (compile)" in " ".join(out.split())  # here, with no GPU, both fall back and say why
+    assert main(["inspect", str(cast), "--json"]) == 0
+    cards = {c["id"]: c for c in json.loads(capsys.readouterr().out)["cards"]}
+    assert (cards[wins.id]["decision"], cards[wins.id]["compile"]["decision"]) == ("dispatched", "dispatched")
+    assert (cards[loses.id]["decision"], cards[loses.id]["compile"]["decision"]) == ("dispatched", "fallback")
+    assert cards[loses.id]["compile"]["compile_us"] == 4.0 and cards[loses.id]["compile"]["kernel_us"] == 5.0
+
+
 def test_verify_without_a_gpu_checks_the_package_then_says_the_kernels_need_one(tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip("checks the CPU-only behaviour of verify")

@@ -29,13 +29,16 @@ PLAN = LaunchPlan.from_json({"kernels": [{"name": "k", "grid": [1, 1, 1], "block
                                           "args": [{"in": 0}, {"out": 0}]}]})
 
 
-def fake_package(*cards, decisions=None, name="fake.cast") -> CastPackage:
-    """A package of CPU cards, every one dispatched unless `decisions` says otherwise."""
+def fake_package(*cards, decisions=None, compile_decisions=None, name="fake.cast") -> CastPackage:
+    """A package of CPU cards, every one dispatched (eager and compiled) unless `decisions` (both)
+    or `compile_decisions` (compiled graphs') say otherwise."""
     decisions = decisions or ["dispatched"] * len(cards)
+    compile_decisions = compile_decisions or decisions
     packaged = [PackagedCard(c, d, "test", "custom", {"id": c.id},
-                             Candidate(f'extern "C" __global__ void k() {{}} // {c.id}', PLAN))
-                for c, d in zip(cards, decisions)]
-    manifest = {"format": 1, "gpu": {"name": "cpu", "arch": "cpu"}, "cards": [{"id": c.id} for c in cards]}
+                             Candidate(f'extern "C" __global__ void k() {{}} // {c.id}', PLAN),
+                             compile_decision=cd, compile_reason="test")
+                for c, d, cd in zip(cards, decisions, compile_decisions)]
+    manifest = {"format": 2, "gpu": {"name": "cpu", "arch": "cpu"}, "cards": [{"id": c.id} for c in cards]}
     return CastPackage(Path(name), manifest, packaged)
 
 
@@ -110,6 +113,22 @@ def test_fallback_and_in_place_cards_stay_out_of_graphs():
     assert "writes its inputs" in customops.op_blocker(relu_inplace)
     pkg = fake_package(make_card(aten.relu.default, x), relu_inplace, decisions=["fallback", "dispatched"])
     assert inductor._rewrites(pkg, FakeLauncher(relu_kernel, relu_kernel)) == []
+
+
+def test_a_card_whose_compile_decision_is_not_dispatched_stays_inductors():
+    """Eager dispatch takes the kernel; compiled graphs only where it beat torch.compile's time."""
+    x = torch.randn(4, 8)
+    relu, sigmoid, tanh = (make_card(op, x) for op in (aten.relu.default, aten.sigmoid.default, aten.tanh.default))
+    pkg = fake_package(relu, sigmoid, tanh, decisions=["dispatched", "dispatched", "fallback"],
+                       compile_decisions=["fallback", None, "dispatched"])
+    launcher = FakeLauncher(relu_kernel, relu_kernel, relu_kernel)
+    (rewrite,) = inductor._rewrites(pkg, launcher)
+    assert rewrite.ops == [aten.tanh.default]
+    gm = traced(lambda t: torch.tanh(torch.sigmoid(torch.relu(t))), x, rewrites=[rewrite])
+    assert rewrite(gm.graph) == 1
+    assert sorted(str(n.target) for n in gm.graph.nodes if n.op == "call_function") == [
+        "aten.relu.default", "aten.sigmoid.default", f"kforge.{customops.op_name(tanh, pkg.cards[2].candidate.digest())}.default"]
+    assert [v.card.id for v in pkg.variants(launcher)] == [relu.id, sigmoid.id]  # eager's own decision
 
 
 def test_region_cards_stay_kforge_optimizes_and_op_cards_keep_their_kernel_and_variant():

@@ -106,6 +106,7 @@ def test_navigation_through_a_run(duo, runs):
         assert f"/{page}?run={written.run_id}" in duo.driver.current_url
         if page == "package":  # the run's model check heads the package
             duo.wait_for_contains_text("#package-model-check", "1.122x, faster")
+            duo.wait_for_contains_text("#package-table", "compiled graphs")  # beside eager's decision
         no_console_errors(duo)
     duo.find_element(f'#cards-table a[href*="card={written.searched[0]}"]').click()
     duo.wait_for_contains_text("#card-title", "gelu")

@@ -173,11 +173,15 @@ def test_package_rows_and_missing_or_corrupt_package(cat, demo, tmp_path):
     rows = {r["card_id"]: r for r in view["cards"]}
     won, noisy, untouched = rows[demo.searched[0]], rows[demo.searched[1]], rows[demo.card_ids[-1]]
     assert won["decision"] == "dispatched" and won["kind"] == "custom" and won["candidate"] is not None
+    assert won["compile_decision"] == "dispatched" and won["compile_us"] == pytest.approx(won["eager_us"])
+    assert won["compile_reason"].startswith("2.90x faster than torch.compile")
+    assert untouched["compile_decision"] == "fallback" and untouched["compile_reason"].startswith("not searched")
     assert won["speedup"] == pytest.approx(2.9)
     assert won["dispatched_us"] == pytest.approx(won["kernel_us"] + 2.0)
     assert won["eager_dispatched_us"] == pytest.approx(won["eager_us"])  # no separate eager-as-dispatched timing
     assert re.fullmatch(r"atol=\d\.?\d*e-0\d, rtol=1e-05", won["tolerance"]), won["tolerance"]
     assert noisy["decision"] == "fallback" and "eager as dispatched" in noisy["reason"]  # slower, or within noise
+    assert noisy["compile_decision"] == "fallback" and "torch.compile" in noisy["compile_reason"]
     assert noisy["candidate"] is None and noisy["tolerance"] == ""
     assert untouched["reason"].startswith("not searched")
     assert won["summary"] == cat.card(demo.run_id, demo.searched[0])["summary"]

@@ -36,6 +36,32 @@ def test_schema_version_is_recorded_and_newer_logs_are_refused(tmp_path):
         SearchLog(tmp_path)
 
 
+def _version_1_log(tmp_path) -> int:
+    """A log as kforge wrote it at schema version 1 (no candidates.compile_us), with one candidate."""
+    log, card = _log(tmp_path)
+    cid = _add(log, card, Verdict.VALID, speedup=2.0)
+    with log.conn:
+        log.conn.execute("ALTER TABLE candidates DROP COLUMN compile_us")
+        log.conn.execute("UPDATE meta SET value='1' WHERE key='schema_version'")
+    log.close()
+    return cid
+
+
+def test_a_version_1_log_reads_as_null_compile_times_and_a_writer_upgrades_it(tmp_path):
+    cid = _version_1_log(tmp_path)
+    reader = connect(tmp_path, readonly=True)  # the dashboard's and inspect's way: it must not write
+    assert dict(reader.execute("SELECT id, compile_us FROM candidates").fetchone()) == {"id": cid, "compile_us": None}
+    reader.close()
+    assert connect(tmp_path, readonly=True).execute("SELECT value FROM meta").fetchone()[0] == "1"
+    log = SearchLog(tmp_path)
+    assert log.rows("SELECT value FROM meta WHERE key='schema_version'")[0][0] == str(SCHEMA_VERSION) == "2"
+    card = toy_card()
+    new = log.add_candidate("r", card.id, candidate(KNOBS), EvalResult(Verdict.VALID, eager_us=10.0, kernel_us=4.0,
+                                                                       compile_us=6.0), parent_id=None, iteration=1)
+    assert [(r["id"], r["compile_us"]) for r in log.candidates("r", card.id)] == [(cid, None), (new, 6.0)]
+    log.close()
+
+
 def test_candidate_rows_keep_everything_and_the_card_tracks_its_best(tmp_path):
     log, card = _log(tmp_path)
     slow = _add(log, card, Verdict.SLOWER, 0.8, iteration=0, unroll=1, reward=0.4)

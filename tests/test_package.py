@@ -39,12 +39,18 @@ def relu_candidate(n: int, block: int = 256) -> Candidate:
 
 
 def result(verdict: str = "valid", *, eager: float = 10.0, kernel: float = 5.0, dispatched: float | None = 6.0,
-           iqr: tuple[float, float] | None = (0.2, 0.1), flags: tuple[str, ...] = ()) -> EvalResult:
+           iqr: tuple[float, float] | None = (0.2, 0.1), flags: tuple[str, ...] = (), compiled: float | None = 8.0,
+           compile_iqr: float = 0.1, compile_error: str | None = None) -> EvalResult:
+    """A verdict as the worker writes it; `compiled`: the card under torch.compile (None: not timed)."""
     evidence = {"tolerances": {"seed1": [{"atol": 1e-6, "rtol": 1e-5}]}}
     if iqr:
         evidence.update(eager={"median_us": eager, "iqr_us": iqr[0]}, kernel={"median_us": kernel, "iqr_us": iqr[1]})
+    if compiled is not None:
+        evidence["compiled"] = {"median_us": compiled, "iqr_us": compile_iqr}
+    if compile_error:
+        evidence["compile_error"] = compile_error
     return EvalResult(Verdict(verdict), evidence=evidence, eager_us=eager, kernel_us=kernel, dispatched_us=dispatched,
-                      max_abs_err=1e-7, max_rel_err=1e-6, flags=list(flags))
+                      compile_us=compiled, max_abs_err=1e-7, max_rel_err=1e-6, flags=list(flags))
 
 
 def build_run(run_dir: Path, cards: list[tuple], arch: str = "sm_90") -> Path:
@@ -69,10 +75,10 @@ def entries_by_id(pkg_path: Path) -> dict[str, dict]:
 
 @pytest.fixture
 def cast(tmp_path) -> Path:
-    """A package of one dispatched relu card and one that falls back."""
+    """A package of one relu card dispatched (eager and compiled) and one that falls back (both)."""
     fast, slow = toy_card(n=1024), toy_card(n=2048)
     build_run(tmp_path / "run", [(fast, [(relu_candidate(1024), result())], None),
-                                 (slow, [(relu_candidate(2048), result(dispatched=12.0))], None)])
+                                 (slow, [(relu_candidate(2048), result(dispatched=12.0, compiled=4.0))], None)])
     return write_package(tmp_path / "run", tmp_path / "model.cast")
 
 
@@ -127,6 +133,70 @@ def test_winners_only_when_faster_as_dispatched_beyond_noise(tmp_path):
     assert got[f.id]["candidate"]["knobs"] == {"block": 128} and got[f.id]["timing"]["dispatched_us"] == 6.5
     assert got[g1.id]["decision"] == "fallback" and got[g1.id]["timing"]["noise_us"] == pytest.approx(0.3)
     assert got[h.id]["reason"].startswith("valid, but never timed as dispatched")
+
+
+@pytest.mark.parametrize("eager, dispatched, compiled, kernel, want", [
+    (10.0, 6.0, 8.0, 5.0, (True, True)),     # beats both
+    (10.0, 6.0, 5.05, 5.0, (True, False)),   # beats eager; torch.compile's time is within the noise
+    (10.0, 6.0, 4.0, 5.0, (True, False)),    # Inductor's code is faster: the graph keeps it
+    (10.0, 11.0, 8.0, 5.0, (False, True)),   # the guard's host cost loses eager, the GPU time beats Inductor
+    (10.0, 6.0, None, 5.0, (True, None)),    # no torch.compile time: no compile decision
+])
+def test_the_packager_decides_twice_against_eager_and_against_torch_compile(eager, dispatched, compiled, kernel, want):
+    on_eager, on_compile = package.decide(eager_us=eager, dispatched_us=dispatched, eager_noise_us=0.2,
+                                          kernel_us=kernel, compile_us=compiled, no_compile="torch.compile failed",
+                                          compile_noise_us=None if compiled is None else 0.1)
+    assert (on_eager.dispatched, on_compile.dispatched) == want
+    assert on_eager.baseline_us == eager and on_eager.kernel_us == dispatched
+    if compiled is None:
+        assert on_compile.reason == "torch.compile failed" and on_compile.baseline_us is None
+    else:
+        assert (on_compile.baseline_us, on_compile.kernel_us, on_compile.noise_us) == (compiled, kernel, 0.1)
+        assert "torch.compile" in on_compile.reason
+
+
+def test_the_manifest_records_both_decisions_with_their_numbers_and_ships_a_kernel_for_either(tmp_path):
+    both, eager_only, compile_only, failed, untimed, neither = (toy_card(n=1024 * (i + 1)) for i in range(6))
+    build_run(tmp_path / "run", [
+        (both, [(relu_candidate(1024), result())], None),
+        (eager_only, [(relu_candidate(2048), result(compiled=4.0))], None),
+        (compile_only, [(relu_candidate(3072), result(dispatched=11.0, compiled=7.0))], None),
+        (failed, [(relu_candidate(4096), result(compiled=None, compile_error="torch.compile cannot compile "
+                                                "aten::relu.default alone: BackendCompilerFailed: boom"))], None),
+        (untimed, [(relu_candidate(5120), result(compiled=None))], None),
+        (neither, [(relu_candidate(6144), result(dispatched=11.0, compiled=4.0))], None),
+    ])
+    out = write_package(tmp_path / "run", tmp_path / "m.cast")
+    got = entries_by_id(out)
+    decisions = {cid: (e["decision"], e["compile"]["decision"]) for cid, e in got.items()}
+    assert decisions == {both.id: ("dispatched", "dispatched"), eager_only.id: ("dispatched", "fallback"),
+                         compile_only.id: ("fallback", "dispatched"), failed.id: ("dispatched", None),
+                         untimed.id: ("dispatched", None), neither.id: ("fallback", "fallback")}
+    assert got[both.id]["compile"] == {"decision": "dispatched", "reason": "1.60x faster than torch.compile "
+                                       "(5.00 µs vs 8.00 µs)", "compile_us": 8.0, "kernel_us": 5.0,
+                                       "noise_us": pytest.approx(0.1)}
+    assert got[eager_only.id]["compile"]["reason"] == "slower than torch.compile (5.00 µs vs 4.00 µs)"
+    assert "BackendCompilerFailed: boom" in got[failed.id]["compile"]["reason"]
+    assert "without the compile baseline" in got[untimed.id]["compile"]["reason"]
+    assert got[compile_only.id]["files"] is not None and got[neither.id]["files"] is None
+
+    pkg = load(out, arch="sm_90")
+    cards = {c.id: c for c in pkg.cards}
+    assert {cid: (c.decision, c.compile_decision) for cid, c in cards.items()} == decisions
+    assert cards[compile_only.id].compiled and not cards[compile_only.id].dispatched
+    assert cards[compile_only.id].candidate.source == RELU
+    assert cards[failed.id].compile_reason == got[failed.id]["compile"]["reason"]
+    assert [c.id for c in pkg.kernel_cards()] == [c.id for c in pkg.cards if c.id != neither.id]
+
+
+def test_a_format_1_package_loads_with_no_compile_decisions(cast):
+    def to_format_1(m):
+        m["format"] = 1
+        for e in m["cards"]:
+            del e["compile"]
+    pkg = load(rewrite(cast, edit_manifest(to_format_1)), arch="sm_90")
+    assert sorted(c.decision for c in pkg.cards) == ["dispatched", "fallback"]
+    assert all(c.compile_decision is None and "package format 1" in c.compile_reason for c in pkg.cards)
 
 
 def test_manifest_records_guard_evidence_and_an_exact_arch_cubin(cast):
@@ -385,6 +455,7 @@ def test_report_table_says_what_runs_and_why(cast):
     console.print(pkg.report("table"))
     text = console.export_text()
     assert "dispatched" in text and "slower than eager as dispatched" in text
+    assert "why (compile)" in text and "1.60x faster than torch.compile" in text
     assert all(c.id in text for c in pkg.cards)
 
 

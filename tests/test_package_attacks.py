@@ -30,10 +30,12 @@ BOMB_BYTES = 1_500_000_000  # inflated; about 1.5 MB deflated
 
 @pytest.fixture
 def run_cast(tmp_path) -> tuple[Path, Path]:
-    """(run dir, the package written from it): one dispatched relu card, one that falls back."""
+    """(run dir, the package written from it): one relu card dispatched (eager and compiled), one
+    that falls back (both)."""
     fast, slow = toy_card(n=1024), toy_card(n=2048)
     run_dir = build_run(tmp_path / "run", [(fast, [(relu_candidate(1024), result())], None),
-                                           (slow, [(relu_candidate(2048), result(dispatched=12.0))], None)])
+                                           (slow, [(relu_candidate(2048), result(dispatched=12.0, compiled=4.0))],
+                                            None)])
     return run_dir, write_package(run_dir, run_dir / "model.cast")
 
 

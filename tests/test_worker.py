@@ -18,13 +18,13 @@ from evalkit import fake, make_card, relu_card, softmax_card
 from kforge.cards import save_card, save_sample
 from kforge.errors import CardError
 from kforge.evaluate import CompileOnlyEvaluator, WorkerHandle, make_evaluator
-from kforge.verdict import Verdict
+from kforge.verdict import EvalResult, Verdict
 from kforge.timing import as_called_calls
-from kforge.worker import FATAL_EXIT, EvalOptions, FakeBackend, Judge, NotDispatched, prepare
+from kforge.worker import FATAL_EXIT, EvalOptions, FakeBackend, Judge, NotDispatched, _Baselines, prepare
 
 pytestmark = pytest.mark.timeout(300)
 
-FAST = dict(min_reps=5, min_ms=0.0, warmup_ms=0.0, fresh_sets=3)
+FAST = dict(min_reps=5, min_ms=0.0, warmup_ms=0.0, fresh_sets=3, compile_baseline=False)
 
 
 @pytest.fixture(scope="module")
@@ -193,11 +193,11 @@ def test_beyond_roofline_is_flagged_and_kept_when_revalidation_passes(tmp_path, 
         assert "beyond_roofline" in r.flags and r.verdict in (Verdict.VALID, Verdict.SLOWER)
 
 
-def _judge(tmp_path, card, kernel: str, beats: list, **opts):
+def _judge(tmp_path, card, kernel: str, beats: list, backend=None, baselines=None, **opts):
     o = EvalOptions(**{**FAST, **opts})
-    backend = FakeBackend(dispatch=True)
+    backend = backend or FakeBackend(dispatch=True)
     sets, holdout = prepare(card, tmp_path, backend.device, o.fresh_sets)
-    return Judge(backend, card, sets, holdout, fake(kernel), o, lambda ph, b: beats.append((ph, b)))
+    return Judge(backend, card, sets, holdout, fake(kernel), o, lambda ph, b: beats.append((ph, b)), baselines)
 
 
 def _always(verdict):
@@ -220,6 +220,39 @@ def test_a_kernel_slower_than_eager_is_not_timed_as_dispatched(tmp_path, card, m
     assert r.verdict is Verdict.SLOWER and r.dispatched_us is None
     assert "not faster than eager" in r.evidence["not_dispatched"]
     assert [p for p, _ in beats][-2:] == ["timing", "revalidating"]
+
+
+def test_the_cards_reference_under_torch_compile_is_timed_with_eager_and_the_kernel_and_compiled_once(
+        tmp_path, card, monkeypatch):
+    monkeypatch.setattr("kforge.validate.speed_verdict", _always(Verdict.VALID))
+    backend, compiled = FakeBackend(dispatch=True), []
+    real = backend.compile_reference
+    monkeypatch.setattr(backend, "compile_reference", lambda c: compiled.append(c.id) or real(c))
+    baselines, beats = _Baselines(), []
+    for kernel in ("relu_good", "relu_good"):  # two candidates of one card: one compile
+        r, fatal = _judge(tmp_path, card, kernel, beats, backend, baselines, compile_baseline=True).run()
+        assert r.verdict is Verdict.VALID and not fatal, r.message
+        assert r.compile_us > 0 and r.evidence["compiled"]["n"] == r.evidence["kernel"]["n"] == 5
+        assert r.compile_us == r.evidence["compiled"]["median_us"] and "compile_error" not in r.evidence
+    assert compiled == [card.id]
+    assert [p for p, _ in beats].count("compiling the torch.compile baseline") == 1
+    assert EvalResult.from_json(r.to_json()).compile_us == r.compile_us
+
+
+def test_a_card_torch_compile_cannot_compile_records_why_and_no_compile_time(tmp_path, card, monkeypatch):
+    monkeypatch.setattr("kforge.validate.speed_verdict", _always(Verdict.VALID))
+    backend = FakeBackend(dispatch=True, compile_backend="evalkit:failing_compile_backend")
+    r, fatal = _judge(tmp_path, card, "relu_good", [], backend, compile_baseline=True).run()
+    assert r.verdict is Verdict.VALID and not fatal and r.compile_us is None and "compiled" not in r.evidence
+    assert r.evidence["compile_error"].startswith("torch.compile cannot compile aten::relu.default alone: ")
+    assert "this op cannot be compiled here" in r.evidence["compile_error"]
+
+
+def test_without_the_compile_baseline_nothing_is_compiled(tmp_path, card, monkeypatch):
+    backend = FakeBackend(dispatch=True)
+    monkeypatch.setattr(backend, "compile_reference", lambda c: pytest.fail("compiled a baseline"))
+    r, _ = _judge(tmp_path, card, "relu_good", [], backend).run()
+    assert r.compile_us is None and "compile_error" not in r.evidence
 
 
 def test_guard_misses_are_not_reported_as_latency_as_dispatched(card):

@@ -440,8 +440,8 @@ def _notes(caught, console: Console) -> None:
         console.print(f"[yellow]on this machine:[/] {escape(str(w.message))}", soft_wrap=True)
 
 
-_PACKAGE_CARD_KEYS = ("id", "op", "summary", "family", "calls", "share", "decision", "reason", "kind", "timing",
-                      "error", "flags")
+_PACKAGE_CARD_KEYS = ("id", "op", "summary", "family", "calls", "share", "decision", "reason", "compile", "kind",
+                      "timing", "error", "flags")
 
 
 def _inspect_package(path: Path, console: Console, args: argparse.Namespace) -> int:

@@ -6,7 +6,8 @@
 
 The pass (Inductor's post_grad_custom_post_pass, a CustomGraphPass whose uuid() is the
 package's digest, so Inductor's FX-graph and AOT caches key on it) replaces every node whose
-call hits a dispatched card's guard with the card's custom op (kforge.customops). The guard is
+call hits the guard of a card whose compile decision is "dispatched" (its kernel beat the card
+compiled alone by torch.compile; kforge.package) with the card's custom op (kforge.customops). The guard is
 dispatch.py's: the card's key against the key of the node's arguments, its tensors described
 from their FakeTensors (node.meta["val"]) as a card describes tensors, their alignment that of
 their storage offset (storage bases are 16-byte aligned; the op checks real pointers when it
@@ -226,11 +227,13 @@ class KforgePass(_PassBase):
         return self
 
 
-def _rewrites(package: Any, launcher: Launcher | None) -> list[Rewrite]:
-    """The package's rewrites: its single-op cards' today; region cards add theirs here."""
-    kernels = {c.id: c.candidate for c in package.cards if c.dispatched}
+def _rewrites(package: Any, launcher: Launcher | None, *, compiled: bool = True) -> list[Rewrite]:
+    """The package's rewrites: its single-op cards' whose compile decision is "dispatched" (the
+    kernel beat the card compiled alone by torch.compile), or with compiled=False those eager
+    dispatch takes (kforge.optimize's graphs run eager around them); region cards add theirs here."""
+    kernels = {c.id: c.candidate for c in package.cards if (c.compiled if compiled else c.dispatched)}
     sites = []
-    for v in package.variants(launcher):  # the single-op cards (region cards are kforge.optimize's)
+    for v in package.variants(launcher, compiled=compiled):  # single-op cards (region cards are kforge.optimize's)
         why = customops.op_blocker(v.card)
         if why:
             log.info("card %s stays out of compiled graphs: %s", v.card.id, why)

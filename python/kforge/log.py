@@ -24,8 +24,15 @@ from typing import Any, Iterable, Iterator
 from .errors import LogError
 from .redact import scrub
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 LOG_NAME = "search.sqlite"
+
+# What each schema version adds to the one before, (table, column, type): columns only, so a
+# log of an older version opens. A writer adds them (one transaction) and records the new
+# version; a reader, which must not write, sees them as NULL through temporary views.
+MIGRATIONS: dict[int, list[tuple[str, str, str]]] = {
+    2: [("candidates", "compile_us", "REAL")],  # the card's reference under torch.compile, GPU time
+}
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -74,7 +81,8 @@ CREATE TABLE IF NOT EXISTS candidates (
   eager_us REAL, kernel_us REAL, dispatched_us REAL, speedup REAL, reward REAL,
   max_abs_err REAL, max_rel_err REAL,
   flags_json TEXT NOT NULL DEFAULT '[]',
-  eval_s REAL
+  eval_s REAL,
+  compile_us REAL
 );
 CREATE INDEX IF NOT EXISTS candidates_card ON candidates (run_id, card_id, id);
 CREATE TABLE IF NOT EXISTS llm_calls (
@@ -149,7 +157,7 @@ def connect(path: str | Path, readonly: bool = False) -> sqlite3.Connection:
             conn = sqlite3.connect(str(path), timeout=LOCK_WAIT_S)
         try:
             conn.row_factory = sqlite3.Row
-            _check_schema(conn, path)
+            _upgrade(conn, _check_schema(conn, path), readonly)
             _check_json(conn, path, ["runs"] if readonly else list(JSON_COLUMNS))
             if not readonly:
                 conn.execute("PRAGMA journal_mode=WAL")
@@ -251,7 +259,18 @@ def _columns(conn: sqlite3.Connection) -> dict[str, list[str]]:
     return out
 
 
-def _check_schema(conn: sqlite3.Connection, path: Path) -> None:
+def _added_after(version: int) -> dict[str, list[tuple[str, str]]]:
+    """table -> (column, type) that schema versions after `version` added."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    for v in range(version + 1, SCHEMA_VERSION + 1):
+        for table, column, kind in MIGRATIONS.get(v, ()):
+            out.setdefault(table, []).append((column, kind))
+    return out
+
+
+def _check_schema(conn: sqlite3.Connection, path: Path) -> int:
+    """The log's schema version (SCHEMA_VERSION or an older one MIGRATIONS upgrades), after
+    checking it has every table and column of that version."""
     found, expected = _columns(conn), _expected_columns()
     if not found.keys() & expected.keys():
         raise LogError(_broken(path, f"is an SQLite file but not a kforge search log (its tables: "
@@ -260,15 +279,39 @@ def _check_schema(conn: sqlite3.Connection, path: Path) -> None:
     version = row[0] if row else None
     if version is not None and str(version).isdigit() and int(version) > SCHEMA_VERSION:  # before its tables
         raise LogError(f"{path} was written by a newer kforge (log schema {version}); upgrade kforge to read it")
+    known = version is not None and str(version).isdigit() and 1 <= int(version) <= SCHEMA_VERSION
+    later = _added_after(int(version)) if known else {}
     for table, columns in expected.items():
         if table not in found:
             raise LogError(_broken(path, f"has no {table} table: it is not a complete kforge search log"))
-        missing = [c for c in columns if c not in found[table]]
+        newer = {c for c, _ in later.get(table, ())}
+        missing = [c for c in columns if c not in found[table] and c not in newer]
         if missing:
             raise LogError(_broken(path, f"lacks column(s) {', '.join(missing)} of table {table}: it was written "
                                          f"by another kforge version or edited"))
-    if version is None or str(version) != str(SCHEMA_VERSION):
-        raise LogError(_broken(path, f"has log schema version {version!r}, not {SCHEMA_VERSION}"))
+    if not known:
+        raise LogError(_broken(path, f"has log schema version {version!r}, not 1 to {SCHEMA_VERSION}"))
+    return int(version)
+
+
+def _upgrade(conn: sqlite3.Connection, version: int, readonly: bool) -> None:
+    """Bring a log of an older schema version to this one: a writer adds the columns for good,
+    a reader shadows each table with a temporary view that adds them as NULL."""
+    later = _added_after(version)
+    if not later:
+        return
+    if readonly:
+        for table, columns in later.items():
+            added = ", ".join(f"NULL AS {c}" for c, _ in columns)
+            conn.execute(f"CREATE TEMP VIEW {table} AS SELECT *, {added} FROM main.{table}")
+        return
+    with conn:
+        conn.execute("BEGIN IMMEDIATE")  # two writers opening one old log: the second sees it upgraded
+        (now,) = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        for table, columns in _added_after(int(now)).items():
+            for column, kind in columns:
+                conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+        conn.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
 
 
 def _check_json(conn: sqlite3.Connection, path: Path, tables: list[str]) -> None:
@@ -381,14 +424,15 @@ class SearchLog:
             cur = self.conn.execute(
                 """INSERT INTO candidates (run_id, card_id, parent_id, repair_of, iteration, created, proposer, kind,
                    digest, source, plan_json, knobs_json, note, verdict, message, compile_log, evidence_json,
-                   eager_us, kernel_us, dispatched_us, speedup, reward, max_abs_err, max_rel_err, flags_json, eval_s)
-                   VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)""",
+                   eager_us, kernel_us, dispatched_us, speedup, reward, max_abs_err, max_rel_err, flags_json, eval_s,
+                   compile_us)
+                   VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)""",
                 (run_id, card_id, parent_id, repair_of, iteration, time.time(), candidate.proposer, candidate.kind,
                  candidate.digest(), candidate.source, candidate.plan.dumps(), json.dumps(candidate.knobs, default=str),
                  candidate.note, r.verdict.value, r.message, r.compile_log,
                  scrub(json.dumps(r.evidence, default=str), limit=None),
                  r.eager_us, r.kernel_us, r.dispatched_us, r.speedup, reward, r.max_abs_err, r.max_rel_err,
-                 json.dumps(r.flags), eval_s),
+                 json.dumps(r.flags), eval_s, r.compile_us),
             )
             cid = cur.lastrowid
             self.conn.execute(

@@ -20,7 +20,10 @@ from . import castfile
 from .candidate import KINDS, LaunchPlan
 from .errors import PackageError, PlanError
 
-FORMAT = 1
+# 2: each card carries a second decision, "compile" (into kforge.compile's graphs, against
+# torch.compile's time), and a kernel ships where either decision dispatches it. Format 1
+# packages load, their kernels in no compiled graph (no torch.compile time to beat).
+FORMAT = 2
 MAX_TEXT = 4000  # characters in any manifest text (reasons, notes, names); the writer cuts to it
 MAX_DEPTH = 8  # nesting of free-form evidence (tolerances, knobs)
 
@@ -148,6 +151,10 @@ _CARD = _record({
     "timing": _optional(_record({k: _US for k in ("eager_us", "kernel_us", "eager_dispatched_us", "dispatched_us",
                                                    "noise_us")})),
     "error": _optional(_record({"max_abs_err": _US, "max_rel_err": _US, "tolerances": _plain})),
+    # Format 2: the decision for kforge.compile's graphs (null: no torch.compile time to decide against).
+    "compile": _optional(_record({"decision": _optional(_one_of("dispatched", "fallback")), "reason": _text,
+                                  "compile_us": _US, "kernel_us": _US, "noise_us": _US},
+                                 required=("decision", "reason"))),
     "flags": _list_of(_text),
     "candidate": _optional(_record({"log_id": _optional(_count), "digest": _optional(_text),
                                     "proposer": _optional(_text), "knobs": _plain, "note": _optional(_text)})),

@@ -339,7 +339,7 @@ def check_model(model: torch.nn.Module, example_inputs: Any, package, *, rounds:
                               f"{(MIN_ROUNDS + 2) * per_round:.3g} s; time the model with and without the "
                               f"package yourself (kforge.modelcheck.check_model with a larger budget_s)")
         rounds = max(MIN_ROUNDS, min(rounds, int(budget_s / per_round) - 2))
-        if "launcher" not in install_options and any(c.dispatched for c in package.cards):
+        if "launcher" not in install_options and package.kernel_cards():  # eager's and compiled graphs' kernels
             install_options = {**install_options, "launcher": package.launcher()}
         compiled, compile_error, compile_hits = {}, "", ()
         if with_compile:

@@ -193,11 +193,10 @@ def contract(gm: fx.GraphModule, chosen: list[tuple[regions_mod.Site, Callable]]
 
 def region_kernels(package: Any, launcher: Launcher) -> list[RegionKernel]:
     """The package's dispatched region cards as kernels. Variant ids are positions among the
-    package's dispatched cards (the order of CastPackage.launcher()'s registry)."""
-    dispatched = [c for c in package.cards if c.dispatched]
+    package's kernel_cards() (the order of CastPackage.launcher()'s registry)."""
     out = []
-    for vid, c in enumerate(dispatched):
-        if c.card.region is None:
+    for vid, c in enumerate(package.kernel_cards()):
+        if c.card.region is None or not c.dispatched:
             continue
         timing = c.entry.get("timing") or {}
         ws = [n for n, _ in c.candidate.plan.workspace_bytes()] if c.candidate is not None else []
@@ -280,7 +279,8 @@ def optimize(model: torch.nn.Module, package: Any, *, ops: bool = True, launcher
     if launcher is None and any(c.dispatched for c in package.cards):
         launcher = package.launcher()
     kernels = region_kernels(package, launcher) if launcher is not None else []
-    return OptimizedModel(model, package, kernels, _rewrites(package, launcher) if ops and launcher is not None else [])
+    op_rewrites = _rewrites(package, launcher, compiled=False) if ops and launcher is not None else []
+    return OptimizedModel(model, package, kernels, op_rewrites)
 
 
 class _CallableModule(types.ModuleType):

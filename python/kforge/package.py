@@ -4,8 +4,9 @@ that treats every package as untrusted input.
 A .cast is a zip that holds no host code and no pickles:
 
     manifest.json              format, kforge/torch/NVRTC versions, GPU, one entry per card:
-                               guard (the card key), decision and reason, kind, latencies,
-                               error and tolerance, launch plan, hashes
+                               guard (the card key), decision and reason (eager dispatch),
+                               compile decision and reason (kforge.compile's graphs), kind,
+                               latencies, error and tolerance, launch plan, hashes
     kernels/<card>.cu          source of each dispatched kernel
     kernels/<card>.<sm>.cubin  its cubin, compiled for exactly that arch (never PTX)
     checksums.sha256           sha256 of every other entry (`sha256sum -c` reads it)
@@ -39,6 +40,7 @@ from rich.text import Text
 
 from . import castfile
 from .candidate import Candidate, LaunchPlan
+from . import customops
 from .cards import CARD_FORMAT, Card, card_id, decode_value, load_card
 from .castfile import CHECKSUMS, MANIFEST, SIGNATURE, sha256
 from .dispatch import Counters, Dispatcher, Launcher, RegistryLauncher, Variant, dispatch_blocker
@@ -76,56 +78,131 @@ def _arch_sm(arch: str) -> int | None:
 
 # ---- choosing winners -------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class Decision:
+    """Whether a card's kernel goes where one baseline runs: True (dispatched), False (fallback),
+    None (no decision: nothing was timed to decide against); why, and the numbers it rests on."""
+
+    dispatched: bool | None
+    reason: str
+    baseline_us: float | None = None
+    kernel_us: float | None = None
+    noise_us: float | None = None
+
+
+def noise(baseline_us: float, baseline_iqr: float | None, kernel_iqr: float | None, *,
+          noise_factor: float = 1.0, margin: float = DEFAULT_MARGIN) -> float:
+    """How much faster than a baseline a kernel must be to count: noise_factor times half the sum
+    of the two IQRs, or `margin` of the baseline when an IQR is missing."""
+    if baseline_iqr is None or kernel_iqr is None:
+        return margin * baseline_us
+    return noise_factor * 0.5 * (baseline_iqr + kernel_iqr)
+
+
+def beats(kernel_us: float, baseline_us: float, noise_us: float, baseline: str) -> Decision:
+    """Dispatched where the kernel is faster than `baseline` (named in the reason) by more than the noise."""
+    numbers = dict(baseline_us=baseline_us, kernel_us=kernel_us, noise_us=noise_us)
+    if kernel_us >= baseline_us:
+        return Decision(False, f"slower than {baseline} ({kernel_us:.2f} µs vs {baseline_us:.2f} µs)", **numbers)
+    if baseline_us - kernel_us <= noise_us:
+        return Decision(False, f"within timing noise of {baseline} ({kernel_us:.2f} µs vs {baseline_us:.2f} µs, "
+                               f"noise {noise_us:.2f} µs)", **numbers)
+    return Decision(True, f"{baseline_us / kernel_us:.2f}x faster than {baseline} ({kernel_us:.2f} µs vs "
+                          f"{baseline_us:.2f} µs)", **numbers)
+
+
+def decide(*, eager_us: float, dispatched_us: float, eager_noise_us: float, kernel_us: float | None,
+           compile_us: float | None, compile_noise_us: float | None,
+           no_compile: str = "never timed against torch.compile") -> tuple[Decision, Decision]:
+    """The two decisions for one kernel: eager dispatch (pkg.apply) where it beats eager as
+    dispatched, guard and launch included; compiled graphs (kforge.compile) where its GPU time
+    beats the same card compiled alone by torch.compile, timed in the same reps. Without a
+    torch.compile time there is no compile decision, and `no_compile` says why."""
+    eager = beats(dispatched_us, eager_us, eager_noise_us, "eager as dispatched")
+    if compile_us is None or kernel_us is None or compile_noise_us is None:
+        return eager, Decision(None, no_compile)
+    return eager, beats(kernel_us, compile_us, compile_noise_us, "torch.compile")
+
+
 @dataclass
 class Choice:
-    """The candidate row to ship for a card (None: fall back) and why."""
+    """The candidate row to ship for a card (None: nothing ships) and its two decisions."""
 
     row: sqlite3.Row | None
-    reason: str
-    eager_us: float | None = None  # eager as dispatched, the reference the kernel had to beat
-    noise_us: float | None = None
+    eager: Decision
+    compiled: Decision
+
+    @property
+    def reason(self) -> str:
+        return self.eager.reason
 
 
 def _summary(evidence: dict, *names: str) -> dict:
     return next((evidence[n] for n in names if isinstance(evidence.get(n), dict)), {})
 
 
+def _compile_decision(row: sqlite3.Row, noise_factor: float, margin: float) -> tuple[float | None, str]:
+    """(noise of the kernel against torch.compile, why there is no compile time) of a row."""
+    evidence = json.loads(row["evidence_json"] or "{}")
+    if row["compile_us"] is None:
+        why = evidence.get("compile_error")
+        return None, why if isinstance(why, str) and why else "never timed against torch.compile (searched without the compile baseline)"
+    c_iqr, k_iqr = _summary(evidence, "compiled").get("iqr_us"), _summary(evidence, "kernel").get("iqr_us")
+    return noise(row["compile_us"], c_iqr, k_iqr, noise_factor=noise_factor, margin=margin), ""
+
+
 def choose(rows: list[sqlite3.Row], skip_reason: str | None, *, noise_factor: float = 1.0,
            margin: float = DEFAULT_MARGIN) -> Choice:
-    """Pick the valid candidate with the lowest latency as dispatched, and keep it only if it
-    beats eager as dispatched by more than the timing noise: noise_factor times half the sum
-    of the eager and dispatched IQRs (evidence["eager"/"dispatched"]["iqr_us"], the kernel's
-    IQR standing in for the dispatched one), or `margin` of eager when there are no IQRs."""
+    """Decide twice (see decide()). For eager dispatch: the valid candidate with the lowest
+    latency as dispatched, against eager as dispatched, noise from evidence["eager"/"dispatched"]
+    IQRs (the kernel's standing in for the dispatched one). For compiled graphs: that same
+    kernel when eager dispatches it (one kernel per card), else the valid candidate with the
+    lowest GPU time, against its torch.compile time, noise from evidence["compiled"/"kernel"]."""
+    def nothing(reason: str) -> Choice:
+        return Choice(None, Decision(False, reason), Decision(False, reason))
+
     if skip_reason:
-        return Choice(None, f"not searched: {skip_reason}")
+        return nothing(f"not searched: {skip_reason}")
     if not rows:
-        return Choice(None, "not searched: no candidate was evaluated")
+        return nothing("not searched: no candidate was evaluated")
     valid = [r for r in rows if r["verdict"] == Verdict.VALID.value]
     if not valid:
         counts = collections.Counter(r["verdict"] for r in rows)
-        return Choice(None, f"no valid candidate ({len(rows)} tried: "
-                            + ", ".join(f"{n} {v}" for v, n in counts.most_common()) + ")")
+        return nothing(f"no valid candidate ({len(rows)} tried: "
+                       + ", ".join(f"{n} {v}" for v, n in counts.most_common()) + ")")
     trusted = [r for r in valid if "beyond_roofline" not in json.loads(r["flags_json"] or "[]")]
     if not trusted:
-        return Choice(None, "every valid candidate is faster than the HBM floor (flagged beyond_roofline); needs review")
+        return nothing("every valid candidate is faster than the HBM floor (flagged beyond_roofline); needs review")
+
+    def compiled(row: sqlite3.Row) -> Decision:
+        c_noise, why = _compile_decision(row, noise_factor, margin)
+        if c_noise is None:
+            return Decision(None, why)
+        return beats(row["kernel_us"], row["compile_us"], c_noise, "torch.compile")
+
     timed = [r for r in trusted if r["dispatched_us"] is not None]
-    if not timed:
-        return Choice(None, "valid, but never timed as dispatched (through the guard path)")
-    best = min(timed, key=lambda r: (r["dispatched_us"], r["id"]))
-    evidence = json.loads(best["evidence_json"] or "{}")
-    eager = _summary(evidence, "eager_dispatched").get("median_us") or best["eager_us"]
-    d = best["dispatched_us"]
-    if eager is None:
-        return Choice(None, "no eager timing to compare against")
-    e_iqr = _summary(evidence, "eager_dispatched", "eager").get("iqr_us")
-    d_iqr = _summary(evidence, "dispatched", "kernel").get("iqr_us")
-    noise = noise_factor * 0.5 * (e_iqr + d_iqr) if e_iqr is not None and d_iqr is not None else margin * eager
-    if d >= eager:
-        return Choice(None, f"slower than eager as dispatched ({d:.2f} µs vs {eager:.2f} µs)", eager, noise)
-    if eager - d <= noise:
-        return Choice(None, f"within timing noise of eager as dispatched ({d:.2f} µs vs {eager:.2f} µs, "
-                            f"noise {noise:.2f} µs)", eager, noise)
-    return Choice(best, f"{eager / d:.2f}x faster than eager as dispatched ({d:.2f} µs vs {eager:.2f} µs)", eager, noise)
+    best = min(timed, key=lambda r: (r["dispatched_us"], r["id"])) if timed else None
+    evidence = json.loads(best["evidence_json"] or "{}") if best is not None else {}
+    eager_us = (_summary(evidence, "eager_dispatched").get("median_us") or best["eager_us"]) if best is not None else None
+    if best is None or eager_us is None:
+        eager = Decision(False, "valid, but never timed as dispatched (through the guard path)" if best is None
+                         else "no eager timing to compare against")
+    else:
+        e_iqr = _summary(evidence, "eager_dispatched", "eager").get("iqr_us")
+        d_iqr = _summary(evidence, "dispatched", "kernel").get("iqr_us")
+        e_noise = noise(eager_us, e_iqr, d_iqr, noise_factor=noise_factor, margin=margin)
+        c_noise, why = _compile_decision(best, noise_factor, margin)
+        eager, on_compile = decide(eager_us=eager_us, dispatched_us=best["dispatched_us"], eager_noise_us=e_noise,
+                                   kernel_us=best["kernel_us"], compile_us=best["compile_us"],
+                                   compile_noise_us=c_noise, no_compile=why)
+        if eager.dispatched:
+            return Choice(best, eager, on_compile)
+    against = [r for r in trusted if r["compile_us"] is not None and r["kernel_us"] is not None]
+    if not against:
+        return Choice(None, eager, compiled(trusted[0]))
+    fastest = min(against, key=lambda r: (r["kernel_us"], r["id"]))
+    on_compile = compiled(fastest)
+    return Choice(fastest if on_compile.dispatched else None, eager, on_compile)
 
 
 # ---- regions: what ships where they overlap ---------------------------------------------------
@@ -222,18 +299,26 @@ def _guard_entry(card: Card) -> dict:
             **({"region": card.region.to_json()} if card.region is not None else {})}
 
 
+def _compile_entry(d: Decision) -> dict:
+    decision = {True: "dispatched", False: "fallback", None: None}[d.dispatched]
+    return {"decision": decision, "reason": d.reason[:MAX_TEXT], "compile_us": d.baseline_us, "kernel_us": d.kernel_us,
+            "noise_us": d.noise_us}
+
+
 def _card_entry(card: Card, choice: Choice, arch: str) -> tuple[dict, dict[str, bytes]]:
-    """The manifest entry of one card and the files it adds."""
+    """The manifest entry of one card and the files it adds. `decision` is eager dispatch's,
+    `compile` kforge.compile's; the kernel ships where either dispatches it."""
     entry = _guard_entry(card)
     row = choice.row
     evidence = json.loads(row["evidence_json"] or "{}") if row is not None else {}
     entry.update(
-        decision="fallback", reason=choice.reason[:MAX_TEXT], kind=row["kind"] if row is not None else None,
+        decision="fallback", reason=choice.eager.reason[:MAX_TEXT], kind=row["kind"] if row is not None else None,
         timing={"eager_us": row["eager_us"] if row is not None else card.eager_us,
                 "kernel_us": row["kernel_us"] if row is not None else None,
-                "eager_dispatched_us": choice.eager_us,
+                "eager_dispatched_us": choice.eager.baseline_us,
                 "dispatched_us": row["dispatched_us"] if row is not None else None,
-                "noise_us": choice.noise_us},
+                "noise_us": choice.eager.noise_us},
+        compile=_compile_entry(choice.compiled),
         error={"max_abs_err": row["max_abs_err"] if row is not None else None,
                "max_rel_err": row["max_rel_err"] if row is not None else None,
                "tolerances": evidence.get("tolerances")},
@@ -246,6 +331,8 @@ def _card_entry(card: Card, choice: Choice, arch: str) -> tuple[dict, dict[str, 
         why = f"captured on {card.arch}, the package is for {arch}"
     if why:
         entry["reason"] = why
+        if choice.compiled.dispatched:
+            entry["compile"].update(decision="fallback", reason=why)
         return entry, {}
     plan = LaunchPlan.from_json(row["plan_json"])
     try:
@@ -254,13 +341,23 @@ def _card_entry(card: Card, choice: Choice, arch: str) -> tuple[dict, dict[str, 
         log.warning("card %s: recompiling its winner for %s failed; it falls back: %s", card.id, arch, e)
         first_line = str(e).splitlines()[0]
         entry["reason"] = f"the winning kernel did not compile for {arch} at packaging time: {first_line}"[:MAX_TEXT]
+        if choice.compiled.dispatched:
+            entry["compile"].update(decision="fallback", reason=entry["reason"])
         return entry, {}
     if cubin_sm(cubin) != _arch_sm(arch):
         raise PackageError(f"the compiler returned no {arch} cubin for card {card.id} (got sm {cubin_sm(cubin)}); "
                            "a package must carry cubins for its exact arch")
+    if choice.compiled.dispatched:
+        blocked = "region cards run through kforge.optimize" if card.region is not None else customops.op_blocker(card)
+        if blocked:
+            entry["compile"].update(decision="fallback", reason=f"stays out of compiled graphs: {blocked}")
+    if choice.eager.dispatched:
+        entry["decision"] = "dispatched"
+    if "dispatched" not in (entry["decision"], entry["compile"]["decision"]):
+        return entry, {}
     source = row["source"].encode()
     files = {"source": f"kernels/{card.id}.cu", "cubin": f"kernels/{card.id}.{arch}.cubin"}
-    entry.update(decision="dispatched", plan=plan.to_json(), files=files,
+    entry.update(plan=plan.to_json(), files=files,
                  hashes={"source": sha256(source), "cubin": sha256(cubin)},
                  candidate={"log_id": row["id"], "digest": row["digest"], "proposer": row["proposer"],
                             "knobs": json.loads(row["knobs_json"] or "{}"), "note": (row["note"] or "")[:MAX_TEXT]})
@@ -269,8 +366,9 @@ def _card_entry(card: Card, choice: Choice, arch: str) -> tuple[dict, dict[str, 
 
 def write_package(run_dir: str | Path, out: str | Path, *, run_id: str | None = None, noise_factor: float = 1.0,
                   margin: float = DEFAULT_MARGIN, sign_key: str | Path | bytes | None = None) -> Path:
-    """Package a search run: per card its fastest valid kernel if it beats eager as dispatched
-    beyond noise (see choose()), else the reason it falls back. Returns the .cast path.
+    """Package a search run: per card two decisions (see choose()), eager dispatch against eager
+    as dispatched and compiled graphs against torch.compile, each beyond noise, and the kernel
+    where either dispatches it; else the reasons it falls back. Returns the .cast path.
     With `sign_key` (an Ed25519 private key, PEM path or bytes) the checksums are signed.
 
     Raises PackageError when there is no log or run to package; a winner that no longer
@@ -304,7 +402,7 @@ def write_package(run_dir: str | Path, out: str | Path, *, run_id: str | None = 
     finally:
         slog.close()
     regions = _region_decisions(run_dir, entries, members)
-    dispatched = sum(e["decision"] == "dispatched" for e in entries)
+    dispatched = sum("dispatched" in (e["decision"], e["compile"]["decision"]) for e in entries)
     manifest = {
         "format": FORMAT, "kforge": kforge.__version__, "torch": torch.__version__,
         "cuda": {"nvrtc": _nvrtc_version() if dispatched else None, "torch_cuda": torch.version.cuda},
@@ -316,7 +414,7 @@ def write_package(run_dir: str | Path, out: str | Path, *, run_id: str | None = 
     members[MANIFEST] = json.dumps(manifest, indent=1, sort_keys=True).encode()
     check_manifest(out, members[MANIFEST])  # never write what load() would refuse
     castfile.write_zip(out, members, sign_key)
-    log.info("packaged %s: %d of %d cards dispatched, for %s", out, dispatched, len(entries), arch)
+    log.info("packaged %s: a kernel for %d of %d cards, for %s", out, dispatched, len(entries), arch)
     return out
 
 
@@ -395,16 +493,18 @@ def _check_card(card: Card) -> None:
 
 @dataclass(eq=False)
 class PackagedCard:
-    """One card of a package as it stands on this machine (decision may differ from the manifest's)."""
+    """One card of a package as it stands on this machine (decisions may differ from the manifest's)."""
 
     card: Card
-    decision: str  # "dispatched" | "fallback"
+    decision: str  # eager dispatch (pkg.apply): "dispatched" | "fallback"
     reason: str
     kind: str | None
     entry: dict  # the manifest entry: guard, evidence, hashes
-    candidate: Candidate | None = None
+    candidate: Candidate | None = None  # the kernel, where either decision dispatches it
     cubin: bytes | None = None
     counters: Counters = field(default_factory=Counters)
+    compile_decision: str | None = None  # compiled graphs (kforge.compile): "dispatched" | "fallback" | None
+    compile_reason: str = ""
 
     @property
     def id(self) -> str:
@@ -413,6 +513,28 @@ class PackagedCard:
     @property
     def dispatched(self) -> bool:
         return self.decision == "dispatched"
+
+    @property
+    def compiled(self) -> bool:
+        """Whether kforge.compile puts this card's kernel into compiled graphs."""
+        return self.compile_decision == "dispatched"
+
+    def fall_back(self, why: str) -> None:
+        """Neither eager dispatch nor compiled graphs run the kernel here, because of `why`."""
+        if self.dispatched:
+            self.decision, self.reason = "fallback", why
+        if self.compiled:
+            self.compile_decision, self.compile_reason = "fallback", why
+
+
+_OLD_FORMAT = ("the package predates torch.compile baselines (package format 1): its kernels stay out of "
+               "compiled graphs; rebuild it with `kforge package` to decide them")
+
+
+def _parse_compile(e: dict) -> tuple[str | None, str]:
+    """(decision, reason) for compiled graphs (types checked by kforge.manifest); a format 1 entry has none."""
+    c = e.get("compile")
+    return (None, _OLD_FORMAT) if c is None else (c.get("decision"), c.get("reason") or "")
 
 
 def _parse_card(e: dict, i: int, arch: str, members: dict[str, bytes]) -> PackagedCard:
@@ -433,8 +555,10 @@ def _parse_card(e: dict, i: int, arch: str, members: dict[str, bytes]) -> Packag
         raise PackageError(f"malformed manifest: {where} is not a valid card ({err!r}); rebuild the package") from err
     if not hashes_to_id:
         raise PackageError(f"malformed manifest: {where}'s guard does not hash to its id {cid}; the manifest was edited")
-    if decision == "fallback":
-        return PackagedCard(card, decision, reason, e.get("kind"), e)
+    compile_decision, compile_reason = _parse_compile(e)
+    decisions = dict(compile_decision=compile_decision, compile_reason=compile_reason)
+    if "dispatched" not in (decision, compile_decision):
+        return PackagedCard(card, decision, reason, e.get("kind"), e, **decisions)
     kind, files, hashes = (_present(e, k, where) for k in ("kind", "files", "hashes"))
     want = {"source": f"kernels/{cid}.cu", "cubin": f"kernels/{cid}.{arch}.cubin"}
     if files != want or card.arch != arch:
@@ -451,13 +575,14 @@ def _parse_card(e: dict, i: int, arch: str, members: dict[str, bytes]) -> Packag
         source = members[want["source"]].decode()
     except (PlanError, UnicodeDecodeError) as err:
         raise PackageError(f"malformed manifest: {where}'s kernel is unusable: {err}") from err
-    return PackagedCard(card, decision, reason, kind, e, Candidate(source, plan, kind), cubin)
+    return PackagedCard(card, decision, reason, kind, e, Candidate(source, plan, kind), cubin, **decisions)
 
 
 def _parse_cards(path: Path, manifest: dict, members: dict[str, bytes]) -> list[PackagedCard]:
     arch = manifest["gpu"]["arch"]
     cards = [_parse_card(e, i, arch, members) for i, e in enumerate(manifest["cards"])]
-    referenced = {MANIFEST, CHECKSUMS, SIGNATURE} | {n for c in cards if c.dispatched for n in c.entry["files"].values()}
+    referenced = {MANIFEST, CHECKSUMS, SIGNATURE} | {n for c in cards if c.candidate is not None
+                                                     for n in c.entry["files"].values()}
     stray = sorted(set(members) - referenced)
     if stray:
         raise PackageError(f"{path} is not a safe .cast package: entries {stray} are not referenced by the manifest; "
@@ -493,9 +618,9 @@ def load(path: str | Path, *, arch: str | None = None,
         pkg._fall_back(f"the package was built for {pkg.arch} ({pkg.gpu}), this GPU is {here} ({name}); "
                        "rebuild the package on this GPU")
     for c in pkg.cards:
-        why = c.dispatched and c.card.region is None and dispatch_blocker(c.card)
+        why = (c.dispatched or c.compiled) and c.card.region is None and dispatch_blocker(c.card)
         if why:  # e.g. the op changed in this torch version
-            c.decision, c.reason = "fallback", why
+            c.fall_back(why)
             _warn(f"{path}: card {c.id} falls back: {why}")
     return pkg
 
@@ -531,9 +656,9 @@ class CastPackage:
         return self._dispatcher is not None
 
     def _fall_back(self, why: str) -> None:
-        active = [c for c in self.cards if c.dispatched]
+        active = [c for c in self.cards if c.dispatched or c.compiled]
         for c in active:
-            c.decision, c.reason = "fallback", why
+            c.fall_back(why)
         if active:
             which = "its kernel falls" if len(active) == 1 else f"all {len(active)} kernels fall"
             _warn(f"{self.path}: {which} back to PyTorch: {why}")
@@ -552,14 +677,16 @@ class CastPackage:
         self._dispatcher = dispatcher
         log.info("installed %s: %d kernels over %s", self.path, len(active), ", ".join(sorted({v.card.op for v in active})))
 
-    def variants(self, launcher: Launcher | None = None) -> list[Variant]:
+    def variants(self, launcher: Launcher | None = None, *, compiled: bool = False) -> list[Variant]:
         """The dispatched single-op cards' kernels, in card order, launched by `launcher`
-        (default: a new self.launcher()); each counts into its card's counters. Variant ids
-        are positions among all dispatched cards (the launcher's registry order); region cards
+        (default: a new self.launcher()); each counts into its card's counters. compiled=True:
+        the cards kforge.compile dispatches (their compile decision) instead of eager's. Variant
+        ids are positions among kernel_cards() (the launcher's registry order); region cards
         are dispatched by kforge.optimize, not by an aten override. Where the default launcher
         cannot be made (no GPU or driver, a cubin the driver refuses) every card falls back,
         with a PackageFallbackWarning, and there are none: a package never fails the program."""
-        active = [(i, c) for i, c in enumerate(c for c in self.cards if c.dispatched) if c.card.region is None]
+        active = [(i, c) for i, c in enumerate(self.kernel_cards())
+                  if c.card.region is None and (c.compiled if compiled else c.dispatched)]
         if not active:
             return []
         if launcher is None:
@@ -571,6 +698,10 @@ class CastPackage:
         return [Variant(c.card, i, launcher, tuple(n for n, _ in c.candidate.plan.workspace_bytes()), c.counters)
                 for i, c in active]
 
+    def kernel_cards(self) -> list[PackagedCard]:
+        """The cards whose kernel runs here, eager or compiled: the launcher's registry order."""
+        return [c for c in self.cards if c.dispatched or c.compiled]
+
     def launcher(self) -> RegistryLauncher:
         """The C++ registry of the dispatched cards' kernels, loaded on the current device (in
         install()'s variant order). install() makes one each time unless given one: pass the
@@ -578,7 +709,7 @@ class CastPackage:
         Raises CudaUnavailableError without a GPU, LaunchError if the driver refuses a cubin."""
         if not torch.cuda.is_available():
             raise CudaUnavailableError(f"no CUDA GPU or driver is visible, and the package's kernels need a {self.arch} GPU")
-        registry = RegistryLauncher([(c.candidate, c.cubin) for c in self.cards if c.dispatched])
+        registry = RegistryLauncher([(c.candidate, c.cubin) for c in self.kernel_cards()])
         registry.prepare(torch.cuda.current_device())  # load now, not inside a forward or a graph capture
         return registry
 
@@ -609,7 +740,7 @@ class CastPackage:
     def digest(self) -> str:
         """Identity of what this package does here: its manifest (which holds every kernel's hash)
         and each card's decision on this machine. Inductor's caches key on it."""
-        state = [self.manifest, [(c.id, c.decision) for c in self.cards]]
+        state = [self.manifest, [(c.id, c.decision, c.compile_decision) for c in self.cards]]
         return sha256(json.dumps(state, sort_keys=True, default=str).encode())
 
     def compile(self, model: Any, **torch_compile_options: Any) -> Any:
@@ -627,12 +758,13 @@ class CastPackage:
 
     # ---- auditing ---------------------------------------------------------------------
     def report(self, fmt: str = "dict") -> dict | Table:
-        """Per card: dispatched or fallback and why, kind, hits, fallbacks by reason; and what
-        the package's integrity rests on (signature or checksums only).
-        fmt="table" gives a rich Table. Calls replayed from a CUDA graph are not counted."""
+        """Per card: dispatched or fallback and why, in eager dispatch and in compiled graphs
+        (compile: none where there was no torch.compile time to decide against), kind, hits,
+        fallbacks by reason; and what the package's integrity rests on (signature or checksums
+        only). fmt="table" gives a rich Table. Calls replayed from a CUDA graph are not counted."""
         rows = [{"id": c.id, "op": c.card.op, "summary": c.card.summary(), "decision": c.decision,
-                 "reason": c.reason, "kind": c.kind, "hits": c.counters.hits,
-                 "fallbacks": dict(c.counters.fallbacks)} for c in self.cards]
+                 "reason": c.reason, "compile": c.compile_decision or "none", "compile_reason": c.compile_reason,
+                 "kind": c.kind, "hits": c.counters.hits, "fallbacks": dict(c.counters.fallbacks)} for c in self.cards]
         if fmt == "dict":
             return {"package": str(self.path), "gpu": self.gpu, "arch": self.arch, "installed": self.installed,
                     "integrity": self.integrity, "dispatched": sum(c.dispatched for c in self.cards), "cards": rows}
@@ -641,18 +773,19 @@ class CastPackage:
         # Every cell is Text: package text is data, never rich markup ("[/]" or "[link=...]" in a reason).
         table = Table(title=Text(f"{self.path.name} ({self.arch}, {'installed' if self.installed else 'not installed'})"),
                       caption=Text(self.integrity))
-        for col in ("card", "op", "decision", "kind", "hits", "fallbacks", "why"):
+        for col in ("card", "op", "decision", "compile", "kind", "hits", "fallbacks", "why", "why (compile)"):
             table.add_column(col, justify="right" if col == "hits" else "left")
         for r in rows:
             falls = ", ".join(f"{k} {v}" for k, v in sorted(r["fallbacks"].items())) or "-"
-            table.add_row(*map(Text, (r["id"], r["summary"], r["decision"], r["kind"] or "-", str(r["hits"]), falls,
-                                      r["reason"])))
+            table.add_row(*map(Text, (r["id"], r["summary"], r["decision"], r["compile"], r["kind"] or "-",
+                                      str(r["hits"]), falls, r["reason"], r["compile_reason"])))
         return table
 
     def verify(self, *, devices: list[int] | None = None, **evaluator_options: Any) -> dict[str, EvalResult]:
-        """Re-validate every dispatched kernel on this machine through kforge.evaluate (fresh
-        inputs, the same checks as the search). Kernels that fail fall back from now on.
-        Raises CudaUnavailableError without a GPU."""
+        """Re-validate every kernel the package runs (eager or compiled) on this machine through
+        kforge.evaluate (fresh inputs, the same checks as the search; no torch.compile baseline
+        unless asked). Kernels that fail fall back from now on. Raises CudaUnavailableError
+        without a GPU."""
         if not torch.cuda.is_available():
             raise CudaUnavailableError("verify() re-runs every dispatched kernel on this GPU, and no CUDA GPU is "
                                        "visible here: run it on the machine that will use the package")
@@ -660,16 +793,18 @@ class CastPackage:
 
         results: dict[str, EvalResult] = {}
         with tempfile.TemporaryDirectory(prefix="kforge-verify-") as run_dir:
-            evaluator = evaluate.make_evaluator(run_dir, devices=devices, **evaluator_options)
+            evaluator = evaluate.make_evaluator(run_dir, devices=devices,
+                                                **{"compile_baseline": False, **evaluator_options})
             try:
-                for c in [c for c in self.cards if c.dispatched]:
+                for c in [c for c in self.cards if c.dispatched or c.compiled]:
                     results[c.id] = evaluator.evaluate(c.card, c.candidate)
             finally:
                 evaluator.close()
         failed = [c for c in self.cards if c.id in results and results[c.id].verdict.failed]
         for c in failed:
-            c.decision, c.reason = "fallback", f"failed verification here: {results[c.id].verdict.value}: {results[c.id].message}"
-            _warn(f"{self.path}: card {c.id} {c.reason}")
+            why = f"failed verification here: {results[c.id].verdict.value}: {results[c.id].message}"
+            c.fall_back(why)
+            _warn(f"{self.path}: card {c.id} {why}")
         if failed and self.installed:
             dispatcher = self._dispatcher
             self.uninstall()

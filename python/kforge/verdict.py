@@ -80,6 +80,7 @@ class EvalResult:
     kernel_us: float | None = None  # GPU time, median
     dispatched_us: float | None = None  # as dispatched through the guard path
     eager_dispatched_us: float | None = None
+    compile_us: float | None = None  # GPU time, median, of the card's reference compiled by torch.compile alone
     max_abs_err: float | None = None
     max_rel_err: float | None = None
     flags: list[str] = field(default_factory=list)

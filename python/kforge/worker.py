@@ -18,7 +18,8 @@ Per candidate: compile (cached) -> "compiled" -> load -> for each input set (the
 sample, then `fresh_sets` fresh ones) kernel -> eager reference -> kernel, every run on
 fresh copies of the inputs with fresh poisoned outputs (the second kernel run with another
 poison) and workspaces -> "validated" ->
-timing (eager and kernel interleaved, L2 flushed, inputs rotated) -> a last kernel run on
+timing (eager, kernel and the card's reference compiled by torch.compile interleaved, L2
+flushed, inputs rotated; the compiled baseline is compiled once per card) -> a last kernel run on
 a held-out input set, so a kernel that stops working after the checks (a launch counter,
 work hidden from the timer) is caught -> verdict.
 """
@@ -75,6 +76,7 @@ class EvalOptions:
     max_copies: int = 4  # input copies rotated in timing when a set fits in L2
     restart_every: int = 50  # the parent restarts a worker after this many candidates
     far_slower: float = 20.0  # skip timing when validation wall time is this many times eager's (and > 1 ms)
+    compile_baseline: bool = True  # also time the card's reference compiled by torch.compile (compile_us)
     backend_options: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict:
@@ -168,6 +170,13 @@ class Backend(abc.ABC):
         """A kforge.dispatch Launcher for `kernel` (backends with a dispatch_key)."""
         raise NotImplementedError
 
+    compile_backend: Any = "inductor"  # torch.compile's backend for the compiled baseline
+
+    def compile_reference(self, card: Card) -> Callable[[list[torch.Tensor]], object]:
+        """The card's own call compiled alone by torch.compile (compiled lazily, on its first
+        call, which raises where torch.compile cannot compile it)."""
+        return compiled_reference(card, self.device, self.compile_backend)
+
     def time_as_called(self, entries: list) -> list[Measurement]:
         """timing.time_as_called on this backend's device."""
         raise NotImplementedError
@@ -236,6 +245,11 @@ class CudaBackend(Backend):
         from . import cuda, hardware
 
         cuda.require()
+        # The worker is a daemonic process: Inductor compiles the baseline's kernels in it,
+        # with no pool of compile processes of its own.
+        import torch._inductor.config as inductor_config
+
+        inductor_config.compile_threads = 1
         torch.cuda.set_device(device)
         self.index = device
         self.device = torch.device("cuda", device)
@@ -331,10 +345,16 @@ class FakeBackend(Backend):
     dispatch=True it times as dispatched through an override at the CPU key (the kernel
     must then not call the card's own op)."""
 
-    def __init__(self, device: int = 0, bandwidth: float = 1e12, dispatch: bool = False):
+    def __init__(self, device: int = 0, bandwidth: float = 1e12, dispatch: bool = False,
+                 compile_backend: str = "eager"):
         self.device = torch.device("cpu")
         self.hardware = Hardware("fake CPU device", "cpu", 1, 0, 0, 0, bandwidth)
         self.dispatch_key = "CPU" if dispatch else None
+        # Dynamo's "eager" backend traces the baseline as on the GPU without Inductor's C++
+        # build; "module:function" names a torch.compile backend (one that raises plays a card
+        # torch.compile cannot compile).
+        mod, _, name = compile_backend.partition(":")
+        self.compile_backend = getattr(importlib.import_module(mod), name) if name else compile_backend
 
     def compile(self, candidate: Candidate) -> Compiled:
         mod, _, name = candidate.source.strip().partition(":")
@@ -380,6 +400,79 @@ def make_backend(name: str, device: int, options: dict) -> Backend:
     if name == "fake":
         return FakeBackend(device, **options)
     raise ValueError(f"unknown evaluation backend {name!r}: use 'cuda' or 'fake'")
+
+
+# ---- the compiled baseline ------------------------------------------------------------
+
+class _Slot:
+    """Where the i-th tensor input goes in a card's call."""
+
+    def __init__(self, i: int):
+        self.i = i
+
+
+def compiled_reference(card: Card, device: torch.device, backend: Any) -> Callable[[list[torch.Tensor]], object]:
+    """torch.compile of a function that makes the card's call: its op with its scalar args as
+    constants, its tensors as inputs (a region replays its calls). The call is built here, not
+    traced: Dynamo sees the op and nothing of kforge's card code."""
+    if card.region is not None:
+        def reference(*ins: torch.Tensor) -> object:
+            return card.call_eager(list(ins), device=device)
+    else:
+        op = card.overload()
+        args, kwargs = card.build_call([_Slot(i) for i in range(len(card.inputs))], device)
+
+        def put(x: Any, ins: tuple) -> Any:
+            if isinstance(x, _Slot):
+                return ins[x.i]
+            return [put(y, ins) for y in x] if isinstance(x, list) else x
+
+        def reference(*ins: torch.Tensor) -> object:
+            return op(*[put(a, ins) for a in args], **{k: put(v, ins) for k, v in kwargs.items()})
+
+    compiled = torch.compile(reference, backend=backend, dynamic=False, fullgraph=True)
+    return lambda ins: compiled(*ins)
+
+
+@dataclass
+class Baseline:
+    """A card's compiled reference, or why torch.compile could not compile it."""
+
+    fn: Callable[[list[torch.Tensor]], object] | None
+    error: str = ""
+    compile_s: float = 0.0
+
+
+class _Baselines:
+    """The compiled baseline of the last card seen: torch.compile costs seconds a card, and the
+    search sends one card's candidates in a row, so it is compiled once per card per worker,
+    not per candidate. Dynamo is reset between cards: every card's reference has the same code
+    object, and past its recompile limit Dynamo would silently run eager instead."""
+
+    def __init__(self) -> None:
+        self.key: str | None = None
+        self.value: Baseline | None = None
+
+    def get(self, backend: Backend, card: Card, inputs: list[torch.Tensor],
+            progress: Callable[[str, float], None], opts: EvalOptions) -> Baseline:
+        if card.id != self.key:
+            self.key, self.value = None, None
+            torch._dynamo.reset()
+            progress("compiling the torch.compile baseline", opts.compile_timeout_s)
+            t0 = time.perf_counter()
+            try:
+                fn = backend.compile_reference(card)
+                fn(inputs)  # compiles
+                backend.synchronize()
+                value = Baseline(fn)
+            except Exception as e:
+                if backend.fault(e) is not None:
+                    raise
+                text = " ".join(str(e).split())  # Dynamo's first line names the backend, the next ones the cause
+                value = Baseline(None, f"torch.compile cannot compile {card.op} alone: {type(e).__name__}: {text}"[:500])
+            value.compile_s = round(time.perf_counter() - t0, 3)
+            self.key, self.value = card.id, value
+        return self.value
 
 
 # ---- the card's input sets ------------------------------------------------------------
@@ -443,9 +536,11 @@ class Judge:
     """Everything needed to judge one candidate; `run()` gives (EvalResult, fatal)."""
 
     def __init__(self, backend: Backend, card: Card, sets: list[InputSet], holdout: InputSet,
-                 candidate: Candidate, opts: EvalOptions, progress: Callable[[str, float], None]):
+                 candidate: Candidate, opts: EvalOptions, progress: Callable[[str, float], None],
+                 baselines: _Baselines | None = None):
         self.b, self.card, self.sets, self.holdout = backend, card, sets, holdout
         self.cand, self.opts, self.progress = candidate, opts, progress
+        self.baselines = baselines or _Baselines()
         self.kernel: Any = None
         self.evidence: dict[str, Any] = {"input_sets": [s.name for s in sets]}
         self.max_abs = self.max_rel = 0.0
@@ -598,7 +693,7 @@ class Judge:
         copies = [s.materialize(card, self.b.device) for _ in range(n)]
         outs = [self._outputs(c) for c in copies]
         ws = self._workspaces()
-        turn = {"k": 0, "e": 0}
+        turn = {"k": 0, "e": 0, "c": 0}
 
         def kernel_fn() -> None:
             i = turn["k"] = (turn["k"] + 1) % n
@@ -609,16 +704,27 @@ class Judge:
             card.call_eager(copies[i], device=self.b.device)
 
         fns = [eager_fn, kernel_fn]
+        baseline = None
+        if o.compile_baseline:
+            baseline = self._guarded("torch.compile baseline",
+                                     lambda: self.baselines.get(self.b, card, copies[0], self.progress, o))
+            if baseline.fn is not None:
+                def compiled_fn() -> None:
+                    i = turn["c"] = (turn["c"] + 1) % n
+                    baseline.fn(copies[i])
+
+                fns.append(compiled_fn)  # the same reps, interleaved with eager and the kernel
         # One heartbeat per phase, each with room for its own work: a kernel of a few ms
         # needs far longer as dispatched (time_as_called's fixed count of calls) than in
         # the timed reps, and one budget for all three would call it a hang.
         k, e = self.kernel_wall_s, self.eager_wall_s
-        self.progress("timing", self._budget(k + e + 1e-3, sides=2))
+        self.progress("timing", self._budget(k + (len(fns) - 1) * e + 1e-3, sides=len(fns)))
         t0 = time.perf_counter()
         ms = self._guarded("timing", lambda: self.b.time(fns, o))
         phases = self.evidence.setdefault("phase_s", {})
         phases["time_gpu"] = round(time.perf_counter() - t0, 4)
         eager_m, kernel_m = ms[0], ms[1]
+        compiled_m = ms[2] if len(ms) > 2 else None
         verdict, message = V.speed_verdict(kernel_m, eager_m)
         bench = as_called = not_dispatched = None
         if verdict == Verdict.VALID:
@@ -647,9 +753,16 @@ class Judge:
             evidence["not_dispatched"] = not_dispatched
         if bench is not None:
             evidence["kernel_alone"] = bench.summary()  # GPU time alone, the C++ harness
+        if baseline is not None:
+            evidence["compile_baseline_s"] = baseline.compile_s  # compile time, paid once per card and worker
+            if compiled_m is not None:
+                evidence["compiled"] = compiled_m.summary()
+            else:
+                evidence["compile_error"] = baseline.error
         return EvalResult(verdict, message, evidence, eager_us=eager_m.median, kernel_us=kernel_m.median,
                           dispatched_us=as_called[1].median if as_called else None,
-                          eager_dispatched_us=as_called[0].median if as_called else None, flags=flags, **common)
+                          eager_dispatched_us=as_called[0].median if as_called else None,
+                          compile_us=compiled_m.median if compiled_m is not None else None, flags=flags, **common)
 
     def _budget(self, per_rep_s: float, sides: int = 1) -> float:
         """Heartbeat budget of a timing phase of `per_rep_s` a rep for each of `sides`
@@ -713,6 +826,7 @@ def main(conn, backend_name: str, device: int, opts_json: dict) -> None:
     opts = EvalOptions(**opts_json)
     backend = make_backend(backend_name, device, opts.backend_options)
     cache = _CardCache()
+    baselines = _Baselines()
     evaluated = 0
     while True:
         try:
@@ -732,7 +846,7 @@ def main(conn, backend_name: str, device: int, opts_json: dict) -> None:
             card = Card.from_json(req.card)
             candidate = Candidate.from_json(req.candidate)
             sets, holdout = cache.get(card, req.run_dir, backend, opts)
-            result, fatal = Judge(backend, card, sets, holdout, candidate, opts, progress).run()
+            result, fatal = Judge(backend, card, sets, holdout, candidate, opts, progress, baselines).run()
         except CardError as e:
             conn.send(dataclasses.asdict(Reply("error", req.id, error="CardError", message=str(e))))
             continue
