@@ -6,7 +6,8 @@ The app reads the runs a user can make, all written by kforge's own writers: one
 by row (every verdict, repairs, LLM calls, a package), one made by a real `kforge.runner.run`
 on a CPU model with fake evaluator, a capture without a search, a run without a GPU
 (compile-only) and a run whose LLM proposer never gave a usable kernel.
-Set KFORGE_SCREENSHOTS=docs/screenshots to refresh the README's screenshots.
+Set KFORGE_SCREENSHOTS=DIR to write each page of the fixture run there (the README's screenshots
+come from a real GPU run instead: open its run directory with `kforge dash` and screenshot it).
 """
 
 from __future__ import annotations
