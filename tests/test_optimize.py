@@ -15,22 +15,12 @@ from kforge.candidate import Candidate, LaunchPlan
 from kforge.capture import capture
 from kforge.optimize import RegionCall, RegionKernel, optimize
 from kforge.package import CastPackage, PackagedCard
+from test_regions import BasicBlock
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 BN = "_native_batch_norm_legit_no_training"
 
-
-
-class BasicBlock(nn.Module):
-    def __init__(self, c=4):
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-
-    def forward(self, x):
-        y = F.relu(self.bn1(self.conv1(x)))
-        return F.relu(self.bn2(self.conv2(y)) + x)
 
 
 def resnet() -> nn.Module:
