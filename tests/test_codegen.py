@@ -268,8 +268,6 @@ def _red_cases():
                                   ([3, 3], [1, 1], [1, 1], [2, 2], True), {}),
         "max_pool_channels_last_bf16": (A.max_pool2d.default, [torch.randn(2, 4, 8, 8).to(BF16).to(
             memory_format=torch.channels_last)], ([2, 2],), {}),
-        "max_pool_int": (A.max_pool2d_with_indices.default, [torch.randint(-9, 9, (2, 6, 7), dtype=torch.int32)],
-                         ([2, 2],), {}),
         "avg_pool_pad": (A.avg_pool2d.default, [torch.randn(2, 3, 11, 9)], ([3, 3], [2, 2], [1, 1]), {}),
         "avg_pool_no_pad_count_ceil": (A.avg_pool2d.default, [torch.randn(3, 11, 9)], ([3, 2], [2, 1], [1, 1], True, False),
                                        {}),
