@@ -141,15 +141,21 @@ def test_progress_rows_are_shown_per_card(model_file, tmp_path, capsys, cpu_only
     assert capsys.readouterr().err == ""
 
 
-def test_package_then_inspect_and_verify_the_cast(tmp_path, capsys, monkeypatch):
-    if torch.cuda.is_available():
-        pytest.skip("checks the CPU-only behaviour of verify")
+def _fake_gpu_run_dir(tmp_path, monkeypatch):
+    """A captured run directory whose search runs on a pretend GPU (fake evaluator and
+    proposer): (run dir, package path, its card)."""
     monkeypatch.setattr(runner, "gpu_devices", lambda requested: [0])
     monkeypatch.setattr(runner, "default_evaluator", lambda run_dir, device: FakeEvaluator())
     monkeypatch.setattr(proposers, "get_proposer", lambda name, **options: FakeProposer())
-    run_dir, cast = tmp_path / "run", tmp_path / "m.cast"
     card = toy_card()
-    save_card(card, run_dir)
+    save_card(card, tmp_path / "run")
+    return tmp_path / "run", tmp_path / "m.cast", card
+
+
+def test_package_then_inspect_and_verify_the_cast(tmp_path, capsys, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-only behaviour of verify")
+    run_dir, cast, card = _fake_gpu_run_dir(tmp_path, monkeypatch)
     assert main(["search", str(run_dir), "--iterations", "4", "--no-progress"]) == 0
     assert main(["package", str(run_dir), "--out", str(cast)]) == 0 and cast.exists()
     capsys.readouterr()
@@ -277,12 +283,7 @@ def test_capture_json_is_the_only_thing_on_stdout_and_progress_goes_to_stderr(mo
 def test_inspect_json_of_a_capture_a_run_and_a_package(tmp_path, capsys, monkeypatch):
     import json
 
-    monkeypatch.setattr(runner, "gpu_devices", lambda requested: [0])
-    monkeypatch.setattr(runner, "default_evaluator", lambda run_dir, device: FakeEvaluator())
-    monkeypatch.setattr(proposers, "get_proposer", lambda name, **options: FakeProposer())
-    run_dir, cast = tmp_path / "run", tmp_path / "m.cast"
-    card = toy_card()
-    save_card(card, run_dir)
+    run_dir, cast, card = _fake_gpu_run_dir(tmp_path, monkeypatch)
     assert main(["inspect", str(run_dir), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["kind"] == "capture"
     assert main(["search", str(run_dir), "--iterations", "4", "--no-progress"]) == 0
