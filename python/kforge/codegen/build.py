@@ -20,7 +20,7 @@ from ..families import family_of, packet_name
 from ..subgraph import Node as SubNode
 from ..subgraph import is_ref
 from . import ops
-from .ir import FLOATS, Expr, Node, Program, Reduction, Ref, Scan, Window, broadcast_strides
+from .ir import FLOATS, Expr, Node, opmath, Program, Reduction, Ref, Scan, Window, broadcast_strides
 
 IR_DTYPES = FLOATS + ("int64", "int32", "int16", "int8", "uint8", "bool")
 
@@ -53,6 +53,8 @@ def entry_for(op: str):
         return "scan", ops.SCAN_OPS[name]
     if name in ops.WINDOW_OPS:
         return "window", ops.WINDOW_OPS[name]
+    if name in ops.NORM_OPS:
+        return "norm", ops.NORM_OPS[name]
     entry = ops.REDUCTION_OPS.get(f"{name}.{overload}") or ops.REDUCTION_OPS.get(name)
     if entry is not None and (f"{name}.{overload}" in ops.REDUCTION_OPS or name not in ("max", "min")):
         return "reduction", entry
@@ -106,19 +108,55 @@ def _window_program(node: Node, inputs: list[TensorMeta], out_metas: list[Tensor
                    [tuple(o.stride) for o in out_metas], results, None, dict(aliases), None, win)
 
 
+def _channel_input(ref, ndim: int, inputs: list[TensorMeta], sources: list[int], what: str) -> Ref | str:
+    """A per-channel vector (C,) of an (N, C, ...) operand as an input of its own with shape
+    (1, C, 1, ...): the same memory, broadcast over every dim but 1."""
+    if not isinstance(ref, Ref) or ref.kind != "in":
+        return f"{what}: a computed per-channel vector is not generated"
+    m = inputs[ref.index]
+    if len(m.shape) != 1:
+        return f"{what}: a per-channel argument of shape {m.shape}"
+    shape = (1, m.shape[0]) + (1,) * (ndim - 2)
+    inputs.append(replace(m, shape=shape, stride=(0, m.stride[0]) + (0,) * (ndim - 2)))
+    sources.append(sources[ref.index])
+    return Ref("in", len(inputs) - 1)
+
+
+def _split(strides: tuple[int, ...], frame: tuple[int, ...], split) -> tuple[int, ...]:
+    """Strides over `frame` -> over the domain, where dim d of the frame is split in (g, size // g)."""
+    if split is None:
+        return strides
+    d, g = split
+    return strides[:d] + (strides[d] * (frame[d] // g), strides[d]) + strides[d + 1:]
+
+
+def _view_strides(m: TensorMeta, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """m's strides when viewed with `shape` (same elements), 0 on size-1 dims; None if no view."""
+    try:
+        v = torch.empty(0, device="meta").as_strided(tuple(m.shape), tuple(m.stride)).view(shape)
+    except RuntimeError:
+        return None
+    return tuple(0 if n == 1 else st for n, st in zip(shape, v.stride()))
+
+
 def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], out_metas: list[TensorMeta],
-               aliases: dict[int, int]) -> Program | str:
+               aliases: dict[int, int], sources: list[int] | None = None) -> Program | str:
+    """`sources`: the launch-plan input each of `inputs` reads (region_nodes); the builder
+    appends inputs of its own (per-channel vectors broadcast over their operand)."""
     for m in list(inputs) + list(out_metas):
         if m.dtype not in IR_DTYPES:
             return f"dtype {m.dtype} is not generated (real floats, ints and bool are)"
-    if not out_metas or any(m.numel == 0 for m in out_metas):
-        return "no output, or an empty one"
+    if not out_metas or all(m.numel == 0 for m in out_metas):
+        return "no output, or only empty ones"
+    inputs = list(inputs)
+    sources = list(range(len(inputs))) if sources is None else list(sources)
     values: dict[tuple[int, int], tuple[Expr, TensorMeta]] = {}
+    stats: set[tuple[int, int]] = set()  # a normalization's statistics: region outputs only
     phase = "pro"  # prologue, then epilogue after the reduction
     red: ops.ReductionPlan | None = None
     scan: ops.ScanPlan | None = None
-    domain: tuple[int, ...] | None = None
-    out_shape: tuple[int, ...] | None = None
+    frame: tuple[int, ...] | None = None  # the reduced operand's shape; the domain is it split (group norm)
+    out_shape: tuple[int, ...] | None = None  # a plain reduction's output shape
     in_strides: dict[int, tuple[int, ...]] = {}
     loads: dict[int, str] = {}  # input -> the phase that loads it
 
@@ -126,11 +164,23 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
         if ref.kind == "in":
             m = inputs[ref.index]
             loads.setdefault(ref.index, phase)
-            if loads[ref.index] != phase:
+            if loads[ref.index] != phase and not red.keepdim:
                 raise _Decline(f"input {ref.index} is read both before and after the reduction")
             return ops.Val(Expr.load(ref.index, m.dtype), m.dtype, len(m.shape))
+        if (ref.index, ref.output) in stats:
+            raise _Decline("a node uses a normalization's statistics (mean, rstd): not generated")
         e, m = values[(ref.index, ref.output)]
         return ops.Val(e, m.dtype, len(m.shape))
+
+    def reduce(j: int, node: Node, plan: ops.ReductionPlan, src_meta: TensorMeta):
+        nonlocal red, frame, phase
+        red, frame, phase = plan, tuple(src_meta.shape), "epi"
+        dom = _domain(frame, plan.split)
+        kind_ = ops.REDUCTIONS[plan.kind]
+        refs = tuple(Expr.var(f"s{i}", d) for i, d in enumerate(kind_.state(plan.operand.dtype)))
+        n = math.prod(dom[d] for d in plan.dims) if dom else 1
+        for k, (e, m) in enumerate(zip(plan.outputs(refs, n), node.metas)):
+            values[(j, k)] = (e.cast(m.dtype), m)
 
     if len(nodes) == 1 and entry_for(nodes[0].op)[0] == "window":
         return _window_program(nodes[0], inputs, out_metas, aliases)
@@ -141,15 +191,24 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
                 return entry
             if kind == "window":
                 return "a window fused with other nodes is not generated yet"
+            if red is not None and not red.keepdim and any(tuple(m.shape) == frame != out_shape for m in node.metas):
+                return ("a node over the reduced elements after a reduction without keepdim: a normalization "
+                        "is generated from keepdim reductions (or the aten norm ops)")
+            name, overload = table_key(node.op)
+            channel = entry[0] if kind == "norm" else ()
             bound = {}
             for k, v in node.args.items():
+                if k in channel and v is not None:
+                    ndim = len(_meta_of(node.args["input"], inputs, values).shape)
+                    v = _channel_input(v, ndim, inputs, sources, f"{packet_name(node.op)} {k}")
+                    if isinstance(v, str):
+                        return v
                 if isinstance(v, Ref):
                     bound[k] = val(v)
                 elif isinstance(v, list) and any(isinstance(x, Ref) for x in v):
                     return f"{node.op}: tensor-list arguments are not generated"
                 else:
                     bound[k] = v
-            name, overload = table_key(node.op)
             if name == "_to_copy":
                 why = _copy_declined(bound, _meta_of(node.args["self"], inputs, values), node.metas[0])
                 if why:
@@ -159,24 +218,28 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
                 if red is not None or scan is not None:
                     return "a scan beside a reduction or another scan: the IR has one fold level"
                 plan = entry(call)
-                scan, domain = plan, tuple(_meta_of(node.args["self"], inputs, values).shape)
+                scan, frame = plan, tuple(_meta_of(node.args["self"], inputs, values).shape)
                 state = ops.REDUCTIONS[plan.kind].state(plan.operand.dtype)[0]
                 values[(j, 0)] = (Expr.var("s0", state).cast(node.metas[0].dtype), node.metas[0])
                 continue
-            if kind == "reduction":
-                if red is not None or scan is not None:
-                    return "a second reduction: the IR has one reduction level"
-                plan = entry(call)
+            if kind in ("reduction", "norm"):
+                plan = entry(call) if kind == "reduction" else entry[1](call)
                 if isinstance(plan, str):
                     return plan
-                src_meta = _meta_of(node.args["self"], inputs, values)
-                red, domain, phase = plan, tuple(src_meta.shape), "epi"
-                out_shape = tuple(node.metas[0].shape)
-                kind_ = ops.REDUCTIONS[plan.kind]
-                refs = tuple(Expr.var(f"s{i}", d) for i, d in enumerate(kind_.state(plan.operand.dtype)))
-                n = math.prod(domain[d] for d in plan.dims) if domain else 1
-                for k, (e, m) in enumerate(zip(plan.outputs(refs, n), node.metas)):
-                    values[(j, k)] = (e.cast(m.dtype), m)
+                if kind == "norm" and isinstance(plan, tuple):  # pointwise (batch norm with running stats)
+                    for k, m in enumerate(node.metas):
+                        if k >= len(plan) and m.numel:
+                            return f"{node.op}: output {k} is not empty and is not generated"
+                        values[(j, k)] = ((plan[k] if k < len(plan) else Expr.const(0, opmath(m.dtype))).cast(m.dtype), m)
+                    continue
+                if red is not None or scan is not None:
+                    return "a second reduction: the IR has one reduction level"
+                src = node.args["self" if "self" in node.args else "input"]
+                reduce(j, node, plan, _meta_of(src, inputs, values))
+                if kind == "norm":
+                    stats.update((j, k) for k in range(1, len(node.metas)))
+                else:
+                    out_shape = tuple(node.metas[0].shape)
                 continue
             e = entry(call)
             if isinstance(e, str):
@@ -189,43 +252,60 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
     except TypeError as e:  # a primitive given a dtype it does not take
         return f"not generated for these dtypes: {e}"
 
+    live = [m for m in out_metas if m.numel]
+    split = red.split if red is not None else None
     if red is None:
-        domain = out_shape = tuple(out_metas[0].shape)
-        if any(tuple(m.shape) != domain for m in out_metas):
+        frame = tuple(live[0].shape)
+        if any(tuple(m.shape) != frame for m in live):
             return "pointwise outputs of different shapes"
-        if scan is not None and not domain:
+        if scan is not None and not frame:
             return "a scan of a 0-dim tensor is a copy"
-    for m in out_metas:
-        if tuple(m.shape) != out_shape and red is not None:
-            return (f"an output of shape {m.shape} after the reduction to {out_shape}: a normalization (the "
-                    "reduced elements used again after their reduction) is not generated")
-        if tuple(m.shape) != out_shape:
-            return f"output of shape {m.shape}, expected {out_shape}"
+    domain = _domain(frame, split)
+    if split is not None and frame[split[0]] % split[1]:
+        return f"{frame[split[0]]} channels do not split into {split[1]} groups"
+    dims = red.dims if red is not None else ()
+    keep_dom = tuple(1 if d in dims else n for d, n in enumerate(domain))
     results = [values[(r.index, r.output)][0] for r in outputs]
     for i in loads:
         m = inputs[i]
-        if loads[i] == "pro":
-            st = broadcast_strides(m.shape, m.stride, domain)
+        if loads[i] == "pro" or red.keepdim:
+            st = broadcast_strides(m.shape, m.stride, frame)
+            st = st if st is None else _split(st, frame, split)
         else:
             st = broadcast_strides(m.shape, m.stride, out_shape)
             st = st if st is None else _to_domain(st, domain, red.dims, red.keepdim)
         if st is None:
-            return f"input {i} of shape {m.shape} does not broadcast to {domain}"
+            return f"input {i} of shape {m.shape} does not broadcast to {frame}"
         in_strides[i] = st
     out_strides = []
     for m in out_metas:
-        out_strides.append(tuple(m.stride) if red is None else _to_domain(tuple(m.stride), domain, red.dims, red.keepdim))
+        if not m.numel:
+            out_strides.append((0,) * len(domain))
+        elif red is None or tuple(m.shape) == frame:
+            out_strides.append(_split(tuple(m.stride), frame, split))
+        else:
+            st = _view_strides(m, keep_dom)
+            if st is None:
+                return f"output of shape {m.shape}: neither the reduced operand's {frame} nor its reduction's {keep_dom}"
+            out_strides.append(st)
     if any(s < 0 for st in list(in_strides.values()) + out_strides for s in st):
         return "negative strides are not generated"
-    for m in out_metas:
+    for m in live:
         if m.span() != m.numel:
             return "an output is not dense (it overlaps or has gaps)"
     reduction = Reduction(ops.REDUCTIONS[red.kind], red.operand, red.dims) if red is not None else None
     if reduction is not None and not red.dims:
         return "a reduction over no dims"
     scan_ = Scan(ops.REDUCTIONS[scan.kind], scan.operand, scan.dim) if scan is not None else None
-    return Program(domain, list(inputs), list(out_metas), in_strides, out_strides, results, reduction, dict(aliases),
-                   scan_)
+    return Program(domain, inputs, list(out_metas), in_strides, out_strides, results, reduction, dict(aliases),
+                   scan_, sources=None if sources == list(range(len(inputs))) else sources)
+
+
+def _domain(frame: tuple[int, ...], split) -> tuple[int, ...]:
+    if split is None:
+        return frame
+    d, g = split
+    return frame[:d] + (g, frame[d] // g) + frame[d + 1:]
 
 
 class _Decline(Exception):
@@ -330,8 +410,7 @@ def program_for_card(card: Card) -> Program | str:
         if isinstance(conv, str):
             return conv
         nodes, inputs, sources, refs = conv
-        prog = from_nodes(nodes, inputs, refs, list(card.outputs), card.aliases)
-        return prog if isinstance(prog, str) else replace(prog, sources=sources)
+        return from_nodes(nodes, inputs, refs, list(card.outputs), card.aliases, sources)
     node = node_of_card(card)
     refs = [Ref("node", 0, k) for k in range(len(card.outputs))]
     return from_nodes([node], card.inputs, refs, list(card.outputs), card.aliases)

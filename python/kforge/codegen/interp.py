@@ -169,10 +169,16 @@ def run(prog: Program, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         env = _window(prog, inputs)
     if prog.scan is not None:
         env = {"s0": _scan(prog.scan, evaluate(prog.scan.operand, {}, loads_over(dom)).expand(dom))}
-    shape = kept if red is not None else dom
+    shape = kept if red is not None and not prog.normalizes else dom
+    at_kept = tuple(slice(0, 1) if d in prog.reduce_dims else slice(None) for d in range(len(dom)))
     outs = []
-    for e, m in zip(prog.results, prog.outputs):
+    for e, m, st in zip(prog.results, prog.outputs, prog.out_strides):
+        if not m.numel:
+            outs.append(torch.empty(m.shape, dtype=_T[m.dtype]))
+            continue
         v = evaluate(e, env, None if prog.window else loads_over(shape)).expand(shape)
+        if shape != kept and not any(st[d] for d in prog.reduce_dims):  # a statistic of a normalization
+            v = v[at_kept]
         outs.append(v.to(_T[m.dtype]).reshape(m.shape).contiguous())
     return outs
 

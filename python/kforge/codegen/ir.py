@@ -9,9 +9,13 @@ broadcasts), so any layout is indexed through its own strides and nothing is cop
   state (cumsum, cumprod; reversed and exclusive forms for regions).
 - A windowed fold: `window` (max/avg pooling over the last two dims, with indices).
 - One reduction level: `reduction` folds an `Expr` (the prologue) over the domain's
-  `reduce_dims` with a `ReductionKind` (ops.REDUCTIONS); the outputs are then `Expr`s over
-  the kept dims that may use the reduction's state (`Expr.var("s0")`, ...) and inputs that do not
-  vary over the reduced dims (the epilogue: mean's divide, std's sqrt, a residual add).
+  `reduce_dims` with a `ReductionKind` (ops.REDUCTIONS); the outputs are then `Expr`s that
+  may use the reduction's state (`Expr.var("s0")`, ...). An output with stride 0 over the
+  reduced dims is written once per kept point (the epilogue: mean's divide, std's sqrt);
+  one that varies over them makes the program a normalization (`normalizes`): its epilogue
+  runs at every point of the domain and may read any input there ((x - mean) * rstd * w,
+  exp(x - max) / sum). Group norm's domain splits the channel dim into (groups, channels
+  per group), so its statistics are per (sample, group).
 
 `Expr` is a small immutable tree (a DAG once equal subtrees are shared) of primitives
 (`PRIMS`). Values are in their compute dtype: float16/bfloat16 are loaded as float32 and
@@ -33,7 +37,8 @@ Builder API (for single-op cards and for fused regions):
     aliases: output index -> input index it overwrites (in-place and out= ops).
 
 A node's expression comes from ops.py (the one op table); at most one node may be a
-reduction or a scan, nodes before it form its prologue and nodes after it its epilogue.
+reduction, a normalization (ops.NORM_OPS) or a scan, nodes before it form its prologue and
+nodes after it its epilogue (over the whole domain after a keepdim reduction or a norm op).
 """
 
 from __future__ import annotations
@@ -272,6 +277,12 @@ class Program:
     @property
     def reduce_dims(self) -> tuple[int, ...]:
         return self.reduction.dims if self.reduction else ()
+
+    @property
+    def normalizes(self) -> bool:
+        """A normalization: an output varies over the reduced dims, so the epilogue runs at
+        every point of the domain (softmax, layer/group norm), not once per kept point."""
+        return any(st[d] for st in self.out_strides for d in self.reduce_dims)
 
 
 

@@ -642,3 +642,185 @@ def lower_window(prog: Program, knobs: dict) -> Built:
               for j, (om, r, o) in enumerate(zip(prog.outputs, res, outs))],
             "}"]
     return Built(_header("\n".join(body)), [("kf_gen", (ceil_div(n_out, nt),), (nt,), args, 0)], [])
+
+
+# ---- normalization (a reduction whose epilogue runs over the reduced elements) ----------
+
+def _shfl_idx(x: str, dtype: str, width: int) -> str:
+    """x from lane 0 of this thread's group of `width` lanes."""
+    if dtype in ("bool", "int8", "uint8", "int16"):
+        return f"({CTYPE[dtype]})__shfl_sync(0xffffffffu, (int){x}, 0, {width})"
+    return f"__shfl_sync(0xffffffffu, {x}, 0, {width})"
+
+
+def _norm_tensors(prog: Program) -> list[tuple[int, "TensorMeta"]]:
+    """(layout index, meta) of every tensor a normalization reads or writes per element."""
+    no = len(prog.outputs)
+    out = [(j, m) for j, m in enumerate(prog.outputs) if m.numel]
+    return out + [(no + k, prog.inputs[i]) for k, i in enumerate(sorted(prog.in_strides))]
+
+
+def norm_vecs(prog: Program) -> tuple[int, ...]:
+    """Legal vector widths (elements) along the innermost reduced dim, narrowest first."""
+    lay = reduction_layout(prog)
+    out = []
+    for v in (1, 2, 4, 8, 16):
+        ok = lay.rsizes[-1] % v == 0
+        for t, m in _norm_tensors(prog):
+            if lay.rstrides[t][-1] == 1 and v > 1:
+                ok &= (v * m.itemsize <= 16 and m.align % (v * m.itemsize) == 0
+                       and all(s % v == 0 for s in lay.kstrides[t] + lay.rstrides[t][:-1]))
+        if ok:
+            out.append(v)
+    return tuple(out)
+
+
+def norm_staging(prog: Program, knobs: dict) -> str:
+    """Where pass 1 keeps the row's loaded values for the epilogue: the knob's choice when it
+    fits (registers: at most 32 values a thread, 16 from 512 threads up; shared memory: 40 KB
+    a block), else the next one down ("reload": the epilogue reads them again, from L2)."""
+    lay = reduction_layout(prog)
+    nt, v = knobs["threads"], knobs["vec"]
+    lanes = nt if knobs["lanes"] == "block" else knobs["lanes"]
+    per = ceil_div(lay.rn // v, lanes)
+    pro = sorted({e.value[0] for e in prog.reduction.operand.walk() if e.op == "load"})
+    regs = per * v * len(pro) <= (16 if nt >= 512 else 32)
+    smem = nt * per * v * sum(prog.inputs[i].itemsize for i in pro) <= 40 * 1024
+    order = ("regs", "smem", "reload")
+    for s in order[order.index(knobs["staging"]):]:
+        if s == "reload" or (s == "regs" and regs) or (s == "smem" and smem):
+            return s
+    return "reload"
+
+
+def lower_norm(prog: Program, knobs: dict) -> Built:
+    """A group of `lanes` threads per row (the reduced elements of one kept point): pass 1
+    folds the prologue over the row in chunks of `vec` elements, keeping the loaded values
+    (registers or shared memory when they fit); the state is merged across the group and
+    broadcast to every lane; pass 2 runs the epilogue at every element of the row (from the
+    kept values, or reading the row again) and stores it; lane 0 stores the statistics."""
+    red = prog.reduction
+    kind, dt = red.kind, red.operand.dtype
+    st_types = kind.state(dt)
+    ns = len(st_types)
+    lay = reduction_layout(prog)
+    nt, v = knobs["threads"], knobs["vec"]
+    lanes = nt if knobs["lanes"] == "block" else knobs["lanes"]
+    rows = nt // lanes
+    staging = norm_staging(prog, knobs)
+    nc = lay.rn // v
+    per = ceil_div(nc, lanes)
+    params, args, ptr = _pointers(prog)
+    no = len(prog.outputs)
+    loaded = sorted(prog.in_strides)
+    tix = {i: no + k for k, i in enumerate(loaded)}
+    logical_t = no + len(loaded)
+    idx = _index_type(prog, 2 * nt * v)
+    dims = red.dims
+    pro = sorted({e.value[0] for e in red.operand.walk() if e.op == "load"})
+    full = [j for j, m in enumerate(prog.outputs) if m.numel and any(prog.out_strides[j][d] for d in dims)]
+    kept = [j for j, m in enumerate(prog.outputs) if m.numel and j not in full]
+    epi = sorted({e.value[0] for j in full for e in prog.results[j].walk() if e.op == "load"})
+    st = [f"st{c}" for c in range(ns)]
+    ident = [_const(e) for e in kind.identity_exprs(dt)]
+    staged = staging != "reload"
+
+    def arr(i: int, p: int) -> str:
+        """The V values of input i in this chunk (pass p)."""
+        if staged and i in pro:
+            return f"x{i}[u]" if staging == "regs" else f"sx{i}[threadIdx.x / LANES][c]"
+        return f"xv{i}"
+
+    def load_chunk(i: int, dest: str) -> list[str]:
+        t, ct = tix[i], CTYPE[prog.inputs[i].dtype]
+        inner = lay.rstrides[t][-1]
+        if inner == 1 and v > 1:
+            return [f"*reinterpret_cast<kf_vec<{ct}, V>*>({dest}) = "
+                    f"*reinterpret_cast<const kf_vec<{ct}, V>*>({ptr[i]} + k{t} + r{t});"]
+        return ["#pragma unroll", f"for (int jj = 0; jj < V; ++jj) {dest}[jj] = {ptr[i]}[k{t} + r{t} + jj * {inner}];"]
+
+    def loop(body: list[str]) -> list[str]:
+        if staged:
+            head = ["#pragma unroll", "for (int u = 0; u < P; ++u) {", "  const kf_idx c = (kf_idx)u * LANES + lane;",
+                    "  if (c < NC) {"]
+            return head + [f"    {line}" for line in body] + ["  }", "}"]
+        return ["for (kf_idx c = lane; c < NC; c += LANES) {"] + [f"  {line}" for line in body] + ["}"]
+
+    def offsets(ts: list[int]) -> list[str]:
+        return offsets_code("c * V", lay.rsizes, [lay.rstrides[t] for t in ts], [f"r{t}" for t in ts], idx)
+
+    # pass 1: the fold
+    p1 = offsets([tix[i] for i in pro] + [logical_t])
+    for i in pro:
+        if not staged:
+            p1.append(f"{CTYPE[prog.inputs[i].dtype]} xv{i}[V];")
+        p1 += load_chunk(i, arr(i, 1))
+    em = Emitter("p", {"ridx": f"((kf_i64)r{logical_t} + (kf_i64)jj * {lay.rstrides[logical_t][-1]})"},
+                 lambda i, stored: f"{arr(i, 1)}[jj]")
+    x = em(red.operand)
+    em.env["x"] = x
+    lifted = [em(e) for e in kind.lift_exprs(Expr.var("x", dt))]
+    p1 += ["#pragma unroll", "for (int jj = 0; jj < V; ++jj) {", *[f"  {line}" for line in em.lines],
+           *[f"  {line}" for line in _merge_block(kind, dt, st, lifted, "u")], "}"]
+
+    # pass 2: the epilogue at every element
+    outs2 = [j for j in full]
+    p2 = offsets(sorted({tix[i] for i in epi} | set(outs2)))
+    for i in epi:
+        if not (staged and i in pro):
+            p2.append(f"{CTYPE[prog.inputs[i].dtype]} xv{i}[V];")
+            p2 += load_chunk(i, f"xv{i}")
+    p2 += [f"{CTYPE[prog.outputs[j].dtype]} o{j}[V];" for j in outs2]
+    em2 = Emitter("e", {f"s{c}": n for c, n in enumerate(st)}, lambda i, stored: f"{arr(i, 2)}[jj]")
+    res = {j: em2(prog.results[j]) for j in outs2}
+    p2 += ["#pragma unroll", "for (int jj = 0; jj < V; ++jj) {", *[f"  {line}" for line in em2.lines],
+           *[f"  o{j}[jj] = {convert(res[j], prog.results[j].dtype, prog.outputs[j].dtype)};" for j in outs2], "}"]
+    for j in outs2:
+        ct, inner = CTYPE[prog.outputs[j].dtype], lay.rstrides[j][-1]
+        if inner == 1 and v > 1:
+            p2.append(f"*reinterpret_cast<kf_vec<{ct}, V>*>(out{j} + k{j} + r{j}) = "
+                      f"*reinterpret_cast<const kf_vec<{ct}, V>*>(o{j});")
+        else:
+            p2 += ["#pragma unroll", f"for (int jj = 0; jj < V; ++jj) out{j}[k{j} + r{j} + jj * {inner}] = o{j}[jj];"]
+
+    kofs = offsets_code("q", lay.ksizes, lay.kstrides, [f"k{t}" for t in range(len(lay.kstrides))], idx)
+    body = [f"typedef {idx} kf_idx;",
+            f"constexpr int NT = {nt}; constexpr int LANES = {lanes}; constexpr int ROWS = {rows}; "
+            f"constexpr int V = {v}; constexpr int P = {per};",
+            f"constexpr kf_idx KN = {lay.kn}; constexpr kf_idx NC = {nc};",
+            f'extern "C" __global__ void __launch_bounds__(NT) kf_gen({", ".join(params)}) {{',
+            "  const int lane = threadIdx.x % LANES;",
+            "  const kf_idx q = (kf_idx)blockIdx.x * ROWS + threadIdx.x / LANES;",
+            "  const bool live = q < KN;",
+            *[f"  {line}" for line in kofs],
+            *[f"  {CTYPE[t]} {n} = {val};" for n, t, val in zip(st, st_types, ident)]]
+    if staging == "regs":
+        body += [f"  {CTYPE[prog.inputs[i].dtype]} x{i}[P][V];" for i in pro]
+    elif staging == "smem":
+        body += [f"  __shared__ {CTYPE[prog.inputs[i].dtype]} sx{i}[ROWS][P * LANES][V];" for i in pro]
+    body += ["  if (live) {", *[f"    {line}" for line in loop(p1)], "  }"]
+    w = min(lanes, 32)
+    if w > 1:
+        other = [f"sh{c}" for c in range(ns)]
+        body += ["#pragma unroll", f"  for (int o = {w // 2}; o > 0; o >>= 1) {{"]
+        body += [f"    const {CTYPE[t]} {o} = {_shfl(n, t, 'o', w)};" for o, n, t in zip(other, st, st_types)]
+        body += [f"    {line}" for line in _merge_block(kind, dt, st, other, "s")] + ["  }"]
+    if lanes > 32:
+        nw = lanes // 32
+        body += [f"  __shared__ {CTYPE[t]} sm{c}[ROWS][{nw}];" for c, t in enumerate(st_types)]
+        body += ["  if (lane % 32 == 0) {", *[f"    sm{c}[threadIdx.x / LANES][lane / 32] = {n};" for c, n in enumerate(st)],
+                 "  }", "  __syncthreads();", *[f"  {n} = sm{c}[threadIdx.x / LANES][0];" for c, n in enumerate(st)],
+                 f"  for (int wi = 1; wi < {nw}; ++wi) {{"]
+        body += [f"    {line}" for line in _merge_block(kind, dt, st, [f"sm{c}[threadIdx.x / LANES][wi]" for c in range(ns)],
+                                                     "w")] + ["  }"]
+    elif w > 1:  # every lane of the group takes lane 0's state
+        body += [f"  {n} = {_shfl_idx(n, t, w)};" for n, t in zip(st, st_types)]
+    body += ["  if (live) {", *[f"    {line}" for line in loop(p2)], "  }"]
+    if kept:
+        em3 = Emitter("f", {f"s{c}": n for c, n in enumerate(st)}, lambda i, stored: f"{ptr[i]}[k{tix[i]}]")
+        res3 = {j: em3(prog.results[j]) for j in kept}
+        body += ["  if (live && lane == 0) {", *[f"    {line}" for line in em3.lines],
+                 *[f"    out{j}[k{j}] = {convert(res3[j], prog.results[j].dtype, prog.outputs[j].dtype)};" for j in kept],
+                 "  }"]
+    body.append("}")
+    return Built(_header("\n".join(body)), [("kf_gen", (ceil_div(lay.kn, rows),), (nt,), args, 0)], [])

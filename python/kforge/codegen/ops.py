@@ -589,11 +589,12 @@ def _welford_merge(a, b):
 
 
 def _lse_merge(a, b):
-    """(max, sum of exp(x - max)): the online logsumexp state."""
+    """(max, sum of exp(x - max)): the online logsumexp state. One exp per merge (the smaller
+    max's sum is scaled by exp(-|a - b|)); equal maxima (both -inf or +inf too) add."""
     m = maximum(a[0], b[0])
-    fa = where(eq(a[0], m), _k(m, 1), prim("exp", a[0] - m))
-    fb = where(eq(b[0], m), _k(m, 1), prim("exp", b[0] - m))
-    return (m, a[1] * fa + b[1] * fb)
+    e = prim("exp", -prim("abs", a[0] - b[0]))
+    s = where(eq(a[0], b[0]), a[1] + b[1], where(a[0] > b[0], a[1] + b[1] * e, a[1] * e + b[1]))
+    return (m, s)
 
 
 REDUCTIONS: dict[str, ReductionKind] = {
@@ -621,6 +622,9 @@ class ReductionPlan:
     dims: tuple[int, ...]  # normalized, of the operand's shape
     keepdim: bool
     outputs: Callable[[tuple[Expr, ...], int], list[Expr]]  # (state refs, count) -> per output
+    # (dim, groups): the operand's dim is split into (groups, size // groups) and `dims` are
+    # dims of that split shape (group norm: its statistics are per (sample, group))
+    split: tuple[int, int] | None = None
 
 
 def _dims(c: Call, ndim: int, name: str = "dim") -> tuple[int, ...]:
@@ -743,6 +747,122 @@ REDUCTION_OPS: dict[str, Callable] = {
     "var": _reduce_var(False, False), "std": _reduce_var(True, False),
     "var_mean": _reduce_var(False, True), "std_mean": _reduce_var(True, True),
     "logsumexp": _logsumexp, "linalg_vector_norm": _vector_norm, "norm": _vector_norm,
+}
+
+
+# ---- normalizations ---------------------------------------------------------------------
+# One reduction level whose outputs are over the whole reduced domain (and the statistics
+# over the kept dims), or a per-channel affine map (batch norm with running statistics).
+# Formulas follow eager's CUDA kernels: statistics and the affine map in the opmath dtype.
+
+def _opt(c: Call, name: str) -> Expr | None:
+    v = c.v(name)
+    return v.at(v.dtype) if v is not None and v.is_tensor else None
+
+
+def _affine(y: Expr, w: Expr | None, b: Expr | None) -> Expr:
+    y = y * w if w is not None else y
+    return y + b if b is not None else y
+
+
+def _softmax(log: bool) -> Callable:
+    def entry(c: Call):
+        x = c.v("self")
+        if x.dtype not in FLOATS:
+            return "softmax of integers raises in eager"
+        e = x.at(x.dtype)
+        dims = _dims(c, x.ndim)
+        if log:
+            outs = lambda s, n: [e - s[0] - prim("log", s[1])]  # noqa: E731
+        else:
+            outs = lambda s, n: [prim("exp", e - s[0]) / s[1]]  # noqa: E731
+        return ReductionPlan("logsumexp", e, dims, True, outs)
+    return entry
+
+
+def _layer_norm(c: Call):
+    x = c.v("input")
+    if x.dtype not in FLOATS:
+        return "layer_norm of integers raises in eager"
+    e = x.at(x.dtype)
+    k = len(c.s("normalized_shape"))
+    w, b, eps = _opt(c, "weight"), _opt(c, "bias"), c.s("eps")
+
+    def outs(s, n):
+        rstd = prim("rsqrt", s[2] / float(n) + _k(s[2], eps))
+        return [_affine((e - s[1]) * rstd, w, b), s[1], rstd]
+    return ReductionPlan("welford", e, tuple(range(x.ndim - k, x.ndim)), True, outs)
+
+
+def _rms_norm(c: Call):
+    x = c.v("input")
+    if x.dtype not in FLOATS:
+        return "rms_norm of integers raises in eager"
+    e = x.at(x.dtype)
+    k = len(c.s("normalized_shape"))
+    w = _opt(c, "weight")
+    eps = c.s("eps")
+    eps = torch.finfo(getattr(torch, e.dtype)).eps if eps is None else eps
+
+    def outs(s, n):
+        rstd = prim("rsqrt", s[0] / float(n) + _k(s[0], eps))
+        return [_affine(e * rstd, w, None), rstd]
+    return ReductionPlan("sum", e * e, tuple(range(x.ndim - k, x.ndim)), True, outs)
+
+
+def _group_norm(c: Call):
+    x = c.v("input")
+    if x.dtype not in FLOATS:
+        return "group_norm of integers raises in eager"
+    if x.ndim < 2:
+        return "group_norm needs (N, C, ...) input"
+    e = x.at(x.dtype)
+    g, eps = c.s("group"), c.s("eps")
+    w, b = _opt(c, "weight"), _opt(c, "bias")
+
+    def outs(s, n):  # eager: y = a * x + c with a = rstd * w, c = bias - a * mean
+        var = maximum(s[2] / float(n), _k(s[2], 0))
+        rstd = prim("rsqrt", var + _k(var, eps))
+        a = rstd * w if w is not None else rstd
+        shift = -a * s[1]
+        return [a * e + (shift + b if b is not None else shift), s[1], rstd]
+    return ReductionPlan("welford", e, tuple(range(2, x.ndim + 1)), True, outs, split=(1, g))
+
+
+def _batch_norm(c: Call):
+    """Per-channel (dim 1) statistics: running ones (inference: a pointwise affine map) or the
+    batch's own (training with no running stats: instance norm's form)."""
+    x = c.v("input")
+    if x.dtype not in FLOATS:
+        return "batch_norm of integers raises in eager"
+    if x.ndim < 2:
+        return "batch_norm needs (N, C, ...) input"
+    e = x.at(x.dtype)
+    w, b, eps = _opt(c, "weight"), _opt(c, "bias"), c.s("eps")
+    training = c.name != "_native_batch_norm_legit_no_training" and bool(c.s("training", False))
+    rm, rv = _opt(c, "running_mean"), _opt(c, "running_var")
+    if not training:
+        if rm is None or rv is None:
+            return "batch_norm in inference without running statistics raises in eager"
+        invstd = prim("rsqrt", rv + _k(rv, eps))
+        return (_affine((e - rm) * invstd, w, b),)
+    if rm is not None or rv is not None:
+        return "batch_norm in training updates its running statistics in place: not generated"
+
+    def outs(s, n):
+        invstd = 1.0 / prim("sqrt", s[2] / float(n) + _k(s[2], eps))
+        return [_affine((e - s[1]) * invstd, w, b), s[1], invstd]
+    return ReductionPlan("welford", e, (0,) + tuple(range(2, x.ndim)), True, outs)
+
+
+# op packet -> (arguments that are per-channel vectors of dim 1, entry giving a ReductionPlan,
+# a tuple of pointwise Exprs (one per output; outputs that are empty tensors get none), or a reason)
+NORM_OPS: dict[str, tuple[tuple[str, ...], Callable]] = {
+    "_softmax": ((), _softmax(False)), "_log_softmax": ((), _softmax(True)),
+    "native_layer_norm": ((), _layer_norm), "_fused_rms_norm": ((), _rms_norm),
+    "native_group_norm": (("weight", "bias"), _group_norm),
+    **{k: (("weight", "bias", "running_mean", "running_var"), _batch_norm)
+       for k in ("native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training")},
 }
 
 

@@ -1,6 +1,7 @@
 """Kernels from the code generator (kforge.codegen) for any card its op table covers:
-every pointwise op torch tags, copies, one-level reductions, scans (cumsum, cumprod) and
-2-D max/avg pooling, and region cards whose subgraph is such a chain. It adds candidates beside
+every pointwise op torch tags, copies, one-level reductions, normalizations (softmax,
+log_softmax, layer/rms/group/batch norm, with their prologue and epilogue), scans (cumsum,
+cumprod) and 2-D max/avg pooling, and region cards whose subgraph is such a chain. It adds candidates beside
 the hand-written templates for the same cards (algorithms "gen_*"), and is the only
 built-in source for the rest.
 """
@@ -45,6 +46,9 @@ def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
         return [{"algo": ("gen_window",), "threads": (64, 128, 256, 512), "unroll": (1, 2, 4)}]
     if prog.scan is not None:
         return [{"algo": ("gen_scan",), "threads": (32, 64, 128, 256, 512), "unroll": (1, 2, 4)}]
+    if prog.normalizes:
+        return [{"algo": ("gen_norm",), "threads": (32, 64, 128, 256, 512, 1024), "lanes": (1, 8, 32, "block"),
+                 "vec": lower.norm_vecs(prog), "staging": ("regs", "smem", "reload")}]
     if prog.reduction is None:
         return [{"algo": ("gen_flat",), "threads": (64, 128, 256, 512, 1024), "vec": lower.pointwise_vecs(prog),
                  "items": (1, 2, 4, 8), "grid": ("exact", "stride")}]
@@ -69,6 +73,8 @@ def default(card: Card, hw: Hardware) -> Knobs:
         return {"algo": "gen_flat", "threads": 256 if nvec >= 256 * hw.sm_count else 128, "vec": vec,
                 "items": 4 if waves >= 4 else 2 if waves >= 1 else 1, "grid": "exact"}
     lay = lower.reduction_layout(prog)
+    if prog.normalizes:
+        return _norm_default(prog, lay, hw)
     splits = _splits(prog)
     if lower.reduced_is_inner(prog):
         lanes = 8 if lay.rn <= 64 else 32 if lay.rn <= 4096 else "block"
@@ -84,12 +90,30 @@ def default(card: Card, hw: Hardware) -> Knobs:
     return knobs
 
 
+def _norm_default(prog: Program, lay, hw: Hardware) -> Knobs:
+    """The widest vector; a warp per row up to 256 chunks of it, else a block sized so that each
+    thread keeps at most 8 chunks (the row stays in registers); a thread per row where the
+    reduced elements are strided and the kept ones are not (the loads coalesce across rows)."""
+    vec = lower.norm_vecs(prog)[-1]
+    nc = lay.rn // vec
+    if not lower.reduced_is_inner(prog) and lay.rn <= 64:
+        return {"algo": "gen_norm", "threads": 128, "lanes": 1, "vec": vec, "staging": "regs"}
+    if nc <= 256:
+        lanes = 8 if nc <= 16 else 32
+        return {"algo": "gen_norm", "threads": 128 if lay.kn >= 4 * hw.sm_count else 64, "lanes": lanes, "vec": vec,
+                "staging": "regs"}
+    threads = pick((128, 256, 512, 1024), nc / 8)
+    return {"algo": "gen_norm", "threads": threads, "lanes": "block", "vec": vec, "staging": "regs"}
+
+
 def build(card: Card, knobs: Knobs, hw: Hardware) -> Candidate:
     prog = program(card)
     if prog.window is not None:
         built = lower.lower_window(prog, knobs)
     elif prog.scan is not None:
         built = lower.lower_scan(prog, knobs)
+    elif prog.normalizes:
+        built = lower.lower_norm(prog, knobs)
     elif prog.reduction is None:
         built = lower.lower_pointwise(prog, knobs, hw.sm_count)
     else:
