@@ -3,7 +3,7 @@ are retargeted to CUDA metadata, lowered to one Program, compiled by NVRTC for s
 checked against their subgraph's replay through the reference interpreter and through the
 generated C itself (g++, tests/cuda_on_cpu.py, which binds the launch plan's arguments as the
 GPU would). Views of inputs are read in place; what the generator cannot do is declined with
-its reason."""
+its reason. Normalization regions (rms_norm, softmax, group norm, ...): test_codegen_norms.py."""
 
 from __future__ import annotations
 
@@ -54,27 +54,6 @@ class ViewOfIntermediate(nn.Module):
 class SliceOfInput(nn.Module):
     def forward(self, a, b):
         return torch.sigmoid(a[:, 1:]) * b
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, d=48):
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(d))
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
-
-
-class AddRMSNorm(nn.Module):
-    """The residual sum is the prologue and is used again after the reduction."""
-
-    def __init__(self, d=48):
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(d))
-
-    def forward(self, x, y):
-        h = x + y
-        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
 
 
 class LinearGelu(nn.Module):
@@ -170,10 +149,6 @@ DECLINED = {
     "view_of_intermediate": (ViewOfIntermediate, lambda: (torch.randn(4, 48), torch.randn(4, 8, 6)),
                              "views of intermediates are not generated"),
     "slice_at_an_offset": (SliceOfInput, lambda: (torch.randn(8, 33), torch.randn(8, 32)), "storage offset 1"),
-    "input_read_around_the_reduction": (RMSNorm, lambda: (torch.randn(4, 48),),
-                                        "input 0 is read both before and after the reduction"),
-    "normalization": (AddRMSNorm, lambda: (torch.randn(2, 3, 48), torch.randn(2, 3, 48)),
-                      "an output of shape (2, 3, 48) after the reduction to (2, 3, 1): a normalization"),
     "vendor_epilogue": (LinearGelu, lambda: (torch.randn(4, 48),),
                         "no builtin template or generated kernel for aten::addmm"),
 }

@@ -228,9 +228,8 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
                     return plan
                 if kind == "norm" and isinstance(plan, tuple):  # pointwise (batch norm with running stats)
                     for k, m in enumerate(node.metas):
-                        if k >= len(plan) and m.numel:
-                            return f"{node.op}: output {k} is not empty and is not generated"
                         values[(j, k)] = ((plan[k] if k < len(plan) else Expr.const(0, opmath(m.dtype))).cast(m.dtype), m)
+                    stats.update((j, k) for k in range(len(plan), len(node.metas)))
                     continue
                 if red is not None or scan is not None:
                     return "a second reduction: the IR has one reduction level"
@@ -257,12 +256,10 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
     if red is None:
         frame = tuple(live[0].shape)
         if any(tuple(m.shape) != frame for m in live):
-            return "pointwise outputs of different shapes"
+            return "pointwise outputs of different shapes (an inference batch norm's statistics, too)"
         if scan is not None and not frame:
             return "a scan of a 0-dim tensor is a copy"
     domain = _domain(frame, split)
-    if split is not None and frame[split[0]] % split[1]:
-        return f"{frame[split[0]]} channels do not split into {split[1]} groups"
     dims = red.dims if red is not None else ()
     keep_dom = tuple(1 if d in dims else n for d, n in enumerate(domain))
     results = [values[(r.index, r.output)][0] for r in outputs]

@@ -291,6 +291,8 @@ def lower_pointwise(prog: Program, knobs: dict, sm_count: int) -> Built:
     body += [f"          {line}" for line in em.lines]
     stores = []
     for j, (m, r) in enumerate(zip(prog.outputs, res)):
+        if not m.numel:  # passed (every output is) but never written: an empty tensor
+            continue
         ct = CTYPE[m.dtype]
         body.append(f"          r{j}[j] = {convert(r, prog.results[j].dtype, m.dtype)};")
         if strides[j][-1] == 1 and v > 1:
@@ -298,7 +300,7 @@ def lower_pointwise(prog: Program, knobs: dict, sm_count: int) -> Built:
                           f"*reinterpret_cast<const kf_vec<{ct}, V>*>(r{j});")
         else:
             stores.append(f"        for (int j = 0; j < V; ++j) out{j}[off[k][{j}] + j * {strides[j][-1]}] = r{j}[j];")
-    rdecl = [f"        {CTYPE[m.dtype]} r{j}[V];" for j, m in enumerate(prog.outputs)]
+    rdecl = [f"        {CTYPE[m.dtype]} r{j}[V];" for j, m in enumerate(prog.outputs) if m.numel]
     offs = offsets_code("(base + k * NT) * V", sizes, strides, [f"off[k][{t}]" for t in range(len(strides))], idx, False)
     src = "\n".join([
         f"typedef {idx} kf_idx;",
@@ -493,7 +495,8 @@ def lower_reduction(prog: Program, knobs: dict, sm_count: int) -> Built:
         res = [em2(e) for e in prog.results]
         out = [indent + line for line in em2.lines]
         for j, (m, r) in enumerate(zip(prog.outputs, res)):
-            out.append(f"{indent}out{j}[k{j}] = {convert(r, prog.results[j].dtype, m.dtype)};")
+            if m.numel:
+                out.append(f"{indent}out{j}[k{j}] = {convert(r, prog.results[j].dtype, m.dtype)};")
         return out
 
     if split == 1:

@@ -1,0 +1,302 @@
+"""Normalizations through the code generator on the CPU: softmax, log_softmax, layer, rms,
+group, batch and instance norm as single-op cards and as the regions real models have
+(a mask add and casts around softmax, a residual add into a norm, an activation after it).
+Each program's numerics are checked against eager through the reference interpreter (odd
+shapes, 1-element rows, rows longer than a block holds, channels_last, 16-bit and fp32),
+every lowered form compiles with NVRTC for sm_90, and the forms whose threads do not
+cooperate (a thread per row) run exactly through the generated C on the CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import cuda_on_cpu
+from builtin_cards import A, BF16, F16, F32, make_card, meta
+from kforge import compiler
+from kforge.capture import capture
+from kforge.cards import load_sample
+from kforge.codegen import build, interp, lower
+from kforge.codegen.ir import Node, Ref
+from kforge.hardware import H200
+from kforge.proposers.builtin import BuiltinProposer, generated
+from kforge.proposers.builtin import space as knob_space
+
+
+def _t(shape, dtype=F32, channels_last=False, positive=False):
+    x = torch.randn(shape).abs() + 0.1 if positive else torch.randn(shape) * 3
+    x = x.to(dtype)
+    return x.to(memory_format=torch.channels_last) if channels_last else x
+
+
+def _meta(t):
+    return meta(*t.shape, dtype=t.dtype, channels_last=t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)
+                and not t.is_contiguous())
+
+
+def _softmax(log, shape, dim, dtype):
+    op = A._log_softmax.default if log else A._softmax.default
+    x = _t(shape, dtype)
+    return make_card(op, _meta(x), dim, False), [x], lambda: op(x, dim, False)
+
+
+def _layer_norm(shape, k, dtype, affine=True):
+    x = _t(shape, dtype)
+    w, b = (_t(shape[-k:], dtype), _t(shape[-k:], dtype)) if affine else (None, None)
+    mw, mb = (_meta(w), _meta(b)) if affine else (None, None)
+    ins = [t for t in (x, w, b) if t is not None]
+    return (make_card(A.native_layer_norm.default, _meta(x), list(shape[-k:]), mw, mb, 1e-5), ins,
+            lambda: A.native_layer_norm.default(x, list(shape[-k:]), w, b, 1e-5))
+
+
+def _rms_norm(shape, dtype):
+    x, w = _t(shape, dtype), _t(shape[-1:], dtype)
+    return (make_card(A._fused_rms_norm.default, _meta(x), [shape[-1]], _meta(w), 1e-6), [x, w],
+            lambda: A._fused_rms_norm.default(x, [shape[-1]], w, 1e-6))
+
+
+def _group_norm(shape, groups, dtype, channels_last=False):
+    x, w, b = _t(shape, dtype, channels_last), _t(shape[1:2], dtype), _t(shape[1:2], dtype)
+    n, c, hw = shape[0], shape[1], math.prod(shape[2:])
+    args = (n, c, hw, groups, 1e-5)
+    return (make_card(A.native_group_norm.default, _meta(x), _meta(w), _meta(b), *args), [x, w, b],
+            lambda: A.native_group_norm.default(x, w, b, *args))
+
+
+def _bn_inference(shape, dtype, channels_last=False):
+    x = _t(shape, dtype, channels_last)
+    w, b, rm, rv = tuple(_t(shape[1:2], F32) for _ in range(3)) + (_t(shape[1:2], F32, positive=True),)
+    op = A._native_batch_norm_legit_no_training.default
+    card = make_card(op, _meta(x), *(_meta(t) for t in (w, b, rm, rv)), 0.1, 1e-5)
+    # eager's CUDA kernel returns empty statistics in inference; the meta kernel does not
+    card = dataclasses.replace(card, id="", outputs=[card.outputs[0]] + [
+        dataclasses.replace(o, shape=(0,), stride=(1,)) for o in card.outputs[1:]])
+    return card, [x, w, b, rm, rv], lambda: op(x, w, b, rm, rv, 0.1, 1e-5)
+
+
+def _instance_stats(shape, dtype):
+    """Batch statistics per channel (instance norm's form, on the (1, N*C, ...) view)."""
+    x, w, b = _t(shape, dtype), _t(shape[1:2], F32), _t(shape[1:2], F32)
+    op = A._native_batch_norm_legit.no_stats
+    return make_card(op, _meta(x), _meta(w), _meta(b), True, 0.1, 1e-5), [x, w, b], lambda: op(x, w, b, True, 0.1, 1e-5)
+
+
+CARDS = {
+    "softmax 5x37 fp32": lambda: _softmax(False, (5, 37), -1, F32),
+    "softmax 6x1 (1-element rows)": lambda: _softmax(False, (6, 1), 1, F32),
+    "softmax dim0 33x7 fp32": lambda: _softmax(False, (33, 7), 0, F32),
+    "softmax 3x4x4100 bf16": lambda: _softmax(False, (3, 4, 4100), -1, BF16),
+    "softmax 2x70001 fp32 (longer than a block)": lambda: _softmax(False, (2, 70001), -1, F32),
+    "log_softmax 7x129 fp16": lambda: _softmax(True, (7, 129), -1, F16),
+    "log_softmax 4x3x5 dim1 fp32": lambda: _softmax(True, (4, 3, 5), 1, F32),
+    "layer_norm 3x5x40 fp32": lambda: _layer_norm((3, 5, 40), 1, F32),
+    "layer_norm 3x5x37 over 2 dims fp16": lambda: _layer_norm((3, 5, 37), 2, F16),
+    "layer_norm 4x1 (1-element rows)": lambda: _layer_norm((4, 1), 1, F32),
+    "layer_norm 2x9000 bf16 no affine": lambda: _layer_norm((2, 9000), 1, BF16, affine=False),
+    "rms_norm 3x5x48 fp32": lambda: _rms_norm((3, 5, 48), F32),
+    "rms_norm 3x4096 bf16": lambda: _rms_norm((3, 4096), BF16),
+    "group_norm 2x16x5x3 fp32": lambda: _group_norm((2, 16, 5, 3), 4, F32),
+    "group_norm 2x16x5x3 channels_last fp32": lambda: _group_norm((2, 16, 5, 3), 4, F32, channels_last=True),
+    "group_norm 2x32x9x9 channels_last bf16": lambda: _group_norm((2, 32, 9, 9), 8, BF16, channels_last=True),
+    "group_norm 3x6 (2-D)": lambda: _group_norm((3, 6), 3, F32),
+    "batch_norm inference 2x16x5x3 fp32": lambda: _bn_inference((2, 16, 5, 3), F32),
+    "batch_norm inference channels_last bf16": lambda: _bn_inference((2, 16, 5, 3), BF16, channels_last=True),
+    "instance stats 1x12x7x5 fp32": lambda: _instance_stats((1, 12, 7, 5), F32),
+}
+
+
+def _sample_knobs(card):
+    """The default, then one setting per staging, per lane count and the narrowest vector."""
+    out = [generated.default(card, H200)]
+    for s in generated.spaces(card, H200):
+        for name in ("staging", "lanes", "vec"):
+            for value in s.get(name, ()):
+                k = {**out[0], name: value}
+                if k not in out:
+                    out.append(k)
+        if "staging" not in s:
+            out += knob_space.configs(s)[::17]
+    return out
+
+
+def _check_outputs(got, want, card):
+    for g, w, m in zip(got, want, card.outputs):
+        if m.numel:
+            # eager's CPU statistics of 16-bit input are 16-bit (CUDA's, which the card has, fp32)
+            torch.testing.assert_close(g.to(w.dtype), w, msg=lambda msg: f"{card.summary()}: {msg}")
+
+
+@pytest.mark.parametrize("name", sorted(CARDS))
+def test_norm_card_matches_eager_compiles_and_runs(name):
+    card, inputs, eager = CARDS[name]()
+    prog = build.program_for_card(card)
+    assert not isinstance(prog, str), prog
+    assert BuiltinProposer().supports(card) == (True, "")
+    want = eager()
+    want = want if isinstance(want, tuple) else (want,)
+    _check_outputs(interp.run(prog, inputs), want, card)
+    exact = all(m.dtype in ("float32", "float64") for m in card.inputs + card.outputs)
+    for knobs in _sample_knobs(card):
+        cand = generated.build(card, knobs, H200)
+        cand.plan.validate(len(card.inputs), len(card.outputs))
+        assert compiler.compile(cand.source, arch="sm_90").cubin, knobs
+        if exact and knobs.get("lanes", 1) == 1 and math.prod(prog.domain) <= 4096:
+            _check_outputs(cuda_on_cpu.run(card, cand, inputs), want, card)
+
+
+def test_a_norm_is_one_kernel_over_the_reduced_domain():
+    card, _, _ = _group_norm((2, 16, 5, 3), 4, F32, channels_last=True)
+    prog = build.program_for_card(card)
+    assert prog.normalizes and prog.domain == (2, 4, 4, 5, 3) and prog.reduce_dims == (2, 3, 4)
+    # the channel vectors are read in place through views broadcast over (N, C, H, W)
+    assert sorted(prog.source(i) for i in prog.in_strides) == [0, 1, 2]
+    cand = generated.build(card, generated.default(card, H200), H200)
+    assert len(cand.plan.kernels) == 1 and cand.knobs["algo"] == "gen_norm"
+
+
+def test_staging_falls_back_when_the_row_does_not_fit():
+    card, _, _ = _softmax(False, (2, 70001), -1, F32)
+    prog = build.program_for_card(card)
+    k = {"algo": "gen_norm", "threads": 1024, "lanes": "block", "vec": 1, "staging": "regs"}
+    assert lower.norm_staging(prog, k) == "reload"
+    card, _, _ = _softmax(False, (8, 8192), -1, F32)
+    prog = build.program_for_card(card)
+    assert lower.norm_staging(prog, {**k, "vec": 4}) == "regs"  # 8 values a thread
+    assert lower.norm_staging(prog, {**k, "threads": 128, "vec": 4}) == "smem"  # 64 values a thread, 32 KB a block
+    assert lower.norm_staging(prog, {**k, "threads": 128, "vec": 4, "staging": "reload"}) == "reload"
+
+
+DECLINED = {
+    "batch_norm training with running stats": (
+        lambda: make_card(A.native_batch_norm.default, meta(2, 4, 3), meta(4), meta(4), meta(4), meta(4), True, 0.1, 1e-5),
+        "updates its running statistics in place"),
+    "batch_norm inference writing its statistics": (
+        lambda: make_card(A._native_batch_norm_legit_no_training.default, meta(2, 4, 3), meta(4), meta(4), meta(4),
+                          meta(4), 0.1, 1e-5), "an inference batch norm's statistics"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DECLINED))
+def test_norm_the_generator_cannot_do_is_declined_with_its_reason(name):
+    make, reason = DECLINED[name]
+    why = build.program_for_card(make())
+    assert isinstance(why, str) and reason in why, why
+
+
+def test_a_node_that_reads_a_norms_statistics_is_declined():
+    x, w = make_card(A.native_layer_norm.default, meta(4, 8), [8], None, None, 1e-5), None
+    ln = build.node_of_card(x)
+    nodes = [ln, Node("aten::mul.Tensor", {"self": Ref("node", 0, 0), "other": Ref("node", 0, 2)}, [x.outputs[0]])]
+    why = build.from_nodes(nodes, x.inputs, [Ref("node", 1)], [x.outputs[0]], {})
+    assert isinstance(why, str) and "statistics" in why, (why, w)
+
+
+# ---- regions as models have them ----------------------------------------------------------
+
+class MaskSoftmax(nn.Module):
+    """Gemma's attention probabilities: a mask add, up to fp32, softmax, back to bf16."""
+
+    def forward(self, scores, mask):
+        return torch.softmax((scores + mask).float(), -1).to(torch.bfloat16)
+
+
+class ScaleSoftmax(nn.Module):
+    def forward(self, x):
+        return torch.softmax(x * 0.125, -1)
+
+
+class AddLayerNormGelu(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+
+    def forward(self, x, y):
+        return F.gelu(self.ln(x + y))
+
+
+class AddRMSNorm(nn.Module):
+    """The residual sum is the prologue and is read again after the reduction (decomposed rms_norm)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.norm = nn.RMSNorm(d, eps=1e-6)
+
+    def forward(self, x, y):
+        return self.norm(x + y).to(torch.float16)
+
+
+class HandRMSNorm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class GroupNormSilu(nn.Module):
+    def __init__(self, c, g):
+        super().__init__()
+        self.gn = nn.GroupNorm(g, c)
+
+    def forward(self, x):
+        return F.silu(self.gn(x))
+
+
+class BatchNormReluAdd(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.bn = nn.BatchNorm2d(c)
+        with torch.no_grad():
+            self.bn.running_mean.normal_()
+            self.bn.running_var.uniform_(0.5, 2.0)
+
+    def forward(self, x, r):
+        return torch.relu(self.bn(x)) + r
+
+
+REGIONS = {
+    "mask softmax bf16": (MaskSoftmax, lambda: (_t((2, 4, 8, 33), BF16), _t((2, 1, 8, 33), BF16)),
+                          ["add", "_to_copy", "_softmax", "_to_copy"]),
+    "scale softmax": (ScaleSoftmax, lambda: (_t((4, 33)),), ["mul", "_softmax"]),
+    "add layer_norm gelu": (lambda: AddLayerNormGelu(48), lambda: (_t((2, 3, 48)), _t((2, 3, 48))),
+                            ["add", "native_layer_norm", "gelu"]),
+    "add rms_norm cast": (lambda: AddRMSNorm(48), lambda: (_t((2, 3, 48)), _t((2, 3, 48))),
+                          ["add", "pow", "mean", "add", "rsqrt", "mul", "mul", "_to_copy"]),
+    "rms_norm by hand": (lambda: HandRMSNorm(48), lambda: (_t((4, 48)),), ["pow", "mean", "add", "rsqrt", "mul", "mul"]),
+    "group_norm silu": (lambda: GroupNormSilu(16, 4), lambda: (_t((2, 16, 5, 5)),), ["native_group_norm", "silu"]),
+    "group_norm silu channels_last": (lambda: GroupNormSilu(16, 4), lambda: (_t((2, 16, 5, 5), channels_last=True),),
+                                      ["native_group_norm", "silu"]),
+    "batch_norm relu add": (lambda: BatchNormReluAdd(16).eval(), lambda: (_t((2, 16, 5, 5)), _t((2, 16, 5, 5))),
+                            ["_native_batch_norm_legit_no_training", "relu", "add"]),
+}
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("name", sorted(REGIONS))
+def test_norm_region_is_one_program_that_matches_its_replay(tmp_path, name):
+    model, make_inputs, ops = REGIONS[name]
+    with torch.no_grad():
+        r = capture(model(), make_inputs(), tmp_path, regions=True, time_cards=False)
+    (cpu_card,) = [c for c in r.cards if c.region is not None]
+    assert cpu_card.region.ops == ops
+    inputs, _ = load_sample(cpu_card, tmp_path, 0)
+    card = cpu_card.retarget("cuda", "sm_90")
+    prog = build.program_for_card(card)
+    assert not isinstance(prog, str), prog
+    assert prog.normalizes == ("batch_norm" not in name)
+    assert BuiltinProposer().supports(card) == (True, "")
+    want = card.region.replay([t.clone() for t in inputs])
+    _check_outputs(interp.run(prog, inputs), want, card)
+    exact = all(m.dtype in ("float32", "float64") for m in card.inputs + card.outputs)
+    for knobs in _sample_knobs(card):
+        cand = generated.build(card, knobs, H200)
+        cand.plan.validate(len(card.inputs), len(card.outputs))
+        assert compiler.compile(cand.source, arch="sm_90").cubin, knobs
+        if exact and knobs.get("lanes", 1) == 1:
+            _check_outputs(cuda_on_cpu.run(card, cand, inputs), want, card)
