@@ -86,7 +86,15 @@ def _instance_stats(shape, dtype):
     return make_card(op, _meta(x), _meta(w), _meta(b), True, 0.1, 1e-5), [x, w, b], lambda: op(x, w, b, True, 0.1, 1e-5)
 
 
+def _softmax_to(log, shape, dtype, to):
+    op = A.log_softmax.int if log else A.softmax.int
+    x = _t(shape, dtype)
+    return make_card(op, _meta(x), -1, to), [x], lambda: op(x, -1, to)
+
+
 CARDS = {
+    "softmax.int bf16 -> fp32 (the composite capture records)": lambda: _softmax_to(False, (3, 8, 65), BF16, F32),
+    "log_softmax.int fp32 -> bf16": lambda: _softmax_to(True, (3, 65), F32, BF16),
     "softmax 5x37 fp32": lambda: _softmax(False, (5, 37), -1, F32),
     "softmax 6x1 (1-element rows)": lambda: _softmax(False, (6, 1), 1, F32),
     "softmax dim0 33x7 fp32": lambda: _softmax(False, (33, 7), 0, F32),
@@ -198,6 +206,10 @@ def test_a_node_that_reads_a_norms_statistics_is_declined():
 
 # ---- regions as models have them ----------------------------------------------------------
 
+def cand_kernels(card):
+    return generated.build(card, generated.default(card, H200), H200).plan.kernels
+
+
 class MaskSoftmax(nn.Module):
     """Gemma's attention probabilities: a mask add, up to fp32, softmax, back to bf16."""
 
@@ -260,7 +272,22 @@ class BatchNormReluAdd(nn.Module):
         return torch.relu(self.bn(x)) + r
 
 
+class InstanceNormRelu(nn.Module):
+    """aot_autograd's form: a view to (1, N*C, ...), batch statistics, a view back, then relu."""
+
+    def __init__(self, c, affine):
+        super().__init__()
+        self.norm = nn.InstanceNorm2d(c, affine=affine)
+
+    def forward(self, x):
+        return torch.relu(self.norm(x))
+
+
 REGIONS = {
+    "instance_norm relu": (lambda: InstanceNormRelu(16, False), lambda: (_t((2, 16, 5, 7)),),
+                           ["_native_batch_norm_legit", "relu"]),
+    "instance_norm affine relu": (lambda: InstanceNormRelu(6, True), lambda: (_t((3, 6, 4, 5)),),
+                                  ["_native_batch_norm_legit", "relu"]),
     "mask softmax bf16": (MaskSoftmax, lambda: (_t((2, 4, 8, 33), BF16), _t((2, 1, 8, 33), BF16)),
                           ["add", "_to_copy", "_softmax", "_to_copy"]),
     "scale softmax": (ScaleSoftmax, lambda: (_t((4, 33)),), ["mul", "_softmax"]),
@@ -290,6 +317,7 @@ def test_norm_region_is_one_program_that_matches_its_replay(tmp_path, name):
     prog = build.program_for_card(card)
     assert not isinstance(prog, str), prog
     assert prog.normalizes == ("batch_norm" not in name)
+    assert len(cand_kernels(card)) == 1
     assert BuiltinProposer().supports(card) == (True, "")
     want = card.region.replay([t.clone() for t in inputs])
     _check_outputs(interp.run(prog, inputs), want, card)

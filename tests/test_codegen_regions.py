@@ -147,7 +147,7 @@ def test_the_builtin_proposer_proposes_for_a_region_card(tmp_path):
 
 DECLINED = {
     "view_of_intermediate": (ViewOfIntermediate, lambda: (torch.randn(4, 48), torch.randn(4, 8, 6)),
-                             "views of intermediates are not generated"),
+                             "reshapes are generated after a normalization (or a keepdim reduction) only"),
     "slice_at_an_offset": (SliceOfInput, lambda: (torch.randn(8, 33), torch.randn(8, 32)), "storage offset 1"),
     "vendor_epilogue": (LinearGelu, lambda: (torch.randn(4, 48),),
                         "no builtin template or generated kernel for aten::addmm"),

@@ -130,13 +130,18 @@ def _split(strides: tuple[int, ...], frame: tuple[int, ...], split) -> tuple[int
     return strides[:d] + (strides[d] * (frame[d] // g), strides[d]) + strides[d + 1:]
 
 
-def _view_strides(m: TensorMeta, shape: tuple[int, ...]) -> tuple[int, ...] | None:
-    """m's strides when viewed with `shape` (same elements), 0 on size-1 dims; None if no view."""
+def _reshaped(shape, strides, to: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The strides of a (shape, strides) tensor viewed with shape `to` (same elements in
+    row-major order), 0 on size-1 dims; None if that is not a view."""
     try:
-        v = torch.empty(0, device="meta").as_strided(tuple(m.shape), tuple(m.stride)).view(shape)
+        v = torch.empty(0, device="meta").as_strided(tuple(shape), tuple(strides)).view(to)
     except RuntimeError:
         return None
-    return tuple(0 if n == 1 else st for n, st in zip(shape, v.stride()))
+    return tuple(0 if n == 1 else st for n, st in zip(to, v.stride()))
+
+
+def _view_strides(m: TensorMeta, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    return _reshaped(m.shape, m.stride, shape)
 
 
 def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], out_metas: list[TensorMeta],
@@ -159,18 +164,53 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
     out_shape: tuple[int, ...] | None = None  # a plain reduction's output shape
     in_strides: dict[int, tuple[int, ...]] = {}
     loads: dict[int, str] = {}  # input -> the phase that loads it
+    # Reshapes of computed values after the reduction (instance norm's view back to (N, C, ...)):
+    # frames[f] is the shape nodes see after the f-th; frames[0] is `frame`. A value and an
+    # input belong to one frame (an input read in two is two program inputs of one source).
+    frames: list[tuple[int, ...]] = []
+    frame_of: dict[tuple[int, int], int] = {}
+    load_frame: dict[int, int] = {}
+    in_frame: dict[tuple[int, int], int] = {}
 
     def val(ref: Ref) -> ops.Val:
         if ref.kind == "in":
-            m = inputs[ref.index]
-            loads.setdefault(ref.index, phase)
-            if loads[ref.index] != phase and not red.keepdim:
-                raise _Decline(f"input {ref.index} is read both before and after the reduction")
-            return ops.Val(Expr.load(ref.index, m.dtype), m.dtype, len(m.shape))
+            i, f = ref.index, len(frames) - 1 if frames else 0
+            if f:
+                if (i, f) not in in_frame:
+                    inputs.append(inputs[i])
+                    sources.append(sources[i])
+                    in_frame[(i, f)] = len(inputs) - 1
+                i = in_frame[(i, f)]
+            m = inputs[i]
+            load_frame[i] = f
+            loads.setdefault(i, phase)
+            if loads[i] != phase and not red.keepdim:
+                raise _Decline(f"input {i} is read both before and after the reduction")
+            return ops.Val(Expr.load(i, m.dtype), m.dtype, len(m.shape))
         if (ref.index, ref.output) in stats:
             raise _Decline("a node uses a normalization's statistics (mean, rstd): not generated")
+        if frames and frame_of.get((ref.index, ref.output), 0) != len(frames) - 1:
+            raise _Decline("a value from before a reshape is used after it: not generated")
         e, m = values[(ref.index, ref.output)]
         return ops.Val(e, m.dtype, len(m.shape))
+
+    def reshape(j: int, node: Node) -> str | None:
+        """A view of a computed value that keeps its elements' order: later nodes see its shape."""
+        src = node.args.get("self")
+        if red is None or not red.keepdim or src is None:
+            return (f"{packet_name(node.op)} of a computed value: reshapes are generated after a normalization "
+                    "(or a keepdim reduction) only")
+        e, m = val(src).expr, values[(src.index, src.output)][1]
+        out = node.metas[0]
+        if out.numel != m.numel or _reshaped(m.shape, m.stride, tuple(out.shape)) != _reshaped(
+                out.shape, out.stride, tuple(out.shape)):
+            return f"{packet_name(node.op)} of a computed value reorders its elements: not generated"
+        if not frames:
+            frames.append(frame)
+        frames.append(tuple(out.shape))
+        values[(j, 0)] = (e, out)
+        frame_of[(j, 0)] = len(frames) - 1
+        return None
 
     def reduce(j: int, node: Node, plan: ops.ReductionPlan, src_meta: TensorMeta):
         nonlocal red, frame, phase
@@ -187,6 +227,11 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
     try:
         for j, node in enumerate(nodes):
             kind, entry = entry_for(node.op)
+            if family_of(node.op) == "view":
+                why = reshape(j, node)
+                if why:
+                    return why
+                continue
             if kind is None:
                 return entry
             if kind == "window":
@@ -246,6 +291,7 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
             results = e if isinstance(e, tuple) else (e,)
             for k, (r, m) in enumerate(zip(results, node.metas)):
                 values[(j, k)] = (r.cast(m.dtype), m)
+                frame_of[(j, k)] = len(frames) - 1 if frames else 0
     except _Decline as d:
         return str(d)
     except TypeError as e:  # a primitive given a dtype it does not take
@@ -263,11 +309,15 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
     dims = red.dims if red is not None else ()
     keep_dom = tuple(1 if d in dims else n for d, n in enumerate(domain))
     results = [values[(r.index, r.output)][0] for r in outputs]
+    def to_frame(st, f: int):  # strides over frames[f] -> over the domain
+        st = st if st is None or not f else _reshaped(frames[f], st, frame)
+        return st if st is None else _split(st, frame, split)
+
     for i in loads:
         m = inputs[i]
         if loads[i] == "pro" or red.keepdim:
-            st = broadcast_strides(m.shape, m.stride, frame)
-            st = st if st is None else _split(st, frame, split)
+            f = load_frame.get(i, 0)
+            st = to_frame(broadcast_strides(m.shape, m.stride, frames[f] if f else frame), f)
         else:
             st = broadcast_strides(m.shape, m.stride, out_shape)
             st = st if st is None else _to_domain(st, domain, red.dims, red.keepdim)
@@ -275,9 +325,15 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
             return f"input {i} of shape {m.shape} does not broadcast to {frame}"
         in_strides[i] = st
     out_strides = []
-    for m in out_metas:
+    for r, m in zip(outputs, out_metas):
+        f = frame_of.get((r.index, r.output), 0)
         if not m.numel:
             out_strides.append((0,) * len(domain))
+        elif f:
+            st = to_frame(tuple(m.stride), f)
+            if st is None:
+                return f"output of shape {m.shape} is not a view of the region's {frame}"
+            out_strides.append(st)
         elif red is None or tuple(m.shape) == frame:
             out_strides.append(_split(tuple(m.stride), frame, split))
         else:
@@ -383,8 +439,9 @@ def region_nodes(card: Card) -> tuple[list[Node], list[TensorMeta], list[int], l
                 args[a.name] = a.default_value
             else:
                 return f"region node {j} ({n.op}) has no value for argument {a.name}"
-        if family_of(n.op) == "view":
-            ref = _view_input(n, j, args.get(schema[0].name) if schema else None, inputs, sources)
+        src = args.get(schema[0].name) if schema else None
+        if family_of(n.op) == "view" and isinstance(src, Ref) and src.kind == "in":
+            ref = _view_input(n, j, src, inputs, sources)
             if isinstance(ref, str):
                 return ref
             refs[(j, 0)] = ref

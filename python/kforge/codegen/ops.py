@@ -770,7 +770,8 @@ def _softmax(log: bool) -> Callable:
         x = c.v("self")
         if x.dtype not in FLOATS:
             return "softmax of integers raises in eager"
-        e = x.at(x.dtype)
+        dt = c.s("dtype")  # softmax.int: the input cast to dtype first
+        e = x.at(str(dt).removeprefix("torch.") if dt is not None else x.dtype)
         dims = _dims(c, x.ndim)
         if log:
             outs = lambda s, n: [e - s[0] - prim("log", s[1])]  # noqa: E731
@@ -859,6 +860,7 @@ def _batch_norm(c: Call):
 # a tuple of pointwise Exprs (one per output; outputs that are empty tensors get none), or a reason)
 NORM_OPS: dict[str, tuple[tuple[str, ...], Callable]] = {
     "_softmax": ((), _softmax(False)), "_log_softmax": ((), _softmax(True)),
+    "softmax": ((), _softmax(False)), "log_softmax": ((), _softmax(True)),
     "native_layer_norm": ((), _layer_norm), "_fused_rms_norm": ((), _rms_norm),
     "native_group_norm": (("weight", "bias"), _group_norm),
     **{k: (("weight", "bias", "running_mean", "running_var"), _batch_norm)

@@ -1,0 +1,180 @@
+"""Normalization regions and cards captured on the GPU get generated kernels (gen_norm: one
+kernel per region) that the evaluator accepts: fresh input sets, poisoned outputs, tolerance
+from eager's own error, against the subgraph's replay. Every staging (registers, shared
+memory, reading the row again) and lane count (a thread, 8, a warp, the block per row) of
+the cooperative kernel runs here, which the CPU tests can only compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kforge.capture import capture
+from kforge.evaluate import make_evaluator
+from kforge.hardware import current
+from kforge.proposers.base import ProposalContext
+from kforge.proposers.builtin import BuiltinProposer, generated
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_dynamo")]
+FAST = dict(min_reps=5, min_ms=0.0, warmup_ms=0.0, fresh_sets=3)
+BF16 = torch.bfloat16
+
+
+def cuda(*shape, dtype=torch.float32, channels_last=False):
+    x = torch.randn(shape, device="cuda", dtype=dtype)
+    return x.to(memory_format=torch.channels_last) if channels_last else x
+
+
+class MaskSoftmax(nn.Module):
+    def forward(self, scores, mask):
+        return torch.softmax((scores + mask).float(), -1).to(torch.bfloat16)
+
+
+class ScaleSoftmax(nn.Module):
+    def forward(self, x):
+        return torch.softmax(x * 0.125, -1)
+
+
+class LogSoftmax(nn.Module):
+    def forward(self, x):
+        return torch.log_softmax(x, -1)
+
+
+class AddLayerNormGelu(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+
+    def forward(self, x, y):
+        return F.gelu(self.ln(x + y))
+
+
+class AddRMSNorm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = nn.RMSNorm(d, eps=1e-6)
+
+    def forward(self, x, y):
+        return self.norm(x + y)
+
+
+class GroupNormSilu(nn.Module):
+    def __init__(self, c, g):
+        super().__init__()
+        self.gn = nn.GroupNorm(g, c)
+
+    def forward(self, x):
+        return F.silu(self.gn(x))
+
+
+class BatchNormReluAdd(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.bn = nn.BatchNorm2d(c)
+        with torch.no_grad():
+            self.bn.running_mean.normal_()
+            self.bn.running_var.uniform_(0.5, 2.0)
+
+    def forward(self, x, r):
+        return torch.relu(self.bn(x)) + r
+
+
+class InstanceNormRelu(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.norm = nn.InstanceNorm2d(c, affine=True)
+
+    def forward(self, x):
+        return torch.relu(self.norm(x))
+
+
+def _half(m):
+    return m.to(dtype=BF16)
+
+
+CASES = {
+    "mask softmax bf16 (gemma)": (MaskSoftmax, lambda: (cuda(2, 8, 128, 129, dtype=BF16), cuda(2, 1, 128, 129, dtype=BF16))),
+    "scale softmax 1-element rows": (ScaleSoftmax, lambda: (cuda(300, 1),)),
+    "scale softmax 3x70001 (longer than a block)": (ScaleSoftmax, lambda: (cuda(3, 70001),)),
+    "log_softmax 257x1000": (LogSoftmax, lambda: (cuda(257, 1000),)),
+    "add layer_norm gelu 4096 bf16": (lambda: _half(AddLayerNormGelu(4096)),
+                                      lambda: (cuda(3, 77, 4096, dtype=BF16), cuda(3, 77, 4096, dtype=BF16))),
+    "add layer_norm gelu 33": (lambda: AddLayerNormGelu(33), lambda: (cuda(129, 33), cuda(129, 33))),
+    "add rms_norm 2304 bf16": (lambda: _half(AddRMSNorm(2304)), lambda: (cuda(2, 65, 2304, dtype=BF16),
+                                                                          cuda(2, 65, 2304, dtype=BF16))),
+    "group_norm silu sd-vae channels_last": (lambda: GroupNormSilu(128, 32),
+                                             lambda: (cuda(1, 128, 32, 32, channels_last=True),)),
+    "group_norm silu bf16 odd plane": (lambda: _half(GroupNormSilu(96, 32)), lambda: (cuda(2, 96, 13, 7, dtype=BF16),)),
+    "batch_norm relu add resnet bf16 channels_last": (
+        lambda: _half(BatchNormReluAdd(64)).eval(),
+        lambda: (cuda(4, 64, 28, 28, dtype=BF16, channels_last=True), cuda(4, 64, 28, 28, dtype=BF16, channels_last=True))),
+    "instance_norm relu": (lambda: InstanceNormRelu(16), lambda: (cuda(2, 16, 9, 11),)),
+}
+
+
+def _variants(card, hw):
+    """The proposer's first candidate, then each staging and lane count from the default."""
+    base = generated.default(card, hw)
+    if base["algo"] != "gen_norm":
+        return [base]
+    out = [base]
+    for name, values in (("staging", ("regs", "smem", "reload")), ("lanes", (1, 8, 32, "block"))):
+        out += [{**base, name: v} for v in values if v != base[name]]
+    return out + [{**base, "vec": 1}]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_generated_norm_region_passes_the_evaluator(tmp_path, name):
+    model, make_inputs = CASES[name]
+    with torch.no_grad():
+        r = capture(model().cuda(), make_inputs(), tmp_path, regions=True)
+    cards = [c for c in r.cards if c.region is not None]
+    assert cards, f"no region captured: {[c.op for c in r.cards]} {r.notes}"
+    hw = current()
+    with make_evaluator(tmp_path, devices=[0], timeout_s=30.0, **FAST) as ev:
+        for card in cards:
+            assert BuiltinProposer().supports(card) == (True, ""), card.region.ops
+            first = BuiltinProposer().propose(ProposalContext(card, hw)).candidate
+            assert first.note == "generated", card.region.ops
+            if "batch_norm" not in name:
+                assert first.knobs["algo"] == "gen_norm", (card.region.ops, first.knobs)
+            for cand in [first] + [generated.build(card, k, hw) for k in _variants(card, hw)[1:]]:
+                res = ev.evaluate(card, cand)
+                assert not res.verdict.failed, f"{card.summary()} {cand.knobs}: {res.verdict.value}: {res.message}"
+
+
+SINGLE = {
+    "softmax bf16": (lambda x: torch.softmax(x, -1), lambda: (cuda(64, 4099, dtype=BF16),)),
+    "softmax to fp32": (lambda x: torch.softmax(x, -1, dtype=torch.float32), lambda: (cuda(64, 1024, dtype=BF16),)),
+    "layer_norm": (lambda x: F.layer_norm(x, (768,)), lambda: (cuda(511, 768),)),
+    "group_norm 2-D": (lambda x: F.group_norm(x, 4), lambda: (cuda(37, 64),)),
+}
+
+
+class Fn(nn.Module):
+    def __init__(self, f):
+        super().__init__()
+        self.f = f
+
+    def forward(self, *xs):
+        return self.f(*xs)
+
+
+@pytest.mark.parametrize("name", sorted(SINGLE))
+def test_generated_norm_card_passes_the_evaluator_beside_the_template(tmp_path, name):
+    """A single-op norm card: the template's default stays first; the generator's gen_norm is
+    among the proposer's algorithms and passes the same checks."""
+    f, make_inputs = SINGLE[name]
+    with torch.no_grad():
+        r = capture(Fn(f), make_inputs(), tmp_path)
+    hw = current()
+    cards = [c for c in r.cards if generated.check(c) is None and generated.program(c).normalizes]
+    assert cards, [c.op for c in r.cards]
+    with make_evaluator(tmp_path, devices=[0], timeout_s=30.0, **FAST) as ev:
+        for card in cards:
+            for k in _variants(card, hw):
+                cand = generated.build(card, k, hw)
+                res = ev.evaluate(card, cand)
+                assert not res.verdict.failed, f"{card.summary()} {cand.knobs}: {res.verdict.value}: {res.message}"
