@@ -106,6 +106,8 @@ CASES = {
                                                                           cuda(2, 65, 2304, dtype=BF16))),
     "group_norm silu sd-vae channels_last": (lambda: GroupNormSilu(128, 32),
                                              lambda: (cuda(1, 128, 32, 32, channels_last=True),)),
+    "group_norm silu one image (few long rows: the split form)": (
+        lambda: GroupNormSilu(128, 32), lambda: (cuda(1, 128, 64, 64),)),
     "group_norm silu bf16 odd plane": (lambda: _half(GroupNormSilu(96, 32)), lambda: (cuda(2, 96, 13, 7, dtype=BF16),)),
     "batch_norm relu add resnet bf16 channels_last": (
         lambda: _half(BatchNormReluAdd(64)).eval(),
@@ -115,13 +117,19 @@ CASES = {
 
 
 def _variants(card, hw):
-    """The proposer's first candidate, then each staging and lane count from the default."""
+    """The proposer's first candidate, then each staging and lane count of the one-kernel form
+    and the two-pass split form."""
     base = generated.default(card, hw)
-    if base["algo"] != "gen_norm":
+    if not base["algo"].startswith("gen_norm"):
         return [base]
     out = [base]
+    if base["algo"] == "gen_norm_split":  # the two-pass form's own knobs, then the one-kernel form
+        base = {"algo": "gen_norm", "threads": 1024, "lanes": "block", "vec": base["vec"], "staging": "reload"}
+        out.append(base)
     for name, values in (("staging", ("regs", "smem", "reload")), ("lanes", (1, 8, 32, "block"))):
         out += [{**base, name: v} for v in values if v != base[name]]
+    split = [v for v in generated.spaces(card, hw)[1]["split"] if v <= 8][-1]
+    out.append({"algo": "gen_norm_split", "threads": 256, "items": 4, "split": split, "vec": base["vec"]})
     return out + [{**base, "vec": 1}]
 
 
@@ -139,7 +147,7 @@ def test_generated_norm_region_passes_the_evaluator(tmp_path, name):
             first = BuiltinProposer().propose(ProposalContext(card, hw)).candidate
             assert first.note == "generated", card.region.ops
             if "batch_norm" not in name:
-                assert first.knobs["algo"] == "gen_norm", (card.region.ops, first.knobs)
+                assert first.knobs["algo"].startswith("gen_norm"), (card.region.ops, first.knobs)
             for cand in [first] + [generated.build(card, k, hw) for k in _variants(card, hw)[1:]]:
                 res = ev.evaluate(card, cand)
                 assert not res.verdict.failed, f"{card.summary()} {cand.knobs}: {res.verdict.value}: {res.message}"

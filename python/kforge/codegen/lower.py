@@ -422,7 +422,7 @@ def lower_reduction(prog: Program, knobs: dict, sm_count: int) -> Built:
              f"constexpr int NT = {nt}; constexpr int LANES = {lanes}; constexpr int ROWS = {rows}; "
              f"constexpr int IT = {it};",
              f"constexpr kf_idx KN = {lay.kn}; constexpr kf_idx RN = {lay.rn}; constexpr kf_idx CH = {ch};"]
-    if split > 1:
+    if split > 1 or prog.normalizes:
         params = params + ["unsigned char* __restrict__ ws"]
 
     def ws_ptr(c: int) -> str:
@@ -488,18 +488,22 @@ def lower_reduction(prog: Program, knobs: dict, sm_count: int) -> Built:
         body += [f"      {line}" for line in _merge_block(kind, dt, st, other, "w")]
         body += ["    }", "  }"]
 
+    # a normalization's per-element outputs are left to kf_gen_apply (lower_norm_split)
+    once = [j for j, m in enumerate(prog.outputs) if m.numel and not any(prog.out_strides[j][d] for d in red.dims)]
+
     def epilogue(state: list[str], indent: str) -> list[str]:
         def epi_load(i, stored):
             return f"{ptr[i]}[k{tix[i]}]"
         em2 = Emitter("e", {f"s{c}": n for c, n in enumerate(state)}, epi_load)
-        res = [em2(e) for e in prog.results]
+        res = {j: em2(prog.results[j]) for j in once}
         out = [indent + line for line in em2.lines]
-        for j, (m, r) in enumerate(zip(prog.outputs, res)):
-            if m.numel:
-                out.append(f"{indent}out{j}[k{j}] = {convert(r, prog.results[j].dtype, m.dtype)};")
+        for j in once:
+            out.append(f"{indent}out{j}[k{j}] = {convert(res[j], prog.results[j].dtype, prog.outputs[j].dtype)};")
+        if prog.normalizes:  # the row's state, for kf_gen_apply
+            out += [f"{indent}{ws_ptr(c)}[q] = {n};" for c, n in enumerate(state)]
         return out
 
-    if split == 1:
+    if split == 1 and not prog.normalizes:
         body += ["  if (live && lane == 0) {", *epilogue(st, "    "), "  }", "}"]
     else:
         body += ["  if (live && lane == 0) {"]
@@ -519,9 +523,10 @@ def lower_reduction(prog: Program, knobs: dict, sm_count: int) -> Built:
                  "}"]
     src = "\n".join(lines + body)
     grid = (ceil_div(lay.kn, rows), split)
-    kernels = [("kf_gen", grid, (nt,), args + ([{"ws": 0}] if split > 1 else []), 0)]
+    staged = split > 1 or prog.normalizes
+    kernels = [("kf_gen", grid, (nt,), args + ([{"ws": 0}] if staged else []), 0)]
     workspace = []
-    if split > 1:
+    if staged:
         kernels.append(("kf_gen_finish", (ceil_div(lay.kn, 256),), (256,), args + [{"ws": 0}], 0))
         workspace = [ns * split * lay.kn * 8]
     return Built(_header(src), kernels, workspace)
@@ -827,3 +832,67 @@ def lower_norm(prog: Program, knobs: dict) -> Built:
                  "  }"]
     body.append("}")
     return Built(_header("\n".join(body)), [("kf_gen", (ceil_div(lay.kn, rows),), (nt,), args, 0)], [])
+
+
+def lower_norm_split(prog: Program, knobs: dict, sm_count: int) -> Built:
+    """The two-pass form, for rows too long or too few for a block each (group norm of one
+    image): lower_reduction folds each row over `split` blocks and merges the states (writing
+    the statistics), then kf_gen_apply runs the epilogue over every element, grid-wide, in
+    chunks of `vec`, reading its row's state from the workspace."""
+    red = prog.reduction
+    kind, dt = red.kind, red.operand.dtype
+    st_types = kind.state(dt)
+    built = lower_reduction(prog, {"algo": "gen_rows", "threads": knobs["threads"], "lanes": "block",
+                                   "items": knobs["items"], "split": knobs["split"]}, sm_count)
+    lay = reduction_layout(prog)
+    v, nta = knobs["vec"], 256
+    nc = lay.rn // v
+    params, args, ptr = _pointers(prog)
+    no = len(prog.outputs)
+    tix = {i: no + k for k, i in enumerate(sorted(prog.in_strides))}
+    full = [j for j, m in enumerate(prog.outputs) if m.numel and any(prog.out_strides[j][d] for d in red.dims)]
+    epi = sorted({e.value[0] for j in full for e in prog.results[j].walk() if e.op == "load"})
+    idx = "kf_i64" if lay.kn * lay.rn >= 2**31 - 2**20 else "int"
+    kofs = offsets_code("q", lay.ksizes, lay.kstrides, [f"k{t}" for t in range(len(lay.kstrides))], idx)
+    ts = sorted({tix[i] for i in epi} | set(full))
+    rofs = offsets_code(f"c * {v}", lay.rsizes, [lay.rstrides[t] for t in ts], [f"r{t}" for t in ts], idx)
+    body = ["      " + line for line in kofs + rofs]
+    for c, t in enumerate(st_types):
+        body.append(f"      const {CTYPE[t]} st{c} = reinterpret_cast<const {CTYPE[t]}*>(ws + {c * knobs['split'] * lay.kn * 8}LL)[q];")
+    for i in epi:
+        t, ct = tix[i], CTYPE[prog.inputs[i].dtype]
+        inner = lay.rstrides[t][-1]
+        body.append(f"      {ct} xv{i}[{v}];")
+        if inner == 1 and v > 1:
+            body.append(f"      *reinterpret_cast<kf_vec<{ct}, {v}>*>(xv{i}) = "
+                        f"*reinterpret_cast<const kf_vec<{ct}, {v}>*>({ptr[i]} + k{t} + r{t});")
+        else:
+            body.append(f"      for (int jj = 0; jj < {v}; ++jj) xv{i}[jj] = {ptr[i]}[k{t} + r{t} + jj * {inner}];")
+    em = Emitter("e", {f"s{c}": f"st{c}" for c in range(len(st_types))}, lambda i, stored: f"xv{i}[jj]")
+    res = {j: em(prog.results[j]) for j in full}
+    body += [f"      {CTYPE[prog.outputs[j].dtype]} o{j}[{v}];" for j in full]
+    body += ["#pragma unroll", f"      for (int jj = 0; jj < {v}; ++jj) {{", *[f"        {line}" for line in em.lines],
+             *[f"        o{j}[jj] = {convert(res[j], prog.results[j].dtype, prog.outputs[j].dtype)};" for j in full],
+             "      }"]
+    for j in full:
+        ct, inner = CTYPE[prog.outputs[j].dtype], lay.rstrides[j][-1]
+        if inner == 1 and v > 1:
+            body.append(f"      *reinterpret_cast<kf_vec<{ct}, {v}>*>(out{j} + k{j} + r{j}) = "
+                        f"*reinterpret_cast<const kf_vec<{ct}, {v}>*>(o{j});")
+        else:
+            body.append(f"      for (int jj = 0; jj < {v}; ++jj) out{j}[k{j} + r{j} + jj * {inner}] = o{j}[jj];")
+    total = lay.kn * nc
+    src = "\n".join([
+        f'extern "C" __global__ void __launch_bounds__({nta}) kf_gen_apply({", ".join(params)}, '
+        "const unsigned char* __restrict__ ws) {",
+        f"  for ({idx} g = ({idx})blockIdx.x * {nta} + threadIdx.x; g < ({idx}){total}; g += ({idx})gridDim.x * {nta}) {{",
+        f"    const {idx} q = g / {nc}, c = g % {nc};",
+        "    {",
+        *body,
+        "    }",
+        "  }",
+        "}"])
+    blocks = min(ceil_div(total, nta), sm_count * (2048 // nta) * 4)
+    source = built.source + "\n" + src + "\n"
+    kernels = built.kernels + [("kf_gen_apply", (blocks,), (nta,), args + [{"ws": 0}], 0)]
+    return Built(source, kernels, built.workspace)

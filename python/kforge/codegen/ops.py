@@ -774,7 +774,7 @@ def _softmax(log: bool) -> Callable:
         e = x.at(str(dt).removeprefix("torch.") if dt is not None else x.dtype)
         dims = _dims(c, x.ndim)
         if log:
-            outs = lambda s, n: [e - s[0] - prim("log", s[1])]  # noqa: E731
+            outs = lambda s, n: [e - (s[0] + prim("log", s[1]))]  # noqa: E731 (CUDA's LogSoftMaxForwardEpilogue)
         else:
             outs = lambda s, n: [prim("exp", e - s[0]) / s[1]]  # noqa: E731
         return ReductionPlan("logsumexp", e, dims, True, outs)

@@ -48,7 +48,9 @@ def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
         return [{"algo": ("gen_scan",), "threads": (32, 64, 128, 256, 512), "unroll": (1, 2, 4)}]
     if prog.normalizes:
         return [{"algo": ("gen_norm",), "threads": (32, 64, 128, 256, 512, 1024), "lanes": (1, 8, 32, "block"),
-                 "vec": lower.norm_vecs(prog), "staging": ("regs", "smem", "reload")}]
+                 "vec": lower.norm_vecs(prog), "staging": ("regs", "smem", "reload")},
+                {"algo": ("gen_norm_split",), "threads": (128, 256, 512, 1024), "items": (1, 2, 4, 8),
+                 "split": _splits(prog), "vec": lower.norm_vecs(prog)}]
     if prog.reduction is None:
         return [{"algo": ("gen_flat",), "threads": (64, 128, 256, 512, 1024), "vec": lower.pointwise_vecs(prog),
                  "items": (1, 2, 4, 8), "grid": ("exact", "stride")}]
@@ -93,9 +95,15 @@ def default(card: Card, hw: Hardware) -> Knobs:
 def _norm_default(prog: Program, lay, hw: Hardware) -> Knobs:
     """The widest vector; a warp per row up to 256 chunks of it, else a block sized so that each
     thread keeps at most 8 chunks (the row stays in registers); a thread per row where the
-    reduced elements are strided and the kept ones are not (the loads coalesce across rows)."""
+    reduced elements are strided and the kept ones are not (the loads coalesce across rows);
+    the two-pass split form where long rows are too few for a block each."""
     vec = lower.norm_vecs(prog)[-1]
     nc = lay.rn // vec
+    if lay.kn < 2 * hw.sm_count and lay.rn >= 16384:  # too few rows to fill the GPU a block each
+        splits = _splits(prog)
+        want = -(-4 * hw.sm_count // lay.kn)
+        return {"algo": "gen_norm_split", "threads": 512, "items": 4, "vec": vec,
+                "split": next((s for s in splits if s >= want), splits[-1])}
     if not lower.reduced_is_inner(prog) and lay.rn <= 64:
         return {"algo": "gen_norm", "threads": 128, "lanes": 1, "vec": vec, "staging": "regs"}
     if nc <= 256:
@@ -113,7 +121,8 @@ def build(card: Card, knobs: Knobs, hw: Hardware) -> Candidate:
     elif prog.scan is not None:
         built = lower.lower_scan(prog, knobs)
     elif prog.normalizes:
-        built = lower.lower_norm(prog, knobs)
+        built = (lower.lower_norm_split(prog, knobs, hw.sm_count) if knobs["algo"] == "gen_norm_split"
+                 else lower.lower_norm(prog, knobs))
     elif prog.reduction is None:
         built = lower.lower_pointwise(prog, knobs, hw.sm_count)
     else:

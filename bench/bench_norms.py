@@ -1,0 +1,208 @@
+"""Normalizations on the GPU: the hand-written templates against the code generator's
+gen_norm kernel on the same single-op cards (a knob sweep for each source alone), and the
+norm regions models have (generated only: no template takes a region), each against eager
+and torch.compile. The single-op table is the evidence for keeping or deleting a template:
+a template stays where it is faster than the generated kernel.
+
+    python bench/bench_norms.py [--out bench/results/norms_h200.json] [--budget 24] [--no-compile] [--only NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "python"), str(ROOT / "tests"), str(ROOT / "bench")]
+
+import bench_builtin  # noqa: E402
+import bench_regions  # noqa: E402
+from builtin_cards import BF16, F16, bn, gn, ln, meta, rms, softmax  # noqa: E402
+from kforge import timing  # noqa: E402
+from kforge.capture import capture  # noqa: E402
+from kforge.cards import faithful_clone, load_sample  # noqa: E402
+from kforge.hardware import current  # noqa: E402
+from kforge.proposers.builtin import batch_norm, generated, group_norm, layer_norm, rms_norm  # noqa: E402
+from kforge.proposers.builtin import softmax as softmax_t  # noqa: E402
+
+# name -> (card, the template family that takes it)
+CARDS = {
+    "softmax 1x8x2048x2048 fp32": (lambda: softmax(1, 8, 2048, 2048), softmax_t.FAMILY),
+    "softmax 16384x128 fp32": (lambda: softmax(16384, 128), softmax_t.FAMILY),
+    "softmax 4096x32000 bf16": (lambda: softmax(4096, 32000, dtype=BF16), softmax_t.FAMILY),
+    "log_softmax 4096x32000 fp32": (lambda: softmax(4096, 32000, log=True), softmax_t.FAMILY),
+    "layer_norm 16384x768 fp32": (lambda: ln(16384, 768), layer_norm.FAMILY),
+    "layer_norm 8192x4096 bf16": (lambda: ln(8192, 4096, BF16), layer_norm.FAMILY),
+    "rms_norm 8192x4096 bf16": (lambda: rms(8192, 4096, BF16), rms_norm.FAMILY),
+    "rms_norm 8192x2304 bf16 (gemma)": (lambda: rms(8192, 2304, BF16), rms_norm.FAMILY),
+    "group_norm 2x512x64x64 fp16": (lambda: gn(2, 512, 64, 64, 32, F16), group_norm.FAMILY),
+    "group_norm 1x128x256x256 fp32 channels_last": (lambda: gn(1, 128, 256, 256, 32, channels_last=True),
+                                                    group_norm.FAMILY),
+    "batch_norm 32x256x56x56 bf16": (lambda: bn(meta(32, 256, 56, 56, dtype=BF16), stats_dtype=torch.float32),
+                                     batch_norm.FAMILY),
+}
+
+
+class MaskSoftmax(nn.Module):
+    def forward(self, scores, mask):
+        return torch.softmax((scores + mask).float(), -1).to(torch.bfloat16)
+
+
+class AddRMSNorm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = nn.RMSNorm(d, eps=1e-6)
+
+    def forward(self, x, y):
+        return self.norm(x + y)
+
+
+class AddLayerNorm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x, y):
+        return self.norm(x + y)
+
+
+class GroupNormSilu(nn.Module):
+    def __init__(self, c, g):
+        super().__init__()
+        self.gn = nn.GroupNorm(g, c)
+
+    def forward(self, x):
+        return F.silu(self.gn(x))
+
+
+class BatchNormReluAdd(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.bn = nn.BatchNorm2d(c)
+
+    def forward(self, x, r):
+        return torch.relu(self.bn(x)) + r
+
+
+def _cuda(*shape, dtype=torch.float32, channels_last=False):
+    x = torch.randn(shape, device="cuda", dtype=dtype)
+    return x.to(memory_format=torch.channels_last) if channels_last else x
+
+
+# name -> (module, inputs): the Gemma, Llama, SD-VAE and ResNet chains at their model shapes
+REGIONS = {
+    "gemma mask softmax bf16 1x8x2048x2048": (MaskSoftmax, lambda: (_cuda(1, 8, 2048, 2048, dtype=BF16),
+                                                                      _cuda(1, 1, 2048, 2048, dtype=BF16))),
+    "add rms_norm bf16 1x2048x2304": (lambda: AddRMSNorm(2304).to(BF16), lambda: (_cuda(1, 2048, 2304, dtype=BF16),
+                                                                                  _cuda(1, 2048, 2304, dtype=BF16))),
+    "add layer_norm fp32 8x512x768": (lambda: AddLayerNorm(768), lambda: (_cuda(8, 512, 768), _cuda(8, 512, 768))),
+    "sd-vae group_norm silu 1x512x64x64 fp32": (lambda: GroupNormSilu(512, 32), lambda: (_cuda(1, 512, 64, 64),)),
+    "sd-vae group_norm silu 1x256x256x256 channels_last": (
+        lambda: GroupNormSilu(256, 32), lambda: (_cuda(1, 256, 256, 256, channels_last=True),)),
+    "resnet bn relu add bf16 32x256x56x56 channels_last": (
+        lambda: BatchNormReluAdd(256).eval().to(BF16),
+        lambda: (_cuda(32, 256, 56, 56, dtype=BF16, channels_last=True),
+                 _cuda(32, 256, 56, 56, dtype=BF16, channels_last=True))),
+}
+
+
+def card_rows(only, budget: int, with_compile: bool) -> list[dict]:
+    hw = current()
+    rows = []
+    for name, (make, template) in CARDS.items():
+        if only and not any(part in name for part in only):
+            continue
+        card = make()
+        t = bench_builtin.run_case(f"{name} [template]", card, None, hw, budget, with_compile, (template,))
+        g = bench_builtin.run_case(f"{name} [generated]", card, None, hw, budget, with_compile, (generated.FAMILY,))
+        rows.append({"name": name, "card": card.summary(), "eager_us": t["eager_us"], "compile_us": t["compile_us"],
+                     "template_us": t["kernel_us"], "generated_us": g["kernel_us"], "floor_us": t["floor_us"],
+                     "template_knobs": t["knobs"], "generated_knobs": g["knobs"],
+                     "generated_over_template": (g["kernel_us"] / t["kernel_us"]
+                                                 if g["kernel_us"] and t["kernel_us"] else None),
+                     "template": t, "generated": g})
+    return rows
+
+
+def region_rows(only, budget: int, with_compile: bool) -> list[dict]:
+    hw = current()
+    rows = []
+    for name, (model, make_inputs) in REGIONS.items():
+        if only and not any(part in name for part in only):
+            continue
+        run_dir = Path(tempfile.mkdtemp(prefix="kforge-norms-"))
+        with torch.no_grad():
+            r = capture(model().cuda(), make_inputs(), run_dir, regions=True)
+        for card in [c for c in r.cards if c.region is not None]:
+            ins = load_sample(card, run_dir, device="cuda")[0] if card.samples else card.random_inputs(0, "cuda")
+            print(f"{name}: {'+'.join(card.region.ops)}: sweeping")
+            best, _, n, tried = bench_builtin.sweep(card, hw, ins, budget, (generated.FAMILY,))
+            fns = [lambda: card.call_eager(ins, "cuda")]
+            if best is not None:
+                fns.append(bench_builtin.Runner(card, best, [faithful_clone(t) for t in ins]))
+            if with_compile:
+                compiled = torch.compile(bench_regions.region_fn(card))
+                compiled(*ins)
+                fns.append(lambda: compiled(*ins))
+            with torch.no_grad():
+                ms = timing.time_fns(fns, device=torch.device("cuda"))
+            kernel_us = ms[1].median if best is not None else None
+            row = {"name": name, "ops": card.region.ops, "eager_us": ms[0].median, "kernel_us": kernel_us,
+                   "compile_us": ms[-1].median if with_compile else None, "floor_us": hw.floor_us(card.io_bytes()),
+                   "knobs": best.knobs if best else None, "candidates": n, "tried": tried}
+            rows.append(row)
+            print(f"  eager {row['eager_us']:.1f} us, kernel {kernel_us or float('nan'):.1f} us, "
+                  f"compile {row['compile_us'] or float('nan'):.1f} us, floor {row['floor_us']:.1f} us")
+    return rows
+
+
+def print_tables(cards: list[dict], regions: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    f = lambda v, fmt=".1f": format(v, fmt) if v is not None else "-"  # noqa: E731
+    t = Table(title="single-op norm cards: template vs generated (GPU time, median, us)")
+    for col in ("case", "eager", "compile", "template", "generated", "gen/template", "floor"):
+        t.add_column(col, justify="left" if col == "case" else "right")
+    for r in cards:
+        t.add_row(r["name"], f(r["eager_us"]), f(r["compile_us"]), f(r["template_us"]), f(r["generated_us"]),
+                  f(r["generated_over_template"], ".2f"), f(r["floor_us"]))
+    Console().print(t)
+    t = Table(title="norm regions: one generated kernel vs eager and torch.compile (GPU time, median, us)")
+    for col in ("region", "ops", "eager", "compile", "kernel", "floor"):
+        t.add_column(col, justify="left" if col in ("region", "ops") else "right")
+    for r in regions:
+        t.add_row(r["name"], "+".join(r["ops"])[:50], f(r["eager_us"]), f(r["compile_us"]), f(r["kernel_us"]),
+                  f(r["floor_us"]))
+    Console().print(t)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "norms_h200.json"))
+    ap.add_argument("--budget", type=int, default=24, help="candidates per card and source (default 24)")
+    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile (saves its compile time)")
+    ap.add_argument("--only", default="", help="run only cases whose name contains one of these '|'-separated strings")
+    opts = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    only = [part for part in opts.only.split("|") if part]
+    start = time.perf_counter()
+    cards = card_rows(only, opts.budget, not opts.no_compile)
+    regions = region_rows(only, opts.budget, not opts.no_compile)
+    out = bench_builtin.save(opts.out, cards + regions, opts.budget, current(), start)
+    print_tables(cards, regions)
+    print(f"wrote {out} in {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
