@@ -76,11 +76,7 @@ def test_every_knob_setting_has_its_own_digest_and_a_valid_plan(name):
 
 @pytest.mark.parametrize("card, reason", [
     (lambda: make_card(A.mm.default, meta(8, 8), meta(8, 8)), "no builtin template"),
-    (lambda: make_card(A._softmax.default, meta(8, 16), 0, False), "last"),
-    (lambda: make_card(A._softmax.default, meta(16, 8).t(), -1, False), "contiguous"),
-    (lambda: gn(1, 64, 8, 8, 32, channels_last=True), "channels_last"),
     (lambda: make_card(A.gelu.default, meta(0, 4)), "empty"),
-    (lambda: softmax_to(8, 64, dtype=torch.float32, to=BF16), "only dtype=torch.float32"),
 ])
 def test_unsupported_cards_are_declined_with_a_reason(card, reason):
     p = BuiltinProposer()
@@ -88,6 +84,20 @@ def test_unsupported_cards_are_declined_with_a_reason(card, reason):
     assert not ok and reason in why
     with pytest.raises(ProposerError, match="no template"):
         p.propose(ctx(card()))
+
+
+@pytest.mark.parametrize("card, reason", [
+    (lambda: make_card(A._softmax.default, meta(8, 16), 0, False), "last"),
+    (lambda: make_card(A._softmax.default, meta(16, 8).t(), -1, False), "contiguous"),
+    (lambda: gn(1, 64, 8, 8, 32, channels_last=True), "channels_last"),
+    (lambda: softmax_to(8, 64, dtype=torch.float32, to=BF16), "only dtype=torch.float32"),
+])
+def test_norm_cards_a_template_declines_get_the_generated_kernel(card, reason):
+    c = card()
+    template = family_for(c)
+    assert template.name != "generated" and reason in template.check(c)
+    assert BuiltinProposer().supports(c) == (True, "")
+    assert BuiltinProposer().propose(ctx(c)).candidate.knobs["algo"].startswith("gen_norm")
 
 
 def test_cpu_tensor_operand_is_declined():

@@ -32,9 +32,12 @@ def markdown() -> str:
               "- **Reductions** over any set of dims: " + ", ".join(f"`{n}`" for n in sorted(ops.REDUCTION_OPS)),
               "- **Scans**: " + ", ".join(f"`{n}`" for n in sorted(ops.SCAN_OPS)),
               "- **Windows** (2-D): " + ", ".join(f"`{n}`" for n in sorted(ops.WINDOW_OPS)),
-              "- **Fused regions** (`--regions`): chains of the ops above with at most one reduction, views of",
-              "  the region's inputs folded in; normalizations whose output spans the reduced dims are not",
-              "  generated yet.", "",
+              "- **Normalizations** (one kernel, or two passes for few long rows): "
+              + ", ".join(f"`{n}`" for n in sorted(ops.NORM_OPS)),
+              "- **Fused regions** (`--regions`): chains of the ops above with at most one reduction or",
+              "  normalization (its prologue and an epilogue over every element: a mask add and casts around",
+              "  softmax, a residual add into a norm, an activation after it), views of the region's inputs",
+              "  folded in, reshapes of computed values after a normalization.", "",
               "## Pointwise ops the generator declines", "", "| op | why |", "| --- | --- |"]
     lines += [f"| `{n}` | {why} |" for n, why in sorted(ops.DECLINED.items())]
     return "\n".join(lines) + "\n"

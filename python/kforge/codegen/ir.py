@@ -25,7 +25,7 @@ tree is lowered to CUDA (lower.py) and evaluated by the reference interpreter (i
 Builder API (for single-op cards and for fused regions):
 
     from kforge.codegen.build import from_nodes
-    prog = from_nodes(nodes, inputs, outputs, out_metas, aliases)   # Program, or a str: why not
+    prog = from_nodes(nodes, inputs, outputs, out_metas, aliases, sources)   # Program, or a str: why not
 
     nodes:   [Node(op, args, metas), ...] in execution order; `op` is an aten overload name
              ("aten::add.Tensor"); `args` maps every schema argument name to its value, a
@@ -35,6 +35,8 @@ Builder API (for single-op cards and for fused regions):
     inputs:  the region's input TensorMetas (launch-plan numbering).
     outputs: [Ref, ...] the values the kernel writes; out_metas: their TensorMetas.
     aliases: output index -> input index it overwrites (in-place and out= ops).
+    sources: the launch-plan input each of `inputs` reads (None: each its own); the builder
+             adds inputs of its own (per-channel vectors, an input read after a reshape).
 
 A node's expression comes from ops.py (the one op table); at most one node may be a
 reduction, a normalization (ops.NORM_OPS) or a scan, nodes before it form its prologue and
