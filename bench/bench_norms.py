@@ -16,8 +16,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "python"), str(ROOT / "tests"), str(ROOT / "bench")]
@@ -25,6 +23,7 @@ sys.path[:0] = [str(ROOT / "python"), str(ROOT / "tests"), str(ROOT / "bench")]
 import bench_builtin  # noqa: E402
 import bench_regions  # noqa: E402
 from builtin_cards import BF16, F16, bn, gn, ln, meta, rms, softmax  # noqa: E402
+from norm_models import AddLayerNormGelu, AddRMSNorm, BatchNormReluAdd, GroupNormSilu, MaskSoftmax  # noqa: E402
 from kforge import timing  # noqa: E402
 from kforge.capture import capture  # noqa: E402
 from kforge.cards import faithful_clone, load_sample  # noqa: E402
@@ -50,45 +49,14 @@ CARDS = {
 }
 
 
-class MaskSoftmax(nn.Module):
-    def forward(self, scores, mask):
-        return torch.softmax((scores + mask).float(), -1).to(torch.bfloat16)
 
 
-class AddRMSNorm(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.norm = nn.RMSNorm(d, eps=1e-6)
-
-    def forward(self, x, y):
-        return self.norm(x + y)
 
 
-class AddLayerNorm(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-
-    def forward(self, x, y):
-        return self.norm(x + y)
 
 
-class GroupNormSilu(nn.Module):
-    def __init__(self, c, g):
-        super().__init__()
-        self.gn = nn.GroupNorm(g, c)
-
-    def forward(self, x):
-        return F.silu(self.gn(x))
 
 
-class BatchNormReluAdd(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.bn = nn.BatchNorm2d(c)
-
-    def forward(self, x, r):
-        return torch.relu(self.bn(x)) + r
 
 
 def _cuda(*shape, dtype=torch.float32, channels_last=False):
@@ -102,7 +70,7 @@ REGIONS = {
                                                                       _cuda(1, 1, 2048, 2048, dtype=BF16))),
     "add rms_norm bf16 1x2048x2304": (lambda: AddRMSNorm(2304).to(BF16), lambda: (_cuda(1, 2048, 2304, dtype=BF16),
                                                                                   _cuda(1, 2048, 2304, dtype=BF16))),
-    "add layer_norm fp32 8x512x768": (lambda: AddLayerNorm(768), lambda: (_cuda(8, 512, 768), _cuda(8, 512, 768))),
+    "add layer_norm gelu fp32 8x512x768": (lambda: AddLayerNormGelu(768), lambda: (_cuda(8, 512, 768), _cuda(8, 512, 768))),
     "sd-vae group_norm silu 1x512x64x64 fp32": (lambda: GroupNormSilu(512, 32), lambda: (_cuda(1, 512, 64, 64),)),
     "sd-vae group_norm silu 1x256x256x256 channels_last": (
         lambda: GroupNormSilu(256, 32), lambda: (_cuda(1, 256, 256, 256, channels_last=True),)),

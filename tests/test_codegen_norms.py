@@ -13,11 +13,11 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import cuda_on_cpu
 from builtin_cards import A, BF16, F16, F32, make_card, meta
+from norm_models import (AddLayerNormGelu, AddRMSNorm, BatchNormReluAdd, GroupNormSilu, HandRMSNorm, InstanceNormRelu,
+                         MaskSoftmax, ScaleSoftmax)
 from kforge import compiler
 from kforge.capture import capture
 from kforge.cards import load_sample
@@ -146,6 +146,17 @@ def _check_outputs(got, want, card):
             torch.testing.assert_close(g.to(w.dtype), w, msg=lambda msg: f"{card.summary()}: {msg}")
 
 
+def _compile_and_run(card, inputs, want, run: bool = True):
+    """Every sampled setting compiles for sm_90; those cuda_on_cpu runs exactly match `want`."""
+    exact = run and all(m.dtype in ("float32", "float64") for m in card.inputs + card.outputs)
+    for knobs in _sample_knobs(card):
+        cand = generated.build(card, knobs, H200)
+        cand.plan.validate(len(card.inputs), len(card.outputs))
+        assert compiler.compile(cand.source, arch="sm_90").cubin, knobs
+        if exact and _threads_alone(knobs):
+            _check_outputs(cuda_on_cpu.run(card, cand, inputs), want, card)
+
+
 @pytest.mark.parametrize("name", sorted(CARDS))
 def test_norm_card_matches_eager_compiles_and_runs(name):
     card, inputs, eager = CARDS[name]()
@@ -155,13 +166,7 @@ def test_norm_card_matches_eager_compiles_and_runs(name):
     want = eager()
     want = want if isinstance(want, tuple) else (want,)
     _check_outputs(interp.run(prog, inputs), want, card)
-    exact = all(m.dtype in ("float32", "float64") for m in card.inputs + card.outputs)
-    for knobs in _sample_knobs(card):
-        cand = generated.build(card, knobs, H200)
-        cand.plan.validate(len(card.inputs), len(card.outputs))
-        assert compiler.compile(cand.source, arch="sm_90").cubin, knobs
-        if exact and _threads_alone(knobs) and math.prod(prog.domain) <= 4096:
-            _check_outputs(cuda_on_cpu.run(card, cand, inputs), want, card)
+    _compile_and_run(card, inputs, want, run=math.prod(prog.domain) <= 4096)
 
 
 def test_a_norm_is_one_kernel_over_the_reduced_domain():
@@ -230,77 +235,20 @@ def cand_kernels(card):
     return generated.build(card, generated.default(card, H200), H200).plan.kernels
 
 
-class MaskSoftmax(nn.Module):
-    """Gemma's attention probabilities: a mask add, up to fp32, softmax, back to bf16."""
-
-    def forward(self, scores, mask):
-        return torch.softmax((scores + mask).float(), -1).to(torch.bfloat16)
 
 
-class ScaleSoftmax(nn.Module):
-    def forward(self, x):
-        return torch.softmax(x * 0.125, -1)
 
 
-class AddLayerNormGelu(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.ln = nn.LayerNorm(d)
-
-    def forward(self, x, y):
-        return F.gelu(self.ln(x + y))
 
 
-class AddRMSNorm(nn.Module):
-    """The residual sum is the prologue and is read again after the reduction (decomposed rms_norm)."""
-
-    def __init__(self, d):
-        super().__init__()
-        self.norm = nn.RMSNorm(d, eps=1e-6)
-
-    def forward(self, x, y):
-        return self.norm(x + y).to(torch.float16)
 
 
-class HandRMSNorm(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(d))
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
 
 
-class GroupNormSilu(nn.Module):
-    def __init__(self, c, g):
-        super().__init__()
-        self.gn = nn.GroupNorm(g, c)
-
-    def forward(self, x):
-        return F.silu(self.gn(x))
 
 
-class BatchNormReluAdd(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.bn = nn.BatchNorm2d(c)
-        with torch.no_grad():
-            self.bn.running_mean.normal_()
-            self.bn.running_var.uniform_(0.5, 2.0)
-
-    def forward(self, x, r):
-        return torch.relu(self.bn(x)) + r
 
 
-class InstanceNormRelu(nn.Module):
-    """aot_autograd's form: a view to (1, N*C, ...), batch statistics, a view back, then relu."""
-
-    def __init__(self, c, affine):
-        super().__init__()
-        self.norm = nn.InstanceNorm2d(c, affine=affine)
-
-    def forward(self, x):
-        return torch.relu(self.norm(x))
 
 
 REGIONS = {
@@ -313,7 +261,7 @@ REGIONS = {
     "scale softmax": (ScaleSoftmax, lambda: (_t((4, 33)),), ["mul", "_softmax"]),
     "add layer_norm gelu": (lambda: AddLayerNormGelu(48), lambda: (_t((2, 3, 48)), _t((2, 3, 48))),
                             ["add", "native_layer_norm", "gelu"]),
-    "add rms_norm cast": (lambda: AddRMSNorm(48), lambda: (_t((2, 3, 48)), _t((2, 3, 48))),
+    "add rms_norm cast": (lambda: AddRMSNorm(48, to=torch.float16), lambda: (_t((2, 3, 48)), _t((2, 3, 48))),
                           ["add", "pow", "mean", "add", "rsqrt", "mul", "mul", "_to_copy"]),
     "rms_norm by hand": (lambda: HandRMSNorm(48), lambda: (_t((4, 48)),), ["pow", "mean", "add", "rsqrt", "mul", "mul"]),
     "group_norm silu": (lambda: GroupNormSilu(16, 4), lambda: (_t((2, 16, 5, 5)),), ["native_group_norm", "silu"]),
@@ -341,10 +289,4 @@ def test_norm_region_is_one_program_that_matches_its_replay(tmp_path, name):
     assert BuiltinProposer().supports(card) == (True, "")
     want = card.region.replay([t.clone() for t in inputs])
     _check_outputs(interp.run(prog, inputs), want, card)
-    exact = all(m.dtype in ("float32", "float64") for m in card.inputs + card.outputs)
-    for knobs in _sample_knobs(card):
-        cand = generated.build(card, knobs, H200)
-        cand.plan.validate(len(card.inputs), len(card.outputs))
-        assert compiler.compile(cand.source, arch="sm_90").cubin, knobs
-        if exact and _threads_alone(knobs):
-            _check_outputs(cuda_on_cpu.run(card, cand, inputs), want, card)
+    _compile_and_run(card, inputs, want)

@@ -11,6 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from norm_models import (AddLayerNormGelu, AddRMSNorm, BatchNormReluAdd, GroupNormSilu, InstanceNormRelu, LogSoftmax,
+                         MaskSoftmax, ScaleSoftmax)
+
 from kforge.capture import capture
 from kforge.evaluate import make_evaluator
 from kforge.hardware import current
@@ -27,67 +30,20 @@ def cuda(*shape, dtype=torch.float32, channels_last=False):
     return x.to(memory_format=torch.channels_last) if channels_last else x
 
 
-class MaskSoftmax(nn.Module):
-    def forward(self, scores, mask):
-        return torch.softmax((scores + mask).float(), -1).to(torch.bfloat16)
 
 
-class ScaleSoftmax(nn.Module):
-    def forward(self, x):
-        return torch.softmax(x * 0.125, -1)
 
 
-class LogSoftmax(nn.Module):
-    def forward(self, x):
-        return torch.log_softmax(x, -1)
 
 
-class AddLayerNormGelu(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.ln = nn.LayerNorm(d)
-
-    def forward(self, x, y):
-        return F.gelu(self.ln(x + y))
 
 
-class AddRMSNorm(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.norm = nn.RMSNorm(d, eps=1e-6)
-
-    def forward(self, x, y):
-        return self.norm(x + y)
 
 
-class GroupNormSilu(nn.Module):
-    def __init__(self, c, g):
-        super().__init__()
-        self.gn = nn.GroupNorm(g, c)
-
-    def forward(self, x):
-        return F.silu(self.gn(x))
 
 
-class BatchNormReluAdd(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.bn = nn.BatchNorm2d(c)
-        with torch.no_grad():
-            self.bn.running_mean.normal_()
-            self.bn.running_var.uniform_(0.5, 2.0)
-
-    def forward(self, x, r):
-        return torch.relu(self.bn(x)) + r
 
 
-class InstanceNormRelu(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.norm = nn.InstanceNorm2d(c, affine=True)
-
-    def forward(self, x):
-        return torch.relu(self.norm(x))
 
 
 def _half(m):
@@ -112,7 +68,7 @@ CASES = {
     "batch_norm relu add resnet bf16 channels_last": (
         lambda: _half(BatchNormReluAdd(64)).eval(),
         lambda: (cuda(4, 64, 28, 28, dtype=BF16, channels_last=True), cuda(4, 64, 28, 28, dtype=BF16, channels_last=True))),
-    "instance_norm relu": (lambda: InstanceNormRelu(16), lambda: (cuda(2, 16, 9, 11),)),
+    "instance_norm relu": (lambda: InstanceNormRelu(16, affine=True), lambda: (cuda(2, 16, 9, 11),)),
 }
 
 

@@ -1,10 +1,12 @@
 """aten nodes -> Program (the builder the ir docstring describes), for a single-op card (one
 node) and for a region card (its subgraph's nodes, region_nodes).
 
-Each node's value comes from the op table (ops.POINTWISE, ops.REDUCTION_OPS). Nodes before
-the one reduction are its prologue, evaluated over the reduced operand's shape (the
-domain); nodes after it are the epilogue, over the reduction's output shape. A node's value
-is rounded to its output dtype, as eager stores it.
+Each node's value comes from the op table (ops.POINTWISE, ops.REDUCTION_OPS, ops.NORM_OPS).
+Nodes before the one reduction or normalization are its prologue, evaluated over the reduced
+operand's shape (the frame; the domain is the frame with group norm's channel dim split);
+nodes after it are the epilogue, over the reduction's output shape, or over the whole frame
+after a keepdim reduction or a norm op (a normalization). A node's value is rounded to its
+output dtype, as eager stores it.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def _overload(op: str):
 
 
 def entry_for(op: str):
-    """('pointwise' | 'reduction' | 'scan', entry) for an op overload, or (None, why)."""
+    """('pointwise' | 'reduction' | 'norm' | 'scan' | 'window', entry) for an op overload, or (None, why)."""
     name, overload = table_key(op)
     ov = _overload(op)
     if ov is not None and torch.Tag.pointwise in ov.tags or name in ("_to_copy", "copy"):

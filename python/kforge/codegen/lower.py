@@ -701,6 +701,20 @@ def norm_staging(prog: Program, knobs: dict) -> str:
     return "reload"
 
 
+def _chunk_load(src: str, ct: str, off: str, inner: int, v: int, dest: str) -> list[str]:
+    """dest[0..v) = the v elements at src + off along a dim of stride `inner` (one vector access
+    when they are contiguous)."""
+    if inner == 1 and v > 1:
+        return [f"*reinterpret_cast<kf_vec<{ct}, {v}>*>({dest}) = *reinterpret_cast<const kf_vec<{ct}, {v}>*>({src} + {off});"]
+    return ["#pragma unroll", f"for (int jj = 0; jj < {v}; ++jj) {dest}[jj] = {src}[{off} + jj * {inner}];"]
+
+
+def _chunk_store(dst: str, ct: str, off: str, inner: int, v: int, src: str) -> list[str]:
+    if inner == 1 and v > 1:
+        return [f"*reinterpret_cast<kf_vec<{ct}, {v}>*>({dst} + {off}) = *reinterpret_cast<const kf_vec<{ct}, {v}>*>({src});"]
+    return ["#pragma unroll", f"for (int jj = 0; jj < {v}; ++jj) {dst}[{off} + jj * {inner}] = {src}[jj];"]
+
+
 def lower_norm(prog: Program, knobs: dict) -> Built:
     """A group of `lanes` threads per row (the reduced elements of one kept point): pass 1
     folds the prologue over the row in chunks of `vec` elements, keeping the loaded values
@@ -740,12 +754,8 @@ def lower_norm(prog: Program, knobs: dict) -> Built:
         return f"xv{i}"
 
     def load_chunk(i: int, dest: str) -> list[str]:
-        t, ct = tix[i], CTYPE[prog.inputs[i].dtype]
-        inner = lay.rstrides[t][-1]
-        if inner == 1 and v > 1:
-            return [f"*reinterpret_cast<kf_vec<{ct}, V>*>({dest}) = "
-                    f"*reinterpret_cast<const kf_vec<{ct}, V>*>({ptr[i]} + k{t} + r{t});"]
-        return ["#pragma unroll", f"for (int jj = 0; jj < V; ++jj) {dest}[jj] = {ptr[i]}[k{t} + r{t} + jj * {inner}];"]
+        t = tix[i]
+        return _chunk_load(ptr[i], CTYPE[prog.inputs[i].dtype], f"k{t} + r{t}", lay.rstrides[t][-1], v, dest)
 
     def loop(body: list[str]) -> list[str]:
         if staged:
@@ -784,12 +794,7 @@ def lower_norm(prog: Program, knobs: dict) -> Built:
     p2 += ["#pragma unroll", "for (int jj = 0; jj < V; ++jj) {", *[f"  {line}" for line in em2.lines],
            *[f"  o{j}[jj] = {convert(res[j], prog.results[j].dtype, prog.outputs[j].dtype)};" for j in outs2], "}"]
     for j in outs2:
-        ct, inner = CTYPE[prog.outputs[j].dtype], lay.rstrides[j][-1]
-        if inner == 1 and v > 1:
-            p2.append(f"*reinterpret_cast<kf_vec<{ct}, V>*>(out{j} + k{j} + r{j}) = "
-                      f"*reinterpret_cast<const kf_vec<{ct}, V>*>(o{j});")
-        else:
-            p2 += ["#pragma unroll", f"for (int jj = 0; jj < V; ++jj) out{j}[k{j} + r{j} + jj * {inner}] = o{j}[jj];"]
+        p2 += _chunk_store(f"out{j}", CTYPE[prog.outputs[j].dtype], f"k{j} + r{j}", lay.rstrides[j][-1], v, f"o{j}")
 
     kofs = offsets_code("q", lay.ksizes, lay.kstrides, [f"k{t}" for t in range(len(lay.kstrides))], idx)
     body = [f"typedef {idx} kf_idx;",
@@ -861,13 +866,8 @@ def lower_norm_split(prog: Program, knobs: dict, sm_count: int) -> Built:
         body.append(f"      const {CTYPE[t]} st{c} = reinterpret_cast<const {CTYPE[t]}*>(ws + {c * knobs['split'] * lay.kn * 8}LL)[q];")
     for i in epi:
         t, ct = tix[i], CTYPE[prog.inputs[i].dtype]
-        inner = lay.rstrides[t][-1]
         body.append(f"      {ct} xv{i}[{v}];")
-        if inner == 1 and v > 1:
-            body.append(f"      *reinterpret_cast<kf_vec<{ct}, {v}>*>(xv{i}) = "
-                        f"*reinterpret_cast<const kf_vec<{ct}, {v}>*>({ptr[i]} + k{t} + r{t});")
-        else:
-            body.append(f"      for (int jj = 0; jj < {v}; ++jj) xv{i}[jj] = {ptr[i]}[k{t} + r{t} + jj * {inner}];")
+        body += ["      " + line for line in _chunk_load(ptr[i], ct, f"k{t} + r{t}", lay.rstrides[t][-1], v, f"xv{i}")]
     em = Emitter("e", {f"s{c}": f"st{c}" for c in range(len(st_types))}, lambda i, stored: f"xv{i}[jj]")
     res = {j: em(prog.results[j]) for j in full}
     body += [f"      {CTYPE[prog.outputs[j].dtype]} o{j}[{v}];" for j in full]
@@ -875,12 +875,8 @@ def lower_norm_split(prog: Program, knobs: dict, sm_count: int) -> Built:
              *[f"        o{j}[jj] = {convert(res[j], prog.results[j].dtype, prog.outputs[j].dtype)};" for j in full],
              "      }"]
     for j in full:
-        ct, inner = CTYPE[prog.outputs[j].dtype], lay.rstrides[j][-1]
-        if inner == 1 and v > 1:
-            body.append(f"      *reinterpret_cast<kf_vec<{ct}, {v}>*>(out{j} + k{j} + r{j}) = "
-                        f"*reinterpret_cast<const kf_vec<{ct}, {v}>*>(o{j});")
-        else:
-            body.append(f"      for (int jj = 0; jj < {v}; ++jj) out{j}[k{j} + r{j} + jj * {inner}] = o{j}[jj];")
+        body += ["      " + line for line in _chunk_store(f"out{j}", CTYPE[prog.outputs[j].dtype], f"k{j} + r{j}",
+                                                          lay.rstrides[j][-1], v, f"o{j}")]
     total = lay.kn * nc
     src = "\n".join([
         f'extern "C" __global__ void __launch_bounds__({nta}) kf_gen_apply({", ".join(params)}, '

@@ -781,11 +781,16 @@ def _softmax(log: bool) -> Callable:
     return entry
 
 
-def _layer_norm(c: Call):
+def _float_input(c: Call, what: str) -> tuple[Val, Expr] | str:
     x = c.v("input")
-    if x.dtype not in FLOATS:
-        return "layer_norm of integers raises in eager"
-    e = x.at(x.dtype)
+    return (x, x.at(x.dtype)) if x.dtype in FLOATS else f"{what} of integers raises in eager"
+
+
+def _layer_norm(c: Call):
+    got = _float_input(c, "layer_norm")
+    if isinstance(got, str):
+        return got
+    x, e = got
     k = len(c.s("normalized_shape"))
     w, b, eps = _opt(c, "weight"), _opt(c, "bias"), c.s("eps")
 
@@ -796,10 +801,10 @@ def _layer_norm(c: Call):
 
 
 def _rms_norm(c: Call):
-    x = c.v("input")
-    if x.dtype not in FLOATS:
-        return "rms_norm of integers raises in eager"
-    e = x.at(x.dtype)
+    got = _float_input(c, "rms_norm")
+    if isinstance(got, str):
+        return got
+    x, e = got
     k = len(c.s("normalized_shape"))
     w = _opt(c, "weight")
     eps = c.s("eps")
@@ -812,12 +817,12 @@ def _rms_norm(c: Call):
 
 
 def _group_norm(c: Call):
-    x = c.v("input")
-    if x.dtype not in FLOATS:
-        return "group_norm of integers raises in eager"
+    got = _float_input(c, "group_norm")
+    if isinstance(got, str):
+        return got
+    x, e = got
     if x.ndim < 2:
         return "group_norm needs (N, C, ...) input"
-    e = x.at(x.dtype)
     g, eps = c.s("group"), c.s("eps")
     w, b = _opt(c, "weight"), _opt(c, "bias")
 
@@ -833,12 +838,12 @@ def _group_norm(c: Call):
 def _batch_norm(c: Call):
     """Per-channel (dim 1) statistics: running ones (inference: a pointwise affine map) or the
     batch's own (training with no running stats: instance norm's form)."""
-    x = c.v("input")
-    if x.dtype not in FLOATS:
-        return "batch_norm of integers raises in eager"
+    got = _float_input(c, "batch_norm")
+    if isinstance(got, str):
+        return got
+    x, e = got
     if x.ndim < 2:
         return "batch_norm needs (N, C, ...) input"
-    e = x.at(x.dtype)
     w, b, eps = _opt(c, "weight"), _opt(c, "bias"), c.s("eps")
     training = c.name != "_native_batch_norm_legit_no_training" and bool(c.s("training", False))
     rm, rv = _opt(c, "running_mean"), _opt(c, "running_var")

@@ -1,0 +1,91 @@
+"""Small modules with the normalization chains real models have (Gemma's masked softmax,
+Llama's residual rms_norm, the SD-VAE's group_norm → silu, ResNet's batch norm → relu → add,
+instance norm), shared by the CPU and GPU code generator tests and bench/bench_norms.py."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MaskSoftmax(nn.Module):
+    """Gemma's attention probabilities: a mask add, up to fp32, softmax, back to bf16."""
+
+    def forward(self, scores, mask):
+        return torch.softmax((scores + mask).float(), -1).to(torch.bfloat16)
+
+
+class ScaleSoftmax(nn.Module):
+    def forward(self, x):
+        return torch.softmax(x * 0.125, -1)
+
+
+class LogSoftmax(nn.Module):
+    def forward(self, x):
+        return torch.log_softmax(x, -1)
+
+
+class AddLayerNormGelu(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+
+    def forward(self, x, y):
+        return F.gelu(self.ln(x + y))
+
+
+class AddRMSNorm(nn.Module):
+    """The residual sum is the prologue and is read again after the reduction; `to` casts the result."""
+
+    def __init__(self, d, to: torch.dtype | None = None):
+        super().__init__()
+        self.norm = nn.RMSNorm(d, eps=1e-6)
+        self.to_dtype = to
+
+    def forward(self, x, y):
+        out = self.norm(x + y)
+        return out if self.to_dtype is None else out.to(self.to_dtype)
+
+
+class HandRMSNorm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class GroupNormSilu(nn.Module):
+    def __init__(self, c, g):
+        super().__init__()
+        self.gn = nn.GroupNorm(g, c)
+
+    def forward(self, x):
+        return F.silu(self.gn(x))
+
+
+class BatchNormReluAdd(nn.Module):
+    """In eval mode: running statistics away from (0, 1), so they matter."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.bn = nn.BatchNorm2d(c)
+        with torch.no_grad():
+            self.bn.running_mean.normal_()
+            self.bn.running_var.uniform_(0.5, 2.0)
+
+    def forward(self, x, r):
+        return torch.relu(self.bn(x)) + r
+
+
+class InstanceNormRelu(nn.Module):
+    """aot_autograd's form: a view to (1, N*C, ...), batch statistics, a view back, then relu."""
+
+    def __init__(self, c, affine=False):
+        super().__init__()
+        self.norm = nn.InstanceNorm2d(c, affine=affine)
+
+    def forward(self, x):
+        return torch.relu(self.norm(x))
