@@ -462,3 +462,43 @@ def test_a_card_the_model_check_names_is_left_out():
         (rewrite,) = inductor.options(pkg, launcher=FakeLauncher(relu_kernel, softmax_kernel(1)))[
             "post_grad_custom_post_pass"].rewrites
     assert rewrite.ops == [aten.relu.default]
+
+
+class ScaledSoftmax(torch.nn.Module):
+    def forward(self, a):
+        return torch.softmax(a * 2, 1) + 1
+
+
+@pytest.mark.parametrize("region_compile_us, substituted", [(10.0, True), (5.0, False)])
+def test_a_card_inside_a_chain_is_substituted_where_the_evidence_bounds_the_split_chain_below_the_fused_one(
+        tmp_path, region_compile_us, substituted):
+    """softmax's kernel (1 µs) plus the chain's other nodes eager (2 µs each: more than Inductor's
+    code for them) against the chain compiled alone by torch.compile (noise 0.5 µs)."""
+    x = torch.randn(4, 8)
+    cards = capture(ScaledSoftmax(), x, tmp_path, regions=True, time_cards=False).cards
+    (region,) = [c for c in cards if c.region]
+    assert region.region.ops == ["mul", "_softmax", "add"] and all(n.op_card for n in region.region.nodes)
+    softmax = next(c for c in cards if c.op == "aten::_softmax.default")
+    packaged = []
+    for c in cards:
+        if c is region:
+            entry = {"id": c.id, "compile": {"compile_us": region_compile_us, "noise_us": 0.5}}
+            packaged.append(PackagedCard(c, "fallback", "test", None, entry, compile_decision="fallback"))
+        elif c is softmax:
+            entry = {"id": c.id, "timing": {"eager_us": 3.0}, "compile": {"kernel_us": 1.0, "compile_us": 2.0}}
+            packaged.append(PackagedCard(c, "fallback", "test", "custom", entry,
+                                         Candidate(f'extern "C" __global__ void k() {{}} // {c.id}', PLAN),
+                                         compile_decision="dispatched"))
+        else:
+            packaged.append(PackagedCard(c, "fallback", "test", None, {"id": c.id, "timing": {"eager_us": 2.0}}))
+    pkg = CastPackage(Path("chain.cast"), {"format": 3, "gpu": {"name": "cpu", "arch": "cpu"}, "cards": []}, packaged)
+    launcher = FakeLauncher(softmax_kernel(1))
+    (rewrite,) = inductor._rewrites(pkg, launcher)
+    table, kept = inductor._decompositions([rewrite])
+    fn = ScaledSoftmax()
+    gm = make_fx(fn, tracing_mode="fake", decomposition_table=table)(x)
+    assert rewrite(gm.graph) == int(substituted)
+    inductor.Decompose(kept, select_decomp_table())(gm.graph)
+    gm.recompile()
+    torch.testing.assert_close(gm(x), fn(x))
+    assert len(launcher.calls) == int(substituted) and len(rewrite.declined) == int(not substituted)

@@ -14,11 +14,14 @@ compiled alone by torch.compile; kforge.package):
             custom op; where matched regions overlap, the set that saves the most against
             torch.compile's time of each region alone (package.choose_regions).
   ops       each node whose call hits a single-op card's guard becomes the card's custom op,
-            but only where the node is alone in its fusable region: inside a chain Inductor
-            fuses (add -> cast -> softmax -> cast), the unit a kernel must beat is the fused
-            kernel, not the op compiled alone, and an extern call in the middle of the chain
-            would break the fusion into several kernels. kforge.optimize (no Inductor, nothing
-            fuses) takes every hit.
+            where the node is alone in its fusable region. Inside a chain Inductor fuses
+            (add -> cast -> softmax -> cast) the unit a kernel must beat is the fused kernel,
+            not the op compiled alone, and an extern call in the middle of the chain would
+            break the fusion into several kernels: there the node is replaced only where the
+            package's evidence bounds the split chain below the fused one (Evidence.wins_inside:
+            the card's kernel plus the eager time of the region's other nodes, an upper bound on
+            Inductor's code for them, under the region card's torch.compile time, beyond its
+            noise). kforge.optimize (no Inductor, nothing fuses) takes every hit.
   leftovers Inductor decomposes many ops before any post-grad pass runs (group_norm, softmax,
             layer_norm, ...). kforge.compile hands Inductor its own decomposition table, in
             which a call that hits a card, and every op of a region card, stays whole for the
@@ -47,6 +50,7 @@ import inspect
 import logging
 import operator
 import warnings
+from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Protocol, Sequence
 
 import torch
@@ -56,7 +60,7 @@ from . import regions as regions_mod
 from .cards import TensorMeta, dtype_name, pointer_alignment
 from .dispatch import (Launcher, Variant, _guard_key, _meta_key, _slot_kind, _tensor_key, _unrunnable,
                        _value_key)
-from .errors import KforgeError
+from .errors import CardError, KforgeError
 
 try:
     from torch._inductor.custom_graph_pass import CustomGraphPass as _PassBase
@@ -140,22 +144,95 @@ class Rewrite(Protocol):
     """Rewrites a post-grad graph in place; returns how many sites it replaced."""
 
     key: str  # what it replaces, for the pass's uuid()
+    whole: set  # ops whose every call kforge.compile keeps whole for it (Inductor's table would decompose them)
 
     def __call__(self, graph: torch.fx.Graph) -> int: ...
 
 
+@dataclass(frozen=True)
+class FusedRegion:
+    """A region card's torch.compile time (the region compiled alone, with its noise) and the op
+    card of each of its nodes: what a single-op card inside that region must beat."""
+
+    compile_us: float
+    noise_us: float
+    op_cards: tuple  # per region node, its op card's id or None
+
+
+@dataclass
+class Evidence:
+    """The package's numbers a fusion-aware OpRewrite decides by (see the module doc)."""
+
+    regions: dict[tuple, FusedRegion] = field(default_factory=dict)  # by regions.match_key
+    # the ops of those regions: kept whole by kforge.compile, so that its graphs show the regions as captured
+    whole: set = field(default_factory=set)
+    eager_us: dict[str, float] = field(default_factory=dict)  # op card id -> its eager time
+    kernel_us: dict[str, float] = field(default_factory=dict)  # op card id -> its kernel's, against torch.compile
+
+    @staticmethod
+    def of(package: Any) -> "Evidence":
+        ev = Evidence()
+        for c in package.cards:
+            timing, compiled = c.entry.get("timing") or {}, c.entry.get("compile") or {}
+            if c.card.region is not None:
+                if compiled.get("compile_us") is not None and _resolvable(c.card.region):
+                    ev.whole |= {n.overload() for n in c.card.region.nodes}
+                    ev.regions[regions_mod.match_key(c.card.region, c.card.inputs)] = FusedRegion(
+                        compiled["compile_us"], compiled.get("noise_us") or 0.0,
+                        tuple(n.op_card for n in c.card.region.nodes))
+                continue
+            if timing.get("eager_us") is not None:
+                ev.eager_us[c.id] = timing["eager_us"]
+            if compiled.get("kernel_us") is not None:
+                ev.kernel_us[c.id] = compiled["kernel_us"]
+        return ev
+
+    @property
+    def key(self) -> str:
+        return hashlib.sha256(repr((sorted(self.regions.items(), key=repr), sorted(self.eager_us.items()),
+                                    sorted(self.kernel_us.items()))).encode()).hexdigest()[:16]
+
+    def wins_inside(self, card: str, node: torch.fx.Node, site: regions_mod.Site) -> bool:
+        """Whether card's kernel at `node`, with the rest of `site` split off and run alone, is
+        faster than Inductor's fused kernel for the site: its kernel plus the eager time of the
+        site's other working nodes (more than Inductor's code for them takes) under the region
+        card's torch.compile time by more than its noise. False without every number."""
+        region = self.regions.get(site.match_key())
+        kernel = self.kernel_us.get(card)
+        if region is None or kernel is None:
+            return False
+        rest = [self.eager_us.get(op_card) if op_card else None for m, op_card in zip(site.nodes, region.op_cards)
+                if m is not node and regions_mod.role(m) != "view"]
+        return None not in rest and kernel + sum(rest) < region.compile_us - region.noise_us
+
+
+def _resolvable(region: Any) -> bool:
+    """Whether every op of a region exists in this torch (a package from another one may name one that does not)."""
+    try:
+        for n in region.nodes:
+            n.overload()
+    except CardError as e:
+        log.info("a region card stays out of compiled graphs: %s", e)
+        return False
+    return True
+
+
 class OpRewrite:
     """Nodes whose call hits a single-op card's guard, each replaced by the card's custom op.
-    `fusion_aware` (compiled graphs): only a node alone in its fusable region (see the module doc)."""
+    `fusion_aware` (compiled graphs): a node inside a fusable region only where `evidence`
+    says the card wins there (see the module doc)."""
 
-    def __init__(self, sites: Sequence[tuple[Variant, torch._ops.OpOverload]], *, fusion_aware: bool = True):
+    def __init__(self, sites: Sequence[tuple[Variant, torch._ops.OpOverload]], *, fusion_aware: bool = True,
+                 evidence: Evidence | None = None):
         self._tables: dict[torch._ops.OpOverload, dict[tuple, tuple[torch._ops.OpOverload, Variant]]] = {}
         for v, kernel in sites:  # later sites win on equal keys, as in eager dispatch
             op = v.card.overload()
             self._tables.setdefault(op, {})[_guard_key(v.card, op._schema)] = kernel, v
         self.fusion_aware = fusion_aware
-        self.declined: list[str] = []  # card ids of hits left to Inductor's fusion, one per node
-        self.key = (f"fusion-aware={int(fusion_aware)}:" +
+        self.evidence = evidence or Evidence()
+        self.whole = self.evidence.whole if fusion_aware else set()
+        self.declined: list[str] = []  # the custom ops of hits left to Inductor's fusion, one per node
+        self.key = (f"fusion-aware={int(fusion_aware)}:{self.evidence.key}:" +
                     ",".join(sorted(str(k) for table in self._tables.values() for k, _ in table.values())))
 
     @property
@@ -164,6 +241,10 @@ class OpRewrite:
 
     def match(self, op: Any, args: Sequence, kwargs: dict) -> torch._ops.OpOverload | None:
         """The custom op a call of `op` with these (fake) arguments hits, or None."""
+        hit = self._hit(op, args, kwargs)
+        return None if hit is None else hit[0]
+
+    def _hit(self, op: Any, args: Sequence, kwargs: dict) -> tuple[torch._ops.OpOverload, Variant] | None:
         table = self._tables.get(op)
         if table is None:
             return None
@@ -180,19 +261,21 @@ class OpRewrite:
         # What a key cannot see, as eager dispatch checks it (inputs on one device, a device argument naming it).
         ins = [t for t in _tensor_args(op, args, kwargs) if t is not None]
         devices = [x for a, x in zip(arguments, vals) if "Device" in str(a.type)]
-        return None if _unrunnable(v, ins, devices) else kernel
+        return None if _unrunnable(v, ins, devices) else (kernel, v)
 
     def __call__(self, graph: torch.fx.Graph) -> int:
-        fused = _fused_nodes(graph) if self.fusion_aware else set()
+        site_of = _fused_sites(graph) if self.fusion_aware else {}
         replaced = 0
         for node in list(graph.nodes):
             if node.op != "call_function" or node.target not in self._tables:
                 continue
             args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val", _UNTRACED))
-            kernel = self.match(node.target, args, kwargs)
-            if kernel is None:
+            hit = self._hit(node.target, args, kwargs)
+            if hit is None:
                 continue
-            if node in fused:
+            kernel, v = hit
+            site = site_of.get(node)
+            if site is not None and not self.evidence.wins_inside(v.card.id, node, site):
                 self.declined.append(kernel.name())
                 log.info("%s stays Inductor's at %s: it fuses with its neighbours there", kernel.name(), node.name)
                 continue
@@ -206,9 +289,10 @@ class OpRewrite:
         return replaced
 
 
-def _fused_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
-    """Nodes Inductor fuses with others: members of a fused region of two or more working nodes."""
-    return {n for site in regions_mod.find(graph, epilogues=False) for n in site.nodes}
+def _fused_sites(graph: torch.fx.Graph) -> dict[torch.fx.Node, regions_mod.Site]:
+    """Nodes Inductor fuses with others (members of a fused region of two or more working
+    nodes), each with its region."""
+    return {n: site for site in regions_mod.find(graph, epilogues=False) for n in site.nodes}
 
 
 def _call(graph: torch.fx.Graph, kernel: torch._ops.OpOverload, inputs: Sequence[torch.fx.Node]) -> torch.fx.Node:
@@ -232,7 +316,7 @@ class RegionRewrite:
 
         self._op = {id(k): op for k, op in kernels}
         self._by_match = by_match([k for k, _ in kernels])
-        self.ops = sorted({n.overload() for k, _ in kernels for n in k.card.region.nodes}, key=str)
+        self.whole = {n.overload() for k, _ in kernels for n in k.card.region.nodes}
         self.key = "regions:" + ",".join(sorted(op.name() for op in self._op.values()))
 
     def __call__(self, graph: torch.fx.Graph) -> int:
@@ -281,13 +365,15 @@ class Decompose:
     """What kforge.compile kept whole for the pass and the pass did not replace, decomposed as
     Inductor's own table decomposes it (each node traced through the table and inlined)."""
 
-    def __init__(self, ops: Collection[torch._ops.OpOverload], table: dict):
-        self.ops, self._table = frozenset(ops), table
-        self.key = "decompose:" + ",".join(sorted(op.name() for op in self.ops))
+    whole: frozenset = frozenset()
+
+    def __init__(self, kept: Collection[torch._ops.OpOverload], table: dict):
+        self.kept, self._table = frozenset(kept), table
+        self.key = "decompose:" + ",".join(sorted(op.name() for op in self.kept))
 
     def __call__(self, graph: torch.fx.Graph) -> int:
         for node in list(graph.nodes):
-            if node.op == "call_function" and node.target in self.ops:
+            if node.op == "call_function" and node.target in self.kept:
                 _inline_decomposition(graph, node, self._table)
         return 0  # nothing replaced by a kernel
 
@@ -392,7 +478,8 @@ def _rewrites(package: Any, launcher: Launcher | None, *, compiled: bool = True,
         from .optimize import region_kernels
 
         regions = [(k, customops.region_op(k, kernels[k.card.id].digest()))
-                   for k in region_kernels(package, launcher, compiled=True) if k.card.id not in drop]
+                   for k in region_kernels(package, launcher, compiled=True)
+                   if k.card.id not in drop and _resolvable(k.card.region)]
         if regions:
             out.append(RegionRewrite(regions))
     sites = []
@@ -404,21 +491,24 @@ def _rewrites(package: Any, launcher: Launcher | None, *, compiled: bool = True,
             log.info("card %s stays out of compiled graphs: %s", v.card.id, why)
             continue
         sites.append((v, customops.kernel_op(v, kernels[v.card.id].digest())))
-    return out + ([OpRewrite(sites, fusion_aware=compiled)] if sites else [])
+    return out + ([OpRewrite(sites, fusion_aware=compiled, evidence=Evidence.of(package) if compiled else None)]
+                  if sites else [])
 
 
 def _decompositions(rewrites: Sequence[Rewrite]) -> tuple[dict, set]:
     """Inductor's decomposition table, except that a call hitting an OpRewrite's card, and every
-    call of an op of a RegionRewrite's regions, stays whole; and the ops so kept."""
+    call of an op a rewrite keeps whole (the ops of the regions it matches), stays whole; and the
+    ops so kept."""
     from torch._inductor.decomposition import select_decomp_table
 
     table = dict(select_decomp_table())
-    kept: set = set()
+    kept = {op for rewrite in rewrites for op in rewrite.whole} & set(table)
+    for op in kept:
+        table[op] = _keep_whole(None, op, table[op])
     for rewrite in rewrites:
-        for op in getattr(rewrite, "ops", ()):
+        for op in set(getattr(rewrite, "ops", ())) - kept:
             if op in table:
-                match = rewrite.match if isinstance(rewrite, OpRewrite) else None
-                table[op] = _keep_whole(match, op, table[op])
+                table[op] = _keep_whole(rewrite.match, op, table[op])
                 kept.add(op)
     return table, kept
 
