@@ -185,3 +185,24 @@ def test_the_compile_record_is_what_kforge_compile_follows():
     won = dataclasses.replace(lost, compiled={"torch.compile": (946.0, 4.0), "kforge.compile": (800.0, 4.0)})
     assert won.compile_record()["use"] == "kforge.compile" and won.compile_record()["drop"] == []
     assert ModelCheck(100.0, 1.0, 90.0, 1.0, "cuda:0").compile_record() is None  # not measured
+
+
+def test_run_records_the_compile_verdict_in_the_package(cpu_cast, tmp_path, monkeypatch):  # noqa: F811
+    import kforge.modelcheck
+
+    path, x = cpu_cast
+    card = load(path, arch="sm_90").cards[0].id
+    asked = {}
+
+    def check_model(model, inputs, pkg, **options):  # the GPU check's result, on the CPU
+        asked.update(options)
+        return ModelCheck(100.0, 1.0, 90.0, 1.0, "cuda:0", hits=4, compile_hits=(card,),
+                          compiled={"torch.compile": (946.0, 4.0), "kforge.compile": (1124.0, 6.0)})
+    monkeypatch.setattr(kforge.modelcheck, "check_model", check_model)
+    result = run_logged(tmp_path, path)
+    runner._check_model(result, Relu(), x, load_options={"arch": "sm_90"}, leave_one_out=3)
+    assert asked["with_compile"] is True and asked["leave_one_out"] == 3  # the card has a compiled-graph kernel
+    recorded = load(path, arch="sm_90").manifest["model_check"]
+    assert recorded["use"] == "torch.compile" and recorded["compiled_cards"] == [card]
+    (_, level, message), = logged_checks(tmp_path)
+    assert level == "warning" and "kforge.compile runs plain torch.compile for it" in message

@@ -308,7 +308,8 @@ def _check_model(result: RunResult, model, example_inputs, *, load_options: dict
         record = check.compile_record()
         if record is not None:
             record_model_check(result.package_path, record)
-        level = "warning" if check.verdict in ("slower", "unused") else "info"
+        lost = record is not None and record["use"] == "torch.compile"
+        level = "warning" if check.verdict in ("slower", "unused") or lost else "info"
         result.model_check = check
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 (reported to the user and the log)
         why = "interrupted by the user" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
