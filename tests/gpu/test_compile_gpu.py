@@ -99,3 +99,18 @@ def test_a_norm_inside_a_fused_chain_stays_inductors(packages):  # noqa: F811
     with torch.inference_mode():
         torch.testing.assert_close(kforge.compile(m, pkg)(x), m(x), atol=1e-3, rtol=1e-3)
     assert hits(pkg) == 0  # layer_norm -> gelu is one Inductor kernel: the card stays out
+
+
+def test_the_check_records_a_verdict_and_leave_one_out_times_the_model_without_the_card(packages):  # noqa: F811
+    from kforge.modelcheck import check_model
+
+    m, x = model(), torch.randn(ROWS, D, device="cuda")
+    pkg = load(packages["ln"])
+    check = check_model(m, x, pkg, rounds=3, calls=2, with_compile=True, leave_one_out=1)
+    record = check.compile_record()
+    assert record is not None and record["compiled_cards"] == [pkg.cards[0].id]
+    if "faster" in (check.compile_verdict(), check.compile_verdict("reduce-overhead")):
+        assert record["use"] == "kforge.compile" and not check.leave_one_out
+    else:  # without its one card kforge.compile is torch.compile: never "faster" beyond the noise but by chance
+        assert set(check.leave_one_out) == {"torch.compile", "kforge.compile", pkg.cards[0].id}
+        assert [r["card"] for r in record["leave_one_out"]] == [pkg.cards[0].id]
