@@ -59,6 +59,9 @@ class _KernelOp:
     variant: Variant
     native: bool = False  # kforge._dispatch's kernel is in front: calls reaching this one missed, and are counted
 
+    def take(self, other: "_KernelOp") -> None:
+        self.variant = other.variant
+
     def __call__(self, *ins: torch.Tensor):
         v = self.variant
         if self.native:
@@ -88,6 +91,9 @@ class _RegionOp:
 
     kernel: Any  # kforge.optimize.RegionKernel
 
+    def take(self, other: "_RegionOp") -> None:
+        self.kernel = other.kernel
+
     def __call__(self, *ins: torch.Tensor):
         k = self.kernel
         if any(_ALIGN[t.data_ptr() & 15] != m.align for t, m in zip(ins, k.card.inputs)):
@@ -114,14 +120,8 @@ def kernel_op(variant: Variant, kernel_digest: str) -> torch._ops.OpOverload:
     why = op_blocker(card)
     if why:
         raise DispatchError(f"card {card.id} has no custom op: {why}")
-    name = op_name(card, kernel_digest)
     with _lock:
-        bound = _ops.get(name)
-        if bound is not None:
-            bound.variant = variant
-        else:
-            bound = _ops[name] = _define(name, card, _KernelOp(variant))
-        op = getattr(getattr(torch.ops, NAMESPACE), name).default
+        bound, op = _bind(card, kernel_digest, _KernelOp(variant))
         _serve_natively(bound, op)
     return op
 
@@ -132,14 +132,21 @@ def region_op(kernel: Any, kernel_digest: str) -> torch._ops.OpOverload:
     card = kernel.card
     if not card.inputs or not card.outputs or card.device_type not in ("cuda", "cpu"):
         raise DispatchError(f"region card {card.id} has no custom op: it needs tensor inputs and outputs on CUDA or CPU")
-    name = op_name(card, kernel_digest)
     with _lock:
-        bound = _ops.get(name)
-        if bound is not None:
-            bound.kernel = kernel
-        else:
-            _ops[name] = _define(name, card, _RegionOp(kernel))
-    return getattr(getattr(torch.ops, NAMESPACE), name).default
+        return _bind(card, kernel_digest, _RegionOp(kernel))[1]
+
+
+def _bind(card: Card, kernel_digest: str, fresh: "_KernelOp | _RegionOp") -> tuple:
+    """(binding, op) of the card's kernel op, now served as `fresh` serves it: an op defined
+    before keeps its binding object (the op's registered kernel), which takes fresh's kernel.
+    Caller holds _lock."""
+    name = op_name(card, kernel_digest)
+    bound = _ops.get(name)
+    if bound is not None:
+        bound.take(fresh)
+    else:
+        bound = _ops[name] = _define(name, card, fresh)
+    return bound, getattr(getattr(torch.ops, NAMESPACE), name).default
 
 
 def _define(name: str, card: Card, bound: "_KernelOp | _RegionOp") -> "_KernelOp | _RegionOp":
