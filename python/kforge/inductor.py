@@ -282,7 +282,7 @@ class OpRewrite:
             inputs = [x for x in _tensor_args(node.target, node.args, node.kwargs) if x is not None]
             with graph.inserting_before(node):
                 new = _call(graph, kernel, inputs)
-            new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+            new.meta.update({key: val for key, val in node.meta.items() if key != "val"})
             node.replace_all_uses_with(new)
             graph.erase_node(node)
             replaced += 1
