@@ -528,3 +528,23 @@ def test_the_gemma_attention_chain_keeps_inductors_one_kernel():
     gm.recompile()
     torch.testing.assert_close(gm(s, m, v), attention(s, m, v))
     assert launcher.calls == []
+
+
+class ViewsOfInputs(torch.nn.Module):
+    def forward(self, a, b):
+        return torch.sigmoid(a.view(64, 32, 128)) * b.unsqueeze(-1)
+
+
+def test_a_region_with_a_view_matches_after_inductor_turned_the_view_into_a_reshape(tmp_path):
+    torch._dynamo.reset()
+    model, a, b = ViewsOfInputs(), torch.randn(2048, 128), torch.randn(64, 32)
+    (card,) = [c for c in capture(model, (a, b), tmp_path, regions=True, time_cards=False).cards if c.region]
+    assert "aten::view.default" in [n.op for n in card.region.nodes]
+    packaged = PackagedCard(card, "fallback", "test", "custom", {"id": card.id, "compile": {"kernel_us": 1.0,
+                                                                                           "compile_us": 5.0}},
+                            Candidate(f"// {card.id}", PLAN), compile_decision="dispatched")
+    pkg = CastPackage(Path("views.cast"), {"format": 3, "gpu": {"name": "cpu", "arch": "cpu"}, "cards": []}, [packaged])
+    launcher = RegionLauncher(card)
+    with torch.no_grad():
+        torch.testing.assert_close(pkg.compile(model, launcher=launcher)(a, b), model(a, b) + 1)
+    assert launcher.calls == [0]

@@ -50,7 +50,7 @@ import inspect
 import logging
 import operator
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Collection, Protocol, Sequence
 
 import torch
@@ -177,9 +177,10 @@ class Evidence:
             if c.card.region is not None:
                 if compiled.get("compile_us") is not None and _resolvable(c.card.region):
                     ev.whole |= {n.overload() for n in c.card.region.nodes}
-                    ev.regions[regions_mod.match_key(c.card.region, c.card.inputs)] = FusedRegion(
-                        compiled["compile_us"], compiled.get("noise_us") or 0.0,
-                        tuple(n.op_card for n in c.card.region.nodes))
+                    fused = FusedRegion(compiled["compile_us"], compiled.get("noise_us") or 0.0,
+                                        tuple(n.op_card for n in c.card.region.nodes))
+                    for region in (c.card.region, _as_inductor_sees(c.card.region)):
+                        ev.regions[regions_mod.match_key(region, c.card.inputs)] = fused
                 continue
             if timing.get("eager_us") is not None:
                 ev.eager_us[c.id] = timing["eager_us"]
@@ -316,6 +317,10 @@ class RegionRewrite:
 
         self._op = {id(k): op for k, op in kernels}
         self._by_match = by_match([k for k, _ in kernels])
+        for k, _ in kernels:  # and as Inductor's post-grad graphs show it, where that differs
+            seen = _as_inductor_sees(k.card.region)
+            if seen != k.card.region:
+                self._by_match.setdefault(regions_mod.match_key(seen, k.card.inputs), []).append(k)
         self.whole = {n.overload() for k, _ in kernels for n in k.card.region.nodes}
         self.key = "regions:" + ",".join(sorted(op.name() for op in self._op.values()))
 
@@ -330,6 +335,15 @@ class RegionRewrite:
         if chosen:
             stable_topological_sort(graph)  # an output's user may stand before the site's last node
         return len(chosen)
+
+
+# Inductor's post-grad passes (view_to_reshape) turn every view into a reshape before kforge's pass runs.
+_INDUCTOR_NAMES = {"aten::view.default": "aten::reshape.default"}
+
+
+def _as_inductor_sees(region: Any) -> Any:
+    """A captured region's subgraph with its calls named as a post-grad graph names them."""
+    return replace(region, nodes=[replace(n, op=_INDUCTOR_NAMES.get(n.op, n.op)) for n in region.nodes])
 
 
 def _aligned(site: regions_mod.Site, kernels: Sequence[Any]) -> Any:
