@@ -84,6 +84,7 @@ def unsupported() -> str | None:
         from torch._inductor import config, custom_graph_pass, list_mode_options  # noqa: F401
         from torch._inductor.compile_fx import compile_fx
         from torch._inductor.decomposition import select_decomp_table  # noqa: F401
+        from torch._inductor.pattern_matcher import stable_topological_sort  # noqa: F401
     except ImportError as e:
         return f"torch {torch.__version__} has no {e.name or e} (kforge's pass needs Inductor)"
     if not isinstance(getattr(custom_graph_pass, "CustomGraphPass", None), type):
