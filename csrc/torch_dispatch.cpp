@@ -1,4 +1,5 @@
-// kforge._dispatch: the guard path of kforge.dispatch as a boxed C++ kernel.
+// kforge._dispatch: the guard path of kforge.dispatch as a boxed C++ kernel, reading the guard
+// specifications of kforge.guards in their serialized form (GuardSpec.native, GUARD_FORMAT).
 //
 // One Override per aten op at one dispatch key (CUDA; CPU stands in for tests) replaces the
 // Python torch.library kernel, whose round trip into Python is most of a dispatched call's
@@ -46,7 +47,7 @@ using LaunchFn = int (*)(const void* ctx, int vid, const uint64_t* inputs, int n
 constexpr int kLaunchCudaError = 1;
 constexpr int kLaunchRefused = 3;  // nothing ran: the call can still go to eager
 
-// Why a call fell back, most fundamental first: the order of kforge.dispatch.REASONS.
+// Why a call fell back, most fundamental first: the order of kforge.guards.REASONS (checked at import).
 // The last, aliasing, is not a guard difference: a call that matched a guard but whose
 // written input shares memory with another input (a kernel would read what it writes).
 // "autograd": an override above autograd (a composite op's) saw an input that requires grad
@@ -59,14 +60,14 @@ enum Reason {
 constexpr std::array<const char*, kNumReasons> kReasons = {"no-variant", "device", "dtype",    "scalar",   "shape",
                                                            "stride",     "alignment", "aliasing", "autograd", "refused"};
 
-// What the override did for one card. Shared with Python (kforge.dispatch.Counters reads it),
+// What the override did for one card. Shared with Python (kforge.variant.Counters reads it),
 // and kept across set_variants, so counts survive other packages coming and going.
 struct Counts {
   std::atomic<uint64_t> hits{0};
   std::array<std::atomic<uint64_t>, kNumReasons> fallbacks{};
 };
 
-// ---- guards ----------------------------------------------------------------------------------
+// ---- guards: kforge.guards.GuardSpec, as compared here -----------------------------------------
 
 struct TensorGuard {
   bool present = false;  // false: the card has None here
@@ -154,7 +155,7 @@ bool same(c10::IntArrayRef got, const std::vector<int64_t>& want) {
   return got.size() == want.size() && std::equal(got.begin(), got.end(), want.begin());
 }
 
-// As kforge.dispatch._tensor_differences: a Python scalar in a tensor slot (here a wrapped
+// As kforge.guards._tensor_differences: a Python scalar in a tensor slot (here a wrapped
 // number), a conjugate or negative view (the bit is part of what the kernel must do) or
 // None where the card has a tensor (or the other way round) differ by "no-variant".
 bool defined(const c10::IValue& v) { return v.isTensor() && v.toTensor().defined(); }
@@ -188,7 +189,7 @@ bool int_of(const c10::IValue& v, int64_t& out) {
   return false;
 }
 
-// As kforge.dispatch._value_key: 1, 1.0 and True differ; 0.0 and -0.0 differ; NaN equals NaN.
+// As kforge.guards.value_key: 1, 1.0 and True differ; 0.0 and -0.0 differ; NaN equals NaN.
 bool value_equal(const c10::IValue& v, const ValueGuard& g) {
   int64_t i = 0;
   switch (g.kind) {
@@ -216,7 +217,7 @@ bool value_equal(const c10::IValue& v, const ValueGuard& g) {
   return false;
 }
 
-// Every way a call differs from a variant (see kforge.dispatch.differences); with `stop`, only
+// Every way a call differs from a variant (see kforge.guards.differences); with `stop`, only
 // whether it differs at all.
 Diff compare(const Variant& v, c10::ArrayRef<c10::IValue> args, bool stop) {
   Diff d;
@@ -456,7 +457,7 @@ class State {
   }
 
   // Charged to the nearest variant: its most fundamental difference is the least fundamental,
-  // then it differs in the fewest ways, then it was installed first (as _OpOverride._count_miss).
+  // then it differs in the fewest ways, then it was installed first (as kforge.guards.nearest).
   static void count_miss(const std::vector<std::shared_ptr<const Variant>>& vs, c10::ArrayRef<c10::IValue> args) {
     const Variant* nearest = nullptr;
     Diff best;
@@ -506,7 +507,7 @@ class QuietOverride final : public c10::WarningHandler {
   c10::WarningHandler* next_;
 };
 
-// ---- building variants from Python's descriptions (kforge.dispatch._native_variant) ------------
+// ---- building variants from Python's descriptions (kforge.native_override) ----------------------
 
 c10::ScalarType parse_dtype(const std::string& name) {
   const auto& names = c10::getStringToDtypeMap();
@@ -579,13 +580,20 @@ ValueGuard to_value_guard(const py::handle& h) {
   return g;
 }
 
-std::shared_ptr<const Variant> to_variant(const py::handle& h, const State& state) {
-  auto t = h.cast<py::tuple>();
-  if (t.size() != 7 && t.size() != 8)
-    throw std::invalid_argument("a variant is (slots, outputs, workspace, launch_address, vid, resolve, counts[, written])");
-  auto v = std::make_shared<Variant>();
+// The guard format this module reads (kforge.guards.FORMAT): bumped with any change to it.
+constexpr int kGuardFormat = 1;
+
+// A variant's guard specification as kforge.guards.GuardSpec.native() writes it:
+// (format, slots, written); returns how many tensor inputs it guards.
+size_t read_guard(const py::handle& h, const State& state, Variant& v) {
+  auto g = h.cast<py::tuple>();
+  if (g.size() != 3) throw std::invalid_argument("a guard is (format, slots, written)");
+  const int format = g[0].cast<int>();
+  if (format != kGuardFormat)
+    throw std::invalid_argument("guard format " + std::to_string(format) + ", this kforge._dispatch reads " +
+                                std::to_string(kGuardFormat) + ": rebuild kforge");
   size_t inputs = 0;
-  for (auto item : t[0].cast<py::sequence>()) {
+  for (auto item : g[1].cast<py::sequence>()) {
     auto s = item.cast<py::tuple>();
     if (s.size() != 2) throw std::invalid_argument("a slot is (kind, guard)");
     const auto kind = s[0].cast<std::string>();
@@ -596,8 +604,8 @@ std::shared_ptr<const Variant> to_variant(const py::handle& h, const State& stat
       inputs += slot.tensor.present;
     } else if (kind == "tensors") {
       slot.kind = SlotKind::Tensors;
-      for (auto g : s[1].cast<py::sequence>()) {
-        slot.tensors.push_back(to_tensor_guard(g));
+      for (auto t : s[1].cast<py::sequence>()) {
+        slot.tensors.push_back(to_tensor_guard(t));
         inputs += slot.tensors.back().present;
       }
     } else if (kind == "value") {
@@ -605,12 +613,25 @@ std::shared_ptr<const Variant> to_variant(const py::handle& h, const State& stat
     } else {
       throw std::invalid_argument("unknown slot kind '" + kind + "'");
     }
-    v->slots.push_back(std::move(slot));
+    v.slots.push_back(std::move(slot));
   }
-  if (v->slots.size() != state.num_args())
-    throw std::invalid_argument(state.name() + " takes " + std::to_string(state.num_args()) + " arguments, the variant guards " +
-                                std::to_string(v->slots.size()));
+  if (v.slots.size() != state.num_args())
+    throw std::invalid_argument(state.name() + " takes " + std::to_string(state.num_args()) + " arguments, the guard has " +
+                                std::to_string(v.slots.size()));
   if (inputs == 0) throw std::invalid_argument("a variant needs a tensor input to guard on");
+  for (auto w : g[2].cast<std::vector<int>>()) {
+    if (w < 0 || static_cast<size_t>(w) >= inputs) throw std::invalid_argument("written input " + std::to_string(w) + " names no input");
+    v.written.push_back(w);
+  }
+  return inputs;
+}
+
+std::shared_ptr<const Variant> to_variant(const py::handle& h, const State& state) {
+  auto t = h.cast<py::tuple>();
+  if (t.size() != 7)
+    throw std::invalid_argument("a variant is (guard, outputs, workspace, launch_address, vid, resolve, counts)");
+  auto v = std::make_shared<Variant>();
+  const size_t inputs = read_guard(t[0], state, *v);
   for (auto item : t[1].cast<py::sequence>()) {
     auto o = item.cast<py::tuple>();
     if (o.size() != 4) throw std::invalid_argument("an output is (alias, sizes, strides, dtype)");
@@ -635,12 +656,6 @@ std::shared_ptr<const Variant> to_variant(const py::handle& h, const State& stat
   v->vid = t[4].cast<int>();
   v->resolver = std::make_shared<Resolver>(py::reinterpret_borrow<py::object>(t[5]));
   v->counts = t[6].cast<std::shared_ptr<Counts>>();
-  if (t.size() > 7) {
-    for (auto w : t[7].cast<std::vector<int>>()) {
-      if (w < 0 || static_cast<size_t>(w) >= inputs) throw std::invalid_argument("written input " + std::to_string(w) + " names no input");
-      v->written.push_back(w);
-    }
-  }
   return v;
 }
 
@@ -787,6 +802,7 @@ PYBIND11_MODULE(_dispatch, m) {
   py::tuple reasons(static_cast<size_t>(kNumReasons));
   for (size_t r = 0; r < kNumReasons; ++r) reasons[r] = kReasons[r];
   m.attr("REASONS") = reasons;
+  m.attr("GUARD_FORMAT") = kGuardFormat;
 
   py::class_<Counts, std::shared_ptr<Counts>>(m, "Counts")
       .def(py::init<>())

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 import pytest
 
 from kforge.cards import ArgSpec, Card, TensorMeta, encode_value, flatten_outputs
-from kforge.dispatch import (Dispatcher, DispatchError, Variant, _value_key, differences, dispatch_blocker,
+from kforge.guards import value_key as _value_key
+from kforge.dispatch import (Dispatcher, DispatchError, Variant, differences, dispatch_blocker,
                              installed)
 
 aten = torch.ops.aten

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from test_dispatch import FakeLauncher, make_card, relu_kernel, to_copy_card
 
-from kforge import dispatch
+from kforge import dispatch, native_override
 from kforge.cards import encode_value
 from kforge.dispatch import REASONS, Counters, Dispatcher, PlanLauncher, Variant, installed
 
@@ -355,7 +355,7 @@ def test_a_fresh_process_warns_nothing_and_exits_with_the_override_installed():
         x = torch.randn(4, 8)
         c = _dispatch.Counts()
         guard = [("tensor", ([4, 8], [8, 1], "float32", "cpu", 16))]
-        o.set_variants([(guard, [(None, [4, 8], [8, 1], "float32")], [], _dispatch.test_launcher_address(), 1,
+        o.set_variants([((1, guard, []), [(None, [4, 8], [8, 1], "float32")], [], _dispatch.test_launcher_address(), 1,
                          lambda index: 128, c)])
         assert torch.equal(torch.relu(x), x.clamp(min=0)) and c.hits == 1
         print("ok")
@@ -398,7 +398,7 @@ def test_a_refused_native_override_is_not_kept(cpu, monkeypatch):
     def refuse(self, descriptions):
         raise ValueError("no")
 
-    monkeypatch.setattr(dispatch._NativeOverride, "set_variants", refuse)
+    monkeypatch.setattr(native_override.NativeOverride, "set_variants", refuse)
     cpu.add("pkg", [v])  # served in Python instead
     path, why = cpu.path("aten::relu.default")
     assert path == "python" and "refused" in why
