@@ -298,13 +298,14 @@ def _slot(arg: torch.Argument, spec: Any) -> Slot:
         return Slot(arg.name, kind, tensor=TensorGuard.of(spec.tensor))
     if spec.kind == kind == "tensors":
         return Slot(arg.name, kind, tensors=tuple(TensorGuard.of(m) for m in spec.tensors))
-    value = decode_value(spec.value) if spec.kind == "value" else spec
-    if kind == "value":
-        return Slot(arg.name, kind, value=value)
-    if kind == "tensor" and value is None:  # a card records None in a Tensor? slot as a value
-        return Slot(arg.name, kind)
-    if kind == "tensors" and isinstance(value, list) and not value:
-        return Slot(arg.name, kind)
+    if spec.kind == "value":
+        value = decode_value(spec.value)
+        if kind == "value":
+            return Slot(arg.name, kind, value=value)
+        if kind == "tensor" and value is None:  # a card records None in a Tensor? slot as a value
+            return Slot(arg.name, kind)
+        if kind == "tensors" and isinstance(value, list) and not value:
+            return Slot(arg.name, kind)
     raise CardError(f"argument {arg.name} is a {spec.kind} in the card and a {kind} in the schema")
 
 
