@@ -124,6 +124,7 @@ struct Variant {
   std::vector<OutSpec> outputs;
   std::vector<int64_t> workspace;  // bytes per workspace buffer
   std::vector<int> written;        // inputs (card order) the kernel writes: in-place and out= arguments
+  std::vector<size_t> device_slots;  // Device arguments: each must name the inputs' device
   LaunchFn fn = nullptr;
   int vid = 0;
   std::shared_ptr<Resolver> resolver;
@@ -260,11 +261,7 @@ class State {
         name_(std::move(name)),
         above_autograd_(above_autograd),
         num_args_(op_.schema().arguments().size()),
-        table_(std::make_shared<Table>()) {
-    const auto& schema_args = op_.schema().arguments();
-    for (size_t a = 0; a < schema_args.size(); ++a)  // Device or Device?: the only ones unrunnable() reads
-      if (schema_args[a].type()->str().find("Device") != std::string::npos) device_slots_.push_back(a);
-  }
+        table_(std::make_shared<Table>()) {}
 
   size_t num_args() const { return num_args_; }
   size_t num_returns() const { return op_.schema().returns().size(); }
@@ -297,7 +294,7 @@ class State {
       if (compare(**it, args, /*stop=*/true).count != 0) continue;
       const Variant& v = **it;
       Inputs ins = inputs(v, args);
-      int why = unrunnable(v, ins, args, device_slots_);
+      int why = unrunnable(v, ins, args);
       if (why == kNumReasons && above_autograd_ && needs_grad(ins)) why = kAutograd;
       if (why == kNumReasons) why = run(v, ins, stack);
       if (why == kNumReasons) return;
@@ -353,12 +350,11 @@ class State {
     return keys;
   }
 
-  static int unrunnable(const Variant& v, const Inputs& ins, c10::ArrayRef<c10::IValue> args,
-                        const std::vector<size_t>& device_slots) {
+  static int unrunnable(const Variant& v, const Inputs& ins, c10::ArrayRef<c10::IValue> args) {
     const c10::Device device = ins.front()->device();
     for (const at::Tensor* t : ins)
       if (t->device() != device) return kDevice;
-    for (size_t slot : device_slots) {
+    for (size_t slot : v.device_slots) {
       if (!args[slot].isDevice()) continue;  // None
       c10::Device d = args[slot].toDevice();
       // An index-less device means the current one ("cuda" is whichever device is current).
@@ -477,7 +473,6 @@ class State {
   std::string name_;
   bool above_autograd_;  // registered at CompositeImplicitAutograd: grad mode is this override's to check
   size_t num_args_;
-  std::vector<size_t> device_slots_;  // schema arguments of type Device (or Device?)
   mutable std::mutex mu_;
   std::shared_ptr<const Table> table_;
 };
@@ -581,13 +576,13 @@ ValueGuard to_value_guard(const py::handle& h) {
 }
 
 // The guard format this module reads (kforge.guards.FORMAT): bumped with any change to it.
-constexpr int kGuardFormat = 1;
+constexpr int kGuardFormat = 1;  // kforge.guards.FORMAT
 
 // A variant's guard specification as kforge.guards.GuardSpec.native() writes it:
-// (format, slots, written); returns how many tensor inputs it guards.
+// (format, slots, written, device slots); returns how many tensor inputs it guards.
 size_t read_guard(const py::handle& h, const State& state, Variant& v) {
   auto g = h.cast<py::tuple>();
-  if (g.size() != 3) throw std::invalid_argument("a guard is (format, slots, written)");
+  if (g.size() != 4) throw std::invalid_argument("a guard is (format, slots, written, device_slots)");
   const int format = g[0].cast<int>();
   if (format != kGuardFormat)
     throw std::invalid_argument("guard format " + std::to_string(format) + ", this kforge._dispatch reads " +
@@ -622,6 +617,11 @@ size_t read_guard(const py::handle& h, const State& state, Variant& v) {
   for (auto w : g[2].cast<std::vector<int>>()) {
     if (w < 0 || static_cast<size_t>(w) >= inputs) throw std::invalid_argument("written input " + std::to_string(w) + " names no input");
     v.written.push_back(w);
+  }
+  for (auto d : g[3].cast<std::vector<size_t>>()) {
+    if (d >= v.slots.size() || v.slots[d].kind != SlotKind::Value)
+      throw std::invalid_argument("device slot " + std::to_string(d) + " is not a value argument");
+    v.device_slots.push_back(d);
   }
   return inputs;
 }

@@ -727,8 +727,11 @@ def test_the_spec_is_built_once_and_serialized_in_one_versioned_format():
     assert Variant(card, 0, FakeLauncher()).guard == spec
     tensor = ([4, 8], [8, 1], "float32", "cpu", 16)
     assert spec.native() == (guards.FORMAT, [("tensor", tensor), ("tensor", tensor), ("value", ("int", 1)),
-                                             ("tensor", tensor)], [2])
+                                             ("tensor", tensor)], [2], [])
     assert spec.key == (((4, 8), (8, 1), torch.float32, "cpu", 16),) * 2 + (("i", 1),) + (((4, 8), (8, 1), torch.float32, "cpu", 16),)
+    to_copy = GuardSpec.of_card(to_copy_card(x, torch.device("cpu")))
+    device = [a.name for a in aten._to_copy.default._schema.arguments].index("device")
+    assert to_copy.device_slots == (device,) and to_copy.native()[3] == [device]
 
 
 def test_every_fallback_reason_is_in_the_one_table():
@@ -786,7 +789,7 @@ def test_the_cpp_module_reads_this_kforges_reasons_and_guard_format(monkeypatch)
     assert native_status("CPU") == (True, f"kforge._dispatch, built against torch {torch.__version__}")
     o = _dispatch.Override("aten::relu", "", "CPU")
     try:
-        old = (guards.FORMAT + 1, [("tensor", ([4, 8], [8, 1], "float32", "cpu", 16))], [])
+        old = (guards.FORMAT + 1, [("tensor", ([4, 8], [8, 1], "float32", "cpu", 16))], [], [])
         with pytest.raises(ValueError, match=f"guard format {guards.FORMAT + 1}, this kforge._dispatch reads"):
             o.set_variants([(old, [(None, [4, 8], [8, 1], "float32")], [], _dispatch.test_launcher_address(), 1,
                              lambda index: 128, _dispatch.Counts())])
@@ -918,7 +921,7 @@ def test_a_fresh_process_warns_nothing_and_exits_with_the_override_installed():
         o = _dispatch.Override("aten::relu", "", "CPU")
         x = torch.randn(4, 8)
         c = _dispatch.Counts()
-        guard = (_dispatch.GUARD_FORMAT, [("tensor", ([4, 8], [8, 1], "float32", "cpu", 16))], [])
+        guard = (_dispatch.GUARD_FORMAT, [("tensor", ([4, 8], [8, 1], "float32", "cpu", 16))], [], [])
         o.set_variants([(guard, [(None, [4, 8], [8, 1], "float32")], [], _dispatch.test_launcher_address(), 1,
                          lambda index: 128, c)])
         assert torch.equal(torch.relu(x), x.clamp(min=0)) and c.hits == 1

@@ -33,8 +33,9 @@ class Override:
     def set_variants(self, variants: Sequence[tuple]) -> None:
         """Replace the variants; later ones win on equal guards. A variant is
         (guard, outputs, workspace, launch_address, vid, resolve, counts). The guard is
-        kforge.guards.GuardSpec.native(): (GUARD_FORMAT, slots, written), written the inputs the
-        kernel writes (none may share memory with another input), and one slot per schema
+        kforge.guards.GuardSpec.native(): (GUARD_FORMAT, slots, written, device_slots), written
+        the inputs the kernel writes (none may share memory with another input), device_slots
+        the Device arguments (each must name the inputs' device), and one slot per schema
         argument, ("tensor", T | None), ("tensors", [T | None]) or ("value", V) with
         T = (sizes, strides, dtype name, device type, alignment) and V = ("none",), ("bool", b),
         ("int", i), ("float", f), ("ints", [i]), ("str", s), ("enum", dtype, memory format or

@@ -66,10 +66,6 @@ class NotNative(Exception):
 _ALIGN = tuple(pointer_alignment(low) for low in range(16))  # alignment (<= 16) depends on the low 4 bits
 
 
-def alignment(ptr: int) -> int:
-    return _ALIGN[ptr & 15]
-
-
 def tensor_key(t: torch.Tensor | None) -> tuple | None:
     """A call's tensor as a guard sees it (TensorGuard.key's layout)."""
     if t is None:
@@ -365,8 +361,8 @@ class GuardSpec:
         return None
 
     def native(self) -> tuple:
-        """The spec as kforge._dispatch reads it: (FORMAT, slots, written). Raises NotNative."""
-        return (FORMAT, [s.native() for s in self.slots], list(self.written))
+        """The spec as kforge._dispatch reads it: (FORMAT, slots, written, device_slots). Raises NotNative."""
+        return (FORMAT, [s.native() for s in self.slots], list(self.written), list(self.device_slots))
 
 
 _TENSOR_FIELDS = ("shape", "stride", "dtype", "device", "alignment")  # order of tensor_key

@@ -36,7 +36,6 @@ class PythonOverride:
         # Arguments the dispatcher may leave out: trailing defaults and kwarg-only ones.
         self._params = tuple((a.name, a.default_value if a.has_default_value() else None) for a in schema.arguments)
         self._tensor_slots = tuple(i for i, a in enumerate(schema.arguments) if slot_kind(a) != "value")
-        self._device_slots = tuple(i for i, a in enumerate(schema.arguments) if "Device" in str(a.type))
         self._single = len(schema.returns) == 1
         self.table: dict[tuple, Variant] = {}
         self._variants: list[Variant] = []
@@ -85,7 +84,8 @@ class PythonOverride:
                 ins.append(x)
             elif x is not None:
                 ins += [t for t in x if t is not None]
-        why = v.guard.unrunnable(ins, [vals[i] for i in self._device_slots] if self._device_slots else ())
+        devices = v.guard.device_slots
+        why = v.guard.unrunnable(ins, [vals[i] for i in devices] if devices else ())
         if not why and self._above_autograd and composite.needs_grad(ins):
             why = "autograd"
         if why:
