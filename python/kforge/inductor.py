@@ -28,11 +28,12 @@ compiled alone by torch.compile; kforge.package):
             pass; what the pass does not replace is decomposed here as Inductor's table would
             have, so Inductor generates the code it would have generated without kforge.
 
-The guard of an op node is dispatch.py's: the card's key against the key of the node's
-arguments, its tensors described from their FakeTensors (node.meta["val"]) as a card describes
-tensors, their alignment that of their storage offset (storage bases are 16-byte aligned; the
-op checks real pointers when it runs). torch.compile(options=pkg.inductor_options()) cannot
-change the decomposition table: there, cards of decomposed ops are Inductor's.
+The guard of an op node is the card's guard specification (kforge.guards), the one eager
+dispatch checks: its key against the traced key of the node's arguments, their FakeTensors
+(node.meta["val"]) described as a card describes tensors, their alignment that of their storage
+offset (storage bases are 16-byte aligned; the op checks real pointers when it runs).
+torch.compile(options=pkg.inductor_options()) cannot change the decomposition table: there,
+cards of decomposed ops are Inductor's.
 
 The whole model decides last: when the model check (kforge.modelcheck) found kforge.compile no
 faster than torch.compile, the package records it (manifest "model_check") and compile() runs
@@ -57,10 +58,9 @@ import torch
 
 from . import customops
 from . import regions as regions_mod
-from .cards import TensorMeta, dtype_name, pointer_alignment
-from .dispatch import (Launcher, Variant, _guard_key, _meta_key, _slot_kind, _tensor_key, _unrunnable,
-                       _value_key)
+from .dispatch import Launcher, Variant
 from .errors import CardError, KforgeError
+from .guards import call_values, slot_kind, traced_key
 
 try:
     from torch._inductor.custom_graph_pass import CustomGraphPass as _PassBase
@@ -100,46 +100,6 @@ def unsupported() -> str | None:
 
 
 # ---- matching nodes against cards ------------------------------------------------------------
-
-class _NoKey(Exception):
-    """A call whose key is not static (symbolic shapes or values): it never hits a card."""
-
-
-def _static(xs: Sequence) -> tuple:
-    if any(isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)) for x in xs):
-        raise _NoKey
-    return tuple(xs)
-
-
-def _graph_tensor_key(t: Any) -> Any:
-    """The guard key of a traced tensor: described as a card describes a tensor, keyed by the
-    function that keys the card's."""
-    if not isinstance(t, torch.Tensor):
-        return _tensor_key(t)  # None, or a Python scalar where the schema says Tensor
-    if t.is_conj() or t.is_neg():
-        return ("conjugate or negative view",)
-    shape, stride = _static(t.shape), _static(t.stride())
-    offset = t.storage_offset()
-    if isinstance(offset, torch.SymInt):
-        raise _NoKey
-    return _meta_key(TensorMeta(shape, stride, dtype_name(t.dtype), t.device.type,
-                                pointer_alignment(offset * t.element_size())))
-
-
-def _graph_value_key(v: Any) -> Any:
-    if isinstance(v, (list, tuple)):
-        _static(v)
-    elif isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        raise _NoKey
-    return _value_key(v)
-
-
-_GRAPH_KEY_FNS: dict[str, Callable[[Any], Any]] = {
-    "tensor": _graph_tensor_key,
-    "tensors": lambda ts: tuple(_graph_tensor_key(t) for t in ts),
-    "value": _graph_value_key,
-}
-
 
 _UNTRACED = object()  # a node without meta["val"]: its key is "not a tensor", which no card has
 
@@ -232,7 +192,7 @@ class OpRewrite:
         self._tables: dict[torch._ops.OpOverload, dict[tuple, tuple[torch._ops.OpOverload, Variant]]] = {}
         for v, kernel in sites:  # later sites win on equal keys, as in eager dispatch
             op = v.card.overload()
-            self._tables.setdefault(op, {})[_guard_key(v.card, op._schema)] = kernel, v
+            self._tables.setdefault(op, {})[v.guard.key] = kernel, v
         self.fusion_aware = fusion_aware
         self.evidence = evidence or Evidence()
         self.whole = self.evidence.whole if fusion_aware else set()
@@ -253,20 +213,13 @@ class OpRewrite:
         table = self._tables.get(op)
         if table is None:
             return None
-        arguments = op._schema.arguments
-        vals = list(args) + [kwargs.get(a.name, a.default_value if a.has_default_value() else None)
-                             for a in arguments[len(args):]]
-        try:
-            key = tuple(_GRAPH_KEY_FNS[_slot_kind(a)](x) for a, x in zip(arguments, vals))
-        except _NoKey:
-            return None
-        kernel, v = table.get(key, (None, None))
+        vals = call_values(op._schema, args, kwargs)
+        kernel, v = table.get(traced_key(op._schema, vals), (None, None))
         if kernel is None:
             return None
         # What a key cannot see, as eager dispatch checks it (inputs on one device, a device argument naming it).
         ins = [t for t in _tensor_args(op, args, kwargs) if t is not None]
-        devices = [x for a, x in zip(arguments, vals) if "Device" in str(a.type)]
-        return None if _unrunnable(v, ins, devices) else (kernel, v)
+        return None if v.guard.unrunnable(ins, [vals[i] for i in v.guard.device_slots]) else (kernel, v)
 
     def __call__(self, graph: torch.fx.Graph) -> int:
         site_of = _fused_sites(graph) if self.fusion_aware else {}
@@ -443,7 +396,7 @@ def _tensor_args(op: torch._ops.OpOverload, args: Sequence, kwargs: dict) -> lis
     """A call's tensor arguments in Card.inputs order: schema order, lists flattened."""
     out: list = []
     for i, a in enumerate(op._schema.arguments):
-        kind = _slot_kind(a)
+        kind = slot_kind(a)
         if kind == "value":
             continue
         x = args[i] if i < len(args) else kwargs.get(a.name)
