@@ -214,14 +214,8 @@ def main(argv=None, cases=None, families=FAMILIES, out_name: str = "builtin_h200
     """The benchmark over `cases` (default CASES) with the built-in `families`; bench_codegen.py
     runs it with the generated family alone."""
     cases = CASES if cases is None else cases
-    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / out_name))
-    ap.add_argument("--budget", type=int, default=budget, help=f"candidates per card (default {budget})")
-    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile (saves its compile time)")
-    ap.add_argument("--only", default="", help="run only cases whose name contains one of these '|'-separated strings")
-    opts = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    opts = options(argv, doc, out_name, budget)
+    if opts is None:
         return 2
     hw = current()
     rows = []
@@ -237,6 +231,20 @@ def main(argv=None, cases=None, families=FAMILIES, out_name: str = "builtin_h200
     print_table(rows, title)
     print(f"wrote {out} in {time.perf_counter() - start:.0f} s")
     return 0
+
+
+def options(argv, doc: str, out_name: str, budget: int):
+    """The benchmarks' shared command line (None, with a message, without a GPU)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / out_name))
+    ap.add_argument("--budget", type=int, default=budget, help=f"candidates per card (default {budget})")
+    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile (saves its compile time)")
+    ap.add_argument("--only", default="", help="run only cases whose name contains one of these '|'-separated strings")
+    opts = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return None
+    return opts
 
 
 def run_case(name: str, card, target, hw, budget: int, with_compile: bool, families=FAMILIES) -> dict:

@@ -9,7 +9,6 @@ a template stays where it is faster than the generated kernel.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import time
@@ -153,14 +152,8 @@ def print_tables(cards: list[dict], regions: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "norms_h200.json"))
-    ap.add_argument("--budget", type=int, default=24, help="candidates per card and source (default 24)")
-    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile (saves its compile time)")
-    ap.add_argument("--only", default="", help="run only cases whose name contains one of these '|'-separated strings")
-    opts = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    opts = bench_builtin.options(argv, __doc__, "norms_h200.json", 24)
+    if opts is None:
         return 2
     only = [part for part in opts.only.split("|") if part]
     start = time.perf_counter()

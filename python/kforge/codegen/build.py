@@ -229,7 +229,7 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
     try:
         for j, node in enumerate(nodes):
             kind, entry = entry_for(node.op)
-            if family_of(node.op) == "view":
+            if kind is None and family_of(node.op) == "view":  # (positive is in the table)
                 why = reshape(j, node)
                 if why:
                     return why

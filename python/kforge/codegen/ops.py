@@ -792,34 +792,24 @@ def _float_input(c: Call, what: str) -> tuple[Val, Expr] | str:
     return (x, x.at(x.dtype)) if x.dtype in FLOATS else f"{what} of integers raises in eager"
 
 
-def _layer_norm(c: Call):
-    got = _float_input(c, "layer_norm")
-    if isinstance(got, str):
-        return got
-    x, e = got
-    k = len(c.s("normalized_shape"))
-    w, b, eps = _opt(c, "weight"), _opt(c, "bias"), c.s("eps")
+def _last_dims_norm(rms: bool) -> Callable:
+    """layer_norm (Welford: mean, variance) and rms_norm (the mean of squares) over the last
+    len(normalized_shape) dims; rstd = rsqrt(var + eps); rms_norm's eps defaults to the
+    compute dtype's epsilon, as eager's."""
+    def entry(c: Call):
+        got = _float_input(c, "rms_norm" if rms else "layer_norm")
+        if isinstance(got, str):
+            return got
+        x, e = got
+        dims = tuple(range(x.ndim - len(c.s("normalized_shape")), x.ndim))
+        w, b, eps = _opt(c, "weight"), None if rms else _opt(c, "bias"), c.s("eps")
+        eps = torch.finfo(getattr(torch, e.dtype)).eps if eps is None else eps
 
-    def outs(s, n):
-        rstd = prim("rsqrt", s[2] / float(n) + _k(s[2], eps))
-        return [_affine((e - s[1]) * rstd, w, b), s[1], rstd]
-    return ReductionPlan("welford", e, tuple(range(x.ndim - k, x.ndim)), True, outs)
-
-
-def _rms_norm(c: Call):
-    got = _float_input(c, "rms_norm")
-    if isinstance(got, str):
-        return got
-    x, e = got
-    k = len(c.s("normalized_shape"))
-    w = _opt(c, "weight")
-    eps = c.s("eps")
-    eps = torch.finfo(getattr(torch, e.dtype)).eps if eps is None else eps
-
-    def outs(s, n):
-        rstd = prim("rsqrt", s[0] / float(n) + _k(s[0], eps))
-        return [_affine(e * rstd, w, None), rstd]
-    return ReductionPlan("sum", e * e, tuple(range(x.ndim - k, x.ndim)), True, outs)
+        def outs(s, n):
+            rstd = prim("rsqrt", s[-1] / float(n) + _k(s[-1], eps))
+            return [_affine(e * rstd, w, None), rstd] if rms else [_affine((e - s[1]) * rstd, w, b), s[1], rstd]
+        return ReductionPlan("sum", e * e, dims, True, outs) if rms else ReductionPlan("welford", e, dims, True, outs)
+    return entry
 
 
 def _group_norm(c: Call):
@@ -872,7 +862,7 @@ def _batch_norm(c: Call):
 NORM_OPS: dict[str, tuple[tuple[str, ...], Callable]] = {
     "_softmax": ((), _softmax(False)), "_log_softmax": ((), _softmax(True)),
     "softmax": ((), _softmax(False)), "log_softmax": ((), _softmax(True)),
-    "native_layer_norm": ((), _layer_norm), "_fused_rms_norm": ((), _rms_norm),
+    "native_layer_norm": ((), _last_dims_norm(False)), "_fused_rms_norm": ((), _last_dims_norm(True)),
     "native_group_norm": (("weight", "bias"), _group_norm),
     **{k: (("weight", "bias", "running_mean", "running_var"), _batch_norm)
        for k in ("native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training")},
