@@ -48,8 +48,8 @@ FAST_P = (0.0, 1.0, 1.5, 2.0)
 # What a level runs by default (problem numbers). Level 1: every problem that is not a matmul,
 # a convolution (50) or attention (97): activations, softmax, norms, pooling, reductions,
 # scans, losses. Level 2: a matmul or convolution followed by pointwise work and a
-# normalization or reduction (batch/group/instance norm, softmax, logsumexp, sum), the
-# small-input ones (the ConvTranspose3d problems take minutes each to time and to compile).
+# normalization or reduction (batch/group/instance norm, softmax, logsumexp, sum), with inputs
+# of tens to hundreds of MB (the ConvTranspose problems move GBs a call: too long to time here).
 # Level 3: the small whole models: MLP, ResNet basic block, ResNet-18, MobileNet V1 and V2,
 # MinGPT block.
 DEFAULT_PROBLEMS = {
