@@ -342,6 +342,30 @@ def test_long_reduction_with_few_outputs_splits_across_blocks():
     assert cand.plan.kernels[0].grid[1] == knobs["split"] and cand.plan.workspace_bytes() == [(knobs["split"] * 8, False)]
 
 
+def _chain(prog, knobs) -> int:
+    """Elements one thread folds in sequence under these knobs."""
+    from kforge.codegen import lower
+
+    lanes = 1 if knobs["algo"] == "gen_cols" else knobs["threads"] if knobs["lanes"] == "block" else knobs["lanes"]
+    return -(-(-(-lower.reduction_layout(prog).rn // knobs["split"])) // lanes)
+
+
+def test_reduction_knob_spaces_hold_only_settings_whose_sequential_chains_stay_accurate():
+    """An fp32 sum of 64 x 262144 to one value folded by 8 lanes without a split chains 2M
+    additions per thread and misses eager by more than the evaluator allows (seen on the H200):
+    no such setting is in the space, nor is the default; exact folds (amax) keep every setting."""
+    card = make_card(A.sum.default, meta(64, 1 << 18))
+    prog = generated.program(card)
+    configs = [k for s in generated.spaces(card, H200) for k in knob_space.configs(s)]
+    assert configs and max(_chain(prog, k) for k in configs) <= generated.CHAIN
+    assert not any(k.get("lanes") == 8 and k["split"] == 1 for k in configs)
+    assert generated.default(card, H200) in configs
+    exact = make_card(A.amax.default, meta(64, 1 << 18), [0, 1])
+    assert {k["split"] for s in generated.spaces(exact, H200) for k in knob_space.configs(s)} == set(generated.SPLITS)
+    short = make_card(A.sum.dim_IntList, meta(64, 512), [1])  # short rows: the whole space is accurate
+    assert [s["lanes"] for s in generated.spaces(short, H200) if "lanes" in s] == [(8, 32, 128, "block")]
+
+
 def test_templates_stay_first_and_the_generator_adds_its_algorithms():
     from kforge.proposers.builtin.proposer import families_for
 
