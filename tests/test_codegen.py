@@ -63,6 +63,64 @@ def test_tagged_pointwise_op_compiles_from_the_table(name):
         assert compiler.compile(cand.source, arch="sm_90").cubin
 
 
+def _untagged_table_overloads():
+    """Overloads of op-table names whose packet torch tags pointwise nowhere (in-place forms)."""
+    out = []
+    for name in sorted(ops.POINTWISE):
+        for packet in (getattr(torch.ops.aten, n, None) for n in (name, name + "_")):
+            if packet is None or name in ("copy", "_to_copy"):
+                continue
+            ovs = [getattr(packet, o) for o in packet.overloads()]
+            if not any(torch.Tag.pointwise in ov.tags for ov in ovs):
+                out += [ov for ov in ovs if card_for(ov) is not None and any(str(r.type) == "Tensor"
+                                                                              for r in ov._schema.returns)]
+    return out
+
+
+@pytest.mark.parametrize("op", _untagged_table_overloads(), ids=str)
+def test_an_op_torch_tags_nowhere_comes_from_the_table_and_matches_eager(op):
+    """gelu_, relu6_, hardswish, eq_ ... carry no pointwise tag in any overload: the table
+    decides (as for leaky_relu and hardtanh_ on torch 2.11), and the result matches eager."""
+    from kforge.cards import flatten_outputs
+
+    for dt in (torch.float32, torch.int64):
+        card = card_for(op, dt)
+        prog = None if card is None else build.program_for_card(card)
+        if card is not None and not isinstance(prog, str):
+            break
+    assert not isinstance(prog, str), prog
+    inputs = card.random_inputs(0, "cpu")
+    want = flatten_outputs(card.call_eager([t.clone() for t in inputs], "cpu"))
+    got = interp.run(prog, [t.clone() for t in inputs])
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert compiler.compile(generated.build(card, generated.default(card, H200), H200).source, arch="sm_90").cubin
+
+
+def test_torch_211s_untagged_leaky_relu_and_hardtanh_inplace_are_generated(monkeypatch):
+    """torch 2.11 tags neither leaky_relu nor hardtanh_ pointwise in any overload (2.13 does):
+    with their tags taken away, the generator still takes both from the table, and their cards
+    are pointwise (a region may hold them)."""
+    from kforge import families
+
+    class Untagged:  # an overload as torch 2.11 has it: no overload of its packet is tagged pointwise
+        def __init__(self, ov):
+            self.tags, self.overloadpacket, self.default, self._schema = [], self, self, ov._schema
+
+        def overloads(self):
+            return ["default"]
+
+    assert build.entry_for("aten::where.default")[0] is None  # tagged in where.self: the tag decides
+    real_build, real_families = build._overload, families._resolve
+    monkeypatch.setattr(build, "_overload", lambda op: Untagged(real_build(op)))
+    monkeypatch.setattr(families, "_resolve", lambda op: Untagged(real_families(op)))
+    for op in ("aten::leaky_relu.default", "aten::hardtanh_.default"):
+        assert build.entry_for(op)[0] == "pointwise", build.entry_for(op)
+        assert families.family_of(op) == "pointwise"
+    assert families.family_of("aten::cumsum.default") == "other"  # not in the table: no tag, no pointwise
+
+
 # ---- numerics against eager through the interpreter ------------------------------------
 
 def _gpu_card(op, tensors, *scalars, **kw):
