@@ -330,6 +330,20 @@ def _red_cases():
         "avg_pool_no_pad_count_ceil": (A.avg_pool2d.default, [torch.randn(3, 11, 9)], ([3, 2], [2, 1], [1, 1], True, False),
                                        {}),
         "avg_pool_divisor": (A.avg_pool2d.default, [torch.randn(2, 3, 11, 9)], ([3, 3], [2, 2], [1, 0], True, True, 5), {}),
+        # 1-D pooling reaches CUDA as the 2-D op over a height of 1 (max_pool1d_with_indices unsqueezes)
+        "max_pool1d_as_cuda_sees_it": (A.max_pool2d_with_indices.default, [torch.randn(2, 3, 1, 50)],
+                                       ([1, 8], [1, 1], [0, 4], [1, 3]), {}),
+        "avg_pool1d_as_cuda_sees_it": (A.avg_pool2d.default, [torch.randn(2, 3, 1, 40)], ([1, 4], [1, 2], [0, 1]), {}),
+        "max_pool3d_indices_pad": (A.max_pool3d_with_indices.default, [torch.randn(2, 3, 6, 7, 8)],
+                                   ([3, 3, 3], [2, 2, 2], [1, 1, 1]), {}),
+        "max_pool3d_dilated_ceil": (A.max_pool3d_with_indices.default, [torch.randn(1, 2, 7, 8, 9)],
+                                    ([3, 2, 3], [1, 2, 2], [1, 0, 1], [2, 1, 1], True), {}),
+        "max_pool3d_channels_last": (A.max_pool3d_with_indices.default, [torch.randn(2, 4, 5, 6, 7).to(
+            memory_format=torch.channels_last_3d)], ([2, 2, 2],), {}),
+        "avg_pool3d_exclude_pad_ceil": (A.avg_pool3d.default, [torch.randn(2, 3, 6, 7, 8)],
+                                        ([3, 3, 3], [2, 2, 2], [1, 1, 1], True, False), {}),
+        "avg_pool3d_divisor_4d": (A.avg_pool3d.default, [torch.randn(3, 6, 7, 8)],
+                                  ([2, 3, 3], [2, 1, 2], [1, 1, 0], False, True, 5), {}),
     }
 
 
@@ -531,6 +545,10 @@ ON_CPU = {
     "max_pool_channels_last_dilated": lambda: make_card(A.max_pool2d.default, meta(1, 4, 10, 10, channels_last=True),
                                                         [3, 3], [1, 1], [1, 1], [2, 2], True),
     "avg_pool_count_exclude_pad": lambda: make_card(A.avg_pool2d.default, meta(3, 11, 9), [3, 2], [2, 1], [1, 1], True, False),
+    "max_pool3d_indices": lambda: make_card(A.max_pool3d_with_indices.default, meta(2, 3, 5, 6, 7), [3, 3, 3], [2, 2, 2],
+                                            [1, 1, 1]),
+    "avg_pool3d_count_exclude_pad": lambda: make_card(A.avg_pool3d.default, meta(2, 3, 5, 6, 7), [3, 2, 3], [2, 1, 2],
+                                                      [1, 1, 1], True, False),
 }
 
 

@@ -17,7 +17,7 @@ divides the reduced elements over that many blocks, which write their states to 
 that a second kernel merges in order (two passes) before the epilogue.
 
 Scan (`algo` "gen_scan"): one thread per line along the scanned dim, walking it in order.
-Window (`algo` "gen_window", pooling): one thread per output point folding its window.
+Window (`algo` "gen_window", 2-D and 3-D pooling): one thread per output point folding its window.
 """
 
 from __future__ import annotations
@@ -583,7 +583,8 @@ def lower_scan(prog: Program, knobs: dict) -> Built:
 # ---- window (pooling) -------------------------------------------------------------------
 
 def lower_window(prog: Program, knobs: dict) -> Built:
-    """One thread per output point folding its window (padding skipped), then the epilogue."""
+    """One thread per output point folding its window over the last k dims (k = 2 or 3;
+    padding skipped), then the epilogue."""
     w = prog.window
     m = prog.inputs[w.input]
     dt = opmath(m.dtype)
@@ -591,51 +592,58 @@ def lower_window(prog: Program, knobs: dict) -> Built:
     st_types = kind.state(dt)
     nt, unroll = knobs["threads"], knobs["unroll"]
     params, args, ptr = _pointers(prog)
-    nd = len(prog.domain)
+    nd, k = len(prog.domain), len(w.kernel)
     order = sorted(range(nd), key=lambda d: -prog.out_strides[0][d])
     ist = prog.in_strides[w.input]
-    (h, wd), (kh, kw), (sh, sw), (ph, pw), (dh, dw) = m.shape[-2:], w.kernel, w.stride, w.padding, w.dilation
+    size = m.shape[-k:]
+    pooled = range(k)  # pooled dim i is domain dim nd - k + i
     idx = _index_type(prog, 2 * nt)
     n_out = math.prod(prog.domain)
     # coordinates of output point q, innermost (in the first output's memory order) first
     coords = [f"  {idx} e_ = q;"]
     for d in reversed(order):
         coords.append(f"  const {idx} c{d} = e_ % {prog.domain[d]}; e_ /= {prog.domain[d]};")
-    base = " + ".join([f"c{d} * {ist[d]}" for d in range(nd - 2)] or ["0"])
+    base = " + ".join([f"c{d} * {ist[d]}" for d in range(nd - k)] or ["0"])
     outs = [" + ".join([f"c{d} * {st[d]}" for d in range(nd)]) for st in prog.out_strides]
     st = [f"st{c}" for c in range(len(st_types))]
     em = Emitter("p", {"ridx": "ri", "x": "xv"}, None)
     lifted = [em(e) for e in kind.lift_exprs(Expr.var("x", dt))]
-    count = (str(w.divisor_override) if w.divisor_override else
-             "(he - hs) * (we - ws)" if w.count_include_pad else
-             "((he < H ? he : H) - (hs > 0 ? hs : 0)) * ((we < W ? we : W) - (ws > 0 ? ws : 0))")
+    span = " * ".join(f"(hi{i} - lo{i})" for i in pooled)
+    clipped = " * ".join(f"((hi{i} < N{i} ? hi{i} : N{i}) - (lo{i} > 0 ? lo{i} : 0))" for i in pooled)
+    count = str(w.divisor_override) if w.divisor_override else span if w.count_include_pad else clipped
     epi = Emitter("e", {**{f"s{c}": n for c, n in enumerate(st)}, "count": "cnt"}, None)
     res = [epi(e) for e in prog.results]
+    loops, pad = [], "  "
+    for i in pooled:  # one loop per pooled dim, outermost first; a point in the padding is skipped
+        loops += [f"#pragma unroll {unroll}",
+                  f"{pad}for (int k{i} = 0; k{i} < {w.kernel[i]}; ++k{i}) {{",
+                  f"{pad}  const int i{i} = o{i} * {w.stride[i]} - {w.padding[i]} + k{i} * {w.dilation[i]};",
+                  f"{pad}  if (i{i} < 0 || i{i} >= N{i}) continue;"]
+        pad += "  "
+    at = " + ".join(f"(kf_idx)i{i} * {ist[nd - k + i]}" for i in pooled)
+    flat = "(kf_i64)i0"
+    for i in pooled[1:]:
+        flat = f"({flat} * N{i} + i{i})"
+    inner = [f"const {CTYPE[dt]} xv = {convert(f'x[{at}]', m.dtype, dt)};",
+             f"const kf_i64 ri = {flat};",
+             *em.lines,
+             *_merge_block(kind, dt, st, lifted, "u")]
+    closing = ["  " * (i + 1) + "}" for i in reversed(pooled)]
     body = [f"typedef {idx} kf_idx;",
-            f"constexpr int NT = {nt}; constexpr int H = {h}; constexpr int W = {wd};",
+            f"constexpr int NT = {nt}; " + " ".join(f"constexpr int N{i} = {size[i]};" for i in pooled),
             f'extern "C" __global__ void __launch_bounds__(NT) kf_gen({", ".join(params)}) {{',
             "  const kf_idx q = (kf_idx)blockIdx.x * NT + threadIdx.x;",
             f"  if (q >= {n_out}) return;",
             *coords,
             f"  const {CTYPE[m.dtype]}* x = {ptr[w.input]} + ({base});",
-            f"  const int oh = (int)c{nd - 2}, ow = (int)c{nd - 1};",
+            *[f"  const int o{i} = (int)c{nd - k + i};" for i in pooled],
             *[f"  {CTYPE[t]} {n} = {_const(v)};" for n, t, v in zip(st, st_types, kind.identity_exprs(dt))],
-            f"#pragma unroll {unroll}",
-            f"  for (int kh = 0; kh < {kh}; ++kh) {{",
-            f"    const int ih = oh * {sh} - {ph} + kh * {dh};",
-            "    if (ih < 0 || ih >= H) continue;",
-            f"#pragma unroll {unroll}",
-            f"    for (int kw = 0; kw < {kw}; ++kw) {{",
-            f"      const int iw = ow * {sw} - {pw} + kw * {dw};",
-            "      if (iw < 0 || iw >= W) continue;",
-            f"      const {CTYPE[dt]} xv = {convert(f'x[(kf_idx)ih * {ist[nd - 2]} + (kf_idx)iw * {ist[nd - 1]}]', m.dtype, dt)};",
-            "      const kf_i64 ri = (kf_i64)ih * W + iw;",
-            *[f"      {line}" for line in em.lines],
-            *[f"      {line}" for line in _merge_block(kind, dt, st, lifted, "u")],
-            "    }",
-            "  }",
-            f"  const int hs = oh * {sh} - {ph}, ws = ow * {sw} - {pw};",
-            f"  const int he = hs + {kh} < H + {ph} ? hs + {kh} : H + {ph}, we = ws + {kw} < W + {pw} ? ws + {kw} : W + {pw};",
+            *loops,
+            *[f"{pad}{line}" for line in inner],
+            *closing,
+            # the window's extent along each dim, clipped to the padded input (eager's divisor)
+            *[f"  const int lo{i} = o{i} * {w.stride[i]} - {w.padding[i]}, hi{i} = lo{i} + {w.kernel[i]} < N{i} + "
+              f"{w.padding[i]} ? lo{i} + {w.kernel[i]} : N{i} + {w.padding[i]};" for i in pooled],
             f"  const kf_i64 cnt = {count};",
             *[f"  {line}" for line in epi.lines],
             *[f"  out{j}[{o}] = {convert(r, prog.results[j].dtype, om.dtype)};"
