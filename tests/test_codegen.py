@@ -406,6 +406,31 @@ def test_reversed_and_exclusive_scans(reverse, exclusive):
     torch.testing.assert_close(ran, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("reverse, exclusive", [(False, False), (True, False), (False, True), (True, True)])
+def test_contiguous_lines_get_a_parallel_block_scan_that_compiles_for_every_setting(reverse, exclusive):
+    """A thread walking a contiguous line reads it a sector at a time: lines along the
+    innermost dim get a block per line (the default once a line is long), strided lines keep
+    a thread per line; the block scan compiles for sm_90 in every form and setting."""
+    import dataclasses
+
+    card = make_card(A.cumsum.default, meta(6, 3001), 1)
+    prog = build.program_for_card(card)
+    prog.scan = dataclasses.replace(prog.scan, reverse=reverse, exclusive=exclusive)
+    generated._PROGRAMS[card.id] = prog
+    try:
+        assert generated.default(card, H200)["algo"] == "gen_scan_block"
+        (space,) = [s for s in generated.spaces(card, H200) if s["algo"] == ("gen_scan_block",)]
+        for knobs in knob_space.configs(space)[::3]:
+            cand = generated.build(card, knobs, H200)
+            assert cand.plan.kernels[0].grid[0] == 6 and cand.plan.kernels[0].block[0] == knobs["threads"]
+            assert compiler.compile(cand.source, arch="sm_90").cubin
+    finally:
+        del generated._PROGRAMS[card.id]
+    strided = make_card(A.cumsum.default, meta(3001, 6), 0)
+    assert [s["algo"] for s in generated.spaces(strided, H200)] == [("gen_scan",)]
+    assert generated.default(make_card(A.cumsum.default, meta(500, 20), 1), H200)["algo"] == "gen_scan"  # short lines
+
+
 def test_long_reduction_with_few_outputs_splits_across_blocks():
     card = make_card(A.sum.default, meta(64, 1 << 20))
     knobs = generated.default(card, H200)
@@ -553,10 +578,10 @@ ON_CPU = {
 
 
 def _cpu_settings(card):
-    """Settings whose threads do not cooperate (every pointwise one; one thread per output)."""
+    """Settings whose threads do not cooperate (every pointwise one; one thread per output or line)."""
     out = []
     for s in generated.spaces(card, H200):
-        if s["algo"] == ("gen_rows",):
+        if s["algo"] in (("gen_rows",), ("gen_scan_block",)):
             continue
         for k in knob_space.configs(s):
             if k["threads"] == 64 or (k["threads"] == 128 and k.get("grid") == "stride"):

@@ -100,6 +100,8 @@ REDUCTIONS = {
     "all_int": lambda: make_card(A.all.dim, meta(999, 16, dtype=I32), 0),
     "prod_short": lambda: make_card(A.prod.dim_int, meta(100, 9), 1),
     "cumsum_rows_odd": lambda: make_card(A.cumsum.default, meta(33, 3001), 1),
+    "cumsum_long_rows_block_scan": lambda: make_card(A.cumsum.default, meta(8, 1 << 17), 1),
+    "cumprod_f16_rows_block_scan": lambda: make_card(A.cumprod.default, meta(40, 130, dtype=F16), 1),
     "cumsum_dim0": lambda: make_card(A.cumsum.default, meta(1000, 257), 0),
     "cumsum_int_channels_last": lambda: make_card(A.cumsum.default, meta(2, 8, 5, 5, dtype=I32, channels_last=True), 1),
     "cumsum_bf16": lambda: make_card(A.cumsum.default, meta(64, 100, dtype=BF16), 1),

@@ -16,7 +16,9 @@ one thread per output (kept dims contiguous: the loads coalesce across outputs).
 divides the reduced elements over that many blocks, which write their states to a workspace
 that a second kernel merges in order (two passes) before the epilogue.
 
-Scan (`algo` "gen_scan"): one thread per line along the scanned dim, walking it in order.
+Scan (`algo` "gen_scan"): one thread per line along the scanned dim, walking it in order;
+`algo` "gen_scan_block" (lines contiguous in memory): one block per line, a parallel scan of
+chunks of threads x items elements carried from chunk to chunk.
 Window (`algo` "gen_window", 2-D and 3-D pooling): one thread per output point folding its window.
 """
 
@@ -379,12 +381,13 @@ def reduced_is_inner(prog: Program) -> bool:
     return lay.rstrides[t][-1] == 1
 
 
-def _shfl(x: str, dtype: str, o: int, width: int) -> str:
+def _shfl(x: str, dtype: str, o: int, width: int, way: str = "down") -> str:
+    fn = f"__shfl_{way}_sync"
     if dtype == "bool":
-        return f"(bool)__shfl_down_sync(0xffffffffu, (int){x}, {o}, {width})"
+        return f"(bool){fn}(0xffffffffu, (int){x}, {o}, {width})"
     if dtype in ("int8", "uint8", "int16"):
-        return f"({CTYPE[dtype]})__shfl_down_sync(0xffffffffu, (int){x}, {o}, {width})"
-    return f"__shfl_down_sync(0xffffffffu, {x}, {o}, {width})"
+        return f"({CTYPE[dtype]}){fn}(0xffffffffu, (int){x}, {o}, {width})"
+    return f"{fn}(0xffffffffu, {x}, {o}, {width})"
 
 
 def _merge_block(kind, dtype: str, into: list[str], other: list[str], tag: str) -> list[str]:
@@ -578,6 +581,122 @@ def lower_scan(prog: Program, knobs: dict) -> Built:
             "  }",
             "}"]
     return Built(_header("\n".join(body)), [("kf_gen", (ceil_div(kn, nt),), (nt,), args, 0)], [])
+
+
+def scan_is_inner(prog: Program) -> bool:
+    """The scanned dim is the innermost in memory for the first output (lines are contiguous)."""
+    return prog.out_strides[0][prog.scan.dim] == 1 and prog.domain[prog.scan.dim] > 1
+
+
+def lower_scan_block(prog: Program, knobs: dict) -> Built:
+    """One block per line along the scan dim (for lines contiguous in memory): in chunks of
+    threads x items elements, each thread scans its `items` consecutive elements, a warp
+    scans its threads' totals with shuffles, warp 0 scans the warps' totals in shared memory,
+    and a carry takes the line on to the next chunk. The merge is associative, so the tree
+    gives eager's answer; floating sums fold at most `items` elements in sequence per level."""
+    scan = prog.scan
+    kind, dt = scan.kind, scan.operand.dtype
+    (st_type,) = kind.state(dt)
+    T = CTYPE[st_type]
+    nt, it = knobs["threads"], knobs["items"]
+    params, args, ptr = _pointers(prog)
+    no = len(prog.outputs)
+    loaded = sorted(prog.in_strides)
+    tix = {i: no + k for k, i in enumerate(loaded)}
+    tensors = [list(s) for s in prog.out_strides] + [list(prog.in_strides[i]) for i in loaded]
+    kept = [d for d in range(len(prog.domain)) if d != scan.dim]
+    ks, kst = coalesce(list(prog.domain), tensors, sorted(kept, key=lambda d: -prog.out_strides[0][d]))
+    kn, length = math.prod(ks), prog.domain[scan.dim]
+    sd = [t[scan.dim] for t in tensors]
+    idx = _index_type(prog, 2 * nt * it)
+    kofs = offsets_code("q", ks, kst, [f"k{t}" for t in range(len(tensors))], idx)
+
+    def load(i, stored):
+        return f"{ptr[i]}[k{tix[i]} + i * {sd[tix[i]]}]"
+
+    (ident,) = kind.identity_exprs(dt)
+    zero = _const(ident)
+
+    def merged(into: str, other: str, tag: str) -> list[str]:
+        return _merge_block(kind, dt, [into], [other], tag)
+
+    em = Emitter("p", {}, load)
+    x = em(scan.operand)
+    (lift,) = kind.lift_exprs(Expr.var("x", dt))
+    em.env["x"] = x
+    lifted = em(lift)
+    epi = Emitter("e", {"s0": "st0"}, load)
+    res = [epi(e) for e in prog.results]
+    stores = [f"out{j}[k{j} + i * {sd[j]}] = {convert(r, prog.results[j].dtype, m.dtype)};"
+              for j, (m, r) in enumerate(zip(prog.outputs, res))]
+    element = f"const kf_idx i = {'LEN - 1 - j' if scan.reverse else 'j'};"
+
+    def warp_scan(v: str, tag: str) -> list[str]:  # v = the inclusive scan of v over the warp's lanes
+        return ["#pragma unroll", "for (int o = 1; o < 32; o <<= 1) {",
+                f"  {T} t{tag} = {_shfl(v, st_type, 'o', 32, 'up')};",
+                *[f"  {line}" for line in merged(f"t{tag}", v, tag)],
+                f"  if (lane >= o) {v} = t{tag};", "}"]
+
+    # the state each output reads: the elements before this one (exclusive) or up to it
+    before = ([f"if (u > 0) {{", *[f"  {line}" for line in merged("st0", "v[u - 1]", "x")], "}"] if scan.exclusive
+              else merged("st0", "v[u]", "x"))
+    body = [f"typedef {idx} kf_idx;",
+            f"constexpr int NT = {nt}; constexpr int IT = {it}; constexpr int NW = NT / 32; "
+            f"constexpr kf_idx LEN = {length};",
+            f'extern "C" __global__ void __launch_bounds__(NT) kf_gen({", ".join(params)}) {{',
+            "  const kf_idx q = blockIdx.x;",
+            *[f"  {line}" for line in kofs],
+            "  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;",
+            f"  __shared__ {T} sw[NW];",
+            f"  {T} carry = {zero};",
+            "  for (kf_idx c0 = 0; c0 < LEN; c0 += (kf_idx)NT * IT) {",
+            f"    {T} v[IT];",
+            f"    {T} tot = {zero};",
+            "#pragma unroll",
+            "    for (int u = 0; u < IT; ++u) {",
+            "      const kf_idx j = c0 + (kf_idx)threadIdx.x * IT + u;",
+            f"      {T} xu = {zero};",
+            "      if (j < LEN) {",
+            f"        {element}",
+            *[f"        {line}" for line in em.lines],
+            f"        xu = {lifted};",
+            "      }",
+            *[f"      {line}" for line in merged("tot", "xu", "a")],
+            "      v[u] = tot;",
+            "    }",
+            f"    {T} winc = tot;",
+            *[f"    {line}" for line in warp_scan("winc", "w")],
+            f"    {T} wexc = {_shfl('winc', st_type, 1, 32, 'up')};",
+            f"    if (lane == 0) wexc = {zero};",
+            "    __syncthreads();  // the last chunk's reads of sw are done",
+            "    if (lane == 31) sw[warp] = winc;",
+            "    __syncthreads();",
+            "    if (warp == 0) {",
+            f"      {T} s = lane < NW ? sw[lane] : {zero};",
+            *[f"      {line}" for line in warp_scan("s", "b")],
+            "      if (lane < NW) sw[lane] = s;",
+            "    }",
+            "    __syncthreads();",
+            f"    {T} pre = carry;",
+            f"    const {T} wp = warp > 0 ? sw[warp - 1] : {zero};",
+            *[f"    {line}" for line in merged("pre", "wp", "p")],
+            *[f"    {line}" for line in merged("pre", "wexc", "q")],
+            "#pragma unroll",
+            "    for (int u = 0; u < IT; ++u) {",
+            "      const kf_idx j = c0 + (kf_idx)threadIdx.x * IT + u;",
+            "      if (j < LEN) {",
+            f"        {element}",
+            f"        {T} st0 = pre;",
+            *[f"        {line}" for line in before],
+            *[f"        {line}" for line in epi.lines],
+            *[f"        {line}" for line in stores],
+            "      }",
+            "    }",
+            f"    const {T} bt = sw[NW - 1];",
+            *[f"    {line}" for line in merged("carry", "bt", "c")],
+            "  }",
+            "}"]
+    return Built(_header("\n".join(body)), [("kf_gen", (kn,), (nt,), args, 0)], [])
 
 
 # ---- window (pooling) -------------------------------------------------------------------

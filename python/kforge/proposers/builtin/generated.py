@@ -95,12 +95,31 @@ def _within(knobs: Knobs, spaces: list[KnobSpace]) -> Knobs:
     return out
 
 
+def _scan_spaces(prog: Program) -> list[KnobSpace]:
+    """A thread per line (coalesced where lines are strided), and a block per line where lines
+    are contiguous (one thread walking a contiguous line reads it a sector at a time)."""
+    serial = {"algo": ("gen_scan",), "threads": (32, 64, 128, 256, 512), "unroll": (1, 2, 4)}
+    if not lower.scan_is_inner(prog):
+        return [serial]
+    return [serial, {"algo": ("gen_scan_block",), "threads": (32, 64, 128, 256, 512, 1024), "items": (1, 2, 4, 8)}]
+
+
+def _scan_default(prog: Program, card: Card, hw: Hardware) -> Knobs:
+    """A block per contiguous line of at least a warp's worth of 4-element chunks, sized to the
+    line; otherwise a thread per line, with enough blocks to fill the GPU before wider blocks."""
+    length = prog.domain[prog.scan.dim]
+    lines = card.outputs[0].numel // max(1, length)
+    if lower.scan_is_inner(prog) and length >= 128:
+        return {"algo": "gen_scan_block", "threads": pick((32, 64, 128, 256, 512, 1024), length / 8), "items": 4}
+    return {"algo": "gen_scan", "threads": pick((32, 64, 128, 256, 512), lines / (2 * hw.sm_count)), "unroll": 2}
+
+
 def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
     prog = program(card)
     if prog.window is not None:
         return [{"algo": ("gen_window",), "threads": (64, 128, 256, 512), "unroll": (1, 2, 4)}]
     if prog.scan is not None:
-        return [{"algo": ("gen_scan",), "threads": (32, 64, 128, 256, 512), "unroll": (1, 2, 4)}]
+        return _scan_spaces(prog)
     if prog.reduction is None:
         return [{"algo": ("gen_flat",), "threads": (64, 128, 256, 512, 1024), "vec": lower.pointwise_vecs(prog),
                  "items": (1, 2, 4, 8), "grid": ("exact", "stride")}]
@@ -112,9 +131,8 @@ def default(card: Card, hw: Hardware) -> Knobs:
     if prog.window is not None:
         return {"algo": "gen_window", "threads": 256 if card.outputs[0].numel >= 256 * 2 * hw.sm_count else 128,
                 "unroll": 2}
-    if prog.scan is not None:  # enough blocks to fill the GPU before wider blocks
-        lines = card.outputs[0].numel // max(1, prog.domain[prog.scan.dim])
-        return {"algo": "gen_scan", "threads": pick((32, 64, 128, 256, 512), lines / (2 * hw.sm_count)), "unroll": 2}
+    if prog.scan is not None:
+        return _scan_default(prog, card, hw)
     if prog.reduction is None:
         vec = lower.pointwise_vecs(prog)[-1]
         nvec = card.outputs[0].numel // vec
@@ -142,7 +160,7 @@ def build(card: Card, knobs: Knobs, hw: Hardware) -> Candidate:
     if prog.window is not None:
         built = lower.lower_window(prog, knobs)
     elif prog.scan is not None:
-        built = lower.lower_scan(prog, knobs)
+        built = (lower.lower_scan_block if knobs["algo"] == "gen_scan_block" else lower.lower_scan)(prog, knobs)
     elif prog.reduction is None:
         built = lower.lower_pointwise(prog, knobs, hw.sm_count)
     else:
