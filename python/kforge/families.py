@@ -95,7 +95,7 @@ def tagged_nowhere(overload: torch._ops.OpOverload) -> bool:
     overloads apart (max.other from max.dim, where.self from where.default); a packet tagged
     nowhere is for the code generator's op table to judge: in-place forms torch leaves untagged
     (gelu_, relu6_, threshold_) and, on torch 2.11, leaky_relu, hardtanh_, elu_, selu_, celu_ and
-    hardsigmoid_, which torch tags from 2.13 on (pytorch/pytorch PR 173869 added the tags)."""
+    hardsigmoid_, which later versions tag (2.13 does; pytorch/pytorch PR 173869 added the tags)."""
     packet = overload.overloadpacket
     return not any(torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads())
 
