@@ -431,6 +431,26 @@ def test_contiguous_lines_get_a_parallel_block_scan_that_compiles_for_every_sett
     assert generated.default(make_card(A.cumsum.default, meta(500, 20), 1), H200)["algo"] == "gen_scan"  # short lines
 
 
+@pytest.mark.parametrize("make", [lambda: make_card(A.sum.dim_IntList, meta(6, 1024), [1]),
+                                  lambda: make_card(A.var_mean.correction, meta(4, 512), [1]),
+                                  lambda: make_card(A.argmin.default, meta(3, 4, 64))], ids=["sum", "var_mean", "argmin"])
+def test_vector_loads_in_reductions_fold_the_same_elements_in_the_same_order(make):
+    """Vector widths where every row is whole aligned vectors; with them the kernel (g++ on the
+    CPU, one thread per output) gives bitwise what scalar loads give, indices included."""
+    import cuda_on_cpu
+
+    card = make()
+    (cols,) = [s for s in generated.spaces(card, H200) if s["algo"] == ("gen_cols",)]
+    assert cols["vec"] == (1, 2, 4)
+    for knobs in [k for k in knob_space.configs(cols) if k["threads"] == 64 and k["vec"] > 1][::3]:
+        inputs = card.random_inputs(0, "cpu")
+        got = cuda_on_cpu.run(card, generated.build(card, knobs, H200), inputs)
+        scalar = cuda_on_cpu.run(card, generated.build(card, {**knobs, "vec": 1}, H200), inputs)
+        assert all(torch.equal(g, b) for g, b in zip(got, scalar)), knobs
+    for odd in (make_card(A.sum.dim_IntList, meta(6, 1001), [1]), make_card(A.sum.dim_IntList, meta(64, 6), [0])):
+        assert all(s["vec"] == (1,) for s in generated.spaces(odd, H200))  # odd rows; rows strided in memory
+
+
 def test_long_reduction_with_few_outputs_splits_across_blocks():
     card = make_card(A.sum.default, meta(64, 1 << 20))
     knobs = generated.default(card, H200)

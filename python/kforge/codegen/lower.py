@@ -10,7 +10,7 @@ issued for all items before any math (16-byte accesses where a tensor is contigu
 the inner dim), values computed in the compute dtype and rounded once on store.
 
 Reduction: a group of `lanes` threads folds each output's reduced elements (`items` loads
-in flight per thread), merges through warp shuffles and, for groups wider than a warp,
+of `vec` consecutive elements in flight per thread), merges through warp shuffles and, for groups wider than a warp,
 shared memory; `algo` "rows" puts whole warps on an output (reduced dims contiguous), "cols"
 one thread per output (kept dims contiguous: the loads coalesce across outputs). `split` > 1
 divides the reduced elements over that many blocks, which write their states to a workspace
@@ -381,6 +381,29 @@ def reduced_is_inner(prog: Program) -> bool:
     return lay.rstrides[t][-1] == 1
 
 
+def reduction_vecs(prog: Program, splits: tuple[int, ...]) -> tuple[int, ...]:
+    """Legal vector widths (elements) for the prologue's loads, narrowest first: the reduced
+    elements one run contiguous in every tensor the prologue loads, each tensor's kept
+    offsets and alignment a multiple of the width, and every split's chunk whole vectors."""
+    lay = reduction_layout(prog)
+    red = prog.reduction
+    loads = sorted({e.value[0] for e in red.operand.walk() if e.op == "load"})
+    no = len(prog.outputs)
+    tix = {i: no + k for k, i in enumerate(sorted(prog.in_strides))}
+    out = [1]
+    if len(lay.rsizes) != 1 or not loads:
+        return tuple(out)
+    for v in (2, 4, 8, 16):
+        ok = all(-(-lay.rn // s) % v == 0 for s in splits)
+        for i in loads:
+            m, t = prog.inputs[i], tix[i]
+            ok &= (lay.rstrides[t][-1] == 1 and v * m.itemsize <= 16 and m.align % (v * m.itemsize) == 0
+                   and all(st % v == 0 for st in lay.kstrides[t]))
+        if ok:
+            out.append(v)
+    return tuple(out)
+
+
 def _shfl(x: str, dtype: str, o: int, width: int, way: str = "down") -> str:
     fn = f"__shfl_{way}_sync"
     if dtype == "bool":
@@ -406,7 +429,7 @@ def lower_reduction(prog: Program, knobs: dict, sm_count: int) -> Built:
     st_types = kind.state(dt)
     ns = len(st_types)
     lay = reduction_layout(prog)
-    nt, it, split = knobs["threads"], knobs["items"], knobs["split"]
+    nt, it, split, vec = knobs["threads"], knobs["items"], knobs["split"], knobs.get("vec", 1)
     lanes = 1 if knobs["algo"] == "gen_cols" else (nt if knobs["lanes"] == "block" else knobs["lanes"])
     rows = nt // lanes
     params, args, ptr = _pointers(prog)
@@ -414,14 +437,14 @@ def lower_reduction(prog: Program, knobs: dict, sm_count: int) -> Built:
     loaded = sorted(prog.in_strides)
     tix = {i: no + k for k, i in enumerate(loaded)}
     logical_t = no + len(loaded)
-    idx = _index_type(prog, 2 * nt * it)
+    idx = _index_type(prog, 2 * nt * it * vec)
     pro_loads = {e.value[0] for e in red.operand.walk() if e.op == "load"}
     ch = ceil_div(lay.rn, split)
     ident = [_const(e) for e in kind.identity_exprs(dt)]
     st = [f"st{c}" for c in range(ns)]
     lines = [f"typedef {idx} kf_idx;",
              f"constexpr int NT = {nt}; constexpr int LANES = {lanes}; constexpr int ROWS = {rows}; "
-             f"constexpr int IT = {it};",
+             f"constexpr int IT = {it}; constexpr int V = {vec};",
              f"constexpr kf_idx KN = {lay.kn}; constexpr kf_idx RN = {lay.rn}; constexpr kf_idx CH = {ch};"]
     if split > 1:
         params = params + ["unsigned char* __restrict__ ws"]
@@ -442,34 +465,46 @@ def lower_reduction(prog: Program, knobs: dict, sm_count: int) -> Built:
             f"  const kf_idx lo = (kf_idx)blockIdx.y * CH, hi = lo + CH < RN ? lo + CH : RN;",
             *[f"  {CTYPE[t]} {n} = {v};" for n, t, v in zip(st, st_types, ident)],
             "  if (live) {",
-            "    for (kf_idx r0 = lo + lane; r0 < hi; r0 += (kf_idx)LANES * IT) {"]
+            # each lane takes V consecutive elements at a time (V > 1: one vector load per tensor;
+            # chunks and rows are whole vectors, reduction_vecs says when)
+            "    for (kf_idx r0 = lo + lane * V; r0 < hi; r0 += (kf_idx)LANES * IT * V) {"]
     for i in sorted(pro_loads):
-        body.append(f"      {CTYPE[prog.inputs[i].dtype]} x{i}[IT];")
+        body.append(f"      {CTYPE[prog.inputs[i].dtype]} x{i}[IT][V];")
+
+    def vector_load(i) -> str:
+        ct = CTYPE[prog.inputs[i].dtype]
+        if vec == 1:
+            return f"x{i}[u][0] = {ptr[i]}[k{tix[i]} + ro{i}];"
+        return (f"*reinterpret_cast<kf_vec<{ct}, V>*>(x{i}[u]) = "
+                f"*reinterpret_cast<const kf_vec<{ct}, V>*>({ptr[i]} + k{tix[i]} + ro{i});")
+    lstride = lay.rstrides[logical_t][-1] if lay.rstrides[logical_t] else 0
     body += ["      kf_i64 ri[IT];",
              "#pragma unroll",
              "      for (int u = 0; u < IT; ++u) {",
-             "        const kf_idx r = r0 + (kf_idx)u * LANES;",
+             "        const kf_idx r = r0 + (kf_idx)u * LANES * V;",
              "        if (r < hi) {",
              *[f"          {line}" for line in rofs],
-             *[f"          x{i}[u] = {ptr[i]}[k{tix[i]} + ro{i}];" for i in sorted(pro_loads)],
+             *[f"          {vector_load(i)}" for i in sorted(pro_loads)],
              "          ri[u] = rl;",
              "        }",
              "      }",
              "#pragma unroll",
              "      for (int u = 0; u < IT; ++u) {",
-             "        if (r0 + (kf_idx)u * LANES < hi) {"]
+             "        if (r0 + (kf_idx)u * LANES * V < hi) {",
+             "#pragma unroll",
+             "        for (int j = 0; j < V; ++j) {"]
 
     def pro_load(i, stored):
-        return f"x{i}[u]" if i in pro_loads else f"{ptr[i]}[k{tix[i]}]"
+        return f"x{i}[u][j]" if i in pro_loads else f"{ptr[i]}[k{tix[i]}]"
 
-    em = Emitter("p", {"ridx": "ri[u]"}, pro_load)
+    em = Emitter("p", {"ridx": f"(ri[u] + (kf_i64)j * {lstride})"}, pro_load)
     x = em(xv)
     lift = kind.lift_exprs(Expr.var("x", dt))
     em.env["x"] = x
     lifted = [em(e) for e in lift]
     body += [f"          {line}" for line in em.lines]
     body += [f"          {line}" for line in _merge_block(kind, dt, st, lifted, "u")]
-    body += ["        }", "      }", "    }", "  }"]
+    body += ["        }", "        }", "      }", "    }", "  }"]
     # lanes -> lane 0 of the group: shuffles within a warp, then shared memory across warps
     w = min(lanes, 32)
     if w > 1:

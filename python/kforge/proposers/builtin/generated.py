@@ -63,7 +63,8 @@ def _reduction_spaces(prog: Program) -> list[KnobSpace]:
     """gen_rows and gen_cols with only the accurate settings: every lanes value at least some
     width and every split at least what that width needs (all combinations then hold); the
     narrowest width that some split can serve keeps the most settings. gen_cols (one thread
-    per output) is left out where no split is enough."""
+    per output) is left out where no split is enough. `vec`: the prologue's load width, every
+    one legal with every split of the space (lower.reduction_vecs)."""
     splits, need = _splits(prog), _chain_floor(prog)
     rows = {"algo": ("gen_rows",), "threads": (1024,), "lanes": ("block",), "items": (1, 2, 4, 8),
             "split": splits[-1:]}  # past every floor (over 10^9 elements): the most accurate there is
@@ -73,9 +74,10 @@ def _reduction_spaces(prog: Program) -> list[KnobSpace]:
             rows.update(threads=tuple(t for t in ROW_THREADS if t >= width), split=ok,
                         lanes=tuple(n for n in ROW_LANES if n == "block" or n >= width))
             break
+    rows["vec"] = lower.reduction_vecs(prog, rows["split"])
     cols = tuple(s for s in splits if s >= need)
-    return [rows] + ([{"algo": ("gen_cols",), "threads": (64, 128, 256, 512), "items": (1, 2, 4, 8), "split": cols}]
-                     if cols else [])
+    return [rows] + ([{"algo": ("gen_cols",), "threads": (64, 128, 256, 512), "items": (1, 2, 4, 8), "split": cols,
+                       "vec": lower.reduction_vecs(prog, cols)}] if cols else [])
 
 
 def _within(knobs: Knobs, spaces: list[KnobSpace]) -> Knobs:
@@ -86,7 +88,7 @@ def _within(knobs: Knobs, spaces: list[KnobSpace]) -> Knobs:
     if space is None:
         knobs, space = {"algo": "gen_rows", "threads": 512, "lanes": "block", "items": 4,
                         "split": knobs["split"]}, spaces[0]
-    out = dict(knobs)
+    out = {"vec": 1, **knobs}  # scalar loads until the H200 has judged the vector ones
     for name, values in space.items():
         if name != "algo" and out[name] not in values:
             order = [v for v in values if v != "block"]
