@@ -564,24 +564,33 @@ def lower_reduction(prog: Program, knobs: dict, sm_count: int) -> Built:
 
 # ---- scan ------------------------------------------------------------------------------
 
-def lower_scan(prog: Program, knobs: dict) -> Built:
-    """One thread per line along the scan dim, walking it in order: every layout, no
-    cooperation between threads (coalesced when the scan dim is not the innermost)."""
+@dataclass
+class _ScanLines:
+    """What both scan kernels share: the lines (kept dims coalesced, the offsets of line q
+    in every tensor as code), each tensor's stride along the scan dim, the operand's lifted
+    state at element i (its statements in `operand`), and the epilogue's stores at i."""
+    params: list
+    args: list
+    idx: str  # the index type
+    kn: int
+    length: int
+    kofs: list[str]
+    operand: list[str]
+    lifted: str
+    epilogue: list[str]  # statements computing the outputs from st0 and storing them at i
+
+
+def _scan_lines(prog: Program, idx_extra: int) -> _ScanLines:
     scan = prog.scan
-    kind, dt = scan.kind, scan.operand.dtype
-    (st_type,) = kind.state(dt)
-    nt, unroll = knobs["threads"], knobs["unroll"]
     params, args, ptr = _pointers(prog)
     no = len(prog.outputs)
     loaded = sorted(prog.in_strides)
     tix = {i: no + k for k, i in enumerate(loaded)}
     tensors = [list(s) for s in prog.out_strides] + [list(prog.in_strides[i]) for i in loaded]
-    nd = len(prog.domain)
-    kept = [d for d in range(nd) if d != scan.dim]
+    kept = [d for d in range(len(prog.domain)) if d != scan.dim]
     ks, kst = coalesce(list(prog.domain), tensors, sorted(kept, key=lambda d: -prog.out_strides[0][d]))
-    kn, length = math.prod(ks), prog.domain[scan.dim]
     sd = [t[scan.dim] for t in tensors]
-    idx = _index_type(prog, 2 * nt)
+    idx = _index_type(prog, idx_extra)
     kofs = offsets_code("q", ks, kst, [f"k{t}" for t in range(len(tensors))], idx)
 
     def load(i, stored):
@@ -589,33 +598,42 @@ def lower_scan(prog: Program, knobs: dict) -> Built:
 
     em = Emitter("p", {}, load)
     x = em(scan.operand)
-    (lift,) = kind.lift_exprs(Expr.var("x", dt))
+    (lift,) = scan.kind.lift_exprs(Expr.var("x", scan.operand.dtype))
     em.env["x"] = x
     lifted = em(lift)
-    (ident,) = kind.identity_exprs(dt)
-    step = _merge_block(kind, dt, ["st0"], [lifted], "u")
     epi = Emitter("e", {"s0": "st0"}, load)
     res = [epi(e) for e in prog.results]
-    stores = [f"    out{j}[k{j} + i * {sd[j]}] = {convert(r, prog.results[j].dtype, m.dtype)};"
+    stores = [f"out{j}[k{j} + i * {sd[j]}] = {convert(r, prog.results[j].dtype, m.dtype)};"
               for j, (m, r) in enumerate(zip(prog.outputs, res))]
-    before, after = (epi.lines + stores, []) if scan.exclusive else ([], epi.lines + stores)
-    body = [f"typedef {idx} kf_idx;",
-            f"constexpr int NT = {nt}; constexpr kf_idx KN = {kn}; constexpr kf_idx LEN = {length};",
-            f'extern "C" __global__ void __launch_bounds__(NT) kf_gen({", ".join(params)}) {{',
+    return _ScanLines(params, args, idx, math.prod(ks), prog.domain[scan.dim], kofs, em.lines, lifted,
+                      epi.lines + stores)
+
+
+def lower_scan(prog: Program, knobs: dict) -> Built:
+    """One thread per line along the scan dim, walking it in order: every layout, no
+    cooperation between threads (coalesced when the scan dim is not the innermost)."""
+    scan = prog.scan
+    kind, dt = scan.kind, scan.operand.dtype
+    (st_type,) = kind.state(dt)
+    nt, unroll = knobs["threads"], knobs["unroll"]
+    sl = _scan_lines(prog, 2 * nt)
+    (ident,) = kind.identity_exprs(dt)
+    step = _merge_block(kind, dt, ["st0"], [sl.lifted], "u")
+    before, after = (sl.epilogue, []) if scan.exclusive else ([], sl.epilogue)
+    body = [f"typedef {sl.idx} kf_idx;",
+            f"constexpr int NT = {nt}; constexpr kf_idx KN = {sl.kn}; constexpr kf_idx LEN = {sl.length};",
+            f'extern "C" __global__ void __launch_bounds__(NT) kf_gen({", ".join(sl.params)}) {{',
             "  const kf_idx q = (kf_idx)blockIdx.x * NT + threadIdx.x;",
             "  if (q >= KN) return;",
-            *[f"  {line}" for line in kofs],
+            *[f"  {line}" for line in sl.kofs],
             f"  {CTYPE[st_type]} st0 = {_const(ident)};",
             f"#pragma unroll {unroll}",
             "  for (kf_idx i0 = 0; i0 < LEN; ++i0) {",
             f"    const kf_idx i = {'LEN - 1 - i0' if scan.reverse else 'i0'};",
-            *[f"    {line}" for line in em.lines],
-            *[f"    {line}" if not line.startswith("    ") else line for line in before],
-            *[f"    {line}" for line in step],
-            *[f"    {line}" if not line.startswith("    ") else line for line in after],
+            *[f"    {line}" for line in sl.operand + before + step + after],
             "  }",
             "}"]
-    return Built(_header("\n".join(body)), [("kf_gen", (ceil_div(kn, nt),), (nt,), args, 0)], [])
+    return Built(_header("\n".join(body)), [("kf_gen", (ceil_div(sl.kn, nt),), (nt,), sl.args, 0)], [])
 
 
 def scan_is_inner(prog: Program) -> bool:
@@ -634,36 +652,13 @@ def lower_scan_block(prog: Program, knobs: dict) -> Built:
     (st_type,) = kind.state(dt)
     T = CTYPE[st_type]
     nt, it = knobs["threads"], knobs["items"]
-    params, args, ptr = _pointers(prog)
-    no = len(prog.outputs)
-    loaded = sorted(prog.in_strides)
-    tix = {i: no + k for k, i in enumerate(loaded)}
-    tensors = [list(s) for s in prog.out_strides] + [list(prog.in_strides[i]) for i in loaded]
-    kept = [d for d in range(len(prog.domain)) if d != scan.dim]
-    ks, kst = coalesce(list(prog.domain), tensors, sorted(kept, key=lambda d: -prog.out_strides[0][d]))
-    kn, length = math.prod(ks), prog.domain[scan.dim]
-    sd = [t[scan.dim] for t in tensors]
-    idx = _index_type(prog, 2 * nt * it)
-    kofs = offsets_code("q", ks, kst, [f"k{t}" for t in range(len(tensors))], idx)
-
-    def load(i, stored):
-        return f"{ptr[i]}[k{tix[i]} + i * {sd[tix[i]]}]"
-
+    sl = _scan_lines(prog, 2 * nt * it)
     (ident,) = kind.identity_exprs(dt)
     zero = _const(ident)
 
     def merged(into: str, other: str, tag: str) -> list[str]:
         return _merge_block(kind, dt, [into], [other], tag)
 
-    em = Emitter("p", {}, load)
-    x = em(scan.operand)
-    (lift,) = kind.lift_exprs(Expr.var("x", dt))
-    em.env["x"] = x
-    lifted = em(lift)
-    epi = Emitter("e", {"s0": "st0"}, load)
-    res = [epi(e) for e in prog.results]
-    stores = [f"out{j}[k{j} + i * {sd[j]}] = {convert(r, prog.results[j].dtype, m.dtype)};"
-              for j, (m, r) in enumerate(zip(prog.outputs, res))]
     element = f"const kf_idx i = {'LEN - 1 - j' if scan.reverse else 'j'};"
 
     def warp_scan(v: str, tag: str) -> list[str]:  # v = the inclusive scan of v over the warp's lanes
@@ -675,12 +670,12 @@ def lower_scan_block(prog: Program, knobs: dict) -> Built:
     # the state each output reads: the elements before this one (exclusive) or up to it
     before = ([f"if (u > 0) {{", *[f"  {line}" for line in merged("st0", "v[u - 1]", "x")], "}"] if scan.exclusive
               else merged("st0", "v[u]", "x"))
-    body = [f"typedef {idx} kf_idx;",
+    body = [f"typedef {sl.idx} kf_idx;",
             f"constexpr int NT = {nt}; constexpr int IT = {it}; constexpr int NW = NT / 32; "
-            f"constexpr kf_idx LEN = {length};",
-            f'extern "C" __global__ void __launch_bounds__(NT) kf_gen({", ".join(params)}) {{',
+            f"constexpr kf_idx LEN = {sl.length};",
+            f'extern "C" __global__ void __launch_bounds__(NT) kf_gen({", ".join(sl.params)}) {{',
             "  const kf_idx q = blockIdx.x;",
-            *[f"  {line}" for line in kofs],
+            *[f"  {line}" for line in sl.kofs],
             "  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;",
             f"  __shared__ {T} sw[NW];",
             f"  {T} carry = {zero};",
@@ -693,8 +688,8 @@ def lower_scan_block(prog: Program, knobs: dict) -> Built:
             f"      {T} xu = {zero};",
             "      if (j < LEN) {",
             f"        {element}",
-            *[f"        {line}" for line in em.lines],
-            f"        xu = {lifted};",
+            *[f"        {line}" for line in sl.operand],
+            f"        xu = {sl.lifted};",
             "      }",
             *[f"      {line}" for line in merged("tot", "xu", "a")],
             "      v[u] = tot;",
@@ -723,15 +718,14 @@ def lower_scan_block(prog: Program, knobs: dict) -> Built:
             f"        {element}",
             f"        {T} st0 = pre;",
             *[f"        {line}" for line in before],
-            *[f"        {line}" for line in epi.lines],
-            *[f"        {line}" for line in stores],
+            *[f"        {line}" for line in sl.epilogue],
             "      }",
             "    }",
             f"    const {T} bt = sw[NW - 1];",
             *[f"    {line}" for line in merged("carry", "bt", "c")],
             "  }",
             "}"]
-    return Built(_header("\n".join(body)), [("kf_gen", (kn,), (nt,), args, 0)], [])
+    return Built(_header("\n".join(body)), [("kf_gen", (sl.kn,), (nt,), sl.args, 0)], [])
 
 
 # ---- window (pooling) -------------------------------------------------------------------
