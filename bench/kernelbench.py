@@ -266,12 +266,22 @@ def run_problem(problem: Problem, args, device: str, search_s: float) -> dict:
         return row
     fresh = _inputs(m, 1, device)  # KernelBench checks on inputs the search never saw
     row["input_mb"] = _bytes(inputs) / 1e6
-    run_dir = Path(tempfile.mkdtemp(prefix=f"kb-{problem.name[:20]}-"))
-    row["run_dir"] = str(run_dir)  # the search log and cards, for kforge inspect / the dashboard
     t0 = time.perf_counter()
-    result = kforge.run(model, tuple(inputs), out=run_dir / "p.cast", run_dir=run_dir, proposer=args.proposer,
-                        iterations=args.iterations, wall_time_s=search_s, progress=False, check_model=False,
-                        model_name=problem.name, include_vendor=args.include_vendor, regions=args.regions)
+
+    def search(regions: bool):
+        run_dir = Path(tempfile.mkdtemp(prefix=f"kb-{problem.name[:20]}-"))
+        row["run_dir"] = str(run_dir)  # the search log and cards, for kforge inspect / the dashboard
+        return run_dir, kforge.run(model, tuple(inputs), out=run_dir / "p.cast", run_dir=run_dir,
+                                   proposer=args.proposer, iterations=args.iterations, wall_time_s=search_s,
+                                   progress=False, check_model=False, model_name=problem.name,
+                                   include_vendor=args.include_vendor, regions=regions)
+    try:
+        run_dir, result = search(args.regions)
+    except Exception as e:  # noqa: BLE001 (a model the region tracer cannot take still has its op cards)
+        if not args.regions:
+            raise
+        row["notes"].append(f"regions left out: {type(e).__name__}: {str(e)[:200]}")
+        run_dir, result = search(False)
     row["search_s"] = time.perf_counter() - t0
     row.update(_search_counts(run_dir))
     if result.package_path is None:

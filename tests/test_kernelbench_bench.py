@@ -137,6 +137,26 @@ def test_a_level_run_reports_each_problem_and_a_problem_that_does_not_build_is_a
     assert d["summary"]["problems"] == 2 and d["summary"]["vs_eager"]["fast_0"] == 0.0
 
 
+def test_a_model_the_region_tracer_cannot_take_is_searched_without_regions(tmp_path, monkeypatch):
+    import kforge
+
+    calls = []
+    real = kforge.run
+
+    def run(*a, regions=False, **kw):
+        calls.append(regions)
+        if regions:
+            raise RuntimeError("cannot trace this model")
+        return real(*a, regions=regions, **kw)
+    monkeypatch.setattr(kforge, "run", run)
+    out = tmp_path / "l2.json"
+    kb.main(["--kernelbench", str(DATA), "--level", "2", "--problems", "1", "--regions", "--iterations", "1",
+             "--wall-time", "1", "--out", str(out)])
+    (row,) = json.loads(out.read_text())["problems"]
+    assert calls == [True, False] and row["candidates"] > 0
+    assert row["notes"] == ["regions left out: RuntimeError: cannot trace this model"]
+
+
 def test_problems_the_time_budget_does_not_reach_are_rows_that_say_so(tmp_path):
     out = tmp_path / "l3.json"
     kb.main(["--kernelbench", str(DATA), "--level", "3", "--problems", "all", "--time-budget", "1",
