@@ -64,6 +64,10 @@ lane() {  # lane LOG ITEM...: run the items in order
                      --level "${KB_LEVEL:-1}" --skip-vendor --max-bytes "${KB_BYTES:-5e8}" --iterations "${KB_ITERS:-6}" \
                      --wall-time "${KB_WALL:-8}" ${KB_PROBLEMS:+--problems $KB_PROBLEMS} \
                      --out "$OUT/kernelbench_l${KB_LEVEL:-1}_h200.json" ;;
+      # The Ray backend on this GPU through a local Ray head vs the local worker: dispatched cards and
+      # the overhead per candidate (bench_ray.py; RAY_MODEL, T_RAY). Needs ray's wheels in .whl/ (docs/cluster.md).
+      ray) step "$log" ray "${T_RAY:-420}" python3 bench/bench_ray.py "${RAY_MODEL:-examples/sd_vae_decoder.py}" \
+             --min-share 0.02 --iterations "${ITERS:-6}" --out "$OUT/ray_h200.json" ;;
       probe) step "$log" probe "${T_PROBE:-60}" python3 bench/probe_long_rows.py --out "$OUT/probe_long_rows_h200.json" ;;
       dispatch) step "$log" dispatch "${T_DISPATCH:-40}" python3 bench/bench_dispatch.py --iterations 4 \
                   --out "$OUT/dispatch_h200.json" ;;

@@ -199,7 +199,8 @@ def _candidates(run_dir: Path) -> list[tuple]:
         conn.close()
 
 
-def _wait(what: str, cond, child, timeout_s: float = 240.0) -> None:
+def _wait(what: str, cond, child, timeout_s: float = 600.0) -> None:
+    """Until cond(); generous: the driver starts Python, Ray and an actor per GPU first."""
     deadline = time.monotonic() + timeout_s
     while not cond():
         assert child.poll() is None, f"the driver ended before {what}"

@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -91,10 +92,10 @@ class EvaluatorActor:
 
     def evaluate(self, card_json: dict, candidate_json: dict, samples: list) -> tuple[str, Any]:
         """("result", EvalResult JSON), or ("card_error", message) when the card, not the
-        kernel, is at fault. `samples` holds the object-store reference of the card's
-        samples, in a list so that Ray leaves it unfetched until a node needs it."""
+        kernel, is at fault. `samples` holds RayPool.samples(card), in a list so that Ray
+        leaves its object unfetched until a node needs it."""
         card = Card.from_json(card_json)
-        self._materialize(card, samples[0])
+        self._materialize(card, *samples[0])
         if self.evaluator is None:
             self.evaluator = self.factory(self.run_dir, 0)
         try:
@@ -102,14 +103,14 @@ class EvaluatorActor:
         except CardError as e:
             return "card_error", str(e)
 
-    def _materialize(self, card: Card, ref) -> None:
+    def _materialize(self, card: Card, digest: str, ref) -> None:
         """The card's sample files in the node-local run directory, fetched from the object
-        store by the first actor of the node that needs them (a file lock orders the rest)."""
+        store by the first actor of the node that needs them (a file lock orders the rest;
+        the digest tells a stale copy from a previous capture into the same run directory)."""
         import ray
 
         d = card_dir(self.run_dir, card.id)
         marker = d / "shipped"
-        digest = ref[0]
         if marker.exists() and marker.read_text() == digest:
             return
         d.mkdir(parents=True, exist_ok=True)
@@ -117,7 +118,7 @@ class EvaluatorActor:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if marker.exists() and marker.read_text() == digest:
                 return
-            for name, data in ray.get(ref[1]).items():
+            for name, data in ray.get(ref).items():
                 tmp = d / f"{name}.tmp"
                 tmp.write_bytes(data)
                 tmp.replace(d / name)
@@ -131,10 +132,11 @@ class EvaluatorActor:
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
-def _actor_died() -> tuple[type[BaseException], ...]:
+def _actor_died() -> type[BaseException]:
+    """What ray.get raises for a call whose actor died (or its node was lost) meanwhile."""
     from ray.exceptions import RayActorError
 
-    return (RayActorError,)
+    return RayActorError
 
 
 class _SlotEvaluator(Evaluator):
@@ -187,6 +189,7 @@ class RayPool(EvaluatorPool):
         self.run_dir = Path(run_dir)
         self.connected = connect(address)
         self._samples: dict[str, tuple[str, Any]] = {}
+        self._lock = threading.Lock()
         self.actors: list = []
         try:
             gpu_nodes = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU", 0) >= 1]
@@ -240,15 +243,15 @@ class RayPool(EvaluatorPool):
 
     def samples(self, card: Card) -> tuple[str, Any]:
         """(digest, object ref) of the card's sample files, put in the object store once."""
-        if card.id not in self._samples:
-            ray = _ray()
-            d = card_dir(self.run_dir, card.id)
-            files = {p.name: p.read_bytes() for p in sorted(d.glob("sample*.safetensors"))}
-            h = hashlib.sha256()
-            for name, data in files.items():
-                h.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
-            self._samples.setdefault(card.id, (h.hexdigest(), ray.put(files)))
-        return self._samples[card.id]
+        with self._lock:  # search threads may reach a card at once
+            if card.id not in self._samples:
+                d = card_dir(self.run_dir, card.id)
+                files = {p.name: p.read_bytes() for p in sorted(d.glob("sample*.safetensors"))}
+                h = hashlib.sha256()
+                for name, data in files.items():
+                    h.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
+                self._samples[card.id] = (h.hexdigest(), _ray().put(files))
+            return self._samples[card.id]
 
     def close(self) -> None:
         if not self.actors and not self.connected:
