@@ -31,17 +31,18 @@ def fake_facts() -> dict:
 
 
 class _Busy(FakeEvaluator):
-    """A FakeEvaluator that holds a file named for its pid while it evaluates (so a test can
-    kill the process mid-candidate) and notes whether the card's sample reached its node."""
+    """A FakeEvaluator that appends (card, digest, whether the card's sample reached this
+    node) to `record` as it starts a candidate, and holds a file named for its pid in
+    `busy_dir` while it evaluates (so a test can kill the process mid-candidate)."""
 
-    def __init__(self, run_dir: Path, busy_dir: str, **kw):
+    def __init__(self, run_dir: Path, record: str, busy_dir: str, **kw):
         super().__init__(**kw)
-        self.run_dir, self.busy_dir = Path(run_dir), Path(busy_dir)
+        self.run_dir, self.record_to, self.busy_dir = Path(run_dir), record, Path(busy_dir)
 
     def evaluate(self, card, cand):
         shipped = (self.run_dir / "cards" / card.id / "sample0.safetensors").exists()
-        with open(self.busy_dir / "samples.txt", "a") as f:
-            f.write(f"{card.id} {shipped}\n")
+        with open(self.record_to, "a") as f:  # one write of one short line: whole even from several nodes
+            f.write(f"{card.id} {cand.digest()} {shipped}\n")
         flag = self.busy_dir / f"pid{os.getpid()}"
         flag.touch()
         try:
@@ -51,7 +52,7 @@ class _Busy(FakeEvaluator):
 
 
 def fake_evaluator(run_dir: Path, device, *, sleep_s: float, record: str, busy_dir: str) -> FakeEvaluator:
-    return _Busy(run_dir, busy_dir, sleep_s=sleep_s, record=record)
+    return _Busy(run_dir, record, busy_dir, sleep_s=sleep_s)
 
 
 class Latency:
