@@ -3,6 +3,8 @@ Pure logic: these run without Ray."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from fakes import toy_card
@@ -48,3 +50,20 @@ def test_cluster_values_and_devices_with_a_cluster_are_refused_in_one_line(tmp_p
         open_pool("slurm", tmp_path, [], runner.default_evaluator)
     with pytest.raises(ClusterError, match="leave out --devices"):
         open_pool("ray", tmp_path, [], runner.default_evaluator, devices=[0])
+
+
+def test_without_ray_a_cluster_run_says_what_to_install_in_one_line(tmp_path, monkeypatch, capsys):
+    from kforge import cli
+    from kforge.cards import save_card
+
+    save_card(toy_card(), tmp_path)
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails as where it is not installed
+    assert cli.main(["search", str(tmp_path), "--cluster", "ray", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == "error: --cluster ray needs Ray: pip install 'kforge[ray]'"
+
+
+def test_run_refuses_a_cluster_option_that_cannot_work_before_capturing(tmp_path):
+    with pytest.raises(ClusterError, match="unknown cluster 'slurm'"):
+        runner.run(torch.nn.ReLU(), torch.randn(4), run_dir=tmp_path / "run", cluster="slurm", progress=False)
+    assert not (tmp_path / "run").exists()

@@ -271,6 +271,10 @@ def run(model=None, example_inputs=None, out: str | Path | None = "model.cast", 
                 trial.close()
         if cluster is None:
             gpu_devices(devices)  # and so do devices that are not here
+        else:
+            from .cluster import check_cluster
+
+            check_cluster(cluster, devices)  # and a cluster option that cannot work
         from .capture import capture
 
         run_dir = capture(model, example_inputs, run_dir, progress=capture_progress, regions=regions).run_dir

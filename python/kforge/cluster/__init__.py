@@ -33,16 +33,26 @@ def ray_address(cluster: str) -> str:
     raise ClusterError(f"unknown cluster {cluster!r}: use 'ray' (the cluster at $RAY_ADDRESS) or 'ray://HOST:PORT'")
 
 
+def check_cluster(cluster: str, devices: Sequence[int] | None = None) -> str:
+    """The address to connect to for `cluster`, once the options and Ray itself are checked
+    (`kforge.run` calls it before the capture, so a bad option costs no capture)."""
+    if devices:
+        raise ClusterError("--devices picks GPUs of this machine; with --cluster every matching GPU of the "
+                           "cluster is used: leave out --devices")
+    address = ray_address(cluster)
+    from .ray_pool import _ray
+
+    _ray()
+    return address
+
+
 def open_pool(cluster: str, run_dir: Path, cards: list[Card], factory: EvaluatorFactory,
               devices: Sequence[int] | None = None) -> EvaluatorPool:
     """One evaluator slot per GPU of the cluster that matches the cards (kforge.cluster.nodes);
     raises ClusterError when none does or the cluster cannot be reached."""
-    if devices:
-        raise ClusterError("--devices picks GPUs of this machine; with --cluster every matching GPU of the "
-                           "cluster is used: leave out --devices")
     from .ray_pool import RayPool
 
-    return RayPool(ray_address(cluster), cluster, run_dir, cards, factory)
+    return RayPool(check_cluster(cluster, devices), cluster, run_dir, cards, factory)
 
 
-__all__ = ["ClusterError", "open_pool", "ray_address"]
+__all__ = ["ClusterError", "check_cluster", "open_pool", "ray_address"]
