@@ -73,91 +73,90 @@ def make_run(run_dir: Path, count: int) -> list:
 KNOBS = [{"threads": t, "vec": v, "unroll": 1} for t in (64, 128, 256, 512) for v in (1, 2)]
 
 
-@pytest.fixture(scope="module")
-def pool(cluster, tmp_path_factory):
-    """A pool over the simulated cluster, with everything the driver hands Ray recorded."""
-    run_dir = tmp_path_factory.mktemp("pool-run")
-    cards = make_run(run_dir, 2)
-    sent: list = []
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("KFORGE_LLM_API_KEY", SECRET)  # what the driver holds; none of it may travel
-        put, method, create = ray.put, ray.actor.ActorMethod._remote, ray.actor.ActorClass._remote
+class TestPool:
+    """One pool for these tests, given back after them (its actors hold every GPU)."""
 
-        def recording_put(value, *a, **kw):
-            sent.append(value)
-            return put(value, *a, **kw)
+    @pytest.fixture(scope="class")
+    def pool(self, cluster, tmp_path_factory):
+        """A pool over the simulated cluster, with everything the driver hands Ray recorded."""
+        run_dir = tmp_path_factory.mktemp("pool-run")
+        cards = make_run(run_dir, 2)
+        sent: list = []
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("KFORGE_LLM_API_KEY", SECRET)  # what the driver holds; none of it may travel
+            put, method, create = ray.put, ray.actor.ActorMethod._remote, ray.actor.ActorClass._remote
 
-        def recording_method(self, args=None, kwargs=None, **options):
-            sent.append((args, kwargs))
-            return method(self, args, kwargs, **options)
+            def recording_put(value, *a, **kw):
+                sent.append(value)
+                return put(value, *a, **kw)
 
-        def recording_create(self, args=None, kwargs=None, **options):
-            sent.append((args, kwargs, options.get("runtime_env")))
-            return create(self, args, kwargs, **options)
+            def recording_method(self, args=None, kwargs=None, **options):
+                sent.append((args, kwargs))
+                return method(self, args, kwargs, **options)
 
-        mp.setattr(ray, "put", recording_put)
-        mp.setattr(ray.actor.ActorMethod, "_remote", recording_method)
-        mp.setattr(ray.actor.ActorClass, "_remote", recording_create)
-        p = RayPool("auto", "ray", run_dir, cards, functools.partial(ray_fakes.latency_evaluator, sleep_s=LATENCY_S))
-        try:
-            for slot in range(len(p.slots)):  # started: what is timed below is evaluation, not start-up
-                p.evaluator(slot).evaluate(cards[0], candidate(KNOBS[slot]))
-            yield p, cards, sent
-        finally:
-            p.close()
+            def recording_create(self, args=None, kwargs=None, **options):
+                sent.append((args, kwargs, options.get("runtime_env")))
+                return create(self, args, kwargs, **options)
 
+            mp.setattr(ray, "put", recording_put)
+            mp.setattr(ray.actor.ActorMethod, "_remote", recording_method)
+            mp.setattr(ray.actor.ActorClass, "_remote", recording_create)
+            p = RayPool("auto", "ray", run_dir, cards, functools.partial(ray_fakes.latency_evaluator, sleep_s=LATENCY_S))
+            try:
+                for slot in range(len(p.slots)):  # started: what is timed below is evaluation, not start-up
+                    p.evaluator(slot).evaluate(cards[0], candidate(KNOBS[slot]))
+                yield p, cards, sent
+            finally:
+                p.close()
 
-def test_one_actor_per_matching_gpu_and_the_mismatched_node_refused(pool):
-    p, _, _ = pool
-    assert len(p.slots) == GOOD_GPUS and len(p.actors) == GOOD_GPUS
-    assert len({s.split("(")[1] for s in p.slots}) == 2  # two nodes
-    (note,) = p.notes
-    assert "refused: it has GPU arch sm_80 (the cards are for sm_90)" in note
-    assert p.validated and p.hardware.arch == "sm_90" and p.config["cluster"] == "ray"
+    def test_one_actor_per_matching_gpu_and_the_mismatched_node_refused(self, pool):
+        p, _, _ = pool
+        assert len(p.slots) == GOOD_GPUS and len(p.actors) == GOOD_GPUS
+        assert len({s.split("(")[1] for s in p.slots}) == 2  # two nodes
+        (note,) = p.notes
+        assert "refused: it has GPU arch sm_80 (the cards are for sm_90)" in note
+        assert p.validated and p.hardware.arch == "sm_90" and p.config["cluster"] == "ray"
 
+    @staticmethod
+    def _throughput(p, cards, slots: int, per_slot: int) -> float:
+        """Candidates per second with `slots` search threads, one per actor."""
+        def work(slot: int) -> None:
+            ev = p.evaluator(slot)
+            for i in range(per_slot):
+                ev.evaluate(cards[slot % len(cards)], candidate(KNOBS[i % len(KNOBS)], note=f"{slot}-{i}"))
 
-def _throughput(p, cards, slots: int, per_slot: int) -> float:
-    """Candidates per second with `slots` search threads, one per actor."""
-    def work(slot: int) -> None:
-        ev = p.evaluator(slot)
-        for i in range(per_slot):
-            ev.evaluate(cards[slot % len(cards)], candidate(KNOBS[i % len(KNOBS)], note=f"{slot}-{i}"))
+        threads = [threading.Thread(target=work, args=(s,)) for s in range(slots)]
+        t0 = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return slots * per_slot / (time.monotonic() - t0)
 
-    threads = [threading.Thread(target=work, args=(s,)) for s in range(slots)]
-    t0 = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return slots * per_slot / (time.monotonic() - t0)
+    def test_four_actors_evaluate_at_least_3_2_times_as_fast_as_one(self, pool):
+        p, cards, _ = pool
+        one = self._throughput(p, cards, 1, 8)
+        four = self._throughput(p, cards, GOOD_GPUS, 8)
+        assert four >= 3.2 * one, f"{four:.2f}/s with four actors, {one:.2f}/s with one"
+        assert one <= 1 / LATENCY_S  # the latency is the fake's: nothing was skipped
 
+    def test_samples_travel_once_per_card_and_node(self, pool):
+        p, cards, sent = pool
+        bundles = [v for v in sent if isinstance(v, dict) and any(k.startswith("sample") for k in v)]
+        assert len(bundles) == len({c.id for c in cards}) == len(p._samples)  # one object per card
+        fetched: dict[str, list] = {}
+        for stats in ray.get([a.stats.remote() for a in p.actors]):
+            fetched.setdefault(stats["node_id"], []).extend(stats["fetched"])
+        # Both cards were evaluated on both nodes above; each node fetched each card once.
+        assert {n: sorted(f) for n, f in fetched.items()} == {n: sorted(c.id for c in cards) for n in fetched}
+        assert len(fetched) == 2
 
-def test_four_actors_evaluate_at_least_3_2_times_as_fast_as_one(pool):
-    p, cards, _ = pool
-    one = _throughput(p, cards, 1, 8)
-    four = _throughput(p, cards, GOOD_GPUS, 8)
-    assert four >= 3.2 * one, f"{four:.2f}/s with four actors, {one:.2f}/s with one"
-    assert one <= 1 / LATENCY_S  # the latency is the fake's: nothing was skipped
-
-
-def test_samples_travel_once_per_card_and_node(pool):
-    p, cards, sent = pool
-    bundles = [v for v in sent if isinstance(v, dict) and any(k.startswith("sample") for k in v)]
-    assert len(bundles) == len({c.id for c in cards}) == len(p._samples)  # one object per card
-    fetched: dict[str, list] = {}
-    for stats in ray.get([a.stats.remote() for a in p.actors]):
-        fetched.setdefault(stats["node_id"], []).extend(stats["fetched"])
-    # Both cards were evaluated on both nodes above; each node fetched each card once.
-    assert {n: sorted(f) for n, f in fetched.items()} == {n: sorted(c.id for c in cards) for n in fetched}
-    assert len(fetched) == 2
-
-
-def test_the_api_key_is_in_nothing_sent_to_the_cluster(pool):
-    _, cards, sent = pool
-    payload = ray.cloudpickle.dumps(sent)
-    assert cards[0].id.encode() in payload and b"extern" in payload  # cards and candidates were recorded...
-    assert SECRET.encode() not in payload  # ...the key was not
-    assert all(options is None for *_, options in (s for s in sent if isinstance(s, tuple) and len(s) == 3))
+    def test_the_api_key_is_in_nothing_sent_to_the_cluster(self, pool):
+        _, cards, sent = pool
+        payload = ray.cloudpickle.dumps(sent)
+        assert cards[0].id.encode() in payload and b"extern" in payload  # cards and candidates were recorded...
+        assert SECRET.encode() not in payload  # ...the key was not
+        assert all(options is None for *_, options in (s for s in sent if isinstance(s, tuple) and len(s) == 3))
 
 
 def test_doctor_reports_the_cluster_and_the_node_it_refuses(cluster, capsys):
