@@ -209,16 +209,20 @@ class RayPool(EvaluatorPool):
                                       scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
                                       ).remote(factory, nodes.node_facts, run_key)
                     started.append((f"GPU {k} of node {n['NodeManagerAddress']} ({n['NodeID'][:8]})", a))
-            described = {}
-            pending = {a.describe.remote(): (label, a) for label, a in started}
-            ready, late = ray.wait(list(pending), num_returns=len(pending), timeout=START_S)
+            described, failed = {}, {}
+            pending = {a.describe.remote(): label for label, a in started}
+            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=START_S)
             for ref in ready:
-                described[pending[ref][0]] = ray.get(ref)
+                try:
+                    described[pending[ref]] = ray.get(ref)
+                except Exception as e:  # noqa: BLE001 - that GPU is refused with the reason, the others go on
+                    last = (str(e).strip().splitlines() or [type(e).__name__])[-1]  # a remote traceback's error
+                    failed[pending[ref]] = f"its actor failed to start ({last})"
             reference = nodes.Reference.for_cards(cards)
             refused: dict[str, str] = {}
             self.slots = []
             for label, a in started:
-                why = (reference.refusal(described[label]) if label in described else
+                why = (reference.refusal(described[label]) if label in described else failed.get(label) or
                        f"its actor did not start within {START_S:.0f} s (is the GPU held by another job?)")
                 if why:
                     refused[label] = why
