@@ -8,6 +8,13 @@ _softmax, linear becomes t + addmm. The graphs are functional (relu_ is recorded
 Every node carries its value's metadata in node.meta["val"] (a fake tensor: shape, stride,
 dtype), its scalar arguments in node.args, and its module in node.meta["nn_module_stack"].
 
+What runs: the callable the graph compiler returns for each graph, called by dynamo's code with
+the graph's flat inputs. Where that inference graph needs nothing of aot_autograd's runtime
+wrapper (no input it mutates, no output that aliases an input or another output, no effect
+tokens, deduplicated or subclass inputs, no autocast), the callable runs alone: the wrapper's
+per-call Python is host time a launch-bound forward pays on every call. A graph compiler that
+changes nothing returns None, and dynamo's own graph runs (torch-level calls, as eager makes them).
+
 Each graph is handled on its own; a graph break is reported as one line. aot_autograd is
 private to torch (stable from 2.0 to 2.14): where it is missing the trace gives no graphs,
 with a warning, and the per-op capture still covers the model.
@@ -24,8 +31,9 @@ import torch
 
 ROOT = "(root)"  # module path of nodes run by the model's own forward (as capture names it)
 
-# (graph module, its index, why dynamo ended it or None) -> the callable that runs it
-GraphCompiler = Callable[[torch.fx.GraphModule, int, "str | None"], Callable[..., Any]]
+# (graph module, its index, why dynamo ended it or None) -> the callable that runs it, or None:
+# the graph is not changed, and dynamo's graph of it runs
+GraphCompiler = Callable[[torch.fx.GraphModule, int, "str | None"], "Callable[..., Any] | None"]
 
 
 @dataclass
@@ -46,12 +54,30 @@ class GraphCaptureWarning(UserWarning):
     """Graph capture is not possible with this torch: regions are not captured."""
 
 
-def _aot(fw_compiler: Callable) -> Callable | None:
+def _aot(fw_compiler: Callable, inference_compiler: Callable) -> Callable | None:
     try:
         from torch._dynamo.backends.common import aot_autograd
     except ImportError:
         return None
-    return aot_autograd(fw_compiler=fw_compiler, decompositions={})
+    return aot_autograd(fw_compiler=fw_compiler, inference_compiler=inference_compiler, decompositions={})
+
+
+def _needs_no_wrapper(agm: torch.fx.GraphModule, example_inputs: list) -> bool:
+    """Whether aot_autograd's runtime wrapper does nothing for this inference graph, called from
+    inside its compiler: the graph then takes dynamo's flat inputs and returns dynamo's outputs."""
+    from torch._guards import TracingContext
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    meta = getattr(TracingContext.try_get(), "fw_metadata", None)
+    if meta is None or meta.tokens or meta.num_intermediate_bases or torch._C._is_any_autocast_enabled():
+        return False
+    if any(i.mutates_data or i.mutates_metadata for i in meta.input_info):
+        return False
+    if any(o.output_type.name != "non_alias" for o in meta.output_info):
+        return False
+    placeholders = sum(n.op == "placeholder" for n in agm.graph.nodes)  # fewer: inputs were deduplicated
+    return placeholders == len(example_inputs) and not any(
+        isinstance(x, (list, tuple, dict)) or is_traceable_wrapper_subclass(x) for x in example_inputs)
 
 
 def _break_note(gm: torch.fx.GraphModule, index: int) -> str | None:
@@ -77,10 +103,20 @@ def aten_backend(compile_graph: GraphCompiler, notes: list[str]) -> Callable:
         if note:
             notes.append(note)
 
-        def fw_compiler(agm: torch.fx.GraphModule, _inputs: list) -> Callable:
-            return compile_graph(agm, index, note)
+        runs: dict[str, Any] = {}  # what runs instead of aot_autograd's wrapped graph, if anything
 
-        lower = _aot(fw_compiler)
+        def fw_compiler(agm: torch.fx.GraphModule, _inputs: list) -> Callable:
+            fn = compile_graph(agm, index, note)
+            runs["fn"] = gm.forward if fn is None else None
+            return agm if fn is None else fn
+
+        def inference_compiler(agm: torch.fx.GraphModule, _inputs: list) -> Callable:
+            direct = _needs_no_wrapper(agm, example_inputs)  # read before compile_graph changes the graph
+            fn = compile_graph(agm, index, note)
+            runs["fn"] = gm.forward if fn is None else fn if direct else None
+            return agm if fn is None else fn
+
+        lower = _aot(fw_compiler, inference_compiler)
         if lower is None:
             message = (f"torch {torch.__version__} has no torch._dynamo.backends.common.aot_autograd: "
                        "graphs are not lowered to aten, regions are not captured")
@@ -88,7 +124,8 @@ def aten_backend(compile_graph: GraphCompiler, notes: list[str]) -> Callable:
             notes.append(message)
             return gm.forward
         try:
-            return lower(gm, example_inputs)
+            lowered = lower(gm, example_inputs)
+            return runs.get("fn") or lowered
         except Exception as e:  # noqa: BLE001 (the graph then runs eagerly; the note says why)
             notes.append(f"graph {index} could not be lowered to aten ({type(e).__name__}: "
                          f"{(str(e).splitlines() or [''])[0]}); it runs eagerly")

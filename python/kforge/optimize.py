@@ -39,10 +39,11 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
+from . import bindings
 from . import graph as graph_mod
 from . import regions as regions_mod
 from .cards import Card
-from .dispatch import REASONS, Counters, Launcher, _meta_key, _tensor_key, differences
+from .dispatch import _ALIGN, Counters, Launcher
 from .subgraph import Subgraph
 
 
@@ -55,10 +56,6 @@ class RegionKernel:
     kernel_us: float | None = None  # as dispatched, from the package's evidence
     baseline_us: float | None = None  # its nodes without it: their best op kernels, else eager
     counters: Counters = field(default_factory=Counters)
-
-    @property
-    def guard(self) -> tuple:
-        return tuple(_meta_key(m) for m in self.card.inputs)
 
 
 def launch_kernel(card: Card, launcher: Launcher, vid: int, workspace: Sequence[int] = ()) -> Callable:
@@ -79,34 +76,28 @@ def launch_kernel(card: Card, launcher: Launcher, vid: int, workspace: Sequence[
 
 class RegionCall:
     """What one region site of a graph becomes: guard hit -> the card's kernel, miss -> the
-    region's own aten calls (the evaluation worker times a region as dispatched through it)."""
+    region's own aten calls (the evaluation worker times a region as dispatched through it).
+
+    Its callers hand it inputs with the cards' shapes, strides, dtypes and device: a traced
+    graph's own guards (dynamo's, on every graph input's metadata, dynamic=False) fix those of
+    every value inside the graph, and the site matched its cards on them when the graph was
+    traced; the worker calls it on the card's samples. What a trace cannot see is where the
+    inputs lie, so the guard at run time is one compare of the inputs' pointer alignments
+    against each card's."""
 
     def __init__(self, subgraph: Subgraph, kernels: list[RegionKernel]):
         self.subgraph = subgraph
-        self.table = {k.guard: k for k in kernels}
+        self.table = {tuple(m.align for m in k.card.inputs): k for k in kernels}
         self.kernels = kernels
         self.__name__ = "kforge_region_" + "_".join(subgraph.ops)[:60]
 
     def __call__(self, *inputs: torch.Tensor) -> tuple:
-        key = tuple(_tensor_key(t) for t in inputs)
-        k = self.table.get(key)
-        if k is not None and len({t.device for t in inputs}) == 1:
+        k = self.table.get(tuple([_ALIGN[t.data_ptr() & 15] for t in inputs]))
+        if k is not None:
             k.counters.hit()
             return tuple(k.run(list(inputs)))
-        self._count_miss(key, k)
+        self.kernels[0].counters.fell_back("alignment")
         return tuple(self.subgraph.replay(list(inputs)))
-
-    def _count_miss(self, key: tuple, hit: RegionKernel | None) -> None:
-        if hit is not None:
-            hit.counters.fell_back("device")
-            return
-        kinds = ["tensor"] * len(key)
-        scored = []
-        for i, k in enumerate(self.kernels):
-            diffs = differences(key, k.guard, kinds) or ["no-variant"]
-            scored.append(((REASONS.index(diffs[0]), -len(diffs), -i), diffs[0], k))
-        _, reason, nearest = max(scored, key=lambda s: s[0])
-        nearest.counters.fell_back(reason)
 
 
 def contract(gm: fx.GraphModule, chosen: list[tuple[regions_mod.Site, Callable]]) -> fx.GraphModule:
@@ -214,6 +205,11 @@ class Replaced:
     cards: list[str]  # the card ids whose guards the site's call tries
 
 
+def _device(src: fx.Node, k: int) -> torch.device:
+    val = src.meta["val"]
+    return (val[k] if isinstance(val, (tuple, list)) else val).device
+
+
 class OptimizedModel(torch.nn.Module):
     """`model` traced by kforge's backend with the package's kernels in its graphs (see the
     module doc)."""
@@ -243,7 +239,7 @@ class OptimizedModel(torch.nn.Module):
         options, matched = [], {}
         for site in regions_mod.find(gm):
             ks = self._by_match.get(site.match_key())
-            if not ks:
+            if not ks or len({_device(src, k) for src, k in site.inputs}) != 1:  # a kernel runs on one device
                 continue
             best = min(ks, key=lambda k: k.kernel_us if k.kernel_us is not None else float("inf"))
             opt = RegionOption(best.card.id, frozenset(n.name for n in site.nodes), best.kernel_us, best.baseline_us)
@@ -255,10 +251,12 @@ class OptimizedModel(torch.nn.Module):
             self.replaced.append(Replaced(index, site.nodes[0].name, [k.card.id for k in ks]))
         out = contract(gm, [(site, RegionCall(site.subgraph, ks)) for site, ks in chosen]) if chosen else gm
         replaced = sum(rewrite(out.graph) for rewrite in self._op_rewrites)
-        if replaced:
-            self.ops_replaced += replaced
-            out.recompile()
-        return out
+        self.ops_replaced += replaced
+        if not chosen and not replaced:
+            return None  # nothing of the package here: dynamo's graph runs, as eager would
+        bindings.retarget(out)
+        out.recompile()
+        return out.forward
 
     def report(self) -> dict:
         """Per region kernel: hits and fallbacks by reason; the sites replaced; notes."""
