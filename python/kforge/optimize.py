@@ -44,6 +44,7 @@ from . import graph as graph_mod
 from . import regions as regions_mod
 from .cards import Card
 from .dispatch import _ALIGN, Counters, Launcher
+from .replay import Replayed
 from .subgraph import Subgraph
 
 
@@ -214,7 +215,8 @@ class OptimizedModel(torch.nn.Module):
     """`model` traced by kforge's backend with the package's kernels in its graphs (see the
     module doc)."""
 
-    def __init__(self, model: torch.nn.Module, package: Any, kernels: list[RegionKernel], op_rewrites: list):
+    def __init__(self, model: torch.nn.Module, package: Any, kernels: list[RegionKernel], op_rewrites: list,
+                 cuda_graphs: bool = False):
         super().__init__()
         self.model = model
         self.package = package
@@ -222,12 +224,14 @@ class OptimizedModel(torch.nn.Module):
         self.notes: list[str] = []
         self.replaced: list[Replaced] = []
         self.ops_replaced = 0  # graph nodes given a single-op card's kernel
+        self.graphs: list[fx.GraphModule | None] = []  # what each traced graph runs (None: dynamo's graph, unchanged)
         self._op_rewrites = op_rewrites
         by_match: dict[tuple, list[RegionKernel]] = collections.defaultdict(list)
         for k in kernels:
             by_match[regions_mod.match_key(k.card.region, k.card.inputs)].append(k)
         self._by_match = dict(by_match)
-        backend = graph_mod.aten_backend(self._compile_graph, self.notes)
+        self.replayed: list[Replayed] = []  # with cuda_graphs, one per traced graph
+        backend = graph_mod.aten_backend(self._compile_graph, self.notes, self._replayed if cuda_graphs else None)
         self.__dict__["_compiled"] = torch.compile(model, backend=backend, dynamic=False)  # not a submodule
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -253,32 +257,47 @@ class OptimizedModel(torch.nn.Module):
         replaced = sum(rewrite(out.graph) for rewrite in self._op_rewrites)
         self.ops_replaced += replaced
         if not chosen and not replaced:
+            self.graphs.append(None)
             return None  # nothing of the package here: dynamo's graph runs, as eager would
         bindings.retarget(out)
         out.recompile()
+        self.graphs.append(out)
         return out.forward
+
+    def _replayed(self, fn: Callable, pure: bool) -> Replayed:
+        r = Replayed(fn, pure, self._owned_ptrs, self.notes, len(self.replayed))
+        self.replayed.append(r)
+        return r
+
+    def _owned_ptrs(self) -> set[int]:
+        return {t.data_ptr() for t in (*self.model.parameters(), *self.model.buffers())}
 
     def report(self) -> dict:
         """Per region kernel: hits and fallbacks by reason; the sites replaced; notes."""
         return {"regions": [{"id": k.card.id, "op": k.card.op, "hits": k.counters.hits,
                              "fallbacks": dict(k.counters.fallbacks)} for k in self.kernels],
                 "replaced": [vars(r) for r in self.replaced], "ops_replaced": self.ops_replaced,
+                "cuda_graphs": [{"graph": r.index, "captured": r.graph is not None, "replays": r.replays,
+                                 "misses": r.misses} for r in self.replayed],
                 "notes": list(self.notes)}
 
 
-def optimize(model: torch.nn.Module, package: Any, *, ops: bool = True, launcher: Launcher | None = None) -> OptimizedModel:
+def optimize(model: torch.nn.Module, package: Any, *, ops: bool = True, launcher: Launcher | None = None,
+             cuda_graphs: bool = False) -> OptimizedModel:
     """`model` with the package's kernels in its traced graphs: its region cards, and with
     `ops` its single-op cards too, each node whose call hits a card's guard given the card's
     custom op (kforge.inductor.OpRewrite, the pass kforge.compile runs). Nothing is installed:
     eager calls outside the optimized model are untouched. `launcher` defaults to the
-    package's kernels loaded on the current device (tests pass a CPU stand-in)."""
+    package's kernels loaded on the current device (tests pass a CPU stand-in). With
+    `cuda_graphs`, each graph is replayed from a CUDA graph (kforge.replay says when that is
+    safe and what each call checks; a graph it cannot hold runs op by op, with a note)."""
     from .inductor import _rewrites
 
     if launcher is None and any(c.dispatched for c in package.cards):
         launcher = package.launcher()
     kernels = region_kernels(package, launcher) if launcher is not None else []
     op_rewrites = _rewrites(package, launcher, compiled=False) if ops and launcher is not None else []
-    return OptimizedModel(model, package, kernels, op_rewrites)
+    return OptimizedModel(model, package, kernels, op_rewrites, cuda_graphs)
 
 
 class _CallableModule(types.ModuleType):
