@@ -234,3 +234,41 @@ def test_cuda_graphs_on_the_cpu_run_op_by_op_with_a_note(tmp_path):
         assert torch.equal(fast(x), model(x)) and torch.equal(fast(x), model(x))
     assert fast.notes == ["graph 0 runs op by op, not from a CUDA graph: not every input is a CUDA tensor"]
     assert fast.report()["cuda_graphs"] == [{"graph": 0, "captured": False, "replays": 0, "misses": 0}]
+
+
+class Branchy(nn.Module):
+    def forward(self, x):
+        y = torch.relu(x) * 2
+        if y.sum() > 0:  # data-dependent control flow: a graph break
+            y = torch.sigmoid(y) + 1
+        return y
+
+
+class HostScalar(nn.Module):
+    def forward(self, x):
+        y = torch.relu(x) * 2
+        return torch.sigmoid(y) + float(y.max())  # a value read back on the host: a graph break
+
+
+class WritesAView(nn.Module):
+    def forward(self, x):
+        x[:, 0].mul_(0.5)  # in place on a view of the input, which the caller sees
+        y = x.clone()
+        y[:, 1:].add_(1.0)  # in place on a view of an intermediate
+        return torch.relu(y) * 2
+
+
+@pytest.mark.parametrize("model, breaks", [(Branchy(), 1), (HostScalar(), 1), (WritesAView(), 0)])
+def test_a_model_hard_to_trace_keeps_its_op_cards_and_runs_as_eager(model, breaks, tmp_path):
+    x = torch.randn(4, 4).abs()
+    r = capture(model, x.clone(), tmp_path, regions=True, time_cards=False)
+    notes = [n for n in r.notes if n.startswith("graph break")]
+    assert len(notes) == breaks and all("\n" not in n for n in notes)
+    assert {"aten::relu.default", "aten::mul.Tensor"} <= {c.op for c in r.cards}  # the op cards are whole
+    regions = [c for c in r.cards if c.region]
+    fast = optimize(model, fake_package(regions, {c.id: (1.0, 5.0) for c in regions}), launcher=FakeLauncher(regions))
+    with torch.no_grad():
+        a, b = x.clone(), x.clone()
+        assert torch.equal(fast(a), model(b)) and torch.equal(a, b)  # the input written as eager writes it
+        assert torch.equal(fast(a), model(b)) and torch.equal(a, b)
+    assert len([n for n in fast.notes if n.startswith("graph break")]) == breaks and fast.replaced

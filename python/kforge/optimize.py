@@ -7,13 +7,20 @@ in place of the regions they match, and everything else as eager runs it (no Ind
 How: torch.compile with kforge's aten backend (kforge.graph). In each graph, the regions are
 found as capture found them (kforge.regions); a region whose structure and input metadata
 match a dispatched region card of the package is contracted into one call of a plain Python
-callable (RegionCall), which checks every input's exact metadata (shape, stride, dtype,
-device type, pointer alignment) against the card and launches the card's kernel, or, on a
-miss, runs the region's original aten calls. Where matched regions overlap (a fused region
-and a vendor op's epilogue), package.choose_regions keeps the set that saves the most by
-the package's own measurements. Then each remaining node whose call hits a single-op card's
-guard becomes that card's custom op (the rewrite kforge.compile's pass runs). Nothing is
-installed: the model's own eager calls elsewhere are untouched.
+callable (RegionCall), which launches the card's kernel when the inputs' pointer alignments
+are the card's (dynamo's guards fix everything else a card guards), or else runs the region's
+original aten calls. Where matched regions overlap (a fused region and a vendor op's
+epilogue), package.choose_regions keeps the set that saves the most by the package's own
+measurements. Then each remaining node whose call hits a single-op card's guard becomes that
+card's custom op (the rewrite kforge.compile's pass runs). Nothing is installed: the model's
+own eager calls elsewhere are untouched.
+
+Host cost per forward, which a launch-bound forward pays on every call: a graph the package
+changes nothing in runs as dynamo traced it (eager's own calls); a changed graph runs with no
+aot_autograd runtime wrapper where that wrapper has nothing to do (kforge.graph), and its aten
+calls go through the bindings eager code calls (kforge.bindings), so what remains over eager is
+dynamo's guard check and one Python call per region. With cuda_graphs=True each graph is
+replayed from a CUDA graph instead (kforge.replay).
 
 Guards and recompiles: dynamo guards each graph on its inputs' shapes, strides and dtypes
 (dynamic=False); a new shape traces a new graph, whose regions are matched anew, and a
