@@ -50,7 +50,7 @@ from . import bindings
 from . import graph as graph_mod
 from . import regions as regions_mod
 from .cards import Card
-from .dispatch import _ALIGN, Counters, Launcher
+from .dispatch import _ALIGN, Counters, Launcher, _meta_key, _tensor_key
 from .replay import Replayed
 from .subgraph import Subgraph
 
@@ -106,6 +106,13 @@ class RegionCall:
             return tuple(k.run(list(inputs)))
         self.kernels[0].counters.fell_back("alignment")
         return tuple(self.subgraph.replay(list(inputs)))
+
+
+def fits(card: Card, inputs: Sequence[torch.Tensor]) -> bool:
+    """Whether `inputs` have the card's shapes, strides, dtypes and device type: what a RegionCall
+    does not check (in a graph, dynamo's guards do), so what a caller outside a graph checks first."""
+    return len(inputs) == len(card.inputs) and all(
+        isinstance(t, torch.Tensor) and _tensor_key(t)[:4] == _meta_key(m)[:4] for t, m in zip(inputs, card.inputs))
 
 
 def contract(gm: fx.GraphModule, chosen: list[tuple[regions_mod.Site, Callable]]) -> fx.GraphModule:
