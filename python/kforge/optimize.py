@@ -8,7 +8,7 @@ How: torch.compile with kforge's aten backend (kforge.graph). In each graph, the
 found as capture found them (kforge.regions); a region whose structure and input metadata
 match a dispatched region card of the package is contracted into one call of a plain Python
 callable (RegionCall), which launches the card's kernel when the inputs' pointer alignments
-are the card's (dynamo's guards fix everything else a card guards), or else runs the region's
+are the card's (dynamo's guards fix the rest of the card's guard specification, kforge.guards), or else runs the region's
 original aten calls. Where matched regions overlap (a fused region and a vendor op's
 epilogue), package.choose_regions keeps the set that saves the most by the package's own
 measurements. Then each remaining node whose call hits a single-op card's guard becomes that
@@ -36,6 +36,7 @@ swapped for a torch.library custom op without changing the graph surgery.
 from __future__ import annotations
 
 import collections
+import functools
 import heapq
 import operator
 import sys
@@ -50,7 +51,8 @@ from . import bindings
 from . import graph as graph_mod
 from . import regions as regions_mod
 from .cards import Card
-from .dispatch import _ALIGN, Counters, Launcher, _meta_key, _tensor_key
+from .dispatch import Counters, Launcher
+from .guards import _ALIGN, GuardSpec, TensorGuard, tensor_key
 from .replay import Replayed
 from .subgraph import Subgraph
 
@@ -64,6 +66,10 @@ class RegionKernel:
     kernel_us: float | None = None  # as dispatched, from the package's evidence
     baseline_us: float | None = None  # its nodes without it: their best op kernels, else eager
     counters: Counters = field(default_factory=Counters)
+
+    @functools.cached_property
+    def guard(self) -> GuardSpec:
+        return GuardSpec.of_inputs(self.card.inputs)
 
 
 def launch_kernel(card: Card, launcher: Launcher, vid: int, workspace: Sequence[int] = ()) -> Callable:
@@ -95,7 +101,7 @@ class RegionCall:
 
     def __init__(self, subgraph: Subgraph, kernels: list[RegionKernel]):
         self.subgraph = subgraph
-        self.table = {tuple(m.align for m in k.card.inputs): k for k in kernels}
+        self.table = {tuple(s.tensor.align for s in k.guard.slots): k for k in kernels}
         self.kernels = kernels
         self.__name__ = "kforge_region_" + "_".join(subgraph.ops)[:60]
 
@@ -112,7 +118,7 @@ def fits(card: Card, inputs: Sequence[torch.Tensor]) -> bool:
     """Whether `inputs` have the card's shapes, strides, dtypes and device type: what a RegionCall
     does not check (in a graph, dynamo's guards do), so what a caller outside a graph checks first."""
     return len(inputs) == len(card.inputs) and all(
-        isinstance(t, torch.Tensor) and _tensor_key(t)[:4] == _meta_key(m)[:4] for t, m in zip(inputs, card.inputs))
+        isinstance(t, torch.Tensor) and tensor_key(t)[:4] == TensorGuard.of(m).key[:4] for t, m in zip(inputs, card.inputs))
 
 
 def contract(gm: fx.GraphModule, chosen: list[tuple[regions_mod.Site, Callable]]) -> fx.GraphModule:

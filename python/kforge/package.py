@@ -45,6 +45,7 @@ from .cards import CARD_FORMAT, Card, card_id, decode_value, load_card
 from .castfile import CHECKSUMS, MANIFEST, SIGNATURE, sha256
 from .dispatch import Counters, Dispatcher, Launcher, RegistryLauncher, Variant, dispatch_blocker
 from .errors import CardError, CompileError, CudaUnavailableError, KforgeError, PackageError, PlanError
+from .guards import REASONS, meaning
 from .log import LOG_NAME, SearchLog
 from .manifest import ARCH, FORMAT, MAX_TEXT, check_manifest, read_manifest
 from .verdict import EvalResult, Verdict
@@ -771,8 +772,10 @@ class CastPackage:
         if fmt != "table":
             raise ValueError(f"fmt must be 'dict' or 'table', got {fmt!r}")
         # Every cell is Text: package text is data, never rich markup ("[/]" or "[link=...]" in a reason).
+        seen = [r for r in REASONS if any(r in row["fallbacks"] for row in rows)]  # what each counted reason means
+        caption = "\n".join([self.integrity] + [f"{r}: {meaning(r)}" for r in seen])
         table = Table(title=Text(f"{self.path.name} ({self.arch}, {'installed' if self.installed else 'not installed'})"),
-                      caption=Text(self.integrity))
+                      caption=Text(caption))
         for col in ("card", "op", "decision", "compile", "kind", "hits", "fallbacks", "why", "why (compile)"):
             table.add_column(col, justify="right" if col == "hits" else "left")
         for r in rows:
