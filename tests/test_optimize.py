@@ -16,6 +16,7 @@ from kforge.candidate import Candidate, LaunchPlan
 from kforge.capture import capture
 from kforge.optimize import RegionCall, RegionKernel, optimize
 from kforge.package import CastPackage, PackagedCard
+from test_graph import Branchy
 from test_regions import BasicBlock
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -189,17 +190,21 @@ def python_calls(fn, *args) -> list[str]:
     return seen
 
 
-def test_the_forward_calls_no_aten_op_more_than_eager(tmp_path):
+def test_the_forward_with_hits_calls_no_aten_op_more_than_eager_and_no_wrapper(tmp_path):
     model, x = resnet(), torch.randn(2, 4, 8, 8)
     cards = region_cards(model, x, tmp_path, "fused")
     fast = optimize(model, fake_package(cards, {c.id: (1.0, 5.0) for c in cards}), launcher=NullLauncher())
     with torch.inference_mode():
         fast(x)
         eager, ours = aten_calls(model, x), aten_calls(fast, x)
+        calls = python_calls(fast, x)
+    assert len(fast.replaced) == 4 and fast.graphs[0] is not None
     # No copy, clone, alias or detach more than eager: only the kernels' output allocations are new.
     more = {op: n - eager[op] for op, n in ours.items() if n > eager[op]}
     assert more == {"aten::empty_strided": 4}, more
     assert ours["aten::relu"] == eager["aten::relu"] - 4 and ours["aten::add"] == eager["aten::add"] - 2
+    assert not [c for c in calls if "runtime_wrapper" in c]  # aot_autograd's: it has nothing to do here
+    assert not [c for c in calls if c.endswith("torch/_ops.py:__call__")]  # every aten call through its binding
 
 
 def test_a_graph_with_no_hits_calls_what_eager_calls(tmp_path):
@@ -213,18 +218,6 @@ def test_a_graph_with_no_hits_calls_what_eager_calls(tmp_path):
     assert not [c for c in calls if "runtime_wrapper" in c or c.endswith("torch/_ops.py:__call__")]
 
 
-def test_the_forward_runs_no_aot_autograd_wrapper_and_no_boxed_aten_call(tmp_path):
-    model, x = resnet(), torch.randn(2, 4, 8, 8)
-    cards = region_cards(model, x, tmp_path, "fused")
-    fast = optimize(model, fake_package(cards, {c.id: (1.0, 5.0) for c in cards}), launcher=NullLauncher())
-    with torch.inference_mode():
-        fast(x)
-        calls = python_calls(fast, x)
-    assert len(fast.replaced) == 4 and fast.graphs[0] is not None
-    assert not [c for c in calls if "runtime_wrapper" in c]  # aot_autograd's: it has nothing to do here
-    assert not [c for c in calls if c.endswith("torch/_ops.py:__call__")]  # every aten call through its binding
-
-
 def test_cuda_graphs_on_the_cpu_run_op_by_op_with_a_note(tmp_path):
     model, x = resnet(), torch.randn(2, 4, 8, 8)
     cards = region_cards(model, x, tmp_path, "fused")
@@ -234,14 +227,6 @@ def test_cuda_graphs_on_the_cpu_run_op_by_op_with_a_note(tmp_path):
         assert torch.equal(fast(x), model(x)) and torch.equal(fast(x), model(x))
     assert fast.notes == ["graph 0 runs op by op, not from a CUDA graph: not every input is a CUDA tensor"]
     assert fast.report()["cuda_graphs"] == [{"graph": 0, "captured": False, "replays": 0, "misses": 0}]
-
-
-class Branchy(nn.Module):
-    def forward(self, x):
-        y = torch.relu(x) * 2
-        if y.sum() > 0:  # data-dependent control flow: a graph break
-            y = torch.sigmoid(y) + 1
-        return y
 
 
 class HostScalar(nn.Module):
