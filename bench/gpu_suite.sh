@@ -10,7 +10,8 @@
 # GPU_TESTS2 and TESTS_K2 for item tests2, ABLATE_MODEL and T_ABLATE for item ablate. ONLY and
 # ONLY2 pick the built-in cases of items builtin and builtin2 ('|' between name parts); item codegen
 # (bench_codegen.py: generated kernels alone) takes T_CODEGEN and ONLY_CODEGEN. Items
-# compile_tests and ab (or ab_<model>): kforge.compile's GPU tests, and the eager / package /
+# compile_tests and ab (or ab_<model>): kforge.compile's GPU tests (compile_overhead: the per-call
+# cost of its custom op against an Inductor extern call, T_OVERHEAD), and the eager / package /
 # torch.compile / kforge.compile A/B, default and reduce-overhead, per example model (T_AB each):
 #   LANE_A="compile_tests ab_sd_vae ab_gemma" LANE_B="ab_resnet50 ab_qwen_moe" bash bench/gpu_suite.sh
 # REGIONS=1 searches region cards too in the model and A/B items (bench_model.py --regions; kforge.optimize,
@@ -69,6 +70,9 @@ lane() {  # lane LOG ITEM...: run the items in order
                      --wall-time "${KB_WALL:-8}" ${KB_PROBLEMS:+--problems $KB_PROBLEMS} \
                      --out "$OUT/kernelbench_l${KB_LEVEL:-1}_h200.json" ;;
       probe) step "$log" probe "${T_PROBE:-60}" python3 bench/probe_long_rows.py --out "$OUT/probe_long_rows_h200.json" ;;
+      # Per call, a kforge custom op in an Inductor graph against Inductor's own extern call (issue 23).
+      compile_overhead) step "$log" compile-overhead "${T_OVERHEAD:-120}" python3 bench/bench_compile_overhead.py \
+                          --out "$OUT/compile_overhead_h200.json" ;;
       dispatch) step "$log" dispatch "${T_DISPATCH:-40}" python3 bench/bench_dispatch.py --iterations 4 \
                   --out "$OUT/dispatch_h200.json" ;;
       sd_vae) model "$log" sd_vae examples/sd_vae_decoder.py --min-share 0.02 ;;
@@ -81,7 +85,7 @@ lane() {  # lane LOG ITEM...: run the items in order
       qwen_moe) model "$log" qwen_moe examples/qwen_moe.py --ops softmax ;;
       # kforge.compile on the GPU (tests/gpu/test_compile_gpu.py), then the A/B on every example model.
       compile_tests) step "$log" compile-tests "${T_TESTS:-100}" python3 -m pytest -q -p no:cacheprovider --timeout 300 \
-                       tests/gpu/test_compile_gpu.py ;;
+                       tests/gpu/test_compile_gpu.py tests/gpu/test_compile_regions_gpu.py ;;
       ab) lane "$log" ab_sd_vae ab_gemma ab_resnet50 ab_qwen_moe ;;
       ab_sd_vae) ab "$log" sd_vae examples/sd_vae_decoder.py --min-share 0.02 ;;
       ab_gemma) ab "$log" gemma examples/gemma_decoder.py --min-share 0.02 ;;

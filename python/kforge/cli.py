@@ -167,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir without capturing")
     p.add_argument("--no-model-check", action="store_true",
                    help="do not time the model eager and with the package at the end")
+    p.add_argument("--leave-one-out", type=int, default=0, metavar="N",
+                   help="when kforge.compile does not beat torch.compile and its graphs ran at most N cards, "
+                        "time it without each card in turn and record the one to leave out (default 0: off)")
     p.add_argument("--regions", action="store_true",
                    help="also trace the model and write a card per fused multi-op region (experimental)")
     _search_options(p)
@@ -301,7 +304,8 @@ def _result_json(result) -> dict:
     return {"run_id": result.run_id, "run_dir": str(result.run_dir), "validated": result.validated,
             "package": str(result.package_path) if result.package_path else None, "message": result.message,
             "cards": [dataclasses.asdict(r) for r in result.table], "stop_reasons": result.stop_reasons,
-            "model_check": {"verdict": check.verdict, "message": check.message()} if check is not None else None,
+            "model_check": {"verdict": check.verdict, "message": check.message(),
+                            "compile": check.compile_record()} if check is not None else None,
             "model_check_error": result.model_check_error or None}
 
 
@@ -351,7 +355,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         model, inputs = load_model_spec(args.model)
         # Plain lines: a live status here would clash with the search's progress display after it.
         result = runner.run(model, inputs, out=args.out, run_dir=args.run_dir, model_name=args.model,
-                            check_model=not args.no_model_check, regions=args.regions,
+                            check_model=not args.no_model_check, leave_one_out=args.leave_one_out,
+                            regions=args.regions,
                             capture_progress=_progress_lines(args, err, "capture"), **kwargs)
     return _report(result, console, args)
 
@@ -450,11 +455,12 @@ def _inspect_package(path: Path, console: Console, args: argparse.Namespace) -> 
         manifest = pkg.manifest
         return _emit({"kind": "package", "path": str(path), "gpu": pkg.gpu, "arch": pkg.arch, "summary": summary,
                       "integrity": pkg.integrity,
-                      **{k: manifest.get(k) for k in ("format", "kforge", "torch", "cuda", "run_id")},
+                      **{k: manifest.get(k) for k in ("format", "kforge", "torch", "cuda", "run_id", "model_check")},
                       "cards": [{k: e.get(k) for k in _PACKAGE_CARD_KEYS} for e in manifest.get("cards", [])],
                       "notes": [str(w.message) for w in caught]})
     console.print(f"{escape(str(path))}: built for {escape(pkg.gpu)} ({pkg.arch}); {summary}; {pkg.integrity}")
     console.print(pkg.report(fmt="table"))
+    console.print(escape(pkg.compile_verdict()))
     _notes(caught, console)
     return 0
 

@@ -233,7 +233,7 @@ def run(model=None, example_inputs=None, out: str | Path | None = "model.cast", 
         max_cost_usd: float | None = None, seed: int = 0, progress: bool = True, *,
         proposer_options: dict | None = None, evaluator_factory: EvaluatorFactory | None = None,
         cards: Sequence[str] | None = None, ops: Sequence[str] | None = None, console: Console | None = None,
-        model_name: str | None = None, check_model: bool = True,
+        model_name: str | None = None, check_model: bool = True, leave_one_out: int = 0,
         capture_progress: Callable[[str], None] | None = None, regions: bool = False) -> RunResult:
     """Capture `model` on `example_inputs`, search kernels for its cards and package the winners.
 
@@ -249,7 +249,13 @@ def run(model=None, example_inputs=None, out: str | Path | None = "model.cast", 
     cards: only search these card ids.
     ops: only search cards whose op name contains one of these (e.g. ["softmax", "group_norm"]).
     check_model: when a package was written, time the model's forward eager and with the
-      package (kforge.modelcheck) and say in result.model_check whether it is faster.
+      package (kforge.modelcheck) and say in result.model_check whether it is faster; where
+      the package has kernels for compiled graphs (on a GPU), also under torch.compile and
+      kforge.compile, and the package records whether kforge.compile beat torch.compile
+      (kforge.compile follows that verdict).
+    leave_one_out: when kforge.compile did not beat torch.compile and its graphs ran at most
+      this many cards, time it without each of them in turn (0: not at all); a card whose
+      removal makes it win is recorded, and kforge.compile leaves it out.
     capture_progress: called with a line as each stage of the capture starts.
     regions: also capture region cards (fused multi-op regions, kforge.region_capture) and
       search them like any card.
@@ -279,26 +285,31 @@ def run(model=None, example_inputs=None, out: str | Path | None = "model.cast", 
                         evaluator_factory=evaluator_factory, cards=cards, ops=ops, console=console,
                         model_name=model_name, resume=resume)
     if check_model and model is not None and result.package_path is not None:
-        _check_model(result, model, example_inputs)
+        _check_model(result, model, example_inputs, leave_one_out=leave_one_out)
     return result
 
 
 def _check_model(result: RunResult, model, example_inputs, *, load_options: dict | None = None,
-                 **install_options) -> None:
+                 leave_one_out: int = 0, **install_options) -> None:
     """Time the model eager and with the new package; the verdict goes into the result and
     the run's log. A failure or Ctrl-C here is reported, never raised: the package is
     already written and the run is done."""
     from .modelcheck import check_model
-    from .package import load
+    from .package import load, record_model_check
 
     where = Path(result.package_path).resolve()  # how the dashboard finds the check of its package
     try:
         pkg = load(result.package_path, **(load_options or {}))
-        if not any(c.dispatched for c in pkg.cards):
-            return  # nothing is dispatched: the model runs eager either way
-        check = check_model(model, example_inputs, pkg, **install_options)
+        if not any(c.dispatched or c.compiled for c in pkg.cards):
+            return  # nothing is dispatched: the model runs eager and compiles plain either way
+        check = check_model(model, example_inputs, pkg, with_compile=any(c.compiled for c in pkg.cards),
+                            leave_one_out=leave_one_out, **install_options)
         message = f"{where}: {check.message()}"
-        level = "warning" if check.verdict in ("slower", "unused") else "info"
+        record = check.compile_record()
+        if record is not None:
+            record_model_check(result.package_path, record)
+        lost = record is not None and record["use"] == "torch.compile"
+        level = "warning" if check.verdict in ("slower", "unused") or lost else "info"
         result.model_check = check
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 (reported to the user and the log)
         why = "interrupted by the user" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
