@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator, Sequence
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from .errors import EXIT_CODE_HELP, ExitCode, KforgeError
 
@@ -118,6 +119,9 @@ def _search_options(p: argparse.ArgumentParser) -> None:
                    help="only search cards whose op name contains one of these")
     g.add_argument("--devices", type=_devices, metavar="0,1",
                    help="GPU ordinals to evaluate on (default: all)")
+    g.add_argument("--cluster", metavar="ray|ray://HOST:PORT",
+                   help="evaluate on every GPU of a Ray cluster (ray: the one at $RAY_ADDRESS) instead of this "
+                        "machine's; needs pip install 'kforge[ray]' (docs/cluster.md)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-progress", action="store_true", help="no live progress display")
     _llm_options(p)
@@ -210,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("doctor", help="what kforge finds of CUDA, the driver and NVRTC, the LLM settings, and "
                        "what works without a GPU", parents=[_output_options(True)])
+    p.add_argument("--cluster", metavar="ray|ray://HOST:PORT",
+                   help="also report the Ray cluster's nodes: GPUs, versions, and which a run from here refuses")
     _llm_options(p)
     return parser
 
@@ -219,14 +225,14 @@ def _search_kwargs(args: argparse.Namespace) -> dict:
     return dict(proposer=args.proposer, iterations=args.iterations, wall_time_s=args.wall_time,
                 max_cost_usd=args.max_cost, min_share=args.min_share, include_vendor=args.include_vendor,
                 devices=args.devices, seed=args.seed, progress=not args.no_progress, proposer_options=options,
-                ops=args.ops)
+                ops=args.ops, cluster=args.cluster)
 
 
 # Search options as (dest, flag): a resume hint repeats those that differ from the defaults.
 _SEARCH_FLAGS = (("proposer", "--proposer"), ("iterations", "--iterations"), ("wall_time", "--wall-time"),
                  ("max_cost", "--max-cost"), ("min_share", "--min-share"), ("include_vendor", "--include-vendor"),
                  ("ops", "--ops"),
-                 ("devices", "--devices"), ("seed", "--seed"), ("llm_config", "--llm-config"),
+                 ("devices", "--devices"), ("cluster", "--cluster"), ("seed", "--seed"), ("llm_config", "--llm-config"),
                  ("llm_base_url", "--llm-base-url"), ("llm_model", "--llm-model"), ("llm_price", "--llm-price"),
                  ("llm_reply_tokens", "--llm-reply-tokens"), ("llm_temperature", "--llm-temperature"),
                  ("llm_top_p", "--llm-top-p"), ("llm_reasoning_effort", "--llm-reasoning-effort"),
@@ -596,8 +602,10 @@ def cmd_doctor(args: argparse.Namespace, console: Console) -> int:
     native, why = native_status("CUDA")
     advice = _without_gpu(status)
     llm = _llm_rows(_llm_settings(args))
+    cluster = _cluster_report(args.cluster) if args.cluster else None
     if args.json:
-        return _emit({**status, "dispatch": {"native": native, "why": why}, "without_gpu": advice, "llm": dict(llm)})
+        return _emit({**status, "dispatch": {"native": native, "why": why}, "without_gpu": advice, "llm": dict(llm),
+                      **({"cluster": cluster} if cluster else {})})
     t = Table(title="kforge doctor", title_justify="left", show_header=False)
     t.add_column("what")
     t.add_column("status", overflow="fold")  # paths whole, folded, never cut with an ellipsis
@@ -613,7 +621,29 @@ def cmd_doctor(args: argparse.Namespace, console: Console) -> int:
         console.print(line, soft_wrap=True, highlight=False)
     if not advice:
         console.print("A GPU and NVRTC are here: everything works.")
+    if cluster:
+        console.print(_cluster_table(cluster))
     return 0
+
+
+def _cluster_report(cluster: str) -> dict:
+    from .cluster import ray_address
+    from .cluster.nodes import cluster_report
+
+    return cluster_report(ray_address(cluster))
+
+
+def _cluster_table(report: dict) -> Table:
+    t = Table(title=f"Ray cluster at {report['address']} (ray {report['ray']})", title_justify="left")
+    for col in ("node", "GPUs", "GPU", "driver", "torch", "kforge", "a run from here"):
+        t.add_column(col, overflow="fold")
+    for n in report["nodes"]:
+        gpu = ", ".join(sorted({f"{g['name']} ({g['arch']})" for g in n.get("gpus_seen", [])})) or "-"
+        verdict = (n["error"] if "error" in n else "no GPU: not used" if not n["gpus"] else
+                   f"refused: {n['refused']}" if n.get("refused") else "used")
+        t.add_row(*map(Text, (f"{n['ip']} ({n['node_id'][:8]})", str(n["gpus"]), gpu, str(n.get("driver", "-")),
+                              n.get("torch", "-"), n.get("kforge", "-"), verdict)))
+    return t
 
 
 def _llm_rows(settings: dict) -> list[tuple[str, str]]:
