@@ -168,6 +168,19 @@ def test_the_check_compares_kforge_compile_with_torch_compile_and_names_the_site
     assert base.compile_verdict() is None and "torch.compile" not in base.message()  # not measured: not said
 
 
+def test_the_verdict_names_the_fastest_way_and_by_how_much():
+    check = ModelCheck(100.0, 2.0, 90.0, 2.0, "cuda:0", hits=3, graph_eager_us=70.0, graph_eager_iqr_us=1.0,
+                       graph_package_us=65.0, graph_package_iqr_us=1.0,
+                       compiled={"torch.compile": (80.0, 1.0), "kforge.optimize": (75.0, 1.0),
+                                 "kforge.optimize cuda_graphs": (50.0, 1.0)})
+    assert check.fastest == ("kforge.optimize cuda_graphs", 1.3, "pkg.apply(), CUDA graph")
+    assert check.message().endswith("Fastest: kforge.optimize cuda_graphs 50.0 µs, 1.300x pkg.apply(), CUDA graph "
+                                    "(65.0 µs), 2.000x eager")
+    level = ModelCheck(100.0, 2.0, 99.5, 2.0, "cpu", hits=3)
+    assert level.message().endswith("Fastest: pkg.apply() 99.5 µs, level with eager 100.0 µs")
+    assert check.to_json()["fastest"] == check.fastest
+
+
 def test_the_compile_record_is_what_kforge_compile_follows():
     lost = ModelCheck(100.0, 1.0, 90.0, 1.0, "cuda:0", hits=4, compile_hits=("a" * 16, "b" * 16),
                       compiled={"torch.compile": (946.0, 4.0), "kforge.compile": (1124.0, 6.0)})

@@ -227,8 +227,11 @@ class Backend(abc.ABC):
                                 ws: list[int]) -> tuple[Measurement, Measurement]:
         """A region is dispatched by kforge.optimize, not by an aten override: as dispatched is
         its guarded call (kforge.optimize.RegionCall) against the replay of its aten calls."""
-        from .optimize import RegionCall, RegionKernel, launch_kernel
+        from .optimize import RegionCall, RegionKernel, fits, launch_kernel
 
+        if not fits(card, inputs):
+            raise NotDispatched("the region's guard did not take the kernel (the inputs are not the card's shapes, "
+                                "strides and dtypes)")
         k = RegionKernel(card, launch_kernel(card, self.dispatch_launcher(kernel), 0, ws))
         call = RegionCall(card.region, [k])
         eager, dispatched = self.time_as_called([(contextlib.nullcontext, lambda: card.call_eager(inputs, self.device)),
