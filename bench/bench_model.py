@@ -23,7 +23,7 @@ import torch
 
 import kforge
 from kforge import timing
-from kforge.capture import shares_by_family
+from kforge.shares import shares_by_family
 from kforge.cards import flatten_outputs, load_cards
 from kforge.hardware import current
 from kforge.modelcheck import compiled_forwards, time_graphs

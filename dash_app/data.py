@@ -153,7 +153,7 @@ class Catalog:
 
     @staticmethod
     def _write_capture_log(run_dir: Path, where: Path) -> None:
-        from kforge.capture import skip_reason
+        from kforge.cardtable import skip_reason
         from kforge.cards import load_cards
 
         info = _loads((run_dir / CAPTURE_FILE).read_text(), {})

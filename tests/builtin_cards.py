@@ -12,7 +12,7 @@ import dataclasses
 
 import torch
 
-from kforge.capture import _aliases
+from kforge.callspec import output_aliases
 from kforge.cards import ArgSpec, Card, TensorMeta, encode_value, flatten_outputs
 
 A = torch.ops.aten
@@ -44,7 +44,7 @@ def make_card(op: torch._ops.OpOverload, *args, align: int = 16, **kwargs) -> Ca
             specs.append(ArgSpec(a.name, "value", a.kwarg_only, value=encode_value(v)))
     result = op(*args, **kwargs)
     outs = flatten_outputs(result)
-    aliases = _aliases(op, specs, result)  # in-place and out= outputs, as capture records them
+    aliases = output_aliases(op, specs, result)  # in-place and out= outputs, as capture records them
     name = f"aten::{op._schema.name.split('::')[-1]}.{op._overloadname}"
     return Card(op=name, schema=str(op._schema), args=specs, outputs=[_cuda(o, 16) for o in outs], arch="sm_90",
                 aliases=aliases)

@@ -29,7 +29,8 @@ from llm_server import ScriptedLLMServer, error, reply
 
 from kforge import inputsets, runner
 from kforge.candidate import Candidate, LaunchPlan
-from kforge.capture import capture, skip_reason
+from kforge.capturing import capture
+from kforge.cardtable import skip_reason
 from kforge.cards import Card
 from kforge.hardware import H200
 from kforge.log import SearchLog, connect

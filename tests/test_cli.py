@@ -314,7 +314,8 @@ def test_run_json_and_doctor_json(model_file, tmp_path, capsys, cpu_only, monkey
 
 
 def test_tables_show_the_top_searchable_cards_one_line_each_and_all_with_the_flag(tmp_path, capsys):
-    from kforge.capture import capture, skip_reason
+    from kforge.capturing import capture
+    from kforge.cardtable import skip_reason
 
     class Many(torch.nn.Module):
         def forward(self, x):

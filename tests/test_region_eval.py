@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kforge.candidate import Candidate, LaunchPlan
-from kforge.capture import capture
+from kforge.capturing import capture
 from kforge.verdict import Verdict
 from kforge.backends import FakeBackend, NotDispatched
 from kforge.inputsets import prepare

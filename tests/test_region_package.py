@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kforge.capture import capture
+from kforge.capturing import capture
 from kforge.cards import load_cards
 from kforge.package import MANIFEST, load, write_package
 from kforge.region_capture import SITES

@@ -18,9 +18,8 @@ from .errors import (BudgetExhausted, CaptureError, CardError, CompileError, Cud
 __version__ = "0.1.0"
 
 _LAZY = {
-    # The module, callable as its capture() function: importing the submodule later binds
-    # this same name to it, so kforge.capture is one object whatever the order of imports.
-    "capture": ("kforge.capture", None),
+    # No submodule is named kforge.capture: importing one would rebind this name to it.
+    "capture": ("kforge.capturing", "capture"),
     # Callable as its optimize() function, like capture.
     "optimize": ("kforge.optimize", None),
     "run": ("kforge.runner", "run"),

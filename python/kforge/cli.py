@@ -343,7 +343,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     else:
         if args.model is None:
             raise KforgeError("kforge run needs a model file (model.py) or pkg.module:factory")
-        from .capture import check_run_dir
+        from .capturing import check_run_dir
         from .modelspec import load_model_spec
 
         if args.run_dir is not None:
@@ -357,7 +357,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
 
 
 def _card_json(card) -> dict:
-    from .capture import skip_reason
+    from .cardtable import skip_reason
 
     return {"id": card.id, "op": card.op, "summary": card.summary(), "family": card.family, "calls": card.calls,
             "eager_us": card.eager_us, "share": card.share, "module_paths": card.module_paths,
@@ -365,14 +365,14 @@ def _card_json(card) -> dict:
 
 
 def _cards_table(cards, args: argparse.Namespace):
-    from .capture import cards_table
+    from .cardtable import cards_table
 
     everything = getattr(args, "all", False)
     return cards_table(cards, searchable_only=not everything, **({} if everything else {"limit": TOP_CARDS}))
 
 
 def cmd_capture(args: argparse.Namespace, console: Console) -> int:
-    from .capture import capture, check_run_dir
+    from .capturing import capture, check_run_dir
     from .modelspec import load_model_spec
 
     if args.run_dir is not None:

@@ -28,7 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from .capture import module_path
+from .cardtable import module_path
 from .cards import Card, load_cards
 from .errors import CardError, KforgeError, ProposerUnavailable
 from .hardware import Hardware, current
@@ -176,7 +176,7 @@ def skip_reason(card: Card, proposer: Proposer, *, min_share: float, include_ven
         if not include_vendor:
             return "backed by a vendor library (cuBLAS/cuDNN); pass include_vendor=True (--include-vendor) to search it"
     else:
-        from .capture import skip_reason as capture_skip_reason
+        from .cardtable import skip_reason as capture_skip_reason
 
         why = capture_skip_reason(card)
         if why:
@@ -269,7 +269,7 @@ def run(model=None, example_inputs=None, out: str | Path | None = "model.cast", 
             finally:
                 trial.close()
         gpu_devices(devices)  # and so do devices that are not here
-        from .capture import capture
+        from .capturing import capture
 
         run_dir = capture(model, example_inputs, run_dir, progress=capture_progress, regions=regions).run_dir
         model_name = model_name or type(model).__name__

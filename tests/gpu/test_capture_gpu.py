@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kforge.capture import capture
+from kforge.capturing import capture
 from kforge.cards import load_cards, load_sample
 from kforge.modelspec import load_model_spec
 
