@@ -13,7 +13,8 @@ from torch import nn
 
 from kforge.capturing import capture
 from kforge.cards import load_cards
-from kforge.package import MANIFEST, load, write_package
+from kforge.castfile import MANIFEST
+from kforge.package import load, write_package
 from kforge.region_capture import SITES
 from test_package import build_run, relu_candidate, result
 
