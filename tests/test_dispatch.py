@@ -392,13 +392,13 @@ def test_cards_with_inputs_on_two_device_types_are_not_dispatched():
 
 
 def test_python_path_a_launch_refused_before_it_ran_falls_back_to_eager(monkeypatch):
-    from kforge.errors import LaunchError
+    from kforge.errors import LaunchError, LaunchRefused
 
     monkeypatch.setenv("KFORGE_DISPATCH", "python")
 
     def refused(ins, outs):
-        raise LaunchError("CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE: too large (refused before any kernel ran)",
-                          "CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE")
+        raise LaunchRefused("CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE: too large (refused before any kernel ran)",
+                            "CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE", 720)
 
     def failed(ins, outs):
         raise LaunchError("CUDA_ERROR_ILLEGAL_ADDRESS: boom", "CUDA_ERROR_ILLEGAL_ADDRESS")

@@ -1,5 +1,5 @@
 """Guarded dispatch in C++ (kforge._dispatch) on the CPU: the CPU key stands in for CUDA and
-the module's test launcher (a C function on CPU pointers) for the registry."""
+a test-only launcher (kforge._dispatch_test, a C function on CPU pointers) for the registry."""
 
 from __future__ import annotations
 
@@ -23,9 +23,11 @@ except ImportError as e:  # a build without torch at build time (plain `pip inst
     _dispatch = None
     pytestmark = pytest.mark.skip(reason=f"kforge._dispatch is not built ({e}); "
                                          "build with `pip install --no-build-isolation -e .`")
+else:  # never in the shipped kforge._dispatch: a build with it must have its test launcher too
+    from kforge import _dispatch_test
 
 aten = torch.ops.aten
-COPY, RELU, FAIL = 0, 1, 2  # the test launcher's modes (csrc/torch_dispatch.cpp)
+COPY, RELU, FAIL = 0, 1, 2  # the test launcher's modes (csrc/testing/dispatch_test_launcher.cpp)
 
 
 class NativeLauncher:
@@ -37,7 +39,7 @@ class NativeLauncher:
         self.python_calls = 0
 
     def native(self, vid):
-        return _dispatch.test_launcher_address(), self.modes[vid], lambda index: self.nbytes
+        return _dispatch_test.test_launcher_address(), self.modes[vid], lambda index: self.nbytes
 
     def launch(self, vid, inputs, outputs, workspaces, device):
         self.python_calls += 1
@@ -45,7 +47,7 @@ class NativeLauncher:
 
 
 def calls() -> int:
-    return _dispatch.test_launcher_log()["calls"]
+    return _dispatch_test.test_launcher_log()["calls"]
 
 
 @pytest.fixture
@@ -76,7 +78,7 @@ def test_hit_runs_the_launcher_in_cpp_with_fresh_outputs_and_counts(cpu):
     assert cpu.path("aten::relu.default")[0] == "native"
     before = calls()
     y = torch.relu(x)
-    log = _dispatch.test_launcher_log()
+    log = _dispatch_test.test_launcher_log()
     assert calls() == before + 1 and not launcher.python_calls
     assert torch.equal(y, x.clamp(min=0)) and y is not x and y.stride() == (8, 1) and y.dtype == x.dtype
     assert (log["vid"], log["n_in"], log["n_out"], log["n_ws"], log["stream"]) == (RELU, 1, 1, 0, 0)
@@ -182,7 +184,7 @@ def test_in_place_output_is_the_input_itself(cpu):
     cpu.add("pkg", [v])
     expected = x.clamp(min=0)
     y = x.relu_()
-    log = _dispatch.test_launcher_log()
+    log = _dispatch_test.test_launcher_log()
     assert y is x and torch.equal(x, expected) and v.counters.hits == 1
     assert log["in0"] == log["out0"] == x.data_ptr()
 
@@ -220,7 +222,7 @@ def test_workspaces_are_allocated_per_call(cpu):
     v = Variant(make_card(aten.relu.default, x), 0, NativeLauncher(RELU, nbytes=x.nbytes), workspace=(64, 4))
     cpu.add("pkg", [v])
     torch.relu(x)
-    assert _dispatch.test_launcher_log()["n_ws"] == 2 and v.counters.hits == 1
+    assert _dispatch_test.test_launcher_log()["n_ws"] == 2 and v.counters.hits == 1
 
 
 def test_several_variants_the_later_wins_and_the_nearest_takes_the_miss(cpu):
@@ -350,12 +352,12 @@ def test_plan_launcher_is_native_only_for_a_real_plan():
 def test_a_fresh_process_warns_nothing_and_exits_with_the_override_installed():
     script = textwrap.dedent("""
         import torch
-        from kforge import _dispatch
+        from kforge import _dispatch, _dispatch_test
         o = _dispatch.Override("aten::relu", "", "CPU")
         x = torch.randn(4, 8)
         c = _dispatch.Counts()
         guard = [("tensor", ([4, 8], [8, 1], "float32", "cpu", 16))]
-        o.set_variants([(guard, [(None, [4, 8], [8, 1], "float32")], [], _dispatch.test_launcher_address(), 1,
+        o.set_variants([(guard, [(None, [4, 8], [8, 1], "float32")], [], _dispatch_test.test_launcher_address(), 1,
                          lambda index: 128, c)])
         assert torch.equal(torch.relu(x), x.clamp(min=0)) and c.hits == 1
         print("ok")
@@ -436,7 +438,7 @@ def test_a_kernel_that_cannot_be_prepared_on_a_device_leaves_that_device_to_eage
             def resolve(index):
                 asked.append(index)
                 raise RuntimeError("CUDA_ERROR_NO_BINARY_FOR_GPU: not this architecture")
-            return _dispatch.test_launcher_address(), self.modes[vid], resolve
+            return _dispatch_test.test_launcher_address(), self.modes[vid], resolve
 
     v = Variant(make_card(aten.relu.default, x), 0, Unpreparable(RELU, nbytes=x.nbytes))
     cpu.add("pkg", [v])

@@ -18,7 +18,7 @@ from . import timing
 from .baseline import compiled_reference
 from .candidate import Candidate
 from .cards import Card
-from .errors import CompileError, LaunchError, cuda_error_name
+from .errors import CompileError, CudaError, LaunchError
 from .hardware import Hardware
 from .verdict import Measurement
 from .worker_protocol import EvalOptions
@@ -198,12 +198,10 @@ class CudaBackend(Backend):
         torch.cuda.synchronize(self.device)
 
     def fault(self, exc: BaseException) -> Fault | None:
-        from . import _C
-
         if isinstance(exc, LaunchError) and exc.cuda_error:
             return Fault(exc.cuda_error, str(exc))
-        if isinstance(exc, _C.CudaError):
-            return Fault(cuda_error_name(exc), str(exc))
+        if isinstance(exc, CudaError):
+            return Fault(exc.name, str(exc))
         text = str(exc)
         if isinstance(exc, RuntimeError) and ("CUDA error" in text or "CUDA kernel errors" in text):
             named = _CUDA_ERROR_NAME.search(text)  # kforge._dispatch names the driver's error

@@ -38,7 +38,7 @@ from . import composite, runtime
 from .boxing import call_original
 from .candidate import Candidate
 from .cards import Card, TensorMeta, decode_value, dtype_name, pointer_alignment
-from .errors import CardError, KforgeError, LaunchError
+from .errors import CardError, CudaError, KforgeError, LaunchError, LaunchRefused
 
 # Why a call fell back, most fundamental first. "no-variant": no installed variant has the
 # call's argument structure (a tensor where the card has None, another list length).
@@ -49,7 +49,6 @@ from .errors import CardError, KforgeError, LaunchError
 # "autograd": an override of a composite op runs above autograd (kforge.composite); a call
 # that needs a backward went to eager's decomposition, which records it.
 REASONS = ("no-variant", "device", "dtype", "scalar", "shape", "stride", "alignment", "aliasing", "autograd", "refused")
-_REFUSED = "(refused before any kernel ran)"  # kforge._C's mark on such a launch error
 
 _OVERRIDE_WARNING = "(?s).*Overriding a previously registered kernel for the same operator.*"
 _ALIGN = tuple(pointer_alignment(low) for low in range(16))  # alignment (<= 16) depends on the low 4 bits
@@ -133,7 +132,6 @@ class RegistryLauncher:
         # address, so a registry must never be replaced (and freed) once handed out.
         self._lock = threading.Lock()
         self._unprepared: dict[int | None, str] = {}  # device index -> why its kernels could not load
-        self._cuda_error = _C.CudaError
         self._launch_address = _C.Registry.launch_address()
 
     def prepare(self, device: torch.device | int | str) -> Any:
@@ -177,7 +175,9 @@ class RegistryLauncher:
         try:
             reg.launch(vid, [t.data_ptr() for t in inputs], [t.data_ptr() for t in outputs],
                        [t.data_ptr() for t in workspaces], runtime.current_stream(device.index))
-        except self._cuda_error as e:
+        except LaunchRefused:
+            raise  # nothing ran: the override serves the call with eager
+        except CudaError as e:
             raise LaunchError.from_cuda(f"dispatched kernel {self._entries[vid][0].plan.kernels[0].name} "
                                         f"(variant {vid}) failed: {e}", e) from e
 
@@ -351,9 +351,7 @@ class Variant:
         except NotPrepared:
             self.counters.fell_back("device")
             return None
-        except LaunchError as e:
-            if _REFUSED not in str(e):
-                raise
+        except LaunchRefused:
             self.counters.fell_back("refused")
             return None
         self.counters.hit()
