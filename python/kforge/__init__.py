@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import importlib
 
+from . import env
 from .errors import (BudgetExhausted, CaptureError, CardError, CompileError, CudaUnavailableError, KforgeError,
                      LaunchError, LLMError, LogError, PackageError, PlanError, ProposerError)
 
 __version__ = "0.1.0"
+
+env.configure_logging()
 
 _LAZY = {
     # No submodule is named kforge.capture: importing one would rebind this name to it.

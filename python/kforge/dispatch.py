@@ -26,7 +26,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import os
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
-from . import composite, runtime
+from . import composite, env, runtime
 from .boxing import call_original
 from .candidate import Candidate
 from .cards import Card, TensorMeta, decode_value, dtype_name, pointer_alignment
@@ -573,7 +572,7 @@ def native_status(key: str = "CUDA") -> tuple[bool, str]:
     """Whether overrides at `key` can run in C++ (kforge._dispatch), and why or why not.
     Per op, the C++ path also needs every variant's launcher to have native() and every
     card argument a C++ guard."""
-    if os.environ.get("KFORGE_DISPATCH", "").lower() == "python":
+    if env.dispatch_path() == "python":
         return False, "KFORGE_DISPATCH=python"
     if key not in ("CPU", "CUDA"):
         return False, f"kforge._dispatch serves the CPU and CUDA keys, not {key}"
@@ -771,7 +770,7 @@ class Dispatcher:
                 why = f"kforge._dispatch refused the variants ({type(e).__name__}: {e})"
                 log.warning("%s dispatches in Python: %s", name, why)
         if descriptions is None:
-            if os.environ.get("KFORGE_DISPATCH", "").lower() == "native" and not removing:
+            if env.dispatch_path() == "native" and not removing:
                 raise DispatchError(f"KFORGE_DISPATCH=native, but {name} cannot dispatch in C++: {why}")
             override = override or _OpOverride(variants[0].card.overload(), self.key)
             override.set_variants(variants)
