@@ -1,5 +1,4 @@
-"""What one aten call is, in card terms: its qualified overload name, its arguments as
-ArgSpecs in schema order, which outputs alias a written input, and faithful CPU copies of its
+"""What one aten call is, in card terms: its arguments as ArgSpecs in schema order, which outputs alias a written input, and faithful CPU copies of its
 tensors. Shared by the op recorder (kforge.op_capture) and the region finder."""
 
 from __future__ import annotations
@@ -68,7 +67,3 @@ def output_aliases(op: torch._ops.OpOverload, specs: list[ArgSpec], out: Any) ->
                 aliases[j] = i
         j += n
     return aliases
-
-
-def op_name(op: torch._ops.OpOverload) -> str:
-    return f"{op._schema.name}.{op._overloadname}"

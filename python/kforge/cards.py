@@ -215,9 +215,14 @@ class ArgSpec:
         )
 
 
+def qualified_name(op: torch._ops.OpOverload) -> str:
+    """The name a card holds for `op`: its qualified overload name, "aten::_softmax.default"."""
+    return f"{op._schema.name}.{op._overloadname}"
+
+
 @dataclass
 class Card:
-    op: str  # qualified overload name, e.g. "aten::_softmax.default"
+    op: str  # qualified_name() of the op
     schema: str
     args: list[ArgSpec]
     outputs: list[TensorMeta]

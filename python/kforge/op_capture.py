@@ -23,8 +23,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_
 
 from . import composite
 from .boxing import call_original
-from .callspec import arg_specs, cpu_copy, op_name, output_aliases
-from .cards import Card, TensorMeta, flatten_outputs
+from .callspec import arg_specs, cpu_copy, output_aliases
+from .cards import Card, TensorMeta, flatten_outputs, qualified_name
 from .errors import CaptureError, CardError
 from .families import family_of
 from .modelrun import Target, run_model, sync
@@ -140,14 +140,14 @@ class Recorder:
         return self._local.stack
 
     def saw(self, op: torch._ops.OpOverload) -> None:
-        name = op_name(op)
+        name = qualified_name(op)
         if name not in self.seen and _overridable(op, self.target.key):
             self.seen[name] = op
 
     def failed(self, err: BaseException, op: torch._ops.OpOverload) -> None:
         # The innermost handler sees the error first; outer ones see the same error in its chain.
         if self.failure is None or not _in_chain(err, self.failure[0]):
-            self.failure = (err, op_name(op), self.paths.current)
+            self.failure = (err, qualified_name(op), self.paths.current)
 
     def kernel(self, op: torch._ops.OpOverload, original: Any) -> Callable:
         """The override registered at the backend key: record the call, run the original.
@@ -196,10 +196,10 @@ class Recorder:
                 specs, tensors = arg_specs(op, args, kwargs)
             except CardError as e:
                 # The message embeds the value's repr (a whole storage, say): keep the first words.
-                self.unrecorded[op_name(op)] += 1
-                self.unrecorded_why.setdefault(op_name(op), _shorten(str(e)))
+                self.unrecorded[qualified_name(op)] += 1
+                self.unrecorded_why.setdefault(qualified_name(op), _shorten(str(e)))
                 return None
-            card = Card(op=op_name(op), schema=str(op._schema), args=specs, outputs=[], arch=self.target.arch,
+            card = Card(op=qualified_name(op), schema=str(op._schema), args=specs, outputs=[], arch=self.target.arch,
                         family=family_of(op), device_name=self.target.device_name)
             entry = self.entries.get(card.id)
             if entry is None:
@@ -263,7 +263,7 @@ class Recorder:
                                f"(raise max_sample_bytes to keep one)")
             if e.parents:
                 (parent, n), = e.parents.most_common(1)
-                c.notes.append(f"{c.calls - e.top_calls} of {c.calls}{NESTED_NOTE}{op_name(parent)}: "
+                c.notes.append(f"{c.calls - e.top_calls} of {c.calls}{NESTED_NOTE}{qualified_name(parent)}: "
                                f"their time is also in that card's share")
             if e.outputs_vary:
                 c.notes.append("output shapes vary between calls (data-dependent): outputs are the first call's")
@@ -353,7 +353,7 @@ def _overrides(ops: dict[str, torch._ops.OpOverload], rec: Recorder) -> Iterator
 def record(model, args, kwargs, target: Target, max_samples: int, byte_budget: int) -> tuple[Recorder, list[str]]:
     """Run the model until the set of ops settles; the last run is the recording. The composite
     ops kforge fuses are watched from the first run: the dispatch mode never sees them."""
-    composites = {op_name(op): op for op in composite.captured_ops()}
+    composites = {qualified_name(op): op for op in composite.captured_ops()}
     known: dict[str, torch._ops.OpOverload] = dict(composites)
     for _ in range(_MAX_RUNS):
         rec = _run_once(model, args, kwargs, target, known, max_samples, byte_budget)

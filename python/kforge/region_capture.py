@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from . import graph as graph_mod
-from .cards import REGION_NS, ArgSpec, Card, TensorMeta, pack, unpack
+from .cards import REGION_NS, ArgSpec, Card, TensorMeta, pack, qualified_name, unpack
 from .errors import CardError
 from .families import family_of
 from .regions import Site, find
@@ -78,14 +78,14 @@ class _Recorder(fx.Interpreter):
         return out
 
     def _op_card(self, n: fx.Node) -> str | None:
-        from .callspec import arg_specs, op_name
+        from .callspec import arg_specs
 
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         try:
             specs, _ = arg_specs(n.target, tuple(args), kwargs)
         except CardError:
             return None
-        return Card(op=op_name(n.target), schema="", args=specs, outputs=[], arch=self.arch).id
+        return Card(op=qualified_name(n.target), schema="", args=specs, outputs=[], arch=self.arch).id
 
 
 def _replay(g: graph_mod.Graph, values: set, members: set, arch: str, keep: Any, notes: list[str]) -> _Recorder | None:

@@ -15,7 +15,7 @@ from ...codegen import build as cg_build
 from ...codegen import lower
 from ...codegen.ir import Program
 from ...hardware import Hardware
-from .family import Family, Knobs, KnobSpace, launch, pick
+from .template import Knobs, KnobSpace, Template, launch, pick
 
 _PROGRAMS: dict[str, Program | str] = {}  # card id -> its program (cards are immutable once made)
 SPLITS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -100,4 +100,4 @@ def build(card: Card, knobs: Knobs, hw: Hardware) -> Candidate:
                      proposer="builtin", knobs=dict(knobs), note="generated")
 
 
-FAMILY = Family("generated", None, check, spaces, default, build)
+TEMPLATE = Template("generated", None, check, spaces, default, build)
