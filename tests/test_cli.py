@@ -15,7 +15,8 @@ from fakes import FakeEvaluator, FakeProposer, toy_card
 
 from kforge import cuda, proposers, runner
 from kforge.cards import load_cards, save_card
-from kforge.cli import _resume_command, build_parser, main
+from kforge.cli import build_parser, main
+from kforge.cli.parser import resume_command
 from kforge.errors import CudaUnavailableError, ExitCode
 from kforge.log import connect
 
@@ -127,7 +128,7 @@ def test_ctrl_c_exits_130_with_how_to_resume_and_resume_finishes(model_file, tmp
 def test_resume_hint_of_a_search_keeps_its_cards_and_options(tmp_path):
     args = build_parser().parse_args(["search", "r", "--cards", "a", "b", "--devices", "0,1", "--include-vendor",
                                       "--proposer", "llm:coder", "--max-cost", "5", "--ops", "softmax,add_"])
-    assert _resume_command(args, tmp_path / "r") == (f"kforge search {tmp_path / 'r'} --cards a b --proposer llm:coder "
+    assert resume_command(args, tmp_path / "r") == (f"kforge search {tmp_path / 'r'} --cards a b --proposer llm:coder "
                                                      "--max-cost 5.0 --include-vendor --ops softmax,add_ --devices 0,1")
 
 
