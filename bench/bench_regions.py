@@ -22,7 +22,7 @@ import torch
 import kforge
 from kforge import timing
 from kforge.capturing import capture
-from kforge.cards import load_sample
+from kforge.card_files import load_sample
 from kforge.hardware import current
 from kforge.modelspec import load_model_spec
 

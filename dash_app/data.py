@@ -154,7 +154,7 @@ class Catalog:
     @staticmethod
     def _write_capture_log(run_dir: Path, where: Path) -> None:
         from kforge.cardtable import skip_reason
-        from kforge.cards import load_cards
+        from kforge.card_files import load_cards
 
         info = _loads((run_dir / CAPTURE_FILE).read_text(), {})
         cards = load_cards(run_dir)

@@ -16,7 +16,8 @@ from torch import nn
 from kforge.capturing import CaptureResult, capture
 from kforge.cardtable import SEARCHABLE, cards_table, skip_reason
 from kforge.shares import shares_by_family
-from kforge.cards import FAMILIES, load_cards, load_sample
+from kforge.card_files import load_cards, load_sample
+from kforge.cards import FAMILIES
 from kforge.errors import CaptureError
 from kforge.families import family_of
 

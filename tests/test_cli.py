@@ -14,7 +14,7 @@ import torch
 from fakes import FakeEvaluator, FakeProposer, toy_card
 
 from kforge import cuda, proposers, runner
-from kforge.cards import load_cards, save_card
+from kforge.card_files import load_cards, save_card
 from kforge.cli import build_parser, main
 from kforge.cli.parser import resume_command
 from kforge.errors import CudaUnavailableError, ExitCode

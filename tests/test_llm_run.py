@@ -11,7 +11,7 @@ import time
 import pytest
 
 from kforge import runner
-from kforge.cards import save_card
+from kforge.card_files import save_card
 from kforge.cli import main
 from kforge.errors import ExitCode, LLMError
 from kforge.log import SearchLog, connect

@@ -16,7 +16,7 @@ from test_dispatch import FakeLauncher, make_card, relu_kernel
 
 from kforge import castfile, winners
 from kforge.candidate import Candidate, LaunchPlan
-from kforge.cards import save_card
+from kforge.card_files import save_card
 from kforge.dispatch import Dispatcher
 from kforge.errors import CudaUnavailableError, PackageError
 from kforge.log import SearchLog

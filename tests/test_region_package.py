@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kforge.capturing import capture
-from kforge.cards import load_cards
+from kforge.card_files import load_cards
 from kforge.castfile import MANIFEST
 from kforge.package import load, write_package
 from kforge.region_capture import SITES

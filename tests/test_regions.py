@@ -145,7 +145,8 @@ def test_no_region_across_a_graph_output():
 
 def test_region_cards_dedup_and_round_trip_through_the_run_directory(tmp_path):
     from kforge.capturing import capture
-    from kforge.cards import card_id, load_cards, load_sample
+    from kforge.card_files import load_cards, load_sample
+    from kforge.cards import card_id
 
     model = nn.Sequential(BasicBlock(), BasicBlock())
     r = capture(model, torch.randn(2, 4, 8, 8), tmp_path, regions=True)
@@ -201,7 +202,7 @@ def test_region_id_changes_with_structure_metadata_and_arch():
 
 
 def test_kforge_capture_writes_region_cards_only_with_the_flag(tmp_path):
-    from kforge.cards import load_cards
+    from kforge.card_files import load_cards
     from kforge.cli import main
 
     spec = tmp_path / "gated.py"

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from evalkit import fake, make_card, relu_card, softmax_card
-from kforge.cards import save_card, save_sample
+from kforge.card_files import save_card, save_sample
 from kforge.errors import CardError
 from kforge.evaluate import CompileOnlyEvaluator, WorkerHandle, make_evaluator
 from kforge.verdict import EvalResult, Verdict

@@ -14,7 +14,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .cards import Card, save_card, save_sample
+from .card_files import save_card, save_sample
+from .cards import Card
 from .errors import CaptureError
 from .modelrun import Target, as_call, model_device, model_state, model_wall_us
 from .op_capture import Recorder, record

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from . import cards as cards_mod
+from .card_files import load_sample
 from .cards import Card
 from .errors import CardError
 from .tolerance import Tolerance, derive, observed
@@ -35,7 +36,7 @@ def prepare(card: Card, run_dir: str | Path, device: torch.device, fresh_sets: i
     then fresh sets drawn like it; tolerances derived on each. Raises CardError."""
     raw: list[tuple[str, list[torch.Tensor]]] = []
     if card.samples > 0:
-        ins, _ = cards_mod.load_sample(card, run_dir, 0, device=device)
+        ins, _ = load_sample(card, run_dir, 0, device=device)
         raw.append(("sample0", ins))
     raw += [(f"seed{s}", card.random_inputs(s, device)) for s in range(1, fresh_sets + 1)]
     raw.append((f"seed{HOLDOUT_SEED}", card.random_inputs(HOLDOUT_SEED, device)))

@@ -12,7 +12,8 @@ import torch
 
 from . import castfile, customops
 from .candidate import LaunchPlan
-from .cards import Card, load_card
+from .card_files import load_card
+from .cards import Card
 from .castfile import MANIFEST, sha256
 from .dispatch import dispatch_blocker
 from .errors import CardError, CompileError, CudaUnavailableError, PackageError

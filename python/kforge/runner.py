@@ -29,7 +29,8 @@ from rich.table import Table
 from rich.text import Text
 
 from .cardtable import module_path
-from .cards import Card, load_cards
+from .card_files import load_cards
+from .cards import Card
 from .errors import CardError, KforgeError, ProposerUnavailable
 from .hardware import Hardware, current
 from .log import SearchLog, translated

@@ -77,7 +77,7 @@ def _proposer_errors(conn, run_id: str, top: int = 3) -> tuple[int, list[dict]]:
 
 
 def _inspect_run(run_dir: Path, console: Console, args: argparse.Namespace) -> int:
-    from ..cards import load_cards
+    from ..card_files import load_cards
     from ..log import LOG_NAME, connect
     from ..runner import card_results
 
