@@ -13,7 +13,7 @@ import pytest
 import torch
 from fakes import FakeEvaluator, FakeProposer, toy_card
 
-from kforge import cuda, proposers, runner
+from kforge import cuda, proposers, run_report, runner
 from kforge.card_files import load_cards, save_card
 from kforge.cli import build_parser, main
 from kforge.cli.parser import resume_command
@@ -248,7 +248,7 @@ def test_run_prints_the_model_check_and_the_flag_turns_it_off(model_file, tmp_pa
     def fake_run(model, inputs, **kw):
         seen.update(kw)
         check = ModelCheck(100.0, 2.0, 120.0, 2.0, "cuda:0") if kw["check_model"] else None
-        return runner.RunResult("r1", tmp_path, [], tmp_path / "m.cast", True, model_check=check)
+        return run_report.RunResult("r1", tmp_path, [], tmp_path / "m.cast", True, model_check=check)
 
     monkeypatch.setattr(runner, "run", fake_run)
     assert main(["run", str(model_file), "--no-progress", *flag]) == 0

@@ -18,7 +18,6 @@ TOO_LONG = {
     "codegen/ops.py": "the op -> expression table and its lowering helpers; split after the regions work lands",
     "codegen/lower.py": "IR -> CUDA C lowering; split after the regions work lands",
     "proposers/builtin/softmax.py": "one template in three variants (rows, long rows, online); not split yet",
-    "runner.py": "its search-log SQL moves to kforge.store first; then the card choice and reporting split out",
 }
 
 

@@ -24,7 +24,7 @@ from kforge.cli import main
 from kforge.errors import PackageError
 from kforge.castfile import MANIFEST
 from kforge.package import PackageFallbackWarning, load, write_package
-from kforge.runner import CardResult, results_table
+from kforge.run_report import CardResult, results_table
 
 BOMB_BYTES = 1_500_000_000  # inflated; about 1.5 MB deflated
 

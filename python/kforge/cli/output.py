@@ -90,7 +90,7 @@ def report_result(result, console: Console, args: argparse.Namespace) -> int:
 
 
 def results_table(rows, title: str, args: argparse.Namespace, everything: bool):
-    from ..runner import results_table
+    from ..run_report import results_table
 
     return results_table(rows, title, searched_only=not everything, **({} if everything else {"limit": TOP_CARDS}))
 
