@@ -379,6 +379,9 @@ def test_cards_without_a_template_are_generated():
     (lambda: make_card(A.frexp.Tensor, meta(8)), "two outputs"),
     (lambda: make_card(A.relu.default, meta(8, dtype=torch.complex64)), "complex64"),
     (lambda: make_card(A.sum.dim_IntList, meta(8, 8, dtype=torch.complex64), [1]), "complex64"),
+    # Its entry needs a NaN constant, which an integer dtype cannot hold: a decline, not a crash.
+    (lambda: make_card(A.logit_backward.default, meta(8, dtype=torch.int32), meta(8, dtype=torch.int32)),
+     "cannot express"),
 ])
 def test_generator_declines_with_a_reason(card, reason):
     ok, why = BuiltinProposer().supports(card())
@@ -429,6 +432,8 @@ ON_CPU = {
     "add_out": lambda: make_card(A.add.out, meta(7, 8), meta(8), out=meta(7, 8)),
     "where_bool": lambda: make_card(A.where.self, meta(9, 8, dtype=torch.bool), meta(9, 8), meta(8)),
     "eq_int": lambda: make_card(A.eq.Tensor, meta(6, 16, dtype=I32), meta(6, 16, dtype=I32)),
+    "addcmul_int_fractional_value": lambda: make_card(A.addcmul.default, meta(5, 7, dtype=I32), meta(5, 7, dtype=I32),
+                                                      meta(5, 7, dtype=I32), value=0.5),
     "to_copy_int_to_f64": lambda: make_card(A._to_copy.default, meta(8, 12, dtype=I32), dtype=torch.float64),
     "zero_dim": lambda: make_card(A.exp.default, meta()),
     "sum_rows": lambda: make_card(A.sum.dim_IntList, meta(5, 300), [-1]),

@@ -241,7 +241,7 @@ def test_where_kforge_dispatch_serves_it_the_custom_op_is_its_cpp_kernel(monkeyp
     ok, why = native_status("CPU")
     if not ok:
         pytest.skip(why)
-    from test_dispatch_native import RELU, NativeLauncher, calls
+    from test_dispatch import RELU, NativeLauncher, calls
 
     x = torch.randn(4, 8)
     launcher = NativeLauncher(RELU)

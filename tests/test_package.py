@@ -421,6 +421,9 @@ def test_apply_dispatches_hits_counts_and_restores(cpu_cast):
     (row,) = pkg.report()["cards"]
     assert row["decision"] == "dispatched" and row["hits"] == 2 and row["fallbacks"] == {"shape": 1}
     assert row["kind"] == "custom" and row["reason"].startswith("1.67x faster than eager as dispatched")
+    console = Console(record=True, width=200)
+    console.print(pkg.report("table"))
+    assert "shape: an input has another shape" in console.export_text()  # each counted reason, explained once
 
 
 def test_apply_restores_on_exception(cpu_cast):

@@ -15,7 +15,7 @@ def cpu_copy(t: torch.Tensor) -> torch.Tensor:
     return unpack(pack(t), TensorMeta.of(t), "cpu")
 
 
-def _bind(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[tuple[Any, Any]]:
+def bind(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[tuple[Any, Any]]:
     """(schema argument, value) for every argument; boxed kernels leave defaults out."""
     bound = []
     for i, a in enumerate(op._schema.arguments):
@@ -32,7 +32,7 @@ def _bind(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[tuple[An
 def arg_specs(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple[list[ArgSpec], list[torch.Tensor]]:
     """ArgSpecs in schema order and the tensor inputs in cards' launch-plan order."""
     specs, tensors = [], []
-    for a, v in _bind(op, args, kwargs):
+    for a, v in bind(op, args, kwargs):
         written = a.alias_info is not None and a.alias_info.is_write
         if isinstance(v, torch.Tensor):
             specs.append(ArgSpec(a.name, "tensor", a.kwarg_only, tensor=TensorMeta.of(v), written=written))

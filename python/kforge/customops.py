@@ -21,12 +21,14 @@ never appears in it as the card recorded it.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .cards import ArgSpec, Card
-from .dispatch import _ALIGN, Dispatcher, DispatchError, Variant, _native_variants
+from .dispatch import Dispatcher, DispatchError, Variant
+from .guards import GuardSpec, tensor_key
+from .native_override import native_variants
 
 NAMESPACE = "kforge"
 
@@ -53,13 +55,20 @@ class _KernelOp:
 
     variant: Variant
     native: bool = False  # kforge._dispatch's kernel is in front: calls reaching this one missed, and are counted
+    guard: GuardSpec = field(init=False)  # the op's own arguments: the card's tensors
+
+    def __post_init__(self) -> None:
+        self.bind(self.variant)
+
+    def bind(self, variant: Variant) -> None:
+        self.variant, self.guard = variant, GuardSpec.of_inputs(variant.card.inputs)
 
     def __call__(self, *ins: torch.Tensor):
         v = self.variant
         if self.native:
             outs = v.card.call_eager(list(ins))
-        elif any(_ALIGN[t.data_ptr() & 15] != m.align for t, m in zip(ins, v.card.inputs)):
-            v.counters.fell_back("alignment")
+        elif (key := tuple(tensor_key(t) for t in ins)) != self.guard.key:  # alignment: the graph could not see it
+            v.counters.fell_back(self.guard.differences(key)[0])
             outs = v.card.call_eager(list(ins))
         else:
             outs = v.run(ins)
@@ -90,7 +99,7 @@ def kernel_op(variant: Variant, kernel_digest: str) -> torch._ops.OpOverload:
     with _lock:
         bound = _ops.get(name)
         if bound is not None:
-            bound.variant = variant
+            bound.bind(variant)
         else:
             if _lib is None:
                 _lib = torch.library.Library(NAMESPACE, "FRAGMENT")
@@ -121,7 +130,7 @@ def _serve_natively(bound: _KernelOp, op: torch._ops.OpOverload) -> None:
     own = Card(op=f"{schema.name}.default", schema=str(schema), outputs=list(v.card.outputs), arch=v.card.arch,
                args=[ArgSpec(a.name, "tensor", tensor=m) for a, m in zip(schema.arguments, v.card.inputs)])
     variant = Variant(own, v.vid, v.launcher, v.workspace, v.counters)
-    if _native_variants([variant], key)[0] is None:
+    if native_variants([variant], key)[0] is None:
         return
     dispatcher.add(bound, [variant])
     bound.native = dispatcher.path(own.op)[0] == "native"

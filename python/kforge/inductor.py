@@ -8,10 +8,10 @@ The pass (Inductor's post_grad_custom_post_pass, a CustomGraphPass whose uuid() 
 package's digest, so Inductor's FX-graph and AOT caches key on it) replaces every node whose
 call hits the guard of a card whose compile decision is "dispatched" (its kernel beat the card
 compiled alone by torch.compile; kforge.package) with the card's custom op (kforge.customops). The guard is
-dispatch.py's: the card's key against the key of the node's arguments, its tensors described
-from their FakeTensors (node.meta["val"]) as a card describes tensors, their alignment that of
-their storage offset (storage bases are 16-byte aligned; the op checks real pointers when it
-runs). Everything else is left to Inductor.
+the card's guard specification (kforge.guards), the one eager dispatch checks: its key against
+the traced key of the node's arguments, their FakeTensors (node.meta["val"]) described as a
+card describes tensors, their alignment that of their storage offset (storage bases are
+16-byte aligned; the op checks real pointers when it runs). Everything else is left to Inductor.
 
 Inductor decomposes many ops before any post-grad pass runs (group_norm, softmax, layer_norm,
 ...), so their nodes never reach the pass. kforge.compile therefore hands Inductor its own
@@ -40,9 +40,8 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from . import customops
-from .cards import TensorMeta, dtype_name, pointer_alignment
-from .dispatch import (Launcher, Variant, _guard_key, _meta_key, _slot_kind, _tensor_key, _unrunnable,
-                       _value_key)
+from .dispatch import Launcher, Variant
+from .guards import call_values, slot_kind, traced_key
 from .errors import KforgeError
 
 try:
@@ -80,46 +79,6 @@ def unsupported() -> str | None:
 
 # ---- matching nodes against cards ------------------------------------------------------------
 
-class _NoKey(Exception):
-    """A call whose key is not static (symbolic shapes or values): it never hits a card."""
-
-
-def _static(xs: Sequence) -> tuple:
-    if any(isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)) for x in xs):
-        raise _NoKey
-    return tuple(xs)
-
-
-def _graph_tensor_key(t: Any) -> Any:
-    """The guard key of a traced tensor: described as a card describes a tensor, keyed by the
-    function that keys the card's."""
-    if not isinstance(t, torch.Tensor):
-        return _tensor_key(t)  # None, or a Python scalar where the schema says Tensor
-    if t.is_conj() or t.is_neg():
-        return ("conjugate or negative view",)
-    shape, stride = _static(t.shape), _static(t.stride())
-    offset = t.storage_offset()
-    if isinstance(offset, torch.SymInt):
-        raise _NoKey
-    return _meta_key(TensorMeta(shape, stride, dtype_name(t.dtype), t.device.type,
-                                pointer_alignment(offset * t.element_size())))
-
-
-def _graph_value_key(v: Any) -> Any:
-    if isinstance(v, (list, tuple)):
-        _static(v)
-    elif isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        raise _NoKey
-    return _value_key(v)
-
-
-_GRAPH_KEY_FNS: dict[str, Callable[[Any], Any]] = {
-    "tensor": _graph_tensor_key,
-    "tensors": lambda ts: tuple(_graph_tensor_key(t) for t in ts),
-    "value": _graph_value_key,
-}
-
-
 _UNTRACED = object()  # a node without meta["val"]: its key is "not a tensor", which no card has
 
 
@@ -138,7 +97,7 @@ class OpRewrite:
         self._tables: dict[torch._ops.OpOverload, dict[tuple, tuple[torch._ops.OpOverload, Variant]]] = {}
         for v, kernel in sites:  # later sites win on equal keys, as in eager dispatch
             op = v.card.overload()
-            self._tables.setdefault(op, {})[_guard_key(v.card, op._schema)] = kernel, v
+            self._tables.setdefault(op, {})[v.guard.key] = kernel, v
         self.key = ",".join(sorted(str(k) for table in self._tables.values() for k, _ in table.values()))
 
     @property
@@ -150,20 +109,13 @@ class OpRewrite:
         table = self._tables.get(op)
         if table is None:
             return None
-        arguments = op._schema.arguments
-        vals = list(args) + [kwargs.get(a.name, a.default_value if a.has_default_value() else None)
-                             for a in arguments[len(args):]]
-        try:
-            key = tuple(_GRAPH_KEY_FNS[_slot_kind(a)](x) for a, x in zip(arguments, vals))
-        except _NoKey:
-            return None
-        kernel, v = table.get(key, (None, None))
+        vals = call_values(op._schema, args, kwargs)
+        kernel, v = table.get(traced_key(op._schema, vals), (None, None))
         if kernel is None:
             return None
         # What a key cannot see, as eager dispatch checks it (inputs on one device, a device argument naming it).
         ins = [t for t in _tensor_args(op, args, kwargs) if t is not None]
-        devices = [x for a, x in zip(arguments, vals) if "Device" in str(a.type)]
-        return None if _unrunnable(v, ins, devices) else kernel
+        return None if v.guard.unrunnable(ins, [vals[i] for i in v.guard.device_slots]) else kernel
 
     def __call__(self, graph: torch.fx.Graph) -> int:
         from torch._guards import detect_fake_mode
@@ -193,7 +145,7 @@ def _tensor_args(op: torch._ops.OpOverload, args: Sequence, kwargs: dict) -> lis
     """A call's tensor arguments in Card.inputs order: schema order, lists flattened."""
     out: list = []
     for i, a in enumerate(op._schema.arguments):
-        kind = _slot_kind(a)
+        kind = slot_kind(a)
         if kind == "value":
             continue
         x = args[i] if i < len(args) else kwargs.get(a.name)

@@ -7,8 +7,8 @@ in place of the regions they match, and everything else as eager runs it (no Ind
 How: torch.compile with kforge's aten backend (kforge.graph). In each graph, the regions are
 found as capture found them (kforge.regions); a region whose structure and input metadata
 match a dispatched region card of the package is contracted into one call of a plain Python
-callable (RegionCall), which checks every input's exact metadata (shape, stride, dtype,
-device type, pointer alignment) against the card and launches the card's kernel, or, on a
+callable (RegionCall), which checks its inputs against the card's guard specification (kforge.guards: exact
+shape, stride, dtype, device type, pointer alignment) and launches the card's kernel, or, on a
 miss, runs the region's original aten calls. Where matched regions overlap (a fused region
 and a vendor op's epilogue), package.choose_regions keeps the set that saves the most by
 the package's own measurements. Then each remaining node whose call hits a single-op card's
@@ -29,6 +29,7 @@ swapped for a torch.library custom op without changing the graph surgery.
 from __future__ import annotations
 
 import collections
+import functools
 import heapq
 import operator
 import sys
@@ -42,7 +43,8 @@ import torch.fx as fx
 from . import graph as graph_mod
 from . import regions as regions_mod
 from .cards import Card
-from .dispatch import REASONS, Counters, Launcher, _meta_key, _tensor_key, differences
+from .dispatch import Counters, Launcher
+from .guards import GuardSpec, nearest, tensor_key
 from .subgraph import Subgraph
 
 
@@ -56,9 +58,9 @@ class RegionKernel:
     baseline_us: float | None = None  # its nodes without it: their best op kernels, else eager
     counters: Counters = field(default_factory=Counters)
 
-    @property
-    def guard(self) -> tuple:
-        return tuple(_meta_key(m) for m in self.card.inputs)
+    @functools.cached_property
+    def guard(self) -> GuardSpec:
+        return GuardSpec.of_inputs(self.card.inputs)
 
 
 def launch_kernel(card: Card, launcher: Launcher, vid: int, workspace: Sequence[int] = ()) -> Callable:
@@ -83,30 +85,25 @@ class RegionCall:
 
     def __init__(self, subgraph: Subgraph, kernels: list[RegionKernel]):
         self.subgraph = subgraph
-        self.table = {k.guard: k for k in kernels}
+        self.table = {k.guard.key: k for k in kernels}
         self.kernels = kernels
         self.__name__ = "kforge_region_" + "_".join(subgraph.ops)[:60]
 
     def __call__(self, *inputs: torch.Tensor) -> tuple:
-        key = tuple(_tensor_key(t) for t in inputs)
+        key = tuple(tensor_key(t) for t in inputs)
         k = self.table.get(key)
-        if k is not None and len({t.device for t in inputs}) == 1:
+        if k is not None and not k.guard.unrunnable(inputs):
             k.counters.hit()
             return tuple(k.run(list(inputs)))
-        self._count_miss(key, k)
+        self._count_miss(key, inputs, k)
         return tuple(self.subgraph.replay(list(inputs)))
 
-    def _count_miss(self, key: tuple, hit: RegionKernel | None) -> None:
-        if hit is not None:
-            hit.counters.fell_back("device")
+    def _count_miss(self, key: tuple, inputs: Sequence[torch.Tensor], hit: RegionKernel | None) -> None:
+        if hit is not None:  # the key matched: what it cannot see did not (inputs on several devices)
+            hit.counters.fell_back(hit.guard.unrunnable(inputs))
             return
-        kinds = ["tensor"] * len(key)
-        scored = []
-        for i, k in enumerate(self.kernels):
-            diffs = differences(key, k.guard, kinds) or ["no-variant"]
-            scored.append(((REASONS.index(diffs[0]), -len(diffs), -i), diffs[0], k))
-        _, reason, nearest = max(scored, key=lambda s: s[0])
-        nearest.counters.fell_back(reason)
+        i, reason = nearest(key, [kernel.guard for kernel in self.kernels])
+        self.kernels[i].counters.fell_back(reason)
 
 
 def contract(gm: fx.GraphModule, chosen: list[tuple[regions_mod.Site, Callable]]) -> fx.GraphModule:

@@ -36,9 +36,10 @@ import torch
 from rich.table import Table
 from rich.text import Text
 
-from .dispatch import Dispatcher, Launcher, RegistryLauncher, Variant, dispatch_blocker
 from .castfile import sha256
+from .dispatch import Dispatcher, Launcher, RegistryLauncher, Variant, dispatch_blocker
 from .errors import CudaUnavailableError, KforgeError, PackageError
+from .guards import REASONS, meaning
 from .manifest import read_manifest
 from .package_cards import PackagedCard, parse_cards
 from .package_write import write_package
@@ -238,8 +239,10 @@ class CastPackage:
         if fmt != "table":
             raise ValueError(f"fmt must be 'dict' or 'table', got {fmt!r}")
         # Every cell is Text: package text is data, never rich markup ("[/]" or "[link=...]" in a reason).
+        seen = [r for r in REASONS if any(r in row["fallbacks"] for row in rows)]  # what each counted reason means
+        caption = "\n".join([self.integrity] + [f"{r}: {meaning(r)}" for r in seen])
         table = Table(title=Text(f"{self.path.name} ({self.arch}, {'installed' if self.installed else 'not installed'})"),
-                      caption=Text(self.integrity))
+                      caption=Text(caption))
         for col in ("card", "op", "decision", "compile", "kind", "hits", "fallbacks", "why", "why (compile)"):
             table.add_column(col, justify="right" if col == "hits" else "left")
         for r in rows:

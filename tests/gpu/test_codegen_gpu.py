@@ -143,6 +143,10 @@ def test_every_generated_tagged_op_passes_the_evaluator(judge, name):
                 continue
             if name in ("div", "remainder", "fmod", "floor_divide") and dt == torch.int32:
                 card = positive(card, 1) if len([a for a in card.args if a.kind == "tensor"]) > 1 else card
+            try:  # a call eager's CUDA kernel rejects (bitwise ops of floats, ceil of bool) is never captured
+                card.call_eager(card.random_inputs(0, "cuda"), "cuda")
+            except RuntimeError:
+                continue
             judge(card, generated.default(card, current()))
 
 

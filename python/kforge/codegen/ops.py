@@ -345,10 +345,16 @@ def _lerp(c: Call):
 
 def _addc(div: bool) -> Entry:
     def entry(c: Call):
-        _, (s, t1, t2, v) = c.promote(["self", "tensor1", "tensor2", "value"])
-        if s.dtype not in FLOATS and div:
-            return "addcdiv of integers raises in eager"
-        return s + v * (t1 / t2 if div else t1 * t2)
+        # `value` is not promoted with the tensors: eager converts it to their type, so an
+        # integer addcmul truncates it (value=0.5 multiplies by 0).
+        _, (s, t1, t2) = c.promote(["self", "tensor1", "tensor2"])
+        value = c.s("value", 1)
+        if s.dtype not in FLOATS:
+            if div:
+                return "addcdiv of integers raises in eager"
+            value = int(value)
+        term = t1 / t2 if div else t1 * t2
+        return s + term * _k(term, value) if value != 1 else s + term
     return entry
 
 

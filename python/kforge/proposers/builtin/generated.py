@@ -25,7 +25,12 @@ def program(card: Card) -> Program | str:
     if card.id not in _PROGRAMS:
         if len(_PROGRAMS) > 4096:
             _PROGRAMS.clear()
-        _PROGRAMS[card.id] = cg_build.program_for_card(card)
+        try:
+            _PROGRAMS[card.id] = cg_build.program_for_card(card)
+        except (ValueError, TypeError, ArithmeticError) as e:
+            # An entry that cannot express this dtype (e.g. a NaN constant in an integer
+            # op) declines the card; a search must not die on one card.
+            _PROGRAMS[card.id] = f"the generator cannot express {card.op} for these dtypes: {e}"
     return _PROGRAMS[card.id]
 
 
