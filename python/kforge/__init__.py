@@ -13,8 +13,8 @@ from __future__ import annotations
 import importlib
 
 from . import env
-from .errors import (BudgetExhausted, CaptureError, CardError, CompileError, CudaUnavailableError, KforgeError,
-                     LaunchError, LLMError, LogError, PackageError, PlanError, ProposerError)
+from .errors import (BudgetExhausted, CaptureError, CardError, CompileError, CudaError, CudaUnavailableError,
+                     KforgeError, LaunchError, LaunchRefused, LLMError, LogError, PackageError, PlanError, ProposerError)
 
 __version__ = "0.1.0"
 
@@ -34,9 +34,9 @@ _LAZY = {
     "LaunchPlan": ("kforge.candidate", "LaunchPlan"),
 }
 
-__all__ = list(_LAZY) + ["__version__", "BudgetExhausted", "CaptureError", "CardError", "CompileError",
-                         "CudaUnavailableError", "KforgeError", "LaunchError", "LLMError", "LogError", "PackageError",
-                         "PlanError", "ProposerError"]
+__all__ = list(_LAZY) + ["__version__", "BudgetExhausted", "CaptureError", "CardError", "CompileError", "CudaError",
+                         "CudaUnavailableError", "KforgeError", "LaunchError", "LaunchRefused", "LLMError", "LogError",
+                         "PackageError", "PlanError", "ProposerError"]
 
 
 def __getattr__(name: str):
