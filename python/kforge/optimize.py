@@ -188,18 +188,54 @@ def contract(gm: fx.GraphModule, chosen: list[tuple[regions_mod.Site, Callable]]
 
 # ---- the optimized model ---------------------------------------------------------------------
 
-def region_kernels(package: Any, launcher: Launcher) -> list[RegionKernel]:
-    """The package's dispatched region cards as kernels. Variant ids are positions among the
-    package's kernel_cards() (the order of CastPackage.launcher()'s registry)."""
+def region_kernels(package: Any, launcher: Launcher, *, compiled: bool = False) -> list[RegionKernel]:
+    """The package's dispatched region cards as kernels, with the evidence to choose by: eager
+    dispatch's (kernel as dispatched against its nodes without it), or with `compiled` the
+    cards kforge.compile dispatches and their evidence against torch.compile (the kernel's GPU
+    time against the region compiled alone). Variant ids are positions among the package's
+    kernel_cards() (the order of CastPackage.launcher()'s registry)."""
     out = []
     for vid, c in enumerate(package.kernel_cards()):
-        if c.card.region is None or not c.dispatched:
+        if c.card.region is None or not (c.compiled if compiled else c.dispatched):
             continue
-        timing = c.entry.get("timing") or {}
         ws = [n for n, _ in c.candidate.plan.workspace_bytes()] if c.candidate is not None else []
-        out.append(RegionKernel(c.card, launch_kernel(c.card, launcher, vid, ws), timing.get("dispatched_us"),
-                                (c.entry.get("baseline") or {}).get("baseline_us"), c.counters))
+        if compiled:
+            evidence = c.entry.get("compile") or {}
+            kernel_us, baseline_us = evidence.get("kernel_us"), evidence.get("compile_us")
+        else:
+            kernel_us = (c.entry.get("timing") or {}).get("dispatched_us")
+            baseline_us = (c.entry.get("baseline") or {}).get("baseline_us")
+        out.append(RegionKernel(c.card, launch_kernel(c.card, launcher, vid, ws), kernel_us, baseline_us, c.counters))
     return out
+
+
+def by_match(kernels: Sequence[RegionKernel]) -> dict[tuple, list[RegionKernel]]:
+    """Region kernels by the key a graph's site must have to be their card's region."""
+    out: dict[tuple, list[RegionKernel]] = collections.defaultdict(list)
+    for k in kernels:
+        out[regions_mod.match_key(k.card.region, k.card.inputs)].append(k)
+    return dict(out)
+
+
+def match_regions(graph: fx.Graph | fx.GraphModule,
+                  kernels: dict[tuple, list[RegionKernel]]) -> list[tuple[regions_mod.Site, list[RegionKernel]]]:
+    """The graph's regions (as capture finds them) that match `kernels` (by_match), and of those
+    that overlap, the set that saves the most by the kernels' evidence; in graph order. Shared by
+    kforge.optimize and kforge.compile's pass: one matcher."""
+    from .package import RegionOption, choose_regions
+
+    options, matched = [], {}
+    for site in regions_mod.find(graph):
+        ks = kernels.get(site.match_key())
+        if not ks:
+            continue
+        best = min(ks, key=lambda k: k.kernel_us if k.kernel_us is not None else float("inf"))
+        opt = RegionOption(best.card.id, frozenset(n.name for n in site.nodes), best.kernel_us, best.baseline_us)
+        options.append(opt)
+        matched[opt] = (site, ks)
+    chosen = [matched[o] for o in choose_regions(options)]
+    chosen.sort(key=lambda sk: min(n.name for n in sk[0].nodes))
+    return chosen
 
 
 @dataclass
@@ -224,10 +260,7 @@ class OptimizedModel(torch.nn.Module):
         self.replaced: list[Replaced] = []
         self.ops_replaced = 0  # graph nodes given a single-op card's kernel
         self._op_rewrites = op_rewrites
-        by_match: dict[tuple, list[RegionKernel]] = collections.defaultdict(list)
-        for k in kernels:
-            by_match[regions_mod.match_key(k.card.region, k.card.inputs)].append(k)
-        self._by_match = dict(by_match)
+        self._by_match = by_match(kernels)
         backend = graph_mod.aten_backend(self._compile_graph, self.notes)
         self.__dict__["_compiled"] = torch.compile(model, backend=backend, dynamic=False)  # not a submodule
 
@@ -235,19 +268,7 @@ class OptimizedModel(torch.nn.Module):
         return self._compiled(*args, **kwargs)
 
     def _compile_graph(self, gm: fx.GraphModule, index: int, note: str | None) -> Callable:
-        from .package import RegionOption, choose_regions
-
-        options, matched = [], {}
-        for site in regions_mod.find(gm):
-            ks = self._by_match.get(site.match_key())
-            if not ks:
-                continue
-            best = min(ks, key=lambda k: k.kernel_us if k.kernel_us is not None else float("inf"))
-            opt = RegionOption(best.card.id, frozenset(n.name for n in site.nodes), best.kernel_us, best.baseline_us)
-            options.append(opt)
-            matched[opt] = (site, ks)
-        chosen = [matched[o] for o in choose_regions(options)]
-        chosen.sort(key=lambda sk: min(n.name for n in sk[0].nodes))
+        chosen = match_regions(gm, self._by_match)
         for site, ks in chosen:
             self.replaced.append(Replaced(index, site.nodes[0].name, [k.card.id for k in ks]))
         out = contract(gm, [(site, RegionCall(site.subgraph, ks)) for site, ks in chosen]) if chosen else gm

@@ -42,14 +42,14 @@ from .errors import CudaUnavailableError, KforgeError, PackageError
 from .guards import REASONS, meaning
 from .manifest import read_manifest
 from .package_cards import PackagedCard, parse_cards
-from .package_write import write_package
+from .package_write import record_model_check, write_package
 from .verdict import EvalResult
 from .winners import RegionOption, choose_regions
 
 # Users write, choose and load packages through kforge.package (docs/interfaces.md); the
 # writer and the choice of winners are modules of their own.
 __all__ = ["CastPackage", "PackagedCard", "PackageFallbackWarning", "RegionOption", "choose_regions", "load",
-           "write_package"]
+           "record_model_check", "write_package"]
 
 log = logging.getLogger("kforge.package")
 
@@ -224,6 +224,19 @@ class CastPackage:
 
         return options(self, launcher=launcher)
 
+    def compile_verdict(self) -> str:
+        """One line: what the model check found of kforge.compile against torch.compile, and what
+        kforge.compile does with this package because of it."""
+        check = self.manifest.get("model_check")
+        if not check:
+            return "model check: kforge.compile not checked against torch.compile on the model (cards decide alone)"
+        line = (f"model check on {check.get('device') or self.gpu}: torch.compile {check['torch_compile_us']:.1f} µs, "
+                f"kforge.compile {check['kforge_compile_us']:.1f} µs, {check['verdict']}")
+        if check["use"] == "torch.compile":
+            return line + ": kforge.compile runs plain torch.compile for this package"
+        drop = check.get("drop") or []
+        return line + (f": kforge.compile leaves out {', '.join(drop)}" if drop else ": kforge.compile uses its kernels")
+
     # ---- auditing ---------------------------------------------------------------------
     def report(self, fmt: str = "dict") -> dict | Table:
         """Per card: dispatched or fallback and why, in eager dispatch and in compiled graphs
@@ -235,7 +248,8 @@ class CastPackage:
                  "kind": c.kind, "hits": c.counters.hits, "fallbacks": dict(c.counters.fallbacks)} for c in self.cards]
         if fmt == "dict":
             return {"package": str(self.path), "gpu": self.gpu, "arch": self.arch, "installed": self.installed,
-                    "integrity": self.integrity, "dispatched": sum(c.dispatched for c in self.cards), "cards": rows}
+                    "integrity": self.integrity, "dispatched": sum(c.dispatched for c in self.cards),
+                    "model_check": self.manifest.get("model_check"), "cards": rows}
         if fmt != "table":
             raise ValueError(f"fmt must be 'dict' or 'table', got {fmt!r}")
         # Every cell is Text: package text is data, never rich markup ("[/]" or "[link=...]" in a reason).

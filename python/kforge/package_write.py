@@ -14,7 +14,7 @@ from . import castfile, customops
 from .candidate import LaunchPlan
 from .card_files import load_card
 from .cards import Card
-from .castfile import MANIFEST, sha256
+from .castfile import CHECKSUMS, MANIFEST, SIGNATURE, sha256
 from .dispatch import dispatch_blocker
 from .errors import CardError, CompileError, CudaUnavailableError, PackageError
 from .log import LOG_NAME, SearchLog
@@ -104,7 +104,7 @@ def _card_entry(card: Card, choice: Choice, arch: str) -> tuple[dict, dict[str, 
         raise PackageError(f"the compiler returned no {arch} cubin for card {card.id} (got sm {cubin_sm(cubin)}); "
                            "a package must carry cubins for its exact arch")
     if choice.compiled.dispatched:
-        blocked = "region cards run through kforge.optimize" if card.region is not None else customops.op_blocker(card)
+        blocked = None if card.region is not None else customops.op_blocker(card)  # a region's op: kforge.compile's pass
         if blocked:
             entry["compile"].update(decision="fallback", reason=f"stays out of compiled graphs: {blocked}")
     if choice.eager.dispatched:
@@ -209,8 +209,27 @@ def _region_decisions(run_dir: Path, entries: list[dict], members: dict[str, byt
                                                    for o in options]})
     for e in region_entries.values():
         if e["decision"] == "dispatched" and e["id"] not in chosen_ids:
-            for name in e["files"].values():
-                members.pop(name, None)
-            e.update(decision="fallback", plan=None, files=None, hashes=None,
-                     reason="overlapping regions or the op kernels inside it save more at every call site")
+            e.update(decision="fallback", reason="overlapping regions or the op kernels inside it save more at every "
+                                                 "call site")
+            if e["compile"]["decision"] != "dispatched":  # kforge.compile's pass chooses its own regions
+                for name in e["files"].values():
+                    members.pop(name, None)
+                e.update(plan=None, files=None, hashes=None)
     return {"sites": report}
+
+
+def record_model_check(path: str | Path, verdict: dict) -> None:
+    """Write the model check's verdict on kforge.compile (kforge.modelcheck.ModelCheck.compile_record)
+    into the .cast at `path`, as its manifest's "model_check", which kforge.compile follows. A
+    signed package is refused: the rewrite changes its checksums, so the signature would not hold."""
+    path = Path(path)
+    members = castfile.read_members(path)
+    castfile.verify_checksums(path, members)
+    if SIGNATURE in members:
+        raise PackageError(f"{path} is signed, and recording the model check would void its signature: re-sign it "
+                           "after `kforge package` on an unsigned copy, or pass use_verdict=False to kforge.compile")
+    manifest = check_manifest(path, members[MANIFEST])
+    manifest.update(format=FORMAT, model_check=verdict)
+    members[MANIFEST] = json.dumps(manifest, indent=1, sort_keys=True).encode()
+    check_manifest(path, members[MANIFEST])  # never write what load() would refuse
+    castfile.write_zip(path, {k: v for k, v in members.items() if k != CHECKSUMS})

@@ -60,11 +60,12 @@ def _inspect_package(path: Path, console: Console, args: argparse.Namespace) -> 
         manifest = pkg.manifest
         return emit({"kind": "package", "path": str(path), "gpu": pkg.gpu, "arch": pkg.arch, "summary": summary,
                       "integrity": pkg.integrity,
-                      **{k: manifest.get(k) for k in ("format", "kforge", "torch", "cuda", "run_id")},
+                      **{k: manifest.get(k) for k in ("format", "kforge", "torch", "cuda", "run_id", "model_check")},
                       "cards": [{k: e.get(k) for k in _PACKAGE_CARD_KEYS} for e in manifest.get("cards", [])],
                       "notes": [str(w.message) for w in caught]})
     console.print(f"{escape(str(path))}: built for {escape(pkg.gpu)} ({pkg.arch}); {summary}; {pkg.integrity}")
     console.print(pkg.report(fmt="table"))
+    console.print(escape(pkg.compile_verdict()))
     _notes(caught, console)
     return 0
 

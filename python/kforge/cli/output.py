@@ -66,7 +66,8 @@ def _result_json(result) -> dict:
     return {"run_id": result.run_id, "run_dir": str(result.run_dir), "validated": result.validated,
             "package": str(result.package_path) if result.package_path else None, "message": result.message,
             "cards": [dataclasses.asdict(r) for r in result.table], "stop_reasons": result.stop_reasons,
-            "model_check": {"verdict": check.verdict, "message": check.message()} if check is not None else None,
+            "model_check": {"verdict": check.verdict, "message": check.message(),
+                            "compile": check.compile_record()} if check is not None else None,
             "model_check_error": result.model_check_error or None}
 
 

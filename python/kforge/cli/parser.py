@@ -102,6 +102,9 @@ def _search_options(p: argparse.ArgumentParser) -> None:
                    help="only search cards whose op name contains one of these")
     g.add_argument("--devices", type=_devices, metavar="0,1",
                    help="GPU ordinals to evaluate on (default: all)")
+    g.add_argument("--cluster", metavar="ray|ray://HOST:PORT",
+                   help="evaluate on every GPU of a Ray cluster (ray: the one at $RAY_ADDRESS) instead of this "
+                        "machine's; needs pip install 'kforge[ray]' (docs/cluster.md)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-progress", action="store_true", help="no live progress display")
     _llm_options(p)
@@ -153,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir without capturing")
     p.add_argument("--no-model-check", action="store_true",
                    help="do not time the model eager and with the package at the end")
+    p.add_argument("--leave-one-out", type=int, default=0, metavar="N",
+                   help="when kforge.compile does not beat torch.compile and its graphs ran at most N cards, "
+                        "time it without each card in turn and record the one to leave out (default 0: off)")
     p.add_argument("--regions", action="store_true",
                    help="also trace the model and write a card per fused multi-op region (experimental)")
     _search_options(p)
@@ -193,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("doctor", help="what kforge finds of CUDA, the driver and NVRTC, the LLM settings, and "
                        "what works without a GPU", parents=[_output_options(True)])
+    p.add_argument("--cluster", metavar="ray|ray://HOST:PORT",
+                   help="also report the Ray cluster's nodes: GPUs, versions, and which a run from here refuses")
     _llm_options(p)
     return parser
 
@@ -202,14 +210,14 @@ def search_kwargs(args: argparse.Namespace) -> dict:
     return dict(proposer=args.proposer, iterations=args.iterations, wall_time_s=args.wall_time,
                 max_cost_usd=args.max_cost, min_share=args.min_share, include_vendor=args.include_vendor,
                 devices=args.devices, seed=args.seed, progress=not args.no_progress, proposer_options=options,
-                ops=args.ops)
+                ops=args.ops, cluster=args.cluster)
 
 
 # Search options as (dest, flag): a resume hint repeats those that differ from the defaults.
 _SEARCH_FLAGS = (("proposer", "--proposer"), ("iterations", "--iterations"), ("wall_time", "--wall-time"),
                  ("max_cost", "--max-cost"), ("min_share", "--min-share"), ("include_vendor", "--include-vendor"),
                  ("ops", "--ops"),
-                 ("devices", "--devices"), ("seed", "--seed"), ("llm_config", "--llm-config"),
+                 ("devices", "--devices"), ("cluster", "--cluster"), ("seed", "--seed"), ("llm_config", "--llm-config"),
                  ("llm_base_url", "--llm-base-url"), ("llm_model", "--llm-model"), ("llm_price", "--llm-price"),
                  ("llm_reply_tokens", "--llm-reply-tokens"), ("llm_temperature", "--llm-temperature"),
                  ("llm_top_p", "--llm-top-p"), ("llm_reasoning_effort", "--llm-reasoning-effort"),

@@ -33,7 +33,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         model, inputs = load_model_spec(args.model)
         # Plain lines: a live status here would clash with the search's progress display after it.
         result = runner.run(model, inputs, out=args.out, run_dir=args.run_dir, model_name=args.model,
-                            check_model=not args.no_model_check, regions=args.regions,
+                            check_model=not args.no_model_check, leave_one_out=args.leave_one_out,
+                            regions=args.regions,
                             capture_progress=progress_lines(args, err, "capture"), **kwargs)
     return report_result(result, console, args)
 

@@ -9,6 +9,7 @@ import json
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from ..errors import KforgeError
 from .output import emit
@@ -60,8 +61,10 @@ def cmd_doctor(args: argparse.Namespace, console: Console) -> int:
     native, why = native_status("CUDA")
     advice = _without_gpu(status)
     llm = _llm_rows(llm_settings(args))
+    cluster = _cluster_report(args.cluster) if args.cluster else None
     if args.json:
-        return emit({**status, "dispatch": {"native": native, "why": why}, "without_gpu": advice, "llm": dict(llm)})
+        return emit({**status, "dispatch": {"native": native, "why": why}, "without_gpu": advice, "llm": dict(llm),
+                     **({"cluster": cluster} if cluster else {})})
     t = Table(title="kforge doctor", title_justify="left", show_header=False)
     t.add_column("what")
     t.add_column("status", overflow="fold")  # paths whole, folded, never cut with an ellipsis
@@ -77,7 +80,29 @@ def cmd_doctor(args: argparse.Namespace, console: Console) -> int:
         console.print(line, soft_wrap=True, highlight=False)
     if not advice:
         console.print("A GPU and NVRTC are here: everything works.")
+    if cluster:
+        console.print(_cluster_table(cluster))
     return 0
+
+
+def _cluster_report(cluster: str) -> dict:
+    from ..cluster import ray_address
+    from ..cluster.nodes import cluster_report
+
+    return cluster_report(ray_address(cluster))
+
+
+def _cluster_table(report: dict) -> Table:
+    t = Table(title=f"Ray cluster at {report['address']} (ray {report['ray']})", title_justify="left")
+    for col in ("node", "GPUs", "GPU", "driver", "torch", "kforge", "a run from here"):
+        t.add_column(col, overflow="fold")
+    for n in report["nodes"]:
+        gpu = ", ".join(sorted({f"{g['name']} ({g['arch']})" for g in n.get("gpus_seen", [])})) or "-"
+        verdict = (n["error"] if "error" in n else "no GPU: not used" if not n["gpus"] else
+                   f"refused: {n['refused']}" if n.get("refused") else "used")
+        t.add_row(*map(Text, (f"{n['ip']} ({n['node_id'][:8]})", str(n["gpus"]), gpu, str(n.get("driver", "-")),
+                              n.get("torch", "-"), n.get("kforge", "-"), verdict)))
+    return t
 
 
 def _llm_rows(settings: dict) -> list[tuple[str, str]]:
