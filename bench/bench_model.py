@@ -25,8 +25,9 @@ import torch
 
 import kforge
 from kforge import timing
-from kforge.capture import shares_by_family
-from kforge.cards import flatten_outputs, load_cards
+from kforge.shares import shares_by_family
+from kforge.card_files import load_cards
+from kforge.cards import flatten_outputs
 from kforge.hardware import current
 from kforge.modelcheck import compiled_forwards, time_graphs
 from kforge.modelspec import load_model_spec

@@ -21,7 +21,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import kforge
 from kforge import customops, inductor
 from kforge.candidate import Candidate, LaunchPlan
-from kforge.capture import capture
+from kforge.capturing import capture
 from kforge.dispatch import native_status
 from kforge.package import CastPackage, PackagedCard
 from test_dispatch import FakeLauncher, make_card, relu_kernel, softmax_kernel, to_copy_card

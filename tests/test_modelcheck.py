@@ -12,7 +12,7 @@ import torch
 from test_dispatch import FakeLauncher, relu_kernel
 from test_package import cpu_cast  # noqa: F401  (fixture)
 
-from kforge import runner
+from kforge import run_report, runner
 from kforge.dispatch import Dispatcher
 from kforge.errors import KforgeError
 from kforge.log import SearchLog
@@ -70,12 +70,12 @@ def test_verdict_is_beyond_the_noise(iqr, package_us, verdict):
         assert "do not apply the package" in check.message() and "CUDA graph" in check.message()
 
 
-def run_logged(tmp_path, package_path) -> runner.RunResult:
+def run_logged(tmp_path, package_path) -> run_report.RunResult:
     """A finished run "r1" in tmp_path's search log, whose package is `package_path`."""
     log = SearchLog(tmp_path)
     log.start_run("r1", model="m")
     log.close()
-    return runner.RunResult("r1", tmp_path, [], Path(package_path), True)
+    return run_report.RunResult("r1", tmp_path, [], Path(package_path), True)
 
 
 def logged_checks(tmp_path) -> list[tuple]:

@@ -13,7 +13,7 @@ from torch import nn
 
 import kforge
 from kforge.candidate import Candidate, LaunchPlan
-from kforge.capture import capture
+from kforge.capturing import capture
 from kforge.optimize import RegionCall, RegionKernel, optimize
 from kforge.package import CastPackage, PackagedCard
 from test_graph import Branchy

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from . import timing
-from .capture import _as_call, _model_device, _model_state
+from .modelrun import as_call, model_device, model_state
 from .errors import KforgeError
 
 REL_NOISE = 0.01  # differences under 1 % of eager are "level" however steady the timings
@@ -410,8 +410,8 @@ def check_model(model: torch.nn.Module, example_inputs: Any, package, *, rounds:
     compile_error. With `leave_one_out` N and kforge.compile not faster, where its graphs ran 1 to N
     cards: kforge.compile without each of them in turn, timed in further interleaved rounds beside
     torch.compile and kforge.compile (ModelCheck.leave_one_out; compile_record() uses it)."""
-    args, kwargs = _as_call(example_inputs, None)
-    dev = _model_device(model, args, kwargs)
+    args, kwargs = as_call(example_inputs, None)
+    dev = model_device(model, args, kwargs)
 
     def forward():
         return model(*args, **kwargs)
@@ -421,7 +421,7 @@ def check_model(model: torch.nn.Module, example_inputs: Any, package, *, rounds:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
-    with _model_state(model, eval_mode=True), torch.inference_mode():
+    with model_state(model, eval_mode=True), torch.inference_mode():
         synced()  # warm-up
         t0 = time.perf_counter()
         synced()

@@ -342,9 +342,8 @@ def optimize(model: torch.nn.Module, package: Any, *, ops: bool = True, launcher
 
 
 class _CallableModule(types.ModuleType):
-    """`kforge.optimize` names both this module and its `optimize` function (as kforge.capture
-    does): once the module is imported, the package's attribute is the module, so calling the
-    module calls the function."""
+    """`kforge.optimize` names both this module and its `optimize` function: once the module is
+    imported, the package's attribute is the module, so calling the module calls the function."""
 
     def __call__(self, *args, **kwargs) -> OptimizedModel:
         return optimize(*args, **kwargs)
