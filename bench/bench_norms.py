@@ -24,27 +24,28 @@ import bench_regions  # noqa: E402
 from builtin_cards import BF16, F16, bn, gn, ln, meta, rms, softmax  # noqa: E402
 from norm_models import AddLayerNormGelu, AddRMSNorm, BatchNormReluAdd, GroupNormSilu, MaskSoftmax  # noqa: E402
 from kforge import timing  # noqa: E402
-from kforge.capture import capture  # noqa: E402
-from kforge.cards import faithful_clone, load_sample  # noqa: E402
+from kforge.capturing import capture  # noqa: E402
+from kforge.card_files import load_sample  # noqa: E402
+from kforge.cards import faithful_clone  # noqa: E402
 from kforge.hardware import current  # noqa: E402
 from kforge.proposers.builtin import batch_norm, generated, group_norm, layer_norm, rms_norm  # noqa: E402
 from kforge.proposers.builtin import softmax as softmax_t  # noqa: E402
 
 # name -> (card, the template family that takes it)
 CARDS = {
-    "softmax 1x8x2048x2048 fp32": (lambda: softmax(1, 8, 2048, 2048), softmax_t.FAMILY),
-    "softmax 16384x128 fp32": (lambda: softmax(16384, 128), softmax_t.FAMILY),
-    "softmax 4096x32000 bf16": (lambda: softmax(4096, 32000, dtype=BF16), softmax_t.FAMILY),
-    "log_softmax 4096x32000 fp32": (lambda: softmax(4096, 32000, log=True), softmax_t.FAMILY),
-    "layer_norm 16384x768 fp32": (lambda: ln(16384, 768), layer_norm.FAMILY),
-    "layer_norm 8192x4096 bf16": (lambda: ln(8192, 4096, BF16), layer_norm.FAMILY),
-    "rms_norm 8192x4096 bf16": (lambda: rms(8192, 4096, BF16), rms_norm.FAMILY),
-    "rms_norm 8192x2304 bf16 (gemma)": (lambda: rms(8192, 2304, BF16), rms_norm.FAMILY),
-    "group_norm 2x512x64x64 fp16": (lambda: gn(2, 512, 64, 64, 32, F16), group_norm.FAMILY),
+    "softmax 1x8x2048x2048 fp32": (lambda: softmax(1, 8, 2048, 2048), softmax_t.TEMPLATE),
+    "softmax 16384x128 fp32": (lambda: softmax(16384, 128), softmax_t.TEMPLATE),
+    "softmax 4096x32000 bf16": (lambda: softmax(4096, 32000, dtype=BF16), softmax_t.TEMPLATE),
+    "log_softmax 4096x32000 fp32": (lambda: softmax(4096, 32000, log=True), softmax_t.TEMPLATE),
+    "layer_norm 16384x768 fp32": (lambda: ln(16384, 768), layer_norm.TEMPLATE),
+    "layer_norm 8192x4096 bf16": (lambda: ln(8192, 4096, BF16), layer_norm.TEMPLATE),
+    "rms_norm 8192x4096 bf16": (lambda: rms(8192, 4096, BF16), rms_norm.TEMPLATE),
+    "rms_norm 8192x2304 bf16 (gemma)": (lambda: rms(8192, 2304, BF16), rms_norm.TEMPLATE),
+    "group_norm 2x512x64x64 fp16": (lambda: gn(2, 512, 64, 64, 32, F16), group_norm.TEMPLATE),
     "group_norm 1x128x256x256 fp32 channels_last": (lambda: gn(1, 128, 256, 256, 32, channels_last=True),
-                                                    group_norm.FAMILY),
+                                                    group_norm.TEMPLATE),
     "batch_norm 32x256x56x56 bf16": (lambda: bn(meta(32, 256, 56, 56, dtype=BF16), stats_dtype=torch.float32),
-                                     batch_norm.FAMILY),
+                                     batch_norm.TEMPLATE),
 }
 
 
@@ -88,7 +89,7 @@ def card_rows(only, budget: int, with_compile: bool) -> list[dict]:
             continue
         card = make()
         t = bench_builtin.run_case(f"{name} [template]", card, None, hw, budget, with_compile, (template,))
-        g = bench_builtin.run_case(f"{name} [generated]", card, None, hw, budget, with_compile, (generated.FAMILY,))
+        g = bench_builtin.run_case(f"{name} [generated]", card, None, hw, budget, with_compile, (generated.TEMPLATE,))
         rows.append({"name": name, "card": card.summary(), "eager_us": t["eager_us"], "compile_us": t["compile_us"],
                      "template_us": t["kernel_us"], "generated_us": g["kernel_us"], "floor_us": t["floor_us"],
                      "template_knobs": t["knobs"], "generated_knobs": g["knobs"],
@@ -110,7 +111,7 @@ def region_rows(only, budget: int, with_compile: bool) -> list[dict]:
         for card in [c for c in r.cards if c.region is not None]:
             ins = load_sample(card, run_dir, device="cuda")[0] if card.samples else card.random_inputs(0, "cuda")
             print(f"{name}: {'+'.join(card.region.ops)}: sweeping")
-            best, _, n, tried = bench_builtin.sweep(card, hw, ins, budget, (generated.FAMILY,))
+            best, _, n, tried = bench_builtin.sweep(card, hw, ins, budget, (generated.TEMPLATE,))
             fns = [lambda: card.call_eager(ins, "cuda")]
             if best is not None:
                 fns.append(bench_builtin.Runner(card, best, [faithful_clone(t) for t in ins]))

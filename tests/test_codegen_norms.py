@@ -19,8 +19,8 @@ from builtin_cards import A, BF16, F16, F32, make_card, meta
 from norm_models import (AddLayerNormGelu, AddRMSNorm, BatchNormReluAdd, GroupNormSilu, HandRMSNorm, InstanceNormRelu,
                          MaskSoftmax, ScaleSoftmax)
 from kforge import compiler
-from kforge.capture import capture
-from kforge.cards import load_sample
+from kforge.capturing import capture
+from kforge.card_files import load_sample
 from kforge.codegen import build, interp, lower
 from kforge.codegen.ir import Node, Ref
 from kforge.hardware import H200

@@ -19,7 +19,7 @@ import pytest
 from fakes import FakeEvaluator, FakeProposer, candidate, toy_card
 
 from kforge import cuda, log, runner
-from kforge.cards import save_card
+from kforge.card_files import save_card
 from kforge.cli import main
 from kforge.log import LOG_NAME, SearchLog, connect
 from kforge.verdict import EvalResult, Verdict

@@ -14,7 +14,7 @@ from torch import nn
 from norm_models import (AddLayerNormGelu, AddRMSNorm, BatchNormReluAdd, GroupNormSilu, InstanceNormRelu, LogSoftmax,
                          MaskSoftmax, ScaleSoftmax)
 
-from kforge.capture import capture
+from kforge.capturing import capture
 from kforge.evaluate import make_evaluator
 from kforge.hardware import current
 from kforge.proposers.base import ProposalContext

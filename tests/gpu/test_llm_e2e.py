@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kforge import hardware
-from kforge.capture import capture
+from kforge.capturing import capture
 from kforge.evaluate import make_evaluator
 from kforge.log import SearchLog
 from kforge.proposers.llm import LLMConfig, LLMProposer, prompts
