@@ -28,6 +28,11 @@ from kforge.proposers.builtin import BuiltinProposer, generated
 from kforge.proposers.builtin import space as knob_space
 
 
+@pytest.fixture(autouse=True)
+def _seeded():
+    torch.manual_seed(0)
+
+
 def _t(shape, dtype=F32, channels_last=False, positive=False):
     x = torch.randn(shape).abs() + 0.1 if positive else torch.randn(shape) * 3
     x = x.to(dtype)
@@ -142,8 +147,10 @@ def _threads_alone(knobs) -> bool:
 def _check_outputs(got, want, card):
     for g, w, m in zip(got, want, card.outputs):
         if m.numel:
-            # eager's CPU statistics of 16-bit input are 16-bit (CUDA's, which the card has, fp32)
-            torch.testing.assert_close(g.to(w.dtype), w, msg=lambda msg: f"{card.summary()}: {msg}")
+            # eager's CPU statistics of 16-bit input are 16-bit (CUDA's, which the card has, fp32);
+            # fp32 within 1e-4: the table follows CUDA's formulas (group norm's a * x + (b - a * mean))
+            tol = {} if w.dtype in (F16, BF16) else dict(rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(g.to(w.dtype), w, **tol, msg=lambda msg: f"{card.summary()}: {msg}")
 
 
 def _compile_and_run(card, inputs, want, run: bool = True):
