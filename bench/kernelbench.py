@@ -155,7 +155,7 @@ def _close(got, ref) -> bool:
 def run_problem(problem: Problem, args, device: str) -> dict:
     import kforge
     from kforge import timing
-    from kforge.log import connect
+    from kforge.store import LLMUsage, SQLiteStore
 
     m = problem.module
     torch.manual_seed(0)
@@ -169,14 +169,10 @@ def run_problem(problem: Problem, args, device: str) -> dict:
                         iterations=args.iterations, wall_time_s=args.wall_time, progress=False, check_model=False,
                         model_name=problem.name, include_vendor=args.include_vendor)
     row["search_s"] = time.perf_counter() - t0
-    conn = connect(run_dir, readonly=True)
-    try:
-        row["candidates"] = conn.execute("SELECT COUNT(*) FROM candidates").fetchone()[0]
-        row["llm_cost_usd"] = conn.execute("SELECT COALESCE(SUM(cost_usd), 0) FROM llm_calls").fetchone()[0]
-        row["llm_tokens"] = conn.execute("SELECT COALESCE(SUM(prompt_tokens + completion_tokens), 0) "
-                                         "FROM llm_calls").fetchone()[0]
-    finally:
-        conn.close()
+    with SQLiteStore(run_dir, readonly=True) as log:  # one run: the problem's own directory
+        llm = sum(log.llm_usage(result.run_id).values(), LLMUsage())
+        row["candidates"] = log.activity(result.run_id)[0]
+    row["llm_cost_usd"], row["llm_tokens"] = llm.cost_usd, llm.tokens
     if result.package_path is None:
         row["error"] = result.message or "no package written"
         return row

@@ -17,7 +17,7 @@ from kforge import cuda, proposers, runner
 from kforge.cards import load_cards, save_card
 from kforge.cli import _resume_command, build_parser, main
 from kforge.errors import CudaUnavailableError, ExitCode
-from kforge.log import connect
+from kforge.store import connect
 
 MODEL = textwrap.dedent("""
     import torch

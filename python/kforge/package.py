@@ -27,7 +27,6 @@ import collections
 import contextlib
 import json
 import logging
-import sqlite3
 import tempfile
 import warnings
 from dataclasses import dataclass, field
@@ -45,8 +44,8 @@ from .cards import CARD_FORMAT, Card, card_id, decode_value, load_card
 from .castfile import CHECKSUMS, MANIFEST, SIGNATURE, sha256
 from .dispatch import Counters, Dispatcher, Launcher, RegistryLauncher, Variant, dispatch_blocker
 from .errors import CardError, CompileError, CudaUnavailableError, KforgeError, PackageError, PlanError
-from .log import LOG_NAME, SearchLog
 from .manifest import ARCH, FORMAT, MAX_TEXT, check_manifest, read_manifest
+from .store import LOG_NAME, CandidateRecord, CardRecord, SQLiteStore
 from .verdict import EvalResult, Verdict
 
 # Without an IQR in the evidence a kernel must beat eager by this fraction to be dispatched.
@@ -126,9 +125,9 @@ def decide(*, eager_us: float, dispatched_us: float, eager_noise_us: float, kern
 
 @dataclass
 class Choice:
-    """The candidate row to ship for a card (None: nothing ships) and its two decisions."""
+    """The candidate to ship for a card (None: nothing ships) and its two decisions."""
 
-    row: sqlite3.Row | None
+    candidate: CandidateRecord | None
     eager: Decision
     compiled: Decision
 
@@ -141,17 +140,17 @@ def _summary(evidence: dict, *names: str) -> dict:
     return next((evidence[n] for n in names if isinstance(evidence.get(n), dict)), {})
 
 
-def _compile_decision(row: sqlite3.Row, noise_factor: float, margin: float) -> tuple[float | None, str]:
-    """(noise of the kernel against torch.compile, why there is no compile time) of a row."""
-    evidence = json.loads(row["evidence_json"] or "{}")
-    if row["compile_us"] is None:
+def _compile_decision(row: CandidateRecord, noise_factor: float, margin: float) -> tuple[float | None, str]:
+    """(noise of the kernel against torch.compile, why there is no compile time) of a candidate."""
+    evidence = row.evidence
+    if row.compile_us is None:
         why = evidence.get("compile_error")
         return None, why if isinstance(why, str) and why else "never timed against torch.compile (searched without the compile baseline)"
     c_iqr, k_iqr = _summary(evidence, "compiled").get("iqr_us"), _summary(evidence, "kernel").get("iqr_us")
-    return noise(row["compile_us"], c_iqr, k_iqr, noise_factor=noise_factor, margin=margin), ""
+    return noise(row.compile_us, c_iqr, k_iqr, noise_factor=noise_factor, margin=margin), ""
 
 
-def choose(rows: list[sqlite3.Row], skip_reason: str | None, *, noise_factor: float = 1.0,
+def choose(rows: list[CandidateRecord], skip_reason: str | None, *, noise_factor: float = 1.0,
            margin: float = DEFAULT_MARGIN) -> Choice:
     """Decide twice (see decide()). For eager dispatch: the valid candidate with the lowest
     latency as dispatched, against eager as dispatched, noise from evidence["eager"/"dispatched"]
@@ -165,25 +164,25 @@ def choose(rows: list[sqlite3.Row], skip_reason: str | None, *, noise_factor: fl
         return nothing(f"not searched: {skip_reason}")
     if not rows:
         return nothing("not searched: no candidate was evaluated")
-    valid = [r for r in rows if r["verdict"] == Verdict.VALID.value]
+    valid = [r for r in rows if r.verdict == Verdict.VALID.value]
     if not valid:
-        counts = collections.Counter(r["verdict"] for r in rows)
+        counts = collections.Counter(r.verdict for r in rows)
         return nothing(f"no valid candidate ({len(rows)} tried: "
                        + ", ".join(f"{n} {v}" for v, n in counts.most_common()) + ")")
-    trusted = [r for r in valid if "beyond_roofline" not in json.loads(r["flags_json"] or "[]")]
+    trusted = [r for r in valid if "beyond_roofline" not in r.flags]
     if not trusted:
         return nothing("every valid candidate is faster than the HBM floor (flagged beyond_roofline); needs review")
 
-    def compiled(row: sqlite3.Row) -> Decision:
+    def compiled(row: CandidateRecord) -> Decision:
         c_noise, why = _compile_decision(row, noise_factor, margin)
         if c_noise is None:
             return Decision(None, why)
-        return beats(row["kernel_us"], row["compile_us"], c_noise, "torch.compile")
+        return beats(row.kernel_us, row.compile_us, c_noise, "torch.compile")
 
-    timed = [r for r in trusted if r["dispatched_us"] is not None]
-    best = min(timed, key=lambda r: (r["dispatched_us"], r["id"])) if timed else None
-    evidence = json.loads(best["evidence_json"] or "{}") if best is not None else {}
-    eager_us = (_summary(evidence, "eager_dispatched").get("median_us") or best["eager_us"]) if best is not None else None
+    timed = [r for r in trusted if r.dispatched_us is not None]
+    best = min(timed, key=lambda r: (r.dispatched_us, r.id)) if timed else None
+    evidence = best.evidence if best is not None else {}
+    eager_us = (_summary(evidence, "eager_dispatched").get("median_us") or best.eager_us) if best is not None else None
     if best is None or eager_us is None:
         eager = Decision(False, "valid, but never timed as dispatched (through the guard path)" if best is None
                          else "no eager timing to compare against")
@@ -192,15 +191,15 @@ def choose(rows: list[sqlite3.Row], skip_reason: str | None, *, noise_factor: fl
         d_iqr = _summary(evidence, "dispatched", "kernel").get("iqr_us")
         e_noise = noise(eager_us, e_iqr, d_iqr, noise_factor=noise_factor, margin=margin)
         c_noise, why = _compile_decision(best, noise_factor, margin)
-        eager, on_compile = decide(eager_us=eager_us, dispatched_us=best["dispatched_us"], eager_noise_us=e_noise,
-                                   kernel_us=best["kernel_us"], compile_us=best["compile_us"],
+        eager, on_compile = decide(eager_us=eager_us, dispatched_us=best.dispatched_us, eager_noise_us=e_noise,
+                                   kernel_us=best.kernel_us, compile_us=best.compile_us,
                                    compile_noise_us=c_noise, no_compile=why)
         if eager.dispatched:
             return Choice(best, eager, on_compile)
-    against = [r for r in trusted if r["compile_us"] is not None and r["kernel_us"] is not None]
+    against = [r for r in trusted if r.compile_us is not None and r.kernel_us is not None]
     if not against:
         return Choice(None, eager, compiled(trusted[0]))
-    fastest = min(against, key=lambda r: (r["kernel_us"], r["id"]))
+    fastest = min(against, key=lambda r: (r.kernel_us, r.id))
     on_compile = compiled(fastest)
     return Choice(fastest if on_compile.dispatched else None, eager, on_compile)
 
@@ -283,12 +282,12 @@ def _nvrtc_version() -> str | None:
         return None
 
 
-def _card_of(run_dir: Path, row: sqlite3.Row) -> Card:
+def _card_of(run_dir: Path, row: CardRecord) -> Card:
     """The card as saved under cards/, else as the log recorded it."""
     try:
-        return load_card(run_dir, row["card_id"])
+        return load_card(run_dir, row.card_id)
     except CardError:
-        return Card.from_json(json.loads(row["card_json"]))
+        return Card.from_json(row.card)
 
 
 def _guard_entry(card: Card) -> dict:
@@ -309,20 +308,20 @@ def _card_entry(card: Card, choice: Choice, arch: str) -> tuple[dict, dict[str, 
     """The manifest entry of one card and the files it adds. `decision` is eager dispatch's,
     `compile` kforge.compile's; the kernel ships where either dispatches it."""
     entry = _guard_entry(card)
-    row = choice.row
-    evidence = json.loads(row["evidence_json"] or "{}") if row is not None else {}
+    row = choice.candidate
+    evidence = row.evidence if row is not None else {}
     entry.update(
-        decision="fallback", reason=choice.eager.reason[:MAX_TEXT], kind=row["kind"] if row is not None else None,
-        timing={"eager_us": row["eager_us"] if row is not None else card.eager_us,
-                "kernel_us": row["kernel_us"] if row is not None else None,
+        decision="fallback", reason=choice.eager.reason[:MAX_TEXT], kind=row.kind if row is not None else None,
+        timing={"eager_us": row.eager_us if row is not None else card.eager_us,
+                "kernel_us": row.kernel_us if row is not None else None,
                 "eager_dispatched_us": choice.eager.baseline_us,
-                "dispatched_us": row["dispatched_us"] if row is not None else None,
+                "dispatched_us": row.dispatched_us if row is not None else None,
                 "noise_us": choice.eager.noise_us},
         compile=_compile_entry(choice.compiled),
-        error={"max_abs_err": row["max_abs_err"] if row is not None else None,
-               "max_rel_err": row["max_rel_err"] if row is not None else None,
+        error={"max_abs_err": row.max_abs_err if row is not None else None,
+               "max_rel_err": row.max_rel_err if row is not None else None,
                "tolerances": evidence.get("tolerances")},
-        flags=json.loads(row["flags_json"] or "[]") if row is not None else [],
+        flags=row.flags if row is not None else [],
         candidate=None, plan=None, files=None, hashes=None)
     if row is None:
         return entry, {}
@@ -334,9 +333,9 @@ def _card_entry(card: Card, choice: Choice, arch: str) -> tuple[dict, dict[str, 
         if choice.compiled.dispatched:
             entry["compile"].update(decision="fallback", reason=why)
         return entry, {}
-    plan = LaunchPlan.from_json(row["plan_json"])
+    plan = LaunchPlan.from_json(row.plan)
     try:
-        cubin = _compile_cubin(row["source"], f"{card.id}.cu", plan.options, arch)
+        cubin = _compile_cubin(row.source, f"{card.id}.cu", plan.options, arch)
     except (CompileError, CudaUnavailableError) as e:
         log.warning("card %s: recompiling its winner for %s failed; it falls back: %s", card.id, arch, e)
         first_line = str(e).splitlines()[0]
@@ -355,12 +354,12 @@ def _card_entry(card: Card, choice: Choice, arch: str) -> tuple[dict, dict[str, 
         entry["decision"] = "dispatched"
     if "dispatched" not in (entry["decision"], entry["compile"]["decision"]):
         return entry, {}
-    source = row["source"].encode()
+    source = row.source.encode()
     files = {"source": f"kernels/{card.id}.cu", "cubin": f"kernels/{card.id}.{arch}.cubin"}
     entry.update(plan=plan.to_json(), files=files,
                  hashes={"source": sha256(source), "cubin": sha256(cubin)},
-                 candidate={"log_id": row["id"], "digest": row["digest"], "proposer": row["proposer"],
-                            "knobs": json.loads(row["knobs_json"] or "{}"), "note": (row["note"] or "")[:MAX_TEXT]})
+                 candidate={"log_id": row.id, "digest": row.digest, "proposer": row.proposer,
+                            "knobs": row.knobs, "note": (row.note or "")[:MAX_TEXT]})
     return entry, {files["source"]: source, files["cubin"]: cubin}
 
 
@@ -379,34 +378,30 @@ def write_package(run_dir: str | Path, out: str | Path, *, run_id: str | None = 
     run_dir, out = Path(run_dir), Path(out)
     if not (run_dir / LOG_NAME).exists():
         raise PackageError(f"no search log in {run_dir}: run `kforge search` (or kforge.run) first")
-    slog = SearchLog(run_dir)
-    try:
+    with SQLiteStore(run_dir) as slog:
         run_id = run_id or slog.latest_run()
-        runs = slog.rows("SELECT * FROM runs WHERE id=?", (run_id,))
-        if not runs:
+        run = slog.run(run_id)
+        if run is None:
             raise PackageError(f"no run {run_id!r} in {run_dir / LOG_NAME}: pass a run id the log holds")
-        run = runs[0]
-        if not json.loads(run["config_json"] or "{}").get("validated", True):
+        if not run.validated:
             raise PackageError(f"run {run_id} in {run_dir} ran without a GPU (compile-only): its kernels were never "
                                f"checked or timed, so none could be dispatched. Search on a machine with the GPU "
                                f"the package is for (`kforge search {run_dir}`, or `kforge run`), then package")
-        card_rows = slog.rows("SELECT * FROM cards WHERE run_id=? ORDER BY COALESCE(share, 0) DESC, card_id", (run_id,))
+        card_rows = slog.cards(run_id)
         cards = [_card_of(run_dir, r) for r in card_rows]
-        arch = run["arch"] or (cards[0].arch if cards else "")
+        arch = run.arch or (cards[0].arch if cards else "")
         entries, members = [], {}
         for card, row in zip(cards, card_rows):
-            choice = choose(slog.candidates(run_id, card.id), row["skip_reason"], noise_factor=noise_factor, margin=margin)
+            choice = choose(slog.candidates(run_id, card.id), row.skip_reason, noise_factor=noise_factor, margin=margin)
             entry, files = _card_entry(card, choice, arch)
             entries.append(entry)
             members.update(files)
-    finally:
-        slog.close()
     regions = _region_decisions(run_dir, entries, members)
     dispatched = sum("dispatched" in (e["decision"], e["compile"]["decision"]) for e in entries)
     manifest = {
         "format": FORMAT, "kforge": kforge.__version__, "torch": torch.__version__,
         "cuda": {"nvrtc": _nvrtc_version() if dispatched else None, "torch_cuda": torch.version.cuda},
-        "gpu": {"name": run["device"] or next((c.device_name for c in cards if c.device_name), ""), "arch": arch},
+        "gpu": {"name": run.device or next((c.device_name for c in cards if c.device_name), ""), "arch": arch},
         "run_id": run_id, "selection": {"noise_factor": noise_factor, "margin": margin},
         "cards": entries,
         **({"regions": regions} if regions is not None else {}),

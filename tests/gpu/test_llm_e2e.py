@@ -10,10 +10,11 @@ import re
 import pytest
 import torch
 
+from fakes import logged
 from kforge import hardware
 from kforge.capture import capture
 from kforge.evaluate import make_evaluator
-from kforge.log import SearchLog
+from kforge.store import SQLiteStore
 from kforge.proposers.llm import LLMConfig, LLMProposer, prompts
 from kforge.search.mcts import Budget, search_card
 from llm_cards import answer
@@ -69,7 +70,7 @@ def _by_kernel(rows) -> dict:
 def _search(tmp_path, module, x, op, server, iterations):
     cards = capture(module, x, tmp_path / "run").cards
     card = next(c for c in cards if c.op == op)
-    log = SearchLog(tmp_path / "run")
+    log = SQLiteStore(tmp_path / "run")
     log.start_run("r", model=op)
     proposer = LLMProposer(LLMConfig(model="scripted-coder", base_url=server.base_url, api_key="k"))
     try:
@@ -95,7 +96,7 @@ def test_softmax_search_repairs_a_compile_error_and_keeps_the_fastest(tmp_path, 
     assert slow["verdict"] == "slower" and slow["kernel_us"] > 5 * fast["kernel_us"]
     assert fast["verdict"] == "valid" and fast["kernel_us"] < fixed["kernel_us"]
     assert outcome.best is not None and outcome.best.id == fast["id"] and outcome.best_speedup > 1.0
-    calls = log.rows("SELECT status, prompt_tokens FROM llm_calls")  # every attempt, as the server counted it
+    calls = logged(log, "SELECT status, prompt_tokens FROM llm_calls")  # every attempt, as the server counted it
     assert [(c["status"], c["prompt_tokens"]) for c in calls] == [("ok", 100)] * len(server.requests)
     log.close()
 
