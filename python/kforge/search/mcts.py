@@ -360,4 +360,5 @@ def search_card(card: Card, proposer: Proposer, evaluator: Evaluator, log: Searc
     return outcome
 
 
-__all__ = ["Budget", "Policy", "SearchOutcome", "SearchProgress", "search_card", "select"]
+__all__ = ["Budget", "CardLog", "Policy", "Search", "SearchOutcome", "SearchProgress", "State", "run_search", "search_card",
+           "select"]

@@ -49,10 +49,10 @@ class MemoryStore:
             if old is None:
                 self._cards[(run_id, card.id)] = CardRecord(
                     run_id, card.id, card.op, card.family, card.summary(), card.calls, card.eager_us, card.share,
-                    "pending", None, None, None, 0, floor_us, card.to_json())
+                    "pending", None, None, None, 0, floor_us, _as_stored(card.to_json()))
             else:
                 self._cards[(run_id, card.id)] = _replace(
-                    old, calls=card.calls, eager_us=card.eager_us, share=card.share, card=card.to_json(),
+                    old, calls=card.calls, eager_us=card.eager_us, share=card.share, card=_as_stored(card.to_json()),
                     floor_us=floor_us if floor_us is not None else old.floor_us)
 
     def set_card_status(self, run_id: str, card_id: str, status: str, skip_reason: str | None = None) -> None:
@@ -82,13 +82,12 @@ class MemoryStore:
         r = result
         with self._lock:
             cid = len(self._candidates) + 1
-            # Through JSON, as the SQLite store does: what comes back is what a log would give.
             self._candidates.append(CandidateRecord(
                 cid, run_id, card_id, parent_id, repair_of, iteration, time.time(), candidate.proposer, candidate.kind,
-                candidate.digest(), json.loads(json.dumps(candidate.knobs, default=str)), candidate.note,
+                candidate.digest(), _as_stored(candidate.knobs), candidate.note,
                 r.verdict.value, r.message, r.eager_us, r.kernel_us, r.dispatched_us, r.speedup, reward, r.max_abs_err,
                 r.max_rel_err, list(r.flags), eval_s, r.compile_us, candidate.source, r.compile_log,
-                candidate.plan.to_json(), json.loads(scrub(json.dumps(r.evidence, default=str), limit=None))))
+                _as_stored(candidate.plan.to_json()), json.loads(scrub(json.dumps(r.evidence, default=str), limit=None))))
         card = self._cards.get((run_id, card_id))
         if card is not None:
             better = r.verdict.value == "valid" and (r.speedup or 0) > (card.best_speedup or 0)
@@ -127,3 +126,7 @@ class MemoryStore:
     def events(self, run_id: str, kind: str | None = None) -> list[EventRecord]:
         return [e for e in self._events if e.run_id == run_id and (kind is None or e.kind == kind)]
 
+
+def _as_stored(value: Any) -> Any:
+    """`value` through JSON, as the SQLite store keeps it: what a reader gets is what a log would give."""
+    return json.loads(json.dumps(value, default=str))
