@@ -70,21 +70,18 @@ def _loads(text: str | None, default: Any) -> Any:
 
 
 def _scrubbed(value: Any) -> Any:
-    """`value` with every text in it scrubbed: a log written before kforge scrubbed its texts
-    may hold a key in any of them."""
+    """`value` with its texts scrubbed: a log written before kforge scrubbed its texts may hold
+    a key in any of them. A JSON value is scrubbed as the one text it is stored as."""
     if isinstance(value, str):
         return scrub(value, limit=None)
-    if isinstance(value, dict):
-        return {k: _scrubbed(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_scrubbed(v) for v in value]
+    if isinstance(value, (dict, list)):
+        return _loads(scrub(json.dumps(value), limit=None), type(value)())
     return value
 
 
 def _record(record: Any, *keys: str) -> dict:
-    """A store record as a scrubbed dict (only `keys`, when given)."""
-    d = dataclasses.asdict(record)
-    return _scrubbed({k: d[k] for k in keys} if keys else d)
+    """A store record as a dict of scrubbed values (only `keys`, when given)."""
+    return {k: _scrubbed(getattr(record, k)) for k in keys or [f.name for f in dataclasses.fields(record)]}
 
 
 def proposer_of_call(model: str) -> str:
