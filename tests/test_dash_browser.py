@@ -244,7 +244,7 @@ def test_clicking_a_tree_node_opens_its_candidate(duo, runs):
 def test_candidate_page_shows_diff_errors_and_timing(duo, runs):
     written, _ = runs
     log = SQLiteStore(written.run_dir)
-    rows = {r["verdict"]: r["id"] for r in log.candidates(written.run_id, written.searched[0])}
+    rows = {r.verdict: r.id for r in log.candidates(written.run_id, written.searched[0])}
     repair = logged(log, "SELECT id, repair_of FROM candidates WHERE repair_of IS NOT NULL ORDER BY id LIMIT 1")[0]
     log.close()
     open_page(duo, f"/candidate?run={written.run_id}&id={repair['id']}", "#cand-title")
