@@ -16,7 +16,6 @@ import contextlib
 import json
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -28,6 +27,7 @@ from kforge.cards import flatten_outputs, load_cards
 from kforge.hardware import current
 from kforge.modelcheck import compiled_forwards, time_graphs
 from kforge.modelspec import load_model_spec
+from provenance import provenance
 
 
 def forward(model, inputs):
@@ -131,8 +131,7 @@ def main(argv=None) -> None:
             "reason": c.reason if c else row.note, "timing": timing_,
         })
     out = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
+        **provenance(), "model": args.model,
         "iterations": args.iterations, "search_wall_s": wall_s, "run_dir": str(run_dir),
         "dispatched": report["dispatched"], "cards_total": len(result.table),
         "model_us": model_us, "compile_s": compile_s, "kforge_compile_max_rel_err_vs_eager": compile_err,

@@ -10,7 +10,8 @@
 # GPU_TESTS2 and TESTS_K2 for item tests2, ABLATE_MODEL and T_ABLATE for item ablate. ONLY and
 # ONLY2 pick the built-in cases of items builtin and builtin2 ('|' between name parts); item codegen
 # (bench_codegen.py: generated kernels alone) takes T_CODEGEN and ONLY_CODEGEN. Items
-# compile_tests and ab (or ab_<model>): kforge.compile's GPU tests, and the eager / package /
+# compile_tests and ab (or ab_<model>): kforge.compile's GPU tests (compile_overhead: the per-call
+# cost of its custom op against an Inductor extern call, T_OVERHEAD), and the eager / package /
 # torch.compile / kforge.compile A/B, default and reduce-overhead, per example model (T_AB each):
 #   LANE_A="compile_tests ab_sd_vae ab_gemma" LANE_B="ab_resnet50 ab_qwen_moe" bash bench/gpu_suite.sh
 source bench/device_setup.sh
@@ -58,13 +59,24 @@ lane() {  # lane LOG ITEM...: run the items in order
       # Generated kernels (kforge.codegen) alone on pointwise and reduction cards, >= 64 MB ones included.
       codegen) step "$log" codegen "${T_CODEGEN:-240}" python3 bench/bench_codegen.py --budget "${BUDGET:-12}" \
                  $no_compile_flag ${ONLY_CODEGEN:+--only "$ONLY_CODEGEN"} --out "$OUT/codegen_h200.json" ;;
-      # KernelBench problems (a checkout carried as .kb/; bench/README.md): KB_LEVEL, KB_PROBLEMS, KB_BYTES,
-      # KB_ITERS, KB_WALL (search seconds per problem), T_KB for the whole item.
-      kernelbench) step "$log" kernelbench "${T_KB:-480}" python3 bench/kernelbench.py --kernelbench "${KB_ROOT:-.kb}" \
-                     --level "${KB_LEVEL:-1}" --skip-vendor --max-bytes "${KB_BYTES:-5e8}" --iterations "${KB_ITERS:-6}" \
-                     --wall-time "${KB_WALL:-8}" ${KB_PROBLEMS:+--problems $KB_PROBLEMS} \
-                     --out "$OUT/kernelbench_l${KB_LEVEL:-1}_h200.json" ;;
+      # KernelBench (a checkout carried as .kb/; bench/README.md): item kb:LEVEL or kb:LEVEL:K/N (shard K of N
+      # of the level's default list, e.g. LANE_A=kb:1:0/2 LANE_B=kb:1:1/2). T_KB seconds for the item, of which
+      # the problems share T_KB - 30 (--time-budget); KB_PROBLEMS, KB_BYTES, KB_ITERS, KB_WALL (search seconds
+      # per problem at most), KB_REGIONS=0 to leave fused regions out.
+      kb:*) IFS=: read -r _ kb_level kb_shard <<< "$item"
+            step "$log" "kernelbench-l$kb_level${kb_shard:+-${kb_shard/\//of}}" "${T_KB:-420}" python3 bench/kernelbench.py \
+              --kernelbench "${KB_ROOT:-.kb}" --level "$kb_level" ${kb_shard:+--shard "$kb_shard"} \
+              --time-budget "$(( ${T_KB:-420} - 30 ))" --max-bytes "${KB_BYTES:-5e8}" --iterations "${KB_ITERS:-12}" \
+              --wall-time "${KB_WALL:-30}" $([ "${KB_REGIONS:-1}" = 0 ] || echo --regions) \
+              ${KB_PROBLEMS:+--problems $KB_PROBLEMS} --out "$OUT/kernelbench_l${kb_level}${kb_shard:+_s${kb_shard/\//of}}_h200.json" ;;
+      # The Ray backend on this GPU through a local Ray head vs the local worker: dispatched cards and
+      # the overhead per candidate (bench_ray.py; RAY_MODEL, T_RAY). Needs ray's wheels in .whl/ (docs/cluster.md).
+      ray) step "$log" ray "${T_RAY:-420}" python3 bench/bench_ray.py "${RAY_MODEL:-examples/sd_vae_decoder.py}" \
+             --min-share 0.02 --iterations "${ITERS:-6}" --out "$OUT/ray_h200.json" ;;
       probe) step "$log" probe "${T_PROBE:-60}" python3 bench/probe_long_rows.py --out "$OUT/probe_long_rows_h200.json" ;;
+      # Per call, a kforge custom op in an Inductor graph against Inductor's own extern call (issue 23).
+      compile_overhead) step "$log" compile-overhead "${T_OVERHEAD:-120}" python3 bench/bench_compile_overhead.py \
+                          --out "$OUT/compile_overhead_h200.json" ;;
       dispatch) step "$log" dispatch "${T_DISPATCH:-40}" python3 bench/bench_dispatch.py --iterations 4 \
                   --out "$OUT/dispatch_h200.json" ;;
       sd_vae) model "$log" sd_vae examples/sd_vae_decoder.py --min-share 0.02 ;;
@@ -77,7 +89,7 @@ lane() {  # lane LOG ITEM...: run the items in order
       qwen_moe) model "$log" qwen_moe examples/qwen_moe.py --ops softmax ;;
       # kforge.compile on the GPU (tests/gpu/test_compile_gpu.py), then the A/B on every example model.
       compile_tests) step "$log" compile-tests "${T_TESTS:-100}" python3 -m pytest -q -p no:cacheprovider --timeout 300 \
-                       tests/gpu/test_compile_gpu.py ;;
+                       tests/gpu/test_compile_gpu.py tests/gpu/test_compile_regions_gpu.py ;;
       ab) lane "$log" ab_sd_vae ab_gemma ab_resnet50 ab_qwen_moe ;;
       ab_sd_vae) ab "$log" sd_vae examples/sd_vae_decoder.py --min-share 0.02 ;;
       ab_gemma) ab "$log" gemma examples/gemma_decoder.py --min-share 0.02 ;;

@@ -2,19 +2,23 @@
 way (fast_p: the fraction of problems that are correct and faster than the baseline by more
 than a factor p), in one process with every variant interleaved.
 
-    python bench/kernelbench.py --kernelbench ~/KernelBench --level 1 --skip-vendor \
-        --max-bytes 1e9 --out bench/results/kernelbench_l1_h200.json
+    python bench/kernelbench.py --kernelbench ~/KernelBench --level 2 --regions --time-budget 390 \
+        --out bench/results/kernelbench_l2_h200.json
 
 --kernelbench is a checkout of ScalingIntelligence/KernelBench (not copied into this
 repository; bench/README.md says how to get one): the directory holding KernelBench/level1/
 or that level directory's parent. Each problem file defines Model, get_inputs() and
-get_init_inputs(). A problem whose inputs exceed --max-bytes has its module-level
-`batch_size` halved until they fit; the scale
-is recorded. Each problem is searched with `kforge run` (built-in proposer unless
---proposer llm), then timed: eager, torch.compile, the package through `pkg.apply()`, and
-`kforge.optimize` / `kforge.compile` where the package has kernels for them. Correct means
-the package's output matches eager within KernelBench's tolerance (atol = rtol = 1e-2) on
-KernelBench's own inputs, after kforge's own checks passed during the search.
+get_init_inputs(). Without --problems a level runs its default list (DEFAULT_PROBLEMS);
+`--problems all` takes every file of the level. A problem whose inputs exceed --max-bytes has
+its module-level `batch_size` halved until they fit; the scale is recorded. Each problem is
+searched with `kforge run` (built-in proposer unless --proposer llm; --regions adds fused
+region cards, vendor ops with their epilogue among them), then timed in one process,
+interleaved: eager, torch.compile, the package through `pkg.apply()`, `kforge.optimize` and
+`kforge.compile`. Correct means the package's output matches eager within KernelBench's
+tolerance (atol = rtol = 1e-2) on KernelBench's inputs and on a second, fresh set of them,
+after kforge's own checks passed during the search. --time-budget is shared by the problems
+(Budget); the result file is rewritten after every problem, so a run cut short keeps what it
+measured, and problems the budget did not reach are rows that say so (they count as not fast).
 """
 
 from __future__ import annotations
@@ -24,22 +28,35 @@ import contextlib
 import json
 import math
 import re
-import sys
 import tempfile
 import time
 import types
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
+
+from provenance import provenance
 
 # Matmul, convolution and attention: cuBLAS/cuDNN work that the built-in proposer leaves to
 # the vendor (issue scope: the level-1 problems that are not these).
 VENDOR = re.compile(r"matmul|matrix_multiplication|matrix_vector|conv|attention|gemm|bmm|linear", re.I)
 KB_ATOL = KB_RTOL = 1e-2
 FAST_P = (0.0, 1.0, 1.5, 2.0)
+
+# What a level runs by default (problem numbers). Level 1: every problem that is not a matmul,
+# a convolution (50) or attention (97): activations, softmax, norms, pooling, reductions,
+# scans, losses. Level 2: a matmul or convolution followed by pointwise work and a
+# normalization or reduction (batch/group/instance norm, softmax, logsumexp, sum), with inputs
+# of tens to hundreds of MB (the ConvTranspose problems move GBs a call: too long to time here).
+# Level 3: the small whole models: MLP, ResNet basic block, ResNet-18, MobileNet V1 and V2,
+# MinGPT block.
+DEFAULT_PROBLEMS = {
+    1: (*range(19, 50), 51, 52, 53, *range(88, 97), 98, 99, 100),
+    2: (9, 12, 14, 17, 21, 23, 30, 33, 37, 41, 52, 53, 62, 73, 76, 84, 88, 92, 97),
+    3: (1, 8, 9, 19, 20, 44),
+}
 
 
 @dataclass
@@ -62,14 +79,30 @@ def problem_files(root: Path, level: int) -> list[Path]:
 
 
 def select(files: list[Path], names: list[str] | None, skip_vendor: bool) -> list[Path]:
+    """The files named (a number names one problem, any other text the problems whose name
+    contains it; None or ["all"]: every file), less the vendor ones with skip_vendor."""
+    names = None if names in (None, [], ["all"]) else [str(n) for n in names]
     out = []
     for f in files:
         if skip_vendor and VENDOR.search(f.stem):
             continue
-        if names and not any(n == f.stem.split("_")[0] or n.lower() in f.stem.lower() for n in names):
+        if names and not any(n == f.stem.split("_")[0] if n.isdigit() else n.lower() in f.stem.lower()
+                             for n in names):
             continue
         out.append(f)
     return out
+
+
+def shard(files: list[Path], spec: str | None) -> list[Path]:
+    """Every n-th file from the k-th, for spec "k/n" (k from 0): shards of one list, run on
+    several GPUs or in several device calls, that bench/scoreboard.py joins again."""
+    if not spec:
+        return files
+    m = re.fullmatch(r"(\d+)/(\d+)", spec)
+    if not m or not 0 <= int(m.group(1)) < int(m.group(2)):
+        raise SystemExit(f"--shard {spec}: give k/n with 0 <= k < n, e.g. 0/2")
+    k, n = int(m.group(1)), int(m.group(2))
+    return files[k::n]
 
 
 def load_problem(path: Path) -> Problem:
@@ -106,7 +139,11 @@ def fit(problem: Problem, max_bytes: float) -> Problem:
     original = g[knob]
     while size > max_bytes and g[knob] > 1:
         g[knob] = max(1, g[knob] // 2)
-        size = _bytes(_input_meta(problem))
+        before, size = size, _bytes(_input_meta(problem))
+        if size == before:  # get_inputs() reads a shape computed from batch_size at import
+            problem.notes.append(f"inputs {size / 1e6:.0f} MB over the limit and {knob} does not size them: skipped")
+            problem.scale = 0.0
+            return problem
     problem.scale = g[knob] / original
     problem.notes.append(f"{knob} {original} -> {g[knob]} to fit {max_bytes / 1e6:.0f} MB")
     if size > max_bytes:
@@ -115,8 +152,43 @@ def fit(problem: Problem, max_bytes: float) -> Problem:
     return problem
 
 
+@dataclass
+class Budget:
+    """--time-budget shared by the problems: each one's search gets an equal part of what is
+    left, less the time a problem spends outside its search (build, capture, torch.compile,
+    timing: the mean over the problems done so far, `overhead_s` before the first), at most
+    at least `min_search_s` and at most `cap_s` (--wall-time). No budget: every search gets cap_s."""
+    total_s: float | None
+    cap_s: float
+    overhead_s: float = 15.0
+    min_search_s: float = 2.0
+    clock: Callable[[], float] = time.monotonic
+    start: float = field(default=0.0)
+    overheads: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.start = self.clock()
+
+    def overhead(self) -> float:
+        return sum(self.overheads) / len(self.overheads) if self.overheads else self.overhead_s
+
+    def search_s(self, left: int) -> float | None:
+        """Search seconds for the next problem (`left` problems still to start, this one
+        included), or None when what is left would not cover its overhead and a minimal search."""
+        if self.total_s is None:
+            return self.cap_s
+        remaining = self.total_s - (self.clock() - self.start)
+        if remaining < self.overhead() + self.min_search_s:
+            return None
+        return min(self.cap_s, max(self.min_search_s, remaining / left - self.overhead()))
+
+    def record(self, total_s: float, search_s: float) -> None:
+        self.overheads.append(max(0.0, total_s - search_s))
+
+
 def fast_p(rows: list[dict], baseline: str, ps=FAST_P) -> dict[str, float]:
-    """KernelBench's fast_p over problems: correct and speedup over `baseline` > p."""
+    """KernelBench's fast_p over problems: correct and speedup over `baseline` > p. Every row
+    counts: a problem that failed or was not run is not fast."""
     n = len(rows)
     out = {}
     for p in ps:
@@ -130,17 +202,24 @@ def geomean(xs: list[float]) -> float | None:
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
 
 
+VARIANTS = ("kforge", "kforge_optimize", "kforge_compile")  # pkg.apply(), kforge.optimize, kforge.compile
+
+
 def summarize(rows: list[dict]) -> dict:
     timed = [r for r in rows if "kforge_us" in r]
     return {
         "problems": len(rows), "timed": len(timed),
         "with_dispatched_kernel": sum(1 for r in rows if r.get("dispatched", 0) > 0),
         "correct": sum(1 for r in timed if r.get("correct")),
-        "vs_eager": fast_p(timed, "eager"), "vs_compile": fast_p(timed, "compile"),
+        "vs_eager": fast_p(rows, "eager"), "vs_compile": fast_p(rows, "compile"),
         "geomean_speedup_vs_eager": geomean([r.get("speedup_vs_eager") for r in timed]),
         "geomean_speedup_vs_compile": geomean([r.get("speedup_vs_compile") for r in timed]),
+        # Each kforge variant on its own against eager (the speedups above take the best correct one).
+        "geomean_vs_eager_by_variant": {v: geomean([r["eager_us"] / r[f"{v}_us"] for r in timed
+                                                    if f"{v}_us" in r and r.get(f"{v}_correct")]) for v in VARIANTS},
         "search_wall_s": sum(r.get("search_s", 0.0) for r in rows),
         "candidates": sum(r.get("candidates", 0) for r in rows),
+        "llm_tokens": sum(r.get("llm_tokens", 0) for r in rows),
         "llm_cost_usd": sum(r.get("llm_cost_usd", 0.0) for r in rows),
     }
 
@@ -152,65 +231,106 @@ def _close(got, ref) -> bool:
                for g, r in zip(flatten_outputs(got), flatten_outputs(ref)))
 
 
-def run_problem(problem: Problem, args, device: str) -> dict:
-    import kforge
-    from kforge import timing
+def _inputs(m: types.ModuleType, seed: int, device: str) -> list[Any]:
+    torch.manual_seed(seed)
+    return [t.to(device) if isinstance(t, torch.Tensor) else t for t in m.get_inputs()]
+
+
+def _search_counts(run_dir: Path) -> dict:
     from kforge.store import LLMUsage, SQLiteStore
 
-    m = problem.module
-    torch.manual_seed(0)
-    model = m.Model(*m.get_init_inputs()).to(device).eval()
-    inputs = [t.to(device) if isinstance(t, torch.Tensor) else t for t in m.get_inputs()]
-    row: dict[str, Any] = {"problem": problem.name, "scale": problem.scale, "notes": problem.notes,
-                           "input_mb": _bytes(inputs) / 1e6}
-    run_dir = Path(tempfile.mkdtemp(prefix=f"kb-{problem.name[:20]}-"))
-    t0 = time.perf_counter()
-    result = kforge.run(model, tuple(inputs), out=run_dir / "p.cast", run_dir=run_dir, proposer=args.proposer,
-                        iterations=args.iterations, wall_time_s=args.wall_time, progress=False, check_model=False,
-                        model_name=problem.name, include_vendor=args.include_vendor)
-    row["search_s"] = time.perf_counter() - t0
     with SQLiteStore(run_dir, readonly=True) as log:  # one run: the problem's own directory
-        llm = sum(log.llm_usage(result.run_id).values(), LLMUsage())
-        row["candidates"] = log.activity(result.run_id)[0]
-    row["llm_cost_usd"], row["llm_tokens"] = llm.cost_usd, llm.tokens
+        run_id = log.latest_run()
+        llm = sum(log.llm_usage(run_id).values(), LLMUsage())
+        return {"candidates": log.activity(run_id)[0], "llm_cost_usd": llm.cost_usd, "llm_tokens": llm.tokens}
+
+
+def run_problem(problem: Problem, args, device: str, search_s: float) -> dict:
+    """Build, search (search_s seconds at most), check and time one problem: its result row."""
+    import kforge
+    from kforge import timing
+
+    m = problem.module
+    row: dict[str, Any] = {"problem": problem.name, "scale": problem.scale, "notes": problem.notes,
+                           "search_budget_s": round(search_s, 1)}
+    try:
+        torch.manual_seed(0)
+        model = m.Model(*m.get_init_inputs()).to(device).eval()
+        inputs = _inputs(m, 0, device)
+    except Exception as e:  # noqa: BLE001 (a problem that does not build is a result row)
+        row["error"] = f"does not build: {type(e).__name__}: {str(e)[:300]}"
+        return row
+    fresh = _inputs(m, 1, device)  # KernelBench checks on inputs the search never saw
+    row["input_mb"] = _bytes(inputs) / 1e6
+    t0 = time.perf_counter()
+
+    def search(regions: bool):
+        run_dir = Path(tempfile.mkdtemp(prefix=f"kb-{problem.name[:20]}-"))
+        row["run_dir"] = str(run_dir)  # the search log and cards, for kforge inspect / the dashboard
+        return run_dir, kforge.run(model, tuple(inputs), out=run_dir / "p.cast", run_dir=run_dir,
+                                   proposer=args.proposer, iterations=args.iterations, wall_time_s=search_s,
+                                   progress=False, check_model=False, model_name=problem.name,
+                                   include_vendor=args.include_vendor, regions=regions)
+    try:
+        run_dir, result = search(args.regions)
+    except Exception as e:  # noqa: BLE001 (a model the region tracer cannot take still has its op cards)
+        if not args.regions:
+            raise
+        row["notes"].append(f"regions left out: {type(e).__name__}: {str(e)[:200]}")
+        run_dir, result = search(False)
+    row["search_s"] = time.perf_counter() - t0
+    row.update(_search_counts(run_dir))
     if result.package_path is None:
         row["error"] = result.message or "no package written"
         return row
     pkg = kforge.load(result.package_path)
-    row["dispatched"] = sum(1 for c in pkg.cards if c.dispatched)
-    row["cards"] = len(pkg.cards)
+    regions = [c for c in pkg.cards if c.card.region is not None]
+    row["cards"], row["region_cards"] = len(pkg.cards), len(regions)
+    row["dispatched"] = sum(1 for c in pkg.cards if c.dispatched)  # region cards run through kforge.optimize
+    row["regions_dispatched"] = sum(1 for c in regions if c.dispatched)
+    row["compiled"] = sum(1 for c in pkg.cards if c.compiled)
 
-    def fwd(mod):
+    def fwd(mod, xs=inputs):
         with torch.inference_mode():
-            return mod(*inputs)
+            return mod(*xs)
 
-    ref = fwd(model)
-    with pkg.apply():
-        got = fwd(model)
-    row["correct"] = _close(got, ref)
-    compiled = torch.compile(model)
-    fwd(compiled)
+    refs = (fwd(model), fwd(model, fresh))
+
+    def correct(mod, ctx=contextlib.nullcontext) -> bool:
+        with ctx():
+            return all(_close(fwd(mod, xs), ref) for xs, ref in zip((inputs, fresh), refs))
+
+    row["correct"] = row["kforge_correct"] = correct(model, pkg.apply)
     entries = [("eager", contextlib.nullcontext, lambda: fwd(model)),
-               ("compile", contextlib.nullcontext, lambda: fwd(compiled)),
                ("kforge", pkg.apply, lambda: fwd(model))]
-    for name, make in (("kforge_optimize", lambda: kforge.optimize(model, pkg)),
-                       ("kforge_compile", lambda: kforge.compile(model, pkg))):
+    makers = [("compile", lambda: torch.compile(model))]
+    # Without a kernel to put in, kforge.optimize is the traced model and kforge.compile is
+    # torch.compile: their build and timing time goes to the other problems' searches instead.
+    if row["dispatched"]:
+        makers.append(("kforge_optimize", lambda: kforge.optimize(model, pkg)))
+    if row["compiled"]:
+        makers.append(("kforge_compile", lambda: kforge.compile(model, pkg)))
+    for name, make in makers:
+        t1 = time.perf_counter()
         try:
             variant = make()
-            out = fwd(variant)
-            row[f"{name}_correct"] = _close(out, ref)
+            for _ in range(3):  # compiled on the first call; warm afterwards
+                fwd(variant)
+            row[f"{name}_correct"] = correct(variant)
             entries.append((name, contextlib.nullcontext, lambda v=variant: fwd(v)))
         except Exception as e:  # noqa: BLE001 (recorded: a variant that fails is a result)
             row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        row[f"{name}_build_s"] = round(time.perf_counter() - t1, 2)
     ms = timing.time_as_called([(ctx, fn) for _, ctx, fn in entries], calls=3, rounds=10)
     for (name, _, _), meas in zip(entries, ms):
         row[f"{name}_us"] = meas.median
         row[f"{name}_iqr_us"] = meas.iqr
-    best = min(row["kforge_us"], *(row[f"{n}_us"] for n in ("kforge_optimize", "kforge_compile")
-                                   if f"{n}_us" in row and row.get(f"{n}_correct")))
+    # The fastest correct way kforge runs the problem (pkg.apply() when none is correct: the row says incorrect).
+    best = min((row[f"{v}_us"] for v in VARIANTS if f"{v}_us" in row and row.get(f"{v}_correct")),
+               default=row["kforge_us"])
     row["best_kforge_us"] = best
     row["speedup_vs_eager"] = row["eager_us"] / best
-    row["speedup_vs_compile"] = row["compile_us"] / best
+    row["speedup_vs_compile"] = row["compile_us"] / best if "compile_us" in row else None
     return row
 
 
@@ -218,39 +338,59 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kernelbench", type=Path, required=True, help="a KernelBench checkout")
     ap.add_argument("--level", type=int, choices=(1, 2, 3), required=True)
-    ap.add_argument("--problems", nargs="*", help="problem numbers or name parts (default: all)")
+    ap.add_argument("--problems", nargs="*", help="problem numbers or name parts, or 'all' (default: the level's list)")
+    ap.add_argument("--shard", help="k/n: run every n-th problem of the list from the k-th (k from 0)")
     ap.add_argument("--skip-vendor", action="store_true", help="leave out matmul, convolution and attention problems")
     ap.add_argument("--include-vendor", action="store_true", help="let kforge search vendor-backed cards too")
+    ap.add_argument("--regions", action="store_true", help="also search fused regions (kforge.run(regions=True))")
     ap.add_argument("--max-bytes", type=float, default=1e9, help="input bytes per problem; larger batches are halved")
     ap.add_argument("--proposer", default="builtin")
     ap.add_argument("--iterations", type=int, default=12)
-    ap.add_argument("--wall-time", type=float, default=30.0, help="search seconds per problem")
+    ap.add_argument("--wall-time", type=float, default=30.0, help="search seconds per problem, at most")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds for the whole run, shared by the problems (their searches shrink to fit)")
+    ap.add_argument("--overhead", type=float, default=15.0,
+                    help="first guess at a problem's seconds outside its search (then measured)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    files = select(problem_files(args.kernelbench, args.level), args.problems, args.skip_vendor)
-    head = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
-            "level": args.level, "proposer": args.proposer, "iterations": args.iterations,
-            "wall_time_s": args.wall_time, "max_bytes": args.max_bytes, "command": " ".join(sys.argv)}
+    listed = select(problem_files(args.kernelbench, args.level),
+                    args.problems if args.problems else list(DEFAULT_PROBLEMS[args.level]), args.skip_vendor)
+    files = shard(listed, args.shard)
+    head = {**provenance(), "level": args.level, "proposer": args.proposer, "regions": args.regions,
+            "iterations": args.iterations, "wall_time_s": args.wall_time, "time_budget_s": args.time_budget,
+            "max_bytes": args.max_bytes, "shard": args.shard, "problem_list": [f.stem for f in listed]}
+    budget = Budget(args.time_budget, args.wall_time, overhead_s=args.overhead)
     rows: list[dict] = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    for f in files:
+
+    def write() -> None:
+        out = {**head, "summary": summarize(rows), "problems": rows, "of": len(files)}
+        args.out.write_text(json.dumps(out, indent=1, default=str))
+
+    for i, f in enumerate(files):
+        search_s = budget.search_s(len(files) - i)
+        if search_s is None:
+            rows += [{"problem": g.stem, "error": "not run: time budget spent"} for g in files[i:]]
+            break
+        t0 = time.monotonic()
         try:
             problem = fit(load_problem(f), args.max_bytes)
-            row = run_problem(problem, args, device) if problem.scale > 0 else {
+            row = run_problem(problem, args, device, search_s) if problem.scale > 0 else {
                 "problem": problem.name, "notes": problem.notes, "error": "too large"}
         except Exception as e:  # noqa: BLE001 (one problem's failure is a row, not the end of the run)
             row = {"problem": f.stem, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        row["wall_s"] = round(time.monotonic() - t0, 1)
+        budget.record(row["wall_s"], row.get("search_s", 0.0))
         rows.append(row)
-        print(json.dumps({k: row.get(k) for k in ("problem", "dispatched", "correct", "speedup_vs_eager",
+        print(json.dumps({k: row.get(k) for k in ("problem", "wall_s", "dispatched", "correct", "speedup_vs_eager",
                                                    "speedup_vs_compile", "error")}), flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()
-        # Written after every problem: a run cut short by its time limit keeps what it measured.
-        out = {**head, "summary": summarize(rows), "problems": rows, "of": len(files)}
-        args.out.write_text(json.dumps(out, indent=1, default=str))
+        torch._dynamo.reset()  # the problem's compiled graphs go with it
+        write()  # after every problem: a run cut short by its time limit keeps what it measured
+    write()
     print(json.dumps(summarize(rows), indent=1))
 
 

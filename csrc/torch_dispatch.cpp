@@ -1,4 +1,5 @@
-// kforge._dispatch: the guard path of kforge.dispatch as a boxed C++ kernel.
+// kforge._dispatch: the guard path of kforge.dispatch as a boxed C++ kernel, reading the guard
+// specifications of kforge.guards in their serialized form (GuardSpec.native, GUARD_FORMAT).
 //
 // One Override per aten op at one dispatch key (CUDA; CPU stands in for tests) replaces the
 // Python torch.library kernel, whose round trip into Python is most of a dispatched call's
@@ -46,7 +47,7 @@ using LaunchFn = int (*)(const void* ctx, int vid, const uint64_t* inputs, int n
 constexpr int kLaunchCudaError = 1;
 constexpr int kLaunchRefused = 3;  // nothing ran: the call can still go to eager
 
-// Why a call fell back, most fundamental first: the order of kforge.dispatch.REASONS.
+// Why a call fell back, most fundamental first: the order of kforge.guards.REASONS (checked at import).
 // The last, aliasing, is not a guard difference: a call that matched a guard but whose
 // written input shares memory with another input (a kernel would read what it writes).
 // "autograd": an override above autograd (a composite op's) saw an input that requires grad
@@ -59,14 +60,14 @@ enum Reason {
 constexpr std::array<const char*, kNumReasons> kReasons = {"no-variant", "device", "dtype",    "scalar",   "shape",
                                                            "stride",     "alignment", "aliasing", "autograd", "refused"};
 
-// What the override did for one card. Shared with Python (kforge.dispatch.Counters reads it),
+// What the override did for one card. Shared with Python (kforge.variant.Counters reads it),
 // and kept across set_variants, so counts survive other packages coming and going.
 struct Counts {
   std::atomic<uint64_t> hits{0};
   std::array<std::atomic<uint64_t>, kNumReasons> fallbacks{};
 };
 
-// ---- guards ----------------------------------------------------------------------------------
+// ---- guards: kforge.guards.GuardSpec, as compared here -----------------------------------------
 
 struct TensorGuard {
   bool present = false;  // false: the card has None here
@@ -123,6 +124,7 @@ struct Variant {
   std::vector<OutSpec> outputs;
   std::vector<int64_t> workspace;  // bytes per workspace buffer
   std::vector<int> written;        // inputs (card order) the kernel writes: in-place and out= arguments
+  std::vector<size_t> device_slots;  // Device arguments: each must name the inputs' device
   LaunchFn fn = nullptr;
   int vid = 0;
   std::shared_ptr<Resolver> resolver;
@@ -154,7 +156,7 @@ bool same(c10::IntArrayRef got, const std::vector<int64_t>& want) {
   return got.size() == want.size() && std::equal(got.begin(), got.end(), want.begin());
 }
 
-// As kforge.dispatch._tensor_differences: a Python scalar in a tensor slot (here a wrapped
+// As kforge.guards._tensor_differences: a Python scalar in a tensor slot (here a wrapped
 // number), a conjugate or negative view (the bit is part of what the kernel must do) or
 // None where the card has a tensor (or the other way round) differ by "no-variant".
 bool defined(const c10::IValue& v) { return v.isTensor() && v.toTensor().defined(); }
@@ -188,7 +190,7 @@ bool int_of(const c10::IValue& v, int64_t& out) {
   return false;
 }
 
-// As kforge.dispatch._value_key: 1, 1.0 and True differ; 0.0 and -0.0 differ; NaN equals NaN.
+// As kforge.guards.value_key: 1, 1.0 and True differ; 0.0 and -0.0 differ; NaN equals NaN.
 bool value_equal(const c10::IValue& v, const ValueGuard& g) {
   int64_t i = 0;
   switch (g.kind) {
@@ -216,7 +218,7 @@ bool value_equal(const c10::IValue& v, const ValueGuard& g) {
   return false;
 }
 
-// Every way a call differs from a variant (see kforge.dispatch.differences); with `stop`, only
+// Every way a call differs from a variant (see kforge.guards.differences); with `stop`, only
 // whether it differs at all.
 Diff compare(const Variant& v, c10::ArrayRef<c10::IValue> args, bool stop) {
   Diff d;
@@ -259,11 +261,7 @@ class State {
         name_(std::move(name)),
         above_autograd_(above_autograd),
         num_args_(op_.schema().arguments().size()),
-        table_(std::make_shared<Table>()) {
-    const auto& schema_args = op_.schema().arguments();
-    for (size_t a = 0; a < schema_args.size(); ++a)  // Device or Device?: the only ones unrunnable() reads
-      if (schema_args[a].type()->str().find("Device") != std::string::npos) device_slots_.push_back(a);
-  }
+        table_(std::make_shared<Table>()) {}
 
   size_t num_args() const { return num_args_; }
   size_t num_returns() const { return op_.schema().returns().size(); }
@@ -296,7 +294,7 @@ class State {
       if (compare(**it, args, /*stop=*/true).count != 0) continue;
       const Variant& v = **it;
       Inputs ins = inputs(v, args);
-      int why = unrunnable(v, ins, args, device_slots_);
+      int why = unrunnable(v, ins, args);
       if (why == kNumReasons && above_autograd_ && needs_grad(ins)) why = kAutograd;
       if (why == kNumReasons) why = run(v, ins, stack);
       if (why == kNumReasons) return;
@@ -352,12 +350,11 @@ class State {
     return keys;
   }
 
-  static int unrunnable(const Variant& v, const Inputs& ins, c10::ArrayRef<c10::IValue> args,
-                        const std::vector<size_t>& device_slots) {
+  static int unrunnable(const Variant& v, const Inputs& ins, c10::ArrayRef<c10::IValue> args) {
     const c10::Device device = ins.front()->device();
     for (const at::Tensor* t : ins)
       if (t->device() != device) return kDevice;
-    for (size_t slot : device_slots) {
+    for (size_t slot : v.device_slots) {
       if (!args[slot].isDevice()) continue;  // None
       c10::Device d = args[slot].toDevice();
       // An index-less device means the current one ("cuda" is whichever device is current).
@@ -456,7 +453,7 @@ class State {
   }
 
   // Charged to the nearest variant: its most fundamental difference is the least fundamental,
-  // then it differs in the fewest ways, then it was installed first (as _OpOverride._count_miss).
+  // then it differs in the fewest ways, then it was installed first (as kforge.guards.nearest).
   static void count_miss(const std::vector<std::shared_ptr<const Variant>>& vs, c10::ArrayRef<c10::IValue> args) {
     const Variant* nearest = nullptr;
     Diff best;
@@ -476,7 +473,6 @@ class State {
   std::string name_;
   bool above_autograd_;  // registered at CompositeImplicitAutograd: grad mode is this override's to check
   size_t num_args_;
-  std::vector<size_t> device_slots_;  // schema arguments of type Device (or Device?)
   mutable std::mutex mu_;
   std::shared_ptr<const Table> table_;
 };
@@ -506,7 +502,7 @@ class QuietOverride final : public c10::WarningHandler {
   c10::WarningHandler* next_;
 };
 
-// ---- building variants from Python's descriptions (kforge.dispatch._native_variant) ------------
+// ---- building variants from Python's descriptions (kforge.native_override) ----------------------
 
 c10::ScalarType parse_dtype(const std::string& name) {
   const auto& names = c10::getStringToDtypeMap();
@@ -579,13 +575,20 @@ ValueGuard to_value_guard(const py::handle& h) {
   return g;
 }
 
-std::shared_ptr<const Variant> to_variant(const py::handle& h, const State& state) {
-  auto t = h.cast<py::tuple>();
-  if (t.size() != 7 && t.size() != 8)
-    throw std::invalid_argument("a variant is (slots, outputs, workspace, launch_address, vid, resolve, counts[, written])");
-  auto v = std::make_shared<Variant>();
+// The guard format this module reads (kforge.guards.FORMAT): bumped with any change to it.
+constexpr int kGuardFormat = 1;  // kforge.guards.FORMAT
+
+// A variant's guard specification as kforge.guards.GuardSpec.native() writes it:
+// (format, slots, written, device slots); returns how many tensor inputs it guards.
+size_t read_guard(const py::handle& h, const State& state, Variant& v) {
+  auto g = h.cast<py::tuple>();
+  if (g.size() != 4) throw std::invalid_argument("a guard is (format, slots, written, device_slots)");
+  const int format = g[0].cast<int>();
+  if (format != kGuardFormat)
+    throw std::invalid_argument("guard format " + std::to_string(format) + ", this kforge._dispatch reads " +
+                                std::to_string(kGuardFormat) + ": rebuild kforge");
   size_t inputs = 0;
-  for (auto item : t[0].cast<py::sequence>()) {
+  for (auto item : g[1].cast<py::sequence>()) {
     auto s = item.cast<py::tuple>();
     if (s.size() != 2) throw std::invalid_argument("a slot is (kind, guard)");
     const auto kind = s[0].cast<std::string>();
@@ -596,8 +599,8 @@ std::shared_ptr<const Variant> to_variant(const py::handle& h, const State& stat
       inputs += slot.tensor.present;
     } else if (kind == "tensors") {
       slot.kind = SlotKind::Tensors;
-      for (auto g : s[1].cast<py::sequence>()) {
-        slot.tensors.push_back(to_tensor_guard(g));
+      for (auto t : s[1].cast<py::sequence>()) {
+        slot.tensors.push_back(to_tensor_guard(t));
         inputs += slot.tensors.back().present;
       }
     } else if (kind == "value") {
@@ -605,12 +608,30 @@ std::shared_ptr<const Variant> to_variant(const py::handle& h, const State& stat
     } else {
       throw std::invalid_argument("unknown slot kind '" + kind + "'");
     }
-    v->slots.push_back(std::move(slot));
+    v.slots.push_back(std::move(slot));
   }
-  if (v->slots.size() != state.num_args())
-    throw std::invalid_argument(state.name() + " takes " + std::to_string(state.num_args()) + " arguments, the variant guards " +
-                                std::to_string(v->slots.size()));
+  if (v.slots.size() != state.num_args())
+    throw std::invalid_argument(state.name() + " takes " + std::to_string(state.num_args()) + " arguments, the guard has " +
+                                std::to_string(v.slots.size()));
   if (inputs == 0) throw std::invalid_argument("a variant needs a tensor input to guard on");
+  for (auto w : g[2].cast<std::vector<int>>()) {
+    if (w < 0 || static_cast<size_t>(w) >= inputs) throw std::invalid_argument("written input " + std::to_string(w) + " names no input");
+    v.written.push_back(w);
+  }
+  for (auto d : g[3].cast<std::vector<size_t>>()) {
+    if (d >= v.slots.size() || v.slots[d].kind != SlotKind::Value)
+      throw std::invalid_argument("device slot " + std::to_string(d) + " is not a value argument");
+    v.device_slots.push_back(d);
+  }
+  return inputs;
+}
+
+std::shared_ptr<const Variant> to_variant(const py::handle& h, const State& state) {
+  auto t = h.cast<py::tuple>();
+  if (t.size() != 7)
+    throw std::invalid_argument("a variant is (guard, outputs, workspace, launch_address, vid, resolve, counts)");
+  auto v = std::make_shared<Variant>();
+  const size_t inputs = read_guard(t[0], state, *v);
   for (auto item : t[1].cast<py::sequence>()) {
     auto o = item.cast<py::tuple>();
     if (o.size() != 4) throw std::invalid_argument("an output is (alias, sizes, strides, dtype)");
@@ -635,12 +656,6 @@ std::shared_ptr<const Variant> to_variant(const py::handle& h, const State& stat
   v->vid = t[4].cast<int>();
   v->resolver = std::make_shared<Resolver>(py::reinterpret_borrow<py::object>(t[5]));
   v->counts = t[6].cast<std::shared_ptr<Counts>>();
-  if (t.size() > 7) {
-    for (auto w : t[7].cast<std::vector<int>>()) {
-      if (w < 0 || static_cast<size_t>(w) >= inputs) throw std::invalid_argument("written input " + std::to_string(w) + " names no input");
-      v->written.push_back(w);
-    }
-  }
   return v;
 }
 
@@ -787,6 +802,7 @@ PYBIND11_MODULE(_dispatch, m) {
   py::tuple reasons(static_cast<size_t>(kNumReasons));
   for (size_t r = 0; r < kNumReasons; ++r) reasons[r] = kReasons[r];
   m.attr("REASONS") = reasons;
+  m.attr("GUARD_FORMAT") = kGuardFormat;
 
   py::class_<Counts, std::shared_ptr<Counts>>(m, "Counts")
       .def(py::init<>())

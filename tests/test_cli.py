@@ -189,6 +189,29 @@ def test_inspect_shows_the_eager_and_the_compiled_graphs_decision_of_each_card(t
     assert cards[loses.id]["compile"]["compile_us"] == 4.0 and cards[loses.id]["compile"]["kernel_us"] == 5.0
 
 
+def test_inspect_shows_the_model_checks_verdict_on_kforge_compile(tmp_path, capsys):
+    import json
+
+    from test_package import build_run, relu_candidate, result
+
+    from kforge.package import record_model_check, write_package
+
+    card = toy_card(n=1024)
+    build_run(tmp_path / "run", [(card, [(relu_candidate(1024), result())], None)])
+    cast = write_package(tmp_path / "run", tmp_path / "m.cast")
+    assert main(["inspect", str(cast)]) == 0
+    assert "kforge.compile not checked against torch.compile" in " ".join(capsys.readouterr().out.split())
+    verdict = {"verdict": "level", "use": "torch.compile", "torch_compile_us": 946.0, "kforge_compile_us": 950.0,
+               "noise_us": 9.5, "device": "cuda:0", "compiled_cards": [card.id], "drop": []}
+    record_model_check(cast, verdict)
+    assert main(["inspect", str(cast)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("model check on cuda:0: torch.compile 946.0 µs, kforge.compile 950.0 µs, level: kforge.compile runs "
+            "plain torch.compile for this package") in out
+    assert main(["inspect", str(cast), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model_check"] == verdict
+
+
 def test_verify_without_a_gpu_checks_the_package_then_says_the_kernels_need_one(tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip("checks the CPU-only behaviour of verify")

@@ -63,6 +63,64 @@ def test_tagged_pointwise_op_compiles_from_the_table(name):
         assert compiler.compile(cand.source, arch="sm_90").cubin
 
 
+def _untagged_table_overloads():
+    """Overloads of op-table names whose packet torch tags pointwise nowhere (in-place forms)."""
+    out = []
+    for name in sorted(ops.POINTWISE):
+        for packet in (getattr(torch.ops.aten, n, None) for n in (name, name + "_")):
+            if packet is None or name in ("copy", "_to_copy"):
+                continue
+            ovs = [getattr(packet, o) for o in packet.overloads()]
+            if not any(torch.Tag.pointwise in ov.tags for ov in ovs):
+                out += [ov for ov in ovs if card_for(ov) is not None and any(str(r.type) == "Tensor"
+                                                                              for r in ov._schema.returns)]
+    return out
+
+
+@pytest.mark.parametrize("op", _untagged_table_overloads(), ids=str)
+def test_an_op_torch_tags_nowhere_comes_from_the_table_and_matches_eager(op):
+    """gelu_, relu6_, hardswish, eq_ ... carry no pointwise tag in any overload: the table
+    decides (as for leaky_relu and hardtanh_ on torch 2.11), and the result matches eager."""
+    from kforge.cards import flatten_outputs
+
+    for dt in (torch.float32, torch.int64):
+        card = card_for(op, dt)
+        prog = None if card is None else build.program_for_card(card)
+        if card is not None and not isinstance(prog, str):
+            break
+    assert not isinstance(prog, str), prog
+    inputs = card.random_inputs(0, "cpu")
+    want = flatten_outputs(card.call_eager([t.clone() for t in inputs], "cpu"))
+    got = interp.run(prog, [t.clone() for t in inputs])
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert compiler.compile(generated.build(card, generated.default(card, H200), H200).source, arch="sm_90").cubin
+
+
+def test_torch_211s_untagged_leaky_relu_and_hardtanh_inplace_are_generated(monkeypatch):
+    """torch 2.11 tags neither leaky_relu nor hardtanh_ pointwise in any overload (2.13 does):
+    with their tags taken away, the generator still takes both from the table, and their cards
+    are pointwise (a region may hold them)."""
+    from kforge import families
+
+    class Untagged:  # an overload as torch 2.11 has it: no overload of its packet is tagged pointwise
+        def __init__(self, ov):
+            self.tags, self.overloadpacket, self.default, self._schema = [], self, self, ov._schema
+
+        def overloads(self):
+            return ["default"]
+
+    assert build.entry_for("aten::where.default")[0] is None  # tagged in where.self: the tag decides
+    real_build, real_families = build._overload, families._resolve
+    monkeypatch.setattr(build, "_overload", lambda op: Untagged(real_build(op)))
+    monkeypatch.setattr(families, "_resolve", lambda op: Untagged(real_families(op)))
+    for op in ("aten::leaky_relu.default", "aten::hardtanh_.default"):
+        assert build.entry_for(op)[0] == "pointwise", build.entry_for(op)
+        assert families.family_of(op) == "pointwise"
+    assert families.family_of("aten::cumsum.default") == "other"  # not in the table: no tag, no pointwise
+
+
 # ---- numerics against eager through the interpreter ------------------------------------
 
 def _gpu_card(op, tensors, *scalars, **kw):
@@ -272,6 +330,20 @@ def _red_cases():
         "avg_pool_no_pad_count_ceil": (A.avg_pool2d.default, [torch.randn(3, 11, 9)], ([3, 2], [2, 1], [1, 1], True, False),
                                        {}),
         "avg_pool_divisor": (A.avg_pool2d.default, [torch.randn(2, 3, 11, 9)], ([3, 3], [2, 2], [1, 0], True, True, 5), {}),
+        # 1-D pooling reaches CUDA as the 2-D op over a height of 1 (max_pool1d_with_indices unsqueezes)
+        "max_pool1d_as_cuda_sees_it": (A.max_pool2d_with_indices.default, [torch.randn(2, 3, 1, 50)],
+                                       ([1, 8], [1, 1], [0, 4], [1, 3]), {}),
+        "avg_pool1d_as_cuda_sees_it": (A.avg_pool2d.default, [torch.randn(2, 3, 1, 40)], ([1, 4], [1, 2], [0, 1]), {}),
+        "max_pool3d_indices_pad": (A.max_pool3d_with_indices.default, [torch.randn(2, 3, 6, 7, 8)],
+                                   ([3, 3, 3], [2, 2, 2], [1, 1, 1]), {}),
+        "max_pool3d_dilated_ceil": (A.max_pool3d_with_indices.default, [torch.randn(1, 2, 7, 8, 9)],
+                                    ([3, 2, 3], [1, 2, 2], [1, 0, 1], [2, 1, 1], True), {}),
+        "max_pool3d_channels_last": (A.max_pool3d_with_indices.default, [torch.randn(2, 4, 5, 6, 7).to(
+            memory_format=torch.channels_last_3d)], ([2, 2, 2],), {}),
+        "avg_pool3d_exclude_pad_ceil": (A.avg_pool3d.default, [torch.randn(2, 3, 6, 7, 8)],
+                                        ([3, 3, 3], [2, 2, 2], [1, 1, 1], True, False), {}),
+        "avg_pool3d_divisor_4d": (A.avg_pool3d.default, [torch.randn(3, 6, 7, 8)],
+                                  ([2, 3, 3], [2, 1, 2], [1, 1, 0], False, True, 5), {}),
     }
 
 
@@ -334,12 +406,81 @@ def test_reversed_and_exclusive_scans(reverse, exclusive):
     torch.testing.assert_close(ran, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("reverse, exclusive", [(False, False), (True, False), (False, True), (True, True)])
+def test_contiguous_lines_get_a_parallel_block_scan_that_compiles_for_every_setting(reverse, exclusive):
+    """A thread walking a contiguous line reads it a sector at a time: lines along the
+    innermost dim get a block per line (the default once a line is long), strided lines keep
+    a thread per line; the block scan compiles for sm_90 in every form and setting."""
+    import dataclasses
+
+    card = make_card(A.cumsum.default, meta(6, 3001), 1)
+    prog = build.program_for_card(card)
+    prog.scan = dataclasses.replace(prog.scan, reverse=reverse, exclusive=exclusive)
+    generated._PROGRAMS[card.id] = prog
+    try:
+        assert generated.default(card, H200)["algo"] == "gen_scan_block"
+        (space,) = [s for s in generated.spaces(card, H200) if s["algo"] == ("gen_scan_block",)]
+        for knobs in knob_space.configs(space)[::3]:
+            cand = generated.build(card, knobs, H200)
+            assert cand.plan.kernels[0].grid[0] == 6 and cand.plan.kernels[0].block[0] == knobs["threads"]
+            assert compiler.compile(cand.source, arch="sm_90").cubin
+    finally:
+        del generated._PROGRAMS[card.id]
+    strided = make_card(A.cumsum.default, meta(3001, 6), 0)
+    assert [s["algo"] for s in generated.spaces(strided, H200)] == [("gen_scan",)]
+    assert generated.default(make_card(A.cumsum.default, meta(500, 20), 1), H200)["algo"] == "gen_scan"  # short lines
+
+
+@pytest.mark.parametrize("make", [lambda: make_card(A.sum.dim_IntList, meta(6, 1024), [1]),
+                                  lambda: make_card(A.var_mean.correction, meta(4, 512), [1]),
+                                  lambda: make_card(A.argmin.default, meta(3, 4, 64))], ids=["sum", "var_mean", "argmin"])
+def test_vector_loads_in_reductions_fold_the_same_elements_in_the_same_order(make):
+    """Vector widths where every row is whole aligned vectors; with them the kernel (g++ on the
+    CPU, one thread per output) gives bitwise what scalar loads give, indices included."""
+    import cuda_on_cpu
+
+    card = make()
+    (cols,) = [s for s in generated.spaces(card, H200) if s["algo"] == ("gen_cols",)]
+    assert cols["vec"] == (1, 2, 4)
+    for knobs in [k for k in knob_space.configs(cols) if k["threads"] == 64 and k["vec"] > 1][::3]:
+        inputs = card.random_inputs(0, "cpu")
+        got = cuda_on_cpu.run(card, generated.build(card, knobs, H200), inputs)
+        scalar = cuda_on_cpu.run(card, generated.build(card, {**knobs, "vec": 1}, H200), inputs)
+        assert all(torch.equal(g, b) for g, b in zip(got, scalar)), knobs
+    for odd in (make_card(A.sum.dim_IntList, meta(6, 1001), [1]), make_card(A.sum.dim_IntList, meta(64, 6), [0])):
+        assert all(s["vec"] == (1,) for s in generated.spaces(odd, H200))  # odd rows; rows strided in memory
+
+
 def test_long_reduction_with_few_outputs_splits_across_blocks():
     card = make_card(A.sum.default, meta(64, 1 << 20))
     knobs = generated.default(card, H200)
     cand = generated.build(card, knobs, H200)
     assert knobs["split"] >= 256 and [k.name for k in cand.plan.kernels] == ["kf_gen", "kf_gen_finish"]
     assert cand.plan.kernels[0].grid[1] == knobs["split"] and cand.plan.workspace_bytes() == [(knobs["split"] * 8, False)]
+
+
+def _chain(prog, knobs) -> int:
+    """Elements one thread folds in sequence under these knobs."""
+    from kforge.codegen import lower
+
+    lanes = 1 if knobs["algo"] == "gen_cols" else knobs["threads"] if knobs["lanes"] == "block" else knobs["lanes"]
+    return -(-(-(-lower.reduction_layout(prog).rn // knobs["split"])) // lanes)
+
+
+def test_reduction_knob_spaces_hold_only_settings_whose_sequential_chains_stay_accurate():
+    """An fp32 sum of 64 x 262144 to one value folded by 8 lanes without a split chains 2M
+    additions per thread and misses eager by more than the evaluator allows (seen on the H200):
+    no such setting is in the space, nor is the default; exact folds (amax) keep every setting."""
+    card = make_card(A.sum.default, meta(64, 1 << 18))
+    prog = generated.program(card)
+    configs = [k for s in generated.spaces(card, H200) for k in knob_space.configs(s)]
+    assert configs and max(_chain(prog, k) for k in configs) <= generated.CHAIN
+    assert not any(k.get("lanes") == 8 and k["split"] == 1 for k in configs)
+    assert generated.default(card, H200) in configs
+    exact = make_card(A.amax.default, meta(64, 1 << 18), [0, 1])
+    assert {k["split"] for s in generated.spaces(exact, H200) for k in knob_space.configs(s)} == set(generated.SPLITS)
+    short = make_card(A.sum.dim_IntList, meta(64, 512), [1])  # short rows: the whole space is accurate
+    assert [s["lanes"] for s in generated.spaces(short, H200) if "lanes" in s] == [(8, 32, 128, "block")]
 
 
 def test_templates_stay_first_and_the_generator_adds_its_algorithms():
@@ -379,6 +520,9 @@ def test_cards_without_a_template_are_generated():
     (lambda: make_card(A.frexp.Tensor, meta(8)), "two outputs"),
     (lambda: make_card(A.relu.default, meta(8, dtype=torch.complex64)), "complex64"),
     (lambda: make_card(A.sum.dim_IntList, meta(8, 8, dtype=torch.complex64), [1]), "complex64"),
+    # Its entry needs a NaN constant, which an integer dtype cannot hold: a decline, not a crash.
+    (lambda: make_card(A.logit_backward.default, meta(8, dtype=torch.int32), meta(8, dtype=torch.int32)),
+     "cannot express"),
 ])
 def test_generator_declines_with_a_reason(card, reason):
     ok, why = BuiltinProposer().supports(card())
@@ -429,6 +573,8 @@ ON_CPU = {
     "add_out": lambda: make_card(A.add.out, meta(7, 8), meta(8), out=meta(7, 8)),
     "where_bool": lambda: make_card(A.where.self, meta(9, 8, dtype=torch.bool), meta(9, 8), meta(8)),
     "eq_int": lambda: make_card(A.eq.Tensor, meta(6, 16, dtype=I32), meta(6, 16, dtype=I32)),
+    "addcmul_int_fractional_value": lambda: make_card(A.addcmul.default, meta(5, 7, dtype=I32), meta(5, 7, dtype=I32),
+                                                      meta(5, 7, dtype=I32), value=0.5),
     "to_copy_int_to_f64": lambda: make_card(A._to_copy.default, meta(8, 12, dtype=I32), dtype=torch.float64),
     "zero_dim": lambda: make_card(A.exp.default, meta()),
     "sum_rows": lambda: make_card(A.sum.dim_IntList, meta(5, 300), [-1]),
@@ -449,14 +595,18 @@ ON_CPU = {
     "max_pool_channels_last_dilated": lambda: make_card(A.max_pool2d.default, meta(1, 4, 10, 10, channels_last=True),
                                                         [3, 3], [1, 1], [1, 1], [2, 2], True),
     "avg_pool_count_exclude_pad": lambda: make_card(A.avg_pool2d.default, meta(3, 11, 9), [3, 2], [2, 1], [1, 1], True, False),
+    "max_pool3d_indices": lambda: make_card(A.max_pool3d_with_indices.default, meta(2, 3, 5, 6, 7), [3, 3, 3], [2, 2, 2],
+                                            [1, 1, 1]),
+    "avg_pool3d_count_exclude_pad": lambda: make_card(A.avg_pool3d.default, meta(2, 3, 5, 6, 7), [3, 2, 3], [2, 1, 2],
+                                                      [1, 1, 1], True, False),
 }
 
 
 def _cpu_settings(card):
-    """Settings whose threads do not cooperate (every pointwise one; one thread per output)."""
+    """Settings whose threads do not cooperate (every pointwise one; one thread per output or line)."""
     out = []
     for s in generated.spaces(card, H200):
-        if s["algo"] == ("gen_rows",):
+        if s["algo"] in (("gen_rows",), ("gen_scan_block",)):
             continue
         for k in knob_space.configs(s):
             if k["threads"] == 64 or (k["threads"] == 128 and k.get("grid") == "stride"):

@@ -8,17 +8,20 @@ Inductor's C++ backend, which is slow on a small machine."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._inductor.decomposition import select_decomp_table
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import kforge
 from kforge import customops, inductor
 from kforge.candidate import Candidate, LaunchPlan
+from kforge.capture import capture
 from kforge.dispatch import native_status
 from kforge.package import CastPackage, PackagedCard
 from test_dispatch import FakeLauncher, make_card, relu_kernel, softmax_kernel, to_copy_card
@@ -54,7 +57,7 @@ def group_norm_kernel(groups, eps):
 
 def traced(fn, *inputs, rewrites=()):
     """fn as Inductor's post-grad passes see it: aten ops after kforge's decomposition table."""
-    return make_fx(fn, tracing_mode="fake", decomposition_table=inductor._decompositions(rewrites))(*inputs)
+    return make_fx(fn, tracing_mode="fake", decomposition_table=inductor._decompositions(rewrites)[0])(*inputs)
 
 
 def kernel_nodes(gm) -> list:
@@ -124,18 +127,20 @@ def test_a_card_whose_compile_decision_is_not_dispatched_stays_inductors():
     launcher = FakeLauncher(relu_kernel, relu_kernel, relu_kernel)
     (rewrite,) = inductor._rewrites(pkg, launcher)
     assert rewrite.ops == [aten.tanh.default]
-    gm = traced(lambda t: torch.tanh(torch.sigmoid(torch.relu(t))), x, rewrites=[rewrite])
+    # (the mm keeps tanh out of relu -> sigmoid's fusable region: alone, it is the pass's to replace)
+    gm = traced(lambda t, w: torch.tanh(torch.sigmoid(torch.relu(t)) @ w), x, torch.eye(8), rewrites=[rewrite])
     assert rewrite(gm.graph) == 1
     assert sorted(str(n.target) for n in gm.graph.nodes if n.op == "call_function") == [
-        "aten.relu.default", "aten.sigmoid.default", f"kforge.{customops.op_name(tanh, pkg.cards[2].candidate.digest())}.default"]
+        "aten.mm.default", "aten.relu.default", "aten.sigmoid.default",
+        f"kforge.{customops.op_name(tanh, pkg.cards[2].candidate.digest())}.default"]
     assert [v.card.id for v in pkg.variants(launcher)] == [relu.id, sigmoid.id]  # eager's own decision
 
 
-def test_region_cards_stay_kforge_optimizes_and_op_cards_keep_their_kernel_and_variant():
+def test_op_cards_keep_their_kernel_and_variant_behind_a_region_card_of_eager_dispatch():
     x = torch.randn(4, 8)
     relu = make_card(aten.relu.default, x)
     region = dataclasses.replace(make_card(aten.sigmoid.default, x), region=object(), id="0123456789abcdef")
-    pkg = fake_package(region, relu)
+    pkg = fake_package(region, relu, decisions=["dispatched", "dispatched"], compile_decisions=["fallback", "dispatched"])
     launcher = FakeLauncher(relu_kernel, relu_kernel)
     (rewrite,) = inductor._rewrites(pkg, launcher)
     op = rewrite.match(aten.relu.default, (x,), {})
@@ -208,22 +213,33 @@ def test_kforge_compile_is_the_model_api_and_refuses_another_backend():
         kforge.compile(torch.nn.ReLU(), pkg, backend="eager")
 
 
-class GroupNormReLU(torch.nn.Module):
-    def __init__(self):
+class GroupNormThen(torch.nn.Module):
+    """group_norm, then a 1x1 convolution (the norm alone in its fusable region) or relu * 2
+    (a chain Inductor fuses the norm into)."""
+
+    def __init__(self, fused: bool):
         super().__init__()
         self.norm = torch.nn.GroupNorm(2, 4)
+        self.conv = torch.nn.Conv2d(4, 4, 1)
+        self.fused = fused
 
     def forward(self, x):
-        return torch.relu(self.norm(x)) * 2
+        y = self.norm(x)
+        return torch.relu(y) * 2 if self.fused else self.conv(y)
 
 
-def test_compiled_model_runs_the_kernels_inductor_runs_the_rest_and_equals_eager():
+def group_norm_model(fused: bool):
     torch._dynamo.reset()
-    model = GroupNormReLU().eval()
+    model = GroupNormThen(fused).eval()
     with torch.no_grad():
         model.norm.weight.uniform_(0.5, 1.5)
     x = torch.randn(2, 4, 3, 3)
     card = make_card(aten.native_group_norm.default, x, model.norm.weight, model.norm.bias, 2, 4, 9, 2, 1e-5)
+    return model, x, card
+
+
+def test_compiled_model_runs_the_kernels_inductor_runs_the_rest_and_equals_eager():
+    model, x, card = group_norm_model(fused=False)
     launcher = FakeLauncher(group_norm_kernel(2, 1e-5))
     pkg = fake_package(card)
     compiled = pkg.compile(model, launcher=launcher)
@@ -236,12 +252,24 @@ def test_compiled_model_runs_the_kernels_inductor_runs_the_rest_and_equals_eager
     assert len(launcher.calls) == 2 and pkg.cards[0].counters.hits == 2  # the kernel ran each forward
 
 
+def test_a_card_inside_a_chain_inductor_fuses_is_left_to_inductor_and_decomposed_as_without_kforge():
+    """The Gemma case: a card that beat its op compiled alone, in the middle of a chain that
+    Inductor compiles into one kernel, would split that kernel in three."""
+    model, x, card = group_norm_model(fused=True)
+    launcher = FakeLauncher(group_norm_kernel(2, 1e-5))
+    pkg = fake_package(card)
+    compiled = pkg.compile(model, launcher=launcher)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+    assert launcher.calls == [] and pkg.cards[0].counters.hits == 0
+
+
 def test_where_kforge_dispatch_serves_it_the_custom_op_is_its_cpp_kernel(monkeypatch):
     monkeypatch.delenv("KFORGE_DISPATCH", raising=False)
     ok, why = native_status("CPU")
     if not ok:
         pytest.skip(why)
-    from test_dispatch_native import RELU, NativeLauncher, calls
+    from test_dispatch import RELU, NativeLauncher, calls
 
     x = torch.randn(4, 8)
     launcher = NativeLauncher(RELU)
@@ -272,3 +300,251 @@ def test_the_options_survive_inductors_deepcopy_of_its_config():
     options = fake_package(make_card(aten.relu.default, x)).inductor_options(launcher=launcher)
     copied = copy.deepcopy(options)
     assert copied["post_grad_custom_post_pass"] is options["post_grad_custom_post_pass"]
+
+
+def test_in_the_pass_a_card_is_substituted_alone_and_not_inside_a_fusable_chain():
+    x = torch.randn(4, 8)
+    launcher = FakeLauncher(softmax_kernel(1))
+    card = make_card(aten._softmax.default, x, 1, False)
+    rewrites = inductor._rewrites(fake_package(card), launcher)
+    table, kept = inductor._decompositions(rewrites)
+    passes = rewrites + [inductor.Decompose(kept, select_decomp_table())]
+
+    def fn(a, b, w):
+        chain = torch.softmax(a * 2, 1) + 1  # a mul before it and an add after it: one fused kernel
+        alone = torch.softmax(b @ w, 1) @ w  # between two matmuls: alone in its region
+        return chain, alone
+    inputs = (x, x.clone(), torch.eye(8))
+    gm = make_fx(fn, tracing_mode="fake", decomposition_table=table)(*inputs)
+    assert len([n for n in gm.graph.nodes if n.target is aten._softmax.default]) == 2  # both reached the pass whole
+    assert sum(p(gm.graph) for p in passes) == 1
+    gm.recompile()
+    assert [n.args[0].target for n in kernel_nodes(gm)] == [aten.mm.default]
+    assert rewrites[0].declined == [kernel_nodes(gm)[0].target.name()]
+    # The one left to Inductor is decomposed as Inductor's table does, not run whole as an extern op.
+    assert not [n for n in gm.graph.nodes if n.target is aten._softmax.default]
+    assert {aten.amax.default, aten.exp.default} <= {n.target for n in gm.graph.nodes}
+    for got, want in zip(gm(*inputs), fn(*inputs)):
+        torch.testing.assert_close(got, want)
+    assert len(launcher.calls) == 1
+
+
+class GroupNormSiLU(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.GroupNorm(2, 4)
+
+    def forward(self, x):
+        return F.silu(self.norm(x))
+
+
+def region_package(tmp_path):
+    """The group_norm -> silu region of GroupNormSiLU, captured as capture captures it, in a
+    package that puts its kernel into compiled graphs (it beat the region compiled alone)."""
+    model = GroupNormSiLU().eval()
+    with torch.no_grad():
+        model.norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 4, 3, 3)
+    (card,) = [c for c in capture(model, x, tmp_path, regions=True, time_cards=False).cards if c.region]
+    assert card.region.ops == ["native_group_norm", "silu"]
+    packaged = PackagedCard(card, "fallback", "test", "custom",
+                            {"id": card.id, "compile": {"kernel_us": 1.0, "compile_us": 5.0}},
+                            Candidate(f'extern "C" __global__ void k() {{}} // {card.id}', PLAN),
+                            compile_decision="dispatched", compile_reason="test")
+    pkg = CastPackage(Path("region.cast"), {"format": 3, "gpu": {"name": "cpu", "arch": "cpu"}, "cards": [{"id": card.id}]},
+                      [packaged])
+    return model, x, card, pkg
+
+
+class RegionLauncher:
+    """Variant 0 is the region card: its replay, plus 1 (so that its use shows)."""
+
+    def __init__(self, card):
+        self.card, self.calls = card, []
+
+    def launch(self, vid, inputs, outputs, workspaces, device):
+        self.calls.append(vid)
+        for out, ref in zip(outputs, self.card.region.replay(list(inputs))):
+            out.copy_(ref + 1)
+
+
+def gn_silu(x, w, b):
+    # a convolution after the region, as in a ResNet block (a pointwise op would join the region)
+    return F.conv2d(F.silu(F.group_norm(x, 2, w, b)), torch.ones(4, 4, 1, 1, dtype=x.dtype))
+
+
+def test_a_region_card_replaces_exactly_its_region_in_the_pass(tmp_path):
+    model, x, card, pkg = region_package(tmp_path)
+    launcher = RegionLauncher(card)
+    rewrites = inductor._rewrites(pkg, launcher)
+    assert [type(r).__name__ for r in rewrites] == ["RegionRewrite"]
+    table, kept = inductor._decompositions(rewrites)
+    w, b = model.norm.weight.detach(), model.norm.bias.detach()
+    gm = make_fx(gn_silu, tracing_mode="fake", decomposition_table=table)(x, w, b)
+    assert rewrites[0](gm.graph) == 1
+    inductor.Decompose(kept, select_decomp_table())(gm.graph)
+    gm.recompile()
+    (call,) = kernel_nodes(gm)
+    assert [a.name for a in call.args] == ["x_1", "w_1", "b_1"]  # the region's inputs, in the card's order
+    assert [u.target for u in call.users] == [aten.convolution.default]  # and nothing else of the region is left
+    assert not {aten.native_group_norm.default, aten.silu.default} & {n.target for n in gm.graph.nodes}
+    got = gm(x, w, b)
+    want = F.conv2d(F.silu(F.group_norm(x, 2, w, b)) + 1, torch.ones(4, 4, 1, 1))  # the kernel's +1 reached it
+    torch.testing.assert_close(got, want)
+    assert launcher.calls == [0] and pkg.cards[0].counters.hits == 1
+
+
+@pytest.mark.parametrize("change", ["stride", "dtype"])
+def test_a_region_with_another_stride_or_dtype_is_left_to_inductor(tmp_path, change):
+    model, x, card, pkg = region_package(tmp_path)
+    launcher = RegionLauncher(card)
+    rewrites = inductor._rewrites(pkg, launcher)
+    table, kept = inductor._decompositions(rewrites)
+    w, b = model.norm.weight.detach(), model.norm.bias.detach()
+    if change == "stride":
+        x = x.contiguous(memory_format=torch.channels_last)
+    else:
+        x, w, b = x.double(), w.double(), b.double()
+    gm = make_fx(gn_silu, tracing_mode="fake", decomposition_table=table)(x, w, b)
+    assert rewrites[0](gm.graph) == 0
+    inductor.Decompose(kept, select_decomp_table())(gm.graph)
+    gm.recompile()
+    assert not kernel_nodes(gm) and not {aten.native_group_norm.default, aten.silu.default} & {
+        n.target for n in gm.graph.nodes}  # decomposed as Inductor would have
+    torch.testing.assert_close(gm(x, w, b), gn_silu(x, w, b))
+    assert launcher.calls == []
+
+
+def test_kforge_compile_runs_a_region_kernel_and_equals_eager(tmp_path):
+    torch._dynamo.reset()
+    model, x, card, pkg = region_package(tmp_path)
+    launcher = RegionLauncher(card)
+    compiled = pkg.compile(model, launcher=launcher)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x) + 1)
+    assert launcher.calls == [0]
+
+
+def model_checked(pkg, use: str, drop=()) -> CastPackage:
+    pkg.manifest["model_check"] = {"verdict": "slower", "use": use, "torch_compile_us": 946.0,
+                                   "kforge_compile_us": 1124.0, "noise_us": 9.5, "device": "cuda:0",
+                                   "drop": list(drop)}
+    return pkg
+
+
+def test_a_package_whose_model_check_lost_to_torch_compile_compiles_plain_and_says_so_once():
+    torch._dynamo.reset()
+    model, x, card = group_norm_model(fused=False)
+    launcher = FakeLauncher(group_norm_kernel(2, 1e-5))
+    pkg = model_checked(fake_package(card, name="lost.cast"), "torch.compile")
+    with pytest.warns(inductor.CompileFallbackWarning, match="slower than torch.compile .*plain torch.compile"):
+        compiled = pkg.compile(model, launcher=launcher)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = kforge.compile(model, pkg, launcher=launcher)  # said once per package
+        assert pkg.inductor_options(launcher=launcher) == {}
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+        again(x)
+    assert launcher.calls == [] and isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule)
+    assert "runs plain torch.compile" in pkg.compile_verdict()
+    ours = kforge.compile(model, pkg, launcher=launcher, use_verdict=False)  # the check itself measures this
+    with torch.no_grad():
+        ours(x)
+    assert len(launcher.calls) == 1
+
+
+def test_a_card_the_model_check_names_is_left_out():
+    x = torch.randn(4, 8)
+    relu, sm = make_card(aten.relu.default, x), make_card(aten._softmax.default, x, 1, False)
+    pkg = model_checked(fake_package(relu, sm, name="drop.cast"), "kforge.compile", drop=[sm.id])
+    with pytest.warns(inductor.CompileFallbackWarning, match=f"without card.* {sm.id}"):
+        (rewrite,) = inductor.options(pkg, launcher=FakeLauncher(relu_kernel, softmax_kernel(1)))[
+            "post_grad_custom_post_pass"].rewrites
+    assert rewrite.ops == [aten.relu.default]
+
+
+class ScaledSoftmax(torch.nn.Module):
+    def forward(self, a):
+        return torch.softmax(a * 2, 1) + 1
+
+
+@pytest.mark.parametrize("region_compile_us, substituted", [(10.0, True), (5.0, False)])
+def test_a_card_inside_a_chain_is_substituted_where_the_evidence_bounds_the_split_chain_below_the_fused_one(
+        tmp_path, region_compile_us, substituted):
+    """softmax's kernel (1 µs) plus the chain's other nodes eager (2 µs each: more than Inductor's
+    code for them) against the chain compiled alone by torch.compile (noise 0.5 µs)."""
+    x = torch.randn(4, 8)
+    cards = capture(ScaledSoftmax(), x, tmp_path, regions=True, time_cards=False).cards
+    (region,) = [c for c in cards if c.region]
+    assert region.region.ops == ["mul", "_softmax", "add"] and all(n.op_card for n in region.region.nodes)
+    softmax = next(c for c in cards if c.op == "aten::_softmax.default")
+    packaged = []
+    for c in cards:
+        if c is region:
+            entry = {"id": c.id, "compile": {"compile_us": region_compile_us, "noise_us": 0.5}}
+            packaged.append(PackagedCard(c, "fallback", "test", None, entry, compile_decision="fallback"))
+        elif c is softmax:
+            entry = {"id": c.id, "timing": {"eager_us": 3.0}, "compile": {"kernel_us": 1.0, "compile_us": 2.0}}
+            packaged.append(PackagedCard(c, "fallback", "test", "custom", entry,
+                                         Candidate(f'extern "C" __global__ void k() {{}} // {c.id}', PLAN),
+                                         compile_decision="dispatched"))
+        else:
+            packaged.append(PackagedCard(c, "fallback", "test", None, {"id": c.id, "timing": {"eager_us": 2.0}}))
+    pkg = CastPackage(Path("chain.cast"), {"format": 3, "gpu": {"name": "cpu", "arch": "cpu"}, "cards": []}, packaged)
+    launcher = FakeLauncher(softmax_kernel(1))
+    (rewrite,) = inductor._rewrites(pkg, launcher)
+    table, kept = inductor._decompositions([rewrite])
+    fn = ScaledSoftmax()
+    gm = make_fx(fn, tracing_mode="fake", decomposition_table=table)(x)
+    assert rewrite(gm.graph) == int(substituted)
+    inductor.Decompose(kept, select_decomp_table())(gm.graph)
+    gm.recompile()
+    torch.testing.assert_close(gm(x), fn(x))
+    assert len(launcher.calls) == int(substituted) and len(rewrite.declined) == int(not substituted)
+
+
+def test_the_gemma_attention_chain_keeps_inductors_one_kernel():
+    """What the H200 measured: add(scores, mask) bf16, the cast to fp32 and softmax fp32 each
+    beat their op compiled alone, and replacing them split Inductor's one kernel for
+    add -> cast -> softmax -> cast into three extern calls and two of its own (0.84x torch.compile)."""
+    s, m = torch.randn(2, 4, 8, 8, dtype=torch.bfloat16), torch.randn(2, 1, 8, 8, dtype=torch.bfloat16)
+    v = torch.randn(2, 4, 8, 8, dtype=torch.bfloat16)
+    scores = s + m
+    cards = [make_card(aten.add.Tensor, s, m), make_card(aten._to_copy.default, scores, dtype=torch.float32),
+             make_card(aten._softmax.default, scores.float(), -1, False)]
+    launcher = FakeLauncher(*[lambda ins, outs: None] * 3)
+    rewrites = inductor._rewrites(fake_package(*cards), launcher)
+    table, kept = inductor._decompositions(rewrites)
+
+    def attention(s, m, v):
+        return torch.softmax((s + m).float(), -1).to(torch.bfloat16) @ v
+    gm = make_fx(attention, tracing_mode="fake", decomposition_table=table)(s, m, v)
+    hits = [n.target for n in gm.graph.nodes if n.target in (aten.add.Tensor, aten._to_copy.default,
+                                                             aten._softmax.default)]
+    assert len(hits) >= 3  # the three calls reached the pass whole, and each hits its card
+    assert sum(r(gm.graph) for r in rewrites) == 0 and len(rewrites[0].declined) == 3
+    inductor.Decompose(kept, select_decomp_table())(gm.graph)
+    gm.recompile()
+    torch.testing.assert_close(gm(s, m, v), attention(s, m, v))
+    assert launcher.calls == []
+
+
+class ViewsOfInputs(torch.nn.Module):
+    def forward(self, a, b):
+        return torch.sigmoid(a.view(64, 32, 128)) * b.unsqueeze(-1)
+
+
+def test_a_region_with_a_view_matches_after_inductor_turned_the_view_into_a_reshape(tmp_path):
+    torch._dynamo.reset()
+    model, a, b = ViewsOfInputs(), torch.randn(2048, 128), torch.randn(64, 32)
+    (card,) = [c for c in capture(model, (a, b), tmp_path, regions=True, time_cards=False).cards if c.region]
+    assert "aten::view.default" in [n.op for n in card.region.nodes]
+    packaged = PackagedCard(card, "fallback", "test", "custom", {"id": card.id, "compile": {"kernel_us": 1.0,
+                                                                                           "compile_us": 5.0}},
+                            Candidate(f"// {card.id}", PLAN), compile_decision="dispatched")
+    pkg = CastPackage(Path("views.cast"), {"format": 3, "gpu": {"name": "cpu", "arch": "cpu"}, "cards": []}, [packaged])
+    launcher = RegionLauncher(card)
+    with torch.no_grad():
+        torch.testing.assert_close(pkg.compile(model, launcher=launcher)(a, b), model(a, b) + 1)
+    assert launcher.calls == [0]

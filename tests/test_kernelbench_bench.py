@@ -1,9 +1,13 @@
 """bench/kernelbench.py's problem handling on the CPU: the level's files in KernelBench's order,
-vendor problems left out on request, a batch halved until the inputs fit (the scale recorded),
-and fast_p / geometric means computed as KernelBench defines them."""
+the default lists and shards, vendor problems left out on request, a batch halved until the
+inputs fit (the scale recorded), the time budget shared by the problems, fast_p / geometric
+means computed as KernelBench defines them, and whole runs over the hand-written problems in
+tests/data/kernelbench (a matmul with its epilogue, a small whole model, one that does not build);
+bench/scoreboard.py's tables from result files."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -11,6 +15,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import kernelbench as kb  # noqa: E402
+import scoreboard  # noqa: E402
+
+DATA = Path(__file__).resolve().parent / "data" / "kernelbench"
 
 PROBLEM = '''import torch
 import torch.nn as nn
@@ -49,6 +56,10 @@ def test_files_come_in_kernelbench_order_and_vendor_problems_can_be_left_out(tre
     assert [f.stem for f in files] == ["1_Square_matrix_multiplication_", "2_ReLU", "10_Softmax", "54_conv_standard_3D"]
     assert [f.stem for f in kb.select(files, None, skip_vendor=True)] == ["2_ReLU", "10_Softmax"]
     assert [f.stem for f in kb.select(files, ["10"], skip_vendor=False)] == ["10_Softmax"]
+    # A number names one problem (1 is not 10), other text any problem whose name holds it.
+    assert [f.stem for f in kb.select(files, [1], skip_vendor=False)] == ["1_Square_matrix_multiplication_"]
+    assert [f.stem for f in kb.select(files, ["relu", "conv"], skip_vendor=False)] == ["2_ReLU", "54_conv_standard_3D"]
+    assert kb.select(files, ["all"], skip_vendor=False) == files
     with pytest.raises(SystemExit, match="no KernelBench level2"):
         kb.problem_files(tree, 2)
 
@@ -62,6 +73,38 @@ def test_a_large_batch_is_halved_until_the_inputs_fit_and_the_scale_is_recorded(
     assert small.scale == 1.0 and small.notes == []
 
 
+def test_default_lists_hold_what_the_scoreboard_must_show_and_shards_split_them():
+    level1 = set(kb.DEFAULT_PROBLEMS[1])
+    assert {*range(19, 37), 38, 39, 40, 42, 47, 48, 49, 51, 52, 53, *range(88, 97), 98, 99, 100} <= level1
+    assert not level1 & {50, 97}  # a convolution and attention
+    assert len(set(kb.DEFAULT_PROBLEMS[2])) >= 16 and len(set(kb.DEFAULT_PROBLEMS[3])) >= 5
+    files = [Path(f"{i}_p.py") for i in range(7)]
+    halves = kb.shard(files, "0/2"), kb.shard(files, "1/2")
+    assert [len(h) for h in halves] == [4, 3] and sorted(halves[0] + halves[1]) == sorted(files)
+    assert kb.shard(files, None) == files
+    with pytest.raises(SystemExit, match="0 <= k < n"):
+        kb.shard(files, "2/2")
+
+
+def test_a_batch_that_does_not_size_the_inputs_is_skipped_with_the_reason():
+    p = kb.fit(kb.load_problem(DATA / "level3/1_SmallResidualBlock.py"), max_bytes=1000)
+    assert p.scale == 0.0 and "batch_size does not size them" in p.notes[0]
+
+
+def test_the_time_budget_is_shared_and_learns_what_a_problem_costs_outside_its_search():
+    now = [0.0]
+    b = kb.Budget(100.0, cap_s=30.0, overhead_s=10.0, clock=lambda: now[0])
+    assert b.search_s(left=4) == 15.0  # 100 / 4 - 10
+    b.record(total_s=40.0, search_s=15.0)  # it cost 25 s besides its search
+    now[0] = 40.0
+    assert b.search_s(left=3) == 2.0  # 60 / 3 - 25 < the minimum search
+    now[0] = 75.0
+    assert b.search_s(left=2) is None  # 25 s left do not cover 25 s of overhead and a search
+    assert kb.Budget(None, cap_s=30.0).search_s(left=50) == 30.0
+    assert kb.Budget(1000.0, cap_s=30.0, clock=lambda: 0.0).search_s(left=1) == 30.0
+    assert kb.Budget(1000.0, cap_s=1.0, clock=lambda: 0.0).search_s(left=1) == 1.0  # the cap wins over the minimum
+
+
 def test_fast_p_counts_correct_problems_faster_than_p_and_geomean_skips_missing():
     rows = [{"correct": True, "speedup_vs_eager": 2.5, "speedup_vs_compile": 1.2, "kforge_us": 1},
             {"correct": True, "speedup_vs_eager": 1.2, "speedup_vs_compile": 0.8, "kforge_us": 1},
@@ -71,4 +114,84 @@ def test_fast_p_counts_correct_problems_faster_than_p_and_geomean_skips_missing(
     assert kb.fast_p(rows, "compile")["fast_1"] == 0.25
     s = kb.summarize(rows + [{"problem": "x", "error": "too large"}])
     assert s["problems"] == 5 and s["timed"] == 4 and s["correct"] == 3
+    # KernelBench's denominator is every problem: the one that failed is not fast.
+    assert s["vs_eager"] == {"fast_0": 0.6, "fast_1": 0.4, "fast_1.5": 0.2, "fast_2": 0.2}
     assert s["geomean_speedup_vs_eager"] == pytest.approx((2.5 * 1.2 * 9.0 * 0.9) ** 0.25)
+
+
+def test_a_level_run_reports_each_problem_and_a_problem_that_does_not_build_is_a_row(tmp_path):
+    out = tmp_path / "l2.json"
+    kb.main(["--kernelbench", str(DATA), "--level", "2", "--problems", "all", "--regions", "--iterations", "1",
+             "--wall-time", "1", "--time-budget", "300", "--out", str(out)])
+    d = json.loads(out.read_text())
+    assert d["level"] == 2 and d["regions"] and d["problem_list"] == ["1_Gemm_Multiply_LeakyReLU",
+                                                                      "2_Conv2d_Groups_GroupNorm"]
+    assert {"date", "device", "torch", "commit", "command"} <= set(d)
+    gemm, broken = d["problems"]
+    # Searched (with region cards: the matmul's epilogue among them); no GPU here to validate a package.
+    from kforge.cards import REGION_NS, load_cards
+
+    assert gemm["candidates"] > 0 and gemm["search_budget_s"] == 1.0 and "No CUDA GPU" in gemm["error"]
+    assert any(c.op.startswith(REGION_NS) for c in load_cards(Path(gemm["run_dir"])))
+    assert broken["error"].startswith("does not build: ValueError: in_channels must be divisible by groups")
+    assert d["summary"]["problems"] == 2 and d["summary"]["vs_eager"]["fast_0"] == 0.0
+
+
+def test_a_model_the_region_tracer_cannot_take_is_searched_without_regions(tmp_path, monkeypatch):
+    import kforge
+
+    calls = []
+    real = kforge.run
+
+    def run(*a, regions=False, **kw):
+        calls.append(regions)
+        if regions:
+            raise RuntimeError("cannot trace this model")
+        return real(*a, regions=regions, **kw)
+    monkeypatch.setattr(kforge, "run", run)
+    out = tmp_path / "l2.json"
+    kb.main(["--kernelbench", str(DATA), "--level", "2", "--problems", "1", "--regions", "--iterations", "1",
+             "--wall-time", "1", "--out", str(out)])
+    (row,) = json.loads(out.read_text())["problems"]
+    assert calls == [True, False] and row["candidates"] > 0
+    assert row["notes"] == ["regions left out: RuntimeError: cannot trace this model"]
+
+
+def test_problems_the_time_budget_does_not_reach_are_rows_that_say_so(tmp_path):
+    out = tmp_path / "l3.json"
+    kb.main(["--kernelbench", str(DATA), "--level", "3", "--problems", "all", "--time-budget", "1",
+             "--out", str(out)])
+    d = json.loads(out.read_text())
+    assert d["problems"] == [{"problem": "1_SmallResidualBlock", "error": "not run: time budget spent"}]
+
+
+def _result(path: Path, **fields) -> None:
+    path.write_text(json.dumps({"device": "NVIDIA H200", "torch": "2.11.0", "commit": "abc1234",
+                                "command": "python x", **fields}))
+
+
+def test_the_scoreboard_joins_a_levels_shards_and_keeps_the_newest_model_run(tmp_path):
+    names = ["1_a", "2_b", "3_c"]
+    fast = {"correct": True, "kforge_us": 1.0, "eager_us": 2.0, "speedup_vs_eager": 2.5, "speedup_vs_compile": 1.2}
+    _result(tmp_path / "kernelbench_l1_s0of2_h200.json", date="2026-12-02T00:00", shard="0/2", problem_list=names,
+            problems=[{"problem": "1_a", **fast}, {"problem": "3_c", "error": "no package written"}])
+    _result(tmp_path / "kernelbench_l1_s1of2_h200.json", date="2026-12-02T00:01", shard="1/2", problem_list=names,
+            problems=[{"problem": "2_b", **fast, "speedup_vs_eager": 1.2}])
+    _result(tmp_path / "kernelbench_l1_old_h200.json", date="2026-11-01T00:00", shard="0/2", problem_list=["9_z"],
+            problems=[{"problem": "9_z", **fast}])
+    files, s = scoreboard.kernelbench_level(tmp_path, 1)
+    assert sorted(p.name for p, _ in files) == ["kernelbench_l1_s0of2_h200.json", "kernelbench_l1_s1of2_h200.json"]
+    assert s["problems"] == 3 and s["vs_eager"]["fast_1"] == pytest.approx(2 / 3)
+    assert s["vs_eager"]["fast_2"] == pytest.approx(1 / 3) and s["vs_compile"]["fast_1"] == pytest.approx(2 / 3)
+    us = {"eager": {"median_us": 100.0}, "kforge": {"median_us": 80.0}}
+    _result(tmp_path / "ab_resnet50_bf16_s8_h200.json", date="2026-12-01", model_us={**us, "torch.compile": {"median_us": 50.0}})
+    _result(tmp_path / "model_resnet50_bf16_s9_h200.json", date="2026-12-02", model_us=us)  # newer, no torch.compile
+    page = tmp_path / "benchmarks.md"
+    page.write_text("# Benchmarks\n\nOlder rounds.\n")
+    scoreboard.main(["--results", str(tmp_path), "--write", str(page)])
+    scoreboard.main(["--results", str(tmp_path), "--write", str(page)])  # replaces its block, once
+    text = page.read_text()
+    assert text.count(scoreboard.BEGIN) == 1 and text.index(scoreboard.END) < text.index("Older rounds.")
+    assert "| 1 | 3 | 2 | 0 | 67 % / 67 % / 33 % / 33 % |" in text and "| 2 | not measured yet |" in text
+    assert "| resnet50_bf16 | 100 | 50 (2.00×) | — | 80 (1.25×) |" in text and "model_resnet50_bf16_s9" not in text
+    assert "commit abc1234; `python x`" in text

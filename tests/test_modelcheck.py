@@ -163,3 +163,43 @@ def test_the_check_compares_kforge_compile_with_torch_compile_and_names_the_site
     assert "torch.compile 60.0 µs, kforge.compile 50.0 µs: 1.200x, faster" in faster.message()
     assert faster.to_json()["compile_verdict"] == "faster"
     assert base.compile_verdict() is None and "torch.compile" not in base.message()  # not measured: not said
+
+
+def test_the_compile_record_is_what_kforge_compile_follows():
+    lost = ModelCheck(100.0, 1.0, 90.0, 1.0, "cuda:0", hits=4, compile_hits=("a" * 16, "b" * 16),
+                      compiled={"torch.compile": (946.0, 4.0), "kforge.compile": (1124.0, 6.0)})
+    record = lost.compile_record()
+    assert record["use"] == "torch.compile" and record["verdict"] == "slower" and record["drop"] == []
+    assert record["compiled_cards"] == ["a" * 16, "b" * 16] and record["noise_us"] == 9.46
+    assert "runs plain torch.compile for it. Sites to drop: the cards its graphs ran (aaaa" in lost.message()
+    # Leaving b out makes it win (beside torch.compile in the same rounds): b is recorded and dropped.
+    one_out = dataclasses.replace(lost, leave_one_out={"torch.compile": (950.0, 4.0), "kforge.compile": (1120.0, 6.0),
+                                                       "a" * 16: (1300.0, 6.0), "b" * 16: (900.0, 5.0)})
+    record = one_out.compile_record()
+    assert record["use"] == "kforge.compile" and record["drop"] == ["b" * 16]
+    assert [(r["card"], r["verdict"]) for r in record["leave_one_out"]] == [("a" * 16, "slower"), ("b" * 16, "faster")]
+    assert f"without card {'b' * 16}" in one_out.message()
+    won = dataclasses.replace(lost, compiled={"torch.compile": (946.0, 4.0), "kforge.compile": (800.0, 4.0)})
+    assert won.compile_record()["use"] == "kforge.compile" and won.compile_record()["drop"] == []
+    assert ModelCheck(100.0, 1.0, 90.0, 1.0, "cuda:0").compile_record() is None  # not measured
+
+
+def test_run_records_the_compile_verdict_in_the_package(cpu_cast, tmp_path, monkeypatch):  # noqa: F811
+    import kforge.modelcheck
+
+    path, x = cpu_cast
+    card = load(path, arch="sm_90").cards[0].id
+    asked = {}
+
+    def check_model(model, inputs, pkg, **options):  # the GPU check's result, on the CPU
+        asked.update(options)
+        return ModelCheck(100.0, 1.0, 90.0, 1.0, "cuda:0", hits=4, compile_hits=(card,),
+                          compiled={"torch.compile": (946.0, 4.0), "kforge.compile": (1124.0, 6.0)})
+    monkeypatch.setattr(kforge.modelcheck, "check_model", check_model)
+    result = run_logged(tmp_path, path)
+    runner._check_model(result, Relu(), x, load_options={"arch": "sm_90"}, leave_one_out=3)
+    assert asked["with_compile"] is True and asked["leave_one_out"] == 3  # the card has a compiled-graph kernel
+    recorded = load(path, arch="sm_90").manifest["model_check"]
+    assert recorded["use"] == "torch.compile" and recorded["compiled_cards"] == [card]
+    (_, level, message), = logged_checks(tmp_path)
+    assert level == "warning" and "kforge.compile runs plain torch.compile for it" in message

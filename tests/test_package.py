@@ -419,6 +419,9 @@ def test_apply_dispatches_hits_counts_and_restores(cpu_cast):
     (row,) = pkg.report()["cards"]
     assert row["decision"] == "dispatched" and row["hits"] == 2 and row["fallbacks"] == {"shape": 1}
     assert row["kind"] == "custom" and row["reason"].startswith("1.67x faster than eager as dispatched")
+    console = Console(record=True, width=200)
+    console.print(pkg.report("table"))
+    assert "shape: an input has another shape" in console.export_text()  # each counted reason, explained once
 
 
 def test_apply_restores_on_exception(cpu_cast):
@@ -480,3 +483,19 @@ def test_package_files_are_plain_zip_entries(cast):
     with zipfile.ZipFile(cast) as z:
         for info in z.infolist():
             assert stat.S_ISREG(info.external_attr >> 16) and not info.is_dir()
+
+
+def test_the_model_check_is_recorded_in_the_package_and_shown(cast):
+    from kforge.package import record_model_check
+
+    card = load(cast, arch="sm_90").cards[0].id
+    record_model_check(cast, {"verdict": "slower", "use": "torch.compile", "torch_compile_us": 946.0,
+                              "kforge_compile_us": 1124.0, "noise_us": 9.5, "device": "cuda:0",
+                              "compiled_cards": [card], "drop": []})
+    pkg = load(cast, arch="sm_90")
+    assert pkg.manifest["format"] == package.FORMAT == 3 and pkg.manifest["model_check"]["use"] == "torch.compile"
+    assert pkg.report()["model_check"]["kforge_compile_us"] == 1124.0
+    assert pkg.compile_verdict() == ("model check on cuda:0: torch.compile 946.0 µs, kforge.compile 1124.0 µs, slower: "
+                                     "kforge.compile runs plain torch.compile for this package")
+    with pytest.raises(PackageError, match=r"manifest.model_check.use must be 'kforge.compile' or 'torch.compile'"):
+        record_model_check(cast, {**pkg.manifest["model_check"], "use": "eager"})

@@ -31,6 +31,10 @@ class Block(nn.Module):
 
 @pytest.fixture
 def run(tmp_path, fresh_dynamo):
+    return region_run(tmp_path)
+
+
+def region_run(tmp_path, epilogue_result=None):
     """A GPU-side run directory of the block's two overlapping region cards (a CPU capture
     retargeted to sm_90), each with one valid kernel."""
     captured = tmp_path / "captured"
@@ -40,7 +44,8 @@ def run(tmp_path, fresh_dynamo):
     gpu = {c.id: c.retarget("cuda", "sm_90") for c in (fused, epilogue)}
     run_dir = build_run(tmp_path / "run", [
         (gpu[fused.id], [(relu_candidate(128), result(eager=10.0, kernel=5.0, dispatched=6.0))], None),
-        (gpu[epilogue.id], [(relu_candidate(128), result(eager=20.0, kernel=17.0, dispatched=18.0))], None)])
+        (gpu[epilogue.id], [(relu_candidate(128), epilogue_result or result(eager=20.0, kernel=17.0, dispatched=18.0))],
+         None)])
     sites = json.loads((captured / SITES).read_text())["sites"]
     (run_dir / SITES).write_text(json.dumps({"sites": [dict(s, card=gpu[s["card"]].id) for s in sites if s["card"] in gpu]}))
     return run_dir, gpu[fused.id], gpu[epilogue.id]
@@ -77,3 +82,15 @@ def test_an_edited_subgraph_no_longer_hashes_to_its_id(run, tmp_path):
 
     with pytest.raises(PackageError, match="does not hash to its id"):
         load(rewrite(path, edit_manifest(relu_to_gelu)), arch="sm_90")
+
+
+def test_a_region_that_loses_the_eager_overlap_still_ships_for_compiled_graphs_where_it_beat_torch_compile(
+        tmp_path, fresh_dynamo):
+    """Eager dispatch picks the non-overlapping set by its savings against eager; kforge.compile's
+    pass picks its own set, by each region's time against torch.compile of that region alone."""
+    run_dir, fused, epilogue = region_run(tmp_path, result(eager=20.0, kernel=17.0, dispatched=18.0, compiled=30.0))
+    pkg = load(write_package(run_dir, tmp_path / "m.cast"), arch="sm_90")
+    by_id = {c.id: c for c in pkg.cards}
+    assert not by_id[epilogue.id].dispatched and "overlapping regions" in by_id[epilogue.id].reason
+    assert by_id[epilogue.id].compiled and by_id[epilogue.id].candidate is not None  # its kernel ships
+    assert by_id[fused.id].dispatched and by_id[fused.id].compiled  # 5 µs against torch.compile's 8

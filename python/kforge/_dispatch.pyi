@@ -10,7 +10,10 @@ TORCH_VERSION: str
 """torch.__version__ at build time."""
 
 REASONS: tuple[str, ...]
-"""Why a call fell back, most fundamental first: kforge.dispatch.REASONS."""
+"""Why a call fell back, most fundamental first: kforge.guards.REASONS."""
+
+GUARD_FORMAT: int
+"""The guard format set_variants reads: kforge.guards.FORMAT."""
 
 class Counts:
     """What the override did for one card; kept across set_variants."""
@@ -29,7 +32,10 @@ class Override:
     def __init__(self, op: str, overload: str, key: str, at: str = "") -> None: ...
     def set_variants(self, variants: Sequence[tuple]) -> None:
         """Replace the variants; later ones win on equal guards. A variant is
-        (slots, outputs, workspace, launch_address, vid, resolve, counts): one slot per schema
+        (guard, outputs, workspace, launch_address, vid, resolve, counts). The guard is
+        kforge.guards.GuardSpec.native(): (GUARD_FORMAT, slots, written, device_slots), written
+        the inputs the kernel writes (none may share memory with another input), device_slots
+        the Device arguments (each must name the inputs' device), and one slot per schema
         argument, ("tensor", T | None), ("tensors", [T | None]) or ("value", V) with
         T = (sizes, strides, dtype name, device type, alignment) and V = ("none",), ("bool", b),
         ("int", i), ("float", f), ("ints", [i]), ("str", s), ("enum", dtype, memory format or

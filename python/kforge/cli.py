@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator, Sequence
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from .errors import EXIT_CODE_HELP, ExitCode, KforgeError
 
@@ -119,6 +120,9 @@ def _search_options(p: argparse.ArgumentParser) -> None:
                    help="only search cards whose op name contains one of these")
     g.add_argument("--devices", type=_devices, metavar="0,1",
                    help="GPU ordinals to evaluate on (default: all)")
+    g.add_argument("--cluster", metavar="ray|ray://HOST:PORT",
+                   help="evaluate on every GPU of a Ray cluster (ray: the one at $RAY_ADDRESS) instead of this "
+                        "machine's; needs pip install 'kforge[ray]' (docs/cluster.md)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-progress", action="store_true", help="no live progress display")
     _llm_options(p)
@@ -168,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir without capturing")
     p.add_argument("--no-model-check", action="store_true",
                    help="do not time the model eager and with the package at the end")
+    p.add_argument("--leave-one-out", type=int, default=0, metavar="N",
+                   help="when kforge.compile does not beat torch.compile and its graphs ran at most N cards, "
+                        "time it without each card in turn and record the one to leave out (default 0: off)")
     p.add_argument("--regions", action="store_true",
                    help="also trace the model and write a card per fused multi-op region (experimental)")
     _search_options(p)
@@ -208,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("doctor", help="what kforge finds of CUDA, the driver and NVRTC, the LLM settings, and "
                        "what works without a GPU", parents=[_output_options(True)])
+    p.add_argument("--cluster", metavar="ray|ray://HOST:PORT",
+                   help="also report the Ray cluster's nodes: GPUs, versions, and which a run from here refuses")
     _llm_options(p)
     return parser
 
@@ -217,14 +226,14 @@ def _search_kwargs(args: argparse.Namespace) -> dict:
     return dict(proposer=args.proposer, iterations=args.iterations, wall_time_s=args.wall_time,
                 max_cost_usd=args.max_cost, min_share=args.min_share, include_vendor=args.include_vendor,
                 devices=args.devices, seed=args.seed, progress=not args.no_progress, proposer_options=options,
-                ops=args.ops)
+                ops=args.ops, cluster=args.cluster)
 
 
 # Search options as (dest, flag): a resume hint repeats those that differ from the defaults.
 _SEARCH_FLAGS = (("proposer", "--proposer"), ("iterations", "--iterations"), ("wall_time", "--wall-time"),
                  ("max_cost", "--max-cost"), ("min_share", "--min-share"), ("include_vendor", "--include-vendor"),
                  ("ops", "--ops"),
-                 ("devices", "--devices"), ("seed", "--seed"), ("llm_config", "--llm-config"),
+                 ("devices", "--devices"), ("cluster", "--cluster"), ("seed", "--seed"), ("llm_config", "--llm-config"),
                  ("llm_base_url", "--llm-base-url"), ("llm_model", "--llm-model"), ("llm_price", "--llm-price"),
                  ("llm_reply_tokens", "--llm-reply-tokens"), ("llm_temperature", "--llm-temperature"),
                  ("llm_top_p", "--llm-top-p"), ("llm_reasoning_effort", "--llm-reasoning-effort"),
@@ -302,7 +311,8 @@ def _result_json(result) -> dict:
     return {"run_id": result.run_id, "run_dir": str(result.run_dir), "validated": result.validated,
             "package": str(result.package_path) if result.package_path else None, "message": result.message,
             "cards": [dataclasses.asdict(r) for r in result.table], "stop_reasons": result.stop_reasons,
-            "model_check": {"verdict": check.verdict, "message": check.message()} if check is not None else None,
+            "model_check": {"verdict": check.verdict, "message": check.message(),
+                            "compile": check.compile_record()} if check is not None else None,
             "model_check_error": result.model_check_error or None}
 
 
@@ -352,7 +362,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         model, inputs = load_model_spec(args.model)
         # Plain lines: a live status here would clash with the search's progress display after it.
         result = runner.run(model, inputs, out=args.out, run_dir=args.run_dir, model_name=args.model,
-                            check_model=not args.no_model_check, regions=args.regions,
+                            check_model=not args.no_model_check, leave_one_out=args.leave_one_out,
+                            regions=args.regions,
                             capture_progress=_progress_lines(args, err, "capture"), **kwargs)
     return _report(result, console, args)
 
@@ -448,11 +459,12 @@ def _inspect_package(path: Path, console: Console, args: argparse.Namespace) -> 
         manifest = pkg.manifest
         return _emit({"kind": "package", "path": str(path), "gpu": pkg.gpu, "arch": pkg.arch, "summary": summary,
                       "integrity": pkg.integrity,
-                      **{k: manifest.get(k) for k in ("format", "kforge", "torch", "cuda", "run_id")},
+                      **{k: manifest.get(k) for k in ("format", "kforge", "torch", "cuda", "run_id", "model_check")},
                       "cards": [{k: e.get(k) for k in _PACKAGE_CARD_KEYS} for e in manifest.get("cards", [])],
                       "notes": [str(w.message) for w in caught]})
     console.print(f"{escape(str(path))}: built for {escape(pkg.gpu)} ({pkg.arch}); {summary}; {pkg.integrity}")
     console.print(pkg.report(fmt="table"))
+    console.print(escape(pkg.compile_verdict()))
     _notes(caught, console)
     return 0
 
@@ -585,8 +597,10 @@ def cmd_doctor(args: argparse.Namespace, console: Console) -> int:
     native, why = native_status("CUDA")
     advice = _without_gpu(status)
     llm = _llm_rows(_llm_settings(args))
+    cluster = _cluster_report(args.cluster) if args.cluster else None
     if args.json:
-        return _emit({**status, "dispatch": {"native": native, "why": why}, "without_gpu": advice, "llm": dict(llm)})
+        return _emit({**status, "dispatch": {"native": native, "why": why}, "without_gpu": advice, "llm": dict(llm),
+                      **({"cluster": cluster} if cluster else {})})
     t = Table(title="kforge doctor", title_justify="left", show_header=False)
     t.add_column("what")
     t.add_column("status", overflow="fold")  # paths whole, folded, never cut with an ellipsis
@@ -602,7 +616,29 @@ def cmd_doctor(args: argparse.Namespace, console: Console) -> int:
         console.print(line, soft_wrap=True, highlight=False)
     if not advice:
         console.print("A GPU and NVRTC are here: everything works.")
+    if cluster:
+        console.print(_cluster_table(cluster))
     return 0
+
+
+def _cluster_report(cluster: str) -> dict:
+    from .cluster import ray_address
+    from .cluster.nodes import cluster_report
+
+    return cluster_report(ray_address(cluster))
+
+
+def _cluster_table(report: dict) -> Table:
+    t = Table(title=f"Ray cluster at {report['address']} (ray {report['ray']})", title_justify="left")
+    for col in ("node", "GPUs", "GPU", "driver", "torch", "kforge", "a run from here"):
+        t.add_column(col, overflow="fold")
+    for n in report["nodes"]:
+        gpu = ", ".join(sorted({f"{g['name']} ({g['arch']})" for g in n.get("gpus_seen", [])})) or "-"
+        verdict = (n["error"] if "error" in n else "no GPU: not used" if not n["gpus"] else
+                   f"refused: {n['refused']}" if n.get("refused") else "used")
+        t.add_row(*map(Text, (f"{n['ip']} ({n['node_id'][:8]})", str(n["gpus"]), gpu, str(n.get("driver", "-")),
+                              n.get("torch", "-"), n.get("kforge", "-"), verdict)))
+    return t
 
 
 def _llm_rows(settings: dict) -> list[tuple[str, str]]:

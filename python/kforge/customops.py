@@ -16,23 +16,30 @@ misses the C++ guard has already counted.
 
 Only functional cards become ops: a compiled graph is functional, so an in-place or out= call
 never appears in it as the card recorded it.
+
+A region card's op (region_op) is the same but for the C++ front: it launches the region's
+kernel (kforge.optimize.RegionKernel), and an input whose alignment is not the card's replays
+the region's aten calls.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import torch
 
 from .cards import ArgSpec, Card
-from .dispatch import _ALIGN, Dispatcher, DispatchError, Variant, _native_variants
+from .dispatch import Dispatcher, DispatchError, Variant
+from .guards import GuardSpec, tensor_key
+from .native_override import native_variants
 
 NAMESPACE = "kforge"
 
 _lock = threading.Lock()
 _lib: torch.library.Library | None = None
-_ops: dict[str, "_KernelOp"] = {}
+_ops: dict[str, "_KernelOp | _RegionOp"] = {}
 _native: dict[str, Dispatcher] = {}  # device key -> the C++ kernels in front of the ops' Python ones
 
 
@@ -53,13 +60,23 @@ class _KernelOp:
 
     variant: Variant
     native: bool = False  # kforge._dispatch's kernel is in front: calls reaching this one missed, and are counted
+    guard: GuardSpec = field(init=False)  # the op's own arguments: the card's tensors
+
+    def __post_init__(self) -> None:
+        self.bind(self.variant)
+
+    def bind(self, variant: Variant) -> None:
+        self.variant, self.guard = variant, GuardSpec.of_inputs(variant.card.inputs)
+
+    def take(self, other: "_KernelOp") -> None:
+        self.bind(other.variant)
 
     def __call__(self, *ins: torch.Tensor):
         v = self.variant
         if self.native:
             outs = v.card.call_eager(list(ins))
-        elif any(_ALIGN[t.data_ptr() & 15] != m.align for t, m in zip(ins, v.card.inputs)):
-            v.counters.fell_back("alignment")
+        elif (key := tuple(tensor_key(t) for t in ins)) != self.guard.key:  # alignment: the graph could not see it
+            v.counters.fell_back(self.guard.differences(key)[0])
             outs = v.card.call_eager(list(ins))
         else:
             outs = v.run(ins)
@@ -68,9 +85,40 @@ class _KernelOp:
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def fake(self, *ins: torch.Tensor):
-        dev = ins[0].device
-        outs = [torch.empty_strided(shape, stride, dtype=dt, device=dev) for _, shape, stride, dt in self.variant.out_specs]
+        return _fake_outputs(self.variant.card, ins)
+
+
+def _fake_outputs(card: Card, ins: Sequence[torch.Tensor]):
+    dev = ins[0].device
+    outs = [torch.empty_strided(tuple(m.shape), tuple(m.stride), dtype=m.torch_dtype, device=dev) for m in card.outputs]
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+@dataclass(eq=False)
+class _RegionOp:
+    """A region op's binding: the region kernel that serves it (the last package to bind it)."""
+
+    kernel: Any  # kforge.optimize.RegionKernel
+    guard: GuardSpec = field(init=False)  # the region's inputs
+
+    def __post_init__(self) -> None:
+        self.take(self)
+
+    def take(self, other: "_RegionOp") -> None:
+        self.kernel, self.guard = other.kernel, GuardSpec.of_inputs(other.kernel.card.inputs)
+
+    def __call__(self, *ins: torch.Tensor):
+        k = self.kernel
+        if (key := tuple(tensor_key(t) for t in ins)) != self.guard.key:  # alignment: the graph could not see it
+            k.counters.fell_back(self.guard.differences(key)[0])
+            outs = k.card.call_eager(list(ins))
+        else:
+            k.counters.hit()
+            outs = k.run(list(ins))
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def fake(self, *ins: torch.Tensor):
+        return _fake_outputs(self.kernel.card, ins)
 
 
 def op_name(card: Card, kernel_digest: str) -> str:
@@ -81,31 +129,52 @@ def kernel_op(variant: Variant, kernel_digest: str) -> torch._ops.OpOverload:
     """The custom op of `variant`'s card and kernel (defined on first use), now launched
     through `variant`. The same card and kernel from another package is the same op: it
     launches through whichever package bound it last, which runs the same kernel."""
-    global _lib
     card = variant.card
     why = op_blocker(card)
     if why:
         raise DispatchError(f"card {card.id} has no custom op: {why}")
-    name = op_name(card, kernel_digest)
     with _lock:
-        bound = _ops.get(name)
-        if bound is not None:
-            bound.variant = variant
-        else:
-            if _lib is None:
-                _lib = torch.library.Library(NAMESPACE, "FRAGMENT")
-            bound = _KernelOp(variant)
-            params = ", ".join(f"Tensor x{i}" for i in range(len(card.inputs)))
-            returns = "Tensor" if len(card.outputs) == 1 else "(" + ", ".join(["Tensor"] * len(card.outputs)) + ")"
-            # Fixed stride order: Inductor hands the op its inputs laid out as traced, which are the
-            # strides its guard matched (else a producer Inductor fuses could pick other strides).
-            _lib.define(f"{name}({params}) -> {returns}", tags=(torch.Tag.needs_fixed_stride_order,))
-            _lib.impl(name, bound, "CUDA" if card.device_type == "cuda" else "CPU")
-            torch.library.register_fake(f"{NAMESPACE}::{name}", bound.fake, lib=_lib)
-            _ops[name] = bound
-        op = getattr(getattr(torch.ops, NAMESPACE), name).default
+        bound, op = _bind(card, kernel_digest, _KernelOp(variant))
         _serve_natively(bound, op)
     return op
+
+
+def region_op(kernel: Any, kernel_digest: str) -> torch._ops.OpOverload:
+    """The custom op of a region card's kernel (kforge.optimize.RegionKernel), defined on first
+    use and now launched through `kernel`, as kernel_op() does for single-op cards."""
+    card = kernel.card
+    if not card.inputs or not card.outputs or card.device_type not in ("cuda", "cpu"):
+        raise DispatchError(f"region card {card.id} has no custom op: it needs tensor inputs and outputs on CUDA or CPU")
+    with _lock:
+        return _bind(card, kernel_digest, _RegionOp(kernel))[1]
+
+
+def _bind(card: Card, kernel_digest: str, fresh: "_KernelOp | _RegionOp") -> tuple:
+    """(binding, op) of the card's kernel op, now served as `fresh` serves it: an op defined
+    before keeps its binding object (the op's registered kernel), which takes fresh's kernel.
+    Caller holds _lock."""
+    name = op_name(card, kernel_digest)
+    bound = _ops.get(name)
+    if bound is not None:
+        bound.take(fresh)
+    else:
+        bound = _ops[name] = _define(name, card, fresh)
+    return bound, getattr(getattr(torch.ops, NAMESPACE), name).default
+
+
+def _define(name: str, card: Card, bound: "_KernelOp | _RegionOp") -> "_KernelOp | _RegionOp":
+    """Define kforge::name with the card's tensor inputs and outputs, served by `bound`. Caller holds _lock."""
+    global _lib
+    if _lib is None:
+        _lib = torch.library.Library(NAMESPACE, "FRAGMENT")
+    params = ", ".join(f"Tensor x{i}" for i in range(len(card.inputs)))
+    returns = "Tensor" if len(card.outputs) == 1 else "(" + ", ".join(["Tensor"] * len(card.outputs)) + ")"
+    # Fixed stride order: Inductor hands the op its inputs laid out as traced, which are the
+    # strides its guard matched (else a producer Inductor fuses could pick other strides).
+    _lib.define(f"{name}({params}) -> {returns}", tags=(torch.Tag.needs_fixed_stride_order,))
+    _lib.impl(name, bound, "CUDA" if card.device_type == "cuda" else "CPU")
+    torch.library.register_fake(f"{NAMESPACE}::{name}", bound.fake, lib=_lib)
+    return bound
 
 
 def _serve_natively(bound: _KernelOp, op: torch._ops.OpOverload) -> None:
@@ -121,7 +190,7 @@ def _serve_natively(bound: _KernelOp, op: torch._ops.OpOverload) -> None:
     own = Card(op=f"{schema.name}.default", schema=str(schema), outputs=list(v.card.outputs), arch=v.card.arch,
                args=[ArgSpec(a.name, "tensor", tensor=m) for a, m in zip(schema.arguments, v.card.inputs)])
     variant = Variant(own, v.vid, v.launcher, v.workspace, v.counters)
-    if _native_variants([variant], key)[0] is None:
+    if native_variants([variant], key)[0] is None:
         return
     dispatcher.add(bound, [variant])
     bound.native = dispatcher.path(own.op)[0] == "native"

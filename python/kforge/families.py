@@ -85,9 +85,26 @@ def family_of(op: str | torch._ops.OpOverload) -> str:
     tags = set(overload.tags) if overload is not None else set()
     if torch.Tag.reduction in tags or name in REDUCTION:
         return "reduction"
-    if torch.Tag.pointwise in tags or name in POINTWISE:
+    if torch.Tag.pointwise in tags or name in POINTWISE or overload is not None and _from_table(name, overload):
         return "pointwise"
     return "other"
+
+
+def tagged_nowhere(overload: torch._ops.OpOverload) -> bool:
+    """No overload of this one's packet carries torch's pointwise tag. The tag tells a packet's
+    overloads apart (max.other from max.dim, where.self from where.default); a packet tagged
+    nowhere is for the code generator's op table to judge: in-place forms torch leaves untagged
+    (gelu_, relu6_, threshold_) and, on torch 2.11, leaky_relu, hardtanh_, elu_, selu_, celu_ and
+    hardsigmoid_, which later versions tag (2.13 does; pytorch/pytorch PR 173869 added the tags)."""
+    packet = overload.overloadpacket
+    return not any(torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads())
+
+
+def _from_table(name: str, overload: torch._ops.OpOverload) -> bool:
+    from .codegen.ops import POINTWISE as TABLE  # here, not at import: the table imports torch internals
+
+    base = name[:-1] if name.endswith("_") and not name.startswith("__") else name
+    return base in TABLE and tagged_nowhere(overload)
 
 
 def _resolve(qualname: str) -> torch._ops.OpOverload | None:

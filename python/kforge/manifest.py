@@ -23,7 +23,9 @@ from .errors import PackageError, PlanError
 # 2: each card carries a second decision, "compile" (into kforge.compile's graphs, against
 # torch.compile's time), and a kernel ships where either decision dispatches it. Format 1
 # packages load, their kernels in no compiled graph (no torch.compile time to beat).
-FORMAT = 2
+# 3: "model_check", the whole model under torch.compile and kforge.compile, which kforge.compile
+# follows; format 1 and 2 packages load without one (kforge.compile trusts the cards' decisions).
+FORMAT = 3
 MAX_TEXT = 4000  # characters in any manifest text (reasons, notes, names); the writer cuts to it
 MAX_DEPTH = 8  # nesting of free-form evidence (tolerances, knobs)
 
@@ -173,6 +175,16 @@ _MANIFEST = _record({
     "cards": _list_of(_CARD),
     # Which overlapping region cards were chosen at each captured call site, with the numbers.
     "regions": _record({"sites": _plain}),
+    # Format 3: the model check's verdict on kforge.compile against torch.compile (kforge.modelcheck).
+    "model_check": _record({
+        "verdict": _one_of("faster", "level", "slower"), "use": _one_of("kforge.compile", "torch.compile"),
+        "torch_compile_us": _number, "kforge_compile_us": _number, "noise_us": _number, "device": _text,
+        "compiled_cards": _list_of(_matching(_CARD_ID, "a card id (16 hex digits)")),
+        "drop": _list_of(_matching(_CARD_ID, "a card id (16 hex digits)")),
+        "leave_one_out": _list_of(_record({"card": _matching(_CARD_ID, "a card id (16 hex digits)"),
+                                           "kforge_compile_us": _number, "verdict": _one_of("faster", "level", "slower")},
+                                          required=("card", "kforge_compile_us", "verdict")))},
+        required=("verdict", "use", "torch_compile_us", "kforge_compile_us", "noise_us")),
 }, required=("format", "kforge", "torch", "gpu", "cards"))
 
 

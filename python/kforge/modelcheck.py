@@ -20,7 +20,7 @@ import math
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -55,6 +55,10 @@ class ModelCheck:
     compiled: dict = dataclasses.field(default_factory=dict)
     compile_hits: tuple = ()  # cards whose kernels ran inside kforge.compile's graphs
     compile_error: str = ""
+    # Leave-one-out (check_model's leave_one_out): card id -> (median µs, iqr µs) of kforge.compile
+    # without that card, timed in its own interleaved rounds beside "torch.compile" and "kforge.compile",
+    # whose times of those rounds are under the same two names here.
+    leave_one_out: dict = dataclasses.field(default_factory=dict)
 
     @property
     def speedup(self) -> float:
@@ -107,6 +111,36 @@ class ModelCheck:
             return None
         return _compare(theirs[0], ours[0], _noise(theirs[0], theirs[1], ours[1]))
 
+    def _without(self, card: str) -> str:
+        """kforge.compile without `card` against torch.compile, timed in the same rounds."""
+        (t, t_iqr), (k, k_iqr) = self.leave_one_out["torch.compile"], self.leave_one_out[card]
+        return _compare(t, k, _noise(t, t_iqr, k_iqr))
+
+    def compile_record(self) -> dict | None:
+        """The verdict the package records (manifest "model_check", which kforge.compile follows):
+        kforge.compile where it beat torch.compile by more than the noise, default or
+        reduce-overhead; else, where leaving one card out made it do so, kforge.compile without
+        the fastest such card; else plain torch.compile. None when not measured."""
+        verdict = self.compile_verdict()
+        if verdict is None:
+            return None
+        (t, t_iqr), (k, k_iqr) = self.compiled["torch.compile"], self.compiled["kforge.compile"]
+        record = {"verdict": verdict, "use": "kforge.compile", "torch_compile_us": t, "kforge_compile_us": k,
+                  "noise_us": _noise(t, t_iqr, k_iqr), "device": self.device, "compiled_cards": list(self.compile_hits),
+                  "drop": []}
+        cards = [c for c in self.leave_one_out if c not in ("torch.compile", "kforge.compile")]
+        if cards:
+            record["leave_one_out"] = [{"card": c, "kforge_compile_us": self.leave_one_out[c][0],
+                                        "verdict": self._without(c)} for c in cards]
+        if "faster" in (verdict, self.compile_verdict("reduce-overhead")):
+            return record
+        helping = [c for c in cards if self._without(c) == "faster"]
+        if helping:
+            record["drop"] = [min(helping, key=lambda c: self.leave_one_out[c][0])]
+        else:
+            record["use"] = "torch.compile"
+        return record
+
     def _compile_message(self) -> str:
         if self.compile_error:
             return f"; not timed under torch.compile ({self.compile_error})"
@@ -124,11 +158,19 @@ class ModelCheck:
             o = self.compiled["kforge.optimize"][0]
             parts.append(f"kforge.optimize {o:.1f} µs: {self.eager_us / o:.3f}x eager")
         line = "; " + "; ".join(parts)
-        if "faster" not in (self.compile_verdict(), self.compile_verdict("reduce-overhead")):
-            line += (". kforge.compile is not faster than torch.compile on this model: compile it with torch.compile "
-                     "alone, or drop the cards its graphs ran (" + (", ".join(self.compile_hits) or "none") +
-                     ") from the package and check again")
-        return line
+        record = self.compile_record()
+        if record is None or record["use"] == "kforge.compile" and not record["drop"]:
+            return line
+        if record["drop"]:
+            return line + (f". kforge.compile is not faster than torch.compile on this model with every card, and is "
+                           f"without card {record['drop'][0]}: the package records it, and kforge.compile leaves "
+                           "that card out")
+        tried = (f"; leaving out one card at a time ({', '.join(c['card'] for c in record['leave_one_out'])}) did not "
+                 "make it faster" if record.get("leave_one_out") else "")
+        return line + (". kforge.compile is not faster than torch.compile on this model" + tried + ": the package "
+                       "records it, and kforge.compile runs plain torch.compile for it. Sites to drop: the cards its "
+                       "graphs ran (" + (", ".join(self.compile_hits) or "none") + "); kforge run --leave-one-out N "
+                       "measures which of them help")
 
     def message(self) -> str:
         line = (f"model forward on {self.device}: eager {self.eager_us:.1f} µs (iqr {self.eager_iqr_us:.1f}), "
@@ -165,7 +207,7 @@ class ModelCheck:
         return {**dataclasses.asdict(self), "speedup": self.speedup, "verdict": self.verdict,
                 "graph_speedup": self.graph_speedup, "graph_verdict": self.graph_verdict,
                 "launch_bound": self.launch_bound, "compile_verdict": self.compile_verdict(),
-                "compile_graph_verdict": self.compile_verdict("reduce-overhead")}
+                "compile_graph_verdict": self.compile_verdict("reduce-overhead"), "compile_record": self.compile_record()}
 
 
 def _noise(eager_us: float, *iqrs_us: float) -> float:
@@ -273,30 +315,53 @@ COMPILED = ("torch.compile", "kforge.compile", "torch.compile reduce-overhead", 
             "kforge.optimize")
 
 
-def compiled_forwards(model: torch.nn.Module, package, forward_of, *, launcher=None) -> dict[str, Any]:
+def compiled_forwards(model: torch.nn.Module, package, forward_of, *, launcher=None,
+                      ran: dict | None = None) -> dict[str, Any]:
     """COMPILED name -> a forward of `model` compiled that way, compiled and warmed up here (three
     calls each: cudagraph trees record on a later call than the first). `forward_of(m)` is the
-    forward to time with `m` in place of the model."""
+    forward to time with `m` in place of the model. `ran`, when given, gets per name the ids of
+    the package's cards whose kernels that forward's warm-up ran."""
     from .inductor import compile as kforge_compile
     from .optimize import optimize
 
     makers = {"torch.compile": lambda: torch.compile(model),
-              "kforge.compile": lambda: kforge_compile(model, package, launcher=launcher),
+              # use_verdict=False: the check measures the package's kernels, whatever an earlier check recorded
+              "kforge.compile": lambda: kforge_compile(model, package, launcher=launcher, use_verdict=False),
               "torch.compile reduce-overhead": lambda: torch.compile(model, mode="reduce-overhead"),
               "kforge.compile reduce-overhead": lambda: kforge_compile(model, package, launcher=launcher,
-                                                                       mode="reduce-overhead"),
+                                                                       mode="reduce-overhead", use_verdict=False),
               "kforge.optimize": lambda: optimize(model, package, launcher=launcher)}
     forwards = {}
     for name in COMPILED:
+        before = [c.counters.hits for c in package.cards]
         fn = forward_of(makers[name]())
         for _ in range(3):
             fn()
         forwards[name] = fn
+        if ran is not None:
+            ran[name] = tuple(c.id for c, h in zip(package.cards, before) if c.counters.hits > h)
     return forwards
 
 
+def _leave_one_out(model, package, compiled: dict, forward_of, cards: Sequence[str], *, launcher, calls: int,
+                   rounds: int, device) -> dict:
+    """kforge.compile without each card in turn, timed interleaved with torch.compile and
+    kforge.compile: {"torch.compile": ..., "kforge.compile": ..., card: ...}, each (median, iqr)."""
+    from .inductor import compile as kforge_compile
+
+    forwards = {"torch.compile": compiled["torch.compile"], "kforge.compile": compiled["kforge.compile"]}
+    for card in cards:
+        fn = forward_of(kforge_compile(model, package, launcher=launcher, drop=[card], use_verdict=False))
+        for _ in range(3):
+            fn()
+        forwards[card] = fn
+    measured = timing.time_as_called([(contextlib.nullcontext, fn) for fn in forwards.values()],
+                                     calls=calls, rounds=rounds, device=device)
+    return {name: (m.median, m.iqr) for name, m in zip(forwards, measured)}
+
+
 def check_model(model: torch.nn.Module, example_inputs: Any, package, *, rounds: int = 10, calls: int | None = None,
-                budget_s: float = 10.0, graphs: bool = True, with_compile: bool = False,
+                budget_s: float = 10.0, graphs: bool = True, with_compile: bool = False, leave_one_out: int = 0,
                 **install_options: Any) -> ModelCheck:
     """Time `model` on `example_inputs` eager and under `package.apply(**install_options)`,
     interleaved: `rounds` rounds of `calls` forwards each (calls=None: about a millisecond of
@@ -311,7 +376,9 @@ def check_model(model: torch.nn.Module, example_inputs: Any, package, *, rounds:
     graph_error, not raised. With `with_compile` (CUDA only), the same rounds also time the forward
     under torch.compile and kforge.compile, default and reduce-overhead (COMPILED), and the check
     says whether kforge.compile beats torch.compile; a model that does not compile is reported in
-    compile_error."""
+    compile_error. With `leave_one_out` N and kforge.compile not faster, where its graphs ran 1 to N
+    cards: kforge.compile without each of them in turn, timed in further interleaved rounds beside
+    torch.compile and kforge.compile (ModelCheck.leave_one_out; compile_record() uses it)."""
     args, kwargs = _as_call(example_inputs, None)
     dev = _model_device(model, args, kwargs)
 
@@ -343,13 +410,14 @@ def check_model(model: torch.nn.Module, example_inputs: Any, package, *, rounds:
             install_options = {**install_options, "launcher": package.launcher()}
         compiled, compile_error, compile_hits = {}, "", ()
         if with_compile:
-            before = {c.id: c.counters.hits for c in package.cards}
+            ran: dict = {}
             try:
                 compiled = compiled_forwards(model, package, lambda m: lambda: m(*args, **kwargs),
-                                             launcher=install_options.get("launcher"))
+                                             launcher=install_options.get("launcher"), ran=ran)
             except Exception as e:  # noqa: BLE001 (a model torch.compile cannot take: said, not raised)
                 compile_error = _first_line(e)
-            compile_hits = tuple(c.id for c in package.cards if c.counters.hits > before[c.id])
+            ours = {*ran.get("kforge.compile", ()), *ran.get("kforge.compile reduce-overhead", ())}
+            compile_hits = tuple(c.id for c in package.cards if c.id in ours)  # not kforge.optimize's
 
         def total_hits() -> int:
             return sum(c.counters.hits for c in package.cards)
@@ -371,6 +439,11 @@ def check_model(model: torch.nn.Module, example_inputs: Any, package, *, rounds:
         check = ModelCheck(eager.median, eager.iqr, packaged.median, packaged.iqr, str(dev), calls, rounds, hits,
                            compiled={n: (m.median, m.iqr) for n, m in zip(compiled, measured[2:])},
                            compile_hits=compile_hits, compile_error=compile_error)
+        if 0 < len(compile_hits) <= leave_one_out and "faster" not in (check.compile_verdict(),
+                                                                          check.compile_verdict("reduce-overhead")):
+            check = dataclasses.replace(check, leave_one_out=_leave_one_out(
+                model, package, compiled, lambda m: lambda: m(*args, **kwargs), compile_hits,
+                launcher=install_options.get("launcher"), calls=calls, rounds=rounds, device=dev))
         if graphs and dev.type == "cuda" and hits:
             try:
                 with torch.cuda.device(dev):  # graphed() captures on the current device's streams

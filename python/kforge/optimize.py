@@ -7,8 +7,8 @@ in place of the regions they match, and everything else as eager runs it (no Ind
 How: torch.compile with kforge's aten backend (kforge.graph). In each graph, the regions are
 found as capture found them (kforge.regions); a region whose structure and input metadata
 match a dispatched region card of the package is contracted into one call of a plain Python
-callable (RegionCall), which checks every input's exact metadata (shape, stride, dtype,
-device type, pointer alignment) against the card and launches the card's kernel, or, on a
+callable (RegionCall), which checks its inputs against the card's guard specification (kforge.guards: exact
+shape, stride, dtype, device type, pointer alignment) and launches the card's kernel, or, on a
 miss, runs the region's original aten calls. Where matched regions overlap (a fused region
 and a vendor op's epilogue), package.choose_regions keeps the set that saves the most by
 the package's own measurements. Then each remaining node whose call hits a single-op card's
@@ -29,6 +29,7 @@ swapped for a torch.library custom op without changing the graph surgery.
 from __future__ import annotations
 
 import collections
+import functools
 import heapq
 import operator
 import sys
@@ -42,7 +43,8 @@ import torch.fx as fx
 from . import graph as graph_mod
 from . import regions as regions_mod
 from .cards import Card
-from .dispatch import REASONS, Counters, Launcher, _meta_key, _tensor_key, differences
+from .dispatch import Counters, Launcher
+from .guards import GuardSpec, nearest, tensor_key
 from .subgraph import Subgraph
 
 
@@ -56,9 +58,9 @@ class RegionKernel:
     baseline_us: float | None = None  # its nodes without it: their best op kernels, else eager
     counters: Counters = field(default_factory=Counters)
 
-    @property
-    def guard(self) -> tuple:
-        return tuple(_meta_key(m) for m in self.card.inputs)
+    @functools.cached_property
+    def guard(self) -> GuardSpec:
+        return GuardSpec.of_inputs(self.card.inputs)
 
 
 def launch_kernel(card: Card, launcher: Launcher, vid: int, workspace: Sequence[int] = ()) -> Callable:
@@ -83,30 +85,25 @@ class RegionCall:
 
     def __init__(self, subgraph: Subgraph, kernels: list[RegionKernel]):
         self.subgraph = subgraph
-        self.table = {k.guard: k for k in kernels}
+        self.table = {k.guard.key: k for k in kernels}
         self.kernels = kernels
         self.__name__ = "kforge_region_" + "_".join(subgraph.ops)[:60]
 
     def __call__(self, *inputs: torch.Tensor) -> tuple:
-        key = tuple(_tensor_key(t) for t in inputs)
+        key = tuple(tensor_key(t) for t in inputs)
         k = self.table.get(key)
-        if k is not None and len({t.device for t in inputs}) == 1:
+        if k is not None and not k.guard.unrunnable(inputs):
             k.counters.hit()
             return tuple(k.run(list(inputs)))
-        self._count_miss(key, k)
+        self._count_miss(key, inputs, k)
         return tuple(self.subgraph.replay(list(inputs)))
 
-    def _count_miss(self, key: tuple, hit: RegionKernel | None) -> None:
-        if hit is not None:
-            hit.counters.fell_back("device")
+    def _count_miss(self, key: tuple, inputs: Sequence[torch.Tensor], hit: RegionKernel | None) -> None:
+        if hit is not None:  # the key matched: what it cannot see did not (inputs on several devices)
+            hit.counters.fell_back(hit.guard.unrunnable(inputs))
             return
-        kinds = ["tensor"] * len(key)
-        scored = []
-        for i, k in enumerate(self.kernels):
-            diffs = differences(key, k.guard, kinds) or ["no-variant"]
-            scored.append(((REASONS.index(diffs[0]), -len(diffs), -i), diffs[0], k))
-        _, reason, nearest = max(scored, key=lambda s: s[0])
-        nearest.counters.fell_back(reason)
+        i, reason = nearest(key, [kernel.guard for kernel in self.kernels])
+        self.kernels[i].counters.fell_back(reason)
 
 
 def contract(gm: fx.GraphModule, chosen: list[tuple[regions_mod.Site, Callable]]) -> fx.GraphModule:
@@ -191,18 +188,54 @@ def contract(gm: fx.GraphModule, chosen: list[tuple[regions_mod.Site, Callable]]
 
 # ---- the optimized model ---------------------------------------------------------------------
 
-def region_kernels(package: Any, launcher: Launcher) -> list[RegionKernel]:
-    """The package's dispatched region cards as kernels. Variant ids are positions among the
-    package's kernel_cards() (the order of CastPackage.launcher()'s registry)."""
+def region_kernels(package: Any, launcher: Launcher, *, compiled: bool = False) -> list[RegionKernel]:
+    """The package's dispatched region cards as kernels, with the evidence to choose by: eager
+    dispatch's (kernel as dispatched against its nodes without it), or with `compiled` the
+    cards kforge.compile dispatches and their evidence against torch.compile (the kernel's GPU
+    time against the region compiled alone). Variant ids are positions among the package's
+    kernel_cards() (the order of CastPackage.launcher()'s registry)."""
     out = []
     for vid, c in enumerate(package.kernel_cards()):
-        if c.card.region is None or not c.dispatched:
+        if c.card.region is None or not (c.compiled if compiled else c.dispatched):
             continue
-        timing = c.entry.get("timing") or {}
         ws = [n for n, _ in c.candidate.plan.workspace_bytes()] if c.candidate is not None else []
-        out.append(RegionKernel(c.card, launch_kernel(c.card, launcher, vid, ws), timing.get("dispatched_us"),
-                                (c.entry.get("baseline") or {}).get("baseline_us"), c.counters))
+        if compiled:
+            evidence = c.entry.get("compile") or {}
+            kernel_us, baseline_us = evidence.get("kernel_us"), evidence.get("compile_us")
+        else:
+            kernel_us = (c.entry.get("timing") or {}).get("dispatched_us")
+            baseline_us = (c.entry.get("baseline") or {}).get("baseline_us")
+        out.append(RegionKernel(c.card, launch_kernel(c.card, launcher, vid, ws), kernel_us, baseline_us, c.counters))
     return out
+
+
+def by_match(kernels: Sequence[RegionKernel]) -> dict[tuple, list[RegionKernel]]:
+    """Region kernels by the key a graph's site must have to be their card's region."""
+    out: dict[tuple, list[RegionKernel]] = collections.defaultdict(list)
+    for k in kernels:
+        out[regions_mod.match_key(k.card.region, k.card.inputs)].append(k)
+    return dict(out)
+
+
+def match_regions(graph: fx.Graph | fx.GraphModule,
+                  kernels: dict[tuple, list[RegionKernel]]) -> list[tuple[regions_mod.Site, list[RegionKernel]]]:
+    """The graph's regions (as capture finds them) that match `kernels` (by_match), and of those
+    that overlap, the set that saves the most by the kernels' evidence; in graph order. Shared by
+    kforge.optimize and kforge.compile's pass: one matcher."""
+    from .package import RegionOption, choose_regions
+
+    options, matched = [], {}
+    for site in regions_mod.find(graph):
+        ks = kernels.get(site.match_key())
+        if not ks:
+            continue
+        best = min(ks, key=lambda k: k.kernel_us if k.kernel_us is not None else float("inf"))
+        opt = RegionOption(best.card.id, frozenset(n.name for n in site.nodes), best.kernel_us, best.baseline_us)
+        options.append(opt)
+        matched[opt] = (site, ks)
+    chosen = [matched[o] for o in choose_regions(options)]
+    chosen.sort(key=lambda sk: min(n.name for n in sk[0].nodes))
+    return chosen
 
 
 @dataclass
@@ -227,10 +260,7 @@ class OptimizedModel(torch.nn.Module):
         self.replaced: list[Replaced] = []
         self.ops_replaced = 0  # graph nodes given a single-op card's kernel
         self._op_rewrites = op_rewrites
-        by_match: dict[tuple, list[RegionKernel]] = collections.defaultdict(list)
-        for k in kernels:
-            by_match[regions_mod.match_key(k.card.region, k.card.inputs)].append(k)
-        self._by_match = dict(by_match)
+        self._by_match = by_match(kernels)
         backend = graph_mod.aten_backend(self._compile_graph, self.notes)
         self.__dict__["_compiled"] = torch.compile(model, backend=backend, dynamic=False)  # not a submodule
 
@@ -238,19 +268,7 @@ class OptimizedModel(torch.nn.Module):
         return self._compiled(*args, **kwargs)
 
     def _compile_graph(self, gm: fx.GraphModule, index: int, note: str | None) -> Callable:
-        from .package import RegionOption, choose_regions
-
-        options, matched = [], {}
-        for site in regions_mod.find(gm):
-            ks = self._by_match.get(site.match_key())
-            if not ks:
-                continue
-            best = min(ks, key=lambda k: k.kernel_us if k.kernel_us is not None else float("inf"))
-            opt = RegionOption(best.card.id, frozenset(n.name for n in site.nodes), best.kernel_us, best.baseline_us)
-            options.append(opt)
-            matched[opt] = (site, ks)
-        chosen = [matched[o] for o in choose_regions(options)]
-        chosen.sort(key=lambda sk: min(n.name for n in sk[0].nodes))
+        chosen = match_regions(gm, self._by_match)
         for site, ks in chosen:
             self.replaced.append(Replaced(index, site.nodes[0].name, [k.card.id for k in ks]))
         out = contract(gm, [(site, RegionCall(site.subgraph, ks)) for site, ks in chosen]) if chosen else gm

@@ -44,6 +44,7 @@ from .cards import CARD_FORMAT, Card, card_id, decode_value, load_card
 from .castfile import CHECKSUMS, MANIFEST, SIGNATURE, sha256
 from .dispatch import Counters, Dispatcher, Launcher, RegistryLauncher, Variant, dispatch_blocker
 from .errors import CardError, CompileError, CudaUnavailableError, KforgeError, PackageError, PlanError
+from .guards import REASONS, meaning
 from .manifest import ARCH, FORMAT, MAX_TEXT, check_manifest, read_manifest
 from .store import LOG_NAME, CandidateRecord, CardRecord, SQLiteStore
 from .verdict import EvalResult, Verdict
@@ -347,7 +348,7 @@ def _card_entry(card: Card, choice: Choice, arch: str) -> tuple[dict, dict[str, 
         raise PackageError(f"the compiler returned no {arch} cubin for card {card.id} (got sm {cubin_sm(cubin)}); "
                            "a package must carry cubins for its exact arch")
     if choice.compiled.dispatched:
-        blocked = "region cards run through kforge.optimize" if card.region is not None else customops.op_blocker(card)
+        blocked = None if card.region is not None else customops.op_blocker(card)  # a region's op: kforge.compile's pass
         if blocked:
             entry["compile"].update(decision="fallback", reason=f"stays out of compiled graphs: {blocked}")
     if choice.eager.dispatched:
@@ -448,11 +449,30 @@ def _region_decisions(run_dir: Path, entries: list[dict], members: dict[str, byt
                                                    for o in options]})
     for e in region_entries.values():
         if e["decision"] == "dispatched" and e["id"] not in chosen_ids:
-            for name in e["files"].values():
-                members.pop(name, None)
-            e.update(decision="fallback", plan=None, files=None, hashes=None,
-                     reason="overlapping regions or the op kernels inside it save more at every call site")
+            e.update(decision="fallback", reason="overlapping regions or the op kernels inside it save more at every "
+                                                 "call site")
+            if e["compile"]["decision"] != "dispatched":  # kforge.compile's pass chooses its own regions
+                for name in e["files"].values():
+                    members.pop(name, None)
+                e.update(plan=None, files=None, hashes=None)
     return {"sites": report}
+
+
+def record_model_check(path: str | Path, verdict: dict) -> None:
+    """Write the model check's verdict on kforge.compile (kforge.modelcheck.ModelCheck.compile_record)
+    into the .cast at `path`, as its manifest's "model_check", which kforge.compile follows. A
+    signed package is refused: the rewrite changes its checksums, so the signature would not hold."""
+    path = Path(path)
+    members = castfile.read_members(path)
+    castfile.verify_checksums(path, members)
+    if SIGNATURE in members:
+        raise PackageError(f"{path} is signed, and recording the model check would void its signature: re-sign it "
+                           "after `kforge package` on an unsigned copy, or pass use_verdict=False to kforge.compile")
+    manifest = check_manifest(path, members[MANIFEST])
+    manifest.update(format=FORMAT, model_check=verdict)
+    members[MANIFEST] = json.dumps(manifest, indent=1, sort_keys=True).encode()
+    check_manifest(path, members[MANIFEST])  # never write what load() would refuse
+    castfile.write_zip(path, {k: v for k, v in members.items() if k != CHECKSUMS})
 
 
 # ---- the manifest ---------------------------------------------------------------------------
@@ -751,6 +771,19 @@ class CastPackage:
 
         return options(self, launcher=launcher)
 
+    def compile_verdict(self) -> str:
+        """One line: what the model check found of kforge.compile against torch.compile, and what
+        kforge.compile does with this package because of it."""
+        check = self.manifest.get("model_check")
+        if not check:
+            return "model check: kforge.compile not checked against torch.compile on the model (cards decide alone)"
+        line = (f"model check on {check.get('device') or self.gpu}: torch.compile {check['torch_compile_us']:.1f} µs, "
+                f"kforge.compile {check['kforge_compile_us']:.1f} µs, {check['verdict']}")
+        if check["use"] == "torch.compile":
+            return line + ": kforge.compile runs plain torch.compile for this package"
+        drop = check.get("drop") or []
+        return line + (f": kforge.compile leaves out {', '.join(drop)}" if drop else ": kforge.compile uses its kernels")
+
     # ---- auditing ---------------------------------------------------------------------
     def report(self, fmt: str = "dict") -> dict | Table:
         """Per card: dispatched or fallback and why, in eager dispatch and in compiled graphs
@@ -762,12 +795,15 @@ class CastPackage:
                  "kind": c.kind, "hits": c.counters.hits, "fallbacks": dict(c.counters.fallbacks)} for c in self.cards]
         if fmt == "dict":
             return {"package": str(self.path), "gpu": self.gpu, "arch": self.arch, "installed": self.installed,
-                    "integrity": self.integrity, "dispatched": sum(c.dispatched for c in self.cards), "cards": rows}
+                    "integrity": self.integrity, "dispatched": sum(c.dispatched for c in self.cards),
+                    "model_check": self.manifest.get("model_check"), "cards": rows}
         if fmt != "table":
             raise ValueError(f"fmt must be 'dict' or 'table', got {fmt!r}")
         # Every cell is Text: package text is data, never rich markup ("[/]" or "[link=...]" in a reason).
+        seen = [r for r in REASONS if any(r in row["fallbacks"] for row in rows)]  # what each counted reason means
+        caption = "\n".join([self.integrity] + [f"{r}: {meaning(r)}" for r in seen])
         table = Table(title=Text(f"{self.path.name} ({self.arch}, {'installed' if self.installed else 'not installed'})"),
-                      caption=Text(self.integrity))
+                      caption=Text(caption))
         for col in ("card", "op", "decision", "compile", "kind", "hits", "fallbacks", "why", "why (compile)"):
             table.add_column(col, justify="right" if col == "hits" else "left")
         for r in rows:

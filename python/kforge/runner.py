@@ -29,7 +29,8 @@ from rich.text import Text
 from .capture import module_path
 from .cards import Card, load_cards
 from .errors import CardError, KforgeError, ProposerUnavailable
-from .hardware import Hardware, current
+from .hardware import Hardware
+from .pool import EvaluatorFactory, EvaluatorPool, LocalPool
 from .proposers.base import Proposer
 from .search.mcts import Budget, SearchOutcome, SearchProgress, search_card
 from .spend import Spend
@@ -39,9 +40,6 @@ from .verdict import Evaluator
 # Without a GPU nothing can be ranked, so only a few first versions per card are compiled:
 # enough to check that the proposer's code builds, not a search.
 COMPILE_ONLY_ITERATIONS = 3
-
-EvaluatorFactory = Callable[[Path, "int | None"], Evaluator]
-
 
 class RunInterrupted(KeyboardInterrupt):
     """Ctrl-C during a run: everything evaluated so far is in the run directory's log."""
@@ -231,8 +229,9 @@ def run(model=None, example_inputs=None, out: str | Path | None = "model.cast", 
         max_cost_usd: float | None = None, seed: int = 0, progress: bool = True, *,
         proposer_options: dict | None = None, evaluator_factory: EvaluatorFactory | None = None,
         cards: Sequence[str] | None = None, ops: Sequence[str] | None = None, console: Console | None = None,
-        model_name: str | None = None, check_model: bool = True,
-        capture_progress: Callable[[str], None] | None = None, regions: bool = False) -> RunResult:
+        model_name: str | None = None, check_model: bool = True, leave_one_out: int = 0,
+        capture_progress: Callable[[str], None] | None = None, regions: bool = False,
+        cluster: str | None = None) -> RunResult:
     """Capture `model` on `example_inputs`, search kernels for its cards and package the winners.
 
     proposer: "builtin", "llm", "llm:<model>" (options in proposer_options), or a callable
@@ -247,10 +246,18 @@ def run(model=None, example_inputs=None, out: str | Path | None = "model.cast", 
     cards: only search these card ids.
     ops: only search cards whose op name contains one of these (e.g. ["softmax", "group_norm"]).
     check_model: when a package was written, time the model's forward eager and with the
-      package (kforge.modelcheck) and say in result.model_check whether it is faster.
+      package (kforge.modelcheck) and say in result.model_check whether it is faster; where
+      the package has kernels for compiled graphs (on a GPU), also under torch.compile and
+      kforge.compile, and the package records whether kforge.compile beat torch.compile
+      (kforge.compile follows that verdict).
+    leave_one_out: when kforge.compile did not beat torch.compile and its graphs ran at most
+      this many cards, time it without each of them in turn (0: not at all); a card whose
+      removal makes it win is recorded, and kforge.compile leaves it out.
     capture_progress: called with a line as each stage of the capture starts.
     regions: also capture region cards (fused multi-op regions, kforge.region_capture) and
       search them like any card.
+    cluster: evaluate on a cluster instead of this machine's GPUs: "ray" (the cluster at
+      $RAY_ADDRESS) or "ray://HOST:PORT" (kforge.cluster; docs/cluster.md).
     Ctrl-C raises RunInterrupted (a KeyboardInterrupt) after marking the run interrupted.
     """
     iterations, min_share = _check_options(iterations, min_share, wall_time_s, max_cost_usd)
@@ -266,7 +273,12 @@ def run(model=None, example_inputs=None, out: str | Path | None = "model.cast", 
                 trial.preflight(Spend(max_cost_usd=max_cost_usd))
             finally:
                 trial.close()
-        gpu_devices(devices)  # and so do devices that are not here
+        if cluster is None:
+            gpu_devices(devices)  # and so do devices that are not here
+        else:
+            from .cluster import check_cluster
+
+            check_cluster(cluster, devices)  # and a cluster option that cannot work
         from .capture import capture
 
         run_dir = capture(model, example_inputs, run_dir, progress=capture_progress, regions=regions).run_dir
@@ -275,28 +287,33 @@ def run(model=None, example_inputs=None, out: str | Path | None = "model.cast", 
                         include_vendor=include_vendor, devices=devices, wall_time_s=wall_time_s,
                         max_cost_usd=max_cost_usd, seed=seed, progress=progress, proposer_options=proposer_options,
                         evaluator_factory=evaluator_factory, cards=cards, ops=ops, console=console,
-                        model_name=model_name, resume=resume)
+                        model_name=model_name, resume=resume, cluster=cluster)
     if check_model and model is not None and result.package_path is not None:
-        _check_model(result, model, example_inputs)
+        _check_model(result, model, example_inputs, leave_one_out=leave_one_out)
     return result
 
 
 def _check_model(result: RunResult, model, example_inputs, *, load_options: dict | None = None,
-                 **install_options) -> None:
+                 leave_one_out: int = 0, **install_options) -> None:
     """Time the model eager and with the new package; the verdict goes into the result and
     the run's log. A failure or Ctrl-C here is reported, never raised: the package is
     already written and the run is done."""
     from .modelcheck import check_model
-    from .package import load
+    from .package import load, record_model_check
 
     where = Path(result.package_path).resolve()  # how the dashboard finds the check of its package
     try:
         pkg = load(result.package_path, **(load_options or {}))
-        if not any(c.dispatched for c in pkg.cards):
-            return  # nothing is dispatched: the model runs eager either way
-        check = check_model(model, example_inputs, pkg, **install_options)
+        if not any(c.dispatched or c.compiled for c in pkg.cards):
+            return  # nothing is dispatched: the model runs eager and compiles plain either way
+        check = check_model(model, example_inputs, pkg, with_compile=any(c.compiled for c in pkg.cards),
+                            leave_one_out=leave_one_out, **install_options)
         message = f"{where}: {check.message()}"
-        level = "warning" if check.verdict in ("slower", "unused") else "info"
+        record = check.compile_record()
+        if record is not None:
+            record_model_check(result.package_path, record)
+        lost = record is not None and record["use"] == "torch.compile"
+        level = "warning" if check.verdict in ("slower", "unused") or lost else "info"
         result.model_check = check
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 (reported to the user and the log)
         why = "interrupted by the user" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
@@ -315,7 +332,8 @@ def search_run(run_dir: str | Path, *, out: str | Path | None = None, proposer: 
                max_cost_usd: float | None = None, seed: int = 0, progress: bool = True,
                proposer_options: dict | None = None, evaluator_factory: EvaluatorFactory | None = None,
                cards: Sequence[str] | None = None, ops: Sequence[str] | None = None,
-               console: Console | None = None, model_name: str | None = None, resume: bool = True) -> RunResult:
+               console: Console | None = None, model_name: str | None = None, resume: bool = True,
+               cluster: str | None = None) -> RunResult:
     """Search the cards captured in `run_dir`, then package the winners into `out` (when a GPU
     validated them and `out` is set). With `resume`, the log's latest run is continued
     (what it evaluated is never evaluated again); otherwise a new run starts."""
@@ -333,23 +351,35 @@ def search_run(run_dir: str | Path, *, out: str | Path | None = None, proposer: 
         if unknown:
             raise CardError(f"no card(s) {sorted(unknown)} in {run_dir}; `kforge inspect {run_dir}` lists them")
         all_cards = [c for c in all_cards if c.id in set(cards)]
-    devs = gpu_devices(devices)
-    validated = bool(devs)
-    hardware = current(devs[0] if devs else None)
+    factory = evaluator_factory or default_evaluator
+    if cluster is None:
+        pool: EvaluatorPool = LocalPool(run_dir, gpu_devices(devices), factory)
+    else:
+        from .cluster import open_pool
+
+        pool = open_pool(cluster, run_dir, all_cards, factory, devices)
+    validated, hardware = pool.validated, pool.hardware
     if not validated:
         # Without a GPU, kernels are still generated and compiled for the GPU the cards
         # would run on; a CPU capture is retargeted to it.
         all_cards = [c.retarget("cuda", hardware.arch) if c.device_type != "cuda" else c for c in all_cards]
-    log = SQLiteStore(run_dir)
-    run_id, finished = _open_run(log, resume, validated, model_name, hardware, dict(
-        proposer=proposer if isinstance(proposer, str) else getattr(proposer, "__name__", "custom"),
-        iterations=iterations, min_share=min_share, include_vendor=include_vendor, devices=devs,
-        wall_time_s=wall_time_s, max_cost_usd=max_cost_usd, seed=seed, ops=list(ops) if ops else None,
-        out=str(Path(out).resolve()) if out else None))  # where the dashboard finds the package
+    try:  # the pool may hold a cluster's GPUs: given back on every way out
+        log = SQLiteStore(run_dir)
+        run_id, finished = _open_run(log, resume, validated, model_name, hardware, dict(
+            proposer=proposer if isinstance(proposer, str) else getattr(proposer, "__name__", "custom"),
+            iterations=iterations, min_share=min_share, include_vendor=include_vendor, **pool.config,
+            wall_time_s=wall_time_s, max_cost_usd=max_cost_usd, seed=seed, ops=list(ops) if ops else None,
+            out=str(Path(out).resolve()) if out else None))  # where the dashboard finds the package
+        for note in pool.notes:
+            log.event(run_id, "cluster", note, level="warning")
+            if progress:
+                (console or Console(stderr=True)).print(Text(f"warning: {note}", style="yellow"))
+    except BaseException:
+        pool.close()
+        raise
     try:
         budget = Budget(iterations=iterations if validated else min(iterations, COMPILE_ONLY_ITERATIONS),
                         deadline=time.monotonic() + wall_time_s if wall_time_s else None, max_cost_usd=max_cost_usd)
-        factory = evaluator_factory or default_evaluator
         spend = Spend.from_log(log, run_id, max_cost_usd=budget.max_cost_usd, max_tokens=budget.max_tokens)
         first = _make_proposer(proposer, proposer_options or {})
         try:
@@ -363,7 +393,7 @@ def search_run(run_dir: str | Path, *, out: str | Path | None = None, proposer: 
                     log.event(run_id, "skip", why, card_id=card.id)
                 else:
                     chosen.append(card)
-            outcomes = _search_all(chosen, first, proposer, proposer_options or {}, factory, run_dir, run_id, devs,
+            outcomes = _search_all(chosen, first, proposer, proposer_options or {}, pool, run_dir, run_id,
                                    budget, spend, hardware, seed, progress, console, log)
         finally:
             first.close()
@@ -390,6 +420,7 @@ def search_run(run_dir: str | Path, *, out: str | Path | None = None, proposer: 
         raise
     finally:
         log.close()
+        pool.close()
     return RunResult(run_id, run_dir, table, package_path, validated, message, stops)
 
 
@@ -453,11 +484,12 @@ def fair_share(budget: Budget, cards_left: int, workers: int) -> Budget:
 
 
 def _search_all(cards: list[Card], first: Proposer, proposer_spec: Any, proposer_options: dict,
-                factory: EvaluatorFactory, run_dir: Path, run_id: str, devs: list[int], budget: Budget,
+                pool: EvaluatorPool, run_dir: Path, run_id: str, budget: Budget,
                 spend: Spend, hardware: Hardware, seed: int, progress: bool, console: Console | None,
                 log: SQLiteStore) -> dict[str, SearchOutcome]:
-    """Search every card: inline with one worker, or one thread per GPU pulling cards from a
-    queue, each with its own evaluator, proposer and log connection (SQLite serializes writes).
+    """Search every card: inline with one slot, or one thread per slot of the pool pulling cards
+    from a queue, each with its own evaluator, proposer and log connection (SQLite serializes
+    writes; all of them are in this process, the one writer of the log).
     `spend` is the run's: every worker's proposer charges it, so its limits are run-wide."""
     view = _ProgressView(console, progress)
     for card in cards:
@@ -467,38 +499,38 @@ def _search_all(cards: list[Card], first: Proposer, proposer_spec: Any, proposer
     for card in cards:
         todo.put(card)
     cancel = threading.Event()
-    busy: dict[int | None, str] = {}  # device -> the card its worker is searching
+    busy: dict[int, str] = {}  # slot -> the card its worker is searching
 
-    def work(device: int | None, proposer: Proposer, wlog: SQLiteStore) -> None:
-        evaluator = factory(run_dir, device)
+    def work(slot: int, proposer: Proposer, wlog: SQLiteStore) -> None:
+        evaluator = pool.evaluator(slot)
         try:
             while not cancel.is_set():
                 try:
                     card = todo.get_nowait()
                 except queue.Empty:
                     return
-                busy[device] = card.id
-                share = fair_share(budget, todo.qsize() + 1, max(len(devs), 1))
+                busy[slot] = card.id
+                share = fair_share(budget, todo.qsize() + 1, len(pool.slots))
                 outcome = search_card(card, proposer, evaluator, wlog, run_id, budget=share, hardware=hardware,
                                       rng_seed=seed, on_progress=view.update, spend=spend, cancel=cancel)
                 outcomes[card.id] = outcome
                 view.finish(card.id)
-                del busy[device]
+                del busy[slot]
         finally:
             evaluator.close()
 
     with view.progress:
-        if len(devs) <= 1:
-            work(devs[0] if devs else None, first, log)
+        if len(pool.slots) == 1:
+            work(0, first, log)
             return outcomes
         errors: list[BaseException] = []
 
-        def thread_main(device: int, finished: threading.Event) -> None:
+        def thread_main(slot: int, finished: threading.Event) -> None:
             try:
                 proposer = _make_proposer(proposer_spec, proposer_options)
                 try:
                     with SQLiteStore(run_dir) as wlog:
-                        work(device, proposer, wlog)
+                        work(slot, proposer, wlog)
                 finally:
                     proposer.close()
             except BaseException as e:  # re-raised in the main thread below
@@ -511,9 +543,9 @@ def _search_all(cards: list[Card], first: Proposer, proposer_spec: Any, proposer
         # landing in join() can mark a live thread finished, and the run would exit while a
         # worker is still writing its candidate. Daemon threads, so that a second Ctrl-C
         # (which stops the wait) is not undone by the interpreter waiting for them at exit.
-        done = [threading.Event() for _ in devs]
-        for d, finished in zip(devs, done):
-            threading.Thread(target=thread_main, args=(d, finished), name=f"kforge-gpu{d}", daemon=True).start()
+        done = [threading.Event() for _ in pool.slots]
+        for slot, finished in enumerate(done):
+            threading.Thread(target=thread_main, args=(slot, finished), name=f"kforge-slot{slot}", daemon=True).start()
         try:
             _wait_all(done)
         except KeyboardInterrupt:
@@ -524,11 +556,11 @@ def _search_all(cards: list[Card], first: Proposer, proposer_spec: Any, proposer
             try:
                 _wait_all(done)
             except KeyboardInterrupt:
-                for device, finished in zip(devs, done):
-                    if not finished.is_set() and device in busy:
-                        log.event(run_id, "lost", f"stopped while the worker on GPU {device} was busy with this "
+                for slot, finished in enumerate(done):
+                    if not finished.is_set() and slot in busy:
+                        log.event(run_id, "lost", f"stopped while the worker on {pool.slots[slot]} was busy with this "
                                   "card: the candidate it had in flight is not in the log (the search proposes "
-                                  "again on resume)", level="warning", card_id=busy[device])
+                                  "again on resume)", level="warning", card_id=busy[slot])
             raise
         if errors:
             raise errors[0]

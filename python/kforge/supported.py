@@ -31,7 +31,7 @@ def markdown() -> str:
               f"- **Pointwise** ({len(ops.POINTWISE)} ops): " + ", ".join(f"`{n}`" for n in sorted(ops.POINTWISE)),
               "- **Reductions** over any set of dims: " + ", ".join(f"`{n}`" for n in sorted(ops.REDUCTION_OPS)),
               "- **Scans**: " + ", ".join(f"`{n}`" for n in sorted(ops.SCAN_OPS)),
-              "- **Windows** (2-D): " + ", ".join(f"`{n}`" for n in sorted(ops.WINDOW_OPS)),
+              "- **Windows** (2-D and 3-D pooling; 1-D reaches CUDA as 2-D): " + ", ".join(f"`{n}`" for n in sorted(ops.WINDOW_OPS)),
               "- **Fused regions** (`--regions`): chains of the ops above with at most one reduction, views of",
               "  the region's inputs folded in; normalizations whose output spans the reduced dims are not",
               "  generated yet.", "",

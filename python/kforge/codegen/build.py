@@ -16,7 +16,7 @@ import torch
 
 from ..cards import Card, TensorMeta, decode_value
 from ..errors import CardError
-from ..families import family_of, packet_name
+from ..families import family_of, packet_name, tagged_nowhere
 from ..subgraph import Node as SubNode
 from ..subgraph import is_ref
 from . import ops
@@ -45,7 +45,8 @@ def entry_for(op: str):
     """('pointwise' | 'reduction' | 'scan', entry) for an op overload, or (None, why)."""
     name, overload = table_key(op)
     ov = _overload(op)
-    if ov is not None and torch.Tag.pointwise in ov.tags or name in ("_to_copy", "copy"):
+    if ov is not None and (torch.Tag.pointwise in ov.tags or name in ops.POINTWISE and tagged_nowhere(ov)) \
+            or name in ("_to_copy", "copy"):
         if name in ops.POINTWISE:
             return "pointwise", ops.POINTWISE[name]
         return None, ops.DECLINED.get(name, f"{name} is not in the op table (kforge/codegen/ops.py)")

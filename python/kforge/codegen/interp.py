@@ -9,7 +9,10 @@ element after another.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
+import operator
 
 import torch
 
@@ -111,29 +114,30 @@ def _scan(scan, x: torch.Tensor) -> torch.Tensor:
 def _window(prog: Program, inputs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     """The folded state and the divisor at every output point of a pooling program."""
     w = prog.window
+    k = len(w.kernel)
     m, t = prog.inputs[w.input], inputs[prog.source(w.input)]
     dt = w.kind.state(opmath(m.dtype))[0]
     x = torch.as_strided(t, m.shape, prog.in_strides[w.input], t.storage_offset()).to(_T[dt])
-    (h, wd), (oh_n, ow_n) = m.shape[-2:], prog.domain[-2:]
-    (kh_n, kw_n), (sh, sw), (ph, pw), (dh, dw) = w.kernel, w.stride, w.padding, w.dilation
-    oh, ow = torch.arange(oh_n)[:, None], torch.arange(ow_n)[None, :]
+    size, out = m.shape[-k:], prog.domain[-k:]
+    # output coordinates along each pooled dim, shaped to broadcast over the others
+    o = [torch.arange(n).reshape([-1 if j == i else 1 for j in range(k)]) for i, n in enumerate(out)]
     a_vars, b_vars, merged = w.kind.merge_exprs(dt)
     lifted = w.kind.lift_exprs(Expr.var("x", dt))
     state = [evaluate(i, {}, None).expand(prog.domain) for i in w.kind.identity_exprs(dt)]
-    for kh in range(kh_n):
-        for kw in range(kw_n):
-            ih, iw = oh * sh - ph + kh * dh, ow * sw - pw + kw * dw
-            valid = (ih >= 0) & (ih < h) & (iw >= 0) & (iw < wd)
-            val = x[..., ih.clamp(0, h - 1), iw.clamp(0, wd - 1)]
-            env = {"x": val, "ridx": (ih * wd + iw).expand(oh_n, ow_n)}
-            el = [evaluate(e, env, None).expand(prog.domain) for e in lifted]
-            env = {v.value: s for v, s in zip(a_vars, state)}
-            env.update({v.value: s for v, s in zip(b_vars, el)})
-            state = [torch.where(valid, evaluate(e, env, None).expand(prog.domain), s) for e, s in zip(merged, state)]
-    hs, ws = oh * sh - ph, ow * sw - pw
-    he, we = torch.clamp(hs + kh_n, max=h + ph), torch.clamp(ws + kw_n, max=wd + pw)
-    pool = (he - hs) * (we - ws)
-    valid = (he.clamp(max=h) - hs.clamp(min=0)) * (we.clamp(max=wd) - ws.clamp(min=0))
+    for offs in itertools.product(*(range(n) for n in w.kernel)):
+        pos = [o[i] * w.stride[i] - w.padding[i] + offs[i] * w.dilation[i] for i in range(k)]
+        valid = functools.reduce(operator.and_, [(p >= 0) & (p < n) for p, n in zip(pos, size)])
+        val = x[(...,) + tuple(p.clamp(0, n - 1) for p, n in zip(pos, size))]
+        flat = functools.reduce(lambda acc, pn: acc * pn[1] + pn[0], zip(pos[1:], size[1:]), pos[0])
+        env = {"x": val, "ridx": flat.expand(out)}
+        el = [evaluate(e, env, None).expand(prog.domain) for e in lifted]
+        env = {v.value: s for v, s in zip(a_vars, state)}
+        env.update({v.value: s for v, s in zip(b_vars, el)})
+        state = [torch.where(valid, evaluate(e, env, None).expand(prog.domain), s) for e, s in zip(merged, state)]
+    starts = [o[i] * w.stride[i] - w.padding[i] for i in range(k)]
+    ends = [torch.clamp(s + n, max=sz + p) for s, n, sz, p in zip(starts, w.kernel, size, w.padding)]
+    pool = functools.reduce(operator.mul, [e - s for s, e in zip(starts, ends)])
+    valid = functools.reduce(operator.mul, [e.clamp(max=sz) - s.clamp(min=0) for s, e, sz in zip(starts, ends, size)])
     count = torch.full_like(pool, w.divisor_override) if w.divisor_override else pool if w.count_include_pad else valid
     return {**{f"s{i}": s for i, s in enumerate(state)}, "count": count.to(torch.int64).expand(prog.domain)}
 

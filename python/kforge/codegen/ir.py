@@ -233,18 +233,19 @@ class Scan:
 
 @dataclass
 class Window:
-    """A fold over a 2-D window of input `input` per output point (pooling): output (.., oh,
-    ow) folds input (.., oh*stride - pad + k*dilation, ...) for k inside `kernel`, skipping
-    points in the padding. The operand is the input's value there (var "x"), the element's
-    index in its plane (ih * W + iw) is var "ridx"; the epilogue sees the state (s0, ...) and
-    the divisor eager's avg_pool uses (var "count", int64)."""
+    """A fold over a window of the last len(kernel) dims of input `input` per output point
+    (pooling, 2-D or 3-D): output (.., o1, o2[, o3]) folds input (.., o*stride - pad +
+    k*dilation, ...) for k inside `kernel`, skipping points in the padding. The operand is the
+    input's value there (var "x"), the element's index in its plane or volume (row-major over
+    the pooled dims: ih * W + iw, or (id * H + ih) * W + iw) is var "ridx"; the epilogue sees
+    the state (s0, ...) and the divisor eager's avg_pool uses (var "count", int64)."""
 
     kind: ReductionKind
     input: int
-    kernel: tuple[int, int]
-    stride: tuple[int, int]
-    padding: tuple[int, int]
-    dilation: tuple[int, int]
+    kernel: tuple[int, ...]
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
     count_include_pad: bool = True
     divisor_override: int | None = None
 

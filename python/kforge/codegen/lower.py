@@ -10,14 +10,16 @@ issued for all items before any math (16-byte accesses where a tensor is contigu
 the inner dim), values computed in the compute dtype and rounded once on store.
 
 Reduction: a group of `lanes` threads folds each output's reduced elements (`items` loads
-in flight per thread), merges through warp shuffles and, for groups wider than a warp,
+of `vec` consecutive elements in flight per thread), merges through warp shuffles and, for groups wider than a warp,
 shared memory; `algo` "rows" puts whole warps on an output (reduced dims contiguous), "cols"
 one thread per output (kept dims contiguous: the loads coalesce across outputs). `split` > 1
 divides the reduced elements over that many blocks, which write their states to a workspace
 that a second kernel merges in order (two passes) before the epilogue.
 
-Scan (`algo` "gen_scan"): one thread per line along the scanned dim, walking it in order.
-Window (`algo` "gen_window", pooling): one thread per output point folding its window.
+Scan (`algo` "gen_scan"): one thread per line along the scanned dim, walking it in order;
+`algo` "gen_scan_block" (lines contiguous in memory): one block per line, a parallel scan of
+chunks of threads x items elements carried from chunk to chunk.
+Window (`algo` "gen_window", 2-D and 3-D pooling): one thread per output point folding its window.
 """
 
 from __future__ import annotations
@@ -379,12 +381,36 @@ def reduced_is_inner(prog: Program) -> bool:
     return lay.rstrides[t][-1] == 1
 
 
-def _shfl(x: str, dtype: str, o: int, width: int) -> str:
+def reduction_vecs(prog: Program, splits: tuple[int, ...]) -> tuple[int, ...]:
+    """Legal vector widths (elements) for the prologue's loads, narrowest first: the reduced
+    elements one run contiguous in every tensor the prologue loads, each tensor's kept
+    offsets and alignment a multiple of the width, and every split's chunk whole vectors."""
+    lay = reduction_layout(prog)
+    red = prog.reduction
+    loads = sorted({e.value[0] for e in red.operand.walk() if e.op == "load"})
+    no = len(prog.outputs)
+    tix = {i: no + k for k, i in enumerate(sorted(prog.in_strides))}
+    out = [1]
+    if len(lay.rsizes) != 1 or not loads:
+        return tuple(out)
+    for v in (2, 4, 8, 16):
+        ok = all(-(-lay.rn // s) % v == 0 for s in splits)
+        for i in loads:
+            m, t = prog.inputs[i], tix[i]
+            ok &= (lay.rstrides[t][-1] == 1 and v * m.itemsize <= 16 and m.align % (v * m.itemsize) == 0
+                   and all(st % v == 0 for st in lay.kstrides[t]))
+        if ok:
+            out.append(v)
+    return tuple(out)
+
+
+def _shfl(x: str, dtype: str, o: int, width: int, way: str = "down") -> str:
+    fn = f"__shfl_{way}_sync"
     if dtype == "bool":
-        return f"(bool)__shfl_down_sync(0xffffffffu, (int){x}, {o}, {width})"
+        return f"(bool){fn}(0xffffffffu, (int){x}, {o}, {width})"
     if dtype in ("int8", "uint8", "int16"):
-        return f"({CTYPE[dtype]})__shfl_down_sync(0xffffffffu, (int){x}, {o}, {width})"
-    return f"__shfl_down_sync(0xffffffffu, {x}, {o}, {width})"
+        return f"({CTYPE[dtype]}){fn}(0xffffffffu, (int){x}, {o}, {width})"
+    return f"{fn}(0xffffffffu, {x}, {o}, {width})"
 
 
 def _merge_block(kind, dtype: str, into: list[str], other: list[str], tag: str) -> list[str]:
@@ -403,7 +429,7 @@ def lower_reduction(prog: Program, knobs: dict, sm_count: int) -> Built:
     st_types = kind.state(dt)
     ns = len(st_types)
     lay = reduction_layout(prog)
-    nt, it, split = knobs["threads"], knobs["items"], knobs["split"]
+    nt, it, split, vec = knobs["threads"], knobs["items"], knobs["split"], knobs.get("vec", 1)
     lanes = 1 if knobs["algo"] == "gen_cols" else (nt if knobs["lanes"] == "block" else knobs["lanes"])
     rows = nt // lanes
     params, args, ptr = _pointers(prog)
@@ -411,14 +437,14 @@ def lower_reduction(prog: Program, knobs: dict, sm_count: int) -> Built:
     loaded = sorted(prog.in_strides)
     tix = {i: no + k for k, i in enumerate(loaded)}
     logical_t = no + len(loaded)
-    idx = _index_type(prog, 2 * nt * it)
+    idx = _index_type(prog, 2 * nt * it * vec)
     pro_loads = {e.value[0] for e in red.operand.walk() if e.op == "load"}
     ch = ceil_div(lay.rn, split)
     ident = [_const(e) for e in kind.identity_exprs(dt)]
     st = [f"st{c}" for c in range(ns)]
     lines = [f"typedef {idx} kf_idx;",
              f"constexpr int NT = {nt}; constexpr int LANES = {lanes}; constexpr int ROWS = {rows}; "
-             f"constexpr int IT = {it};",
+             f"constexpr int IT = {it}; constexpr int V = {vec};",
              f"constexpr kf_idx KN = {lay.kn}; constexpr kf_idx RN = {lay.rn}; constexpr kf_idx CH = {ch};"]
     if split > 1:
         params = params + ["unsigned char* __restrict__ ws"]
@@ -439,34 +465,46 @@ def lower_reduction(prog: Program, knobs: dict, sm_count: int) -> Built:
             f"  const kf_idx lo = (kf_idx)blockIdx.y * CH, hi = lo + CH < RN ? lo + CH : RN;",
             *[f"  {CTYPE[t]} {n} = {v};" for n, t, v in zip(st, st_types, ident)],
             "  if (live) {",
-            "    for (kf_idx r0 = lo + lane; r0 < hi; r0 += (kf_idx)LANES * IT) {"]
+            # each lane takes V consecutive elements at a time (V > 1: one vector load per tensor;
+            # chunks and rows are whole vectors, reduction_vecs says when)
+            "    for (kf_idx r0 = lo + lane * V; r0 < hi; r0 += (kf_idx)LANES * IT * V) {"]
     for i in sorted(pro_loads):
-        body.append(f"      {CTYPE[prog.inputs[i].dtype]} x{i}[IT];")
+        body.append(f"      {CTYPE[prog.inputs[i].dtype]} x{i}[IT][V];")
+
+    def vector_load(i) -> str:
+        ct = CTYPE[prog.inputs[i].dtype]
+        if vec == 1:
+            return f"x{i}[u][0] = {ptr[i]}[k{tix[i]} + ro{i}];"
+        return (f"*reinterpret_cast<kf_vec<{ct}, V>*>(x{i}[u]) = "
+                f"*reinterpret_cast<const kf_vec<{ct}, V>*>({ptr[i]} + k{tix[i]} + ro{i});")
+    lstride = lay.rstrides[logical_t][-1] if lay.rstrides[logical_t] else 0
     body += ["      kf_i64 ri[IT];",
              "#pragma unroll",
              "      for (int u = 0; u < IT; ++u) {",
-             "        const kf_idx r = r0 + (kf_idx)u * LANES;",
+             "        const kf_idx r = r0 + (kf_idx)u * LANES * V;",
              "        if (r < hi) {",
              *[f"          {line}" for line in rofs],
-             *[f"          x{i}[u] = {ptr[i]}[k{tix[i]} + ro{i}];" for i in sorted(pro_loads)],
+             *[f"          {vector_load(i)}" for i in sorted(pro_loads)],
              "          ri[u] = rl;",
              "        }",
              "      }",
              "#pragma unroll",
              "      for (int u = 0; u < IT; ++u) {",
-             "        if (r0 + (kf_idx)u * LANES < hi) {"]
+             "        if (r0 + (kf_idx)u * LANES * V < hi) {",
+             "#pragma unroll",
+             "        for (int j = 0; j < V; ++j) {"]
 
     def pro_load(i, stored):
-        return f"x{i}[u]" if i in pro_loads else f"{ptr[i]}[k{tix[i]}]"
+        return f"x{i}[u][j]" if i in pro_loads else f"{ptr[i]}[k{tix[i]}]"
 
-    em = Emitter("p", {"ridx": "ri[u]"}, pro_load)
+    em = Emitter("p", {"ridx": f"(ri[u] + (kf_i64)j * {lstride})"}, pro_load)
     x = em(xv)
     lift = kind.lift_exprs(Expr.var("x", dt))
     em.env["x"] = x
     lifted = [em(e) for e in lift]
     body += [f"          {line}" for line in em.lines]
     body += [f"          {line}" for line in _merge_block(kind, dt, st, lifted, "u")]
-    body += ["        }", "      }", "    }", "  }"]
+    body += ["        }", "        }", "      }", "    }", "  }"]
     # lanes -> lane 0 of the group: shuffles within a warp, then shared memory across warps
     w = min(lanes, 32)
     if w > 1:
@@ -526,24 +564,33 @@ def lower_reduction(prog: Program, knobs: dict, sm_count: int) -> Built:
 
 # ---- scan ------------------------------------------------------------------------------
 
-def lower_scan(prog: Program, knobs: dict) -> Built:
-    """One thread per line along the scan dim, walking it in order: every layout, no
-    cooperation between threads (coalesced when the scan dim is not the innermost)."""
+@dataclass
+class _ScanLines:
+    """What both scan kernels share: the lines (kept dims coalesced, the offsets of line q
+    in every tensor as code), each tensor's stride along the scan dim, the operand's lifted
+    state at element i (its statements in `operand`), and the epilogue's stores at i."""
+    params: list
+    args: list
+    idx: str  # the index type
+    kn: int
+    length: int
+    kofs: list[str]
+    operand: list[str]
+    lifted: str
+    epilogue: list[str]  # statements computing the outputs from st0 and storing them at i
+
+
+def _scan_lines(prog: Program, idx_extra: int) -> _ScanLines:
     scan = prog.scan
-    kind, dt = scan.kind, scan.operand.dtype
-    (st_type,) = kind.state(dt)
-    nt, unroll = knobs["threads"], knobs["unroll"]
     params, args, ptr = _pointers(prog)
     no = len(prog.outputs)
     loaded = sorted(prog.in_strides)
     tix = {i: no + k for k, i in enumerate(loaded)}
     tensors = [list(s) for s in prog.out_strides] + [list(prog.in_strides[i]) for i in loaded]
-    nd = len(prog.domain)
-    kept = [d for d in range(nd) if d != scan.dim]
+    kept = [d for d in range(len(prog.domain)) if d != scan.dim]
     ks, kst = coalesce(list(prog.domain), tensors, sorted(kept, key=lambda d: -prog.out_strides[0][d]))
-    kn, length = math.prod(ks), prog.domain[scan.dim]
     sd = [t[scan.dim] for t in tensors]
-    idx = _index_type(prog, 2 * nt)
+    idx = _index_type(prog, idx_extra)
     kofs = offsets_code("q", ks, kst, [f"k{t}" for t in range(len(tensors))], idx)
 
     def load(i, stored):
@@ -551,39 +598,141 @@ def lower_scan(prog: Program, knobs: dict) -> Built:
 
     em = Emitter("p", {}, load)
     x = em(scan.operand)
-    (lift,) = kind.lift_exprs(Expr.var("x", dt))
+    (lift,) = scan.kind.lift_exprs(Expr.var("x", scan.operand.dtype))
     em.env["x"] = x
     lifted = em(lift)
-    (ident,) = kind.identity_exprs(dt)
-    step = _merge_block(kind, dt, ["st0"], [lifted], "u")
     epi = Emitter("e", {"s0": "st0"}, load)
     res = [epi(e) for e in prog.results]
-    stores = [f"    out{j}[k{j} + i * {sd[j]}] = {convert(r, prog.results[j].dtype, m.dtype)};"
+    stores = [f"out{j}[k{j} + i * {sd[j]}] = {convert(r, prog.results[j].dtype, m.dtype)};"
               for j, (m, r) in enumerate(zip(prog.outputs, res))]
-    before, after = (epi.lines + stores, []) if scan.exclusive else ([], epi.lines + stores)
-    body = [f"typedef {idx} kf_idx;",
-            f"constexpr int NT = {nt}; constexpr kf_idx KN = {kn}; constexpr kf_idx LEN = {length};",
-            f'extern "C" __global__ void __launch_bounds__(NT) kf_gen({", ".join(params)}) {{',
+    return _ScanLines(params, args, idx, math.prod(ks), prog.domain[scan.dim], kofs, em.lines, lifted,
+                      epi.lines + stores)
+
+
+def lower_scan(prog: Program, knobs: dict) -> Built:
+    """One thread per line along the scan dim, walking it in order: every layout, no
+    cooperation between threads (coalesced when the scan dim is not the innermost)."""
+    scan = prog.scan
+    kind, dt = scan.kind, scan.operand.dtype
+    (st_type,) = kind.state(dt)
+    nt, unroll = knobs["threads"], knobs["unroll"]
+    sl = _scan_lines(prog, 2 * nt)
+    (ident,) = kind.identity_exprs(dt)
+    step = _merge_block(kind, dt, ["st0"], [sl.lifted], "u")
+    before, after = (sl.epilogue, []) if scan.exclusive else ([], sl.epilogue)
+    body = [f"typedef {sl.idx} kf_idx;",
+            f"constexpr int NT = {nt}; constexpr kf_idx KN = {sl.kn}; constexpr kf_idx LEN = {sl.length};",
+            f'extern "C" __global__ void __launch_bounds__(NT) kf_gen({", ".join(sl.params)}) {{',
             "  const kf_idx q = (kf_idx)blockIdx.x * NT + threadIdx.x;",
             "  if (q >= KN) return;",
-            *[f"  {line}" for line in kofs],
+            *[f"  {line}" for line in sl.kofs],
             f"  {CTYPE[st_type]} st0 = {_const(ident)};",
             f"#pragma unroll {unroll}",
             "  for (kf_idx i0 = 0; i0 < LEN; ++i0) {",
             f"    const kf_idx i = {'LEN - 1 - i0' if scan.reverse else 'i0'};",
-            *[f"    {line}" for line in em.lines],
-            *[f"    {line}" if not line.startswith("    ") else line for line in before],
-            *[f"    {line}" for line in step],
-            *[f"    {line}" if not line.startswith("    ") else line for line in after],
+            *[f"    {line}" for line in sl.operand + before + step + after],
             "  }",
             "}"]
-    return Built(_header("\n".join(body)), [("kf_gen", (ceil_div(kn, nt),), (nt,), args, 0)], [])
+    return Built(_header("\n".join(body)), [("kf_gen", (ceil_div(sl.kn, nt),), (nt,), sl.args, 0)], [])
+
+
+def scan_is_inner(prog: Program) -> bool:
+    """The scanned dim is the innermost in memory for the first output (lines are contiguous)."""
+    return prog.out_strides[0][prog.scan.dim] == 1 and prog.domain[prog.scan.dim] > 1
+
+
+def lower_scan_block(prog: Program, knobs: dict) -> Built:
+    """One block per line along the scan dim (for lines contiguous in memory): in chunks of
+    threads x items elements, each thread scans its `items` consecutive elements, a warp
+    scans its threads' totals with shuffles, warp 0 scans the warps' totals in shared memory,
+    and a carry takes the line on to the next chunk. The merge is associative, so the tree
+    gives eager's answer; floating sums fold at most `items` elements in sequence per level."""
+    scan = prog.scan
+    kind, dt = scan.kind, scan.operand.dtype
+    (st_type,) = kind.state(dt)
+    T = CTYPE[st_type]
+    nt, it = knobs["threads"], knobs["items"]
+    sl = _scan_lines(prog, 2 * nt * it)
+    (ident,) = kind.identity_exprs(dt)
+    zero = _const(ident)
+
+    def merged(into: str, other: str, tag: str) -> list[str]:
+        return _merge_block(kind, dt, [into], [other], tag)
+
+    element = f"const kf_idx i = {'LEN - 1 - j' if scan.reverse else 'j'};"
+
+    def warp_scan(v: str, tag: str) -> list[str]:  # v = the inclusive scan of v over the warp's lanes
+        return ["#pragma unroll", "for (int o = 1; o < 32; o <<= 1) {",
+                f"  {T} t{tag} = {_shfl(v, st_type, 'o', 32, 'up')};",
+                *[f"  {line}" for line in merged(f"t{tag}", v, tag)],
+                f"  if (lane >= o) {v} = t{tag};", "}"]
+
+    # the state each output reads: the elements before this one (exclusive) or up to it
+    before = ([f"if (u > 0) {{", *[f"  {line}" for line in merged("st0", "v[u - 1]", "x")], "}"] if scan.exclusive
+              else merged("st0", "v[u]", "x"))
+    body = [f"typedef {sl.idx} kf_idx;",
+            f"constexpr int NT = {nt}; constexpr int IT = {it}; constexpr int NW = NT / 32; "
+            f"constexpr kf_idx LEN = {sl.length};",
+            f'extern "C" __global__ void __launch_bounds__(NT) kf_gen({", ".join(sl.params)}) {{',
+            "  const kf_idx q = blockIdx.x;",
+            *[f"  {line}" for line in sl.kofs],
+            "  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;",
+            f"  __shared__ {T} sw[NW];",
+            f"  {T} carry = {zero};",
+            "  for (kf_idx c0 = 0; c0 < LEN; c0 += (kf_idx)NT * IT) {",
+            f"    {T} v[IT];",
+            f"    {T} tot = {zero};",
+            "#pragma unroll",
+            "    for (int u = 0; u < IT; ++u) {",
+            "      const kf_idx j = c0 + (kf_idx)threadIdx.x * IT + u;",
+            f"      {T} xu = {zero};",
+            "      if (j < LEN) {",
+            f"        {element}",
+            *[f"        {line}" for line in sl.operand],
+            f"        xu = {sl.lifted};",
+            "      }",
+            *[f"      {line}" for line in merged("tot", "xu", "a")],
+            "      v[u] = tot;",
+            "    }",
+            f"    {T} winc = tot;",
+            *[f"    {line}" for line in warp_scan("winc", "w")],
+            f"    {T} wexc = {_shfl('winc', st_type, 1, 32, 'up')};",
+            f"    if (lane == 0) wexc = {zero};",
+            "    __syncthreads();  // the last chunk's reads of sw are done",
+            "    if (lane == 31) sw[warp] = winc;",
+            "    __syncthreads();",
+            "    if (warp == 0) {",
+            f"      {T} s = lane < NW ? sw[lane] : {zero};",
+            *[f"      {line}" for line in warp_scan("s", "b")],
+            "      if (lane < NW) sw[lane] = s;",
+            "    }",
+            "    __syncthreads();",
+            f"    {T} pre = carry;",
+            f"    const {T} wp = warp > 0 ? sw[warp - 1] : {zero};",
+            *[f"    {line}" for line in merged("pre", "wp", "p")],
+            *[f"    {line}" for line in merged("pre", "wexc", "q")],
+            "#pragma unroll",
+            "    for (int u = 0; u < IT; ++u) {",
+            "      const kf_idx j = c0 + (kf_idx)threadIdx.x * IT + u;",
+            "      if (j < LEN) {",
+            f"        {element}",
+            f"        {T} st0 = pre;",
+            *[f"        {line}" for line in before],
+            *[f"        {line}" for line in sl.epilogue],
+            "      }",
+            "    }",
+            f"    const {T} bt = sw[NW - 1];",
+            *[f"    {line}" for line in merged("carry", "bt", "c")],
+            "  }",
+            "}"]
+    return Built(_header("\n".join(body)), [("kf_gen", (sl.kn,), (nt,), sl.args, 0)], [])
 
 
 # ---- window (pooling) -------------------------------------------------------------------
 
 def lower_window(prog: Program, knobs: dict) -> Built:
-    """One thread per output point folding its window (padding skipped), then the epilogue."""
+    """One thread per output point folding its window over the last k dims (k = 2 or 3;
+    padding skipped), then the epilogue."""
     w = prog.window
     m = prog.inputs[w.input]
     dt = opmath(m.dtype)
@@ -591,51 +740,58 @@ def lower_window(prog: Program, knobs: dict) -> Built:
     st_types = kind.state(dt)
     nt, unroll = knobs["threads"], knobs["unroll"]
     params, args, ptr = _pointers(prog)
-    nd = len(prog.domain)
+    nd, k = len(prog.domain), len(w.kernel)
     order = sorted(range(nd), key=lambda d: -prog.out_strides[0][d])
     ist = prog.in_strides[w.input]
-    (h, wd), (kh, kw), (sh, sw), (ph, pw), (dh, dw) = m.shape[-2:], w.kernel, w.stride, w.padding, w.dilation
+    size = m.shape[-k:]
+    pooled = range(k)  # pooled dim i is domain dim nd - k + i
     idx = _index_type(prog, 2 * nt)
     n_out = math.prod(prog.domain)
     # coordinates of output point q, innermost (in the first output's memory order) first
     coords = [f"  {idx} e_ = q;"]
     for d in reversed(order):
         coords.append(f"  const {idx} c{d} = e_ % {prog.domain[d]}; e_ /= {prog.domain[d]};")
-    base = " + ".join([f"c{d} * {ist[d]}" for d in range(nd - 2)] or ["0"])
+    base = " + ".join([f"c{d} * {ist[d]}" for d in range(nd - k)] or ["0"])
     outs = [" + ".join([f"c{d} * {st[d]}" for d in range(nd)]) for st in prog.out_strides]
     st = [f"st{c}" for c in range(len(st_types))]
     em = Emitter("p", {"ridx": "ri", "x": "xv"}, None)
     lifted = [em(e) for e in kind.lift_exprs(Expr.var("x", dt))]
-    count = (str(w.divisor_override) if w.divisor_override else
-             "(he - hs) * (we - ws)" if w.count_include_pad else
-             "((he < H ? he : H) - (hs > 0 ? hs : 0)) * ((we < W ? we : W) - (ws > 0 ? ws : 0))")
+    span = " * ".join(f"(hi{i} - lo{i})" for i in pooled)
+    clipped = " * ".join(f"((hi{i} < N{i} ? hi{i} : N{i}) - (lo{i} > 0 ? lo{i} : 0))" for i in pooled)
+    count = str(w.divisor_override) if w.divisor_override else span if w.count_include_pad else clipped
     epi = Emitter("e", {**{f"s{c}": n for c, n in enumerate(st)}, "count": "cnt"}, None)
     res = [epi(e) for e in prog.results]
+    loops, pad = [], "  "
+    for i in pooled:  # one loop per pooled dim, outermost first; a point in the padding is skipped
+        loops += [f"#pragma unroll {unroll}",
+                  f"{pad}for (int k{i} = 0; k{i} < {w.kernel[i]}; ++k{i}) {{",
+                  f"{pad}  const int i{i} = o{i} * {w.stride[i]} - {w.padding[i]} + k{i} * {w.dilation[i]};",
+                  f"{pad}  if (i{i} < 0 || i{i} >= N{i}) continue;"]
+        pad += "  "
+    at = " + ".join(f"(kf_idx)i{i} * {ist[nd - k + i]}" for i in pooled)
+    flat = "(kf_i64)i0"
+    for i in pooled[1:]:
+        flat = f"({flat} * N{i} + i{i})"
+    inner = [f"const {CTYPE[dt]} xv = {convert(f'x[{at}]', m.dtype, dt)};",
+             f"const kf_i64 ri = {flat};",
+             *em.lines,
+             *_merge_block(kind, dt, st, lifted, "u")]
+    closing = ["  " * (i + 1) + "}" for i in reversed(pooled)]
     body = [f"typedef {idx} kf_idx;",
-            f"constexpr int NT = {nt}; constexpr int H = {h}; constexpr int W = {wd};",
+            f"constexpr int NT = {nt}; " + " ".join(f"constexpr int N{i} = {size[i]};" for i in pooled),
             f'extern "C" __global__ void __launch_bounds__(NT) kf_gen({", ".join(params)}) {{',
             "  const kf_idx q = (kf_idx)blockIdx.x * NT + threadIdx.x;",
             f"  if (q >= {n_out}) return;",
             *coords,
             f"  const {CTYPE[m.dtype]}* x = {ptr[w.input]} + ({base});",
-            f"  const int oh = (int)c{nd - 2}, ow = (int)c{nd - 1};",
+            *[f"  const int o{i} = (int)c{nd - k + i};" for i in pooled],
             *[f"  {CTYPE[t]} {n} = {_const(v)};" for n, t, v in zip(st, st_types, kind.identity_exprs(dt))],
-            f"#pragma unroll {unroll}",
-            f"  for (int kh = 0; kh < {kh}; ++kh) {{",
-            f"    const int ih = oh * {sh} - {ph} + kh * {dh};",
-            "    if (ih < 0 || ih >= H) continue;",
-            f"#pragma unroll {unroll}",
-            f"    for (int kw = 0; kw < {kw}; ++kw) {{",
-            f"      const int iw = ow * {sw} - {pw} + kw * {dw};",
-            "      if (iw < 0 || iw >= W) continue;",
-            f"      const {CTYPE[dt]} xv = {convert(f'x[(kf_idx)ih * {ist[nd - 2]} + (kf_idx)iw * {ist[nd - 1]}]', m.dtype, dt)};",
-            "      const kf_i64 ri = (kf_i64)ih * W + iw;",
-            *[f"      {line}" for line in em.lines],
-            *[f"      {line}" for line in _merge_block(kind, dt, st, lifted, "u")],
-            "    }",
-            "  }",
-            f"  const int hs = oh * {sh} - {ph}, ws = ow * {sw} - {pw};",
-            f"  const int he = hs + {kh} < H + {ph} ? hs + {kh} : H + {ph}, we = ws + {kw} < W + {pw} ? ws + {kw} : W + {pw};",
+            *loops,
+            *[f"{pad}{line}" for line in inner],
+            *closing,
+            # the window's extent along each dim, clipped to the padded input (eager's divisor)
+            *[f"  const int lo{i} = o{i} * {w.stride[i]} - {w.padding[i]}, hi{i} = lo{i} + {w.kernel[i]} < N{i} + "
+              f"{w.padding[i]} ? lo{i} + {w.kernel[i]} : N{i} + {w.padding[i]};" for i in pooled],
             f"  const kf_i64 cnt = {count};",
             *[f"  {line}" for line in epi.lines],
             *[f"  out{j}[{o}] = {convert(r, prog.results[j].dtype, om.dtype)};"

@@ -345,10 +345,16 @@ def _lerp(c: Call):
 
 def _addc(div: bool) -> Entry:
     def entry(c: Call):
-        _, (s, t1, t2, v) = c.promote(["self", "tensor1", "tensor2", "value"])
-        if s.dtype not in FLOATS and div:
-            return "addcdiv of integers raises in eager"
-        return s + v * (t1 / t2 if div else t1 * t2)
+        # `value` is not promoted with the tensors: eager converts it to their type, so an
+        # integer addcmul truncates it (value=0.5 multiplies by 0).
+        _, (s, t1, t2) = c.promote(["self", "tensor1", "tensor2"])
+        value = c.s("value", 1)
+        if s.dtype not in FLOATS:
+            if div:
+                return "addcdiv of integers raises in eager"
+            value = int(value)
+        term = t1 / t2 if div else t1 * t2
+        return s + term * _k(term, value) if value != 1 else s + term
     return entry
 
 
@@ -772,28 +778,30 @@ SCAN_OPS: dict[str, Callable] = {"cumsum": _scan("sum"), "cumprod": _scan("prod"
 @dataclass
 class WindowPlan:
     kind: str
-    kernel: tuple[int, int]
-    stride: tuple[int, int]
-    padding: tuple[int, int]
-    dilation: tuple[int, int]
+    kernel: tuple[int, ...]  # one entry per pooled (trailing) dim
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
     outputs: Callable[[tuple[Expr, ...], Expr], list[Expr]]  # (state, divisor) -> per output
     count_include_pad: bool = True
     divisor_override: int | None = None
 
 
-def _pair(v, default) -> tuple[int, int]:
+def _per_dim(v, default, k: int) -> tuple[int, ...]:
     v = default if v is None or v == [] else v
     v = [v] if isinstance(v, int) else list(v)
-    return (v[0], v[0]) if len(v) == 1 else (v[0], v[1])
+    return tuple(v) * k if len(v) == 1 else tuple(v)
 
 
-def _pool(kind: str) -> Callable:
+def _pool(kind: str, k: int) -> Callable:
+    """Pooling over the last k dims (k = 2: the *_pool2d ops, which 1-D pooling reaches on CUDA
+    with a height of 1; k = 3: the *_pool3d ops)."""
     def entry(c: Call):
         x = c.v("self")
-        if x.ndim not in (3, 4):
-            return "pooling needs a 3-D or 4-D input"
-        k = _pair(c.s("kernel_size"), None)
-        geo = (k, _pair(c.s("stride"), k), _pair(c.s("padding"), 0), _pair(c.s("dilation"), 1))
+        if x.ndim not in (k + 1, k + 2):
+            return f"{k}-D pooling needs a {k + 1}-D or {k + 2}-D input"
+        ks = _per_dim(c.s("kernel_size"), None, k)
+        geo = (ks, _per_dim(c.s("stride"), ks, k), _per_dim(c.s("padding"), 0, k), _per_dim(c.s("dilation"), 1, k))
         if kind == "avg":
             if x.dtype not in FLOATS:
                 return "avg_pool of integers raises in eager"
@@ -804,5 +812,6 @@ def _pool(kind: str) -> Callable:
     return entry
 
 
-WINDOW_OPS: dict[str, Callable] = {"max_pool2d_with_indices": _pool("max"), "max_pool2d": _pool("max"),
-                                   "avg_pool2d": _pool("avg")}
+WINDOW_OPS: dict[str, Callable] = {"max_pool2d_with_indices": _pool("max", 2), "max_pool2d": _pool("max", 2),
+                                   "avg_pool2d": _pool("avg", 2), "max_pool3d_with_indices": _pool("max", 3),
+                                   "avg_pool3d": _pool("avg", 3)}

@@ -13,9 +13,10 @@ from ...candidate import Candidate, LaunchPlan
 from ...cards import Card
 from ...codegen import build as cg_build
 from ...codegen import lower
-from ...codegen.ir import Program
+from ...codegen.ir import FLOATS, Program
 from ...hardware import Hardware
 from .family import Family, Knobs, KnobSpace, launch, pick
+from .space import space_of
 
 _PROGRAMS: dict[str, Program | str] = {}  # card id -> its program (cards are immutable once made)
 SPLITS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -25,7 +26,12 @@ def program(card: Card) -> Program | str:
     if card.id not in _PROGRAMS:
         if len(_PROGRAMS) > 4096:
             _PROGRAMS.clear()
-        _PROGRAMS[card.id] = cg_build.program_for_card(card)
+        try:
+            _PROGRAMS[card.id] = cg_build.program_for_card(card)
+        except (ValueError, TypeError, ArithmeticError) as e:
+            # An entry that cannot express this dtype (e.g. a NaN constant in an integer
+            # op) declines the card; a search must not die on one card.
+            _PROGRAMS[card.id] = f"the generator cannot express {card.op} for these dtypes: {e}"
     return _PROGRAMS[card.id]
 
 
@@ -39,19 +45,92 @@ def _splits(prog: Program) -> tuple[int, ...]:
     return tuple(s for s in SPLITS if s == 1 or (lay.rn >= s * 256 and s * lay.kn <= 2**24))
 
 
+# Accuracy of the reduction knobs. One thread folds about RN / (lanes x split) elements in
+# sequence, then the states merge as a tree; where rounding accumulates (floating sums,
+# products, Welford, logsumexp), a long sequential chain loses what eager's tree keeps:
+# an fp32 sum of 16M uniform values folded 2M at a time by 8 lanes misses by 2e-5 relative,
+# twice the evaluator's fp32 floor; 2048 at a time misses by 6e-7. So the reduction spaces
+# only hold settings whose chains are at most CHAIN long.
+CHAIN = 2048
+EXACT_KINDS = frozenset({"max", "min", "any", "all", "argmax", "argmin"})  # any order gives the same answer
+ROW_THREADS, ROW_LANES = (128, 256, 512, 1024), (8, 32, 128, "block")
+
+
+def _chain_floor(prog: Program) -> int:
+    """The fewest threads (lanes x split) one output's reduced elements must be spread over."""
+    red = prog.reduction
+    if red.kind.name in EXACT_KINDS or all(t not in FLOATS for t in red.kind.state(red.operand.dtype)):
+        return 1
+    return -(-lower.reduction_layout(prog).rn // CHAIN)
+
+
+def _reduction_spaces(prog: Program) -> list[KnobSpace]:
+    """gen_rows and gen_cols with only the accurate settings: every lanes value at least some
+    width and every split at least what that width needs (all combinations then hold); the
+    narrowest width that some split can serve keeps the most settings. gen_cols (one thread
+    per output) is left out where no split is enough. `vec`: the prologue's load width, every
+    one legal with every split of the space (lower.reduction_vecs)."""
+    splits, need = _splits(prog), _chain_floor(prog)
+    rows = {"algo": ("gen_rows",), "threads": (1024,), "lanes": ("block",), "items": (1, 2, 4, 8),
+            "split": splits[-1:]}  # past every floor (over 10^9 elements): the most accurate there is
+    for width in (8, 32, 128, 256, 512, 1024):
+        ok = tuple(s for s in splits if s * width >= need)
+        if ok:
+            rows.update(threads=tuple(t for t in ROW_THREADS if t >= width), split=ok,
+                        lanes=tuple(n for n in ROW_LANES if n == "block" or n >= width))
+            break
+    rows["vec"] = lower.reduction_vecs(prog, rows["split"])
+    cols = tuple(s for s in splits if s >= need)
+    return [rows] + ([{"algo": ("gen_cols",), "threads": (64, 128, 256, 512), "items": (1, 2, 4, 8), "split": cols,
+                       "vec": lower.reduction_vecs(prog, cols)}] if cols else [])
+
+
+def _within(knobs: Knobs, spaces: list[KnobSpace]) -> Knobs:
+    """The heuristic default moved into the accurate space: each knob to the nearest legal
+    value at or above it (the most aggressive one where none is); gen_rows with a block per
+    output where gen_cols was left out."""
+    space = space_of(spaces, knobs)
+    if space is None:
+        knobs, space = {"algo": "gen_rows", "threads": 512, "lanes": "block", "items": 4,
+                        "split": knobs["split"]}, spaces[0]
+    out = {"vec": 1, **knobs}  # scalar loads until the H200 has judged the vector ones
+    for name, values in space.items():
+        if name != "algo" and out[name] not in values:
+            order = [v for v in values if v != "block"]
+            at_least = [v for v in order if out[name] != "block" and v >= out[name]]
+            out[name] = at_least[0] if at_least else values[-1]
+    return out
+
+
+def _scan_spaces(prog: Program) -> list[KnobSpace]:
+    """A thread per line (coalesced where lines are strided), and a block per line where lines
+    are contiguous (one thread walking a contiguous line reads it a sector at a time)."""
+    serial = {"algo": ("gen_scan",), "threads": (32, 64, 128, 256, 512), "unroll": (1, 2, 4)}
+    if not lower.scan_is_inner(prog):
+        return [serial]
+    return [serial, {"algo": ("gen_scan_block",), "threads": (32, 64, 128, 256, 512, 1024), "items": (1, 2, 4, 8)}]
+
+
+def _scan_default(prog: Program, card: Card, hw: Hardware) -> Knobs:
+    """A block per contiguous line of at least a warp's worth of 4-element chunks, sized to the
+    line; otherwise a thread per line, with enough blocks to fill the GPU before wider blocks."""
+    length = prog.domain[prog.scan.dim]
+    lines = card.outputs[0].numel // max(1, length)
+    if lower.scan_is_inner(prog) and length >= 128:
+        return {"algo": "gen_scan_block", "threads": pick((32, 64, 128, 256, 512, 1024), length / 8), "items": 4}
+    return {"algo": "gen_scan", "threads": pick((32, 64, 128, 256, 512), lines / (2 * hw.sm_count)), "unroll": 2}
+
+
 def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
     prog = program(card)
     if prog.window is not None:
         return [{"algo": ("gen_window",), "threads": (64, 128, 256, 512), "unroll": (1, 2, 4)}]
     if prog.scan is not None:
-        return [{"algo": ("gen_scan",), "threads": (32, 64, 128, 256, 512), "unroll": (1, 2, 4)}]
+        return _scan_spaces(prog)
     if prog.reduction is None:
         return [{"algo": ("gen_flat",), "threads": (64, 128, 256, 512, 1024), "vec": lower.pointwise_vecs(prog),
                  "items": (1, 2, 4, 8), "grid": ("exact", "stride")}]
-    splits = _splits(prog)
-    return [{"algo": ("gen_rows",), "threads": (128, 256, 512, 1024), "lanes": (8, 32, 128, "block"),
-             "items": (1, 2, 4, 8), "split": splits},
-            {"algo": ("gen_cols",), "threads": (64, 128, 256, 512), "items": (1, 2, 4, 8), "split": splits}]
+    return _reduction_spaces(prog)
 
 
 def default(card: Card, hw: Hardware) -> Knobs:
@@ -59,9 +138,8 @@ def default(card: Card, hw: Hardware) -> Knobs:
     if prog.window is not None:
         return {"algo": "gen_window", "threads": 256 if card.outputs[0].numel >= 256 * 2 * hw.sm_count else 128,
                 "unroll": 2}
-    if prog.scan is not None:  # enough blocks to fill the GPU before wider blocks
-        lines = card.outputs[0].numel // max(1, prog.domain[prog.scan.dim])
-        return {"algo": "gen_scan", "threads": pick((32, 64, 128, 256, 512), lines / (2 * hw.sm_count)), "unroll": 2}
+    if prog.scan is not None:
+        return _scan_default(prog, card, hw)
     if prog.reduction is None:
         vec = lower.pointwise_vecs(prog)[-1]
         nvec = card.outputs[0].numel // vec
@@ -81,7 +159,7 @@ def default(card: Card, hw: Hardware) -> Knobs:
     want = -(-2 * hw.sm_count // blocks)
     knobs["split"] = next((s for s in splits if s >= want), splits[-1]) if want > 1 else 1
     knobs["split"] = pick(splits, knobs["split"])
-    return knobs
+    return _within(knobs, _reduction_spaces(prog))
 
 
 def build(card: Card, knobs: Knobs, hw: Hardware) -> Candidate:
@@ -89,7 +167,7 @@ def build(card: Card, knobs: Knobs, hw: Hardware) -> Candidate:
     if prog.window is not None:
         built = lower.lower_window(prog, knobs)
     elif prog.scan is not None:
-        built = lower.lower_scan(prog, knobs)
+        built = (lower.lower_scan_block if knobs["algo"] == "gen_scan_block" else lower.lower_scan)(prog, knobs)
     elif prog.reduction is None:
         built = lower.lower_pointwise(prog, knobs, hw.sm_count)
     else:
