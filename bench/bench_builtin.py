@@ -30,8 +30,8 @@ from kforge.cards import empty_like_meta, faithful_clone  # noqa: E402
 from kforge.errors import KforgeError, ProposerError  # noqa: E402
 from kforge.hardware import current  # noqa: E402
 from kforge.proposers.base import ProposalContext, Tried  # noqa: E402
-from kforge.proposers.builtin import FAMILIES, BuiltinProposer  # noqa: E402
-from kforge.proposers.builtin.proposer import family_for  # noqa: E402
+from kforge.proposers.builtin import TEMPLATES, BuiltinProposer  # noqa: E402
+from kforge.proposers.builtin.proposer import template_for  # noqa: E402
 from kforge.verdict import EvalResult, Verdict  # noqa: E402
 
 BIG = (8192, 11008)
@@ -113,14 +113,14 @@ def correct(card, cand, inputs) -> bool:
     return True
 
 
-def survey(card, hw, families=FAMILIES) -> list[dict]:
+def survey(card, hw, templates=TEMPLATES) -> list[dict]:
     """One setting of each algorithm besides the default's, as near the default as its knob
     space allows (the widest vector, else the middle value), so a short sweep measures every
     algorithm once before it climbs from the best."""
-    fam = family_for(card, families)
-    first = fam.default(card, hw)
+    template = template_for(card, templates)
+    first = template.default(card, hw)
     out = []
-    for sp in fam.spaces(card, hw):
+    for sp in template.spaces(card, hw):
         if sp["algo"][0] == first["algo"]:
             continue
         out.append({n: first[n] if first.get(n) in vals else vals[-1] if n == "vec" else vals[len(vals) // 2]
@@ -128,24 +128,24 @@ def survey(card, hw, families=FAMILIES) -> list[dict]:
     return out
 
 
-def sweep(card, hw, inputs, budget: int, families=FAMILIES):
+def sweep(card, hw, inputs, budget: int, templates=TEMPLATES):
     """Hill climbing over knobs: (best candidate, its sweep time, candidates tried, what
     each measured). The default comes first, then one setting of every other algorithm,
-    then revisions of the best so far. `families`: the built-in families to draw from."""
-    proposer = BuiltinProposer(families)
+    then revisions of the best so far. `templates`: the built-in templates to draw from."""
+    proposer = BuiltinProposer(templates)
     rng = random.Random(0)
     tried: set[str] = set()
     best, best_us, n = None, float("inf"), 0
     failures: list[Tried] = []
     log: list[dict] = []
-    queued = survey(card, hw, families)
+    queued = survey(card, hw, templates)
     while n < budget:
         ctx = ProposalContext(card=card, hardware=hw, parent=best and Tried(best, EvalResult(Verdict.VALID)),
                               sibling_failures=failures, tried_digests=tried, rng=rng)
         try:
             surveyed = bool(n and queued)
             if surveyed:
-                cand = family_for(card, families).build(card, queued.pop(0), hw)
+                cand = template_for(card, templates).build(card, queued.pop(0), hw)
                 cand.plan.validate(len(card.inputs), len(card.outputs))
                 if cand.digest() in tried:
                     continue
@@ -209,10 +209,10 @@ def compiled_fn(card, inputs):
     return lambda: fn(*ts)
 
 
-def main(argv=None, cases=None, families=FAMILIES, out_name: str = "builtin_h200.json", budget: int = 50,
+def main(argv=None, cases=None, templates=TEMPLATES, out_name: str = "builtin_h200.json", budget: int = 50,
          title: str = "builtin templates vs eager and torch.compile (GPU time, median)", doc: str = __doc__) -> int:
-    """The benchmark over `cases` (default CASES) with the built-in `families`; bench_codegen.py
-    runs it with the generated family alone."""
+    """The benchmark over `cases` (default CASES) with the built-in `templates`; bench_codegen.py
+    runs it with the generated template alone."""
     cases = CASES if cases is None else cases
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / out_name))
@@ -231,7 +231,7 @@ def main(argv=None, cases=None, families=FAMILIES, out_name: str = "builtin_h200
     for name, (make, target) in cases.items():
         if only and not any(part in name for part in only):
             continue
-        rows.append(run_case(name, make(), target, hw, opts.budget, not opts.no_compile, families))
+        rows.append(run_case(name, make(), target, hw, opts.budget, not opts.no_compile, templates))
         # Written after every case, so a run cut short by its time limit keeps what it measured.
         out = save(opts.out, rows, opts.budget, hw, start)
     print_table(rows, title)
@@ -239,11 +239,11 @@ def main(argv=None, cases=None, families=FAMILIES, out_name: str = "builtin_h200
     return 0
 
 
-def run_case(name: str, card, target, hw, budget: int, with_compile: bool, families=FAMILIES) -> dict:
+def run_case(name: str, card, target, hw, budget: int, with_compile: bool, templates=TEMPLATES) -> dict:
     """Sweep the card's knobs, then time eager, the best kernel and torch.compile together."""
     inputs = fresh_inputs(card, 0)
     print(f"{name}: sweeping")
-    best, sweep_us, n, tried = sweep(card, hw, inputs, budget, families)
+    best, sweep_us, n, tried = sweep(card, hw, inputs, budget, templates)
     fns = [eager_fn(card, [faithful_clone(t) for t in inputs])]
     if best is not None:
         fns.append(Runner(card, best, [faithful_clone(t) for t in inputs]))

@@ -1,4 +1,4 @@
-"""Generated kernels (kforge.codegen, the built-in proposer's `generated` family alone) vs
+"""Generated kernels (kforge.codegen, the built-in proposer's `generated` template alone) vs
 eager and torch.compile, over a spread of pointwise and reduction cards, the large ones
 over 64 MB (target: >= 80 % of the HBM floor). Same harness as bench_builtin.py: a knob
 sweep checked against eager, then eager, torch.compile and the best kernel timed together
@@ -53,6 +53,6 @@ CASES = {
 
 
 if __name__ == "__main__":
-    raise SystemExit(bench_builtin.main(cases=CASES, families=(generated.FAMILY,), out_name="codegen_h200.json",
+    raise SystemExit(bench_builtin.main(cases=CASES, templates=(generated.TEMPLATE,), out_name="codegen_h200.json",
                                         budget=16, title="generated kernels vs eager and torch.compile (GPU time, median)",
                                         doc=__doc__))

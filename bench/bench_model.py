@@ -3,8 +3,11 @@ then measure in the same process: per card eager vs kforge as dispatched and % o
 HBM floor, and the model's forward latency eager and with the package applied; then the
 same forward replayed from CUDA graphs, eager and with the package, which shows what the kernels do in a forward bound by launch overhead. With
 --compile the same rounds also time torch.compile and kforge.compile (the package's kernels in
-Inductor's graphs), default and mode="reduce-overhead". Outputs with the package must equal
-eager within tolerance.
+Inductor's graphs), default and mode="reduce-overhead", and kforge.optimize (the traced graphs
+with the package's region and op kernels), op by op and replayed from CUDA graphs. With
+--regions the search covers region cards too (kforge.run(..., regions=True)) and kforge.optimize
+is timed with or without --compile. Outputs with the package must equal eager within tolerance;
+the last line says which way is fastest and by how much.
 
     python bench/bench_model.py examples/sd_vae_decoder.py --iterations 50 --out bench/results/model_sd_vae.json
 """
@@ -22,8 +25,9 @@ import torch
 
 import kforge
 from kforge import timing
-from kforge.capture import shares_by_family
-from kforge.cards import flatten_outputs, load_cards
+from kforge.shares import shares_by_family
+from kforge.card_files import load_cards
+from kforge.cards import flatten_outputs
 from kforge.hardware import current
 from kforge.modelcheck import compiled_forwards, time_graphs
 from kforge.modelspec import load_model_spec
@@ -59,6 +63,12 @@ def phase_seconds(run_dir: Path, run_id: str) -> dict:
     return {"candidates": len(candidates), "eval_s": round(eval_s, 2), **{k: round(v, 2) for k, v in totals.items()}}
 
 
+def fastest(model_us: dict) -> tuple[str, float, str]:
+    """(the fastest row, how many times faster than the runner-up, the runner-up)."""
+    (best, b), (second, t) = sorted(((k, m["median_us"]) for k, m in model_us.items()), key=lambda kv: kv[1])[:2]
+    return best, t / b, second
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model", help="model.py (get_model/get_inputs) or pkg.module:factory")
@@ -68,6 +78,7 @@ def main(argv=None) -> None:
     ap.add_argument("--ops", default="", help="only search cards of these ops (comma-separated name parts)")
     ap.add_argument("--wall-time", type=float, default=None, help="search wall-time budget in seconds")
     ap.add_argument("--compile", action="store_true", help="also time torch.compile and kforge.compile, default and reduce-overhead")
+    ap.add_argument("--regions", action="store_true", help="capture and search region cards too; time kforge.optimize")
     ap.add_argument("--run-dir", default=None)
     args = ap.parse_args(argv)
 
@@ -78,7 +89,7 @@ def main(argv=None) -> None:
     result = kforge.run(model, inputs, out=cast, iterations=args.iterations, run_dir=run_dir,
                         min_share=args.min_share, wall_time_s=args.wall_time, progress=False,
                         ops=[o for o in args.ops.split(",") if o] or None,
-                        model_name=Path(args.model).stem, check_model=False)  # timed below (and, with --compile, under torch.compile)
+                        model_name=Path(args.model).stem, check_model=False, regions=args.regions)  # timed below (and, with --compile, under torch.compile)
     wall_s = time.perf_counter() - t0
     pkg = kforge.load(result.package_path)
     decisions = {c.id: c for c in pkg.cards}
@@ -102,6 +113,13 @@ def main(argv=None) -> None:
         compile_hits = {c.id: c.counters.hits - before[c.id] for c in pkg.cards if c.counters.hits > before[c.id]}
         compile_err = max_rel_err(compiled["kforge.compile"](), ref)
         entries += [(name, contextlib.nullcontext, fn) for name, fn in compiled.items()]
+    elif args.regions:
+        for name, cuda_graphs in (("kforge.optimize", False), ("kforge.optimize cuda_graphs", True)):
+            fast = kforge.optimize(model, pkg, cuda_graphs=cuda_graphs)
+            for _ in range(3):  # traced, kernels loaded, graphs captured
+                forward(fast, inputs)
+            entries.append((name, contextlib.nullcontext, lambda fast=fast: forward(fast, inputs)))
+    optimize_err = {name: max_rel_err(fn(), ref) for name, _, fn in entries if name.startswith("kforge.optimize")}
     ms = timing.time_as_called([(ctx, fn) for _, ctx, fn in entries], calls=3, rounds=15)
     model_us = {name: m.summary() for (name, _, _), m in zip(entries, ms)}
     # The same forward replayed from CUDA graphs: no host overhead, so what the kernels do in a
@@ -144,7 +162,8 @@ def main(argv=None) -> None:
         "speedup_vs_eager": model_us["eager"]["median_us"] / model_us["kforge"]["median_us"],
         "graph_speedup_vs_eager": (model_us["eager, CUDA graph"]["median_us"] / model_us["kforge, CUDA graph"]["median_us"]
                                    if "kforge, CUDA graph" in model_us else None),
-        "graph_errors": graph_errors,
+        "graph_errors": graph_errors, "regions": args.regions, "optimize_max_rel_err_vs_eager": optimize_err,
+        "fastest": fastest(model_us),
         "max_rel_err_vs_eager": err, "hits": {r["id"]: r["hits"] for r in report["cards"] if r["hits"]},
         "hbm_bw": hw.bandwidth, "share_by_family": by_family, "eval_phase_s": phases, "cards": cards, "stop_reasons": result.stop_reasons,
     }
@@ -156,6 +175,8 @@ def main(argv=None) -> None:
     for name, why in graph_errors.items():
         print(f"  {name} not replayed from a CUDA graph: {why[:200]}")
     print(f"  speedup vs eager {out['speedup_vs_eager']:.3f}x, max rel err {err:.2e}")
+    best, ratio, second = out["fastest"]
+    print(f"  fastest: {best}, {ratio:.3f}x the runner-up ({second}); kforge.optimize max rel err {optimize_err}")
     print(f"  evaluation: {phases}")
     print("  share by family: " + ", ".join(f"{f} {100 * v:.1f}%" for f, v in by_family.items()))
     for c in cards:

@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT / "python"))
 
 import kforge  # noqa: E402
 from kforge import runner  # noqa: E402
-from kforge.capture import capture  # noqa: E402
-from kforge.cards import load_cards  # noqa: E402
+from kforge.capturing import capture  # noqa: E402
+from kforge.card_files import load_cards  # noqa: E402
 from kforge.modelspec import load_model_spec  # noqa: E402
 from kforge.store import SQLiteStore  # noqa: E402
 

@@ -21,8 +21,8 @@ import torch
 
 import kforge
 from kforge import timing
-from kforge.capture import capture
-from kforge.cards import load_sample
+from kforge.capturing import capture
+from kforge.card_files import load_sample
 from kforge.hardware import current
 from kforge.modelspec import load_model_spec
 

@@ -14,6 +14,8 @@
 # cost of its custom op against an Inductor extern call, T_OVERHEAD), and the eager / package /
 # torch.compile / kforge.compile A/B, default and reduce-overhead, per example model (T_AB each):
 #   LANE_A="compile_tests ab_sd_vae ab_gemma" LANE_B="ab_resnet50 ab_qwen_moe" bash bench/gpu_suite.sh
+# REGIONS=1 searches region cards too in the model and A/B items (bench_model.py --regions; kforge.optimize,
+# op by op and from CUDA graphs, is in every A/B): LANE_A="ab_sd_vae" REGIONS=1 bash bench/gpu_suite.sh
 source bench/device_setup.sh
 set +e  # a step that fails or runs out of time must not stop the steps after it
 step() {  # step LOG NAME SECONDS CMD...
@@ -24,12 +26,13 @@ step() {  # step LOG NAME SECONDS CMD...
   echo "=== $name: rc=$? in $(( $(date +%s) - t0 ))s" | tee -a "$log"
 }
 compile_flag=${COMPILE:+--compile}
+regions_flag=${REGIONS:+--regions}
 no_compile_flag=--no-compile; [ -z "$COMPILE" ] || no_compile_flag=
 model() {  # model LOG NAME FILE [bench_model.py args...]; DTYPE etc. pass through the environment
   local log=$1 name=$2 file=$3; shift 3
   local limit_var="T_$name"  # T_gemma=200 overrides T_MODEL for one model
   step "$log" "model-$name" "${!limit_var:-${T_MODEL:-90}}" python3 bench/bench_model.py "$file" --iterations "${ITERS:-6}" \
-    ${WALL:+--wall-time "$WALL"} $compile_flag --out "$OUT/model_${name}_h200.json" "$@"
+    ${WALL:+--wall-time "$WALL"} $compile_flag $regions_flag --out "$OUT/model_${name}_h200.json" "$@"
 }
 # The A/B of issue 23 on one example model, in one process: eager, the package, torch.compile,
 # kforge.compile, and both compiles with mode="reduce-overhead" (T_AB seconds per model). With
@@ -37,7 +40,8 @@ model() {  # model LOG NAME FILE [bench_model.py args...]; DTYPE etc. pass throu
 ab() {  # ab LOG NAME FILE [bench_model.py args...]
   local log=$1 name=$2 file=$3; shift 3
   step "$log" "ab-$name" "${T_AB:-300}" python3 bench/bench_model.py "$file" --iterations "${ITERS:-6}" \
-    ${WALL:+--wall-time "$WALL"} --compile ${RUNS_DIR:+--run-dir "$RUNS_DIR/$name"} --out "$OUT/ab_${name}_h200.json" "$@"
+    ${WALL:+--wall-time "$WALL"} --compile $regions_flag ${RUNS_DIR:+--run-dir "$RUNS_DIR/$name"} \
+    --out "$OUT/ab_${name}${REGIONS:+_regions}_h200.json" "$@"
 }
 lane() {  # lane LOG ITEM...: run the items in order
   local log=$1 item; shift

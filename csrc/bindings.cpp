@@ -68,6 +68,14 @@ std::shared_ptr<Plan> make_plan(const py::sequence& kernels, const py::sequence&
   return std::make_shared<Plan>(std::move(specs), std::move(ws));
 }
 
+// The Python types live in kforge.errors, so the error a caller catches is one type whether
+// C++ or Python raised it, with the driver's error as data (.name, .code), not as text.
+void raise_cuda_error(const char* type, const CudaError& e) {
+  py::object cls = py::module_::import("kforge.errors").attr(type);
+  py::object err = cls(e.what(), e.name, static_cast<int>(e.code));
+  PyErr_SetObject(cls.ptr(), err.ptr());
+}
+
 int attr(int a, CUdevice dev) {
   int v = 0;
   check(driver().cuDeviceGetAttribute(&v, a, dev), "reading device attribute " + std::to_string(a));
@@ -79,13 +87,14 @@ int attr(int a, CUdevice dev) {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "kforge C++ core: NVRTC compiler, driver-API launcher, CUDA-event harness, dispatch registry";
 
-  static py::exception<CudaError> cuda_error(m, "CudaError", PyExc_RuntimeError);
   static py::exception<NvrtcError> nvrtc_error(m, "NvrtcError", PyExc_RuntimeError);
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
+    } catch (const LaunchRefused& e) {
+      raise_cuda_error("LaunchRefused", e);
     } catch (const CudaError& e) {
-      py::set_error(cuda_error, e.what());
+      raise_cuda_error("CudaError", e);
     } catch (const NvrtcError& e) {
       py::set_error(nvrtc_error, e.what());
     }
@@ -93,9 +102,7 @@ PYBIND11_MODULE(_C, m) {
 
   // ---- NVRTC ----
   m.def("nvrtc_load", &load_nvrtc, py::arg("path"));
-  m.def("nvrtc_loaded", &nvrtc_loaded);
   m.def("nvrtc_version", &nvrtc_version);
-  m.def("nvrtc_supported_archs", &nvrtc_supported_archs);
   m.def(
       "nvrtc_compile",
       [](const std::string& source, const std::string& name, const std::vector<std::string>& options, bool want_cubin) {
@@ -110,7 +117,6 @@ PYBIND11_MODULE(_C, m) {
 
   // ---- driver ----
   m.def("cuda_load", &load_driver, py::arg("path") = "libcuda.so.1");
-  m.def("cuda_loaded", &driver_loaded);
   m.def("driver_version", [] {
     int v = 0;
     check(driver().cuDriverGetVersion(&v), "reading the driver version");
@@ -146,27 +152,7 @@ PYBIND11_MODULE(_C, m) {
     check(driver().cuCtxSynchronize(), "synchronizing device " + std::to_string(ordinal));
   }, py::arg("ordinal"));
 
-  py::class_<Function>(m, "Function")
-      .def_readonly("name", &Function::name)
-      .def("attributes",
-           [](const Function& f) {
-             auto get = [&](int a) {
-               int v = 0;
-               check(driver().cuFuncGetAttribute(&v, a, f.fn), "reading attributes of '" + f.name + "'");
-               return v;
-             };
-             py::dict out;
-             out["num_regs"] = get(CU_FUNC_ATTRIBUTE_NUM_REGS);
-             out["shared_bytes"] = get(CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES);
-             out["local_bytes"] = get(CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES);
-             out["max_threads_per_block"] = get(CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK);
-             return out;
-           })
-      .def("set_max_dynamic_smem", [](const Function& f, int nbytes) {
-        ContextGuard guard(f.module->context());
-        check(driver().cuFuncSetAttribute(f.fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes),
-              "setting the dynamic shared memory limit of '" + f.name + "'");
-      }, py::arg("nbytes"));
+  py::class_<Function>(m, "Function").def_readonly("name", &Function::name);
 
   py::class_<Module, std::shared_ptr<Module>>(m, "Module")
       .def(py::init([](py::bytes image, int ordinal) {
@@ -179,26 +165,9 @@ PYBIND11_MODULE(_C, m) {
         return Function{self, self->function(name), name};
       }, py::arg("name"));
 
-  m.def(
-      "launch",
-      [](const Function& fn, const std::vector<unsigned>& grid, const std::vector<unsigned>& block, unsigned smem,
-         uint64_t stream, const py::sequence& args) {
-        KernelSpec k{fn, to_dim3(grid, "grid"), to_dim3(block, "block"), smem, {}};
-        for (auto item : args) {
-          Arg a = to_arg(item);
-          if (a.kind == ArgKind::In || a.kind == ArgKind::Out || a.kind == ArgKind::Ws)
-            throw std::invalid_argument("launch() takes raw arguments: use ('ptr', address) for buffers");
-          k.args.push_back(a);
-        }
-        ContextGuard guard(fn.module->context());
-        launch_one(k, {}, {}, {}, stream);
-      },
-      py::arg("fn"), py::arg("grid"), py::arg("block"), py::arg("smem"), py::arg("stream"), py::arg("args"));
-
   py::class_<Plan, std::shared_ptr<Plan>>(m, "Plan")
       .def(py::init(&make_plan), py::arg("kernels"), py::arg("workspace") = py::list())
-      .def("launch", &Plan::launch, py::arg("inputs"), py::arg("outputs"), py::arg("workspaces"), py::arg("stream"))
-      .def_property_readonly("num_kernels", [](const Plan& p) { return p.kernels().size(); });
+      .def("launch", &Plan::launch, py::arg("inputs"), py::arg("outputs"), py::arg("workspaces"), py::arg("stream"));
 
   m.def(
       "bench",
@@ -219,7 +188,6 @@ PYBIND11_MODULE(_C, m) {
       .def("launch", &Registry::launch, py::arg("id"), py::arg("inputs"), py::arg("outputs"), py::arg("workspaces"),
            py::arg("stream"))
       .def("__len__", &Registry::size)
-      .def("clear", &Registry::clear)
       // For kforge._dispatch: launch_address() is kforge_registry_launch (registry.h), address() this
       // registry, valid while the Python object lives.
       .def("address", [](const Registry& self) { return reinterpret_cast<uintptr_t>(&self); })

@@ -71,12 +71,4 @@ std::pair<int, int> nvrtc_version() {
   return {major, minor};
 }
 
-std::vector<int> nvrtc_supported_archs() {
-  int count = 0;
-  check_nvrtc(nvrtc().nvrtcGetNumSupportedArchs(&count), "nvrtcGetNumSupportedArchs");
-  std::vector<int> archs(count);
-  if (count) check_nvrtc(nvrtc().nvrtcGetSupportedArchs(archs.data()), "nvrtcGetSupportedArchs");
-  return archs;
-}
-
 }  // namespace kforge

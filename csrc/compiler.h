@@ -15,6 +15,5 @@ struct CompileOutput {
 CompileOutput nvrtc_compile(const std::string& source, const std::string& name, const std::vector<std::string>& options,
                             bool want_cubin);
 std::pair<int, int> nvrtc_version();
-std::vector<int> nvrtc_supported_archs();
 
 }  // namespace kforge

@@ -36,7 +36,7 @@ void load_driver(const std::string& path) {
   void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (!h) {
     const char* err = dlerror();
-    throw CudaError(-1, std::string("CUDA_ERROR_NO_DRIVER: cannot load the CUDA driver library ") + path + " (" +
+    throw CudaError(-1, "CUDA_ERROR_NO_DRIVER", "cannot load the CUDA driver library " + path + " (" +
                             (err ? err : "unknown") + "); install an NVIDIA driver or set KFORGE_LIBCUDA_PATH");
   }
   DriverApi d{};
@@ -75,15 +75,15 @@ void load_driver(const std::string& path) {
     resolve(h, d.cuStreamSynchronize, {"cuStreamSynchronize"}, path);
   } catch (const std::runtime_error& e) {
     dlclose(h);
-    throw CudaError(-1, std::string("CUDA_ERROR_NOT_SUPPORTED: ") + e.what());
+    throw CudaError(-1, "CUDA_ERROR_NOT_SUPPORTED", e.what());
   }
   CUresult r = d.cuInit(0);
   if (r != CUDA_SUCCESS) {
     const char* name = nullptr;
     d.cuGetErrorName(r, &name);
     dlclose(h);
-    throw CudaError(r, std::string(name ? name : "CUDA_ERROR_UNKNOWN") +
-                           ": cuInit failed: no usable NVIDIA GPU (check nvidia-smi and CUDA_VISIBLE_DEVICES)");
+    throw CudaError(r, name ? name : "CUDA_ERROR_UNKNOWN",
+                    "cuInit failed: no usable NVIDIA GPU (check nvidia-smi and CUDA_VISIBLE_DEVICES)");
   }
   g_driver = d;
   g_driver_handle.store(h, std::memory_order_release);
@@ -92,7 +92,7 @@ void load_driver(const std::string& path) {
 bool driver_loaded() { return g_driver_handle.load(std::memory_order_acquire) != nullptr; }
 
 const DriverApi& driver() {
-  if (!driver_loaded()) throw CudaError(-1, "CUDA_ERROR_NOT_INITIALIZED: the CUDA driver is not loaded; call kforge.cuda.require()");
+  if (!driver_loaded()) throw CudaError(-1, "CUDA_ERROR_NOT_INITIALIZED", "the CUDA driver is not loaded; call kforge.cuda.require()");
   return g_driver;
 }
 
@@ -108,8 +108,6 @@ void load_nvrtc(const std::string& path) {
   try {
     resolve(h, n.nvrtcGetErrorString, {"nvrtcGetErrorString"}, path);
     resolve(h, n.nvrtcVersion, {"nvrtcVersion"}, path);
-    resolve(h, n.nvrtcGetNumSupportedArchs, {"nvrtcGetNumSupportedArchs"}, path);
-    resolve(h, n.nvrtcGetSupportedArchs, {"nvrtcGetSupportedArchs"}, path);
     resolve(h, n.nvrtcCreateProgram, {"nvrtcCreateProgram"}, path);
     resolve(h, n.nvrtcDestroyProgram, {"nvrtcDestroyProgram"}, path);
     resolve(h, n.nvrtcCompileProgram, {"nvrtcCompileProgram"}, path);
@@ -144,7 +142,7 @@ void check(CUresult r, const std::string& what) {
   if (r == CUDA_SUCCESS) return;
   const char* desc = nullptr;
   if (driver_loaded()) g_driver.cuGetErrorString(r, &desc);
-  throw CudaError(r, error_name(r) + ": " + (desc ? desc : "unknown error") + " (while " + what + ")");
+  throw CudaError(r, error_name(r), std::string(desc ? desc : "unknown error") + " (while " + what + ")");
 }
 
 CUcontext primary_context(int ordinal) {

@@ -34,10 +34,7 @@ constexpr int CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE = 38;
 constexpr int CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75;
 constexpr int CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76;
 constexpr int CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97;
-constexpr int CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK = 0;
 constexpr int CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES = 1;
-constexpr int CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES = 3;
-constexpr int CU_FUNC_ATTRIBUTE_NUM_REGS = 4;
 constexpr int CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8;
 constexpr int CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14;
 constexpr int CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4;
@@ -111,8 +108,6 @@ constexpr nvrtcResult NVRTC_ERROR_COMPILATION = 6;
 struct NvrtcApi {
   const char* (*nvrtcGetErrorString)(nvrtcResult);
   nvrtcResult (*nvrtcVersion)(int*, int*);
-  nvrtcResult (*nvrtcGetNumSupportedArchs)(int*);
-  nvrtcResult (*nvrtcGetSupportedArchs)(int*);
   nvrtcResult (*nvrtcCreateProgram)(nvrtcProgram*, const char*, const char*, int, const char* const*,
                                     const char* const*);
   nvrtcResult (*nvrtcDestroyProgram)(nvrtcProgram*);
@@ -125,15 +120,21 @@ struct NvrtcApi {
   nvrtcResult (*nvrtcGetPTX)(nvrtcProgram, char*);
 };
 
-// Raised for any failing driver call; what() starts with the CUDA error name.
+// Raised for any failing driver call: `name` is the driver's error name (CUDA_ERROR_ILLEGAL_ADDRESS),
+// `code` its CUresult (-1 where no driver call failed: the library is missing or too old);
+// what() is "<name>: <detail>". Python sees kforge.errors.CudaError with .name and .code.
 class CudaError : public std::runtime_error {
  public:
-  CudaError(CUresult code, const std::string& msg) : std::runtime_error(msg), code(code) {}
+  CudaError(CUresult code, const std::string& name, const std::string& detail)
+      : std::runtime_error(name + ": " + detail), code(code), name(name), detail(detail) {}
   CUresult code;
+  std::string name;
+  std::string detail;
 };
 
 // A launch the driver refused before any kernel of the plan ran (a cooperative grid that
 // cannot be resident on this GPU right now): the caller may serve the call another way.
+// Python sees kforge.errors.LaunchRefused.
 class LaunchRefused : public CudaError {
  public:
   using CudaError::CudaError;

@@ -169,7 +169,7 @@ void Plan::launch(const std::vector<uint64_t>& inputs, const std::vector<uint64_
       // be half written) and nothing else may take over the call.
       // A cluster that cannot be placed on one GPC is refused the same way.
       if (i == 0 && (e.code == CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE || e.code == CUDA_ERROR_INVALID_CLUSTER_SIZE))
-        throw LaunchRefused(e.code, std::string(e.what()) + " (refused before any kernel ran)");
+        throw LaunchRefused(e.code, e.name, e.detail + " (refused before any kernel ran)");
       throw;
     }
   }

@@ -30,11 +30,6 @@ size_t Registry::size() const {
   return plans_.size();
 }
 
-void Registry::clear() {
-  std::lock_guard<std::mutex> lock(mu_);
-  plans_.clear();
-}
-
 }  // namespace kforge
 
 namespace {

@@ -18,7 +18,6 @@ class Registry {
   void launch(int id, const std::vector<uint64_t>& inputs, const std::vector<uint64_t>& outputs,
               const std::vector<uint64_t>& workspaces, uint64_t stream) const;
   size_t size() const;
-  void clear();
 
  private:
   mutable std::mutex mu_;

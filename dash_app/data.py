@@ -169,8 +169,8 @@ class Catalog:
 
     @staticmethod
     def _write_capture_log(run_dir: Path, where: Path) -> None:
-        from kforge.capture import skip_reason
-        from kforge.cards import load_cards
+        from kforge.cardtable import skip_reason
+        from kforge.card_files import load_cards
 
         info = _loads((run_dir / CAPTURE_FILE).read_text(), {})
         cards = load_cards(run_dir)

@@ -113,6 +113,7 @@ def get_inputs() -> torch.Tensor:
 if __name__ == "__main__":
     from rich import print
 
-    from kforge.capture import capture, cards_table
+    from kforge.capturing import capture
+    from kforge.cardtable import cards_table
 
     print(cards_table(capture(get_model(), get_inputs()).cards, limit=30))

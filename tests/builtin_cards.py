@@ -12,8 +12,8 @@ import dataclasses
 
 import torch
 
-from kforge.capture import _aliases
-from kforge.cards import ArgSpec, Card, TensorMeta, encode_value, flatten_outputs
+from kforge.callspec import bind, output_aliases
+from kforge.cards import ArgSpec, Card, TensorMeta, encode_value, flatten_outputs, qualified_name
 
 A = torch.ops.aten
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
@@ -30,13 +30,7 @@ def _cuda(t: torch.Tensor, align: int) -> TensorMeta:
 
 def make_card(op: torch._ops.OpOverload, *args, align: int = 16, **kwargs) -> Card:
     specs = []
-    for i, a in enumerate(op._schema.arguments):
-        if not a.kwarg_only and i < len(args):
-            v = args[i]
-        elif a.name in kwargs:
-            v = kwargs[a.name]
-        else:
-            v = a.default_value if a.has_default_value() else None
+    for a, v in bind(op, args, kwargs):
         written = a.alias_info is not None and a.alias_info.is_write
         if isinstance(v, torch.Tensor):
             specs.append(ArgSpec(a.name, "tensor", a.kwarg_only, tensor=_cuda(v, align), written=written))
@@ -44,8 +38,8 @@ def make_card(op: torch._ops.OpOverload, *args, align: int = 16, **kwargs) -> Ca
             specs.append(ArgSpec(a.name, "value", a.kwarg_only, value=encode_value(v)))
     result = op(*args, **kwargs)
     outs = flatten_outputs(result)
-    aliases = _aliases(op, specs, result)  # in-place and out= outputs, as capture records them
-    name = f"aten::{op._schema.name.split('::')[-1]}.{op._overloadname}"
+    aliases = output_aliases(op, specs, result)  # in-place and out= outputs, as capture records them
+    name = qualified_name(op)
     return Card(op=name, schema=str(op._schema), args=specs, outputs=[_cuda(o, 16) for o in outs], arch="sm_90",
                 aliases=aliases)
 

@@ -27,9 +27,10 @@ import torch
 from fakes import FakeEvaluator, FakeProposer
 from llm_server import ScriptedLLMServer, error, reply
 
-from kforge import runner, worker
+from kforge import inputsets, runner
 from kforge.candidate import Candidate, LaunchPlan
-from kforge.capture import capture, skip_reason
+from kforge.capturing import capture
+from kforge.cardtable import skip_reason
 from kforge.cards import Card
 from kforge.hardware import H200
 from kforge.store import SQLiteStore, connect
@@ -216,8 +217,8 @@ def write_demo_run(tmp_path: Path, run_id: str = "demo-run") -> DemoRun:
 def _write_tree(log: SQLiteStore, run_dir: Path, run_id: str, card: Card, tree: list[tuple]) -> dict[str, int]:
     eager = card.eager_us
     tolerances: dict = {}  # what the worker records for a kernel that passed every input set
-    for s in worker.prepare(card, run_dir, torch.device("cpu"), fresh_sets=1)[0]:
-        worker.record_tolerances(tolerances, s)
+    for s in inputsets.prepare(card, run_dir, torch.device("cpu"), fresh_sets=1)[0]:
+        inputsets.record_tolerances(tolerances, s)
     ids: dict[str, int] = {}
     for key, parent, repair_of, iteration, proposer, threads, vec, verdict, speedup, message in tree:
         cand = kernel("gelu_rows", threads, vec, bug=" blockDimx;" if verdict == "compile_error" else "")

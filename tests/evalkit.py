@@ -14,7 +14,7 @@ import torch
 
 from kforge.candidate import Candidate, LaunchPlan
 from kforge.cards import ArgSpec, Card, TensorMeta, encode_value, flatten_outputs
-from kforge.worker import FakeFault
+from kforge.backends import FakeFault
 
 
 def make_card(op: torch._ops.OpOverload, *args, family: str = "other", arch: str = "cpu") -> Card:

@@ -162,12 +162,12 @@ class FakeEvaluator(Evaluator):
         if card.id not in self._tolerances:
             import torch
 
-            from kforge import worker
+            from kforge import inputsets
 
             evidence: dict = {}
-            sets, _ = worker.prepare(card, self.evidence_dir, torch.device("cpu"), fresh_sets=1)
+            sets, _ = inputsets.prepare(card, self.evidence_dir, torch.device("cpu"), fresh_sets=1)
             for s in sets:
-                worker.record_tolerances(evidence, s)
+                inputsets.record_tolerances(evidence, s)
             self._tolerances[card.id] = evidence
         return self._tolerances[card.id]
 

@@ -1,4 +1,4 @@
-"""The built-in templates on a machine without a GPU: every algorithm of every family
+"""The built-in templates on a machine without a GPU: every algorithm of every template
 compiles with NVRTC for sm_90 at the corners of its knob space, plans fit their cards,
 knob revisions give distinct sources, unsupported cards are declined with a reason, and
 the proposer's neighbourhood moves, exhaustion and repair behave."""
@@ -21,11 +21,11 @@ from kforge.errors import ProposerError
 from kforge.hardware import H200, Hardware
 from kforge.proposers import get_proposer
 from kforge.proposers.base import ProposalContext, Tried
-from kforge.proposers.builtin import BuiltinProposer, family_for
-from kforge.proposers.builtin import pointwise as pointwise_family
-from kforge.proposers.builtin import batch_norm as bn_family
-from kforge.proposers.builtin import group_norm as gn_family
-from kforge.proposers.builtin import softmax as softmax_family
+from kforge.proposers.builtin import BuiltinProposer, template_for
+from kforge.proposers.builtin import pointwise as pointwise_template
+from kforge.proposers.builtin import batch_norm as bn_template
+from kforge.proposers.builtin import group_norm as gn_template
+from kforge.proposers.builtin import softmax as softmax_template
 from kforge.proposers.builtin import space as knob_space
 from kforge.verdict import EvalResult, Verdict
 
@@ -41,11 +41,11 @@ def tried(cand: Candidate, verdict: Verdict = Verdict.VALID) -> Tried:
 
 def corners(card):
     """Each algorithm's most conservative and most aggressive settings, and the default."""
-    fam = family_for(card)
-    out = [fam.default(card, H200)]
-    for s in fam.spaces(card, H200):
+    template = template_for(card)
+    out = [template.default(card, H200)]
+    for s in template.spaces(card, H200):
         out += [{k: v[0] for k, v in s.items()}, {k: v[-1] for k, v in s.items()}]
-    return fam, out
+    return template, out
 
 
 @pytest.mark.parametrize("name", sorted(SPREAD))
@@ -53,9 +53,9 @@ def test_template_compiles_for_sm90_and_plan_fits(name):
     card = SPREAD[name]()
     ok, why = BuiltinProposer().supports(card)
     assert ok, why
-    fam, settings = corners(card)
+    template, settings = corners(card)
     for knobs in settings:
-        cand = fam.build(card, knobs, H200)
+        cand = template.build(card, knobs, H200)
         assert cand.kind == "custom" and cand.proposer == "builtin" and cand.knobs == knobs
         cand.plan.validate(len(card.inputs), len(card.outputs))
         assert compiler.compile(cand.source, options=cand.plan.options, arch="sm_90").cubin
@@ -64,14 +64,14 @@ def test_template_compiles_for_sm90_and_plan_fits(name):
 @pytest.mark.parametrize("name", sorted(SPREAD))
 def test_every_knob_setting_has_its_own_digest_and_a_valid_plan(name):
     card = SPREAD[name]()
-    fam = family_for(card)
+    template = template_for(card)
     digests = set()
-    for s in fam.spaces(card, H200):
+    for s in template.spaces(card, H200):
         for knobs in knob_space.configs(s):
-            cand = fam.build(card, knobs, H200)
+            cand = template.build(card, knobs, H200)
             cand.plan.validate(len(card.inputs), len(card.outputs))
             digests.add(cand.digest())
-    assert len(digests) == sum(len(knob_space.configs(s)) for s in fam.spaces(card, H200))
+    assert len(digests) == sum(len(knob_space.configs(s)) for s in template.spaces(card, H200))
 
 
 @pytest.mark.parametrize("card, reason", [
@@ -130,9 +130,9 @@ def test_to_copy_is_the_identity_rounded_once_on_store(src, dst, rounding):
     """Loaded to fp32 exactly, never rounded before the store, which rounds to nearest even
     with the intrinsic c10's Half/BFloat16 use on sm_80+ (so the bits match torch's cast)."""
     card = to_copy(meta(64, 1000, dtype=src), dst)
-    fam, settings = corners(card)
+    template, settings = corners(card)
     for knobs in settings:
-        src_text = fam.build(card, knobs, H200).source
+        src_text = template.build(card, knobs, H200).source
         assert "const float a = x0[k][j];" in src_text and "r[j] = a;" in src_text
         assert "kf_cast<Tout>(x0" not in src_text and "kf_cast<Tout>(kf_f32" not in src_text
         assert "kf_store<Tout, V>(out + off[k][0], r);" in src_text
@@ -145,7 +145,7 @@ def emulate_pointwise_copy(card, knobs, x: torch.Tensor) -> torch.Tensor:
     """The storage the pointwise kernel writes for a one-operand card, with its indexing done
     on the CPU the way kf_offsets, the vector loop and the tail do it (values cast by torch)."""
     out = card.outputs[0]
-    lay = pointwise_family._layout(out, [card.args[0].tensor])
+    lay = pointwise_template._layout(out, [card.args[0].tensor])
     v, numel = knobs["vec"], out.numel
     nv = numel // v
 
@@ -183,7 +183,7 @@ def test_to_copy_indexing_matches_torch_on_the_cpu(name):
     args, kwargs = card.build_call([x], "cpu")
     want = card.overload()(*args, **kwargs)
     assert want.stride() == card.outputs[0].stride and want.dtype == card.outputs[0].torch_dtype
-    for vec in family_for(card).spaces(card, H200)[0]["vec"]:
+    for vec in template_for(card).spaces(card, H200)[0]["vec"]:
         got = emulate_pointwise_copy(card, {"vec": vec}, x)
         assert torch.equal(got, want.as_strided((want.numel(),), (1,))), vec
 
@@ -246,7 +246,7 @@ LONG_ROWS = {
 
 
 def split_regs_space(card):
-    (s,) = [s for s in softmax_family.spaces(card, H200) if s["algo"] == ("split_regs",)]
+    (s,) = [s for s in softmax_template.spaces(card, H200) if s["algo"] == ("split_regs",)]
     return s
 
 
@@ -257,14 +257,14 @@ def test_split_regs_compiles_across_its_knobs(name):
     card = LONG_ROWS[name]()
     rows, cols = card.args[0].tensor.numel // card.args[0].tensor.shape[-1], card.args[0].tensor.shape[-1]
     s = split_regs_space(card)
-    base = softmax_family.default(card, H200)
+    base = softmax_template.default(card, H200)
     assert base["algo"] == "split_regs"
     settings = [base] + [{**base, k: v} for k in ("split", "threads", "vec") for v in s[k]]
     settings += [{k: v[0] for k, v in s.items()}, {k: v[-1] for k, v in s.items()}]
     for knobs in [k for i, k in enumerate(settings) if k not in settings[:i]]:
-        cand = softmax_family.build(card, knobs, H200)
+        cand = softmax_template.build(card, knobs, H200)
         cand.plan.validate(len(card.inputs), len(card.outputs))
-        ch, it, n = softmax_family._split_geometry(cols, knobs["split"], knobs["threads"], knobs["vec"])
+        ch, it, n = softmax_template._split_geometry(cols, knobs["split"], knobs["threads"], knobs["vec"])
         assert [k.name for k in cand.plan.kernels] == ["kf_softmax_partial", "kf_softmax_finish"]
         assert all(k.grid == (n, rows, 1) and k.block == (knobs["threads"], 1, 1) for k in cand.plan.kernels)
         assert cand.plan.workspace_bytes() == [(rows * n * 8, False)]
@@ -281,8 +281,8 @@ def test_split_regs_chunks_cover_each_row_once_from_registers(name):
     cols = card.args[0].tensor.shape[-1]
     for knobs in knob_space.configs(split_regs_space(card)):
         nt, v = knobs["threads"], knobs["vec"]
-        ch, it, n = softmax_family._split_geometry(cols, knobs["split"], nt, v)
-        assert it * v <= softmax_family.SPLIT_REGS and n <= knobs["split"] and ch % v == 0
+        ch, it, n = softmax_template._split_geometry(cols, knobs["split"], nt, v)
+        assert it * v <= softmax_template.SPLIT_REGS and n <= knobs["split"] and ch % v == 0
         assert (n - 1) * ch < cols <= n * ch
         k = ((torch.arange(it)[:, None] * nt + torch.arange(nt)[None, :]) * v).flatten()  # vector starts in a chunk
         starts = (torch.arange(n)[:, None] * ch + k[None, :]).flatten()
@@ -306,39 +306,39 @@ def test_split_coop_is_one_cooperative_launch_that_compiles(name):
     and partials in one zeroed workspace; every setting compiles for sm_90."""
     card = LONG_ROWS[name]()
     rows, cols = card.args[0].tensor.numel // card.args[0].tensor.shape[-1], card.args[0].tensor.shape[-1]
-    (s,) = [s for s in softmax_family.spaces(card, H200) if s["algo"] == ("split_coop",)]
+    (s,) = [s for s in softmax_template.spaces(card, H200) if s["algo"] == ("split_coop",)]
     for knobs in knob_space.configs(s):
-        cand = softmax_family.build(card, knobs, H200)
+        cand = softmax_template.build(card, knobs, H200)
         cand.plan.validate(len(card.inputs), len(card.outputs))
-        ch, it, n = softmax_family._split_geometry(cols, knobs["split"], knobs["threads"], knobs["vec"])
+        ch, it, n = softmax_template._split_geometry(cols, knobs["split"], knobs["threads"], knobs["vec"])
         (k,) = cand.plan.kernels
         assert k.name == "kf_softmax_coop" and k.cooperative and k.grid == (n, rows, 1)
-        assert rows * n <= softmax_family.COOP_BLOCKS_PER_SM * H200.sm_count and it * knobs["vec"] <= softmax_family.SPLIT_REGS
+        assert rows * n <= softmax_template.COOP_BLOCKS_PER_SM * H200.sm_count and it * knobs["vec"] <= softmax_template.SPLIT_REGS
         assert cand.plan.workspace_bytes() == [(counter_bytes(rows) + rows * n * 8, True)]
         assert compiler.compile(cand.source, options=cand.plan.options, arch="sm_90").cubin
 
 
 def test_split_coop_is_offered_only_where_the_grid_can_be_resident():
-    assert not any(s["algo"] == ("split_coop",) for s in softmax_family.spaces(softmax(512, 16384), H200))
-    (s,) = [s for s in softmax_family.spaces(softmax(8, 262144), H200) if s["algo"] == ("split_coop",)]
+    assert not any(s["algo"] == ("split_coop",) for s in softmax_template.spaces(softmax(512, 16384), H200))
+    (s,) = [s for s in softmax_template.spaces(softmax(8, 262144), H200) if s["algo"] == ("split_coop",)]
     assert s["split"] == (16, 32) and s["threads"] == (512, 1024)
 
 
 @pytest.mark.parametrize("name", sorted(GN_COOP))
 def test_group_norm_coop_grid_is_resident_and_covers_each_element_once(name):
     card = GN_COOP[name]()
-    p = gn_family._problem(card)
+    p = gn_template._problem(card)
     group = p["C"] // p["G"] * p["HW"]
-    (s,) = [s for s in gn_family.spaces(card, H200) if s["algo"] == ("coop",)]
+    (s,) = [s for s in gn_template.spaces(card, H200) if s["algo"] == ("coop",)]
     for knobs in knob_space.configs(s):
         nt, v = knobs["threads"], knobs["vec"]
-        n, ch, it, minb = gn_family._coop_geometry(p, H200, nt, knobs["hold"], v, knobs["stash"])
+        n, ch, it, minb = gn_template._coop_geometry(p, H200, nt, knobs["hold"], v, knobs["stash"])
         assert ch == it * nt * v and (n - 1) * ch < group <= n * ch, knobs
         # Resident at once: the blocks per SM it needs fit the threads per SM its registers
         # allow, and the shared memory of an SM (228 KB on sm_90, 1 KB of it per block reserved).
-        assert n * p["N"] * p["G"] <= minb * H200.sm_count and minb * nt <= gn_family._resident(knobs["hold"], H200), knobs
+        assert n * p["N"] * p["G"] <= minb * H200.sm_count and minb * nt <= gn_template._resident(knobs["hold"], H200), knobs
         assert minb * (knobs["stash"] * nt * 4 + 8 * (p["C"] // p["G"]) + 1024) <= 228 * 1024, knobs
-        cand = gn_family.build(card, knobs, H200)
+        cand = gn_template.build(card, knobs, H200)
         cand.plan.validate(len(card.inputs), len(card.outputs))
         (k,) = cand.plan.kernels
         assert k.name == "kf_gn_coop" and k.cooperative and k.grid == (n, p["N"] * p["G"], 1)
@@ -352,11 +352,11 @@ def test_group_norm_coop_compiles_within_its_launch_bounds(name):
     spills depends on the NVRTC release (24 bytes on 13.0.48, 92 on 13.0.88 for bf16): that is
     a performance figure, measured on the GPU by bench/bench_builtin.py, not a CPU test's."""
     card = GN_COOP[name]()
-    (s,) = [s for s in gn_family.spaces(card, H200) if s["algo"] == ("coop",)]
+    (s,) = [s for s in gn_template.spaces(card, H200) if s["algo"] == ("coop",)]
     for knobs in knob_space.configs(s):
         if knobs["stash"] not in (0, 16, s["stash"][-1]):  # the stash is shared memory, not registers
             continue
-        cand = gn_family.build(card, knobs, H200)
+        cand = gn_template.build(card, knobs, H200)
         out = compiler.compile(cand.source, options=(*cand.plan.options, "--ptxas-options=-v"), arch="sm_90",
                                use_cache=False)
         assert out.cubin and re.search(r"Used \d+ registers", out.log), (knobs, out.log)
@@ -368,25 +368,25 @@ def test_group_norm_coop_fits_an_sm_of_1536_threads():
     l40s = Hardware("NVIDIA L40S", "sm_89", 142, 96 * 2**20, 99 * 1024, 48 * 10**9, 0.77e12)
     assert l40s.max_threads_per_sm == 1536 and H200.max_threads_per_sm == 2048
     card = gn(1, 512, 64, 64, 32, F16)
-    p = gn_family._problem(card)
-    (s,) = [s for s in gn_family.spaces(card, l40s) if s["algo"] == ("coop",)]
+    p = gn_template._problem(card)
+    (s,) = [s for s in gn_template.spaces(card, l40s) if s["algo"] == ("coop",)]
     for knobs in knob_space.configs(s):
         nt = knobs["threads"]
-        n, _, _, minb = gn_family._coop_geometry(p, l40s, nt, knobs["hold"], knobs["vec"], knobs["stash"])
+        n, _, _, minb = gn_template._coop_geometry(p, l40s, nt, knobs["hold"], knobs["vec"], knobs["stash"])
         assert minb * nt <= 1536 and n * p["N"] * p["G"] <= minb * l40s.sm_count, knobs
         assert minb * (knobs["stash"] * nt * 4 + 8 * (p["C"] // p["G"]) + 1024) <= 100 * 1024, knobs
 
 
 def test_group_norm_coop_needs_a_grid_that_can_be_resident():
     # 1024 (sample, group) pairs: more blocks than 132 SMs hold at 1024 threads each.
-    assert not any(s["algo"] == ("coop",) for s in gn_family.spaces(gn(32, 512, 8, 8, 32), H200))
-    (s,) = [s for s in gn_family.spaces(gn(16, 512, 8, 8, 32), H200) if s["algo"] == ("coop",)]
+    assert not any(s["algo"] == ("coop",) for s in gn_template.spaces(gn(32, 512, 8, 8, 32), H200))
+    (s,) = [s for s in gn_template.spaces(gn(16, 512, 8, 8, 32), H200) if s["algo"] == ("coop",)]
     assert s["threads"] == (256,)  # 512 pairs: only 4 blocks per SM are enough
-    (s,) = [s for s in gn_family.spaces(gn(1, 512, 128, 128, 32, BF16), H200) if s["algo"] == ("coop",)]
-    assert s["threads"] == (256, 512, 1024) and s["hold"] == gn_family.HOLDS and s["stash"] == gn_family.STASHES
+    (s,) = [s for s in gn_template.spaces(gn(1, 512, 128, 128, 32, BF16), H200) if s["algo"] == ("coop",)]
+    assert s["threads"] == (256, 512, 1024) and s["hold"] == gn_template.HOLDS and s["stash"] == gn_template.STASHES
     # 200 groups of 4096 channels need 2 blocks per SM, and scale and shift alone take 32 KB
     # of each block's shared memory: 48 values per thread would leave room for one.
-    (s,) = [s for s in gn_family.spaces(gn(1, 4096 * 200, 1, 1, 200), H200) if s["algo"] == ("coop",)]
+    (s,) = [s for s in gn_template.spaces(gn(1, 4096 * 200, 1, 1, 200), H200) if s["algo"] == ("coop",)]
     assert s["threads"] == (256, 512) and s["stash"] == (0, 16, 32)
 
 
@@ -395,16 +395,16 @@ def test_layer_norm_welford_stats_are_one_block_reduction(name):
     """block_regs offers two-pass and Welford statistics for layer_norm (rms_norm has no
     mean to take); each compiles and differs only in that."""
     card = SPREAD[name]()
-    fam = family_for(card)
-    (s,) = [s for s in fam.spaces(card, H200) if s["algo"] == ("block_regs",)]
+    template = template_for(card)
+    (s,) = [s for s in template.spaces(card, H200) if s["algo"] == ("block_regs",)]
     assert s["stats"] == ("two_pass", "welford")
     base = {k: v[-1] for k, v in s.items()}
-    two, one = (fam.build(card, {**base, "stats": st}, H200) for st in s["stats"])
+    two, one = (template.build(card, {**base, "stats": st}, H200) for st in s["stats"])
     assert "constexpr bool WELFORD = false;" in two.source and "constexpr bool WELFORD = true;" in one.source
     assert f"kf_block_welford<{base['threads']}>(kf_welford{{" in one.source
     assert compiler.compile(one.source, options=one.plan.options, arch="sm_90").cubin
     rms = SPREAD["rms_norm_many_rows_f16"]()
-    assert all("stats" not in s for s in family_for(rms).spaces(rms, H200))
+    assert all("stats" not in s for s in template_for(rms).spaces(rms, H200))
 
 
 def test_split_regs_pdl_launches_kernel_2_early_on_sm_90_only():
@@ -412,8 +412,8 @@ def test_split_regs_pdl_launches_kernel_2_early_on_sm_90_only():
     before it waits for kernel 1's partials; only offered where griddepcontrol exists."""
     card = softmax(8, 262144)
     space = split_regs_space(card)
-    assert space["pdl"] == (False, True) and softmax_family.default(card, H200)["pdl"] is False
-    cand = softmax_family.build(card, {**softmax_family.default(card, H200), "pdl": True}, H200)
+    assert space["pdl"] == (False, True) and softmax_template.default(card, H200)["pdl"] is False
+    cand = softmax_template.build(card, {**softmax_template.default(card, H200), "pdl": True}, H200)
     first, second = cand.plan.kernels
     assert not first.pdl and second.pdl and not second.cooperative
     src = cand.source
@@ -421,22 +421,22 @@ def test_split_regs_pdl_launches_kernel_2_early_on_sm_90_only():
     assert "constexpr bool PDL = true;" in src and "kf_combine<PDL>(ws" in src  # partials via __ldcg
     assert compiler.compile(src, options=cand.plan.options, arch="sm_90").cubin
     a100 = dataclasses.replace(H200, name="NVIDIA A100", arch="sm_80")
-    (s80,) = [s for s in softmax_family.spaces(card, a100) if s["algo"] == ("split_regs",)]
-    assert "pdl" not in s80 and "pdl" not in softmax_family.default(card, a100)
+    (s80,) = [s for s in softmax_template.spaces(card, a100) if s["algo"] == ("split_regs",)]
+    assert "pdl" not in s80 and "pdl" not in softmax_template.default(card, a100)
 
 
 def test_split_regs_needs_long_rows_and_registers_bound_the_split():
-    assert not any(s["algo"] == ("split_regs",) for s in softmax_family.spaces(softmax(64, 8191), H200))
+    assert not any(s["algo"] == ("split_regs",) for s in softmax_template.spaces(softmax(64, 8191), H200))
     assert split_regs_space(softmax(8, 262144))["split"] == (64, 128, 256, 512)
     assert split_regs_space(softmax(1, 2**22))["split"] == (1024, 2048, 4096)
     # Many rows: one block per row is already enough blocks.
-    assert softmax_family.default(softmax(512, 16384), H200)["algo"] != "split_regs"
+    assert softmax_template.default(softmax(512, 16384), H200)["algo"] != "split_regs"
 
 
 def test_unaligned_pointer_falls_back_to_narrower_vectors():
     card = make_card(A.relu.default, meta(1024, dtype=BF16), align=4)
-    fam = family_for(card)
-    assert fam.spaces(card, H200)[0]["vec"] == (1, 2)
+    template = template_for(card)
+    assert template.spaces(card, H200)[0]["vec"] == (1, 2)
 
 
 def test_revision_moves_one_or_two_knobs_and_never_repeats():
@@ -457,7 +457,7 @@ def test_first_proposal_is_the_default_then_a_neighbour_of_it():
     card = SPREAD["layer_norm_bf16"]()
     p = BuiltinProposer()
     first = p.propose(ctx(card)).candidate
-    assert first.knobs == family_for(card).default(card, H200)
+    assert first.knobs == template_for(card).default(card, H200)
     second = p.propose(ctx(card, tried={first.digest()})).candidate
     assert second.digest() != first.digest()
 
@@ -466,8 +466,8 @@ def test_sibling_failures_are_not_repeated():
     card = SPREAD["relu_f32_4d"]()
     p = BuiltinProposer()
     parent = p.propose(ctx(card)).candidate
-    fam = family_for(card)
-    bad = fam.build(card, {**parent.knobs, "threads": 1024}, H200)
+    template = template_for(card)
+    bad = template.build(card, {**parent.knobs, "threads": 1024}, H200)
     for seed in range(40):
         c = p.propose(ctx(card, parent=tried(parent), failures=[tried(bad, Verdict.RUNTIME_ERROR)],
                           tried={parent.digest(), bad.digest()}, seed=seed)).candidate
@@ -490,12 +490,12 @@ def test_exhausted_space_raises():
 def test_repair_steps_toward_safety():
     card = SPREAD["gelu_tanh_bf16"]()
     p = BuiltinProposer()
-    failed = family_for(card).build(card, {"algo": "flat", "threads": 1024, "vec": 8, "items": 8, "grid": "exact"}, H200)
+    failed = template_for(card).build(card, {"algo": "flat", "threads": 1024, "vec": 8, "items": 8, "grid": "exact"}, H200)
     fix = p.repair(ctx(card, tried={failed.digest()}), tried(failed, Verdict.COMPILE_ERROR)).candidate
     assert fix.knobs == {**failed.knobs, "vec": 4}
     fix2 = p.repair(ctx(card, tried={failed.digest(), fix.digest()}), tried(failed, Verdict.COMPILE_ERROR)).candidate
     assert fix2.knobs == {**failed.knobs, "threads": 512}
-    safest = family_for(card).build(card, {"algo": "flat", "threads": 64, "vec": 1, "items": 1, "grid": "exact"}, H200)
+    safest = template_for(card).build(card, {"algo": "flat", "threads": 64, "vec": 1, "items": 1, "grid": "exact"}, H200)
     assert p.repair(ctx(card), tried(safest, Verdict.RUNTIME_ERROR)) is None
 
 
@@ -524,8 +524,8 @@ def test_layer_norm_stats_follow_the_card_dtypes():
     assert "typedef float Tm;" in src and "typedef float Tr;" in src and "typedef __nv_bfloat16 Ty;" in src
 
 
-def test_every_family_is_reachable():
-    names = {family_for(SPREAD[n]()).name for n in SPREAD}
+def test_every_template_is_reachable():
+    names = {template_for(SPREAD[n]()).name for n in SPREAD}
     assert names == {"pointwise", "softmax", "layer_norm", "rms_norm", "group_norm", "batch_norm", "pooling"}
 
 
@@ -533,12 +533,12 @@ def emulate_batch_norm(card, knobs, inputs: list[torch.Tensor]) -> torch.Tensor:
     """kf_bn_eval's indexing and arithmetic done on the CPU in fp32: the element each
     (block, item, thread, lane) handles, the channel it takes its statistics from, and
     which threads write save_mean / save_invstd. Every element must be written once."""
-    p = bn_family._problem(card)
+    p = bn_template._problem(card)
     x = inputs[0]
     flat = x.as_strided((x.numel(),), (1,)).float()
     stats = {k: inputs[i].float() for k, i in p["index"].items()}
     nt, v, items, c = knobs["threads"], knobs["vec"], knobs["items"], p["C"]
-    plan = bn_family.build(card, knobs, H200).plan.kernels[0]
+    plan = bn_template.build(card, knobs, H200).plan.kernels[0]
     blocks = plan.grid[0]
     base = (torch.arange(blocks)[:, None, None] * items + torch.arange(items)[None, :, None]) * (nt * v) \
         + torch.arange(nt)[None, None, :] * v
@@ -576,7 +576,7 @@ def test_batch_norm_indexing_matches_torch_on_the_cpu(name):
               for m in card.inputs]
     for i in variance_inputs(card):
         inputs[i] = inputs[i].abs()
-    p = bn_family._problem(card)
+    p = bn_template._problem(card)
     stat = {k: inputs[i].float() for k, i in p["index"].items()}  # torch.nn.functional's CPU batch norm in fp32
     want = torch.nn.functional.batch_norm(inputs[0].float(), stat["running_mean"], stat["running_var"],
                                           stat.get("weight"), stat.get("bias"), training=False,
@@ -606,7 +606,7 @@ def test_batch_norm_declines_what_it_does_not_template(card, reason):
 def test_batch_norm_vectors_are_16_bytes_even_where_planes_are_odd():
     for name in ("batch_norm_bf16_7x7", "batch_norm_bf16_56x56"):  # 49 elements per plane, and 3136
         card = SPREAD[name]()
-        assert family_for(card).spaces(card, H200)[0]["vec"][-1] == 8  # 16 bytes of bf16
+        assert template_for(card).spaces(card, H200)[0]["vec"][-1] == 8  # 16 bytes of bf16
         assert BuiltinProposer().propose(ctx(card)).candidate.knobs["vec"] == 8
 
 
@@ -633,10 +633,10 @@ def test_softmax_with_dtype_is_the_softmax_kernel_reading_x_as_it_is(log):
     # softmax(x_f16, dtype=float32) casts exactly, then softmaxes: the same kernel as
     # _softmax(x_f16, half_to_float=True), knob for knob.
     fused, plain = softmax_to(33, 3001, dtype=F16, log=log), softmax(33, 3001, dtype=F16, log=log, half_to_float=True)
-    assert softmax_family.spaces(fused, H200) == softmax_family.spaces(plain, H200)
-    for s in softmax_family.spaces(fused, H200):
+    assert softmax_template.spaces(fused, H200) == softmax_template.spaces(plain, H200)
+    for s in softmax_template.spaces(fused, H200):
         for knobs in knob_space.configs(s)[:3]:
-            a, b = softmax_family.build(fused, knobs, H200), softmax_family.build(plain, knobs, H200)
+            a, b = softmax_template.build(fused, knobs, H200), softmax_template.build(plain, knobs, H200)
             body = a.source.split("\n", 1)[1]  # after the header line, which names the op
             assert body == b.source.split("\n", 1)[1] and a.plan.kernels == b.plan.kernels
             assert ("constexpr bool LOG = true;" in body) == log
@@ -646,13 +646,13 @@ def test_softmax_with_dtype_is_the_softmax_kernel_reading_x_as_it_is(log):
                          ids=lambda c: c.summary())
 def test_split_cluster_puts_a_row_in_one_cluster_of_chunks_in_registers(card):
     rows, cols = card.inputs[0].shape[0], card.inputs[0].shape[-1]
-    spaces = [s for s in softmax_family.spaces(card, H200) if s["algo"] == ("split_cluster",)]
-    assert {s["split"][0] for s in spaces} <= set(softmax_family.CLUSTERS) and spaces
+    spaces = [s for s in softmax_template.spaces(card, H200) if s["algo"] == ("split_cluster",)]
+    assert {s["split"][0] for s in spaces} <= set(softmax_template.CLUSTERS) and spaces
     for s in spaces:
         for knobs in knob_space.configs(s):
-            (k,) = softmax_family.build(card, knobs, H200).plan.kernels
-            ch, it, n = softmax_family._split_geometry(cols, knobs["split"], knobs["threads"], knobs["vec"])
+            (k,) = softmax_template.build(card, knobs, H200).plan.kernels
+            ch, it, n = softmax_template._split_geometry(cols, knobs["split"], knobs["threads"], knobs["vec"])
             assert k.name == "kf_softmax_cluster" and k.cluster == n == k.grid[0] and k.grid[1] == rows
-            assert n <= 16 and it * knobs["vec"] <= softmax_family.SPLIT_REGS and (n - 1) * ch < cols <= n * ch
+            assert n <= 16 and it * knobs["vec"] <= softmax_template.SPLIT_REGS and (n - 1) * ch < cols <= n * ch
     older = dataclasses.replace(H200, arch="sm_80")  # no clusters before sm_90
-    assert not any(s["algo"] == ("split_cluster",) for s in softmax_family.spaces(card, older))
+    assert not any(s["algo"] == ("split_cluster",) for s in softmax_template.spaces(card, older))

@@ -13,8 +13,11 @@ import torch.nn.functional as F
 from rich.console import Console
 from torch import nn
 
-from kforge.capture import SEARCHABLE, CaptureResult, capture, cards_table, shares_by_family, skip_reason
-from kforge.cards import FAMILIES, load_cards, load_sample
+from kforge.capturing import CaptureResult, capture
+from kforge.cardtable import SEARCHABLE, cards_table, skip_reason
+from kforge.shares import shares_by_family
+from kforge.card_files import load_cards, load_sample
+from kforge.cards import FAMILIES
 from kforge.errors import CaptureError
 from kforge.families import family_of
 
@@ -622,11 +625,13 @@ def test_capture_on_cuda_without_a_gpu_says_so(tmp_path):
         capture(nn.ReLU(), torch.randn(4), tmp_path / "r", device="cuda")
 
 
-def test_kforge_capture_stays_callable_after_the_submodule_is_imported(tmp_path):
+def test_kforge_capture_stays_the_function_after_the_capture_modules_are_imported(tmp_path):
     import kforge
-    lazy = kforge.capture  # before or after the submodule's import: the same callable module
-    import kforge.capture as module
+    lazy = kforge.capture  # before or after the capture modules' import: the same function
+    import kforge.capturing
+    import kforge.cardtable
+    import kforge.op_capture  # noqa: F401
 
-    assert kforge.capture is module is lazy and callable(module.cards_table)
+    assert kforge.capture is lazy is kforge.capturing.capture
     r = kforge.capture(nn.ReLU(), torch.randn(4), tmp_path / "r", time_cards=False)
     assert isinstance(r, CaptureResult) and one(r, "aten::relu.default").calls == 1

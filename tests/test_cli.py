@@ -13,9 +13,10 @@ import pytest
 import torch
 from fakes import FakeEvaluator, FakeProposer, toy_card
 
-from kforge import cuda, proposers, runner
-from kforge.cards import load_cards, save_card
-from kforge.cli import _resume_command, build_parser, main
+from kforge import cuda, proposers, run_report, runner
+from kforge.card_files import load_cards, save_card
+from kforge.cli import build_parser, main
+from kforge.cli.parser import resume_command
 from kforge.errors import CudaUnavailableError, ExitCode
 from kforge.store import connect
 
@@ -127,7 +128,7 @@ def test_ctrl_c_exits_130_with_how_to_resume_and_resume_finishes(model_file, tmp
 def test_resume_hint_of_a_search_keeps_its_cards_and_options(tmp_path):
     args = build_parser().parse_args(["search", "r", "--cards", "a", "b", "--devices", "0,1", "--include-vendor",
                                       "--proposer", "llm:coder", "--max-cost", "5", "--ops", "softmax,add_"])
-    assert _resume_command(args, tmp_path / "r") == (f"kforge search {tmp_path / 'r'} --cards a b --proposer llm:coder "
+    assert resume_command(args, tmp_path / "r") == (f"kforge search {tmp_path / 'r'} --cards a b --proposer llm:coder "
                                                      "--max-cost 5.0 --include-vendor --ops softmax,add_ --devices 0,1")
 
 
@@ -270,7 +271,7 @@ def test_run_prints_the_model_check_and_the_flag_turns_it_off(model_file, tmp_pa
     def fake_run(model, inputs, **kw):
         seen.update(kw)
         check = ModelCheck(100.0, 2.0, 120.0, 2.0, "cuda:0") if kw["check_model"] else None
-        return runner.RunResult("r1", tmp_path, [], tmp_path / "m.cast", True, model_check=check)
+        return run_report.RunResult("r1", tmp_path, [], tmp_path / "m.cast", True, model_check=check)
 
     monkeypatch.setattr(runner, "run", fake_run)
     assert main(["run", str(model_file), "--no-progress", *flag]) == 0
@@ -337,7 +338,8 @@ def test_run_json_and_doctor_json(model_file, tmp_path, capsys, cpu_only, monkey
 
 
 def test_tables_show_the_top_searchable_cards_one_line_each_and_all_with_the_flag(tmp_path, capsys):
-    from kforge.capture import capture, skip_reason
+    from kforge.capturing import capture
+    from kforge.cardtable import skip_reason
 
     class Many(torch.nn.Module):
         def forward(self, x):

@@ -54,7 +54,7 @@ def test_cluster_values_and_devices_with_a_cluster_are_refused_in_one_line(tmp_p
 
 def test_without_ray_a_cluster_run_says_what_to_install_in_one_line(tmp_path, monkeypatch, capsys):
     from kforge import cli
-    from kforge.cards import save_card
+    from kforge.card_files import save_card
 
     save_card(toy_card(), tmp_path)
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails as where it is not installed

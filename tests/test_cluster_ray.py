@@ -27,7 +27,7 @@ from fakes import FakeProposer, candidate, toy_card  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from kforge import cli, runner  # noqa: E402
-from kforge.cards import save_card, save_sample  # noqa: E402
+from kforge.card_files import save_card, save_sample  # noqa: E402
 from kforge.cluster import nodes  # noqa: E402
 from kforge.cluster.ray_pool import RayPool  # noqa: E402
 from kforge.store import SQLiteStore  # noqa: E402

@@ -484,10 +484,10 @@ def test_reduction_knob_spaces_hold_only_settings_whose_sequential_chains_stay_a
 
 
 def test_templates_stay_first_and_the_generator_adds_its_algorithms():
-    from kforge.proposers.builtin.proposer import families_for
+    from kforge.proposers.builtin.proposer import templates_for
 
     card = make_card(A.relu.default, meta(64, 256))
-    assert [f.name for f in families_for(card)] == ["pointwise", "generated"]
+    assert [f.name for f in templates_for(card)] == ["pointwise", "generated"]
     from test_builtin_templates import ctx
 
     first = BuiltinProposer().propose(ctx(card)).candidate

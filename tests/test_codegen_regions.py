@@ -14,7 +14,7 @@ from torch import nn
 
 import cuda_on_cpu
 from kforge import compiler
-from kforge.capture import capture
+from kforge.capturing import capture
 from kforge.codegen import build, interp
 from kforge.hardware import H200
 from kforge.proposers.base import ProposalContext

@@ -21,7 +21,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import kforge
 from kforge import customops, inductor
 from kforge.candidate import Candidate, LaunchPlan
-from kforge.capture import capture
+from kforge.capturing import capture
 from kforge.dispatch import native_status
 from kforge.package import CastPackage, PackagedCard
 from test_dispatch import FakeLauncher, make_card, relu_kernel, softmax_kernel, to_copy_card
@@ -548,3 +548,25 @@ def test_a_region_with_a_view_matches_after_inductor_turned_the_view_into_a_resh
     with torch.no_grad():
         torch.testing.assert_close(pkg.compile(model, launcher=launcher)(a, b), model(a, b) + 1)
     assert launcher.calls == [0]
+
+
+def test_a_kept_layer_norm_left_to_inductor_decomposes_into_ops_inductor_can_lower():
+    """native_layer_norm's decomposition returns a named tuple; inlined, it must leave aten
+    calls and getitems only (its class as a call is what Inductor cannot lower)."""
+    import operator
+
+    x, w, b = torch.randn(4, 8), torch.randn(8), torch.randn(8)
+    card = make_card(aten.native_layer_norm.default, x, [8], w, b, 1e-5)
+    rewrites = inductor._rewrites(fake_package(card), FakeLauncher(softmax_kernel(1)))
+    table, kept = inductor._decompositions(rewrites)
+    assert aten.native_layer_norm.default in kept
+
+    def fn(a, w, b):
+        return torch.relu(torch.nn.functional.layer_norm(a * 2, [8], w, b))  # in a fused chain: Inductor's
+    gm = make_fx(fn, tracing_mode="fake", decomposition_table=table)(x, w, b)
+    inductor.Decompose(kept, select_decomp_table())(gm.graph)
+    gm.recompile()
+    calls = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert aten.native_layer_norm.default not in calls
+    assert all(isinstance(t, torch._ops.OpOverload) or t is operator.getitem for t in calls), calls
+    torch.testing.assert_close(gm(x, w, b), fn(x, w, b))

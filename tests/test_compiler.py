@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import io
+import pickle
+
 import pytest
 
 import kforge
 from kforge import compiler, env
-from kforge.errors import CompileError
+from kforge.errors import CompileError, CudaError, LaunchError, LaunchRefused
 
 MIXED = r"""
 #include <cuda_bf16.h>
@@ -44,6 +47,21 @@ def test_bad_kernel_raises_compile_error_with_log_and_numbered_source():
     assert "broken.cu(2)" in err.log
     assert "2 |   x[0] = undefined_name;" in str(err)
     assert any(o.startswith("--gpu-architecture=sm_90") for o in err.options)
+    out = io.StringIO()
+    assert err.dump(out).splitlines()[1] == "2 |   x[0] = undefined_name;" and out.getvalue() == err.dump() + "\n"
+
+
+def test_errors_keep_their_evidence_across_processes():
+    # The worker sends results to its parent and a pool may pickle errors: every field survives.
+    err = CompileError("broken.cu(2): error", BROKEN, "broken.cu", ["-arch=sm_90"])
+    back = pickle.loads(pickle.dumps(err))
+    assert (back.log, back.source, back.name, back.options, str(back)) == (err.log, BROKEN, "broken.cu",
+                                                                          ["-arch=sm_90"], str(err))
+    refused = pickle.loads(pickle.dumps(LaunchRefused("too large", "CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE", 720)))
+    assert isinstance(refused, CudaError) and (refused.name, refused.code, str(refused)) == (
+        "CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE", 720, "too large")
+    launch = pickle.loads(pickle.dumps(LaunchError("boom", "CUDA_ERROR_ILLEGAL_ADDRESS")))
+    assert (launch.cuda_error, str(launch)) == ("CUDA_ERROR_ILLEGAL_ADDRESS", "boom")
 
 
 def test_ptx_architecture_is_refused():

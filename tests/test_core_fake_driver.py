@@ -18,6 +18,7 @@ import pytest
 PRELUDE = """
 import ctypes, gc, json, os
 from kforge import _C as C, cuda, runtime
+from kforge.errors import CudaError
 cuda.require()
 fake = ctypes.CDLL(os.environ["KFORGE_LIBCUDA_PATH"])
 fake.fake_log.restype = ctypes.c_char_p
@@ -138,11 +139,11 @@ def test_a_failing_launch_in_bench_leaks_no_events(fake_driver):
     try:
         C.bench(p, [[1]], [2], [3], DEV0, 0xf1, 4096, warmup_ms=2.0, min_reps=4, min_ms=4.0, max_reps=10)
         err = None
-    except C.CudaError as e:
-        err = str(e)
+    except CudaError as e:
+        err = [type(e).__name__, e.name, e.code, str(e)]
     print(json.dumps({"err": err, "events": fake.fake_live_events()}))
     """)
-    assert out["err"].startswith("CUDA_ERROR_LAUNCH_FAILED") and "launching kernel 'k'" in out["err"]
+    assert out["err"][:3] == ["CudaError", "CUDA_ERROR_LAUNCH_FAILED", 719] and "launching kernel 'k'" in out["err"][3]
     assert out["events"] == 0
 
 
@@ -282,14 +283,15 @@ def test_a_refused_cooperative_first_kernel_is_a_refusal_later_ones_are_errors(f
     try:
         reg.launch(0, [1], [2], [], DEV0)
         raised = None
-    except C.CudaError as e:
-        raised = str(e)
+    except CudaError as e:
+        raised = [type(e).__name__, e.name, e.code, str(e)]
     print(json.dumps({"first": first, "later": later, "raised": raised, "log": log()}))
     """)
     assert out["first"][0] == 3 and "refused before any kernel ran" in out["first"][1]
     assert out["later"][0] == 1 and out["later"][1].startswith("CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE")
     assert "refused before any kernel ran" not in out["later"][1]
-    assert out["raised"].startswith("CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE") and out["log"] == "L"
+    # Typed across the boundary: the Python side tells a refusal by its class, not its text.
+    assert out["raised"][:3] == ["LaunchRefused", "CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE", 720] and out["log"] == "L"
 
 
 def test_shared_memory_over_48_kb_with_the_static_part_is_opted_into(fake_driver):

@@ -20,7 +20,7 @@ from kforge import guards, native_override
 from kforge.cards import ArgSpec, Card, TensorMeta, encode_value, flatten_outputs
 from kforge.dispatch import (REASONS, Counters, Dispatcher, DispatchError, PlanLauncher, RegistryLauncher, Variant,
                              differences, dispatch_blocker, installed, native_status)
-from kforge.errors import LaunchError
+from kforge.errors import LaunchError, LaunchRefused
 from kforge.guards import GuardSpec, value_key
 
 aten = torch.ops.aten
@@ -102,6 +102,8 @@ try:
     from kforge import _dispatch
 except ImportError:  # a build without torch at build time (plain `pip install .`)
     _dispatch = None
+else:  # never in the shipped kforge._dispatch: a build with it must have its test launcher too
+    from kforge import _dispatch_test
 
 NO_CPP = "kforge._dispatch is not built; build with `pip install --no-build-isolation -e .`"
 needs_cpp = pytest.mark.skipif(_dispatch is None, reason=NO_CPP)
@@ -131,10 +133,10 @@ def _launch_from_cpp(ctx, vid, ins, n_in, outs, n_out, ws, n_ws, stream, err, er
     spaces = [_over(ws[k], TensorMeta((n,), (1,), "uint8", "cpu")) for k, n in enumerate(workspace)]
     try:
         launcher.launch(vid, inputs, outputs, spaces, torch.device("cpu"))
-    except LaunchError as e:
+    except (LaunchError, LaunchRefused) as e:
         text = str(e).encode()[: err_len - 1] + b"\0"
         ctypes.memmove(err, text, len(text))
-        return 3 if "(refused before any kernel ran)" in str(e) else 2  # the codes kforge._C's launcher returns
+        return 3 if isinstance(e, LaunchRefused) else 2  # the codes kforge._C's launcher returns
     return 0
 
 
@@ -576,8 +578,8 @@ def test_an_out_argument_that_is_also_an_input_falls_back(cpu):
 
 
 def refused(ins, outs):
-    raise LaunchError("CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE: too large (refused before any kernel ran)",
-                      "CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE")
+    raise LaunchRefused("CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE: too large (refused before any kernel ran)",
+                        "CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE", 720)
 
 
 def failed(ins, outs):
@@ -745,11 +747,11 @@ def test_every_fallback_reason_is_in_the_one_table():
 
 # ---- which path an op takes, and kforge._dispatch's own contract -------------------------------
 
-COPY, RELU, FAIL, REFUSED = 0, 1, 2, 3  # the modes of kforge._dispatch's C test launcher
+COPY, RELU, FAIL, REFUSED = 0, 1, 2, 3  # the modes of kforge._dispatch_test's C launcher
 
 
 class NativeLauncher:
-    """kforge._dispatch's C test launcher behind native(): variant vid runs modes[vid] over
+    """kforge._dispatch_test's C launcher behind native(): variant vid runs modes[vid] over
     `nbytes` of input 0 into output 0. launch() is the Python path's stand-in (relu)."""
 
     def __init__(self, *modes: int, nbytes: int = 4 * 8 * 4):
@@ -757,7 +759,7 @@ class NativeLauncher:
         self.python_calls = 0
 
     def native(self, vid):
-        return _dispatch.test_launcher_address(), self.modes[vid], lambda index: self.nbytes
+        return _dispatch_test.test_launcher_address(), self.modes[vid], lambda index: self.nbytes
 
     def launch(self, vid, inputs, outputs, workspaces, device):
         self.python_calls += 1
@@ -765,7 +767,7 @@ class NativeLauncher:
 
 
 def calls() -> int:
-    return _dispatch.test_launcher_log()["calls"]
+    return _dispatch_test.test_launcher_log()["calls"]
 
 
 @pytest.fixture
@@ -791,7 +793,7 @@ def test_the_cpp_module_reads_this_kforges_reasons_and_guard_format(monkeypatch)
     try:
         old = (guards.FORMAT + 1, [("tensor", ([4, 8], [8, 1], "float32", "cpu", 16))], [], [])
         with pytest.raises(ValueError, match=f"guard format {guards.FORMAT + 1}, this kforge._dispatch reads"):
-            o.set_variants([(old, [(None, [4, 8], [8, 1], "float32")], [], _dispatch.test_launcher_address(), 1,
+            o.set_variants([(old, [(None, [4, 8], [8, 1], "float32")], [], _dispatch_test.test_launcher_address(), 1,
                              lambda index: 128, _dispatch.Counts())])
     finally:
         o.destroy()
@@ -804,7 +806,7 @@ def test_the_c_launcher_gets_the_pointers_and_no_stream_on_the_cpu(either):
     assert either.path("aten::relu.default")[0] == "native"
     before = calls()
     y = torch.relu(x)
-    log = _dispatch.test_launcher_log()
+    log = _dispatch_test.test_launcher_log()
     assert calls() == before + 1 and not v.launcher.python_calls and torch.equal(y, x.clamp(min=0))
     assert (log["vid"], log["n_in"], log["n_out"], log["n_ws"], log["stream"]) == (RELU, 1, 1, 2, 0)
     assert log["in0"] == x.data_ptr() and log["out0"] == y.data_ptr()
@@ -887,7 +889,7 @@ def test_a_kernel_that_cannot_be_prepared_on_a_device_is_asked_once(either):
             def resolve(index):
                 asked.append(index)
                 raise RuntimeError("CUDA_ERROR_NO_BINARY_FOR_GPU: not this architecture")
-            return _dispatch.test_launcher_address(), self.modes[vid], resolve
+            return _dispatch_test.test_launcher_address(), self.modes[vid], resolve
 
     v = Variant(make_card(aten.relu.default, x), 0, Unpreparable(RELU, nbytes=x.nbytes))
     either.add("pkg", [v])
@@ -917,12 +919,12 @@ def test_plan_launcher_is_native_only_for_a_real_plan():
 def test_a_fresh_process_warns_nothing_and_exits_with_the_override_installed():
     script = textwrap.dedent("""
         import torch
-        from kforge import _dispatch
+        from kforge import _dispatch, _dispatch_test
         o = _dispatch.Override("aten::relu", "", "CPU")
         x = torch.randn(4, 8)
         c = _dispatch.Counts()
         guard = (_dispatch.GUARD_FORMAT, [("tensor", ([4, 8], [8, 1], "float32", "cpu", 16))], [], [])
-        o.set_variants([(guard, [(None, [4, 8], [8, 1], "float32")], [], _dispatch.test_launcher_address(), 1,
+        o.set_variants([(guard, [(None, [4, 8], [8, 1], "float32")], [], _dispatch_test.test_launcher_address(), 1,
                          lambda index: 128, c)])
         assert torch.equal(torch.relu(x), x.clamp(min=0)) and c.hits == 1
         print("ok")

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kforge import graph
-from kforge.capture import capture
+from kforge.capturing import capture
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 

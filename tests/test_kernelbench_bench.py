@@ -129,7 +129,8 @@ def test_a_level_run_reports_each_problem_and_a_problem_that_does_not_build_is_a
     assert {"date", "device", "torch", "commit", "command"} <= set(d)
     gemm, broken = d["problems"]
     # Searched (with region cards: the matmul's epilogue among them); no GPU here to validate a package.
-    from kforge.cards import REGION_NS, load_cards
+    from kforge.card_files import load_cards
+    from kforge.cards import REGION_NS
 
     assert gemm["candidates"] > 0 and gemm["search_budget_s"] == 1.0 and "No CUDA GPU" in gemm["error"]
     assert any(c.op.startswith(REGION_NS) for c in load_cards(Path(gemm["run_dir"])))

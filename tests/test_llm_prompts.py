@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kforge.candidate import Candidate, LaunchPlan
-from kforge.capture import _arg_specs
-from kforge.cards import Card, TensorMeta, flatten_outputs
+from kforge.callspec import arg_specs
+from kforge.cards import Card, TensorMeta, flatten_outputs, qualified_name
 from kforge.hardware import H200
 from kforge.proposers.base import ProposalContext, Tried
 from kforge.proposers.llm import prompts
@@ -181,9 +181,9 @@ def test_siblings_carry_their_notes_and_compile_only_results_are_not_failures():
 
 def _card(op, *args, **kwargs) -> tuple[Card, list[torch.Tensor]]:
     """A card for one real call on the CPU, with its inputs."""
-    specs, tensors = _arg_specs(op, args, kwargs)
+    specs, tensors = arg_specs(op, args, kwargs)
     outs = flatten_outputs(op(*args, **kwargs))
-    return Card(op=f"aten::{op._schema.name.split('::')[1]}.{op._overloadname}", schema=str(op._schema), args=specs,
+    return Card(op=qualified_name(op), schema=str(op._schema), args=specs,
                 outputs=[TensorMeta.of(t) for t in outs], arch="cpu"), tensors
 
 

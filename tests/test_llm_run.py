@@ -12,7 +12,7 @@ import pytest
 
 from fakes import logged
 from kforge import runner
-from kforge.cards import save_card
+from kforge.card_files import save_card
 from kforge.cli import main
 from kforge.errors import ExitCode, LLMError
 from kforge.store import SQLiteStore, connect
@@ -167,7 +167,8 @@ def test_max_cost_reaches_the_client_through_kforge_run(tmp_path, monkeypatch):
 
 
 def test_llm_flags_reach_the_config_and_the_resume_hint(tmp_path):
-    from kforge.cli import _resume_command, _search_kwargs, build_parser
+    from kforge.cli import build_parser
+    from kforge.cli.parser import resume_command, search_kwargs
     from kforge.proposers.llm import LLMConfig
 
     config = tmp_path / "llm.toml"
@@ -177,12 +178,12 @@ def test_llm_flags_reach_the_config_and_the_resume_hint(tmp_path):
         "--llm-price", "0.5,2", "--llm-reply-tokens", "4096", "--llm-temperature", "none", "--llm-top-p", "0.9",
         "--llm-reasoning-effort", "high", "--llm-header", "X-Team: kernels", "--llm-body", '{"top_k": 20}',
         "--max-cost", "3"])
-    cfg = LLMConfig.resolve(environ={}, **_search_kwargs(args)["proposer_options"])
+    cfg = LLMConfig.resolve(environ={}, **search_kwargs(args)["proposer_options"])
     assert (cfg.model, cfg.price(), cfg.max_reply_tokens, cfg.temperature, cfg.top_p) == ("my-coder", (0.5, 2.0), 4096,
                                                                                          None, 0.9)
     assert (cfg.reasoning_effort, cfg.extra_headers, cfg.extra_body, cfg.max_retries) == ("high", {"X-Team": "kernels"},
                                                                                           {"top_k": 20}, 1)
-    hint = _resume_command(args, tmp_path)
+    hint = resume_command(args, tmp_path)
     assert "--llm-price 0.5,2.0" in hint and "--llm-body '{\"top_k\": 20}'" in hint and "X-Team" not in hint
     assert f"--llm-config {config}" in hint and "--llm-temperature none" in hint
 

@@ -19,7 +19,7 @@ import pytest
 from fakes import FakeEvaluator, FakeProposer, candidate, toy_card
 
 from kforge import cuda, runner
-from kforge.cards import save_card
+from kforge.card_files import save_card
 from kforge.cli import main
 from kforge.store import LOG_NAME, SQLiteStore, connect
 from kforge.store import sqlite as store_sqlite

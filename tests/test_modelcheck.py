@@ -12,7 +12,7 @@ import torch
 from test_dispatch import FakeLauncher, relu_kernel
 from test_package import cpu_cast  # noqa: F401  (fixture)
 
-from kforge import runner
+from kforge import run_report, runner
 from kforge.dispatch import Dispatcher
 from kforge.errors import KforgeError
 from kforge.store import SQLiteStore
@@ -70,12 +70,12 @@ def test_verdict_is_beyond_the_noise(iqr, package_us, verdict):
         assert "do not apply the package" in check.message() and "CUDA graph" in check.message()
 
 
-def run_logged(tmp_path, package_path) -> runner.RunResult:
+def run_logged(tmp_path, package_path) -> run_report.RunResult:
     """A finished run "r1" in tmp_path's search log, whose package is `package_path`."""
     log = SQLiteStore(tmp_path)
     log.start_run("r1", model="m")
     log.close()
-    return runner.RunResult("r1", tmp_path, [], Path(package_path), True)
+    return run_report.RunResult("r1", tmp_path, [], Path(package_path), True)
 
 
 def logged_checks(tmp_path) -> list[tuple]:
@@ -163,6 +163,19 @@ def test_the_check_compares_kforge_compile_with_torch_compile_and_names_the_site
     assert "torch.compile 60.0 µs, kforge.compile 50.0 µs: 1.200x, faster" in faster.message()
     assert faster.to_json()["compile_verdict"] == "faster"
     assert base.compile_verdict() is None and "torch.compile" not in base.message()  # not measured: not said
+
+
+def test_the_verdict_names_the_fastest_way_and_by_how_much():
+    check = ModelCheck(100.0, 2.0, 90.0, 2.0, "cuda:0", hits=3, graph_eager_us=70.0, graph_eager_iqr_us=1.0,
+                       graph_package_us=65.0, graph_package_iqr_us=1.0,
+                       compiled={"torch.compile": (80.0, 1.0), "kforge.optimize": (75.0, 1.0),
+                                 "kforge.optimize cuda_graphs": (50.0, 1.0)})
+    assert check.fastest == ("kforge.optimize cuda_graphs", 1.3, "pkg.apply(), CUDA graph")
+    assert check.message().endswith("Fastest: kforge.optimize cuda_graphs 50.0 µs, 1.300x pkg.apply(), CUDA graph "
+                                    "(65.0 µs), 2.000x eager")
+    level = ModelCheck(100.0, 2.0, 99.5, 2.0, "cpu", hits=3)
+    assert level.message().endswith("Fastest: pkg.apply() 99.5 µs, level with eager 100.0 µs")
+    assert check.to_json()["fastest"] == check.fastest
 
 
 def test_the_compile_record_is_what_kforge_compile_follows():

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kforge.capture import capture
+from kforge.capturing import capture
 from kforge.errors import CaptureError
 from kforge.modelspec import load_model_spec
 

@@ -3,6 +3,7 @@ equal to eager, a new shape falls back."""
 
 from __future__ import annotations
 
+import collections
 from pathlib import Path
 
 import pytest
@@ -12,9 +13,10 @@ from torch import nn
 
 import kforge
 from kforge.candidate import Candidate, LaunchPlan
-from kforge.capture import capture
+from kforge.capturing import capture
 from kforge.optimize import RegionCall, RegionKernel, optimize
 from kforge.package import CastPackage, PackagedCard
+from test_graph import Branchy
 from test_regions import BasicBlock
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -153,3 +155,105 @@ def test_op_cards_run_in_the_graph_beside_the_regions_and_nothing_is_installed(t
         assert sorted(launcher.calls) == [0, 0, 1, 1] and fast.ops_replaced == 2
         assert torch.equal(got, model(x))
     assert sorted(launcher.calls) == [0, 0, 1, 1] and not pkg.installed  # eager's own calls stay eager
+
+
+class NullLauncher:
+    """A kernel that launches nothing: what is left of a hit is the host path around it."""
+
+    def launch(self, vid, inputs, outputs, workspaces, device):
+        pass
+
+
+def aten_calls(fn, *args) -> collections.Counter:
+    """How many times `fn(*args)` called each aten op, nested calls included (the profiler sees
+    compiled graphs' calls too; a dispatch mode would make dynamo run the model eagerly)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn(*args)
+    return collections.Counter(e.name for e in prof.events() if e.name.startswith("aten::"))
+
+
+def python_calls(fn, *args) -> list[str]:
+    """file:function of every Python function `fn(*args)` enters."""
+    import sys
+
+    seen = []
+
+    def hook(frame, event, arg):
+        if event == "call":
+            seen.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
+
+    sys.setprofile(hook)
+    try:
+        fn(*args)
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+def test_the_forward_with_hits_calls_no_aten_op_more_than_eager_and_no_wrapper(tmp_path):
+    model, x = resnet(), torch.randn(2, 4, 8, 8)
+    cards = region_cards(model, x, tmp_path, "fused")
+    fast = optimize(model, fake_package(cards, {c.id: (1.0, 5.0) for c in cards}), launcher=NullLauncher())
+    with torch.inference_mode():
+        fast(x)
+        eager, ours = aten_calls(model, x), aten_calls(fast, x)
+        calls = python_calls(fast, x)
+    assert len(fast.replaced) == 4 and fast.graphs[0] is not None
+    # No copy, clone, alias or detach more than eager: only the kernels' output allocations are new.
+    more = {op: n - eager[op] for op, n in ours.items() if n > eager[op]}
+    assert more == {"aten::empty_strided": 4}, more
+    assert ours["aten::relu"] == eager["aten::relu"] - 4 and ours["aten::add"] == eager["aten::add"] - 2
+    assert not [c for c in calls if "runtime_wrapper" in c]  # aot_autograd's: it has nothing to do here
+    assert not [c for c in calls if c.endswith("torch/_ops.py:__call__")]  # every aten call through its binding
+
+
+def test_a_graph_with_no_hits_calls_what_eager_calls(tmp_path):
+    model, x = resnet(), torch.randn(2, 4, 8, 8)
+    fast = optimize(model, fake_package([], {}))
+    with torch.inference_mode():
+        assert torch.equal(fast(x), model(x))
+        assert aten_calls(fast, x) == aten_calls(model, x)
+        calls = python_calls(fast, x)
+    assert fast.graphs == [None] and fast.report()["replaced"] == []
+    assert not [c for c in calls if "runtime_wrapper" in c or c.endswith("torch/_ops.py:__call__")]
+
+
+def test_cuda_graphs_on_the_cpu_run_op_by_op_with_a_note(tmp_path):
+    model, x = resnet(), torch.randn(2, 4, 8, 8)
+    cards = region_cards(model, x, tmp_path, "fused")
+    fast = optimize(model, fake_package(cards, {c.id: (1.0, 5.0) for c in cards}), launcher=FakeLauncher(cards),
+                    cuda_graphs=True)
+    with torch.no_grad():
+        assert torch.equal(fast(x), model(x)) and torch.equal(fast(x), model(x))
+    assert fast.notes == ["graph 0 runs op by op, not from a CUDA graph: not every input is a CUDA tensor"]
+    assert fast.report()["cuda_graphs"] == [{"graph": 0, "captured": False, "replays": 0, "misses": 0}]
+
+
+class HostScalar(nn.Module):
+    def forward(self, x):
+        y = torch.relu(x) * 2
+        return torch.sigmoid(y) + float(y.max())  # a value read back on the host: a graph break
+
+
+class WritesAView(nn.Module):
+    def forward(self, x):
+        x[:, 0].mul_(0.5)  # in place on a view of the input, which the caller sees
+        y = x.clone()
+        y[:, 1:].add_(1.0)  # in place on a view of an intermediate
+        return torch.relu(y) * 2
+
+
+@pytest.mark.parametrize("model, breaks", [(Branchy(), 1), (HostScalar(), 1), (WritesAView(), 0)])
+def test_a_model_hard_to_trace_keeps_its_op_cards_and_runs_as_eager(model, breaks, tmp_path):
+    x = torch.randn(4, 4).abs()
+    r = capture(model, x.clone(), tmp_path, regions=True, time_cards=False)
+    notes = [n for n in r.notes if n.startswith("graph break")]
+    assert len(notes) == breaks and all("\n" not in n for n in notes)
+    assert {"aten::relu.default", "aten::mul.Tensor"} <= {c.op for c in r.cards}  # the op cards are whole
+    regions = [c for c in r.cards if c.region]
+    fast = optimize(model, fake_package(regions, {c.id: (1.0, 5.0) for c in regions}), launcher=FakeLauncher(regions))
+    with torch.no_grad():
+        a, b = x.clone(), x.clone()
+        assert torch.equal(fast(a), model(b)) and torch.equal(a, b)  # the input written as eager writes it
+        assert torch.equal(fast(a), model(b)) and torch.equal(a, b)
+    assert len([n for n in fast.notes if n.startswith("graph break")]) == breaks and fast.replaced

@@ -14,13 +14,15 @@ from rich.console import Console
 from fakes import toy_card
 from test_dispatch import FakeLauncher, make_card, relu_kernel
 
-from kforge import castfile, package
+from kforge import castfile, winners
 from kforge.candidate import Candidate, LaunchPlan
-from kforge.cards import save_card
+from kforge.card_files import save_card
 from kforge.dispatch import Dispatcher
 from kforge.errors import CudaUnavailableError, PackageError
 from kforge.store import SQLiteStore
-from kforge.package import CHECKSUMS, MANIFEST, PackageFallbackWarning, cubin_sm, load, write_package
+from kforge.castfile import CHECKSUMS, MANIFEST
+from kforge.manifest import FORMAT, cubin_sm
+from kforge.package import PackageFallbackWarning, load, write_package
 from kforge.verdict import EvalResult, Verdict
 
 RUN = "run1"
@@ -143,7 +145,7 @@ def test_winners_only_when_faster_as_dispatched_beyond_noise(tmp_path):
     (10.0, 6.0, None, 5.0, (True, None)),    # no torch.compile time: no compile decision
 ])
 def test_the_packager_decides_twice_against_eager_and_against_torch_compile(eager, dispatched, compiled, kernel, want):
-    on_eager, on_compile = package.decide(eager_us=eager, dispatched_us=dispatched, eager_noise_us=0.2,
+    on_eager, on_compile = winners.decide(eager_us=eager, dispatched_us=dispatched, eager_noise_us=0.2,
                                           kernel_us=kernel, compile_us=compiled, no_compile="torch.compile failed",
                                           compile_noise_us=None if compiled is None else 0.1)
     assert (on_eager.dispatched, on_compile.dispatched) == want
@@ -209,7 +211,7 @@ def test_manifest_records_guard_evidence_and_an_exact_arch_cubin(cast):
     cid = entry["id"]
     assert names == {MANIFEST, CHECKSUMS, f"kernels/{cid}.cu", f"kernels/{cid}.sm_90.cubin"}
     assert set(sums) == names - {CHECKSUMS}
-    assert manifest["format"] == package.FORMAT and manifest["gpu"] == {"name": "NVIDIA H200", "arch": "sm_90"}
+    assert manifest["format"] == FORMAT and manifest["gpu"] == {"name": "NVIDIA H200", "arch": "sm_90"}
     assert manifest["cuda"]["nvrtc"].startswith("13.") and manifest["torch"] == torch.__version__
     assert cubin_sm(cubin) == 90, "the cubin must be for sm_90 exactly, not PTX"
     assert entry["hashes"]["cubin"] == castfile.sha256(cubin)
@@ -308,7 +310,7 @@ def test_edited_source_with_fresh_checksums_still_fails_the_manifest_hash(cast):
 
 def test_newer_format_says_upgrade(cast):
     with pytest.raises(PackageError, match="upgrade kforge"):
-        load(rewrite(cast, edit_manifest(lambda m: m.update(format=package.FORMAT + 1))), arch="sm_90")
+        load(rewrite(cast, edit_manifest(lambda m: m.update(format=FORMAT + 1))), arch="sm_90")
 
 
 @pytest.mark.parametrize("name", ["../evil.cu", "/etc/evil.cu", "kernels/../../evil.cu", "C:/evil.cu"])
@@ -493,7 +495,7 @@ def test_the_model_check_is_recorded_in_the_package_and_shown(cast):
                               "kforge_compile_us": 1124.0, "noise_us": 9.5, "device": "cuda:0",
                               "compiled_cards": [card], "drop": []})
     pkg = load(cast, arch="sm_90")
-    assert pkg.manifest["format"] == package.FORMAT == 3 and pkg.manifest["model_check"]["use"] == "torch.compile"
+    assert pkg.manifest["format"] == FORMAT == 3 and pkg.manifest["model_check"]["use"] == "torch.compile"
     assert pkg.report()["model_check"]["kforge_compile_us"] == 1124.0
     assert pkg.compile_verdict() == ("model check on cuda:0: torch.compile 946.0 µs, kforge.compile 1124.0 µs, slower: "
                                      "kforge.compile runs plain torch.compile for this package")

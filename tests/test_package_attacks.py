@@ -22,8 +22,9 @@ from test_package import RUN, _dispatched, build_run, edit_manifest, relu_candid
 from kforge import castfile
 from kforge.cli import main
 from kforge.errors import PackageError
-from kforge.package import MANIFEST, PackageFallbackWarning, load, write_package
-from kforge.runner import CardResult, results_table
+from kforge.castfile import MANIFEST
+from kforge.package import PackageFallbackWarning, load, write_package
+from kforge.run_report import CardResult, results_table
 
 BOMB_BYTES = 1_500_000_000  # inflated; about 1.5 MB deflated
 

@@ -9,9 +9,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from kforge.candidate import Candidate, LaunchPlan
-from kforge.capture import capture
+from kforge.capturing import capture
 from kforge.verdict import Verdict
-from kforge.worker import EvalOptions, FakeBackend, Judge, NotDispatched, prepare
+from kforge.backends import FakeBackend, NotDispatched
+from kforge.inputsets import prepare
+from kforge.judge import Judge
+from kforge.worker_protocol import EvalOptions
 
 FAST = dict(min_reps=5, min_ms=0.0, warmup_ms=0.0, fresh_sets=3)
 

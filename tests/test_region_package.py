@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kforge.capture import capture
-from kforge.cards import load_cards
-from kforge.package import MANIFEST, load, write_package
+from kforge.capturing import capture
+from kforge.card_files import load_cards
+from kforge.castfile import MANIFEST
+from kforge.package import load, write_package
 from kforge.region_capture import SITES
 from test_package import build_run, relu_candidate, result
 

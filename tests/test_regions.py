@@ -144,8 +144,9 @@ def test_no_region_across_a_graph_output():
 # ---- region cards -------------------------------------------------------------------------
 
 def test_region_cards_dedup_and_round_trip_through_the_run_directory(tmp_path):
-    from kforge.capture import capture
-    from kforge.cards import card_id, load_cards, load_sample
+    from kforge.capturing import capture
+    from kforge.card_files import load_cards, load_sample
+    from kforge.cards import card_id
 
     model = nn.Sequential(BasicBlock(), BasicBlock())
     r = capture(model, torch.randn(2, 4, 8, 8), tmp_path, regions=True)
@@ -201,7 +202,7 @@ def test_region_id_changes_with_structure_metadata_and_arch():
 
 
 def test_kforge_capture_writes_region_cards_only_with_the_flag(tmp_path):
-    from kforge.cards import load_cards
+    from kforge.card_files import load_cards
     from kforge.cli import main
 
     spec = tmp_path / "gated.py"
@@ -216,7 +217,7 @@ def test_kforge_capture_writes_region_cards_only_with_the_flag(tmp_path):
 
 
 def test_region_samples_keep_to_the_sample_budget(tmp_path):
-    from kforge.capture import capture
+    from kforge.capturing import capture
 
     r = capture(GroupNormSiLU(), torch.randn(2, 8, 4, 4), tmp_path, regions=True, time_cards=False, max_sample_bytes=0)
     (card,) = [c for c in r.cards if c.region is not None]

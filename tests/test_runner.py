@@ -12,7 +12,7 @@ import torch
 from fakes import FakeEvaluator, FakeProposer, toy_card
 
 from kforge import runner
-from kforge.cards import save_card
+from kforge.card_files import save_card
 from kforge.errors import CardError, KforgeError
 from kforge.store import SQLiteStore, connect
 

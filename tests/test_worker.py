@@ -15,12 +15,16 @@ import pytest
 import torch
 
 from evalkit import fake, make_card, relu_card, softmax_card
-from kforge.cards import save_card, save_sample
+from kforge.card_files import save_card, save_sample
 from kforge.errors import CardError
 from kforge.evaluate import CompileOnlyEvaluator, WorkerHandle, make_evaluator
 from kforge.verdict import EvalResult, Verdict
 from kforge.timing import as_called_calls
-from kforge.worker import FATAL_EXIT, EvalOptions, FakeBackend, Judge, NotDispatched, _Baselines, prepare
+from kforge.backends import FakeBackend, NotDispatched
+from kforge.baseline import Baselines
+from kforge.inputsets import prepare
+from kforge.judge import Judge
+from kforge.worker_protocol import FATAL_EXIT, EvalOptions
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -228,7 +232,7 @@ def test_the_cards_reference_under_torch_compile_is_timed_with_eager_and_the_ker
     backend, compiled = FakeBackend(dispatch=True), []
     real = backend.compile_reference
     monkeypatch.setattr(backend, "compile_reference", lambda c: compiled.append(c.id) or real(c))
-    baselines, beats = _Baselines(), []
+    baselines, beats = Baselines(), []
     for kernel in ("relu_good", "relu_good"):  # two candidates of one card: one compile
         r, fatal = _judge(tmp_path, card, kernel, beats, backend, baselines, compile_baseline=True).run()
         assert r.verdict is Verdict.VALID and not fatal, r.message
@@ -408,7 +412,7 @@ def test_ctrl_c_in_the_terminal_does_not_kill_a_worker(tmp_path, card):
     ("CUDA error: something new", "CUDA_ERROR_UNKNOWN"),
 ])
 def test_device_errors_raised_as_runtime_errors_get_their_driver_name(text, name):
-    from kforge.worker import CudaBackend
+    from kforge.backends import CudaBackend
 
     fault = CudaBackend.fault(None, RuntimeError(text))
     assert fault is not None and fault.cuda_error == name

@@ -2,9 +2,6 @@
 
 from typing import Sequence
 
-class CudaError(RuntimeError):
-    """A CUDA driver call failed. str() starts with the CUDA error name, e.g. CUDA_ERROR_ILLEGAL_ADDRESS."""
-
 class NvrtcError(RuntimeError):
     """NVRTC could not be loaded or failed outside compilation itself."""
 
@@ -12,9 +9,7 @@ class NvrtcError(RuntimeError):
 def nvrtc_load(path: str) -> None:
     """dlopen libnvrtc at `path` (or a soname). Raises NvrtcError with dlerror() on failure."""
 
-def nvrtc_loaded() -> bool: ...
 def nvrtc_version() -> tuple[int, int]: ...
-def nvrtc_supported_archs() -> list[int]: ...
 def nvrtc_compile(source: str, name: str, options: Sequence[str], want_cubin: bool = True) -> tuple[bool, bytes, bytes]:
     """(ok, cubin or PTX image, log). ok=False means the source did not compile; see log."""
 
@@ -22,7 +17,6 @@ def nvrtc_compile(source: str, name: str, options: Sequence[str], want_cubin: bo
 def cuda_load(path: str = "libcuda.so.1") -> None:
     """dlopen the driver and cuInit(0). Raises CudaError (no driver / no device)."""
 
-def cuda_loaded() -> bool: ...
 def driver_version() -> int: ...
 def device_count() -> int: ...
 def device_attributes(ordinal: int) -> dict:
@@ -32,18 +26,11 @@ def synchronize(ordinal: int) -> None: ...
 
 class Function:
     name: str
-    def attributes(self) -> dict:
-        """num_regs, shared_bytes, local_bytes, max_threads_per_block."""
-    def set_max_dynamic_smem(self, nbytes: int) -> None: ...
 
 class Module:
     def __init__(self, image: bytes, ordinal: int) -> None:
         """Load a cubin into the device's primary context (the one PyTorch uses)."""
     def function(self, name: str) -> Function: ...
-
-def launch(fn: Function, grid: Sequence[int], block: Sequence[int], smem: int, stream: int,
-           args: Sequence[tuple[str, int | float]]) -> None:
-    """Launch one kernel. args: ("ptr"|"i32"|"i64"|"f32"|"f64", value). Raises CudaError naming the kernel."""
 
 class Plan:
     """A launch plan resolved to functions: the registry entry and the fast dispatch path.
@@ -55,8 +42,6 @@ class Plan:
     cuLaunchKernelEx), every fn loaded on one device. workspace: [(bytes, zero)].
     """
     def __init__(self, kernels: Sequence[tuple], workspace: Sequence[tuple[int, bool]] = ()) -> None: ...
-    @property
-    def num_kernels(self) -> int: ...
     def launch(self, inputs: Sequence[int], outputs: Sequence[int], workspaces: Sequence[int], stream: int) -> None:
         """Bind pointers, zero the workspaces that ask for it, and launch every kernel on `stream`."""
 
@@ -73,7 +58,6 @@ class Registry:
     def add(self, plan: Plan) -> int: ...
     def launch(self, id: int, inputs: Sequence[int], outputs: Sequence[int], workspaces: Sequence[int], stream: int) -> None: ...
     def __len__(self) -> int: ...
-    def clear(self) -> None: ...
     def address(self) -> int:
         """This registry's address, for kforge._dispatch; valid while this object lives."""
     @staticmethod

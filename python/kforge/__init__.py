@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import importlib
 
-from .errors import (BudgetExhausted, CaptureError, CardError, CompileError, CudaUnavailableError, KforgeError,
-                     LaunchError, LLMError, LogError, PackageError, PlanError, ProposerError)
+from . import env
+from .errors import (BudgetExhausted, CaptureError, CardError, CompileError, CudaError, CudaUnavailableError,
+                     KforgeError, LaunchError, LaunchRefused, LLMError, LogError, PackageError, PlanError, ProposerError)
 
 __version__ = "0.1.0"
 
+env.configure_logging()
+
 _LAZY = {
-    # The module, callable as its capture() function: importing the submodule later binds
-    # this same name to it, so kforge.capture is one object whatever the order of imports.
-    "capture": ("kforge.capture", None),
+    # No submodule is named kforge.capture: importing one would rebind this name to it.
+    "capture": ("kforge.capturing", "capture"),
     # Callable as its optimize() function, like capture.
     "optimize": ("kforge.optimize", None),
     "run": ("kforge.runner", "run"),
@@ -32,9 +34,9 @@ _LAZY = {
     "LaunchPlan": ("kforge.candidate", "LaunchPlan"),
 }
 
-__all__ = list(_LAZY) + ["__version__", "BudgetExhausted", "CaptureError", "CardError", "CompileError",
-                         "CudaUnavailableError", "KforgeError", "LaunchError", "LLMError", "LogError", "PackageError",
-                         "PlanError", "ProposerError"]
+__all__ = list(_LAZY) + ["__version__", "BudgetExhausted", "CaptureError", "CardError", "CompileError", "CudaError",
+                         "CudaUnavailableError", "KforgeError", "LaunchError", "LaunchRefused", "LLMError", "LogError",
+                         "PackageError", "PlanError", "ProposerError"]
 
 
 def __getattr__(name: str):

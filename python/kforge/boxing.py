@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .cards import qualified_name
+
 _CATEGORIES = (bool, int, float, complex)  # type promotion's categories, lowest first
 _WIDEST = (torch.bool, torch.int64, torch.float64, torch.complex128)
 
@@ -72,7 +74,7 @@ def _scalar_tensor(v: bool | int | float | complex, others: list[torch.Tensor]) 
 
 def rewrap(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """args/kwargs with Python scalars in Tensor-typed slots turned back into 0-dim tensors."""
-    key = op._schema.name + "." + op._schema.overload_name
+    key = qualified_name(op)
     slots = _SLOTS.get(key)
     if slots is None:
         slots = _SLOTS.setdefault(key, _tensor_slots(op._schema))

@@ -2,8 +2,8 @@
 
 A card is identified by a stable hash of the op overload, every argument's metadata
 (shape, stride, dtype, device type, pointer alignment, scalar values) and the device
-arch. It stores real sample inputs and eager reference outputs with safetensors, each
-tensor as the span of storage it views so strides and alignment survive the round trip.
+arch. Its sample inputs and eager reference outputs are stored (kforge.card_files) each
+tensor as the span of storage it views (pack/unpack here), so strides and alignment survive.
 
 Tensor numbering used everywhere (launch plans, dispatch, evaluation):
   inputs  = every tensor argument in schema order, tensor lists flattened;
@@ -20,7 +20,6 @@ import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -215,9 +214,14 @@ class ArgSpec:
         )
 
 
+def qualified_name(op: torch._ops.OpOverload) -> str:
+    """The name a card holds for `op`: its qualified overload name, "aten::_softmax.default"."""
+    return f"{op._schema.name}.{op._overloadname}"
+
+
 @dataclass
 class Card:
-    op: str  # qualified overload name, e.g. "aten::_softmax.default"
+    op: str  # qualified_name() of the op
     schema: str
     args: list[ArgSpec]
     outputs: list[TensorMeta]
@@ -475,61 +479,3 @@ def unpack(flat: torch.Tensor, m: TensorMeta, device) -> torch.Tensor:
 def faithful_clone(t: torch.Tensor) -> torch.Tensor:
     """A copy that keeps shape, strides and alignment (clone() would make it contiguous)."""
     return unpack(pack(t), TensorMeta.of(t), t.device) if t.numel() else t.clone()
-
-
-# ---- on disk --------------------------------------------------------------------------
-
-def card_dir(run_dir: str | Path, cid: str) -> Path:
-    return Path(run_dir) / "cards" / cid
-
-
-def save_card(card: Card, run_dir: str | Path) -> Path:
-    d = card_dir(run_dir, card.id)
-    d.mkdir(parents=True, exist_ok=True)
-    tmp = d / "card.json.tmp"
-    tmp.write_text(json.dumps(card.to_json(), indent=1))
-    tmp.replace(d / "card.json")
-    return d
-
-
-def save_sample(card: Card, run_dir: str | Path, index: int, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> Path:
-    """Store one sample set: inputs as seen before the call, outputs after it."""
-    from safetensors.torch import save_file
-
-    tensors = {f"in{i}": pack(t) for i, t in enumerate(inputs)}
-    tensors.update({f"out{j}": pack(t) for j, t in enumerate(outputs)})
-    path = card_dir(run_dir, card.id) / f"sample{index}.safetensors"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    save_file(tensors, str(tmp), metadata={"card": card.id})
-    tmp.replace(path)
-    return path
-
-
-def load_card(run_dir: str | Path, cid: str) -> Card:
-    path = card_dir(run_dir, cid) / "card.json"
-    try:
-        return Card.from_json(json.loads(path.read_text()))
-    except FileNotFoundError as e:
-        raise CardError(f"no card {cid} in {run_dir}: run `kforge capture` first") from e
-    except (ValueError, KeyError) as e:
-        raise CardError(f"card {path} is corrupt ({e}); capture again") from e
-
-
-def load_cards(run_dir: str | Path) -> list[Card]:
-    root = Path(run_dir) / "cards"
-    cards = [load_card(run_dir, p.name) for p in sorted(root.iterdir()) if (p / "card.json").exists()] if root.exists() else []
-    return sorted(cards, key=lambda c: -(c.share or 0.0))
-
-
-def load_sample(card: Card, run_dir: str | Path, index: int = 0, device="cpu") -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(inputs, reference outputs) of a stored sample, rebuilt with their strides and alignment."""
-    from safetensors.torch import load_file
-
-    path = card_dir(run_dir, card.id) / f"sample{index}.safetensors"
-    if not path.exists():
-        raise CardError(f"card {card.id} has no sample {index} in {run_dir}")
-    data = load_file(str(path))
-    ins = [unpack(data[f"in{i}"], m, device) for i, m in enumerate(card.inputs)]
-    outs = [unpack(data[f"out{j}"], m, device) for j, m in enumerate(card.outputs)]
-    return ins, outs

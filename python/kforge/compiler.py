@@ -48,7 +48,7 @@ def default_arch() -> str:
 
         ordinal = torch.cuda.current_device() if torch.cuda.is_available() else 0
         return f"sm_{cuda.device_attributes(ordinal)['cc']}"
-    return os.environ.get("KFORGE_ARCH", "sm_90")
+    return env.default_arch()
 
 
 @functools.lru_cache(maxsize=1)

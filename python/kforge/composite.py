@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import torch
 
+from .cards import qualified_name
 from .families import _resolve
 
 AT = "CompositeImplicitAutograd"
@@ -76,7 +77,7 @@ def captured_ops() -> tuple[torch._ops.OpOverload, ...]:
 
 def worth(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> bool:
     """This call of a composite op is recorded as a card (see WORTH)."""
-    rule = WORTH.get(f"{op._schema.name}.{op._overloadname}")
+    rule = WORTH.get(qualified_name(op))
     return rule is not None and rule(op, args, kwargs)
 
 

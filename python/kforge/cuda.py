@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 
 from . import env
-from .errors import CudaUnavailableError
+from .errors import CudaError, CudaUnavailableError
 
 
 def _core():
@@ -22,7 +22,7 @@ def _driver_error() -> str | None:
         C.cuda_load(env.libcuda_path())
         if C.device_count() == 0:
             return "the CUDA driver loaded but sees no GPU (check CUDA_VISIBLE_DEVICES and nvidia-smi)"
-    except C.CudaError as e:
+    except CudaError as e:
         return str(e)
     return None
 

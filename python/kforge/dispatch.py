@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from typing import Iterator, Sequence
 
+from . import env
 from .cards import Card
 from .guards import REASONS, differences
 from .launchers import Launcher, NotPrepared, PlanLauncher, RegistryLauncher
@@ -134,7 +134,7 @@ class Dispatcher:
                 why = f"kforge._dispatch refused the variants ({type(e).__name__}: {e})"
                 log.warning("%s dispatches in Python: %s", name, why)
         if descriptions is None:
-            if os.environ.get("KFORGE_DISPATCH", "").lower() == "native" and not removing:
+            if env.dispatch_path() == "native" and not removing:
                 raise DispatchError(f"KFORGE_DISPATCH=native, but {name} cannot dispatch in C++: {why}")
             override = override or PythonOverride(variants[0].card.overload(), self.key)
             override.set_variants(variants)

@@ -5,15 +5,23 @@ Variables:
   KFORGE_NVRTC_PATH    a libnvrtc.so to use instead of the one found automatically
   KFORGE_CUDA_INCLUDE  extra include directories for NVRTC (os.pathsep separated)
   KFORGE_LIBCUDA_PATH  the CUDA driver library (default: libcuda.so.1)
-  KFORGE_LOG_LEVEL     logging level of the `kforge` logger (default: WARNING)
+  KFORGE_LOG_LEVEL     logging level of the `kforge` logger, shown on stderr (default: WARNING, Python's)
+  KFORGE_ARCH          the arch kernels compile for where no GPU is visible (default: sm_90)
+  KFORGE_DISPATCH      python: dispatch in Python only; native: fail where an op cannot dispatch in C++
+  KFORGE_LLM_CONFIG    the LLM proposer's config file (TOML or JSON)
+  KFORGE_LLM_BASE_URL  its OpenAI-compatible endpoint (else OPENAI_BASE_URL)
+  KFORGE_LLM_MODEL     its model
+  KFORGE_LLM_API_KEY   its API key (else OPENAI_API_KEY); never logged or stored
 """
 
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import sys
 from pathlib import Path
+from typing import Mapping
 
 # Bump when anything that feeds a cached cubin changes meaning (options, headers we inject).
 CACHE_VERSION = 1
@@ -78,6 +86,40 @@ def nvrtc_candidates() -> list[str]:
     # Bare sonames last: the dynamic loader's own search path.
     out += ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
     return out
+
+
+def configure_logging() -> None:
+    """Apply KFORGE_LOG_LEVEL to the `kforge` logger, with a stderr handler so the level shows."""
+    name = os.environ.get("KFORGE_LOG_LEVEL", "").strip().upper()
+    if not name:
+        return
+    level = logging.getLevelName(name)
+    if not isinstance(level, int):
+        raise ValueError(f"KFORGE_LOG_LEVEL={name!r} is not a logging level: use DEBUG, INFO, WARNING, ERROR or CRITICAL")
+    logger = logging.getLogger("kforge")
+    logger.setLevel(level)
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+
+
+def default_arch() -> str:
+    return os.environ.get("KFORGE_ARCH", "sm_90")
+
+
+def dispatch_path() -> str:
+    """KFORGE_DISPATCH: "python", "native", or "" (C++ where it can, else Python)."""
+    return os.environ.get("KFORGE_DISPATCH", "").strip().lower()
+
+
+def llm_environment(environ: Mapping[str, str] | None = None) -> dict[str, str | None]:
+    """The LLM proposer's settings the environment gives: config (file), base_url, model, api_key."""
+    env = os.environ if environ is None else environ
+    return {"config": env.get("KFORGE_LLM_CONFIG"),
+            "base_url": env.get("KFORGE_LLM_BASE_URL") or env.get("OPENAI_BASE_URL"),
+            "model": env.get("KFORGE_LLM_MODEL"),
+            "api_key": env.get("KFORGE_LLM_API_KEY") or env.get("OPENAI_API_KEY")}
 
 
 def libcuda_path() -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import IO
 
 
 class KforgeError(Exception):
@@ -36,6 +37,36 @@ class CompileError(KforgeError):
             f"source:\n{numbered(source)}"
         )
 
+    def __reduce__(self):  # the evidence crosses process boundaries (worker -> parent) whole
+        return type(self), (self.log, self.source, self.name, self.options)
+
+    def dump(self, file: IO[str] | None = None) -> str:
+        """The source with 1-based line numbers (what the log's `name(line)` refer to), also
+        written to `file` when given."""
+        text = numbered(self.source)
+        if file is not None:
+            file.write(text + "\n")
+        return text
+
+
+class CudaError(KforgeError, RuntimeError):
+    """A CUDA driver call failed; raised by kforge._C. `name` is the driver's error
+    (CUDA_ERROR_ILLEGAL_ADDRESS), `code` its CUresult (-1 where no driver call failed: the
+    library is missing, too old, or not loaded)."""
+
+    def __init__(self, message: str, name: str = "CUDA_ERROR_UNKNOWN", code: int = -1):
+        super().__init__(message)
+        self.name = name
+        self.code = code
+
+    def __reduce__(self):
+        return type(self), (str(self), self.name, self.code)
+
+
+class LaunchRefused(CudaError):
+    """The driver refused a plan's first launch before any kernel ran (a cooperative grid or a
+    cluster that cannot be resident now): nothing was written, so eager can serve the call."""
+
 
 class LaunchError(KforgeError):
     """A CUDA driver call failed while loading or launching a kernel."""
@@ -44,15 +75,12 @@ class LaunchError(KforgeError):
         self.cuda_error = cuda_error
         super().__init__(message)
 
+    def __reduce__(self):
+        return type(self), (str(self), self.cuda_error)
+
     @classmethod
-    def from_cuda(cls, message: str, err: BaseException) -> "LaunchError":
-        """Wrap a kforge._C.CudaError, whose text starts with the CUDA error name."""
-        return cls(message, cuda_error_name(err))
-
-
-def cuda_error_name(err: BaseException) -> str:
-    """CUDA_ERROR_ILLEGAL_ADDRESS from "CUDA_ERROR_ILLEGAL_ADDRESS: an illegal ... (while ...)"."""
-    return str(err).split(":")[0].split()[0] if str(err) else type(err).__name__
+    def from_cuda(cls, message: str, err: CudaError) -> "LaunchError":
+        return cls(message, err.name)
 
 
 class PlanError(KforgeError):

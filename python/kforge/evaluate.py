@@ -1,7 +1,7 @@
 """Evaluators the search drives: a pool of worker processes, one per GPU, and a
 compile-only stand-in for machines without one.
 
-The parent side of the worker protocol (kforge.worker) lives here: it enforces the time
+The parent side of the worker protocol (kforge.worker_protocol) lives here: it enforces the time
 limits, kills a worker that hangs (SIGKILL) or notices one that died, turns that into a
 verdict, and starts a fresh worker on the next candidate. Compile time is excluded from
 the launch timeout: the worker sends a "compiled" heartbeat, then one per launch step,
@@ -34,7 +34,7 @@ from .candidate import Candidate
 from .cards import Card
 from .errors import CardError, CompileError, CudaUnavailableError, PlanError
 from .verdict import EvalResult, Evaluator, Verdict
-from .worker import EvalOptions, Reply, Request
+from .worker_protocol import EvalOptions, Request, WorkerMessage
 
 
 def screen(card: Card, candidate: Candidate) -> EvalResult | None:
@@ -92,11 +92,11 @@ class WorkerHandle:
             self._reap()
             self._start()
 
-    def _recv(self, timeout_s: float) -> Reply | None:
+    def _recv(self, timeout_s: float) -> WorkerMessage | None:
         """The next reply, None on timeout; EOFError when the worker died."""
         if not self._conn.poll(timeout_s):
             return None
-        return Reply(**self._conn.recv())
+        return WorkerMessage(**self._conn.recv())
 
     def _kill(self) -> None:
         if self._proc is not None and self._proc.is_alive():

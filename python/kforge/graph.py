@@ -8,6 +8,13 @@ _softmax, linear becomes t + addmm. The graphs are functional (relu_ is recorded
 Every node carries its value's metadata in node.meta["val"] (a fake tensor: shape, stride,
 dtype), its scalar arguments in node.args, and its module in node.meta["nn_module_stack"].
 
+What runs: the callable the graph compiler returns for each graph, called by dynamo's code with
+the graph's flat inputs. Where that inference graph needs nothing of aot_autograd's runtime
+wrapper (no input it mutates, no output that aliases an input or another output, no effect
+tokens, deduplicated or subclass inputs, no autocast), the callable runs alone: the wrapper's
+per-call Python is host time a launch-bound forward pays on every call. A graph compiler that
+changes nothing returns None, and dynamo's own graph runs (torch-level calls, as eager makes them).
+
 Each graph is handled on its own; a graph break is reported as one line. aot_autograd is
 private to torch (stable from 2.0 to 2.14): where it is missing the trace gives no graphs,
 with a warning, and the per-op capture still covers the model.
@@ -24,8 +31,12 @@ import torch
 
 ROOT = "(root)"  # module path of nodes run by the model's own forward (as capture names it)
 
-# (graph module, its index, why dynamo ended it or None) -> the callable that runs it
-GraphCompiler = Callable[[torch.fx.GraphModule, int, "str | None"], Callable[..., Any]]
+# (graph module, its index, why dynamo ended it or None) -> the callable that runs it, or None:
+# the graph is not changed, and dynamo's graph of it runs
+GraphCompiler = Callable[[torch.fx.GraphModule, int, "str | None"], "Callable[..., Any] | None"]
+# (the callable dynamo will call with the graph's flat inputs, whether it is an inference graph
+# that writes none of its inputs) -> what dynamo calls instead
+Finisher = Callable[[Callable[..., Any], bool], Callable[..., Any]]
 
 
 @dataclass
@@ -46,12 +57,31 @@ class GraphCaptureWarning(UserWarning):
     """Graph capture is not possible with this torch: regions are not captured."""
 
 
-def _aot(fw_compiler: Callable) -> Callable | None:
+def _aot(fw_compiler: Callable, inference_compiler: Callable) -> Callable | None:
     try:
         from torch._dynamo.backends.common import aot_autograd
     except ImportError:
         return None
-    return aot_autograd(fw_compiler=fw_compiler, decompositions={})
+    return aot_autograd(fw_compiler=fw_compiler, inference_compiler=inference_compiler, decompositions={})
+
+
+def _inference_meta(agm: torch.fx.GraphModule, example_inputs: list) -> tuple[bool, bool]:
+    """(pure, direct) for an inference graph, read inside its compiler before anything changes it:
+    pure, it writes none of its inputs; direct, aot_autograd's runtime wrapper does nothing for it
+    (the graph takes dynamo's flat inputs and returns dynamo's outputs)."""
+    from torch._guards import TracingContext
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    meta = getattr(TracingContext.try_get(), "fw_metadata", None)
+    if meta is None or meta.tokens:
+        return False, False
+    pure = not any(i.mutates_data or i.mutates_metadata for i in meta.input_info)
+    placeholders = sum(n.op == "placeholder" for n in agm.graph.nodes)  # fewer: inputs were deduplicated
+    direct = (pure and not meta.num_intermediate_bases and not torch._C._is_any_autocast_enabled()
+              and all(o.output_type.name == "non_alias" for o in meta.output_info)
+              and placeholders == len(example_inputs)
+              and not any(isinstance(x, (list, tuple, dict)) or is_traceable_wrapper_subclass(x) for x in example_inputs))
+    return pure, direct
 
 
 def _break_note(gm: torch.fx.GraphModule, index: int) -> str | None:
@@ -64,10 +94,10 @@ def _break_note(gm: torch.fx.GraphModule, index: int) -> str | None:
     return f"graph break after graph {index}{where}: {why}"
 
 
-def aten_backend(compile_graph: GraphCompiler, notes: list[str]) -> Callable:
+def aten_backend(compile_graph: GraphCompiler, notes: list[str], finish: Finisher | None = None) -> Callable:
     """A torch.compile backend that lowers each dynamo graph to aten (see the module doc) and
-    runs what `compile_graph` returns for it. A graph that cannot be lowered runs as dynamo
-    traced it (eager), with a note."""
+    runs what `compile_graph` returns for it, through `finish` if given. A graph that cannot be
+    lowered runs as dynamo traced it (eager), with a note."""
     count = [0]
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
@@ -77,22 +107,37 @@ def aten_backend(compile_graph: GraphCompiler, notes: list[str]) -> Callable:
         if note:
             notes.append(note)
 
-        def fw_compiler(agm: torch.fx.GraphModule, _inputs: list) -> Callable:
-            return compile_graph(agm, index, note)
+        runs: dict[str, Any] = {"pure": False}  # "fn": what runs instead of aot_autograd's wrapped graph
 
-        lower = _aot(fw_compiler)
+        def fw_compiler(agm: torch.fx.GraphModule, _inputs: list) -> Callable:
+            fn = compile_graph(agm, index, note)
+            runs["fn"] = gm.forward if fn is None else None
+            return agm if fn is None else fn
+
+        def inference_compiler(agm: torch.fx.GraphModule, _inputs: list) -> Callable:
+            runs["pure"], direct = _inference_meta(agm, example_inputs)
+            fn = compile_graph(agm, index, note)
+            runs["fn"] = gm.forward if fn is None else fn if direct else None
+            return agm if fn is None else fn
+
+        def done(fn: Callable) -> Callable:
+            return finish(fn, runs["pure"]) if finish is not None else fn
+
+        lower = _aot(fw_compiler, inference_compiler)
         if lower is None:
             message = (f"torch {torch.__version__} has no torch._dynamo.backends.common.aot_autograd: "
                        "graphs are not lowered to aten, regions are not captured")
             warnings.warn(message, GraphCaptureWarning, stacklevel=2)
             notes.append(message)
-            return gm.forward
+            return done(gm.forward)
         try:
-            return lower(gm, example_inputs)
+            lowered = lower(gm, example_inputs)
         except Exception as e:  # noqa: BLE001 (the graph then runs eagerly; the note says why)
             notes.append(f"graph {index} could not be lowered to aten ({type(e).__name__}: "
                          f"{(str(e).splitlines() or [''])[0]}); it runs eagerly")
-            return gm.forward
+            runs["pure"] = False
+            return done(gm.forward)
+        return done(runs.get("fn") or lowered)
 
     return backend
 

@@ -364,7 +364,10 @@ def _inline_decomposition(graph: torch.fx.Graph, node: torch.fx.Node, table: dic
         for i, t in zip(slots, tensors):
             vals[i] = t
         args, kwargs = pytree.tree_unflatten(vals, spec)
-        return table[node.target](*args, **kwargs)
+        out = table[node.target](*args, **kwargs)
+        # A plain tuple: a decomposition's named tuple (native_layer_norm's return type) would be
+        # traced as a call of its class, which Inductor cannot lower.
+        return tuple(out) if isinstance(out, tuple) else out
 
     try:
         with detect_fake_mode(fakes) or contextlib.nullcontext(), enable_python_dispatcher():

@@ -15,7 +15,7 @@ import torch
 
 from . import runtime
 from .candidate import Candidate
-from .errors import LaunchError
+from .errors import CudaError, LaunchError, LaunchRefused
 
 
 class NotPrepared(LaunchError):
@@ -47,7 +47,6 @@ class RegistryLauncher:
         # address, so a registry must never be replaced (and freed) once handed out.
         self._lock = threading.Lock()
         self._unprepared: dict[int | None, str] = {}  # device index -> why its kernels could not load
-        self._cuda_error = _C.CudaError
         self._launch_address = _C.Registry.launch_address()
 
     def prepare(self, device: torch.device | int | str) -> Any:
@@ -91,7 +90,9 @@ class RegistryLauncher:
         try:
             reg.launch(vid, [t.data_ptr() for t in inputs], [t.data_ptr() for t in outputs],
                        [t.data_ptr() for t in workspaces], runtime.current_stream(device.index))
-        except self._cuda_error as e:
+        except LaunchRefused:
+            raise  # nothing ran: the override serves the call with eager
+        except CudaError as e:
             raise LaunchError.from_cuda(f"dispatched kernel {self._entries[vid][0].plan.kernels[0].name} "
                                         f"(variant {vid}) failed: {e}", e) from e
 

@@ -224,3 +224,22 @@ def read_manifest(path: str | Path, trusted_keys: Iterable[str | Path | bytes] |
     if castfile.MANIFEST not in members:
         raise PackageError(f"{path} has no {castfile.MANIFEST}; it is not a .cast package")
     return Contents(check_manifest(path, members[castfile.MANIFEST]), members, integrity)
+
+
+_EM_CUDA = 190
+
+
+def cubin_sm(image: bytes) -> int | None:
+    """The SM number a cubin was built for (90 for sm_90), or None if it is not a CUDA ELF (PTX, junk)."""
+    if len(image) < 52 or image[:4] != b"\x7fELF" or image[4] != 2:
+        return None
+    if int.from_bytes(image[18:20], "little") != _EM_CUDA:
+        return None
+    flags = int.from_bytes(image[48:52], "little")
+    # CUDA 12.8+ cubins (ELF ABI version >= 8) keep the SM in bits 8-15 of e_flags, older ones in bits 0-7.
+    return (flags >> 8) & 0xFF if image[8] >= 8 else flags & 0xFF
+
+
+def arch_sm(arch: str) -> int | None:
+    m = ARCH.match(arch or "")
+    return int(m.group(1)) if m else None

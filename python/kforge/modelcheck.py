@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from . import timing
-from .capture import _as_call, _model_device, _model_state
+from .modelrun import as_call, model_device, model_state
 from .errors import KforgeError
 
 REL_NOISE = 0.01  # differences under 1 % of eager are "level" however steady the timings
@@ -111,6 +111,33 @@ class ModelCheck:
             return None
         return _compare(theirs[0], ours[0], _noise(theirs[0], theirs[1], ours[1]))
 
+    def timings(self) -> dict[str, tuple[float, float]]:
+        """Every way the forward was timed: name -> (median µs, iqr µs)."""
+        out = {"eager": (self.eager_us, self.eager_iqr_us), "pkg.apply()": (self.package_us, self.package_iqr_us)}
+        if self.graphed:
+            out["eager, CUDA graph"] = (self.graph_eager_us, self.graph_eager_iqr_us or 0.0)
+            out["pkg.apply(), CUDA graph"] = (self.graph_package_us, self.graph_package_iqr_us or 0.0)
+        return {**out, **self.compiled}
+
+    @property
+    def fastest(self) -> tuple[str, float, str]:
+        """(the fastest way, how many times faster than the runner-up, the runner-up): the verdict
+        over every timing; a ratio within the noise of the two is "level" in message()."""
+        ranked = sorted(self.timings().items(), key=lambda kv: kv[1][0])
+        if len(ranked) < 2:
+            return ranked[0][0], 1.0, ranked[0][0]
+        (best, (b, _)), (second, (t, _)) = ranked[0], ranked[1]
+        return best, t / b if b > 0 else float("nan"), second
+
+    def _fastest_message(self) -> str:
+        best, ratio, second = self.fastest
+        if best == second:
+            return ""
+        (b, bi), (t, ti) = self.timings()[best], self.timings()[second]
+        if abs(t - b) <= _noise(t, bi, ti):
+            return f". Fastest: {best} {b:.1f} µs, level with {second} {t:.1f} µs"
+        return f". Fastest: {best} {b:.1f} µs, {ratio:.3f}x {second} ({t:.1f} µs), {self.eager_us / b:.3f}x eager"
+
     def _without(self, card: str) -> str:
         """kforge.compile without `card` against torch.compile, timed in the same rounds."""
         (t, t_iqr), (k, k_iqr) = self.leave_one_out["torch.compile"], self.leave_one_out[card]
@@ -154,9 +181,10 @@ class ModelCheck:
             suffix = f" {mode}" if mode else ""
             (t, _), (k, _) = self.compiled["torch.compile" + suffix], self.compiled["kforge.compile" + suffix]
             parts.append(f"torch.compile{suffix} {t:.1f} µs, kforge.compile{suffix} {k:.1f} µs: {t / k:.3f}x, {verdict}")
-        if "kforge.optimize" in self.compiled:
-            o = self.compiled["kforge.optimize"][0]
-            parts.append(f"kforge.optimize {o:.1f} µs: {self.eager_us / o:.3f}x eager")
+        for name in ("kforge.optimize", "kforge.optimize cuda_graphs"):
+            if name in self.compiled:
+                o = self.compiled[name][0]
+                parts.append(f"{name} {o:.1f} µs: {self.eager_us / o:.3f}x eager")
         line = "; " + "; ".join(parts)
         record = self.compile_record()
         if record is None or record["use"] == "kforge.compile" and not record["drop"]:
@@ -200,14 +228,15 @@ class ModelCheck:
         elif self.verdict == "unused":
             line += ("; no call of this forward reached the package's kernels (other shapes, dtypes or device "
                      "than the capture's): the package does nothing for it")
-        return line + self._compile_message()
+        return line + self._compile_message() + self._fastest_message()
 
     def to_json(self) -> dict:
         """The fields, and the verdicts derived from them."""
         return {**dataclasses.asdict(self), "speedup": self.speedup, "verdict": self.verdict,
                 "graph_speedup": self.graph_speedup, "graph_verdict": self.graph_verdict,
                 "launch_bound": self.launch_bound, "compile_verdict": self.compile_verdict(),
-                "compile_graph_verdict": self.compile_verdict("reduce-overhead"), "compile_record": self.compile_record()}
+                "compile_graph_verdict": self.compile_verdict("reduce-overhead"), "compile_record": self.compile_record(),
+                "fastest": self.fastest}
 
 
 def _noise(eager_us: float, *iqrs_us: float) -> float:
@@ -310,9 +339,10 @@ def time_graphs(forward, package, *, calls: int, rounds: int, device=None,
             del packaged  # before the uninstall unloads the kernels it launches
 
 
-# kforge.optimize: the traced graphs with the package's region and op kernels, the rest eager (no Inductor).
+# kforge.optimize: the traced graphs with the package's region and op kernels, the rest eager (no Inductor);
+# with cuda_graphs, each graph replayed from a CUDA graph.
 COMPILED = ("torch.compile", "kforge.compile", "torch.compile reduce-overhead", "kforge.compile reduce-overhead",
-            "kforge.optimize")
+            "kforge.optimize", "kforge.optimize cuda_graphs")
 
 
 def compiled_forwards(model: torch.nn.Module, package, forward_of, *, launcher=None,
@@ -330,7 +360,8 @@ def compiled_forwards(model: torch.nn.Module, package, forward_of, *, launcher=N
               "torch.compile reduce-overhead": lambda: torch.compile(model, mode="reduce-overhead"),
               "kforge.compile reduce-overhead": lambda: kforge_compile(model, package, launcher=launcher,
                                                                        mode="reduce-overhead", use_verdict=False),
-              "kforge.optimize": lambda: optimize(model, package, launcher=launcher)}
+              "kforge.optimize": lambda: optimize(model, package, launcher=launcher),
+              "kforge.optimize cuda_graphs": lambda: optimize(model, package, launcher=launcher, cuda_graphs=True)}
     forwards = {}
     for name in COMPILED:
         before = [c.counters.hits for c in package.cards]
@@ -379,8 +410,8 @@ def check_model(model: torch.nn.Module, example_inputs: Any, package, *, rounds:
     compile_error. With `leave_one_out` N and kforge.compile not faster, where its graphs ran 1 to N
     cards: kforge.compile without each of them in turn, timed in further interleaved rounds beside
     torch.compile and kforge.compile (ModelCheck.leave_one_out; compile_record() uses it)."""
-    args, kwargs = _as_call(example_inputs, None)
-    dev = _model_device(model, args, kwargs)
+    args, kwargs = as_call(example_inputs, None)
+    dev = model_device(model, args, kwargs)
 
     def forward():
         return model(*args, **kwargs)
@@ -390,7 +421,7 @@ def check_model(model: torch.nn.Module, example_inputs: Any, package, *, rounds:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
-    with _model_state(model, eval_mode=True), torch.inference_mode():
+    with model_state(model, eval_mode=True), torch.inference_mode():
         synced()  # warm-up
         t0 = time.perf_counter()
         synced()

@@ -4,12 +4,11 @@ specification in its serialized form, kforge.guards.GuardSpec.native, plus how t
 
 from __future__ import annotations
 
-import os
 from typing import Any, Sequence
 
 import torch
 
-from . import composite, guards, runtime
+from . import composite, env, guards, runtime
 from .cards import dtype_name
 from .errors import CardError
 from .variant import Variant
@@ -60,7 +59,7 @@ def native_status(key: str = "CUDA") -> tuple[bool, str]:
     """Whether overrides at `key` can run in C++ (kforge._dispatch), and why or why not.
     Per op, the C++ path also needs every variant's launcher to have native() and every
     card argument a C++ guard."""
-    if os.environ.get("KFORGE_DISPATCH", "").lower() == "python":
+    if env.dispatch_path() == "python":
         return False, "KFORGE_DISPATCH=python"
     if key not in ("CPU", "CUDA"):
         return False, f"kforge._dispatch serves the CPU and CUDA keys, not {key}"

@@ -7,13 +7,20 @@ in place of the regions they match, and everything else as eager runs it (no Ind
 How: torch.compile with kforge's aten backend (kforge.graph). In each graph, the regions are
 found as capture found them (kforge.regions); a region whose structure and input metadata
 match a dispatched region card of the package is contracted into one call of a plain Python
-callable (RegionCall), which checks its inputs against the card's guard specification (kforge.guards: exact
-shape, stride, dtype, device type, pointer alignment) and launches the card's kernel, or, on a
-miss, runs the region's original aten calls. Where matched regions overlap (a fused region
-and a vendor op's epilogue), package.choose_regions keeps the set that saves the most by
-the package's own measurements. Then each remaining node whose call hits a single-op card's
-guard becomes that card's custom op (the rewrite kforge.compile's pass runs). Nothing is
-installed: the model's own eager calls elsewhere are untouched.
+callable (RegionCall), which launches the card's kernel when the inputs' pointer alignments
+are the card's (dynamo's guards fix the rest of the card's guard specification, kforge.guards), or else runs the region's
+original aten calls. Where matched regions overlap (a fused region and a vendor op's
+epilogue), package.choose_regions keeps the set that saves the most by the package's own
+measurements. Then each remaining node whose call hits a single-op card's guard becomes that
+card's custom op (the rewrite kforge.compile's pass runs). Nothing is installed: the model's
+own eager calls elsewhere are untouched.
+
+Host cost per forward, which a launch-bound forward pays on every call: a graph the package
+changes nothing in runs as dynamo traced it (eager's own calls); a changed graph runs with no
+aot_autograd runtime wrapper where that wrapper has nothing to do (kforge.graph), and its aten
+calls go through the bindings eager code calls (kforge.bindings), so what remains over eager is
+dynamo's guard check and one Python call per region. With cuda_graphs=True each graph is
+replayed from a CUDA graph instead (kforge.replay).
 
 Guards and recompiles: dynamo guards each graph on its inputs' shapes, strides and dtypes
 (dynamic=False); a new shape traces a new graph, whose regions are matched anew, and a
@@ -40,11 +47,13 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
+from . import bindings
 from . import graph as graph_mod
 from . import regions as regions_mod
 from .cards import Card
 from .dispatch import Counters, Launcher
-from .guards import GuardSpec, nearest, tensor_key
+from .guards import _ALIGN, GuardSpec, TensorGuard, tensor_key
+from .replay import Replayed
 from .subgraph import Subgraph
 
 
@@ -81,29 +90,35 @@ def launch_kernel(card: Card, launcher: Launcher, vid: int, workspace: Sequence[
 
 class RegionCall:
     """What one region site of a graph becomes: guard hit -> the card's kernel, miss -> the
-    region's own aten calls (the evaluation worker times a region as dispatched through it)."""
+    region's own aten calls (the evaluation worker times a region as dispatched through it).
+
+    Its callers hand it inputs with the cards' shapes, strides, dtypes and device: a traced
+    graph's own guards (dynamo's, on every graph input's metadata, dynamic=False) fix those of
+    every value inside the graph, and the site matched its cards on them when the graph was
+    traced; the worker calls it on the card's samples. What a trace cannot see is where the
+    inputs lie, so the guard at run time is one compare of the inputs' pointer alignments
+    against each card's."""
 
     def __init__(self, subgraph: Subgraph, kernels: list[RegionKernel]):
         self.subgraph = subgraph
-        self.table = {k.guard.key: k for k in kernels}
+        self.table = {tuple(s.tensor.align for s in k.guard.slots): k for k in kernels}
         self.kernels = kernels
         self.__name__ = "kforge_region_" + "_".join(subgraph.ops)[:60]
 
     def __call__(self, *inputs: torch.Tensor) -> tuple:
-        key = tuple(tensor_key(t) for t in inputs)
-        k = self.table.get(key)
-        if k is not None and not k.guard.unrunnable(inputs):
+        k = self.table.get(tuple([_ALIGN[t.data_ptr() & 15] for t in inputs]))
+        if k is not None:
             k.counters.hit()
             return tuple(k.run(list(inputs)))
-        self._count_miss(key, inputs, k)
+        self.kernels[0].counters.fell_back("alignment")
         return tuple(self.subgraph.replay(list(inputs)))
 
-    def _count_miss(self, key: tuple, inputs: Sequence[torch.Tensor], hit: RegionKernel | None) -> None:
-        if hit is not None:  # the key matched: what it cannot see did not (inputs on several devices)
-            hit.counters.fell_back(hit.guard.unrunnable(inputs))
-            return
-        i, reason = nearest(key, [kernel.guard for kernel in self.kernels])
-        self.kernels[i].counters.fell_back(reason)
+
+def fits(card: Card, inputs: Sequence[torch.Tensor]) -> bool:
+    """Whether `inputs` have the card's shapes, strides, dtypes and device type: what a RegionCall
+    does not check (in a graph, dynamo's guards do), so what a caller outside a graph checks first."""
+    return len(inputs) == len(card.inputs) and all(
+        isinstance(t, torch.Tensor) and tensor_key(t)[:4] == TensorGuard.of(m).key[:4] for t, m in zip(inputs, card.inputs))
 
 
 def contract(gm: fx.GraphModule, chosen: list[tuple[regions_mod.Site, Callable]]) -> fx.GraphModule:
@@ -227,7 +242,7 @@ def match_regions(graph: fx.Graph | fx.GraphModule,
     options, matched = [], {}
     for site in regions_mod.find(graph):
         ks = kernels.get(site.match_key())
-        if not ks:
+        if not ks or len({_device(src, k) for src, k in site.inputs}) != 1:  # a kernel runs on one device
             continue
         best = min(ks, key=lambda k: k.kernel_us if k.kernel_us is not None else float("inf"))
         opt = RegionOption(best.card.id, frozenset(n.name for n in site.nodes), best.kernel_us, best.baseline_us)
@@ -247,11 +262,17 @@ class Replaced:
     cards: list[str]  # the card ids whose guards the site's call tries
 
 
+def _device(src: fx.Node, k: int) -> torch.device:
+    val = src.meta["val"]
+    return (val[k] if isinstance(val, (tuple, list)) else val).device
+
+
 class OptimizedModel(torch.nn.Module):
     """`model` traced by kforge's backend with the package's kernels in its graphs (see the
     module doc)."""
 
-    def __init__(self, model: torch.nn.Module, package: Any, kernels: list[RegionKernel], op_rewrites: list):
+    def __init__(self, model: torch.nn.Module, package: Any, kernels: list[RegionKernel], op_rewrites: list,
+                 cuda_graphs: bool = False):
         super().__init__()
         self.model = model
         self.package = package
@@ -259,9 +280,11 @@ class OptimizedModel(torch.nn.Module):
         self.notes: list[str] = []
         self.replaced: list[Replaced] = []
         self.ops_replaced = 0  # graph nodes given a single-op card's kernel
+        self.graphs: list[fx.GraphModule | None] = []  # what each traced graph runs (None: dynamo's graph, unchanged)
         self._op_rewrites = op_rewrites
         self._by_match = by_match(kernels)
-        backend = graph_mod.aten_backend(self._compile_graph, self.notes)
+        self.replayed: list[Replayed] = []  # with cuda_graphs, one per traced graph
+        backend = graph_mod.aten_backend(self._compile_graph, self.notes, self._replayed if cuda_graphs else None)
         self.__dict__["_compiled"] = torch.compile(model, backend=backend, dynamic=False)  # not a submodule
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -273,38 +296,54 @@ class OptimizedModel(torch.nn.Module):
             self.replaced.append(Replaced(index, site.nodes[0].name, [k.card.id for k in ks]))
         out = contract(gm, [(site, RegionCall(site.subgraph, ks)) for site, ks in chosen]) if chosen else gm
         replaced = sum(rewrite(out.graph) for rewrite in self._op_rewrites)
-        if replaced:
-            self.ops_replaced += replaced
-            out.recompile()
-        return out
+        self.ops_replaced += replaced
+        if not chosen and not replaced:
+            self.graphs.append(None)
+            return None  # nothing of the package here: dynamo's graph runs, as eager would
+        bindings.retarget(out)
+        out.recompile()
+        self.graphs.append(out)
+        return out.forward
+
+    def _replayed(self, fn: Callable, pure: bool) -> Replayed:
+        r = Replayed(fn, pure, self._owned_ptrs, self.notes, len(self.replayed))
+        self.replayed.append(r)
+        return r
+
+    def _owned_ptrs(self) -> set[int]:
+        return {t.data_ptr() for t in (*self.model.parameters(), *self.model.buffers())}
 
     def report(self) -> dict:
         """Per region kernel: hits and fallbacks by reason; the sites replaced; notes."""
         return {"regions": [{"id": k.card.id, "op": k.card.op, "hits": k.counters.hits,
                              "fallbacks": dict(k.counters.fallbacks)} for k in self.kernels],
                 "replaced": [vars(r) for r in self.replaced], "ops_replaced": self.ops_replaced,
+                "cuda_graphs": [{"graph": r.index, "captured": r.graph is not None, "replays": r.replays,
+                                 "misses": r.misses} for r in self.replayed],
                 "notes": list(self.notes)}
 
 
-def optimize(model: torch.nn.Module, package: Any, *, ops: bool = True, launcher: Launcher | None = None) -> OptimizedModel:
+def optimize(model: torch.nn.Module, package: Any, *, ops: bool = True, launcher: Launcher | None = None,
+             cuda_graphs: bool = False) -> OptimizedModel:
     """`model` with the package's kernels in its traced graphs: its region cards, and with
     `ops` its single-op cards too, each node whose call hits a card's guard given the card's
     custom op (kforge.inductor.OpRewrite, the pass kforge.compile runs). Nothing is installed:
     eager calls outside the optimized model are untouched. `launcher` defaults to the
-    package's kernels loaded on the current device (tests pass a CPU stand-in)."""
+    package's kernels loaded on the current device (tests pass a CPU stand-in). With
+    `cuda_graphs`, each graph is replayed from a CUDA graph (kforge.replay says when that is
+    safe and what each call checks; a graph it cannot hold runs op by op, with a note)."""
     from .inductor import _rewrites
 
     if launcher is None and any(c.dispatched for c in package.cards):
         launcher = package.launcher()
     kernels = region_kernels(package, launcher) if launcher is not None else []
     op_rewrites = _rewrites(package, launcher, compiled=False) if ops and launcher is not None else []
-    return OptimizedModel(model, package, kernels, op_rewrites)
+    return OptimizedModel(model, package, kernels, op_rewrites, cuda_graphs)
 
 
 class _CallableModule(types.ModuleType):
-    """`kforge.optimize` names both this module and its `optimize` function (as kforge.capture
-    does): once the module is imported, the package's attribute is the module, so calling the
-    module calls the function."""
+    """`kforge.optimize` names both this module and its `optimize` function: once the module is
+    imported, the package's attribute is the module, so calling the module calls the function."""
 
     def __call__(self, *args, **kwargs) -> OptimizedModel:
         return optimize(*args, **kwargs)

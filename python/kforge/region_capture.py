@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from . import graph as graph_mod
-from .cards import REGION_NS, ArgSpec, Card, TensorMeta, pack, unpack
+from .cards import REGION_NS, ArgSpec, Card, TensorMeta, pack, qualified_name, unpack
 from .errors import CardError
 from .families import family_of
 from .regions import Site, find
@@ -78,14 +78,14 @@ class _Recorder(fx.Interpreter):
         return out
 
     def _op_card(self, n: fx.Node) -> str | None:
-        from .capture import _arg_specs, _op_name
+        from .callspec import arg_specs
 
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         try:
-            specs, _ = _arg_specs(n.target, tuple(args), kwargs)
+            specs, _ = arg_specs(n.target, tuple(args), kwargs)
         except CardError:
             return None
-        return Card(op=_op_name(n.target), schema="", args=specs, outputs=[], arch=self.arch).id
+        return Card(op=qualified_name(n.target), schema="", args=specs, outputs=[], arch=self.arch).id
 
 
 def _replay(g: graph_mod.Graph, values: set, members: set, arch: str, keep: Any, notes: list[str]) -> _Recorder | None:
@@ -103,7 +103,7 @@ def _replay(g: graph_mod.Graph, values: set, members: set, arch: str, keep: Any,
 
 def region_cards(trace: graph_mod.Trace, arch: str, device_name: str, *, max_sample_bytes: int) -> tuple[list[RegionEntry], list[str]]:
     """The region cards of a trace, deduplicated, in first-seen order, with notes."""
-    from .capture import _cpu_copy
+    from .callspec import cpu_copy
 
     entries: dict[str, RegionEntry] = {}
     notes: list[str] = list(trace.notes)
@@ -128,7 +128,7 @@ def region_cards(trace: graph_mod.Trace, arch: str, device_name: str, *, max_sam
                 sampled.append((entry, s))
         if sampled:
             wanted = {v for _, s in sampled for v in (*s.inputs, *s.outputs)}
-            copies = _replay(g, wanted, set(), arch, _cpu_copy, notes)
+            copies = _replay(g, wanted, set(), arch, cpu_copy, notes)
             for entry, s in sampled if copies is not None else ():
                 entry.sample = ([copies.kept[v] for v in s.inputs], [copies.kept[v] for v in s.outputs])
         g.inputs = None  # the real activations are no longer needed

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.fx as fx
 
-from .cards import TensorMeta, dtype_name, encode_value, pointer_alignment
+from .cards import TensorMeta, dtype_name, encode_value, pointer_alignment, qualified_name
 from .errors import CardError
 from .families import _returns_view, family_of, packet_name
 from .subgraph import Node, Subgraph
@@ -258,7 +258,7 @@ def _site(g: _Graph, members: set[fx.Node], kind: str) -> Site | None:
         return encode_value(a)
 
     try:
-        nodes = [Node(f"{n.target._schema.name}.{n.target._overloadname}", ref(list(n.args)),
+        nodes = [Node(qualified_name(n.target), ref(list(n.args)),
                       {k: ref(v) for k, v in n.kwargs.items()}, [meta_of(t) for t in _tensors(n.meta["val"])])
                  for n in order]
     except CardError:

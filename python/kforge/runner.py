@@ -17,22 +17,21 @@ import queue
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-from rich.table import Table
 from rich.text import Text
 
-from .capture import module_path
-from .cards import Card, load_cards
+from .card_files import load_cards
+from .cards import Card
+from .cardtable import module_path
 from .errors import CardError, KforgeError, ProposerUnavailable
 from .hardware import Hardware
 from .pool import EvaluatorFactory, EvaluatorPool, LocalPool
 from .proposers.base import Proposer
-from .search.mcts import Budget, SearchOutcome, SearchProgress, search_card
+from .run_report import CardResult, ProgressView, RunResult
+from .search.mcts import Budget, SearchOutcome, search_card
 from .spend import Spend
 from .store import SQLiteStore
 from .verdict import Evaluator
@@ -48,68 +47,6 @@ class RunInterrupted(KeyboardInterrupt):
         super().__init__(f"run {run_id} interrupted; resume it from {run_dir}")
         self.run_dir = run_dir
         self.run_id = run_id
-
-
-@dataclass
-class CardResult:
-    card_id: str
-    op: str
-    family: str
-    summary: str
-    status: str  # done | skipped | searching (interrupted) | pending
-    iterations: int
-    eager_us: float | None
-    best_us: float | None
-    speedup: float | None
-    note: str  # why it was skipped, or what its candidates' verdicts were
-    search_s: float = 0.0  # evaluation wall time spent on the card (sum over its candidates)
-    calls: int | None = None
-    share: float | None = None  # of the captured runtime
-    module: str = ""  # where in the model it ran (capture.module_path)
-
-
-@dataclass
-class RunResult:
-    run_id: str
-    run_dir: Path
-    table: list[CardResult]
-    package_path: Path | None
-    validated: bool  # a GPU validated and timed the candidates
-    message: str = ""
-    stop_reasons: dict[str, str] = field(default_factory=dict)  # card id -> why its search stopped
-    model_check: Any = None  # kforge.modelcheck.ModelCheck: the model eager and with the package, or None
-    model_check_error: str = ""  # why the model check did not complete
-
-    def rich_table(self) -> Table:
-        return results_table(self.table, f"run {self.run_id}")
-
-
-def results_table(rows: list[CardResult], title: str, limit: int | None = None, searched_only: bool = False) -> Table:
-    """Cards ranked by share with their search results; with `searched_only`, the skipped ones
-    are left out, and `limit` keeps the first rows (the caption says how many are not shown)."""
-    t = Table(title=title, title_justify="left")
-    t.add_column("op", overflow="fold", ratio=3)
-    t.add_column("family")
-    t.add_column("status")
-    for col in ("iters", "time", "eager µs", "best µs", "speedup"):
-        t.add_column(col, justify="right")
-    t.add_column("note", overflow="fold", ratio=2)
-    for col, justify in (("calls", "right"), ("share", "right"), ("card", "left"), ("module", "left")):
-        t.add_column(col, justify=justify, overflow="fold")
-    picked = [r for r in rows if r.status != "skipped"] if searched_only else rows
-    shown = picked[:limit] if limit is not None else picked
-    for r in shown:  # Text cells: notes come from the log (compile errors, LLM text), never rich markup
-        t.add_row(*map(Text, (r.summary, r.family, r.status, str(r.iterations),
-                              f"{r.search_s:.0f} s" if r.search_s else "-", _us(r.eager_us), _us(r.best_us),
-                              _speedup(r.speedup), r.note, str(r.calls) if r.calls is not None else "-",
-                              f"{r.share:.1%}" if r.share is not None else "-", r.card_id, r.module or "-")))
-    if len(shown) < len(rows):
-        t.caption = f"{len(rows) - len(shown)} more cards not shown (skipped ones and the smallest; --all lists them)"
-    return t
-
-
-def _us(v: float | None) -> str:
-    return f"{v:.2f}" if v is not None else "-"
 
 
 # ---- seams to the GPU-side modules ------------------------------------------------------------
@@ -172,7 +109,7 @@ def skip_reason(card: Card, proposer: Proposer, *, min_share: float, include_ven
         if not include_vendor:
             return "backed by a vendor library (cuBLAS/cuDNN); pass include_vendor=True (--include-vendor) to search it"
     else:
-        from .capture import skip_reason as capture_skip_reason
+        from .cardtable import skip_reason as capture_skip_reason
 
         why = capture_skip_reason(card)
         if why:
@@ -189,36 +126,6 @@ def _make_proposer(spec: Any, options: dict) -> Proposer:
 
         return get_proposer(spec, **options)
     return spec()
-
-
-# ---- progress ----------------------------------------------------------------------------
-
-class _ProgressView:
-    """A rich Progress with one row per card: iterations, best speedup so far, ETA."""
-
-    def __init__(self, console: Console | None, enabled: bool):
-        self.progress = Progress(
-            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("best {task.fields[best]}"), TimeRemainingColumn(),
-            console=console, disable=not enabled, transient=False,
-        )
-        self.tasks: dict[str, Any] = {}
-
-    def add(self, card: Card, total: int, done: int, best: float | None) -> None:
-        self.tasks[card.id] = self.progress.add_task(card.summary()[:60], total=total, completed=min(done, total),
-                                                     best=_speedup(best))
-
-    def update(self, p: SearchProgress) -> None:
-        self.progress.update(self.tasks[p.card_id], completed=min(p.iteration, p.iterations),
-                             best=_speedup(p.best_speedup))
-
-    def finish(self, card_id: str) -> None:
-        task = self.tasks[card_id]
-        self.progress.update(task, total=self.progress.tasks[task].completed)
-
-
-def _speedup(s: float | None) -> str:
-    return f"{s:.2f}x" if s else "-"
 
 
 # ---- the job ------------------------------------------------------------------------------
@@ -279,7 +186,7 @@ def run(model=None, example_inputs=None, out: str | Path | None = "model.cast", 
             from .cluster import check_cluster
 
             check_cluster(cluster, devices)  # and a cluster option that cannot work
-        from .capture import capture
+        from .capturing import capture
 
         run_dir = capture(model, example_inputs, run_dir, progress=capture_progress, regions=regions).run_dir
         model_name = model_name or type(model).__name__
@@ -491,7 +398,7 @@ def _search_all(cards: list[Card], first: Proposer, proposer_spec: Any, proposer
     from a queue, each with its own evaluator, proposer and log connection (SQLite serializes
     writes; all of them are in this process, the one writer of the log).
     `spend` is the run's: every worker's proposer charges it, so its limits are run-wide."""
-    view = _ProgressView(console, progress)
+    view = ProgressView(console, progress)
     for card in cards:
         view.add(card, budget.iterations, log.card_iterations(run_id, card.id), log.card(run_id, card.id).best_speedup)
     outcomes: dict[str, SearchOutcome] = {}

@@ -9,7 +9,7 @@ from collections import OrderedDict
 import torch
 
 from .candidate import Candidate, LaunchPlan
-from .errors import LaunchError
+from .errors import CudaError, LaunchError, LaunchRefused
 
 _MAX_MODULES = 256  # bounded so a worker that loads hundreds of candidates keeps flat memory
 _modules: OrderedDict[tuple[str, int], object] = OrderedDict()
@@ -36,7 +36,7 @@ def load(cubin: bytes, device: int):
             return mod
     try:
         mod = C.Module(cubin, device)
-    except C.CudaError as e:
+    except CudaError as e:
         raise LaunchError.from_cuda(f"could not load the cubin on device {device}: {e}", e) from e
     with _lock:
         _modules[key] = mod
@@ -57,14 +57,14 @@ def resolve(plan: LaunchPlan, module):
     for k in plan.kernels:
         try:
             fn = module.function(k.name)
-        except C.CudaError as e:
+        except CudaError as e:
             raise LaunchError.from_cuda(f"kernel '{k.name}' named in the launch plan is not in the compiled module "
                                         f"(declare it extern \"C\" __global__): {e}", e) from e
         args = [next(iter(a.items())) for a in k.args]
         kernels.append((fn, list(k.grid), list(k.block), k.smem, args, k.cooperative, k.pdl, k.cluster))
     try:
         return C.Plan(kernels, plan.workspace_bytes())
-    except C.CudaError as e:
+    except CudaError as e:
         raise LaunchError.from_cuda(f"could not prepare the launch plan: {e}", e) from e
 
 
@@ -94,5 +94,7 @@ def launch(plan, inputs, outputs, workspaces=(), stream=None) -> None:
     try:
         plan.launch([t.data_ptr() for t in inputs], [t.data_ptr() for t in outputs],
                     [t.data_ptr() for t in workspaces], int(stream))
-    except C.CudaError as e:
+    except LaunchRefused:
+        raise  # nothing ran: the caller may serve the call another way
+    except CudaError as e:
         raise LaunchError.from_cuda(str(e), e) from e

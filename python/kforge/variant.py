@@ -10,11 +10,10 @@ from typing import Any, Sequence
 import torch
 
 from .cards import Card
-from .errors import CardError, KforgeError, LaunchError
+from .errors import CardError, KforgeError, LaunchRefused
 from .guards import REASONS, GuardSpec
 from .launchers import Launcher, NotPrepared
 
-_REFUSED = "(refused before any kernel ran)"  # kforge._C's mark on such a launch error
 _KNOWN = frozenset(REASONS)
 
 
@@ -127,9 +126,7 @@ class Variant:
         except NotPrepared:
             self.counters.fell_back("device")
             return None
-        except LaunchError as e:
-            if _REFUSED not in str(e):
-                raise
+        except LaunchRefused:
             self.counters.fell_back("refused")
             return None
         self.counters.hit()

@@ -1,4 +1,4 @@
-"""The built-in templates on a real GPU: every algorithm of every family against eager on
+"""The built-in templates on a real GPU: every algorithm of every template against eager on
 fresh inputs, with poisoned outputs, unchanged inputs (unless in-place) and bitwise
 repeatable results, over odd sizes, 1-element rows, rows longer than a block, widths that
 are not a multiple of the vector, channels_last, broadcast and in-place cards."""
@@ -15,7 +15,7 @@ from kforge import compiler, runtime
 from kforge.cards import empty_like_meta, faithful_clone
 from kforge.errors import LaunchError
 from kforge.hardware import current
-from kforge.proposers.builtin import family_for
+from kforge.proposers.builtin import template_for
 from kforge.proposers.builtin import space as knob_space
 
 pytestmark = pytest.mark.gpu
@@ -28,17 +28,17 @@ TOL = {"float32": dict(rtol=2e-5, atol=2e-5), "float16": dict(rtol=2e-3, atol=1e
 def settings(card, n_random: int = 2):
     """The default, each algorithm's two corners, and a few random settings (seeded)."""
     hw = current()
-    fam = family_for(card)
-    out = [fam.default(card, hw)]
+    template = template_for(card)
+    out = [template.default(card, hw)]
     rng = random.Random(card.id)
-    for s in fam.spaces(card, hw):
+    for s in template.spaces(card, hw):
         configs = knob_space.configs(s)
         out += [configs[0], configs[-1]] + rng.sample(configs, min(n_random, len(configs)))
     unique = []
     for k in out:
         if k not in unique:
             unique.append(k)
-    return fam, hw, unique
+    return template, hw, unique
 
 
 def run(card, cand, inputs):
@@ -84,17 +84,17 @@ def test_template_matches_eager(name):
         card.overload()
     except Exception as e:  # e.g. _fused_rms_norm on an older torch
         pytest.skip(str(e))
-    fam, hw, knobs_list = settings(card)
+    template, hw, knobs_list = settings(card)
     for seed, knobs in enumerate(knobs_list):
-        check_candidate(card, fam.build(card, knobs, hw), seed)
+        check_candidate(card, template.build(card, knobs, hw), seed)
 
 
 def test_unaligned_view_uses_narrow_vectors_and_is_correct():
     card = make_card(A.gelu.default, meta(4097, dtype=BF16), align=2)
-    fam, hw, knobs_list = settings(card)
+    template, hw, knobs_list = settings(card)
     assert {k["vec"] for k in knobs_list} == {1}
     for seed, knobs in enumerate(knobs_list):
-        check_candidate(card, fam.build(card, knobs, hw), seed)
+        check_candidate(card, template.build(card, knobs, hw), seed)
 
 
 # Long softmax rows through split_regs (two kernels, chunks in registers): every setting of
@@ -112,22 +112,22 @@ LONG_ROWS = {
 
 def split_regs_settings(card, n: int | None):
     hw = current()
-    fam = family_for(card)
-    (s,) = [s for s in fam.spaces(card, hw) if s["algo"] == ("split_regs",)]
+    template = template_for(card)
+    (s,) = [s for s in template.spaces(card, hw) if s["algo"] == ("split_regs",)]
     configs = knob_space.configs(s)
     picked = configs if n is None else [configs[0], configs[-1]] + random.Random(card.id).sample(configs, min(n, len(configs)))
-    default = fam.default(card, hw)
+    default = template.default(card, hw)
     assert default["algo"] == "split_regs"
-    return fam, hw, [default] + [k for i, k in enumerate(picked) if k not in picked[:i] and k != default]
+    return template, hw, [default] + [k for i, k in enumerate(picked) if k not in picked[:i] and k != default]
 
 
 @pytest.mark.parametrize("name", sorted(LONG_ROWS))
 def test_split_regs_matches_eager_on_long_rows(name):
     factory, n = LONG_ROWS[name]
     card = factory()
-    fam, hw, knobs_list = split_regs_settings(card, n)
+    template, hw, knobs_list = split_regs_settings(card, n)
     for seed, knobs in enumerate(knobs_list):
-        check_candidate(card, fam.build(card, knobs, hw), seed)
+        check_candidate(card, template.build(card, knobs, hw), seed)
 
 
 @pytest.mark.parametrize("log", [False, True])
@@ -146,9 +146,9 @@ def test_split_regs_handles_minus_inf_like_torch(shape, dtype, log):
         x[3] = -float("inf")
         x[3, -1] = 1.0
     want = (torch.log_softmax if log else torch.softmax)(x, -1)
-    fam, hw, knobs_list = split_regs_settings(card, 6)
+    template, hw, knobs_list = split_regs_settings(card, 6)
     for knobs in knobs_list:
-        (got,), _ = run(card, fam.build(card, knobs, hw), [x])
+        (got,), _ = run(card, template.build(card, knobs, hw), [x])
         assert got[2].isnan().all()
         torch.testing.assert_close(got, want, equal_nan=True, **TOL[card.outputs[0].dtype],
                                    msg=lambda m: f"{knobs}: {m}")
@@ -158,12 +158,12 @@ def test_split_regs_handles_minus_inf_like_torch(shape, dtype, log):
 # long-row card; a grid the GPU cannot hold resident is refused at launch (a recoverable
 # error), never run, so those settings must fail cleanly or pass.
 def every_setting_of(algo: str):
-    """settings(card): the family, the hardware and every setting of `algo`'s spaces."""
+    """settings(card): the template, the hardware and every setting of `algo`'s spaces."""
     def settings(card):
         hw = current()
-        fam = family_for(card)
-        spaces = [s for s in fam.spaces(card, hw) if s["algo"] == (algo,)]
-        return fam, hw, [k for s in spaces for k in knob_space.configs(s)]
+        template = template_for(card)
+        spaces = [s for s in template.spaces(card, hw) if s["algo"] == (algo,)]
+        return template, hw, [k for s in spaces for k in knob_space.configs(s)]
     return settings
 
 
@@ -173,11 +173,11 @@ split_coop_settings = every_setting_of("split_coop")
 def check_every_setting_or_refused(card, settings, refused: str) -> None:
     """Every setting `settings(card)` gives matches eager, or its launch is refused (the
     message naming `refused`) and the context stays usable; at least one runs."""
-    fam, hw, knobs_list = settings(card)
+    template, hw, knobs_list = settings(card)
     assert knobs_list, f"no setting for {card.summary()}"
     ran = 0
     for seed, knobs in enumerate(knobs_list):
-        cand = fam.build(card, knobs, hw)
+        cand = template.build(card, knobs, hw)
         try:
             check_candidate(card, cand, seed)
             ran += 1
@@ -203,10 +203,10 @@ def check_minus_inf_or_refused(settings, log: bool, refused: str) -> None:
     x[3] = -float("inf")
     x[3, -1] = 1.0
     want = (torch.log_softmax if log else torch.softmax)(x, -1)
-    fam, hw, knobs_list = settings(card)
+    template, hw, knobs_list = settings(card)
     for knobs in knobs_list:
         try:
-            (got,), _ = run(card, fam.build(card, knobs, hw), [x])
+            (got,), _ = run(card, template.build(card, knobs, hw), [x])
         except LaunchError as e:
             assert refused in str(e)
             continue
@@ -226,13 +226,13 @@ def test_split_coop_handles_minus_inf_like_torch(log):
 def test_group_norm_coop_matches_eager(name):
     card = GN_COOP[name]()
     hw = current()
-    fam = family_for(card)
-    (s,) = [s for s in fam.spaces(card, hw) if s["algo"] == ("coop",)]
+    template = template_for(card)
+    (s,) = [s for s in template.spaces(card, hw) if s["algo"] == ("coop",)]
     configs = knob_space.configs(s)
     if card.inputs[0].numel > 2**22:
         configs = [configs[0], configs[-1]] + random.Random(card.id).sample(configs, 6)
     for seed, knobs in enumerate(configs):
-        check_candidate(card, fam.build(card, knobs, hw), seed)
+        check_candidate(card, template.build(card, knobs, hw), seed)
 
 
 def test_split_regs_pdl_records_into_a_cuda_graph_and_replays():
@@ -240,11 +240,11 @@ def test_split_regs_pdl_records_into_a_cuda_graph_and_replays():
     edge and, replayed on new data, still waits for kernel 1's partials."""
     card = softmax(8, 262144)
     hw = current()
-    fam = family_for(card)
-    knobs = fam.default(card, hw)
+    template = template_for(card)
+    knobs = template.default(card, hw)
     if "pdl" not in knobs:
         pytest.skip(f"programmatic dependent launch needs sm_90+, this is {hw.arch}")
-    cand = fam.build(card, {**knobs, "pdl": True}, hw)
+    cand = template.build(card, {**knobs, "pdl": True}, hw)
     x = torch.randn(8, 262144, device="cuda")
     y = torch.empty_like(x)
     plan = runtime.build_plan(cand, compiler.compile(cand.source, options=cand.plan.options).cubin, x.device.index or 0)

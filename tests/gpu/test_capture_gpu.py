@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kforge.capture import capture
-from kforge.cards import load_cards, load_sample
+from kforge.capturing import capture
+from kforge.card_files import load_cards, load_sample
 from kforge.modelspec import load_model_spec
 
 pytestmark = pytest.mark.gpu  # tests/conftest.py skips these, with the reason, where there is no GPU

@@ -15,7 +15,8 @@ import torch
 from builtin_cards import A, BF16, F16, make_card, meta
 from codegen_cards import EDGES, card_for, pointwise_overloads
 from kforge import compiler, runtime
-from kforge.cards import empty_like_meta, save_card
+from kforge.card_files import save_card
+from kforge.cards import empty_like_meta
 from kforge.evaluate import make_evaluator
 from kforge.hardware import current
 from kforge.proposers.builtin import generated

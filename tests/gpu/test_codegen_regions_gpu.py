@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kforge.capture import capture
+from kforge.capturing import capture
 from kforge.evaluate import make_evaluator
 from kforge.hardware import current
 from kforge.proposers.base import ProposalContext

@@ -10,7 +10,7 @@ from builtin_cards import gn
 from kforge.evaluate import make_evaluator
 from kforge.hardware import current
 from kforge.package import load, write_package
-from kforge.proposers.builtin import family_for
+from kforge.proposers.builtin import template_for
 from kforge.verdict import Verdict
 from test_package import build_run
 
@@ -20,8 +20,8 @@ pytestmark = pytest.mark.gpu
 def test_a_real_card_gets_a_torch_compile_time_and_both_decisions(tmp_path):
     card = gn(1, 512, 64, 64, 32)  # group_norm at batch 1: where kforge's kernels beat Inductor's
     hw = current()
-    fam = family_for(card)
-    candidate = fam.build(card, fam.default(card, hw), hw)
+    template = template_for(card)
+    candidate = template.build(card, template.default(card, hw), hw)
     with make_evaluator(tmp_path / "search", devices=[0], timeout_s=10.0) as evaluator:
         first = evaluator.evaluate(card, candidate)
         second = evaluator.evaluate(card, candidate)

@@ -14,7 +14,7 @@ from torch import nn
 
 import kforge
 from kforge import compiler
-from kforge.capture import capture
+from kforge.capturing import capture
 from kforge.evaluate import make_evaluator
 from kforge.hardware import current
 from kforge.package import CastPackage, PackagedCard

@@ -95,8 +95,8 @@ torch.cuda.init()
 try:
     plan.launch([], [16], [], torch.cuda.current_stream().cuda_stream)
     kforge._C.synchronize(0)
-except kforge._C.CudaError as e:
-    print("ERR", str(e).split(":")[0])
+except kforge.errors.CudaError as e:
+    print("ERR", e.name)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "ERR CUDA_ERROR_ILLEGAL_ADDRESS" in out.stdout, out.stdout + out.stderr

@@ -13,7 +13,7 @@ import torch
 
 from evalkit import make_card
 from kforge.candidate import Candidate, LaunchPlan
-from kforge.cards import save_card, save_sample
+from kforge.card_files import save_card, save_sample
 
 KERNELS = Path(__file__).parent / "kernels"
 CASES = json.loads((KERNELS / "cases.json").read_text())["cases"]

@@ -12,7 +12,7 @@ import torch
 
 from fakes import logged
 from kforge import hardware
-from kforge.capture import capture
+from kforge.capturing import capture
 from kforge.evaluate import make_evaluator
 from kforge.store import SQLiteStore
 from kforge.proposers.llm import LLMConfig, LLMProposer, prompts

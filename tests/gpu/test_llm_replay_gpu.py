@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kforge.capture import capture
+from kforge.capturing import capture
 from kforge.evaluate import make_evaluator
 from test_llm_replay import replay_all, table
 

@@ -13,7 +13,8 @@ from test_package import rewrite
 from test_package_attacks import _key_pair
 
 from kforge import castfile
-from kforge.package import MANIFEST, PackageFallbackWarning, load, write_package
+from kforge.castfile import MANIFEST
+from kforge.package import PackageFallbackWarning, load, write_package
 
 pytestmark = pytest.mark.gpu
 

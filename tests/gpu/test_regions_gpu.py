@@ -13,8 +13,8 @@ from torch import nn
 
 from kforge import compiler
 from kforge.candidate import Candidate, LaunchPlan
-from kforge.capture import capture
-from kforge.cards import load_cards, load_sample
+from kforge.capturing import capture
+from kforge.card_files import load_cards, load_sample
 from kforge.optimize import optimize
 from kforge.package import CastPackage, PackagedCard
 

@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..candidate import Candidate
-from ..cards import Card, card_dir
+from ..card_files import card_dir
+from ..cards import Card
 from ..errors import CardError
 from ..hardware import Hardware
 from ..pool import EvaluatorFactory, EvaluatorPool

@@ -21,7 +21,7 @@ import math
 from ...cards import Card, decode_value
 from ...hardware import Hardware
 from .common import ceil_div, constants, ctype, legal_vecs, render, unsupported_dtype
-from .family import Family, Knobs, KnobSpace, candidate, launch, pick
+from .template import Knobs, KnobSpace, Template, candidate, launch, pick
 
 OPS = frozenset({"aten::native_batch_norm.default", "aten::_native_batch_norm_legit_no_training.default",
                  "aten::cudnn_batch_norm.default"})
@@ -173,4 +173,4 @@ def build(card: Card, knobs: Knobs, hw: Hardware):
                      [launch("kf_bn_eval", [grid], [nt], args)])
 
 
-FAMILY = Family("batch_norm", OPS, check, spaces, default, build)
+TEMPLATE = Template("batch_norm", OPS, check, spaces, default, build)

@@ -15,8 +15,8 @@ from ...codegen import build as cg_build
 from ...codegen import lower
 from ...codegen.ir import FLOATS, Program
 from ...hardware import Hardware
-from .family import Family, Knobs, KnobSpace, launch, pick
 from .space import space_of
+from .template import Knobs, KnobSpace, Template, launch, pick
 
 _PROGRAMS: dict[str, Program | str] = {}  # card id -> its program (cards are immutable once made)
 SPLITS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -178,4 +178,4 @@ def build(card: Card, knobs: Knobs, hw: Hardware) -> Candidate:
                      proposer="builtin", knobs=dict(knobs), note="generated")
 
 
-FAMILY = Family("generated", None, check, spaces, default, build)
+TEMPLATE = Template("generated", None, check, spaces, default, build)

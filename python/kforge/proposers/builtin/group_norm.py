@@ -23,7 +23,7 @@ from __future__ import annotations
 from ...cards import Card, decode_value
 from ...hardware import Hardware
 from .common import GROUP_WAIT, ceil_div, constants, ctype, group_wait_workspace, legal_vecs, render, unsupported_dtype
-from .family import Family, Knobs, KnobSpace, candidate, launch, pick
+from .template import Knobs, KnobSpace, Template, candidate, launch, pick
 
 OPS = frozenset({"aten::native_group_norm.default"})
 HOLDS = (0, 8, 16, 32)  # coop: fp32 values a thread keeps in registers between its two passes
@@ -336,4 +336,4 @@ def build(card: Card, knobs: Knobs, hw: Hardware):
     return candidate("group_norm", card, knobs, dtypes, body, kernels, ws)
 
 
-FAMILY = Family("group_norm", OPS, check, spaces, default, build)
+TEMPLATE = Template("group_norm", OPS, check, spaces, default, build)

@@ -30,4 +30,4 @@ def _problem(card: Card) -> rownorm.RowNorm | str:
     return rownorm.checked(card, rn)
 
 
-FAMILY = rownorm.family("layer_norm", OPS, _problem)
+TEMPLATE = rownorm.template("layer_norm", OPS, _problem)

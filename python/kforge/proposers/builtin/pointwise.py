@@ -22,7 +22,7 @@ import torch
 from ...cards import Card, TensorMeta, decode_value, dtype_name
 from ...hardware import Hardware
 from .common import ceil_div, constants, ctype, f32, render, unsupported_dtype
-from .family import Family, Knobs, KnobSpace, candidate, launch
+from .template import Knobs, KnobSpace, Template, candidate, launch
 
 _GELU = {
     "none": "0.5f * a * (1.f + erff(a * 0.70710678118654752f))",
@@ -321,4 +321,4 @@ def build(card: Card, knobs: Knobs, hw: Hardware):
     return candidate("pointwise", card, knobs, dtypes, src, [launch("kf_pointwise", [blocks], [nt], args)])
 
 
-FAMILY = Family("pointwise", OPS, check, spaces, default, build)
+TEMPLATE = Template("pointwise", OPS, check, spaces, default, build)

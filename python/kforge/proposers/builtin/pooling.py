@@ -20,7 +20,7 @@ import numpy as np
 from ...cards import Card, TensorMeta, decode_value
 from ...hardware import Hardware
 from .common import ceil_div, constants, ctype, f32, legal_vecs, unsupported_dtype
-from .family import Family, Knobs, KnobSpace, candidate, launch, pick
+from .template import Knobs, KnobSpace, Template, candidate, launch, pick
 
 OPS = frozenset({"aten::mean.dim", "aten::_adaptive_avg_pool2d.default"})
 
@@ -225,4 +225,4 @@ def build(card: Card, knobs: Knobs, hw: Hardware):
     return candidate("pooling", card, knobs, {x.dtype, out.dtype}, "\n".join([types, consts, body]), [kernel])
 
 
-FAMILY = Family("pooling", OPS, check, spaces, default, build)
+TEMPLATE = Template("pooling", OPS, check, spaces, default, build)

@@ -9,38 +9,38 @@ from ...cards import Card
 from ...errors import ProposerError
 from ..base import Proposal, ProposalContext, Proposer, Tried
 from . import batch_norm, generated, group_norm, layer_norm, pointwise, pooling, rms_norm, softmax, space
-from .family import Family, Knobs, KnobSpace
+from .template import Knobs, KnobSpace, Template
 
-FAMILIES: tuple[Family, ...] = tuple(m.FAMILY for m in (pointwise, softmax, layer_norm, rms_norm, group_norm,
-                                                      batch_norm, pooling, generated))
+TEMPLATES: tuple[Template, ...] = tuple(m.TEMPLATE for m in (pointwise, softmax, layer_norm, rms_norm, group_norm,
+                                                               batch_norm, pooling, generated))
 TIER_WEIGHTS = {1: 4.0, 2: 2.0, 3: 1.0}  # small moves are tried more often than algorithm switches
 
 
-def family_for(card: Card, families: tuple[Family, ...] = FAMILIES) -> Family | None:
-    """The first family that takes the card's op (a template before the generator)."""
-    return next((f for f in families if f.takes(card.op)), None)
+def template_for(card: Card, templates: tuple[Template, ...] = TEMPLATES) -> Template | None:
+    """The first template that takes the card's op (a template before the generator)."""
+    return next((f for f in templates if f.takes(card.op)), None)
 
 
-def families_for(card: Card, families: tuple[Family, ...] = FAMILIES) -> list[Family]:
-    """Every family that takes the card's op and does not decline the card."""
-    return [f for f in families if f.takes(card.op) and not f.check(card)]
+def templates_for(card: Card, templates: tuple[Template, ...] = TEMPLATES) -> list[Template]:
+    """Every template that takes the card's op and does not decline the card."""
+    return [f for f in templates if f.takes(card.op) and not f.check(card)]
 
 
 class BuiltinProposer(Proposer):
     name = "builtin"
 
-    def __init__(self, families: tuple[Family, ...] = FAMILIES):
-        self.families = families
+    def __init__(self, templates: tuple[Template, ...] = TEMPLATES):
+        self.templates = templates
 
-    def _families(self, card: Card, hw) -> tuple[list[Family], list[KnobSpace]]:
+    def _templates(self, card: Card, hw) -> tuple[list[Template], list[KnobSpace]]:
         ok, why = self.supports(card)
         if not ok:
             raise ProposerError(f"the builtin proposer has no template for this card: {why}")
-        fams = families_for(card, self.families)
-        return fams, [s for f in fams for s in f.spaces(card, hw)]
+        found = templates_for(card, self.templates)
+        return found, [s for f in found for s in f.spaces(card, hw)]
 
     def supports(self, card: Card) -> tuple[bool, str]:
-        takers = [f for f in self.families if f.takes(card.op)]
+        takers = [f for f in self.templates if f.takes(card.op)]
         if not takers:
             return False, f"no builtin template for {card.op}"
         whys = [(f.name, f.check(card)) for f in takers]
@@ -48,16 +48,16 @@ class BuiltinProposer(Proposer):
             return True, ""
         return False, "; ".join(f"{name}: {why}" for name, why in whys)
 
-    def _owner(self, card: Card, hw, knobs: Knobs) -> Family:
-        for f in families_for(card, self.families):
+    def _owner(self, card: Card, hw, knobs: Knobs) -> Template:
+        for f in templates_for(card, self.templates):
             if any(s["algo"][0] == knobs.get("algo") for s in f.spaces(card, hw)):
                 return f
-        raise ProposerError(f"no builtin family has algorithm {knobs.get('algo')!r} for {card.summary()}")
+        raise ProposerError(f"no builtin template has algorithm {knobs.get('algo')!r} for {card.summary()}")
 
     def propose(self, ctx: ProposalContext) -> Proposal:
-        fams, spaces = self._families(ctx.card, ctx.hardware)
+        found, spaces = self._templates(ctx.card, ctx.hardware)
         if ctx.parent is None:
-            origin = fams[0].default(ctx.card, ctx.hardware)
+            origin = found[0].default(ctx.card, ctx.hardware)
             first = self._build(ctx, origin)
             if first.candidate.digest() not in ctx.tried_digests:
                 return first
@@ -78,11 +78,11 @@ class BuiltinProposer(Proposer):
             proposal = self._build(ctx, k)
             if proposal.candidate.digest() not in ctx.tried_digests:
                 return proposal
-        raise ProposerError(f"{fams[0].name}: every knob setting near {origin} has been tried for {ctx.card.summary()}")
+        raise ProposerError(f"{found[0].name}: every knob setting near {origin} has been tried for {ctx.card.summary()}")
 
     def repair(self, ctx: ProposalContext, failed: Tried) -> Proposal | None:
         """A step toward safety (narrower vectors, fewer threads, ...) from the failed knobs."""
-        _, spaces = self._families(ctx.card, ctx.hardware)
+        _, spaces = self._templates(ctx.card, ctx.hardware)
         for k in space.safer(spaces, failed.candidate.knobs):
             proposal = self._build(ctx, k)
             if proposal.candidate.digest() not in ctx.tried_digests:

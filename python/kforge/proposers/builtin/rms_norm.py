@@ -36,4 +36,4 @@ def _problem(card: Card) -> rownorm.RowNorm | str:
     return rownorm.checked(card, rn)
 
 
-FAMILY = rownorm.family("rms_norm", OPS, _problem)
+TEMPLATE = rownorm.template("rms_norm", OPS, _problem)

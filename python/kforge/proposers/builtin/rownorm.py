@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from ...cards import Card, TensorMeta
 from ...hardware import Hardware
 from .common import ceil_div, constants, ctype, legal_vecs, render, unsupported_dtype
-from .family import Knobs, KnobSpace, candidate, launch, pick
+from .template import Knobs, KnobSpace, candidate, launch, pick
 
 MAX_REGS = 64
 
@@ -217,7 +217,7 @@ extern "C" __global__ void __launch_bounds__(NT) kf_rownorm(@PARAMS@) {
 """
 
 
-def build(family: str, card: Card, rn: RowNorm, knobs: Knobs):
+def build(template: str, card: Card, rn: RowNorm, knobs: Knobs):
     algo, v = knobs["algo"], knobs["vec"]
     y = card.outputs[0]
     names = [("x", "Tx", {"in": 0})]
@@ -259,18 +259,18 @@ def build(family: str, card: Card, rn: RowNorm, knobs: Knobs):
         grid = rn.rows
     body = "\n".join([decls, consts, absent, render(_STORE, PARAMS=params), kernel])
     plan_args = [a for _, _, a in names]
-    return candidate(family, card, knobs, dtypes, body, [launch("kf_rownorm", [grid], [nt], plan_args)])
+    return candidate(template, card, knobs, dtypes, body, [launch("kf_rownorm", [grid], [nt], plan_args)])
 
 
-def family(name: str, ops: frozenset[str], problem):
-    """The Family of a row norm whose arguments `problem(card)` reads (RowNorm, or why not)."""
-    from .family import Family
+def template(name: str, ops: frozenset[str], problem):
+    """The Template of a row norm whose arguments `problem(card)` reads (RowNorm, or why not)."""
+    from .template import Template
 
     def check(card: Card) -> str | None:
         p = problem(card)
         return p if isinstance(p, str) else None
 
-    return Family(name, ops, check,
+    return Template(name, ops, check,
                   lambda card, hw: spaces(card, problem(card)),
                   lambda card, hw: default(card, problem(card), hw),
                   lambda card, knobs, hw: build(name, card, problem(card), knobs))

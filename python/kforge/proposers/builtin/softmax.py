@@ -30,7 +30,7 @@ from __future__ import annotations
 from ...cards import Card, decode_value
 from ...hardware import Hardware
 from .common import GROUP_WAIT, ceil_div, constants, ctype, group_wait_workspace, legal_vecs, render, unsupported_dtype
-from .family import Family, Knobs, KnobSpace, candidate, launch, pick
+from .template import Knobs, KnobSpace, Template, candidate, launch, pick
 
 OPS = frozenset({"aten::_softmax.default", "aten::_log_softmax.default", "aten::softmax.int", "aten::log_softmax.int"})
 LOG_OPS = frozenset({"aten::_log_softmax.default", "aten::log_softmax.int"})
@@ -548,4 +548,4 @@ def build(card: Card, knobs: Knobs, hw: Hardware):
     return candidate("softmax", card, knobs, {x.dtype, out.dtype}, body, kernels, ws)
 
 
-FAMILY = Family("softmax", OPS, check, spaces, default, build)
+TEMPLATE = Template("softmax", OPS, check, spaces, default, build)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 
-from .family import Knobs, KnobSpace
+from .template import Knobs, KnobSpace
 
 SAFETY_ORDER = ("vec", "threads", "warps", "items", "rows", "lanes", "ty", "split")  # what repair shrinks first
 

@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from ...env import llm_environment
 from ...errors import LLMError
 from .prices import PRICES, PRICES_AS_OF, find_price
 
@@ -164,14 +164,9 @@ class LLMConfig:
                 **flags: Any) -> "LLMConfig":
         """Build a config from flags > environment > config file > defaults.
         Flags that are None count as not given."""
-        env = os.environ if environ is None else environ
-        path = config_file or env.get("KFORGE_LLM_CONFIG")
+        from_env = llm_environment(environ)
+        path = config_file or from_env.pop("config")
         values: dict[str, Any] = _read_file(Path(path)) if path else {}
-        from_env = {
-            "base_url": env.get("KFORGE_LLM_BASE_URL") or env.get("OPENAI_BASE_URL"),
-            "model": env.get("KFORGE_LLM_MODEL"),
-            "api_key": env.get("KFORGE_LLM_API_KEY") or env.get("OPENAI_API_KEY"),
-        }
         values.update({k: v for k, v in from_env.items() if v})
         values.update({k: v for k, v in flags.items() if v is not None})
         # `price` (--llm-price): the price of the model in use, whatever its name resolves to.

@@ -1,6 +1,6 @@
-"""What a template family provides, and how its output becomes a Candidate.
+"""What a template provides, and how its output becomes a Candidate.
 
-A family owns a few aten ops. For a card it can say why it declines, list its knob
+A template owns a few aten ops. For a card it can say why it declines, list its knob
 spaces (one per algorithm: every combination of the listed values is a legal kernel for
 the card, values ordered from the most conservative to the most aggressive), pick a
 default from shapes and hardware, and build the specialized candidate for any point.
@@ -22,7 +22,7 @@ Knobs = dict[str, Any]
 
 
 @dataclass(frozen=True)
-class Family:
+class Template:
     name: str
     ops: frozenset[str] | None  # None: any op, and `check` says which cards it declines (the generator)
     check: Callable[[Card], str | None]  # why the card is declined, or None
@@ -41,9 +41,9 @@ def launch(name: str, grid, block, args: list[dict], smem: int = 0, cooperative:
     return KernelLaunch(name, grid, block, smem, args, cooperative, pdl, cluster)
 
 
-def candidate(family: str, card: Card, knobs: Knobs, dtypes, body: str, kernels: list[KernelLaunch],
+def candidate(template: str, card: Card, knobs: Knobs, dtypes, body: str, kernels: list[KernelLaunch],
               workspace: list | None = None, note: str = "") -> Candidate:
-    title = f"{family} {card.op} knobs={json.dumps(knobs, sort_keys=True)}"
+    title = f"{template} {card.op} knobs={json.dumps(knobs, sort_keys=True)}"
     return Candidate(source=cuda_source(title, dtypes, body), plan=LaunchPlan(kernels, workspace or [], []),
                      kind="custom", proposer="builtin", knobs=dict(knobs), note=note)
 

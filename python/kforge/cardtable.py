@@ -1,0 +1,68 @@
+"""Which cards the search takes, and the table of cards `kforge capture` and `kforge inspect` print."""
+
+from __future__ import annotations
+
+import math
+
+from .cards import Card
+from .op_capture import nested_in
+
+
+# Every family but views and vendor ops: whether a card is searched is then up to the
+# proposer (`supports`), so `other` ops (cumsum, index, scatter, cat, ...) reach the LLM. A
+# region card (capture(regions=True)) is searched like the families it fuses.
+SEARCHABLE = frozenset({"pointwise", "reduction", "normalization", "pooling", "other", "region"})
+
+_SKIP_REASONS = {
+    "view": "view/metadata op: no kernel to write",
+    "vendor": "vendor-backed (cuBLAS/cuDNN): skipped unless asked",
+}
+
+
+def skip_reason(card: Card) -> str | None:
+    """Why the search leaves this card alone, or None when it is searchable."""
+    if card.family in SEARCHABLE:
+        return None
+    return _SKIP_REASONS.get(card.family, f"family {card.family!r} is not searched")
+
+
+def cards_table(cards: list[Card], limit: int | None = None, searchable_only: bool = False):
+    """A rich Table of cards ranked by share: op with shapes/dtypes, family, calls, time, share,
+    status, card id (what `kforge search --cards` takes) and where in the model it ran. With
+    `searchable_only`, cards the search leaves alone (view ops, vendor libraries) are left out."""
+    from rich.table import Table
+
+    ranked = sorted(cards, key=lambda c: -(c.share or 0.0))
+    picked = [c for c in ranked if skip_reason(c) is None] if searchable_only else ranked
+    shown = picked[:limit] if limit is not None else picked
+    table = Table(title="operator cards", show_lines=False)
+    for name, justify in (("#", "right"), ("op (shapes:dtypes)", "left"), ("family", "left"), ("calls", "right"),
+                          ("eager µs", "right"), ("share", "right"), ("status", "left"), ("card", "left"),
+                          ("module", "left")):
+        table.add_column(name, justify=justify, overflow="fold")
+    nested = 0
+    for i, c in enumerate(shown, 1):
+        status = skip_reason(c) or "searchable"
+        inside = nested_in(c)
+        if inside:
+            nested += 1
+            status += f"; inside {inside}"
+        table.add_row(str(i), c.summary(), c.family, str(c.calls), _fmt(c.eager_us, "{:.1f}"),
+                      _fmt(c.share, "{:.1%}"), status, c.id, module_path(c))
+    hidden = len(ranked) - len(shown)
+    captions = [f"{hidden} more cards not shown" + (" (--all lists them)" if searchable_only else "")] if hidden else []
+    if nested:
+        captions.append("a card marked 'inside' runs within another card's calls: its share is also in that "
+                        "card's share (the other cards' shares add up to 100 %)")
+    table.caption = "\n".join(captions) or None
+    return table
+
+
+def module_path(card: Card) -> str:
+    """Where in the model a card ran: its first module path, and how many others there are."""
+    paths = card.module_paths or []
+    return (paths[0] + (f" (+{len(paths) - 1})" if len(paths) > 1 else "")) if paths else "-"
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None or math.isnan(x) else spec.format(x)

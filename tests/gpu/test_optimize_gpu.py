@@ -1,0 +1,93 @@
+"""kforge.optimize on a real GPU: the region kernel in the traced graph, op by op and replayed
+from CUDA graphs (cuda_graphs=True), outputs equal to eager, and every case a replay cannot take
+falling back to the graph op by op."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from kforge import compiler
+from kforge.capture import capture
+from kforge.optimize import optimize
+from kforge.package import CastPackage, PackagedCard
+from test_regions_gpu import SILU_MUL, SiluMul, silu_mul_candidate
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_dynamo")]
+
+
+def silu_mul_package(tmp_path, a, b) -> tuple[CastPackage, PackagedCard]:
+    (card,) = [c for c in capture(SiluMul(), (a, b), tmp_path, regions=True, time_cards=False).cards if c.region]
+    cubin = compiler.compile(SILU_MUL, name="silu_mul.cu", arch=card.arch).cubin
+    pc = PackagedCard(card, "dispatched", "test", "custom", {"timing": {"dispatched_us": 1.0},
+                                                             "baseline": {"baseline_us": 2.0}}, silu_mul_candidate(), cubin)
+    return CastPackage(Path("test.cast"), {"gpu": {"arch": card.arch, "name": torch.cuda.get_device_name()}}, [pc]), pc
+
+
+class Scaled(nn.Module):
+    """SiluMul with a parameter after it (the region ends at its output, which is also returned):
+    the replay's guard on where the model's tensors are."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((64, 4096), 2.0, device="cuda"))
+
+    def forward(self, a, b):
+        y = SiluMul()(a, b)
+        return y, y * self.scale
+
+
+def test_the_region_kernel_replays_from_a_cuda_graph_and_new_inputs_are_read(tmp_path):
+    a, b = (torch.randn(64, 4096, device="cuda") for _ in range(2))
+    pkg, pc = silu_mul_package(tmp_path, a, b)
+    model = Scaled()
+    fast = optimize(model, pkg, cuda_graphs=True)
+    with torch.inference_mode():
+        for _ in range(3):
+            a2, b2 = torch.randn_like(a), torch.randn_like(b)  # new tensors, new values each call
+            torch.testing.assert_close(fast(a2, b2), model(a2, b2))
+        held = fast(a, b)
+        fast(b, a)
+        torch.testing.assert_close(held, model(a, b))  # an output stays valid after the next replay
+    (r,) = fast.report()["cuda_graphs"]
+    assert r["captured"] and r["replays"] == 5 and r["misses"] == 0, fast.notes
+    assert pc.counters.hits >= 1  # the kernel is in the graph (its hits count the capture's calls)
+    with torch.no_grad():
+        model.scale.data = torch.full_like(model.scale, 3.0)  # moved: a replay would read the old one
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(a, b), model(a, b))
+    assert fast.report()["cuda_graphs"][0]["misses"] == 1
+
+
+def test_a_new_shape_captures_its_own_graph_and_a_host_sync_runs_op_by_op(tmp_path):
+    a, b = (torch.randn(64, 4096, device="cuda") for _ in range(2))
+    pkg, _ = silu_mul_package(tmp_path, a, b)
+    fast = optimize(SiluMul(), pkg, cuda_graphs=True)
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(a, b), SiluMul()(a, b))
+        c, d = a[:32], b[:32]
+        torch.testing.assert_close(fast(c, d), SiluMul()(c, d))
+    assert [r["captured"] for r in fast.report()["cuda_graphs"]] == [True, True]
+
+    class Syncs(nn.Module):
+        def forward(self, x):
+            return x * float(x.abs().max())  # .item() inside: dynamo breaks the graph there
+
+    torch.compiler.reset()
+    slow = optimize(Syncs(), pkg, cuda_graphs=True)
+    with torch.inference_mode():
+        torch.testing.assert_close(slow(a), Syncs()(a))
+    assert slow.notes, "the graph break is noted"
+
+
+def test_without_cuda_graphs_the_region_kernel_runs_op_by_op(tmp_path):
+    a, b = (torch.randn(64, 4096, device="cuda") for _ in range(2))
+    pkg, pc = silu_mul_package(tmp_path, a, b)
+    fast = optimize(SiluMul(), pkg)
+    with torch.inference_mode():
+        for _ in range(2):
+            torch.testing.assert_close(fast(a, b), SiluMul()(a, b))
+    assert pc.counters.hits == 2 and fast.report()["cuda_graphs"] == [] and fast.graphs[0] is not None
