@@ -51,18 +51,16 @@ def max_rel_err(got, ref) -> float:
 
 def phase_seconds(run_dir: Path, run_id: str) -> dict:
     """Where the search's evaluation time went: seconds per worker phase, summed over candidates."""
-    from kforge.log import connect
+    from kforge.store import SQLiteStore
 
     totals: dict[str, float] = {}
-    conn = connect(run_dir, readonly=True)
-    try:
-        for (evidence,) in conn.execute("SELECT evidence_json FROM candidates WHERE run_id=?", (run_id,)):
-            for name, sec in json.loads(evidence or "{}").get("phase_s", {}).items():
-                totals[name] = totals.get(name, 0.0) + sec
-        n = conn.execute("SELECT COUNT(*), COALESCE(SUM(eval_s), 0) FROM candidates WHERE run_id=?", (run_id,)).fetchone()
-    finally:
-        conn.close()
-    return {"candidates": n[0], "eval_s": round(n[1], 2), **{k: round(v, 2) for k, v in totals.items()}}
+    with SQLiteStore(run_dir, readonly=True) as log:
+        candidates = log.candidates(run_id)
+    for c in candidates:
+        for name, sec in c.evidence.get("phase_s", {}).items():
+            totals[name] = totals.get(name, 0.0) + sec
+    eval_s = sum(c.eval_s or 0.0 for c in candidates)
+    return {"candidates": len(candidates), "eval_s": round(eval_s, 2), **{k: round(v, 2) for k, v in totals.items()}}
 
 
 def fastest(model_us: dict) -> tuple[str, float, str]:

@@ -33,9 +33,8 @@ import kforge  # noqa: E402
 from kforge import runner  # noqa: E402
 from kforge.capturing import capture  # noqa: E402
 from kforge.card_files import load_cards  # noqa: E402
-from kforge.log import SearchLog  # noqa: E402
 from kforge.modelspec import load_model_spec  # noqa: E402
-from kforge.search.tree import tried_from_row  # noqa: E402
+from kforge.store import SQLiteStore  # noqa: E402
 
 TARGET_MS = 50.0
 
@@ -57,20 +56,16 @@ def overhead_ms(local_run: Path, run_id: str, ray_pool, count: int) -> list[floa
     from kforge.evaluate import make_evaluator
 
     cards = {c.id: c for c in load_cards(local_run)}
-    log = SearchLog(local_run)
-    try:
-        rows = [r for r in log.rows("SELECT * FROM candidates WHERE run_id=? AND verdict IN ('valid', 'slower') "
-                                    "ORDER BY id", (run_id,))][:count]
-    finally:
-        log.close()
+    with SQLiteStore(local_run, readonly=True) as log:
+        rows = [r for r in log.candidates(run_id) if r.verdict in ("valid", "slower")][:count]
     local, remote = make_evaluator(local_run, devices=[0]), ray_pool.evaluator(0)
     diffs = []
     try:
         first = rows[0]
         for ev in (local, remote):  # workers started, the card's inputs prepared: not the candidates' time
-            ev.evaluate(cards[first["card_id"]], tried_from_row(first).candidate)
+            ev.evaluate(cards[first.card_id], first.tried().candidate)
         for i, row in enumerate(rows):
-            card, cand = cards[row["card_id"]], tried_from_row(row).candidate
+            card, cand = cards[row.card_id], row.tried().candidate
             took = {}
             for name, ev in ((("local", local), ("ray", remote)) if i % 2 == 0 else (("ray", remote), ("local", local))):
                 t0 = time.perf_counter()

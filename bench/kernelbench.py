@@ -237,16 +237,12 @@ def _inputs(m: types.ModuleType, seed: int, device: str) -> list[Any]:
 
 
 def _search_counts(run_dir: Path) -> dict:
-    from kforge.log import connect
+    from kforge.store import LLMUsage, SQLiteStore
 
-    conn = connect(run_dir, readonly=True)
-    try:
-        return {"candidates": conn.execute("SELECT COUNT(*) FROM candidates").fetchone()[0],
-                "llm_cost_usd": conn.execute("SELECT COALESCE(SUM(cost_usd), 0) FROM llm_calls").fetchone()[0],
-                "llm_tokens": conn.execute("SELECT COALESCE(SUM(prompt_tokens + completion_tokens), 0) "
-                                           "FROM llm_calls").fetchone()[0]}
-    finally:
-        conn.close()
+    with SQLiteStore(run_dir, readonly=True) as log:  # one run: the problem's own directory
+        run_id = log.latest_run()
+        llm = sum(log.llm_usage(run_id).values(), LLMUsage())
+        return {"candidates": log.activity(run_id)[0], "llm_cost_usd": llm.cost_usd, "llm_tokens": llm.tokens}
 
 
 def run_problem(problem: Problem, args, device: str, search_s: float) -> dict:

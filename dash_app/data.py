@@ -1,6 +1,6 @@
 """Read-only queries over search logs and .cast packages, for the dashboard.
 
-The dashboard never writes: every query opens its log with `log.connect(path, readonly=True)`
+The dashboard never writes: every query opens its log as a read-only `kforge.store.SQLiteStore`
 and closes it again, so a search writing the same file (WAL) is never blocked and a log
 that appears while the dashboard runs is picked up. Results are cached for `ttl_s`
 (about the polling period of the live views), so many browser tabs polling the same run
@@ -11,12 +11,13 @@ a folder whose immediate subfolders are run dirs (`kforge dash runs/`), or a .ca
 (matched to its run by the manifest's run_id; packages in or next to a run dir are found
 without being named). A run dir that `kforge capture` wrote and nothing searched yet (cards
 and capture.json, no log) is shown as a run of status "captured", named after its folder:
-its cards go, with SearchLog, into a log in the catalog's own scratch folder (never into the
+its cards go, with SQLiteStore, into a log in the catalog's own scratch folder (never into the
 run dir), so every page reads it like any other run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from kforge.errors import KforgeError, LogError, PackageError
-from kforge.log import LOG_NAME, SearchLog, connect, translated
+from kforge.store import LOG_NAME, CardRecord, LLMUsage, SQLiteStore
 from kforge.manifest import read_manifest
 from kforge.redact import scrub
 
@@ -66,6 +67,21 @@ def _loads(text: str | None, default: Any) -> Any:
         return json.loads(text)
     except ValueError:
         return default
+
+
+def _scrubbed(value: Any) -> Any:
+    """`value` with its texts scrubbed: a log written before kforge scrubbed its texts may hold
+    a key in any of them. A JSON value is scrubbed as the one text it is stored as."""
+    if isinstance(value, str):
+        return scrub(value, limit=None)
+    if isinstance(value, (dict, list)):
+        return _loads(scrub(json.dumps(value), limit=None), type(value)())
+    return value
+
+
+def _record(record: Any, *keys: str) -> dict:
+    """A store record as a dict of scrubbed values (only `keys`, when given)."""
+    return {k: _scrubbed(getattr(record, k)) for k in keys or [f.name for f in dataclasses.fields(record)]}
 
 
 def proposer_of_call(model: str) -> str:
@@ -158,8 +174,7 @@ class Catalog:
 
         info = _loads((run_dir / CAPTURE_FILE).read_text(), {})
         cards = load_cards(run_dir)
-        log = SearchLog(where)
-        try:
+        with SQLiteStore(where) as log:
             log.start_run(run_dir.name, config={"captured_only": True, "run_dir": str(run_dir)},
                           device=info.get("device"), arch=cards[0].arch if cards else None)
             for card in cards:
@@ -168,8 +183,6 @@ class Catalog:
                 if why:
                     log.set_card_status(run_dir.name, card.id, "skipped", why)
             log.set_run_status(run_dir.name, CAPTURED)
-        finally:
-            log.close()
 
     @_ttl
     def _scan(self) -> tuple[dict[str, Path], dict[Path, str]]:
@@ -179,8 +192,8 @@ class Catalog:
         unreadable: dict[Path, str] = {}
         for path in self.log_paths():
             try:
-                for row in self._read(path, "SELECT id FROM runs"):
-                    index.setdefault(row["id"], path)
+                for run in self._read(path, lambda log: log.runs()):
+                    index.setdefault(run.id, path)
             except NotFound as e:  # listed with its error on the runs page, never hidden
                 unreadable[path] = str(e)
         for run_dir in self.capture_dirs():
@@ -201,21 +214,16 @@ class Catalog:
         return path
 
     @staticmethod
-    def _read(path: Path, sql: str, params: Iterable = ()) -> list[dict]:
+    def _read(path: Path, query: Callable[[SQLiteStore], Any]) -> Any:
+        """What `query` reads from the log at `path`, opened read-only for it alone."""
         try:
-            conn = connect(path, readonly=True)
-            try:
-                with translated(path):
-                    # A log written before kforge scrubbed its texts may hold a key in any of them.
-                    return [{k: scrub(v, limit=None) if isinstance(v, str) else v for k, v in dict(r).items()}
-                            for r in conn.execute(sql, tuple(params)).fetchall()]
-            finally:
-                conn.close()
+            with SQLiteStore(path, readonly=True) as log:
+                return query(log)
         except LogError as e:
             raise NotFound(str(e)) from e
 
-    def _q(self, run_id: str, sql: str, params: Iterable = ()) -> list[dict]:
-        return self._read(self._log_of(run_id), sql, params)
+    def _q(self, run_id: str, query: Callable[[SQLiteStore], Any]) -> Any:
+        return self._read(self._log_of(run_id), query)
 
     # ---- runs ----------------------------------------------------------------------
     @_ttl
@@ -234,18 +242,14 @@ class Catalog:
         out = []
         for run_id, path in index.items():
             try:
-                (run,) = self._read(path, "SELECT * FROM runs WHERE id=?", (run_id,))
+                run, spend, (n, last) = self._read(path, lambda log: (
+                    _record(log.run(run_id)), sum(log.llm_usage(run_id).values(), LLMUsage()), log.activity(run_id)))
                 cards = self.cards(run_id)
-                (spend,) = self._read(path, "SELECT COALESCE(SUM(cost_usd), 0) AS cost, COUNT(*) AS calls, "
-                                            "COALESCE(SUM(prompt_tokens + completion_tokens), 0) AS tokens "
-                                            "FROM llm_calls WHERE run_id=?", (run_id,))
-                (last,) = self._read(path, "SELECT COUNT(*) AS n, MAX(created) AS t FROM candidates WHERE run_id=?",
-                                     (run_id,))
             except NotFound as e:  # damaged past what opening it checks
                 broken.append({"log": str(path), "error": str(e), "created": _mtime(path)})
                 continue
             winners = sorted((c for c in cards if c["best_speedup"]), key=lambda c: -c["best_speedup"])
-            config = _loads(run["config_json"], {})
+            config = run["config"]
             kind = (CAPTURED if run["status"] == CAPTURED else "search" if config.get("validated", True)
                     else "compile-only")
             run_dir = Path(config.get("run_dir") or path.parent)
@@ -253,12 +257,12 @@ class Catalog:
                 "kind": kind, "run_dir": str(run_dir), "next": _next_step(kind, run_dir),
                 "id": run_id, "model": run["model"] or "", "status": run["status"], "device": run["device"] or "",
                 "arch": run["arch"] or "", "torch": run["torch"] or "", "kforge": run["kforge"] or "",
-                "created": run["created"], "updated": last["t"] or run["created"],
+                "created": run["created"], "updated": last or run["created"],
                 "cards": len(cards), "searched": sum(c["status"] not in ("pending", "skipped") for c in cards),
-                "done": sum(c["status"] == "done" for c in cards), "candidates": last["n"],
+                "done": sum(c["status"] == "done" for c in cards), "candidates": n,
                 "best": [(c["op_name"], c["best_speedup"]) for c in winners[:3]],
                 "est_speedup": estimated_speedup(cards),
-                "cost_usd": spend["cost"], "llm_calls": spend["calls"], "tokens": spend["tokens"],
+                "cost_usd": spend.cost_usd, "llm_calls": spend.calls, "tokens": spend.tokens,
                 "log": str(path),
             })
         return sorted(out, key=lambda r: -r["created"]), sorted(broken, key=lambda r: -r["created"])
@@ -291,22 +295,18 @@ class Catalog:
 
     @_ttl
     def run_config(self, run_id: str) -> dict:
-        (row,) = self._q(run_id, "SELECT config_json FROM runs WHERE id=?", (run_id,))
-        return _loads(row["config_json"], {})
+        return _scrubbed(self._q(run_id, lambda log: log.run(run_id)).config)
 
     # ---- cards ---------------------------------------------------------------------
-    _CARD_SQL = """
-        SELECT c.card_id, c.op, c.family, c.summary, c.calls, c.eager_us, c.share, c.status, c.skip_reason,
-               c.best_candidate, c.best_speedup, c.iterations, c.floor_us,
-               json_extract(c.card_json, '$.top_calls') AS top_calls,
-               (SELECT COUNT(*) FROM candidates k WHERE k.run_id=c.run_id AND k.card_id=c.card_id) AS n_candidates,
-               (SELECT COUNT(*) FROM candidates k WHERE k.run_id=c.run_id AND k.card_id=c.card_id
-                  AND k.verdict='valid') AS n_valid,
-               (SELECT kernel_us FROM candidates k WHERE k.id=c.best_candidate) AS best_us,
-               (SELECT COALESCE(SUM(cost_usd), 0) FROM llm_calls l WHERE l.run_id=c.run_id
-                  AND l.card_id=c.card_id) AS cost_usd
-        FROM cards c WHERE c.run_id=? {where}
-        ORDER BY COALESCE(c.share, 0) DESC, c.card_id"""
+    _CARD_KEYS = ("card_id", "op", "family", "summary", "calls", "eager_us", "share", "status", "skip_reason",
+                  "best_candidate", "best_speedup", "iterations", "floor_us", "best_us", "cost_usd")
+
+    @classmethod
+    def _card_of(cls, record: CardRecord) -> dict:
+        row = _record(record, *cls._CARD_KEYS)
+        row.update(top_calls=record.card.get("top_calls"), n_candidates=record.candidates,
+                   n_valid=record.verdicts.get("valid", 0))
+        return row
 
     @staticmethod
     def _card_row(row: dict) -> dict:
@@ -330,32 +330,31 @@ class Catalog:
     @_ttl
     def cards(self, run_id: str) -> list[dict]:
         """Cards of a run ranked by share of runtime."""
-        return self._card_rows(run_id, self._q(run_id, self._CARD_SQL.format(where=""), (run_id,)))
+        return self._card_rows(run_id, [self._card_of(c) for c in self._q(run_id, lambda log: log.cards(run_id))])
 
     @_ttl
     def card(self, run_id: str, card_id: str) -> dict:
-        rows = self._q(run_id, self._CARD_SQL.format(where="AND c.card_id=?"), (run_id, card_id))
-        if not rows:
+        record = self._q(run_id, lambda log: log.card(run_id, card_id))
+        if record is None:
             raise NotFound(f"run {run_id!r} has no card {card_id!r}; pick one on the run's cards page")
-        (row,) = self._card_rows(run_id, rows)
-        (extra,) = self._q(run_id, "SELECT card_json FROM cards WHERE run_id=? AND card_id=?", (run_id, card_id))
-        card = _loads(extra["card_json"], {})
+        (row,) = self._card_rows(run_id, [self._card_of(record)])
+        card = _scrubbed(record.card)
         row["module_paths"] = card.get("module_paths", [])
         row["arch"] = card.get("arch", "")
         return row
 
     # ---- candidates ----------------------------------------------------------------
-    _LIST_COLUMNS = ("id, card_id, parent_id, repair_of, iteration, created, proposer, kind, verdict, message, eager_us, "
-                     "kernel_us, dispatched_us, speedup, reward, max_abs_err, max_rel_err, eval_s, flags_json")
+    _LIST_KEYS = ("id", "card_id", "parent_id", "repair_of", "iteration", "created", "proposer", "kind", "verdict",
+                  "message", "eager_us", "kernel_us", "dispatched_us", "speedup", "reward", "max_abs_err", "max_rel_err",
+                  "eval_s", "flags")
 
     @_ttl
     def candidates(self, run_id: str, card_id: str) -> list[dict]:
         """Every candidate of a card in the order it was evaluated (no sources: they are large)."""
-        rows = self._q(run_id, f"SELECT {self._LIST_COLUMNS} FROM candidates WHERE run_id=? AND card_id=? ORDER BY id",
-                       (run_id, card_id))
+        rows = [_record(c, *self._LIST_KEYS) for c in self._q(run_id, lambda log: log.candidates(run_id, card_id,
+                                                                                                  bodies=False))]
         for r in rows:
             r["summary"] = first_line(r["message"])
-            r["flags"] = _loads(r.pop("flags_json"), [])
         return rows
 
     @_ttl
@@ -363,19 +362,15 @@ class Catalog:
         """One candidate with its parsed plan, knobs, evidence and the source it was derived from.
 
         The diff base is the candidate it repairs if it is a repair, else its tree parent."""
-        rows = self._q(run_id, "SELECT * FROM candidates WHERE run_id=? AND id=?", (run_id, cand_id))
-        if not rows:
+        record = self._q(run_id, lambda log: log.candidate(run_id, cand_id))
+        if record is None:
             raise NotFound(f"run {run_id!r} has no candidate #{cand_id}; pick one on its card's page")
-        c = rows[0]
-        c["plan"] = _loads(c.pop("plan_json"), {})
-        c["knobs"] = _loads(c.pop("knobs_json"), {})
-        c["evidence"] = _loads(c.pop("evidence_json"), {})
-        c["flags"] = _loads(c.pop("flags_json"), [])
+        c = _record(record)
         base_id = c["repair_of"] if c["repair_of"] is not None else c["parent_id"]
         c["base_id"], c["base_source"] = base_id, None
         if base_id is not None:
-            base = self._q(run_id, "SELECT source FROM candidates WHERE run_id=? AND id=?", (run_id, base_id))
-            c["base_source"] = base[0]["source"] if base else None
+            base = self._q(run_id, lambda log: log.candidate(run_id, base_id))
+            c["base_source"] = _scrubbed(base.source) if base else None
         return c
 
     def tree_edges(self, run_id: str, card_id: str) -> list[dict]:
@@ -403,17 +398,18 @@ class Catalog:
     @_ttl
     def timeline(self, run_id: str) -> list[dict]:
         """Every candidate of the run in the order it was evaluated: card, time, verdict, speedup."""
-        return self._q(run_id, "SELECT id, card_id, created, verdict, speedup FROM candidates WHERE run_id=? "
-                               "ORDER BY created, id", (run_id,))
+        rows = self._q(run_id, lambda log: log.candidates(run_id, bodies=False))
+        return [_record(c, "id", "card_id", "created", "verdict", "speedup")
+                for c in sorted(rows, key=lambda c: (c.created, c.id))]
 
     # ---- failures, events, providers ------------------------------------------------------
     @_ttl
     def failures(self, run_id: str) -> list[dict]:
         """Failed candidates grouped by verdict and the first line of their message, biggest group first."""
-        rows = self._q(run_id, "SELECT k.id, k.card_id, k.verdict, k.message, c.summary FROM candidates k "
-                               "LEFT JOIN cards c ON c.run_id=k.run_id AND c.card_id=k.card_id "
-                               f"WHERE k.run_id=? AND k.verdict NOT IN ({','.join('?' * len(NOT_FAILED))}) "
-                               "ORDER BY k.id", (run_id, *NOT_FAILED))
+        summaries = self._summaries(run_id)
+        rows = [dict(_record(c, "id", "card_id", "verdict", "message"), summary=summaries.get(c.card_id))
+                for c in self._q(run_id, lambda log: log.candidates(run_id, bodies=False))
+                if c.verdict not in NOT_FAILED]
         groups: dict[tuple[str, str], dict] = {}
         for r in rows:
             key = (r["verdict"], failure_kind(r["message"]))
@@ -428,9 +424,9 @@ class Catalog:
     def proposer_errors(self, run_id: str) -> list[dict]:
         """What the proposer failed to deliver (an unreachable endpoint, replies without a usable
         kernel: the search's "proposer_error" events), grouped like failures, biggest first."""
-        rows = self._q(run_id, "SELECT e.card_id, e.message, c.summary FROM events e LEFT JOIN cards c "
-                               "ON c.run_id=e.run_id AND c.card_id=e.card_id "
-                               "WHERE e.run_id=? AND e.kind='proposer_error' ORDER BY e.id", (run_id,))
+        summaries = self._summaries(run_id)
+        rows = [dict(_record(e, "card_id", "message"), summary=summaries.get(e.card_id))
+                for e in self._q(run_id, lambda log: log.events(run_id, "proposer_error"))]
         groups: dict[str, dict] = {}
         for r in rows:
             kind = failure_kind(r["message"])
@@ -440,25 +436,26 @@ class Catalog:
                 g["cards"].setdefault(r["card_id"], r["summary"] or r["card_id"])
         return sorted(groups.values(), key=lambda g: (-g["count"], g["kind"]))
 
+    def _summaries(self, run_id: str) -> dict[str, str]:
+        """card id -> its summary (what a failure or an error is shown under)."""
+        return {c["card_id"]: c["summary"] for c in self.cards(run_id)}
+
     @_ttl
     def events(self, run_id: str, limit: int = 30) -> list[dict]:
-        return self._q(run_id, "SELECT created, level, kind, card_id, message FROM events WHERE run_id=? "
-                               "ORDER BY id DESC LIMIT ?", (run_id, limit))
+        return [_record(e, "created", "level", "kind", "card_id", "message")
+                for e in self._q(run_id, lambda log: log.events(run_id, newest=limit))]
 
     @_ttl
     def providers(self, run_id: str) -> list[dict]:
         """Each proposer (builtin, llm:<model>) compared: outcomes, speedups, cards won, LLM spend."""
-        cands = self._q(run_id, "SELECT card_id, id, proposer, verdict, speedup FROM candidates WHERE run_id=?",
-                        (run_id,))
+        cands, usage = self._q(run_id, lambda log: (
+            [_record(c, "card_id", "id", "proposer", "verdict", "speedup") for c in log.candidates(run_id, bodies=False)],
+            log.llm_usage(run_id)))
         winners = {r["best_candidate"] for r in self.cards(run_id) if r["best_candidate"] is not None}
-        spend: dict[str, dict] = {}
-        for r in self._q(run_id, "SELECT model, COUNT(*) AS calls, COALESCE(SUM(status != 'ok'), 0) AS failed_calls, "
-                                 "COALESCE(SUM(cost_usd), 0) AS cost_usd, "
-                                 "COALESCE(SUM(prompt_tokens), 0) + COALESCE(SUM(completion_tokens), 0) AS tokens "
-                                 "FROM llm_calls WHERE run_id=? GROUP BY model", (run_id,)):
-            total = spend.setdefault(proposer_of_call(r.pop("model")), dict.fromkeys(r, 0))
-            for k, v in r.items():
-                total[k] += v
+        totals: dict[str, LLMUsage] = {}
+        for model, u in usage.items():
+            totals[proposer_of_call(model)] = totals.get(proposer_of_call(model), LLMUsage()) + u
+        spend = {p: dataclasses.asdict(u) for p, u in totals.items()}
         by: dict[str, list[dict]] = {}
         for c in cands:
             by.setdefault(c["proposer"], []).append(c)
@@ -502,8 +499,8 @@ class Catalog:
         it had one."""
         view: dict[str, Any] = {"path": None, "error": None, "header": {}, "cards": [], "model_check": None}
         # The run's model checks (kforge.modelcheck, logged by `kforge run` as "PACKAGE: message").
-        checks = self._q(run_id, "SELECT level, message FROM events WHERE run_id=? AND kind='model-check' "
-                                 "ORDER BY id DESC", (run_id,))
+        checks = [_record(e, "level", "message")
+                  for e in reversed(self._q(run_id, lambda log: log.events(run_id, "model-check")))]
         problems = []
         for path in self._package_files(run_id):
             try:  # within the loader's size limits, every field checked: a package is untrusted

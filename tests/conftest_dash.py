@@ -1,6 +1,6 @@
 """Search logs for the dashboard tests, every one written by kforge's own writers.
 
-`write_demo_run` writes a run with SearchLog directly: several cards, a tree of candidates
+`write_demo_run` writes a run with SQLiteStore directly: several cards, a tree of candidates
 with every verdict, repairs, LLM calls (named as the search names them), events, and a .cast
 package written by `kforge.package.write_package`, so every view has something to show and
 the data tests can assert exact groupings.
@@ -33,7 +33,7 @@ from kforge.capturing import capture
 from kforge.cardtable import skip_reason
 from kforge.cards import Card
 from kforge.hardware import H200
-from kforge.log import SearchLog, connect
+from kforge.store import SQLiteStore, connect
 from kforge.package import write_package
 from kforge.proposers.llm import LLMConfig, LLMProposer
 from kforge.verdict import EvalResult, Verdict
@@ -176,7 +176,7 @@ DEMO_MODEL_CHECK = ("model forward on cuda:0: eager 1234.0 µs (iqr 5.0), with t
 def write_demo_run(tmp_path: Path, run_id: str = "demo-run") -> DemoRun:
     run_dir = tmp_path / "written-run"
     cards = _demo_cards(run_dir)
-    log = SearchLog(run_dir)
+    log = SQLiteStore(run_dir)
     log.start_run(run_id, model="TinyModel",
                   config={"proposer": "builtin", "validated": True, "out": str((run_dir / "model.cast").resolve())},
                   device=H200.name, arch=H200.arch, torch=torch.__version__, kforge="0.1.0")
@@ -214,7 +214,7 @@ def write_demo_run(tmp_path: Path, run_id: str = "demo-run") -> DemoRun:
     return DemoRun(run_dir, run_id, ranked, [main.id, second.id, third.id], real=False)
 
 
-def _write_tree(log: SearchLog, run_dir: Path, run_id: str, card: Card, tree: list[tuple]) -> dict[str, int]:
+def _write_tree(log: SQLiteStore, run_dir: Path, run_id: str, card: Card, tree: list[tuple]) -> dict[str, int]:
     eager = card.eager_us
     tolerances: dict = {}  # what the worker records for a kernel that passed every input set
     for s in inputsets.prepare(card, run_dir, torch.device("cpu"), fresh_sets=1)[0]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import sqlite3
 import time
 from pathlib import Path
 from typing import Callable
@@ -24,6 +25,20 @@ KNOBS = {"threads": (64, 128, 256, 512, 1024), "vec": (1, 2, 4), "unroll": (1, 2
 
 # A GPU so fast that no fake kernel gets near its HBM floor (the floor stop stays out of the way).
 FAST_HW = Hardware("fake GPU", "sm_90", 132, 60 * 2**20, 227 * 1024, 141 * 10**9, 1e18)
+
+
+def logged(where, sql: str, params: tuple = ()) -> list[sqlite3.Row]:
+    """Rows of a statement on a search log file as SQLite holds it (`where`: a store, a run dir
+    or the file), over a connection of its own and committed: what tests check of the file
+    itself, or how they damage it."""
+    path = Path(getattr(where, "path", where))
+    conn = sqlite3.connect(path / "search.sqlite" if path.is_dir() else path)
+    try:
+        conn.row_factory = sqlite3.Row
+        with conn:
+            return conn.execute(sql, params).fetchall()
+    finally:
+        conn.close()
 
 
 def toy_card(eager_us: float = 7.0, n: int = 1 << 20, op: str = "aten::relu.default", family: str = "pointwise",

@@ -18,7 +18,7 @@ from kforge.card_files import load_cards, save_card
 from kforge.cli import build_parser, main
 from kforge.cli.parser import resume_command
 from kforge.errors import CudaUnavailableError, ExitCode
-from kforge.log import connect
+from kforge.store import connect
 
 MODEL = textwrap.dedent("""
     import torch

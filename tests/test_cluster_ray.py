@@ -30,7 +30,7 @@ from kforge import cli, runner  # noqa: E402
 from kforge.card_files import save_card, save_sample  # noqa: E402
 from kforge.cluster import nodes  # noqa: E402
 from kforge.cluster.ray_pool import RayPool  # noqa: E402
-from kforge.log import SearchLog  # noqa: E402
+from kforge.store import SQLiteStore  # noqa: E402
 
 HERE = Path(__file__).parent
 GOOD_GPUS = 4  # two nodes of two
@@ -252,12 +252,9 @@ def test_a_killed_actor_is_a_fault_and_a_killed_driver_resumes_losing_and_repeat
     assert not {(c, d) for c, d, _ in evaluated_after} & logged_before  # nor evaluated again after the resume,
     # and at most the candidates in flight at the driver's kill (one per actor) never reached the log.
     assert len({(c, d) for c, d, _ in evaluated_before} - logged_before) <= GOOD_GPUS
-    log = SearchLog(run_dir)
-    try:
+    with SQLiteStore(run_dir) as log:
         assert all(log.card_iterations(result.run_id, c.id) == iterations for c in cards)
-        events = [m for (m,) in log.rows("SELECT message FROM events WHERE kind='cluster'")]
-    finally:
-        log.close()
+        events = [e.message for e in log.events(result.run_id, "cluster")]  # one run: the resumed one
     assert events and all("sm_80" in m for m in events)  # the refused node, in the log of both sessions
     assert all(shipped == "True" for *_, shipped in _evaluated(record))  # every card's sample reached its node
 

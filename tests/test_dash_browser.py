@@ -33,7 +33,8 @@ from dash.testing.application_runners import ThreadedRunner  # noqa: E402
 from dash.testing.composite import DashComposite  # noqa: E402
 from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402
 
-from kforge.log import SearchLog  # noqa: E402
+from fakes import logged
+from kforge.store import SQLiteStore  # noqa: E402
 from kforge.verdict import EvalResult, Verdict  # noqa: E402
 
 create_app = import_dash_app().create_app
@@ -242,9 +243,9 @@ def test_clicking_a_tree_node_opens_its_candidate(duo, runs):
 
 def test_candidate_page_shows_diff_errors_and_timing(duo, runs):
     written, _ = runs
-    log = SearchLog(written.run_dir)
-    rows = {r["verdict"]: r["id"] for r in log.candidates(written.run_id, written.searched[0])}
-    repair = log.rows("SELECT id, repair_of FROM candidates WHERE repair_of IS NOT NULL ORDER BY id LIMIT 1")[0]
+    log = SQLiteStore(written.run_dir)
+    rows = {r.verdict: r.id for r in log.candidates(written.run_id, written.searched[0])}
+    repair = logged(log, "SELECT id, repair_of FROM candidates WHERE repair_of IS NOT NULL ORDER BY id LIMIT 1")[0]
     log.close()
     open_page(duo, f"/candidate?run={written.run_id}&id={repair['id']}", "#cand-title")
     duo.wait_for_contains_text(".page", f"Diff against #{repair['repair_of']} (the candidate it repairs)")
@@ -268,7 +269,7 @@ def test_a_new_candidate_appears_without_reload(duo, runs):
     _, real = runs
     card = real.searched[0]
     open_page(duo, f"/card?run={real.run_id}&card={card}", "#card-count")
-    log = SearchLog(real.run_dir)
+    log = SQLiteStore(real.run_dir)
     before = len(log.candidates(real.run_id, card))
     duo.wait_for_text_to_equal("#card-count", str(before))
     wait_for_tree(duo, before + 1)
@@ -289,9 +290,9 @@ def test_screenshots(duo, runs, tmp_path):
     out = Path(os.environ.get("KFORGE_SCREENSHOTS") or tmp_path)
     out.mkdir(parents=True, exist_ok=True)
     main = written.searched[0]
-    log = SearchLog(written.run_dir)
-    best = log.rows("SELECT best_candidate FROM cards WHERE run_id=? AND card_id=?", (written.run_id, main))[0][0]
-    repair = log.rows("SELECT id FROM candidates WHERE repair_of IS NOT NULL ORDER BY id LIMIT 1")[0][0]
+    log = SQLiteStore(written.run_dir)
+    best = logged(log, "SELECT best_candidate FROM cards WHERE run_id=? AND card_id=?", (written.run_id, main))[0][0]
+    repair = logged(log, "SELECT id FROM candidates WHERE repair_of IS NOT NULL ORDER BY id LIMIT 1")[0][0]
     log.close()
     run = written.run_id
     pages = {

@@ -1,4 +1,4 @@
-"""The dashboard's read-only queries, against a search log written with SearchLog."""
+"""The dashboard's read-only queries, against a search log written with SQLiteStore."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ pytest.importorskip("dash_cytoscape")
 from conftest_dash import (DEMO_MODEL_CHECK, LLM, import_dash_app, kernel, make_compile_only_run,  # noqa: E402
                            make_demo_run, make_llm_error_run, write_capture_only, write_demo_run)
 
-from kforge.log import SearchLog  # noqa: E402
+from fakes import logged
+from kforge.store import SQLiteStore  # noqa: E402
 from kforge.verdict import EvalResult, Verdict  # noqa: E402
 
 import_dash_app()
@@ -208,7 +209,7 @@ def test_package_view_carries_the_latest_model_check_of_that_package(tmp_path):
     cast = (run.run_dir / "model.cast").resolve()
     assert Catalog([run.run_dir], ttl_s=0).package("checked")["model_check"] == {"level": "info",
                                                                                 "message": DEMO_MODEL_CHECK}
-    log = SearchLog(run.run_dir)
+    log = SQLiteStore(run.run_dir)
     log.event("checked", "model-check", f"{cast}: model forward on cuda:0: eager 100.0 µs ... 0.900x, slower",
               level="warning")
     log.event("checked", "model-check", f"{tmp_path / 'other.cast'}: model forward on cuda:0: ... 1.500x, faster")
@@ -238,7 +239,7 @@ def test_ttl_cache_serves_stale_rows_until_it_expires(tmp_path):
     card = run.searched[2]
     before = len(cached.candidates("live", card))
     assert len(fresh.candidates("live", card)) == before
-    log = SearchLog(run.run_dir)
+    log = SQLiteStore(run.run_dir)
     log.add_candidate("live", card, kernel("gelu_rows", 64, 2), EvalResult(Verdict.VALID, eager_us=10, kernel_us=5),
                       parent_id=None, iteration=1)
     log.close()
@@ -312,8 +313,8 @@ def test_unreadable_log_is_listed_with_its_error(tmp_path):
 
 def test_providers_show_a_real_llm_runs_cost_under_its_proposer(tmp_path):
     run = make_llm_error_run(tmp_path)
-    log = SearchLog(run.run_dir)
-    (calls, cost, failed), = log.rows("SELECT COUNT(*), SUM(cost_usd), SUM(status != 'ok') FROM llm_calls "
+    log = SQLiteStore(run.run_dir)
+    (calls, cost, failed), = logged(log, "SELECT COUNT(*), SUM(cost_usd), SUM(status != 'ok') FROM llm_calls "
                                       "WHERE run_id=?", (run.run_id,))
     log.close()
     assert calls and cost > 0 and 0 < failed < calls  # one row per attempt: the HTTP 500s failed, the rest answered

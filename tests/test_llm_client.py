@@ -11,7 +11,8 @@ import pytest
 
 from kforge.errors import BudgetExhausted, ProposerUnavailable
 from kforge.hardware import H200
-from kforge.log import SearchLog
+from fakes import logged
+from kforge.store import SQLiteStore
 from kforge.proposers.base import ProposalContext
 from kforge.proposers.llm import LLMClient, LLMConfig, LLMProposer
 from kforge.proposers.llm.client import MAX_CHARS_PER_TOKEN, prompt_ceiling
@@ -283,7 +284,7 @@ def test_check_endpoint_without_a_model_list_makes_a_one_token_completion(make_c
 
 def test_the_key_appears_nowhere(server, tmp_path, caplog):
     caplog.set_level(logging.DEBUG)
-    log = SearchLog(tmp_path / "run")
+    log = SQLiteStore(tmp_path / "run")
     log.start_run("r1", config=LLMConfig(model="gpt-4o", base_url=server.base_url, api_key=KEY).public())
     proposer = LLMProposer(LLMConfig(model="gpt-4o", base_url=server.base_url, api_key=KEY), sleep=lambda s: None)
     proposer.bind(log, "r1", Spend())
@@ -298,7 +299,7 @@ def test_the_key_appears_nowhere(server, tmp_path, caplog):
     bad.close()
     proposer.close()
 
-    rows = log.rows("SELECT status, error FROM llm_calls ORDER BY id")
+    rows = logged(log, "SELECT status, error FROM llm_calls ORDER BY id")
     assert [r["status"] for r in rows] == ["retry", "retry", "ok"] and "***" in rows[0]["error"]
     log.close()
     stored = b"".join(p.read_bytes() for p in (tmp_path / "run").iterdir() if p.is_file())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from fakes import logged
 from kforge import compiler
 from kforge.errors import CompileError, ProposerError, ProposerUnavailable
 from kforge.hardware import H200
@@ -105,10 +106,10 @@ def test_duplicates_and_truncation_are_explained_and_asks_are_bounded(server, pr
 
 
 def test_a_conversation_without_a_candidate_is_still_accounted_and_a_refusal_stops_it(server, proposer, tmp_path):
-    from kforge.log import SearchLog
+    from kforge.store import SQLiteStore
     from kforge.spend import Spend
 
-    log = SearchLog(tmp_path)
+    log = SQLiteStore(tmp_path)
     log.start_run("r")
     spend = Spend()
     proposer.bind(log, "r", spend)
@@ -121,7 +122,7 @@ def test_a_conversation_without_a_candidate_is_still_accounted_and_a_refusal_sto
     server.push(reply("no idea"), error(401, "bad key"))  # the endpoint gives up after a paid ask
     with pytest.raises(ProposerUnavailable, match="refused the API key"):
         proposer.propose(ProposalContext(softmax_card(), H200))
-    assert [r["status"] for r in log.rows("SELECT status FROM llm_calls ORDER BY id")] == ["ok"] * 4 + ["error"]
+    assert [r["status"] for r in logged(log, "SELECT status FROM llm_calls ORDER BY id")] == ["ok"] * 4 + ["error"]
     log.close()
 
 
@@ -161,10 +162,10 @@ def test_a_reply_that_is_all_reasoning_is_asked_for_the_code_not_brevity(server,
 
 
 def test_every_ask_is_a_row_in_llm_calls_with_its_cost(server, proposer, tmp_path):
-    from kforge.log import SearchLog
+    from kforge.store import SQLiteStore
     from kforge.spend import Spend
 
-    log = SearchLog(tmp_path)
+    log = SQLiteStore(tmp_path)
     log.start_run("r1")
     spend = Spend()
     proposer.bind(log, "r1", spend)
@@ -173,7 +174,7 @@ def test_every_ask_is_a_row_in_llm_calls_with_its_cost(server, proposer, tmp_pat
     proposal = proposer.propose(ProposalContext(softmax_card(), H200))
     assert proposal.candidate.knobs["asks"] == 3
     assert "workspace entry \"64 bytes\" must be a byte count" in server.requests[1].last_user
-    rows = log.rows("SELECT status, prompt_tokens, completion_tokens, cost_usd FROM llm_calls WHERE run_id='r1'")
+    rows = logged(log, "SELECT status, prompt_tokens, completion_tokens, cost_usd FROM llm_calls WHERE run_id='r1'")
     assert [tuple(r) for r in rows] == [("ok", 1000, 500, pytest.approx(0.002))] * 3
     assert log.llm_spend("r1") == (4500, pytest.approx(spend.cost_usd)) and spend.cost_usd == pytest.approx(0.006)
     log.close()

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from fakes import logged
 from kforge import compiler
 from kforge.candidate import Candidate
 from kforge.errors import CompileError, ProposerError
 from kforge.hardware import H200
-from kforge.log import SearchLog
+from kforge.store import SQLiteStore
 from kforge.proposers.base import ProposalContext, Tried
 from kforge.proposers.llm import LLMConfig, LLMProposer
 from kforge.spend import Spend
@@ -68,7 +69,7 @@ def _drive(proposer: LLMProposer, server: ScriptedLLMServer, steps: list[Step], 
 def replay_all(run_dir: Path) -> tuple[list[Outcome], int, list]:
     """Every style once, through one proposer recording into one search log: the outcomes,
     the requests the server saw, and the llm_calls rows."""
-    log = SearchLog(run_dir)
+    log = SQLiteStore(run_dir)
     log.start_run("replay")
     steps: list = []
 
@@ -84,7 +85,7 @@ def replay_all(run_dir: Path) -> tuple[list[Outcome], int, list]:
             requests = len(server.requests)
         finally:
             proposer.close()
-    rows = log.rows("SELECT status, cost_usd FROM llm_calls WHERE run_id='replay'")
+    rows = logged(log, "SELECT status, cost_usd FROM llm_calls WHERE run_id='replay'")
     log.close()
     return outcomes, requests, rows
 

@@ -10,11 +10,12 @@ import time
 
 import pytest
 
+from fakes import logged
 from kforge import runner
 from kforge.card_files import save_card
 from kforge.cli import main
 from kforge.errors import ExitCode, LLMError
-from kforge.log import SearchLog, connect
+from kforge.store import SQLiteStore, connect
 from kforge.verdict import EvalResult, Verdict
 from llm_cards import answer, group_norm_card, softmax_card
 from llm_server import ScriptedLLMServer, closed_port_url, error, reply
@@ -83,9 +84,9 @@ def test_a_key_refused_mid_run_stops_the_run_and_no_card_is_done(model_file, tmp
         chats = [r for r in server.requests if r.path.endswith("/chat/completions")]
     assert code == ExitCode.PROPOSER_UNAVAILABLE and "HTTP 403: key revoked" in err and len(err.splitlines()) == 1
     assert len(chats) == 1 and _done_cards(tmp_path / "run") == []
-    log = SearchLog(tmp_path / "run")
-    assert log.rows("SELECT status FROM runs")[0][0] == "failed"
-    assert [r["status"] for r in log.rows("SELECT status FROM llm_calls")] == ["error"]  # the failed attempt is a row
+    log = SQLiteStore(tmp_path / "run")
+    assert logged(log, "SELECT status FROM runs")[0][0] == "failed"
+    assert [r["status"] for r in logged(log, "SELECT status FROM llm_calls")] == ["error"]  # the failed attempt is a row
     log.close()
 
 
@@ -100,9 +101,9 @@ def test_an_endpoint_down_on_every_card_stops_each_card_then_the_run(tmp_path, c
                                 "--llm-config", str(config), "--no-progress"], capsys)
     assert code == ExitCode.PROPOSER_UNAVAILABLE and "gave no answer for any card" in err and "HTTP 503" in err
     assert len(err.splitlines()) == 1 and took < 30
-    log = SearchLog(run_dir)
-    assert {r[0] for r in log.rows("SELECT status FROM cards")} == {"failed"}
-    assert len(log.rows("SELECT * FROM llm_calls WHERE status='error'")) == 2 * 3  # 3 unanswered asks per card
+    log = SQLiteStore(run_dir)
+    assert {r[0] for r in logged(log, "SELECT status FROM cards")} == {"failed"}
+    assert len(logged(log, "SELECT * FROM llm_calls WHERE status='error'")) == 2 * 3  # 3 unanswered asks per card
     log.close()
 
 
@@ -141,10 +142,10 @@ def test_spend_stays_under_max_cost_whatever_the_endpoint_replies(tmp_path):
                                    proposer_options={"base_url": server.base_url, "price": (2.5, 10.0)},
                                    evaluator_factory=lambda run_dir, device: AlwaysCompileError())
         chats = [r for r in server.requests if r.path.endswith("/chat/completions")]
-    log = SearchLog(run_dir)
+    log = SQLiteStore(run_dir)
     tokens, cost = log.llm_spend(result.run_id)
     assert 0 < cost <= budget and set(result.stop_reasons.values()) == {"cost"}
-    assert len(log.rows("SELECT * FROM llm_calls")) == len(chats) > 4  # every attempt is a row
+    assert len(logged(log, "SELECT * FROM llm_calls")) == len(chats) > 4  # every attempt is a row
     assert max(len(json.dumps(r.body)) for r in chats) < 200_000  # the 5 MB reply was never sent back
     log.close()
 

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import pytest
-from fakes import candidate, toy_card
+from fakes import candidate, logged, toy_card
 
 from kforge.errors import KforgeError
-from kforge.log import LOG_NAME, SCHEMA_VERSION, SearchLog, connect
+from kforge.store import LOG_NAME, SCHEMA_VERSION, SQLiteStore, connect
 from kforge.verdict import EvalResult, Verdict
 
 KNOBS = {"threads": 256, "vec": 4, "unroll": 2}
 
 
 def _log(tmp_path):
-    log = SearchLog(tmp_path)
+    log = SQLiteStore(tmp_path)
     log.start_run("r", model="Toy", config={"iterations": 5}, device="cpu")
     card = toy_card()
     log.upsert_card("r", card, floor_us=1.5)
@@ -27,22 +27,20 @@ def _add(log, card, verdict, speedup=None, iteration=0, unroll=1, **kw):
 
 
 def test_schema_version_is_recorded_and_newer_logs_are_refused(tmp_path):
-    log = SearchLog(tmp_path)
-    assert log.rows("SELECT value FROM meta WHERE key='schema_version'")[0][0] == str(SCHEMA_VERSION)
-    log.conn.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION + 1),))
-    log.conn.commit()
+    log = SQLiteStore(tmp_path)
+    assert logged(log, "SELECT value FROM meta WHERE key='schema_version'")[0][0] == str(SCHEMA_VERSION)
+    logged(log, "UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION + 1),))
     log.close()
     with pytest.raises(KforgeError, match="newer kforge"):  # the CLI prints it, no traceback
-        SearchLog(tmp_path)
+        SQLiteStore(tmp_path)
 
 
 def _version_1_log(tmp_path) -> int:
     """A log as kforge wrote it at schema version 1 (no candidates.compile_us), with one candidate."""
     log, card = _log(tmp_path)
     cid = _add(log, card, Verdict.VALID, speedup=2.0)
-    with log.conn:
-        log.conn.execute("ALTER TABLE candidates DROP COLUMN compile_us")
-        log.conn.execute("UPDATE meta SET value='1' WHERE key='schema_version'")
+    logged(log, "ALTER TABLE candidates DROP COLUMN compile_us")
+    logged(log, "UPDATE meta SET value='1' WHERE key='schema_version'")
     log.close()
     return cid
 
@@ -53,12 +51,12 @@ def test_a_version_1_log_reads_as_null_compile_times_and_a_writer_upgrades_it(tm
     assert dict(reader.execute("SELECT id, compile_us FROM candidates").fetchone()) == {"id": cid, "compile_us": None}
     reader.close()
     assert connect(tmp_path, readonly=True).execute("SELECT value FROM meta").fetchone()[0] == "1"
-    log = SearchLog(tmp_path)
-    assert log.rows("SELECT value FROM meta WHERE key='schema_version'")[0][0] == str(SCHEMA_VERSION) == "2"
+    log = SQLiteStore(tmp_path)
+    assert logged(log, "SELECT value FROM meta WHERE key='schema_version'")[0][0] == str(SCHEMA_VERSION) == "2"
     card = toy_card()
     new = log.add_candidate("r", card.id, candidate(KNOBS), EvalResult(Verdict.VALID, eager_us=10.0, kernel_us=4.0,
                                                                        compile_us=6.0), parent_id=None, iteration=1)
-    assert [(r["id"], r["compile_us"]) for r in log.candidates("r", card.id)] == [(cid, None), (new, 6.0)]
+    assert [(r.id, r.compile_us) for r in log.candidates("r", card.id)] == [(cid, None), (new, 6.0)]
     log.close()
 
 
@@ -68,13 +66,13 @@ def test_candidate_rows_keep_everything_and_the_card_tracks_its_best(tmp_path):
     fast = _add(log, card, Verdict.VALID, 2.0, iteration=1, unroll=2)
     _add(log, card, Verdict.VALID, 1.5, iteration=2, unroll=4)
     _add(log, card, Verdict.INCORRECT, None, iteration=3, unroll=8, repair_of=fast)
-    row = log.rows("SELECT * FROM cards WHERE card_id=?", (card.id,))[0]
+    row = logged(log, "SELECT * FROM cards WHERE card_id=?", (card.id,))[0]
     assert row["best_candidate"] == fast and row["best_speedup"] == pytest.approx(2.0)
     assert row["iterations"] == 4 and row["floor_us"] == 1.5
     rows = log.candidates("r", card.id)
-    assert [r["id"] for r in rows] == sorted(r["id"] for r in rows)
-    assert rows[0]["id"] == slow and rows[0]["reward"] == 0.4 and rows[0]["speedup"] == pytest.approx(0.8)
-    assert rows[3]["repair_of"] == fast and rows[3]["verdict"] == "incorrect"
+    assert [r.id for r in rows] == sorted(r.id for r in rows)
+    assert rows[0].id == slow and rows[0].reward == 0.4 and rows[0].speedup == pytest.approx(0.8)
+    assert rows[3].repair_of == fast and rows[3].verdict == "incorrect"
 
 
 def test_note_iteration_only_moves_forward(tmp_path):
@@ -97,14 +95,14 @@ def test_llm_spend_sums_the_run_only(tmp_path):
 
 
 def test_latest_run_and_status(tmp_path):
-    log = SearchLog(tmp_path)
+    log = SQLiteStore(tmp_path)
     assert log.latest_run() is None
     log.start_run("a")
     log.start_run("b")
     assert log.latest_run() == "b"
     log.set_run_status("b", "interrupted")
     log.start_run("b")  # resuming marks it running again and keeps its row
-    assert [tuple(r) for r in log.rows("SELECT id, status FROM runs ORDER BY id")] == [("a", "running"), ("b", "running")]
+    assert [tuple(r) for r in logged(log, "SELECT id, status FROM runs ORDER BY id")] == [("a", "running"), ("b", "running")]
 
 
 def test_readers_see_committed_rows_while_the_writer_is_open(tmp_path):

@@ -18,10 +18,11 @@ import time
 import pytest
 from fakes import FakeEvaluator, FakeProposer, candidate, toy_card
 
-from kforge import cuda, log, runner
+from kforge import cuda, runner
 from kforge.card_files import save_card
 from kforge.cli import main
-from kforge.log import LOG_NAME, SearchLog, connect
+from kforge.store import LOG_NAME, SQLiteStore, connect
+from kforge.store import sqlite as store_sqlite
 from kforge.verdict import EvalResult, Verdict
 
 
@@ -36,7 +37,7 @@ def run_dir(tmp_path):
     d = tmp_path / "run"
     card = toy_card()
     save_card(card, d)
-    slog = SearchLog(d)
+    slog = SQLiteStore(d)
     slog.start_run("r1", model="Toy", config={"iterations": 3})
     slog.upsert_card("r1", card)
     for unroll in (1, 2, 4):
@@ -129,7 +130,7 @@ def test_a_candidate_row_that_is_not_json_stops_the_resume_but_not_inspect(run_d
 
 
 def test_what_kforge_writes_is_never_refused_nan_in_evidence_included(tmp_path):
-    slog = SearchLog(tmp_path)
+    slog = SQLiteStore(tmp_path)
     slog.start_run("r")
     card = toy_card()
     slog.upsert_card("r", card)
@@ -138,12 +139,12 @@ def test_what_kforge_writes_is_never_refused_nan_in_evidence_included(tmp_path):
                                                                           "ratio": float("inf")}),
                        parent_id=None, iteration=0)
     slog.close()
-    SearchLog(tmp_path).close()  # the writer's full check parses every JSON column as kforge reads it
+    SQLiteStore(tmp_path).close()  # the writer's full check parses every JSON column as kforge reads it
     assert list(tmp_path.glob(".*")) == []  # the log was made beside its name, and nothing is left there
 
 
 def test_a_log_locked_by_another_process_is_waited_for_briefly_then_named(run_dir, capsys, monkeypatch):
-    monkeypatch.setattr(log, "LOCK_WAIT_S", 0.5)
+    monkeypatch.setattr(store_sqlite, "LOCK_WAIT_S", 0.5)
     with subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
             import sqlite3, sys, time
             conn = sqlite3.connect(sys.argv[1])

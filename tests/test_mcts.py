@@ -2,12 +2,16 @@
 
 The saved tree (tests/data/toy_tree.json) pins the search's behaviour. Regenerate it only
 on purpose, after a deliberate change of the policy: KFORGE_REGENERATE_TOY_TREE=1 pytest tests/test_mcts.py
+
+Every test runs twice: over a run directory's SQLite store and over a MemoryStore (the
+search must not know which one it writes to).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -16,7 +20,7 @@ from fakes import FAST_HW, FakeEvaluator, FakeProposer, toy_card
 
 from kforge.errors import BudgetExhausted, ProposerError, ProposerUnavailable
 from kforge.hardware import Hardware
-from kforge.log import SearchLog
+from kforge.store import MemoryStore, SQLiteStore
 from kforge.search import Budget, search_card
 from kforge.search.tree import Tree
 from kforge.verdict import EvalResult, Verdict
@@ -25,8 +29,20 @@ TOY_TREE = Path(__file__).parent / "data" / "toy_tree.json"
 RUN = "run-1"
 
 
-def _search(tmp_path, card=None, proposer=None, evaluator=None, **kw):
-    log = SearchLog(tmp_path)
+def _new_store(where: Path):
+    raise AssertionError("the backend fixture sets this")
+
+
+@pytest.fixture(autouse=True, params=["sqlite", "memory"])
+def backend(request, monkeypatch):
+    """The store every _search of the test writes to: a run directory's, or one in memory."""
+    make = SQLiteStore if request.param == "sqlite" else (lambda where: MemoryStore())
+    monkeypatch.setattr(sys.modules[__name__], "_new_store", make)
+    return request.param
+
+
+def _search(tmp_path, card=None, proposer=None, evaluator=None, log=None, **kw):
+    log = log or _new_store(tmp_path)
     log.start_run(RUN)
     kw.setdefault("budget", Budget(iterations=40))
     kw.setdefault("hardware", FAST_HW)
@@ -60,44 +76,44 @@ def test_seed_changes_the_tree_and_repeats_it(tmp_path):
 @pytest.mark.parametrize("seed", range(4))
 def test_failures_are_recorded_but_never_expanded(tmp_path, seed):
     outcome, log = _search(tmp_path, rng_seed=seed)
-    rows = {r["id"]: r for r in log.candidates(RUN, outcome.card_id)}
-    failed = {i for i, r in rows.items() if Verdict(r["verdict"]).failed}
+    rows = {r.id: r for r in log.candidates(RUN, outcome.card_id)}
+    failed = {i for i, r in rows.items() if Verdict(r.verdict).failed}
     assert failed, "the toy landscape has compile errors and incorrect kernels"
-    assert not any(r["parent_id"] in failed for r in rows.values())
+    assert not any(r.parent_id in failed for r in rows.values())
     for node in outcome.tree:
         if node.failed:
             assert node.children == [] and node.q == 0.0
     # A repair is a sibling of what it repairs, and only errors are repaired.
     for r in rows.values():
-        if r["repair_of"] is not None:
-            broken = rows[r["repair_of"]]
-            assert Verdict(broken["verdict"]).repairable
-            assert r["parent_id"] == broken["parent_id"] and r["iteration"] == broken["iteration"]
+        if r.repair_of is not None:
+            broken = rows[r.repair_of]
+            assert Verdict(broken.verdict).repairable
+            assert r.parent_id == broken.parent_id and r.iteration == broken.iteration
 
 
 def test_repair_loop_fixes_compile_errors_within_its_bound(tmp_path):
     outcome, log = _search(tmp_path, rng_seed=0, budget=Budget(iterations=60))
     rows = log.candidates(RUN, outcome.card_id)
-    repairs = [r for r in rows if r["repair_of"] is not None]
-    assert repairs and all(json.loads(r["knobs_json"])["unroll"] == 1 for r in repairs)
+    repairs = [r for r in rows if r.repair_of is not None]
+    assert repairs and all(r.knobs["unroll"] == 1 for r in repairs)
     per_iteration: dict[int, int] = {}
     for r in rows:
-        per_iteration[r["iteration"]] = per_iteration.get(r["iteration"], 0) + 1
+        per_iteration[r.iteration] = per_iteration.get(r.iteration, 0) + 1
     assert max(per_iteration.values()) <= 1 + 2  # one expansion + repair_attempts
 
 
 def test_no_repair_when_repair_attempts_is_zero(tmp_path):
     outcome, log = _search(tmp_path, rng_seed=0, repair_attempts=0)
-    assert all(r["repair_of"] is None for r in log.candidates(RUN, outcome.card_id))
+    assert all(r.repair_of is None for r in log.candidates(RUN, outcome.card_id))
 
 
 def test_duplicates_are_skipped_without_evaluation(tmp_path):
     evaluator = FakeEvaluator()
     outcome, log = _search(tmp_path, evaluator=evaluator, rng_seed=0)
     assert len(evaluator.calls) == len(set(evaluator.calls)) == outcome.evaluated
-    digests = [r["digest"] for r in log.candidates(RUN, outcome.card_id)]
+    digests = [r.digest for r in log.candidates(RUN, outcome.card_id)]
     assert len(digests) == len(set(digests))
-    dupes = log.rows("SELECT * FROM events WHERE kind='duplicate'")
+    dupes = log.events(RUN, "duplicate")
     assert dupes and outcome.evaluated + len(dupes) >= outcome.iterations  # skipped iterations still count
 
 
@@ -105,10 +121,10 @@ def test_evaluator_exception_becomes_a_recorded_failure(tmp_path):
     evaluator = FakeEvaluator(raise_on=lambda k: k["threads"] == 128)
     outcome, log = _search(tmp_path, evaluator=evaluator, rng_seed=0)
     rows = log.candidates(RUN, outcome.card_id)
-    crashed = [r for r in rows if "evaluator_error" in json.loads(r["evidence_json"])]
-    assert crashed and all(r["verdict"] == "runtime_error" for r in crashed)
-    assert not any(r["repair_of"] in {c["id"] for c in crashed} for r in rows)  # not the kernel's fault: no repair
-    assert log.rows("SELECT * FROM events WHERE kind='evaluator_error'")
+    crashed = [r for r in rows if "evaluator_error" in r.evidence]
+    assert crashed and all(r.verdict == "runtime_error" for r in crashed)
+    assert not any(r.repair_of in {c.id for c in crashed} for r in rows)  # not the kernel's fault: no repair
+    assert log.events(RUN, "evaluator_error")
     assert outcome.iterations == 40 and outcome.stop_reason == "iterations"
 
 
@@ -121,10 +137,10 @@ class _BrokenProposer(FakeProposer):
 
 def test_proposer_exception_is_recorded_and_the_node_given_up(tmp_path):
     outcome, log = _search(tmp_path, proposer=_BrokenProposer(), rng_seed=0, budget=Budget(iterations=30))
-    errors = log.rows("SELECT * FROM events WHERE kind='proposer_error'")
-    assert errors and "no revision for you" in errors[0]["message"]
+    errors = log.events(RUN, "proposer_error")
+    assert errors and "no revision for you" in errors[0].message
     rows = log.candidates(RUN, outcome.card_id)
-    assert all(r["parent_id"] is None for r in rows)  # only first versions could be made
+    assert all(r.parent_id is None for r in rows)  # only first versions could be made
     assert outcome.iterations == 30
 
 
@@ -143,8 +159,8 @@ def test_iteration_budget(tmp_path):
     outcome, log = _search(tmp_path, budget=Budget(iterations=12))
     assert outcome.stop_reason == "iterations" and outcome.iterations == 12
     assert log.card_iterations(RUN, outcome.card_id) == 12
-    assert max(r["iteration"] for r in log.candidates(RUN, outcome.card_id)) <= 11
-    assert log.rows("SELECT status FROM cards")[0][0] == "done"
+    assert max(r.iteration for r in log.candidates(RUN, outcome.card_id)) <= 11
+    assert log.card(RUN, outcome.card_id).status == "done"
 
 
 def test_wall_time_budget(tmp_path):
@@ -156,7 +172,7 @@ def test_cost_budget_and_llm_accounting(tmp_path):
     proposer = FakeProposer(cost_usd=0.01, tokens=100)
     outcome, log = _search(tmp_path, proposer=proposer, budget=Budget(iterations=100, max_cost_usd=0.035))
     assert outcome.stop_reason == "cost"
-    calls = log.rows("SELECT * FROM llm_calls")
+    calls = log.llm_calls(RUN)
     assert len(calls) == 3  # a 4th proposal would cross $0.035: refused before it is made
     assert log.llm_spend(RUN) == (300, pytest.approx(0.03))
 
@@ -176,8 +192,8 @@ def test_llm_conversations_that_gave_nothing_usable_still_count_against_the_budg
     outcome, log = _search(tmp_path, proposer=Unusable(cost_usd=0.01, tokens=100),
                            budget=Budget(iterations=100, max_cost_usd=0.045))
     assert outcome.stop_reason == "cost" and outcome.iterations == 4
-    assert log.llm_spend(RUN) == (400, pytest.approx(0.04)) and len(log.rows("SELECT * FROM llm_calls")) == 4
-    assert len(log.rows("SELECT * FROM candidates WHERE repair_of IS NULL")) == 2  # half the paid asks gave one
+    assert log.llm_spend(RUN) == (400, pytest.approx(0.04)) and len(log.llm_calls(RUN)) == 4
+    assert len([c for c in log.candidates(RUN, outcome.card_id) if c.repair_of is None]) == 2  # half the paid asks gave one
 
 
 def test_token_budget(tmp_path):
@@ -194,7 +210,7 @@ def test_budget_exhausted_from_the_proposer_stops_the_search(tmp_path):
 
     outcome, log = _search(tmp_path, proposer=Broke())
     assert outcome.stop_reason == "budget" and outcome.iterations == 5
-    assert "LLM budget" in log.rows("SELECT message FROM events WHERE kind='budget'")[0][0]
+    assert "LLM budget" in log.events(RUN, "budget")[0].message
 
 
 def test_stops_near_the_hbm_floor(tmp_path):
@@ -211,12 +227,12 @@ def test_stagnation_restarts_from_the_root_with_more_exploration(tmp_path):
 
     def roots(budget):
         outcome, log = _search(tmp_path / str(budget.stagnation), evaluator=flat, budget=budget, rng_seed=0)
-        stalls = log.rows("SELECT * FROM events WHERE kind='stagnation'")
+        stalls = log.events(RUN, "stagnation")
         return len(outcome.tree.root.children), stalls
 
     stalled_roots, stalls = roots(Budget(iterations=40, stagnation=5))
     steady_roots, no_stalls = roots(Budget(iterations=40, stagnation=10**6))
-    assert stalls and "c=1.4" in stalls[0]["message"] and not no_stalls
+    assert stalls and "c=1.4" in stalls[0].message and not no_stalls
     assert stalled_roots > steady_roots
 
 
@@ -232,9 +248,9 @@ def test_cancel_stops_after_the_candidate_in_flight_without_repairing_it(tmp_pat
 
     outcome, log = _search(tmp_path, evaluator=CtrlCDuringAFailure(), rng_seed=0, cancel=cancel)
     rows = log.candidates(RUN, outcome.card_id)
-    assert outcome.stop_reason == "interrupted" and rows[-1]["verdict"] == "compile_error"
-    assert all(r["repair_of"] is None for r in rows)
-    assert log.rows("SELECT status FROM cards")[0][0] == "searching"  # resumes later
+    assert outcome.stop_reason == "interrupted" and rows[-1].verdict == "compile_error"
+    assert all(r.repair_of is None for r in rows)
+    assert log.card(RUN, outcome.card_id).status == "searching"  # resumes later
 
 
 def test_a_valid_verdict_without_timings_never_becomes_the_best(tmp_path):
@@ -261,10 +277,10 @@ def test_progress_is_reported_every_iteration(tmp_path):
 def test_best_is_the_fastest_valid_candidate(tmp_path):
     outcome, log = _search(tmp_path, rng_seed=5)
     rows = log.candidates(RUN, outcome.card_id)
-    fastest = max((r for r in rows if r["verdict"] == "valid"), key=lambda r: r["speedup"])
-    assert outcome.best.id == fastest["id"]
-    card_row = log.rows("SELECT best_candidate, best_speedup FROM cards")[0]
-    assert card_row["best_candidate"] == fastest["id"] and card_row["best_speedup"] == pytest.approx(fastest["speedup"])
+    fastest = max((r for r in rows if r.verdict == "valid"), key=lambda r: r.speedup)
+    assert outcome.best.id == fastest.id
+    card_row = log.card(RUN, outcome.card_id)
+    assert card_row.best_candidate == fastest.id and card_row.best_speedup == pytest.approx(fastest.speedup)
 
 
 def test_a_card_with_no_kernel_faster_than_eager_is_given_up(tmp_path):
@@ -291,18 +307,17 @@ def test_a_proposer_service_that_stays_down_stops_the_card_and_one_that_refuses_
     down = Down()
     outcome, log = _search(tmp_path / "down", proposer=down, budget=Budget(iterations=100))
     assert (outcome.stop_reason, outcome.stop_detail, down.asked) == ("unavailable", "endpoint down", 3)
-    assert log.rows("SELECT status, skip_reason FROM cards")[0][:] == ("failed", "the proposer gave no answer: "
-                                                                                  "endpoint down")
+    card_row = log.card(RUN, outcome.card_id)
+    assert (card_row.status, card_row.skip_reason) == ("failed", "the proposer gave no answer: endpoint down")
 
     class Refused(FakeProposer):
         def propose(self, ctx):
             raise ProposerUnavailable("bad key")
 
+    log = _new_store(tmp_path / "refused")
     with pytest.raises(ProposerUnavailable, match="bad key"):
-        _search(tmp_path / "refused", proposer=Refused())
-    log = SearchLog(tmp_path / "refused")
-    assert log.rows("SELECT status FROM cards")[0][0] == "searching"  # never 'done': no answer came
-    log.close()
+        _search(tmp_path / "refused", proposer=Refused(), log=log)
+    assert log.card(RUN, toy_card().id).status == "searching"  # never 'done': no answer came
 
 
 def test_only_consecutive_unanswered_asks_stop_a_card(tmp_path):

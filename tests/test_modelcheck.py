@@ -15,7 +15,7 @@ from test_package import cpu_cast  # noqa: F401  (fixture)
 from kforge import run_report, runner
 from kforge.dispatch import Dispatcher
 from kforge.errors import KforgeError
-from kforge.log import SearchLog
+from kforge.store import SQLiteStore
 from kforge.modelcheck import ModelCheck, check_model
 from kforge.package import load
 
@@ -72,7 +72,7 @@ def test_verdict_is_beyond_the_noise(iqr, package_us, verdict):
 
 def run_logged(tmp_path, package_path) -> run_report.RunResult:
     """A finished run "r1" in tmp_path's search log, whose package is `package_path`."""
-    log = SearchLog(tmp_path)
+    log = SQLiteStore(tmp_path)
     log.start_run("r1", model="m")
     log.close()
     return run_report.RunResult("r1", tmp_path, [], Path(package_path), True)
@@ -80,11 +80,8 @@ def run_logged(tmp_path, package_path) -> run_report.RunResult:
 
 def logged_checks(tmp_path) -> list[tuple]:
     """(kind, level, message) of run r1's events."""
-    log = SearchLog(tmp_path)
-    try:
-        return log.conn.execute("SELECT kind, level, message FROM events WHERE run_id='r1'").fetchall()
-    finally:
-        log.close()
+    with SQLiteStore(tmp_path, readonly=True) as log:
+        return [(e.kind, e.level, e.message) for e in log.events("r1")]
 
 
 def test_run_records_a_failed_model_check_and_does_not_raise(tmp_path):

@@ -19,7 +19,7 @@ from kforge.candidate import Candidate, LaunchPlan
 from kforge.card_files import save_card
 from kforge.dispatch import Dispatcher
 from kforge.errors import CudaUnavailableError, PackageError
-from kforge.log import SearchLog
+from kforge.store import SQLiteStore
 from kforge.castfile import CHECKSUMS, MANIFEST
 from kforge.manifest import FORMAT, cubin_sm
 from kforge.package import PackageFallbackWarning, load, write_package
@@ -57,7 +57,7 @@ def result(verdict: str = "valid", *, eager: float = 10.0, kernel: float = 5.0, 
 
 def build_run(run_dir: Path, cards: list[tuple], arch: str = "sm_90") -> Path:
     """cards: (card, [(candidate, EvalResult), ...], skip_reason or None)."""
-    log = SearchLog(run_dir)
+    log = SQLiteStore(run_dir)
     log.start_run(RUN, model="toy", device="NVIDIA H200", arch=arch, torch=torch.__version__)
     for card, tried, skip in cards:
         save_card(card, run_dir)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from fakes import FAST_HW, FakeEvaluator, FakeProposer, toy_card
 
-from kforge.log import SearchLog
+from kforge.store import SQLiteStore
 from kforge.search import Budget, search_card
 from kforge.search.tree import Tree
 
@@ -23,10 +23,10 @@ HERE = Path(__file__).parent
 CHILD = """
 import sys
 from fakes import FAST_HW, FakeEvaluator, FakeProposer, toy_card
-from kforge.log import SearchLog
+from kforge.store import SQLiteStore
 from kforge.search import Budget, search_card
 run_dir, record, iterations = sys.argv[1], sys.argv[2], int(sys.argv[3])
-log = SearchLog(run_dir)
+log = SQLiteStore(run_dir)
 log.start_run("run-1")
 search_card(toy_card(), FakeProposer(), FakeEvaluator(sleep_s=0.05, record=record), log, "run-1",
             budget=Budget(iterations=iterations), hardware=FAST_HW)
@@ -34,7 +34,7 @@ search_card(toy_card(), FakeProposer(), FakeEvaluator(sleep_s=0.05, record=recor
 
 
 def test_replaying_the_log_rebuilds_the_same_tree(tmp_path):
-    log = SearchLog(tmp_path)
+    log = SQLiteStore(tmp_path)
     log.start_run(RUN)
     outcome = search_card(toy_card(), FakeProposer(), FakeEvaluator(), log, RUN, budget=Budget(iterations=30),
                           hardware=FAST_HW)
@@ -46,17 +46,17 @@ def test_replaying_the_log_rebuilds_the_same_tree(tmp_path):
 
 def test_resume_continues_the_count_and_never_reevaluates(tmp_path):
     card = toy_card()
-    log = SearchLog(tmp_path)
+    log = SQLiteStore(tmp_path)
     log.start_run(RUN)
     first = search_card(card, FakeProposer(), FakeEvaluator(), log, RUN, budget=Budget(iterations=15), hardware=FAST_HW)
-    before = [tuple(r) for r in log.candidates(RUN, card.id)]
+    before = log.candidates(RUN, card.id)
     again = FakeEvaluator()
     second = search_card(card, FakeProposer(), again, log, RUN, budget=Budget(iterations=30), hardware=FAST_HW)
     rows = log.candidates(RUN, card.id)
-    assert [tuple(r) for r in rows[:len(before)]] == before  # nothing rewritten
+    assert rows[:len(before)] == before  # nothing rewritten
     assert first.iterations == 15 and second.iterations == 30
-    assert not set(again.calls) & {r["digest"] for r in rows[:len(before)]}
-    assert min(r["iteration"] for r in rows[len(before):]) >= 15
+    assert not set(again.calls) & {r.digest for r in rows[:len(before)]}
+    assert min(r.iteration for r in rows[len(before):]) >= 15
     # A finished card resumed with the same budget does nothing.
     idle = FakeEvaluator()
     third = search_card(card, FakeProposer(), idle, log, RUN, budget=Budget(iterations=30), hardware=FAST_HW)
@@ -93,9 +93,9 @@ def test_kill_9_mid_search_then_resume_loses_and_repeats_nothing(tmp_path):
     assert child.returncode == -signal.SIGKILL
 
     card = toy_card()
-    log = SearchLog(run_dir)
-    killed_rows = [tuple(r) for r in log.candidates(RUN, card.id)]
-    killed_digests = {r["digest"] for r in log.candidates(RUN, card.id)}
+    log = SQLiteStore(run_dir)
+    killed_rows = log.candidates(RUN, card.id)
+    killed_digests = {r.digest for r in killed_rows}
     assert 8 <= len(killed_rows) and log.card_iterations(RUN, card.id) < iterations
     evaluated_before = record.read_text().split()
 
@@ -103,9 +103,9 @@ def test_kill_9_mid_search_then_resume_loses_and_repeats_nothing(tmp_path):
     outcome = search_card(card, FakeProposer(), resumed, log, RUN, budget=Budget(iterations=iterations),
                           hardware=FAST_HW)
     rows = log.candidates(RUN, card.id)
-    digests = [r["digest"] for r in rows]
+    digests = [r.digest for r in rows]
     # Nothing lost: the killed session's rows are all there, unchanged, first.
-    assert [tuple(r) for r in rows[:len(killed_rows)]] == killed_rows
+    assert rows[:len(killed_rows)] == killed_rows
     # Nothing repeated: no candidate logged twice, and nothing logged before the kill re-evaluated.
     assert len(digests) == len(set(digests))
     assert not set(resumed.calls) & killed_digests
@@ -113,5 +113,5 @@ def test_kill_9_mid_search_then_resume_loses_and_repeats_nothing(tmp_path):
     assert len(set(evaluated_before) - killed_digests) <= 1
     # The budget is the budget: iteration numbers continue and stop exactly at it.
     assert outcome.iterations == iterations == log.card_iterations(RUN, card.id)
-    assert all(0 <= r["iteration"] < iterations for r in rows)
-    assert log.rows("SELECT status FROM cards")[0][0] == "done"
+    assert all(0 <= r.iteration < iterations for r in rows)
+    assert log.card(RUN, card.id).status == "done"

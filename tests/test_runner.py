@@ -14,7 +14,7 @@ from fakes import FakeEvaluator, FakeProposer, toy_card
 from kforge import runner
 from kforge.card_files import save_card
 from kforge.errors import CardError, KforgeError
-from kforge.log import SearchLog, connect
+from kforge.store import SQLiteStore, connect
 
 CARDS = [
     toy_card(op="aten::relu.default", share=0.5),
@@ -157,9 +157,9 @@ def test_ctrl_c_marks_the_run_interrupted_and_resume_finishes_it(run_dir, monkey
         runner.search_run(run_dir, proposer=FakeProposer, iterations=10, progress=False)
     run_id = info.value.run_id
     assert isinstance(info.value, KeyboardInterrupt) and info.value.run_dir == run_dir
-    log = SearchLog(run_dir)
-    assert log.rows("SELECT status FROM runs WHERE id=?", (run_id,))[0][0] == "interrupted"
-    logged = {(r["card_id"], r["digest"]) for r in log.rows("SELECT card_id, digest FROM candidates")}
+    log = SQLiteStore(run_dir)
+    assert log.run(run_id).status == "interrupted"
+    logged = {(r.card_id, r.digest) for r in log.candidates(run_id)}
     assert len(logged) == 4
     log.close()
 

@@ -117,7 +117,7 @@ def _capture_regions(model, args, kwargs, target: Target, max_sample_bytes: int,
 def check_run_dir(run_dir: Path) -> None:
     """Before the model runs: a run directory the cards cannot go into, or one whose search
     log would be left describing other cards, is refused with what to do instead."""
-    from .log import LOG_NAME
+    from .store import LOG_NAME
 
     if run_dir.exists() and not run_dir.is_dir():
         raise CaptureError(f"run directory {run_dir} is a file: give a directory (it is created when missing)")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sqlite3
 from pathlib import Path
 
 import torch
@@ -17,8 +16,8 @@ from .cards import Card
 from .castfile import CHECKSUMS, MANIFEST, SIGNATURE, sha256
 from .dispatch import dispatch_blocker
 from .errors import CardError, CompileError, CudaUnavailableError, PackageError
-from .log import LOG_NAME, SearchLog
 from .manifest import FORMAT, MAX_TEXT, arch_sm, check_manifest, cubin_sm
+from .store import LOG_NAME, CardRecord, SQLiteStore
 from .winners import DEFAULT_MARGIN, Choice, Decision, RegionOption, choose, choose_regions
 
 log = logging.getLogger("kforge.package")
@@ -39,12 +38,12 @@ def _nvrtc_version() -> str | None:
         return None
 
 
-def _card_of(run_dir: Path, row: sqlite3.Row) -> Card:
+def _card_of(run_dir: Path, row: CardRecord) -> Card:
     """The card as saved under cards/, else as the log recorded it."""
     try:
-        return load_card(run_dir, row["card_id"])
+        return load_card(run_dir, row.card_id)
     except CardError:
-        return Card.from_json(json.loads(row["card_json"]))
+        return Card.from_json(row.card)
 
 
 def _guard_entry(card: Card) -> dict:
@@ -65,20 +64,20 @@ def _card_entry(card: Card, choice: Choice, arch: str) -> tuple[dict, dict[str, 
     """The manifest entry of one card and the files it adds. `decision` is eager dispatch's,
     `compile` kforge.compile's; the kernel ships where either dispatches it."""
     entry = _guard_entry(card)
-    row = choice.row
-    evidence = json.loads(row["evidence_json"] or "{}") if row is not None else {}
+    row = choice.candidate
+    evidence = row.evidence if row is not None else {}
     entry.update(
-        decision="fallback", reason=choice.eager.reason[:MAX_TEXT], kind=row["kind"] if row is not None else None,
-        timing={"eager_us": row["eager_us"] if row is not None else card.eager_us,
-                "kernel_us": row["kernel_us"] if row is not None else None,
+        decision="fallback", reason=choice.eager.reason[:MAX_TEXT], kind=row.kind if row is not None else None,
+        timing={"eager_us": row.eager_us if row is not None else card.eager_us,
+                "kernel_us": row.kernel_us if row is not None else None,
                 "eager_dispatched_us": choice.eager.baseline_us,
-                "dispatched_us": row["dispatched_us"] if row is not None else None,
+                "dispatched_us": row.dispatched_us if row is not None else None,
                 "noise_us": choice.eager.noise_us},
         compile=_compile_entry(choice.compiled),
-        error={"max_abs_err": row["max_abs_err"] if row is not None else None,
-               "max_rel_err": row["max_rel_err"] if row is not None else None,
+        error={"max_abs_err": row.max_abs_err if row is not None else None,
+               "max_rel_err": row.max_rel_err if row is not None else None,
                "tolerances": evidence.get("tolerances")},
-        flags=json.loads(row["flags_json"] or "[]") if row is not None else [],
+        flags=row.flags if row is not None else [],
         candidate=None, plan=None, files=None, hashes=None)
     if row is None:
         return entry, {}
@@ -90,9 +89,9 @@ def _card_entry(card: Card, choice: Choice, arch: str) -> tuple[dict, dict[str, 
         if choice.compiled.dispatched:
             entry["compile"].update(decision="fallback", reason=why)
         return entry, {}
-    plan = LaunchPlan.from_json(row["plan_json"])
+    plan = LaunchPlan.from_json(row.plan)
     try:
-        cubin = _compile_cubin(row["source"], f"{card.id}.cu", plan.options, arch)
+        cubin = _compile_cubin(row.source, f"{card.id}.cu", plan.options, arch)
     except (CompileError, CudaUnavailableError) as e:
         log.warning("card %s: recompiling its winner for %s failed; it falls back: %s", card.id, arch, e)
         first_line = str(e).splitlines()[0]
@@ -111,12 +110,12 @@ def _card_entry(card: Card, choice: Choice, arch: str) -> tuple[dict, dict[str, 
         entry["decision"] = "dispatched"
     if "dispatched" not in (entry["decision"], entry["compile"]["decision"]):
         return entry, {}
-    source = row["source"].encode()
+    source = row.source.encode()
     files = {"source": f"kernels/{card.id}.cu", "cubin": f"kernels/{card.id}.{arch}.cubin"}
     entry.update(plan=plan.to_json(), files=files,
                  hashes={"source": sha256(source), "cubin": sha256(cubin)},
-                 candidate={"log_id": row["id"], "digest": row["digest"], "proposer": row["proposer"],
-                            "knobs": json.loads(row["knobs_json"] or "{}"), "note": (row["note"] or "")[:MAX_TEXT]})
+                 candidate={"log_id": row.id, "digest": row.digest, "proposer": row.proposer,
+                            "knobs": row.knobs, "note": (row.note or "")[:MAX_TEXT]})
     return entry, {files["source"]: source, files["cubin"]: cubin}
 
 
@@ -135,34 +134,30 @@ def write_package(run_dir: str | Path, out: str | Path, *, run_id: str | None = 
     run_dir, out = Path(run_dir), Path(out)
     if not (run_dir / LOG_NAME).exists():
         raise PackageError(f"no search log in {run_dir}: run `kforge search` (or kforge.run) first")
-    slog = SearchLog(run_dir)
-    try:
+    with SQLiteStore(run_dir) as slog:
         run_id = run_id or slog.latest_run()
-        runs = slog.rows("SELECT * FROM runs WHERE id=?", (run_id,))
-        if not runs:
+        run = slog.run(run_id)
+        if run is None:
             raise PackageError(f"no run {run_id!r} in {run_dir / LOG_NAME}: pass a run id the log holds")
-        run = runs[0]
-        if not json.loads(run["config_json"] or "{}").get("validated", True):
+        if not run.validated:
             raise PackageError(f"run {run_id} in {run_dir} ran without a GPU (compile-only): its kernels were never "
                                f"checked or timed, so none could be dispatched. Search on a machine with the GPU "
                                f"the package is for (`kforge search {run_dir}`, or `kforge run`), then package")
-        card_rows = slog.rows("SELECT * FROM cards WHERE run_id=? ORDER BY COALESCE(share, 0) DESC, card_id", (run_id,))
+        card_rows = slog.cards(run_id)
         cards = [_card_of(run_dir, r) for r in card_rows]
-        arch = run["arch"] or (cards[0].arch if cards else "")
+        arch = run.arch or (cards[0].arch if cards else "")
         entries, members = [], {}
         for card, row in zip(cards, card_rows):
-            choice = choose(slog.candidates(run_id, card.id), row["skip_reason"], noise_factor=noise_factor, margin=margin)
+            choice = choose(slog.candidates(run_id, card.id), row.skip_reason, noise_factor=noise_factor, margin=margin)
             entry, files = _card_entry(card, choice, arch)
             entries.append(entry)
             members.update(files)
-    finally:
-        slog.close()
     regions = _region_decisions(run_dir, entries, members)
     dispatched = sum("dispatched" in (e["decision"], e["compile"]["decision"]) for e in entries)
     manifest = {
         "format": FORMAT, "kforge": kforge.__version__, "torch": torch.__version__,
         "cuda": {"nvrtc": _nvrtc_version() if dispatched else None, "torch_cuda": torch.version.cuda},
-        "gpu": {"name": run["device"] or next((c.device_name for c in cards if c.device_name), ""), "arch": arch},
+        "gpu": {"name": run.device or next((c.device_name for c in cards if c.device_name), ""), "arch": arch},
         "run_id": run_id, "selection": {"noise_factor": noise_factor, "margin": margin},
         "cards": entries,
         **({"regions": regions} if regions is not None else {}),

@@ -11,12 +11,10 @@ Three module-level functions are the seams to the GPU-side modules (tests replac
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import numbers
 import queue
 import secrets
-import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -30,12 +28,12 @@ from .cards import Card
 from .cardtable import module_path
 from .errors import CardError, KforgeError, ProposerUnavailable
 from .hardware import Hardware
-from .log import SearchLog, translated
 from .pool import EvaluatorFactory, EvaluatorPool, LocalPool
 from .proposers.base import Proposer
 from .run_report import CardResult, ProgressView, RunResult
 from .search.mcts import Budget, SearchOutcome, search_card
 from .spend import Spend
+from .store import SQLiteStore
 from .verdict import Evaluator
 
 # Without a GPU nothing can be ranked, so only a few first versions per card are compiled:
@@ -229,11 +227,8 @@ def _check_model(result: RunResult, model, example_inputs, *, load_options: dict
         result.model_check_error = why
         message, level = f"{where}: the model check did not complete: {why}", "warning"
     try:
-        log = SearchLog(result.run_dir)
-        try:
+        with SQLiteStore(result.run_dir) as log:
             log.event(result.run_id, "model-check", message, level=level)
-        finally:
-            log.close()
     except Exception as e:  # noqa: BLE001 (the result still carries the check)
         result.model_check_error = result.model_check_error or f"could not log the model check: {e}"
 
@@ -276,7 +271,7 @@ def search_run(run_dir: str | Path, *, out: str | Path | None = None, proposer: 
         # would run on; a CPU capture is retargeted to it.
         all_cards = [c.retarget("cuda", hardware.arch) if c.device_type != "cuda" else c for c in all_cards]
     try:  # the pool may hold a cluster's GPUs: given back on every way out
-        log = SearchLog(run_dir)
+        log = SQLiteStore(run_dir)
         run_id, finished = _open_run(log, resume, validated, model_name, hardware, dict(
             proposer=proposer if isinstance(proposer, str) else getattr(proposer, "__name__", "custom"),
             iterations=iterations, min_share=min_share, include_vendor=include_vendor, **pool.config,
@@ -316,9 +311,8 @@ def search_run(run_dir: str | Path, *, out: str | Path | None = None, proposer: 
         stops = {card_id: o.stop_reason for card_id, o in outcomes.items()}
         log.set_run_status(run_id, "done")
         package_path = package_run(run_dir, out, run_id) if validated and out else None
-        with translated(log.path):  # these read the log's connection directly
-            table = card_results(log.conn, run_id)
-            message = "" if validated else _compile_only_message(log.conn, run_id)
+        table = card_results(log, run_id)
+        message = "" if validated else _compile_only_message(log, run_id)
         if finished:
             message = " ".join(filter(None, [
                 f"Run {run_id} had finished; it was continued: cards below {iterations} iterations were searched "
@@ -351,19 +345,18 @@ def _check_options(iterations: Any, min_share: Any, wall_time_s: Any, max_cost_u
     return int(iterations), float(min_share)
 
 
-def _compile_only_message(conn: sqlite3.Connection, run_id: str) -> str:
+def _compile_only_message(log: SQLiteStore, run_id: str) -> str:
     """What a run without a GPU did, and that the rest needs one."""
-    verdicts = dict(conn.execute("SELECT verdict, COUNT(*) FROM candidates WHERE run_id=? GROUP BY verdict",
-                                 (run_id,)).fetchall())
-    searched = conn.execute("SELECT COUNT(DISTINCT card_id) FROM candidates WHERE run_id=?", (run_id,)).fetchone()[0]
-    total = sum(verdicts.values())
-    did = (f"{total} candidate(s) for {searched} card(s) were generated and {verdicts.get('untimed', 0)} compiled "
-           "with NVRTC" if total else "no card could be searched here (see the notes)")
+    cards = [c for c in log.cards(run_id) if c.candidates]
+    total, searched = sum(c.candidates for c in cards), len(cards)
+    untimed = sum(c.verdicts.get("untimed", 0) for c in cards)
+    did = (f"{total} candidate(s) for {searched} card(s) were generated and {untimed} compiled with NVRTC" if total
+           else "no card could be searched here (see the notes)")
     return (f"No CUDA GPU here: {did}. Validation, timing and packaging need a GPU: run kforge on a machine "
             "with an NVIDIA GPU to get a package.")
 
 
-def _open_run(log: SearchLog, resume: bool, validated: bool, model_name: str | None, hardware: Hardware,
+def _open_run(log: SQLiteStore, resume: bool, validated: bool, model_name: str | None, hardware: Hardware,
               config: dict) -> tuple[str, bool]:
     """(run id, whether it is a finished run continued): the log's latest run when resuming,
     else a new one. A compile-only run is never continued on a GPU: its untimed candidates
@@ -374,11 +367,11 @@ def _open_run(log: SearchLog, resume: bool, validated: bool, model_name: str | N
 
     run_id = log.latest_run() if resume else None
     if run_id is not None:
-        config_json, status = log.rows("SELECT config_json, status FROM runs WHERE id=?", (run_id,))[0]
-        if json.loads(config_json).get("validated", True) or not validated:
+        run = log.run(run_id)
+        if run.validated or not validated:
             log.start_run(run_id)
             log.event(run_id, "resume", "search continued from the log")
-            return run_id, status == "done"
+            return run_id, run.status == "done"
     run_id = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
     log.start_run(run_id, model=model_name or "", config=dict(config, validated=validated),
                   device=hardware.name if validated else "cpu", arch=hardware.arch, torch=torch.__version__,
@@ -400,16 +393,14 @@ def fair_share(budget: Budget, cards_left: int, workers: int) -> Budget:
 def _search_all(cards: list[Card], first: Proposer, proposer_spec: Any, proposer_options: dict,
                 pool: EvaluatorPool, run_dir: Path, run_id: str, budget: Budget,
                 spend: Spend, hardware: Hardware, seed: int, progress: bool, console: Console | None,
-                log: SearchLog) -> dict[str, SearchOutcome]:
+                log: SQLiteStore) -> dict[str, SearchOutcome]:
     """Search every card: inline with one slot, or one thread per slot of the pool pulling cards
     from a queue, each with its own evaluator, proposer and log connection (SQLite serializes
     writes; all of them are in this process, the one writer of the log).
     `spend` is the run's: every worker's proposer charges it, so its limits are run-wide."""
     view = ProgressView(console, progress)
     for card in cards:
-        done = log.card_iterations(run_id, card.id)
-        best = log.rows("SELECT best_speedup FROM cards WHERE run_id=? AND card_id=?", (run_id, card.id))[0][0]
-        view.add(card, budget.iterations, done, best)
+        view.add(card, budget.iterations, log.card_iterations(run_id, card.id), log.card(run_id, card.id).best_speedup)
     outcomes: dict[str, SearchOutcome] = {}
     todo: queue.Queue[Card] = queue.Queue()
     for card in cards:
@@ -417,7 +408,7 @@ def _search_all(cards: list[Card], first: Proposer, proposer_spec: Any, proposer
     cancel = threading.Event()
     busy: dict[int, str] = {}  # slot -> the card its worker is searching
 
-    def work(slot: int, proposer: Proposer, wlog: SearchLog) -> None:
+    def work(slot: int, proposer: Proposer, wlog: SQLiteStore) -> None:
         evaluator = pool.evaluator(slot)
         try:
             while not cancel.is_set():
@@ -445,11 +436,8 @@ def _search_all(cards: list[Card], first: Proposer, proposer_spec: Any, proposer
             try:
                 proposer = _make_proposer(proposer_spec, proposer_options)
                 try:
-                    wlog = SearchLog(run_dir)
-                    try:
+                    with SQLiteStore(run_dir) as wlog:
                         work(slot, proposer, wlog)
-                    finally:
-                        wlog.close()
                 finally:
                     proposer.close()
             except BaseException as e:  # re-raised in the main thread below
@@ -492,19 +480,11 @@ def _wait_all(events: list[threading.Event]) -> None:
             pass
 
 
-def card_results(conn: sqlite3.Connection, run_id: str) -> list[CardResult]:
-    """The per-card table of a run, from its log (a read-only connection is enough)."""
+def card_results(log: SQLiteStore, run_id: str) -> list[CardResult]:
+    """The per-card table of a run, from its log (a read-only store is enough)."""
     out = []
-    cards = conn.execute("SELECT * FROM cards WHERE run_id=? ORDER BY COALESCE(share, 0) DESC, card_id", (run_id,))
-    for row in cards.fetchall():
-        best = conn.execute("SELECT kernel_us FROM candidates WHERE id=?", (row["best_candidate"],)).fetchone()
-        counts = conn.execute("SELECT verdict, COUNT(*) FROM candidates WHERE run_id=? AND card_id=? GROUP BY verdict "
-                              "ORDER BY COUNT(*) DESC, verdict", (run_id, row["card_id"])).fetchall()
-        note = row["skip_reason"] or ", ".join(f"{n} {v}" for v, n in counts) or "no candidates"
-        spent = conn.execute("SELECT COALESCE(SUM(eval_s), 0) FROM candidates WHERE run_id=? AND card_id=?",
-                             (run_id, row["card_id"])).fetchone()[0]
-        card = Card.from_json(json.loads(row["card_json"]))
-        out.append(CardResult(row["card_id"], row["op"], row["family"], row["summary"], row["status"],
-                              row["iterations"], row["eager_us"], best["kernel_us"] if best else None,
-                              row["best_speedup"], note, spent, row["calls"], row["share"], module_path(card)))
+    for c in log.cards(run_id):
+        note = c.skip_reason or ", ".join(f"{n} {v}" for v, n in c.verdicts.items()) or "no candidates"
+        out.append(CardResult(c.card_id, c.op, c.family, c.summary, c.status, c.iterations, c.eager_us, c.best_us,
+                              c.best_speedup, note, c.eval_s, c.calls, c.share, module_path(Card.from_json(c.card))))
     return out

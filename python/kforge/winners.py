@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import collections
 import json
-import sqlite3
 from dataclasses import dataclass
 from typing import Sequence
 
+from .store import CandidateRecord
 from .verdict import Verdict
 
 # Without an IQR in the evidence a kernel must beat eager by this fraction to be dispatched.
@@ -64,9 +64,9 @@ def decide(*, eager_us: float, dispatched_us: float, eager_noise_us: float, kern
 
 @dataclass
 class Choice:
-    """The candidate row to ship for a card (None: nothing ships) and its two decisions."""
+    """The candidate to ship for a card (None: nothing ships) and its two decisions."""
 
-    row: sqlite3.Row | None
+    candidate: CandidateRecord | None
     eager: Decision
     compiled: Decision
 
@@ -79,17 +79,17 @@ def _summary(evidence: dict, *names: str) -> dict:
     return next((evidence[n] for n in names if isinstance(evidence.get(n), dict)), {})
 
 
-def _compile_decision(row: sqlite3.Row, noise_factor: float, margin: float) -> tuple[float | None, str]:
-    """(noise of the kernel against torch.compile, why there is no compile time) of a row."""
-    evidence = json.loads(row["evidence_json"] or "{}")
-    if row["compile_us"] is None:
+def _compile_decision(row: CandidateRecord, noise_factor: float, margin: float) -> tuple[float | None, str]:
+    """(noise of the kernel against torch.compile, why there is no compile time) of a candidate."""
+    evidence = row.evidence
+    if row.compile_us is None:
         why = evidence.get("compile_error")
         return None, why if isinstance(why, str) and why else "never timed against torch.compile (searched without the compile baseline)"
     c_iqr, k_iqr = _summary(evidence, "compiled").get("iqr_us"), _summary(evidence, "kernel").get("iqr_us")
-    return noise(row["compile_us"], c_iqr, k_iqr, noise_factor=noise_factor, margin=margin), ""
+    return noise(row.compile_us, c_iqr, k_iqr, noise_factor=noise_factor, margin=margin), ""
 
 
-def choose(rows: list[sqlite3.Row], skip_reason: str | None, *, noise_factor: float = 1.0,
+def choose(rows: list[CandidateRecord], skip_reason: str | None, *, noise_factor: float = 1.0,
            margin: float = DEFAULT_MARGIN) -> Choice:
     """Decide twice (see decide()). For eager dispatch: the valid candidate with the lowest
     latency as dispatched, against eager as dispatched, noise from evidence["eager"/"dispatched"]
@@ -103,25 +103,25 @@ def choose(rows: list[sqlite3.Row], skip_reason: str | None, *, noise_factor: fl
         return nothing(f"not searched: {skip_reason}")
     if not rows:
         return nothing("not searched: no candidate was evaluated")
-    valid = [r for r in rows if r["verdict"] == Verdict.VALID.value]
+    valid = [r for r in rows if r.verdict == Verdict.VALID.value]
     if not valid:
-        counts = collections.Counter(r["verdict"] for r in rows)
+        counts = collections.Counter(r.verdict for r in rows)
         return nothing(f"no valid candidate ({len(rows)} tried: "
                        + ", ".join(f"{n} {v}" for v, n in counts.most_common()) + ")")
-    trusted = [r for r in valid if "beyond_roofline" not in json.loads(r["flags_json"] or "[]")]
+    trusted = [r for r in valid if "beyond_roofline" not in r.flags]
     if not trusted:
         return nothing("every valid candidate is faster than the HBM floor (flagged beyond_roofline); needs review")
 
-    def compiled(row: sqlite3.Row) -> Decision:
+    def compiled(row: CandidateRecord) -> Decision:
         c_noise, why = _compile_decision(row, noise_factor, margin)
         if c_noise is None:
             return Decision(None, why)
-        return beats(row["kernel_us"], row["compile_us"], c_noise, "torch.compile")
+        return beats(row.kernel_us, row.compile_us, c_noise, "torch.compile")
 
-    timed = [r for r in trusted if r["dispatched_us"] is not None]
-    best = min(timed, key=lambda r: (r["dispatched_us"], r["id"])) if timed else None
-    evidence = json.loads(best["evidence_json"] or "{}") if best is not None else {}
-    eager_us = (_summary(evidence, "eager_dispatched").get("median_us") or best["eager_us"]) if best is not None else None
+    timed = [r for r in trusted if r.dispatched_us is not None]
+    best = min(timed, key=lambda r: (r.dispatched_us, r.id)) if timed else None
+    evidence = best.evidence if best is not None else {}
+    eager_us = (_summary(evidence, "eager_dispatched").get("median_us") or best.eager_us) if best is not None else None
     if best is None or eager_us is None:
         eager = Decision(False, "valid, but never timed as dispatched (through the guard path)" if best is None
                          else "no eager timing to compare against")
@@ -130,15 +130,15 @@ def choose(rows: list[sqlite3.Row], skip_reason: str | None, *, noise_factor: fl
         d_iqr = _summary(evidence, "dispatched", "kernel").get("iqr_us")
         e_noise = noise(eager_us, e_iqr, d_iqr, noise_factor=noise_factor, margin=margin)
         c_noise, why = _compile_decision(best, noise_factor, margin)
-        eager, on_compile = decide(eager_us=eager_us, dispatched_us=best["dispatched_us"], eager_noise_us=e_noise,
-                                   kernel_us=best["kernel_us"], compile_us=best["compile_us"],
+        eager, on_compile = decide(eager_us=eager_us, dispatched_us=best.dispatched_us, eager_noise_us=e_noise,
+                                   kernel_us=best.kernel_us, compile_us=best.compile_us,
                                    compile_noise_us=c_noise, no_compile=why)
         if eager.dispatched:
             return Choice(best, eager, on_compile)
-    against = [r for r in trusted if r["compile_us"] is not None and r["kernel_us"] is not None]
+    against = [r for r in trusted if r.compile_us is not None and r.kernel_us is not None]
     if not against:
         return Choice(None, eager, compiled(trusted[0]))
-    fastest = min(against, key=lambda r: (r["kernel_us"], r["id"]))
+    fastest = min(against, key=lambda r: (r.kernel_us, r.id))
     on_compile = compiled(fastest)
     return Choice(fastest if on_compile.dispatched else None, eager, on_compile)
 

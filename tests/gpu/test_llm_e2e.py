@@ -10,10 +10,11 @@ import re
 import pytest
 import torch
 
+from fakes import logged
 from kforge import hardware
 from kforge.capturing import capture
 from kforge.evaluate import make_evaluator
-from kforge.log import SearchLog
+from kforge.store import SQLiteStore
 from kforge.proposers.llm import LLMConfig, LLMProposer, prompts
 from kforge.search.mcts import Budget, search_card
 from llm_cards import answer
@@ -58,18 +59,18 @@ def endpoint():
 
 
 def _by_kernel(rows) -> dict:
-    """Log rows keyed by their first kernel's name, ":broken" appended for compile errors."""
+    """Stored candidates keyed by their first kernel's name, ":broken" appended for compile errors."""
     out = {}
     for r in rows:
-        name = re.search(r'"name": "(\w+)"', r["plan_json"]).group(1)
-        out[name + (":broken" if r["verdict"] == "compile_error" else "")] = r
+        name = r.plan["kernels"][0]["name"]
+        out[name + (":broken" if r.verdict == "compile_error" else "")] = r
     return out
 
 
 def _search(tmp_path, module, x, op, server, iterations):
     cards = capture(module, x, tmp_path / "run").cards
     card = next(c for c in cards if c.op == op)
-    log = SearchLog(tmp_path / "run")
+    log = SQLiteStore(tmp_path / "run")
     log.start_run("r", model=op)
     proposer = LLMProposer(LLMConfig(model="scripted-coder", base_url=server.base_url, api_key="k"))
     try:
@@ -89,13 +90,13 @@ def test_softmax_search_repairs_a_compile_error_and_keeps_the_fastest(tmp_path, 
     assert model.asked == [("propose", "softmax_v1_broken"), ("repair", "softmax_v1"),
                            ("propose", "softmax_v2_slow"), ("propose", "softmax_v3_warp")]
     broken, fixed = by_kernel["softmax_rows_block:broken"], by_kernel["softmax_rows_block"]
-    assert 'identifier "lane" is undefined' in broken["compile_log"]
-    assert fixed["repair_of"] == broken["id"] and fixed["verdict"] in ("slower", "valid")
+    assert 'identifier "lane" is undefined' in broken.compile_log
+    assert fixed.repair_of == broken.id and fixed.verdict in ("slower", "valid")
     slow, fast = by_kernel["softmax_thread_per_row"], by_kernel["softmax_warp_row"]
-    assert slow["verdict"] == "slower" and slow["kernel_us"] > 5 * fast["kernel_us"]
-    assert fast["verdict"] == "valid" and fast["kernel_us"] < fixed["kernel_us"]
-    assert outcome.best is not None and outcome.best.id == fast["id"] and outcome.best_speedup > 1.0
-    calls = log.rows("SELECT status, prompt_tokens FROM llm_calls")  # every attempt, as the server counted it
+    assert slow.verdict == "slower" and slow.kernel_us > 5 * fast.kernel_us
+    assert fast.verdict == "valid" and fast.kernel_us < fixed.kernel_us
+    assert outcome.best is not None and outcome.best.id == fast.id and outcome.best_speedup > 1.0
+    calls = logged(log, "SELECT status, prompt_tokens FROM llm_calls")  # every attempt, as the server counted it
     assert [(c["status"], c["prompt_tokens"]) for c in calls] == [("ok", 100)] * len(server.requests)
     log.close()
 

@@ -8,7 +8,7 @@ import torch
 
 import kforge
 from kforge import runner
-from kforge.log import connect
+from kforge.store import connect
 
 pytestmark = pytest.mark.gpu
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
-import json
 import warnings
 from pathlib import Path
 
@@ -17,12 +17,9 @@ from .output import card_json, cards_table_of, emit, results_table
 
 
 def cmd_inspect(args: argparse.Namespace, console: Console) -> int:
-    from ..log import log_path, translated
-
     path: Path = args.path
     if path.is_dir():
-        with translated(log_path(path)):  # a log damaged past what opening it checks
-            return _inspect_run(path, console, args)
+        return _inspect_run(path, console, args)
     if path.suffix == ".cast" and path.is_file():
         return _inspect_package(path, console, args)
     if not path.exists():
@@ -70,17 +67,17 @@ def _inspect_package(path: Path, console: Console, args: argparse.Namespace) -> 
     return 0
 
 
-def _proposer_errors(conn, run_id: str, top: int = 3) -> tuple[int, list[dict]]:
-    """(how many proposer errors the run logged, the most frequent messages with their counts)."""
-    rows = conn.execute("SELECT message, COUNT(*) AS n FROM events WHERE run_id=? AND kind='proposer_error' "
-                        "GROUP BY message ORDER BY n DESC, MIN(id)", (run_id,)).fetchall()
-    return sum(r["n"] for r in rows), [{"message": r["message"], "count": r["n"]} for r in rows[:top]]
+def _proposer_errors(log, run_id: str, top: int = 3) -> tuple[int, list[dict]]:
+    """(how many proposer errors the run logged, the most frequent messages with their counts;
+    ties: the one logged first)."""
+    counts = collections.Counter(e.message for e in log.events(run_id, "proposer_error"))
+    return counts.total(), [{"message": m, "count": n} for m, n in counts.most_common(top)]
 
 
 def _inspect_run(run_dir: Path, console: Console, args: argparse.Namespace) -> int:
     from ..card_files import load_cards
-    from ..log import LOG_NAME, connect
     from ..runner import card_results
+    from ..store import LOG_NAME, LLMUsage, SQLiteStore
 
     if not (run_dir / LOG_NAME).exists():
         cards = load_cards(run_dir)
@@ -92,36 +89,33 @@ def _inspect_run(run_dir: Path, console: Console, args: argparse.Namespace) -> i
         console.print(cards_table_of(cards, args))
         console.print(f"{len(cards)} cards, not searched yet: `kforge search {run_dir}`")
         return 0
-    conn = connect(run_dir, readonly=True)
-    try:
-        run = conn.execute("SELECT * FROM runs ORDER BY created DESC, rowid DESC LIMIT 1").fetchone()
-        if run is None:
+    with SQLiteStore(run_dir, readonly=True) as log:
+        run_id = log.latest_run()
+        if run_id is None:
             raise KforgeError(f"the search log in {run_dir} has no run yet")
-        rows = card_results(conn, run["id"])
-        calls, failed, tokens, cost = conn.execute(
-            "SELECT COUNT(*), COALESCE(SUM(status != 'ok'), 0), COALESCE(SUM(prompt_tokens + completion_tokens), 0), "
-            "COALESCE(SUM(cost_usd), 0) FROM llm_calls WHERE run_id=?", (run["id"],)).fetchone()
-        n_errors, errors = _proposer_errors(conn, run["id"])
-        resume = f"kforge search {run_dir}" if run["status"] in ("interrupted", "running") else None
-        if args.json:
-            info = {k: run[k] for k in run.keys() if k != "config_json"}
-            return emit({"kind": "run", "run_dir": str(run_dir), "run": {**info, "config": json.loads(run["config_json"])},
-                          "cards": [dataclasses.asdict(r) for r in rows],
-                          "llm": {"calls": calls, "failed_calls": failed, "tokens": tokens, "cost_usd": cost},
-                          "proposer_errors": {"count": n_errors, "top": errors}, "resume": resume})
-        console.print(f"run [bold]{run['id']}[/] ({run['status']}) model {run['model'] or '-'} on "
-                      f"{run['device'] or '-'} {run['arch'] or ''}, torch {run['torch'] or '-'}")
-        console.print(results_table(rows, "cards", args, getattr(args, "all", False)))
-        if calls:
-            console.print(f"LLM: {calls} calls ({failed} failed), {tokens} tokens, ${cost:.4f}")
-        if n_errors:
-            console.print(f"[red]{n_errors} proposer error(s)[/], the most frequent:")
-            for e in errors:
-                console.print(f"  {e['count']} x {escape(e['message'])}", soft_wrap=True, highlight=False)
-        if resume:
-            console.print(f"resume with: {resume}")
-    finally:
-        conn.close()
+        run = log.run(run_id)
+        rows = card_results(log, run_id)
+        llm = sum(log.llm_usage(run_id).values(), LLMUsage())
+        n_errors, errors = _proposer_errors(log, run_id)
+    resume = f"kforge search {run_dir}" if run.status in ("interrupted", "running") else None
+    if args.json:
+        info = {k: v for k, v in dataclasses.asdict(run).items() if k != "config"}
+        return emit({"kind": "run", "run_dir": str(run_dir), "run": {**info, "config": run.config},
+                     "cards": [dataclasses.asdict(r) for r in rows],
+                     "llm": {"calls": llm.calls, "failed_calls": llm.failed_calls, "tokens": llm.tokens,
+                             "cost_usd": llm.cost_usd},
+                     "proposer_errors": {"count": n_errors, "top": errors}, "resume": resume})
+    console.print(f"run [bold]{run.id}[/] ({run.status}) model {run.model or '-'} on "
+                  f"{run.device or '-'} {run.arch or ''}, torch {run.torch or '-'}")
+    console.print(results_table(rows, "cards", args, getattr(args, "all", False)))
+    if llm.calls:
+        console.print(f"LLM: {llm.calls} calls ({llm.failed_calls} failed), {llm.tokens} tokens, ${llm.cost_usd:.4f}")
+    if n_errors:
+        console.print(f"[red]{n_errors} proposer error(s)[/], the most frequent:")
+        for e in errors:
+            console.print(f"  {e['count']} x {escape(e['message'])}", soft_wrap=True, highlight=False)
+    if resume:
+        console.print(f"resume with: {resume}")
     return 0
 
 

@@ -3,9 +3,13 @@
 One iteration: select (UCT down the tree while progressive widening forbids a new child)
 -> expand (the proposer writes a first version or a revision; a candidate whose digest was
 already evaluated is skipped) -> evaluate -> bounded repair of compile/load/runtime errors
--> backpropagate. Every evaluated candidate is one log row, committed before the loop moves
+-> backpropagate. Every evaluated candidate is one store record, committed before the loop moves
 on, and one backup, so a killed search resumes from the log without losing or repeating
 an evaluation. Proposer and evaluator exceptions are recorded, never a crashed search.
+
+The search is functions over the tree (`State`), the proposer and the evaluator (`Search`);
+what it records goes to the store through one callback object (`CardLog`), so it runs the
+same over a run directory's SQLite log and over a MemoryStore.
 """
 
 from __future__ import annotations
@@ -20,9 +24,9 @@ from ..candidate import Candidate
 from ..cards import Card
 from ..errors import BudgetExhausted, ProposerUnavailable
 from ..hardware import Hardware
-from ..log import SearchLog
 from ..proposers.base import Proposal, ProposalContext, Proposer, Tried
 from ..spend import Spend
+from ..store import SearchStore
 from ..verdict import EvalResult, Evaluator, Verdict
 from . import policy as P
 from .tree import Node, Tree
@@ -95,200 +99,242 @@ def select(tree: Tree, rng: random.Random, c: float, k: float, alpha: float) -> 
         node = kids[P.argmax_random(scores, rng)]
 
 
-class _CardSearch:
-    """The state of one card's search; search_card() is its entry point."""
+class CardLog:
+    """The store as one card's search calls it back: everything the search records goes
+    through here (the store may be a run directory's SQLite log or a MemoryStore)."""
 
-    def __init__(self, card: Card, proposer: Proposer, evaluator: Evaluator, log: SearchLog, run_id: str,
-                 budget: Budget, hardware: Hardware, policy: Policy, spend: Spend, repair_attempts: int,
-                 cancel: threading.Event | None):
-        self.card, self.proposer, self.evaluator, self.log, self.run_id = card, proposer, evaluator, log, run_id
-        self.cancel = cancel
-        self.budget, self.hardware, self.policy, self.spend = budget, hardware, policy, spend
-        self.repair_attempts = repair_attempts
-        self.floor_us = hardware.floor_us(card.io_bytes())
-        self.tree = Tree.replay(log.candidates(run_id, card.id))
-        self.best = self.tree.best()
-        self.evaluated = 0
-        self.unanswered = 0  # consecutive asks the proposer's service did not answer
+    def __init__(self, store: SearchStore, run_id: str, card_id: str):
+        self.store, self.run_id, self.card_id = store, run_id, card_id
 
-    # ---- the loop ---------------------------------------------------------------------
-    def run(self, rng_seed: int, on_progress: Callable[[SearchProgress], None] | None) -> SearchOutcome:
-        it = self.log.card_iterations(self.run_id, self.card.id)
-        # Seeded by where this session starts, so a resumed search is reproducible too.
-        rng = random.Random(f"{rng_seed}:{self.card.id}:{it}")
-        started = time.monotonic()
-        c, stagnant, from_root = self.policy.c, 0, False
-        detail = ""
-        while True:
-            stop = self._stop_reason(it, started)
-            if stop:
-                break
-            alpha = P.annealed_alpha(it / max(self.budget.iterations, 1), self.policy.alpha_start,
-                                     self.policy.alpha_end)
-            leaf = self.tree.root if from_root and self.tree.root.expandable else select(
-                self.tree, rng, c, self.policy.k, alpha)
-            from_root = False
-            if leaf is None:
-                stop = "exhausted"
-                break
-            previous_best = self.best
-            try:
-                last = self._expand(leaf, it, rng)
-            except BudgetExhausted as e:
-                self.log.event(self.run_id, "budget", str(e), card_id=self.card.id)
-                stop = e.reason
-                break
-            except ProposerUnavailable as e:
-                if not e.transient:  # no later ask can do better: the run stops
-                    raise
-                stop, detail = "unavailable", str(e)  # it stayed down for unavailable_after asks
-                break
-            it += 1
-            self.log.note_iteration(self.run_id, self.card.id, it)
-            if self.best is not previous_best:
-                c, stagnant = self.policy.c, 0
-            else:
-                stagnant += 1
-                if stagnant >= self.budget.stagnation:
-                    c, stagnant, from_root = self.policy.c * self.policy.stagnation_boost, 0, True
-                    self.log.event(self.run_id, "stagnation",
-                                   f"no new best in {self.budget.stagnation} iterations: exploring from the root "
-                                   f"with c={c:g}", card_id=self.card.id)
-            if on_progress:
-                on_progress(SearchProgress(self.card.id, it, self.budget.iterations, self._best_speedup(),
-                                           last.result.verdict.value if last else None))
-        self.log.event(self.run_id, "search_done", f"stopped ({stop}) after {it} iterations", card_id=self.card.id)
-        return SearchOutcome(self.card.id, self.best.tried if self.best else None, it, self.evaluated, stop, self.tree,
-                             detail)
+    def candidate(self, cand: Candidate, result: EvalResult, *, parent_id: int | None, iteration: int, reward: float,
+                  repair_of: int | None, eval_s: float) -> int:
+        """Record an evaluated candidate; its id."""
+        return self.store.add_candidate(self.run_id, self.card_id, cand, result, parent_id=parent_id,
+                                        iteration=iteration, reward=reward, repair_of=repair_of, eval_s=eval_s)
 
-    def _stop_reason(self, it: int, started: float) -> str | None:
-        b, now = self.budget, time.monotonic()
-        if self._cancelled():
-            return "interrupted"
-        if it >= b.iterations:
-            return "iterations"
-        if (b.wall_time_s is not None and now - started >= b.wall_time_s) or (b.deadline is not None and now >= b.deadline):
-            return "wall_time"
-        over = self.spend.over()
-        if over:
-            return over
-        best_us = self.best.tried.result.kernel_us if self.best else None
-        if best_us and self.floor_us > 0 and self.floor_us / best_us >= b.near_floor:
-            return "near_floor"
-        if b.give_up and it >= b.give_up and self.best is None:
-            return "no_gain"  # e.g. eager is already at the roofline: the budget is better spent elsewhere
-        return None
+    def event(self, kind: str, message: str, level: str = "info") -> None:
+        self.store.event(self.run_id, kind, message, level=level, card_id=self.card_id)
 
-    def _best_speedup(self) -> float | None:
-        return self.best.tried.result.speedup if self.best else None
+    def iterations(self, done: int) -> None:
+        self.store.note_iteration(self.run_id, self.card_id, done)
 
-    def _cancelled(self) -> bool:
+
+@dataclass(frozen=True)
+class Search:
+    """What one card's search works with: the card, the proposer, the evaluator, the store
+    callback and the limits. The functions below take it with the tree they grow."""
+
+    card: Card
+    proposer: Proposer
+    evaluator: Evaluator
+    log: CardLog
+    budget: Budget
+    hardware: Hardware
+    policy: Policy
+    spend: Spend
+    repair_attempts: int
+    cancel: threading.Event | None = None
+
+    @property
+    def floor_us(self) -> float:
+        return self.hardware.floor_us(self.card.io_bytes())
+
+    def cancelled(self) -> bool:
         return self.cancel is not None and self.cancel.is_set()
 
-    # ---- one expansion and its repairs ---------------------------------------------------
-    def _context(self, leaf: Node, it: int, rng: random.Random) -> ProposalContext:
-        return ProposalContext(
-            card=self.card, hardware=self.hardware, parent=leaf.tried, lineage=Tree.lineage(leaf),
-            best=self.best.tried if self.best else None,
-            sibling_failures=[ch.tried for ch in leaf.children if ch.failed],
-            tried_digests=set(self.tree.digests), iteration=it, rng=rng,
-        )
 
-    def _expand(self, leaf: Node, it: int, rng: random.Random) -> Tried | None:
-        """Propose under `leaf`, evaluate, repair; returns the last evaluated candidate, if any."""
-        ctx = self._context(leaf, it, rng)
-        proposal = self._ask(leaf, "propose", lambda: self.proposer.propose(ctx))
-        if proposal is None:
-            return None
-        tried = self._evaluate(leaf, proposal, it, repair_of=None)
-        if tried is None:
-            return None
-        for _ in range(self.repair_attempts):
-            if not tried.result.verdict.repairable or "evaluator_error" in tried.result.evidence:
-                break
-            if self._cancelled():  # stop after the candidate in flight, not after its repairs
-                break
-            ctx = self._context(leaf, it, rng)
-            failed = tried
-            proposal = self._ask(leaf, "repair", lambda: self.proposer.repair(ctx, failed))
-            repaired = self._evaluate(leaf, proposal, it, repair_of=failed.id) if proposal else None
-            if repaired is None:
-                break
-            tried = repaired
-        return tried
+@dataclass
+class State:
+    """A card's search so far: the tree, its best node, and this session's counters."""
 
-    def _ask(self, leaf: Node, what: str, call: Callable[[], Proposal | None]) -> Proposal | None:
-        """Call the proposer; an exception is recorded against the node, never raised, except
-        BudgetExhausted and KeyboardInterrupt, a ProposerUnavailable that is not transient, and
-        a transient one that lasted `unavailable_after` asks: these stop the search."""
+    tree: Tree
+    best: Node | None = None
+    evaluated: int = 0  # candidates evaluated this session
+    unanswered: int = 0  # consecutive asks the proposer's service did not answer
+
+    @property
+    def best_speedup(self) -> float | None:
+        return self.best.tried.result.speedup if self.best else None
+
+
+# ---- the loop -------------------------------------------------------------------------------
+
+def run_search(s: Search, state: State, it: int, rng_seed: int,
+               on_progress: Callable[[SearchProgress], None] | None) -> SearchOutcome:
+    """Iterate from iteration `it` (what the store says is done) until a stop reason holds."""
+    # Seeded by where this session starts, so a resumed search is reproducible too.
+    rng = random.Random(f"{rng_seed}:{s.card.id}:{it}")
+    started = time.monotonic()
+    c, stagnant, from_root = s.policy.c, 0, False
+    detail = ""
+    while True:
+        stop = stop_reason(s, state, it, started)
+        if stop:
+            break
+        alpha = P.annealed_alpha(it / max(s.budget.iterations, 1), s.policy.alpha_start, s.policy.alpha_end)
+        tree = state.tree
+        leaf = tree.root if from_root and tree.root.expandable else select(tree, rng, c, s.policy.k, alpha)
+        from_root = False
+        if leaf is None:
+            stop = "exhausted"
+            break
+        previous_best = state.best
         try:
-            proposal = call()
-        except (BudgetExhausted, KeyboardInterrupt):
-            raise
-        except Exception as e:  # any proposer bug or bad reply becomes a recorded failure
-            self.log.event(self.run_id, "proposer_error", f"{what} failed: {type(e).__name__}: {e}",
-                           level="warning", card_id=self.card.id)
-            if isinstance(e, ProposerUnavailable):  # the service's fault, not the node's
-                self.unanswered += 1
-                if not e.transient or self.unanswered >= self.policy.unavailable_after:
-                    raise
-                return None
-            self.unanswered = 0  # it answered, if not usefully
-            self._proposer_failed(leaf)
+            last = expand(s, state, leaf, it, rng)
+        except BudgetExhausted as e:
+            s.log.event("budget", str(e))
+            stop = e.reason
+            break
+        except ProposerUnavailable as e:
+            if not e.transient:  # no later ask can do better: the run stops
+                raise
+            stop, detail = "unavailable", str(e)  # it stayed down for unavailable_after asks
+            break
+        it += 1
+        s.log.iterations(it)
+        if state.best is not previous_best:
+            c, stagnant = s.policy.c, 0
+        else:
+            stagnant += 1
+            if stagnant >= s.budget.stagnation:
+                c, stagnant, from_root = s.policy.c * s.policy.stagnation_boost, 0, True
+                s.log.event("stagnation", f"no new best in {s.budget.stagnation} iterations: exploring from the root "
+                                          f"with c={c:g}")
+        if on_progress:
+            on_progress(SearchProgress(s.card.id, it, s.budget.iterations, state.best_speedup,
+                                       last.result.verdict.value if last else None))
+    s.log.event("search_done", f"stopped ({stop}) after {it} iterations")
+    return SearchOutcome(s.card.id, state.best.tried if state.best else None, it, state.evaluated, stop, state.tree,
+                         detail)
+
+
+def stop_reason(s: Search, state: State, it: int, started: float) -> str | None:
+    b, now = s.budget, time.monotonic()
+    if s.cancelled():
+        return "interrupted"
+    if it >= b.iterations:
+        return "iterations"
+    if (b.wall_time_s is not None and now - started >= b.wall_time_s) or (b.deadline is not None and now >= b.deadline):
+        return "wall_time"
+    over = s.spend.over()
+    if over:
+        return over
+    best_us = state.best.tried.result.kernel_us if state.best else None
+    if best_us and s.floor_us > 0 and s.floor_us / best_us >= b.near_floor:
+        return "near_floor"
+    if b.give_up and it >= b.give_up and state.best is None:
+        return "no_gain"  # e.g. eager is already at the roofline: the budget is better spent elsewhere
+    return None
+
+
+# ---- one expansion and its repairs ---------------------------------------------------------
+
+def context(s: Search, state: State, leaf: Node, it: int, rng: random.Random) -> ProposalContext:
+    return ProposalContext(
+        card=s.card, hardware=s.hardware, parent=leaf.tried, lineage=Tree.lineage(leaf),
+        best=state.best.tried if state.best else None,
+        sibling_failures=[ch.tried for ch in leaf.children if ch.failed],
+        tried_digests=set(state.tree.digests), iteration=it, rng=rng,
+    )
+
+
+def expand(s: Search, state: State, leaf: Node, it: int, rng: random.Random) -> Tried | None:
+    """Propose under `leaf`, evaluate, repair; returns the last evaluated candidate, if any."""
+    ctx = context(s, state, leaf, it, rng)
+    proposal = ask(s, state, leaf, "propose", lambda: s.proposer.propose(ctx))
+    if proposal is None:
+        return None
+    tried = evaluate(s, state, leaf, proposal, it, repair_of=None)
+    if tried is None:
+        return None
+    for _ in range(s.repair_attempts):
+        if not tried.result.verdict.repairable or "evaluator_error" in tried.result.evidence:
+            break
+        if s.cancelled():  # stop after the candidate in flight, not after its repairs
+            break
+        ctx = context(s, state, leaf, it, rng)
+        failed = tried
+        proposal = ask(s, state, leaf, "repair", lambda: s.proposer.repair(ctx, failed))
+        repaired = evaluate(s, state, leaf, proposal, it, repair_of=failed.id) if proposal else None
+        if repaired is None:
+            break
+        tried = repaired
+    return tried
+
+
+def ask(s: Search, state: State, leaf: Node, what: str, call: Callable[[], Proposal | None]) -> Proposal | None:
+    """Call the proposer; an exception is recorded against the node, never raised, except
+    BudgetExhausted and KeyboardInterrupt, a ProposerUnavailable that is not transient, and
+    a transient one that lasted `unavailable_after` asks: these stop the search."""
+    try:
+        proposal = call()
+    except (BudgetExhausted, KeyboardInterrupt):
+        raise
+    except Exception as e:  # any proposer bug or bad reply becomes a recorded failure
+        s.log.event("proposer_error", f"{what} failed: {type(e).__name__}: {e}", level="warning")
+        if isinstance(e, ProposerUnavailable):  # the service's fault, not the node's
+            state.unanswered += 1
+            if not e.transient or state.unanswered >= s.policy.unavailable_after:
+                raise
             return None
-        self.unanswered = 0
-        return proposal
-
-    def _proposer_failed(self, leaf: Node) -> None:
-        leaf.proposer_failures += 1
-        if leaf.proposer_failures >= self.policy.proposer_retries:
-            leaf.exhausted = True
-
-    def _evaluate(self, leaf: Node, proposal: Proposal, it: int, repair_of: int | None) -> Tried | None:
-        """Evaluate a proposal, log it, add it to the tree and back its reward up.
-        None when it was a duplicate of something already evaluated (not re-evaluated)."""
-        cand = proposal.candidate
-        digest = cand.digest()
-        if digest in self.tree.digests:
-            self.log.event(self.run_id, "duplicate", f"candidate {digest} was already evaluated; skipped",
-                           card_id=self.card.id)
-            self._proposer_failed(leaf)
-            return None
-        result, eval_s = self._run_evaluator(cand)
-        reward = P.result_reward(result)
-        row = self.log.add_candidate(self.run_id, self.card.id, cand, result, parent_id=leaf.id, iteration=it,
-                                     reward=reward, repair_of=repair_of, eval_s=eval_s)
-        tried = Tried(cand, result, row)
-        node = self.tree.add(tried, leaf, digest)
-        Tree.backpropagate(node, reward)
-        self.evaluated += 1
-        # The same rule as Tree.best, so a resumed search keeps the same best.
-        if result.verdict is Verdict.VALID and result.speedup and (self.best is None or
-                                                                   result.speedup > self._best_speedup()):
-            self.best = node
-        return tried
-
-    def _run_evaluator(self, cand: Candidate) -> tuple[EvalResult, float]:
-        t0 = time.monotonic()
-        try:
-            result = self.evaluator.evaluate(self.card, cand)
-        except KeyboardInterrupt:
-            raise
-        except Exception as e:  # the evaluator must not raise, but one that does must not end the search
-            self.log.event(self.run_id, "evaluator_error", f"{type(e).__name__}: {e}", level="error",
-                           card_id=self.card.id)
-            result = EvalResult(Verdict.RUNTIME_ERROR, f"the evaluator raised {type(e).__name__}: {e}",
-                                evidence={"evaluator_error": repr(e)})
-        return result, time.monotonic() - t0
+        state.unanswered = 0  # it answered, if not usefully
+        proposer_failed(s.policy, leaf)
+        return None
+    state.unanswered = 0
+    return proposal
 
 
-def search_card(card: Card, proposer: Proposer, evaluator: Evaluator, log: SearchLog, run_id: str, *,
+def proposer_failed(policy: Policy, leaf: Node) -> None:
+    leaf.proposer_failures += 1
+    if leaf.proposer_failures >= policy.proposer_retries:
+        leaf.exhausted = True
+
+
+def evaluate(s: Search, state: State, leaf: Node, proposal: Proposal, it: int, repair_of: int | None) -> Tried | None:
+    """Evaluate a proposal, record it, add it to the tree and back its reward up.
+    None when it was a duplicate of something already evaluated (not re-evaluated)."""
+    cand = proposal.candidate
+    digest = cand.digest()
+    if digest in state.tree.digests:
+        s.log.event("duplicate", f"candidate {digest} was already evaluated; skipped")
+        proposer_failed(s.policy, leaf)
+        return None
+    result, eval_s = run_evaluator(s, cand)
+    reward = P.result_reward(result)
+    row = s.log.candidate(cand, result, parent_id=leaf.id, iteration=it, reward=reward, repair_of=repair_of,
+                          eval_s=eval_s)
+    tried = Tried(cand, result, row)
+    node = state.tree.add(tried, leaf, digest)
+    Tree.backpropagate(node, reward)
+    state.evaluated += 1
+    # The same rule as Tree.best, so a resumed search keeps the same best.
+    if result.verdict is Verdict.VALID and result.speedup and (state.best is None or
+                                                               result.speedup > state.best_speedup):
+        state.best = node
+    return tried
+
+
+def run_evaluator(s: Search, cand: Candidate) -> tuple[EvalResult, float]:
+    t0 = time.monotonic()
+    try:
+        result = s.evaluator.evaluate(s.card, cand)
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # the evaluator must not raise, but one that does must not end the search
+        s.log.event("evaluator_error", f"{type(e).__name__}: {e}", level="error")
+        result = EvalResult(Verdict.RUNTIME_ERROR, f"the evaluator raised {type(e).__name__}: {e}",
+                            evidence={"evaluator_error": repr(e)})
+    return result, time.monotonic() - t0
+
+
+def search_card(card: Card, proposer: Proposer, evaluator: Evaluator, log: SearchStore, run_id: str, *,
                 budget: Budget = Budget(), hardware: Hardware, rng_seed: int = 0, repair_attempts: int = 2,
                 on_progress: Callable[[SearchProgress], None] | None = None, policy: Policy = Policy(),
                 spend: Spend | None = None, cancel: threading.Event | None = None) -> SearchOutcome:
-    """Search kernels for one card, continuing whatever the log already holds for it.
+    """Search kernels for one card, continuing whatever the store `log` already holds for it
+    (a run directory's SQLiteStore, or a MemoryStore).
 
-    The card is registered in the log (status 'searching', then 'done'). `spend` is shared
+    The card is registered in the store (status 'searching', then 'done'). `spend` is shared
     by the cards of a run so LLM budgets are run-wide; without it, it starts from what the
     log says this run already spent, with the budget's limits. The proposer records and
     charges its calls there (Proposer.bind). Setting `cancel` (another thread's Ctrl-C) stops
@@ -303,9 +349,10 @@ def search_card(card: Card, proposer: Proposer, evaluator: Evaluator, log: Searc
     if spend is None:
         spend = Spend.from_log(log, run_id, max_cost_usd=budget.max_cost_usd, max_tokens=budget.max_tokens)
     proposer.bind(log, run_id, spend)
-    search = _CardSearch(card, proposer, evaluator, log, run_id, budget, hardware, policy, spend, repair_attempts,
-                         cancel)
-    outcome = search.run(rng_seed, on_progress)
+    s = Search(card, proposer, evaluator, CardLog(log, run_id, card.id), budget, hardware, policy, spend,
+               repair_attempts, cancel)
+    tree = Tree.replay(log.candidates(run_id, card.id))
+    outcome = run_search(s, State(tree, tree.best()), log.card_iterations(run_id, card.id), rng_seed, on_progress)
     if outcome.stop_reason == "unavailable":
         log.set_card_status(run_id, card.id, "failed", f"the proposer gave no answer: {outcome.stop_detail}")
     elif outcome.stop_reason != "interrupted":
@@ -313,4 +360,5 @@ def search_card(card: Card, proposer: Proposer, evaluator: Evaluator, log: Searc
     return outcome
 
 
-__all__ = ["Budget", "Policy", "SearchOutcome", "SearchProgress", "search_card", "select"]
+__all__ = ["Budget", "CardLog", "Policy", "Search", "SearchOutcome", "SearchProgress", "State", "run_search", "search_card",
+           "select"]

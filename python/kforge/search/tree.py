@@ -1,4 +1,4 @@
-"""The search tree of one card: plain nodes, rebuilt from search-log rows on resume.
+"""The search tree of one card: plain nodes, rebuilt from the store's candidates on resume.
 
 The root is a virtual node, "no kernel yet"; its children are first versions. Every
 evaluated candidate is one node and one backup, so replaying the log's rows in id order
@@ -7,14 +7,12 @@ gives back exactly the tree (visits and rewards) the search had when it stopped.
 
 from __future__ import annotations
 
-import json
-import sqlite3
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
-from ..candidate import Candidate, LaunchPlan
 from ..proposers.base import Tried
-from ..verdict import EvalResult, Verdict
+from ..store.records import CandidateRecord
+from ..verdict import Verdict
 from .policy import result_reward
 
 
@@ -94,14 +92,13 @@ class Tree:
 
     # ---- persistence ----------------------------------------------------------------
     @classmethod
-    def replay(cls, rows: Iterable[sqlite3.Row]) -> "Tree":
-        """Rebuild the tree from a card's log rows (in id order), with the rewards they recorded."""
+    def replay(cls, records: Iterable[CandidateRecord]) -> "Tree":
+        """Rebuild the tree from a card's stored candidates (in id order), with the rewards they recorded."""
         tree = cls()
-        for row in rows:
-            tried = tried_from_row(row)
-            node = tree.add(tried, tree.node(row["parent_id"]), row["digest"])
-            r = row["reward"]
-            tree.backpropagate(node, r if r is not None else result_reward(tried.result))
+        for rec in records:
+            tried = rec.tried()
+            node = tree.add(tried, tree.node(rec.parent_id), rec.digest)
+            tree.backpropagate(node, rec.reward if rec.reward is not None else result_reward(tried.result))
         return tree
 
     def to_json(self) -> dict:
@@ -115,15 +112,3 @@ class Tree:
             ],
         }
 
-
-def tried_from_row(row: sqlite3.Row) -> Tried:
-    """A search-log candidate row back as the candidate and its result."""
-    candidate = Candidate(row["source"], LaunchPlan.from_json(row["plan_json"]), row["kind"], row["proposer"],
-                          json.loads(row["knobs_json"]), row["note"])
-    result = EvalResult(
-        verdict=Verdict(row["verdict"]), message=row["message"], evidence=json.loads(row["evidence_json"]),
-        compile_log=row["compile_log"], eager_us=row["eager_us"], kernel_us=row["kernel_us"],
-        dispatched_us=row["dispatched_us"], max_abs_err=row["max_abs_err"], max_rel_err=row["max_rel_err"],
-        flags=json.loads(row["flags_json"]),
-    )
-    return Tried(candidate, result, row["id"])

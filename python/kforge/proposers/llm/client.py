@@ -430,7 +430,7 @@ def _retry_after(headers) -> float | None:
 
 
 def log_recorder(log, run_id: str) -> Callable[[CallRecord], None]:
-    """An `on_call` hook that writes each attempt into a SearchLog (llm_calls table)."""
+    """An `on_call` hook that records each attempt in a store (kforge.store: its LLM calls)."""
 
     def record(r: CallRecord) -> None:
         log.add_llm_call(run_id, r.card_id, r.model, prompt_tokens=r.prompt_tokens,
