@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the fake package and launcher the tes
 from test_optimize import fake_package, resnet  # noqa: E402
 
 import kforge  # noqa: E402
-from kforge.capture import capture  # noqa: E402
+from kforge.capturing import capture  # noqa: E402
 from kforge.dispatch import Dispatcher, dispatch_blocker  # noqa: E402
 from kforge.families import family_of  # noqa: E402
 from kforge.modelspec import load_model_spec  # noqa: E402

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from kforge import compiler
-from kforge.capture import capture
+from kforge.capturing import capture
 from kforge.optimize import optimize
 from kforge.package import CastPackage, PackagedCard
 from test_regions_gpu import SILU_MUL, SiluMul, silu_mul_candidate
