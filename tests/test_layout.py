@@ -17,8 +17,6 @@ TOO_LONG = {
     "codegen/ops.py": "the op -> expression table and its lowering helpers; split after the regions work lands",
     "codegen/lower.py": "IR -> CUDA C lowering; split after the regions work lands",
     "proposers/builtin/softmax.py": "one template in three variants (rows, long rows, online); not split yet",
-    "runner.py": "grew with the cluster backend; its log SQL moves to kforge.store first, then the job splits",
-    "inductor.py": "the compile pass, mid-change in the torch.compile work; split when that lands",
 }
 
 

@@ -327,7 +327,7 @@ def optimize(model: torch.nn.Module, package: Any, *, ops: bool = True, launcher
              cuda_graphs: bool = False) -> OptimizedModel:
     """`model` with the package's kernels in its traced graphs: its region cards, and with
     `ops` its single-op cards too, each node whose call hits a card's guard given the card's
-    custom op (kforge.inductor.OpRewrite, the pass kforge.compile runs). Nothing is installed:
+    custom op (kforge.inductor_rewrites.OpRewrite, the pass kforge.compile runs). Nothing is installed:
     eager calls outside the optimized model are untouched. `launcher` defaults to the
     package's kernels loaded on the current device (tests pass a CPU stand-in). With
     `cuda_graphs`, each graph is replayed from a CUDA graph (kforge.replay says when that is

@@ -1,0 +1,266 @@
+"""The rewrites kforge's compile pass (kforge.inductor) runs on a post-grad graph: each fusable
+region that matches a region card becomes one call of the card's custom op (RegionRewrite), and
+each node whose call hits a single-op card's guard becomes the card's custom op where the
+package's evidence says the split chain beats Inductor's fused one (OpRewrite, Evidence). The
+module doc of kforge.inductor says why each step is as it is."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import operator
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol, Sequence
+
+import torch
+
+from . import regions as regions_mod
+from .dispatch import Variant
+from .errors import CardError
+from .guards import call_values, slot_kind, traced_key
+
+log = logging.getLogger("kforge.inductor")
+
+
+_UNTRACED = object()  # a node without meta["val"]: its key is "not a tensor", which no card has
+
+
+class Rewrite(Protocol):
+    """Rewrites a post-grad graph in place; returns how many sites it replaced."""
+
+    key: str  # what it replaces, for the pass's uuid()
+    whole: set  # ops whose every call kforge.compile keeps whole for it (Inductor's table would decompose them)
+
+    def __call__(self, graph: torch.fx.Graph) -> int: ...
+
+
+@dataclass(frozen=True)
+class FusedRegion:
+    """A region card's torch.compile time (the region compiled alone, with its noise) and the op
+    card of each of its nodes: what a single-op card inside that region must beat."""
+
+    compile_us: float
+    noise_us: float
+    op_cards: tuple  # per region node, its op card's id or None
+
+
+@dataclass
+class Evidence:
+    """The package's numbers a fusion-aware OpRewrite decides by (see the module doc)."""
+
+    regions: dict[tuple, FusedRegion] = field(default_factory=dict)  # by regions.match_key
+    # the ops of those regions: kept whole by kforge.compile, so that its graphs show the regions as captured
+    whole: set = field(default_factory=set)
+    eager_us: dict[str, float] = field(default_factory=dict)  # op card id -> its eager time
+    kernel_us: dict[str, float] = field(default_factory=dict)  # op card id -> its kernel's, against torch.compile
+
+    @staticmethod
+    def of(package: Any) -> "Evidence":
+        ev = Evidence()
+        for c in package.cards:
+            timing, compiled = c.entry.get("timing") or {}, c.entry.get("compile") or {}
+            if c.card.region is not None:
+                if compiled.get("compile_us") is not None and _resolvable(c.card.region):
+                    ev.whole |= {n.overload() for n in c.card.region.nodes}
+                    fused = FusedRegion(compiled["compile_us"], compiled.get("noise_us") or 0.0,
+                                        tuple(n.op_card for n in c.card.region.nodes))
+                    for region in (c.card.region, _as_inductor_sees(c.card.region)):
+                        ev.regions[regions_mod.match_key(region, c.card.inputs)] = fused
+                continue
+            if timing.get("eager_us") is not None:
+                ev.eager_us[c.id] = timing["eager_us"]
+            if compiled.get("kernel_us") is not None:
+                ev.kernel_us[c.id] = compiled["kernel_us"]
+        return ev
+
+    @property
+    def key(self) -> str:
+        return hashlib.sha256(repr((sorted(self.regions.items(), key=repr), sorted(self.eager_us.items()),
+                                    sorted(self.kernel_us.items()))).encode()).hexdigest()[:16]
+
+    def wins_inside(self, card: str, node: torch.fx.Node, site: regions_mod.Site) -> bool:
+        """Whether card's kernel at `node`, with the rest of `site` split off and run alone, is
+        faster than Inductor's fused kernel for the site: its kernel plus the eager time of the
+        site's other working nodes (more than Inductor's code for them takes) under the region
+        card's torch.compile time by more than its noise. False without every number."""
+        region = self.regions.get(site.match_key())
+        kernel = self.kernel_us.get(card)
+        if region is None or kernel is None:
+            return False
+        rest = [self.eager_us.get(op_card) if op_card else None for m, op_card in zip(site.nodes, region.op_cards)
+                if m is not node and regions_mod.role(m) != "view"]
+        return None not in rest and kernel + sum(rest) < region.compile_us - region.noise_us
+
+
+def _resolvable(region: Any) -> bool:
+    """Whether every op of a region exists in this torch (a package from another one may name one that does not)."""
+    try:
+        for n in region.nodes:
+            n.overload()
+    except CardError as e:
+        log.info("a region card stays out of compiled graphs: %s", e)
+        return False
+    return True
+
+
+class OpRewrite:
+    """Nodes whose call hits a single-op card's guard, each replaced by the card's custom op.
+    `fusion_aware` (compiled graphs): a node inside a fusable region only where `evidence`
+    says the card wins there (see the module doc)."""
+
+    def __init__(self, sites: Sequence[tuple[Variant, torch._ops.OpOverload]], *, fusion_aware: bool = True,
+                 evidence: Evidence | None = None):
+        self._tables: dict[torch._ops.OpOverload, dict[tuple, tuple[torch._ops.OpOverload, Variant]]] = {}
+        for v, kernel in sites:  # later sites win on equal keys, as in eager dispatch
+            op = v.card.overload()
+            self._tables.setdefault(op, {})[v.guard.key] = kernel, v
+        self.fusion_aware = fusion_aware
+        self.evidence = evidence or Evidence()
+        self.whole = self.evidence.whole if fusion_aware else set()
+        self.declined: list[str] = []  # the custom ops of hits left to Inductor's fusion, one per node
+        self.key = (f"fusion-aware={int(fusion_aware)}:{self.evidence.key}:" +
+                    ",".join(sorted(str(k) for table in self._tables.values() for k, _ in table.values())))
+
+    @property
+    def ops(self) -> list[torch._ops.OpOverload]:
+        return list(self._tables)
+
+    def match(self, op: Any, args: Sequence, kwargs: dict) -> torch._ops.OpOverload | None:
+        """The custom op a call of `op` with these (fake) arguments hits, or None."""
+        hit = self._hit(op, args, kwargs)
+        return None if hit is None else hit[0]
+
+    def _hit(self, op: Any, args: Sequence, kwargs: dict) -> tuple[torch._ops.OpOverload, Variant] | None:
+        table = self._tables.get(op)
+        if table is None:
+            return None
+        vals = call_values(op._schema, args, kwargs)
+        kernel, v = table.get(traced_key(op._schema, vals), (None, None))
+        if kernel is None:
+            return None
+        # What a key cannot see, as eager dispatch checks it (inputs on one device, a device argument naming it).
+        ins = [t for t in _tensor_args(op, args, kwargs) if t is not None]
+        return None if v.guard.unrunnable(ins, [vals[i] for i in v.guard.device_slots]) else (kernel, v)
+
+    def __call__(self, graph: torch.fx.Graph) -> int:
+        site_of = _fused_sites(graph) if self.fusion_aware else {}
+        replaced = 0
+        for node in list(graph.nodes):
+            if node.op != "call_function" or node.target not in self._tables:
+                continue
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val", _UNTRACED))
+            hit = self._hit(node.target, args, kwargs)
+            if hit is None:
+                continue
+            kernel, v = hit
+            site = site_of.get(node)
+            if site is not None and not self.evidence.wins_inside(v.card.id, node, site):
+                self.declined.append(kernel.name())
+                log.info("%s stays Inductor's at %s: it fuses with its neighbours there", kernel.name(), node.name)
+                continue
+            inputs = [x for x in _tensor_args(node.target, node.args, node.kwargs) if x is not None]
+            with graph.inserting_before(node):
+                new = _call(graph, kernel, inputs)
+            new.meta.update({key: val for key, val in node.meta.items() if key != "val"})
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+            replaced += 1
+        return replaced
+
+
+def _fused_sites(graph: torch.fx.Graph) -> dict[torch.fx.Node, regions_mod.Site]:
+    """Nodes Inductor fuses with others (members of a fused region of two or more working
+    nodes), each with its region."""
+    return {n: site for site in regions_mod.find(graph, epilogues=False) for n in site.nodes}
+
+
+def _call(graph: torch.fx.Graph, kernel: torch._ops.OpOverload, inputs: Sequence[torch.fx.Node]) -> torch.fx.Node:
+    """A call of `kernel` on `inputs`, its meta["val"] the card's outputs as Inductor will lay them out."""
+    from torch._guards import detect_fake_mode
+
+    new = graph.call_function(kernel, tuple(inputs))
+    fakes = [x.meta["val"] for x in inputs]
+    with detect_fake_mode(fakes) or contextlib.nullcontext():
+        new.meta["val"] = kernel(*fakes)
+    return new
+
+
+class RegionRewrite:
+    """Regions of the graph that match a region card (kforge.optimize's matching: structure and
+    input metadata), each replaced by one call of the card's custom op. `kernels`: the region
+    kernels (their evidence against torch.compile) and their ops."""
+
+    def __init__(self, kernels: Sequence[tuple[Any, torch._ops.OpOverload]]):
+        from .optimize import by_match
+
+        self._op = {id(k): op for k, op in kernels}
+        self._by_match = by_match([k for k, _ in kernels])
+        for k, _ in kernels:  # and as Inductor's post-grad graphs show it, where that differs
+            seen = _as_inductor_sees(k.card.region)
+            if seen != k.card.region:
+                self._by_match.setdefault(regions_mod.match_key(seen, k.card.inputs), []).append(k)
+        self.whole = {n.overload() for k, _ in kernels for n in k.card.region.nodes}
+        self.key = "regions:" + ",".join(sorted(op.name() for op in self._op.values()))
+
+    def __call__(self, graph: torch.fx.Graph) -> int:
+        from torch._inductor.pattern_matcher import stable_topological_sort
+
+        from .optimize import match_regions
+
+        chosen = match_regions(graph, self._by_match)
+        for site, ks in chosen:
+            _replace_site(graph, site, self._op[id(_aligned(site, ks))])
+        if chosen:
+            stable_topological_sort(graph)  # an output's user may stand before the site's last node
+        return len(chosen)
+
+
+# Inductor's post-grad passes (view_to_reshape) turn every view into a reshape before kforge's pass runs.
+_INDUCTOR_NAMES = {"aten::view.default": "aten::reshape.default"}
+
+
+def _as_inductor_sees(region: Any) -> Any:
+    """A captured region's subgraph with its calls named as a post-grad graph names them."""
+    return replace(region, nodes=[replace(n, op=_INDUCTOR_NAMES.get(n.op, n.op)) for n in region.nodes])
+
+
+def _aligned(site: regions_mod.Site, kernels: Sequence[Any]) -> Any:
+    """Of the kernels whose card matches a site, the one whose input alignment is the trace's."""
+    return next((k for k in kernels if [m.align for m in k.card.inputs] == [m.align for m in site.input_metas]),
+                kernels[0])
+
+
+def _replace_site(graph: torch.fx.Graph, site: regions_mod.Site, kernel: torch._ops.OpOverload) -> None:
+    """The site's nodes become one call of `kernel`, placed before its last node (after every
+    input, since each input feeds a member); the caller re-sorts the graph for outputs' users."""
+    def read(src: torch.fx.Node, k: int) -> torch.fx.Node:
+        if isinstance(src.meta.get("val"), (tuple, list)):  # read through its getitem node
+            return next(u for u in src.users if regions_mod._is_getitem(u) and regions_mod._value(u) == (src, k))
+        return src
+
+    with graph.inserting_before(site.nodes[-1]):
+        call = _call(graph, kernel, [read(src, k) for src, k in site.inputs])
+        outs = [call] if len(site.outputs) == 1 else [graph.call_function(operator.getitem, (call, j))
+                                                        for j in range(len(site.outputs))]
+    if len(outs) > 1:
+        for j, out in enumerate(outs):
+            out.meta["val"] = call.meta["val"][j]
+    for (src, k), out in zip(site.outputs, outs):
+        read(src, k).replace_all_uses_with(out)  # an output value has no user inside its region
+    members = set(site.nodes)
+    doomed = [n for n in graph.nodes if n in members or (regions_mod._is_getitem(n) and n.args[0] in members)]
+    for n in reversed(doomed):
+        graph.erase_node(n)
+
+
+def _tensor_args(op: torch._ops.OpOverload, args: Sequence, kwargs: dict) -> list:
+    """A call's tensor arguments in Card.inputs order: schema order, lists flattened."""
+    out: list = []
+    for i, a in enumerate(op._schema.arguments):
+        kind = slot_kind(a)
+        if kind == "value":
+            continue
+        x = args[i] if i < len(args) else kwargs.get(a.name)
+        out += list(x) if kind == "tensors" and x is not None else [x]
+    return out
