@@ -12,7 +12,7 @@ from __future__ import annotations
 
 
 def markdown() -> str:
-    from .codegen import ops
+    from .codegen import ops, reductions
     from .proposers.builtin import TEMPLATES
 
     lines = ["# Supported ops", "",
@@ -29,11 +29,12 @@ def markdown() -> str:
               "Any layout (strides, broadcasting), in-place and `out=` forms, float, integer and bool dtypes",
               "where eager supports them, 16-bit floats computed in fp32 and rounded once.", "",
               f"- **Pointwise** ({len(ops.POINTWISE)} ops): " + ", ".join(f"`{n}`" for n in sorted(ops.POINTWISE)),
-              "- **Reductions** over any set of dims: " + ", ".join(f"`{n}`" for n in sorted(ops.REDUCTION_OPS)),
-              "- **Scans**: " + ", ".join(f"`{n}`" for n in sorted(ops.SCAN_OPS)),
-              "- **Windows** (2-D and 3-D pooling; 1-D reaches CUDA as 2-D): " + ", ".join(f"`{n}`" for n in sorted(ops.WINDOW_OPS)),
+              "- **Reductions** over any set of dims: " + ", ".join(f"`{n}`" for n in sorted(reductions.REDUCTION_OPS)),
+              "- **Scans**: " + ", ".join(f"`{n}`" for n in sorted(reductions.SCAN_OPS)),
+              "- **Windows** (2-D and 3-D pooling; 1-D reaches CUDA as 2-D): "
+              + ", ".join(f"`{n}`" for n in sorted(reductions.WINDOW_OPS)),
               "- **Normalizations** (one kernel, or two passes for few long rows): "
-              + ", ".join(f"`{n}`" for n in sorted(ops.NORM_OPS)),
+              + ", ".join(f"`{n}`" for n in sorted(reductions.NORM_OPS)),
               "- **Fused regions** (`--regions`): chains of the ops above with at most one reduction or",
               "  normalization (its prologue and an epilogue over every element: a mask add and casts around",
               "  softmax, a residual add into a norm, an activation after it), views of the region's inputs",

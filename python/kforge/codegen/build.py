@@ -1,7 +1,7 @@
 """aten nodes -> Program (the builder the ir docstring describes), for a single-op card (one
 node) and for a region card (its subgraph's nodes, region_nodes).
 
-Each node's value comes from the op table (ops.POINTWISE, ops.REDUCTION_OPS, ops.NORM_OPS).
+Each node's value comes from the op table (ops.POINTWISE, reductions.REDUCTION_OPS, reductions.NORM_OPS).
 Nodes before the one reduction or normalization are its prologue, evaluated over the reduced
 operand's shape (the frame; the domain is the frame with group norm's channel dim split);
 nodes after it are the epilogue, over the reduction's output shape, or over the whole frame
@@ -21,7 +21,8 @@ from ..errors import CardError
 from ..families import family_of, packet_name, tagged_nowhere
 from ..subgraph import Node as SubNode
 from ..subgraph import is_ref
-from . import ops
+from . import ops, reductions
+from .call import Call, Val
 from .ir import FLOATS, Expr, Node, opmath, Program, Reduction, Ref, Scan, Window, broadcast_strides
 
 IR_DTYPES = FLOATS + ("int64", "int32", "int16", "int8", "uint8", "bool")
@@ -52,14 +53,14 @@ def entry_for(op: str):
         if name in ops.POINTWISE:
             return "pointwise", ops.POINTWISE[name]
         return None, ops.DECLINED.get(name, f"{name} is not in the op table (kforge/codegen/ops.py)")
-    if name in ops.SCAN_OPS:
-        return "scan", ops.SCAN_OPS[name]
-    if name in ops.WINDOW_OPS:
-        return "window", ops.WINDOW_OPS[name]
-    if name in ops.NORM_OPS:
-        return "norm", ops.NORM_OPS[name]
-    entry = ops.REDUCTION_OPS.get(f"{name}.{overload}") or ops.REDUCTION_OPS.get(name)
-    if entry is not None and (f"{name}.{overload}" in ops.REDUCTION_OPS or name not in ("max", "min")):
+    if name in reductions.SCAN_OPS:
+        return "scan", reductions.SCAN_OPS[name]
+    if name in reductions.WINDOW_OPS:
+        return "window", reductions.WINDOW_OPS[name]
+    if name in reductions.NORM_OPS:
+        return "norm", reductions.NORM_OPS[name]
+    entry = reductions.REDUCTION_OPS.get(f"{name}.{overload}") or reductions.REDUCTION_OPS.get(name)
+    if entry is not None and (f"{name}.{overload}" in reductions.REDUCTION_OPS or name not in ("max", "min")):
         return "reduction", entry
     return None, f"no builtin template or generated kernel for {op}: not a pointwise op or reduction of the table"
 
@@ -94,13 +95,13 @@ def _window_program(node: Node, inputs: list[TensorMeta], out_metas: list[Tensor
     m = inputs[ref.index]
     if m.dtype not in FLOATS:
         return f"pooling of {m.dtype} tensors: eager has no CUDA kernel for it to check a kernel against"
-    plan = ops.WINDOW_OPS[name](ops.Call(name, overload, {**node.args, "self": ops.Val(Expr.load(ref.index, m.dtype),
+    plan = reductions.WINDOW_OPS[name](Call(name, overload, {**node.args, "self": Val(Expr.load(ref.index, m.dtype),
                                                                                         m.dtype, len(m.shape))}))
     if isinstance(plan, str):
         return plan
     if any(s < 0 for s in m.stride):
         return "negative strides are not generated"
-    kind = ops.REDUCTIONS[plan.kind]
+    kind = reductions.REDUCTIONS[plan.kind]
     x = Expr.load(ref.index, m.dtype)
     refs = tuple(Expr.var(f"s{i}", d) for i, d in enumerate(kind.state(x.dtype)))
     results = [e.cast(o.dtype) for e, o in zip(plan.outputs(refs, Expr.var("count", "int64")), out_metas)]
@@ -161,8 +162,8 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
     values: dict[tuple[int, int], tuple[Expr, TensorMeta]] = {}
     stats: set[tuple[int, int]] = set()  # a normalization's statistics: region outputs only
     phase = "pro"  # prologue, then epilogue after the reduction
-    red: ops.ReductionPlan | None = None
-    scan: ops.ScanPlan | None = None
+    red: reductions.ReductionPlan | None = None
+    scan: reductions.ScanPlan | None = None
     frame: tuple[int, ...] | None = None  # the reduced operand's shape; the domain is it split (group norm)
     out_shape: tuple[int, ...] | None = None  # a plain reduction's output shape
     in_strides: dict[int, tuple[int, ...]] = {}
@@ -175,7 +176,7 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
     load_frame: dict[int, int] = {}
     in_frame: dict[tuple[int, int], int] = {}
 
-    def val(ref: Ref) -> ops.Val:
+    def val(ref: Ref) -> Val:
         if ref.kind == "in":
             i, f = ref.index, len(frames) - 1 if frames else 0
             if f:
@@ -189,13 +190,13 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
             loads.setdefault(i, phase)
             if loads[i] != phase and not red.keepdim:
                 raise _Decline(f"input {i} is read both before and after the reduction")
-            return ops.Val(Expr.load(i, m.dtype), m.dtype, len(m.shape))
+            return Val(Expr.load(i, m.dtype), m.dtype, len(m.shape))
         if (ref.index, ref.output) in stats:
             raise _Decline("a node uses a normalization's statistics (mean, rstd): not generated")
         if frames and frame_of.get((ref.index, ref.output), 0) != len(frames) - 1:
             raise _Decline("a value from before a reshape is used after it: not generated")
         e, m = values[(ref.index, ref.output)]
-        return ops.Val(e, m.dtype, len(m.shape))
+        return Val(e, m.dtype, len(m.shape))
 
     def reshape(j: int, node: Node) -> str | None:
         """A view of a computed value that keeps its elements' order: later nodes see its shape."""
@@ -215,11 +216,11 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
         frame_of[(j, 0)] = len(frames) - 1
         return None
 
-    def reduce(j: int, node: Node, plan: ops.ReductionPlan, src_meta: TensorMeta):
+    def reduce(j: int, node: Node, plan: reductions.ReductionPlan, src_meta: TensorMeta):
         nonlocal red, frame, phase
         red, frame, phase = plan, tuple(src_meta.shape), "epi"
         dom = _domain(frame, plan.split)
-        kind_ = ops.REDUCTIONS[plan.kind]
+        kind_ = reductions.REDUCTIONS[plan.kind]
         refs = tuple(Expr.var(f"s{i}", d) for i, d in enumerate(kind_.state(plan.operand.dtype)))
         n = math.prod(dom[d] for d in plan.dims) if dom else 1
         for k, (e, m) in enumerate(zip(plan.outputs(refs, n), node.metas)):
@@ -261,13 +262,13 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
                 why = _copy_declined(bound, _meta_of(node.args["self"], inputs, values), node.metas[0])
                 if why:
                     return why
-            call = ops.Call(name, overload, bound)
+            call = Call(name, overload, bound)
             if kind == "scan":
                 if red is not None or scan is not None:
                     return "a scan beside a reduction or another scan: the IR has one fold level"
                 plan = entry(call)
                 scan, frame = plan, tuple(_meta_of(node.args["self"], inputs, values).shape)
-                state = ops.REDUCTIONS[plan.kind].state(plan.operand.dtype)[0]
+                state = reductions.REDUCTIONS[plan.kind].state(plan.operand.dtype)[0]
                 values[(j, 0)] = (Expr.var("s0", state).cast(node.metas[0].dtype), node.metas[0])
                 continue
             if kind in ("reduction", "norm"):
@@ -349,10 +350,10 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
     for m in live:
         if m.span() != m.numel:
             return "an output is not dense (it overlaps or has gaps)"
-    reduction = Reduction(ops.REDUCTIONS[red.kind], red.operand, red.dims) if red is not None else None
+    reduction = Reduction(reductions.REDUCTIONS[red.kind], red.operand, red.dims) if red is not None else None
     if reduction is not None and not red.dims:
         return "a reduction over no dims"
-    scan_ = Scan(ops.REDUCTIONS[scan.kind], scan.operand, scan.dim) if scan is not None else None
+    scan_ = Scan(reductions.REDUCTIONS[scan.kind], scan.operand, scan.dim) if scan is not None else None
     return Program(domain, inputs, list(out_metas), in_strides, out_strides, results, reduction, dict(aliases),
                    scan_, sources=None if sources == list(range(len(inputs))) else sources)
 

@@ -9,7 +9,7 @@ broadcasts), so any layout is indexed through its own strides and nothing is cop
   state (cumsum, cumprod; reversed and exclusive forms for regions).
 - A windowed fold: `window` (max/avg pooling over the last two dims, with indices).
 - One reduction level: `reduction` folds an `Expr` (the prologue) over the domain's
-  `reduce_dims` with a `ReductionKind` (ops.REDUCTIONS); the outputs are then `Expr`s that
+  `reduce_dims` with a `ReductionKind` (reductions.REDUCTIONS); the outputs are then `Expr`s that
   may use the reduction's state (`Expr.var("s0")`, ...). An output with stride 0 over the
   reduced dims is written once per kept point (the epilogue: mean's divide, std's sqrt);
   one that varies over them makes the program a normalization (`normalizes`): its epilogue
@@ -38,8 +38,8 @@ Builder API (for single-op cards and for fused regions):
     sources: the launch-plan input each of `inputs` reads (None: each its own); the builder
              adds inputs of its own (per-channel vectors, an input read after a reshape).
 
-A node's expression comes from ops.py (the one op table); at most one node may be a
-reduction, a normalization (ops.NORM_OPS) or a scan, nodes before it form its prologue and
+A node's expression comes from ops.py (the one pointwise table) or reductions.py; at most one node may be a
+reduction, a normalization (reductions.NORM_OPS) or a scan, nodes before it form its prologue and
 nodes after it its epilogue (over the whole domain after a keepdim reduction or a norm op).
 """
 

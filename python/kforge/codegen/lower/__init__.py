@@ -1,0 +1,31 @@
+"""IR -> CUDA C for NVRTC plus a launch plan, for one point of the knob space: emit (what every
+lowering shares), pointwise, reduce (reductions and normalizations), scan (scans and windows).
+
+Layout: the domain's dims are reduced the way TensorIterator does it (size-1 dims dropped,
+dims ordered by the first output's strides, neighbours merged where every tensor is
+contiguous across them); a reduction does this separately for its kept and reduced dims.
+Shapes and strides are compile-time constants, so the index arithmetic folds.
+
+Pointwise (`algo` "flat"): each thread handles `items` vectors of `vec` elements, loads
+issued for all items before any math (16-byte accesses where a tensor is contiguous along
+the inner dim), values computed in the compute dtype and rounded once on store.
+
+Reduction: a group of `lanes` threads folds each output's reduced elements (`items` loads
+of `vec` consecutive elements in flight per thread), merges through warp shuffles and, for groups wider than a warp,
+shared memory; `algo` "rows" puts whole warps on an output (reduced dims contiguous), "cols"
+one thread per output (kept dims contiguous: the loads coalesce across outputs). `split` > 1
+divides the reduced elements over that many blocks, which write their states to a workspace
+that a second kernel merges in order (two passes) before the epilogue.
+
+Scan (`algo` "gen_scan"): one thread per line along the scanned dim, walking it in order;
+`algo` "gen_scan_block" (lines contiguous in memory): one block per line, a parallel scan of
+chunks of threads x items elements carried from chunk to chunk.
+Window (`algo` "gen_window", 2-D and 3-D pooling): one thread per output point folding its window.
+"""
+
+from __future__ import annotations
+
+from .pointwise import lower_pointwise, pointwise_vecs
+from .reduce import (lower_norm, lower_norm_split, lower_reduction, norm_staging, norm_vecs, reduced_is_inner,
+                     reduction_layout, reduction_vecs)
+from .scan import lower_scan, lower_scan_block, lower_window, scan_is_inner

@@ -1,0 +1,236 @@
+"""What every lowering shares: C types and conversions, the expression emitter, the layout
+(dims coalesced as TensorIterator does, offsets as constants), the kernel header and pointer
+arguments, and the warp and block merges of a reduction state."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ...proposers.builtin.common import f32
+from ..ir import FLOATS, INTS, Expr, Program
+
+CTYPE = {"float32": "float", "float64": "double", "float16": "__half", "bfloat16": "__nv_bfloat16",
+         "int64": "long long", "int32": "int", "int16": "short", "int8": "signed char", "uint8": "unsigned char",
+         "bool": "bool"}
+
+_PRELUDE = r"""
+typedef long long kf_i64;
+template <typename T> __device__ __forceinline__ T kf_ld(T x) { return x; }
+template <typename T, int V> struct alignas(sizeof(T) * V) kf_vec { T v[V]; };
+// NaN-propagating, as torch.maximum/minimum: a NaN b fails the comparison and is returned.
+template <typename T> __device__ __forceinline__ T kf_nanmax(T a, T b) { return (a != a || a > b) ? a : b; }
+template <typename T> __device__ __forceinline__ T kf_nanmin(T a, T b) { return (a != a || a < b) ? a : b; }
+template <typename T> __device__ __forceinline__ T kf_imax(T a, T b) { return a > b ? a : b; }
+template <typename T> __device__ __forceinline__ T kf_imin(T a, T b) { return a < b ? a : b; }
+"""
+_HALF = r"""
+#include <cuda_fp16.h>
+__device__ __forceinline__ float kf_ld(__half x) { return __half2float(x); }
+"""
+_BF16 = r"""
+#include <cuda_bf16.h>
+__device__ __forceinline__ float kf_ld(__nv_bfloat16 x) { return __bfloat162float(x); }
+"""
+
+# primitive -> C for floats (libm name; the float32 form takes an f suffix)
+_LIBM = {"exp": "exp", "exp2": "exp2", "expm1": "expm1", "log": "log", "log2": "log2", "log10": "log10",
+         "log1p": "log1p", "sqrt": "sqrt", "rsqrt": "rsqrt", "sin": "sin", "cos": "cos", "tan": "tan",
+         "asin": "asin", "acos": "acos", "atan": "atan", "sinh": "sinh", "cosh": "cosh", "tanh": "tanh",
+         "asinh": "asinh", "acosh": "acosh", "atanh": "atanh", "erf": "erf", "erfc": "erfc", "erfinv": "erfinv",
+         "lgamma": "lgamma", "ceil": "ceil", "floor": "floor", "trunc": "trunc", "rint": "rint", "j0": "j0",
+         "j1": "j1", "i0": "cyl_bessel_i0", "i1": "cyl_bessel_i1", "pow": "pow", "atan2": "atan2", "fmod": "fmod",
+         "hypot": "hypot", "copysign": "copysign", "nextafter": "nextafter", "fmax": "fmax", "fmin": "fmin",
+         "abs": "fabs"}
+_INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/", "mod": "%", "and": "&", "or": "|", "xor": "^",
+          "shl": "<<", "shr": ">>", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
+
+
+def _const(e: Expr) -> str:
+    v = e.value
+    if e.dtype == "bool":
+        return "true" if v else "false"
+    if e.dtype in INTS:
+        if e.dtype == "int64":
+            return f"(-9223372036854775807LL - 1)" if v == -2**63 else f"{v}LL"
+        return f"(({CTYPE[e.dtype]}){v})"
+    if e.dtype == "float32":
+        return f32(v)
+    if math.isnan(v):
+        return "__longlong_as_double(0x7ff8000000000000LL)"
+    if math.isinf(v):
+        return f"__longlong_as_double({'0x7ff0000000000000LL' if v > 0 else '0xfff0000000000000LL'})"
+    return repr(v)
+
+
+def convert(x: str, src: str, dst: str) -> str:
+    """C for value x (compute dtype src, or a storage dtype) converted to dtype dst."""
+    if src == dst:
+        return x
+    if dst == "float16":
+        return f"__float2half_rn((float)({x}))"
+    if dst == "bfloat16":
+        return f"__float2bfloat16_rn((float)({x}))"
+    if src in ("float16", "bfloat16"):
+        x, src = f"kf_ld({x})", "float32"
+        if src == dst:
+            return x
+    return f"(({CTYPE[dst]})({x}))"
+
+
+class Emitter:
+    """SSA statements for Expr DAGs in one scope; equal subtrees are emitted once."""
+
+    def __init__(self, prefix: str, env: dict[str, str], load):
+        self.prefix, self.env, self.load = prefix, env, load
+        self.names: dict[Expr, str] = {}
+        self.lines: list[str] = []
+
+    def __call__(self, e: Expr) -> str:
+        for n in e.walk():
+            if n not in self.names:
+                self.names[n] = self._emit(n)
+        return self.names[e]
+
+    def _emit(self, n: Expr) -> str:
+        if n.op == "const":
+            return _const(n)
+        if n.op == "var":
+            return self.env[n.value]
+        if n.op == "load":
+            c = self.load(*n.value)
+            expr = convert(c, n.value[1], n.dtype)
+        elif n.op == "cast":
+            x = self.names[n.args[0]]
+            src = n.args[0].dtype
+            expr = f"kf_ld({convert(x, src, n.value[1])})" if n.value else convert(x, src, n.dtype)
+        else:
+            expr = self._prim(n, [self.names[a] for a in n.args])
+        name = f"{self.prefix}{len(self.lines)}"
+        self.lines.append(f"const {CTYPE[n.dtype]} {name} = {expr};")
+        return name
+
+    @staticmethod
+    def _prim(n: Expr, a: list[str]) -> str:
+        t = n.args[-1].dtype if n.args else n.dtype
+        floating = t in FLOATS
+        ct = CTYPE[n.dtype]
+        if n.op == "where":
+            return f"({a[0]} ? {a[1]} : {a[2]})"
+        if n.op in ("isnan", "isinf", "signbit"):
+            return f"{n.op}({a[0]})"
+        if n.op == "neg":
+            return f"(({ct})(-{a[0]}))"
+        if n.op == "not":
+            return f"(!{a[0]})" if t == "bool" else f"(({ct})(~{a[0]}))"
+        if n.op in ("max", "min"):
+            fn = ("kf_nan" if floating else "kf_i") + n.op
+            return f"{fn}<{CTYPE[t]}>({a[0]}, {a[1]})"
+        if n.op == "abs" and not floating:
+            return f"(({ct})({a[0]} < 0 ? -{a[0]} : {a[0]}))"
+        if n.op in _INFIX:
+            return f"(({ct})({a[0]} {_INFIX[n.op]} {a[1]}))"
+        fn = _LIBM[n.op] + ("f" if t == "float32" else "")
+        return f"{fn}({', '.join(a)})"
+
+
+# ---- layout --------------------------------------------------------------------------
+
+def coalesce(sizes: list[int], strides: list[list[int]], order: list[int]) -> tuple[list[int], list[list[int]]]:
+    """Dims `order` (outermost first, size-1 dims dropped) merged where every tensor is
+    contiguous across neighbours: (sizes, per-tensor strides)."""
+    out_sizes: list[int] = []
+    out: list[list[int]] = [[] for _ in strides]
+    for d in order:
+        if sizes[d] == 1:
+            continue
+        if out_sizes and all(o[-1] == st[d] * sizes[d] for o, st in zip(out, strides)):
+            out_sizes[-1] *= sizes[d]
+            for o, st in zip(out, strides):
+                o[-1] = st[d]
+        else:
+            out_sizes.append(sizes[d])
+            for o, st in zip(out, strides):
+                o.append(st[d])
+    if not out_sizes:
+        return [1], [[0] for _ in strides]
+    return out_sizes, out
+
+
+def offsets_code(var: str, sizes: list[int], strides: list[list[int]], names: list[str], idx: str,
+                 declare: bool = True) -> list[str]:
+    """Statements setting names[t] (declared here unless `declare` is False) to tensor t's
+    offset of flat index `var`."""
+    lines = [f"{idx + ' ' if declare else ''}{n} = 0;" for n in names]
+    lines.append(f"{{ {idx} e_ = {var};")
+    for d in range(len(sizes) - 1, -1, -1):
+        c = f"(e_ % {sizes[d]})" if d else "e_"
+        used = [(n, st[d]) for n, st in zip(names, strides) if st[d]]
+        if used:
+            lines.append(f"  {{ const {idx} c_ = {c};" + "".join(f" {n} += c_ * {s};" for n, s in used) + " }")
+        if d:
+            lines.append(f"  e_ /= {sizes[d]};")
+    lines.append("}")
+    return lines
+
+
+@dataclass
+class Built:
+    source: str
+    kernels: list  # (name, grid, block, args, smem)
+    workspace: list
+
+
+def _header(body: str) -> str:
+    parts = ["// kforge codegen"]
+    if "__half" in body:
+        parts.append(_HALF)
+    if "__nv_bfloat16" in body:
+        parts.append(_BF16)
+    return "\n".join(parts + [_PRELUDE, body]) + "\n"
+
+
+def _pointers(prog: Program) -> tuple[list[str], list[dict], dict[int, str]]:
+    """Kernel parameters, launch args, and the pointer each loaded input is read through
+    (an input an output overwrites is read through that output: no second pointer to it)."""
+    params, args, ptr = [], [], {}
+    written = {i: j for j, i in prog.aliases.items()}
+    for j, m in enumerate(prog.outputs):
+        aliased = j in prog.aliases and prog.aliases[j] in prog.in_strides
+        params.append(f"{CTYPE[m.dtype]}* {'' if aliased else '__restrict__ '}out{j}")
+        args.append({"out": j})
+    for i in sorted(prog.in_strides):
+        if i in written:
+            ptr[i] = f"out{written[i]}"
+        else:
+            ptr[i] = f"in{i}"
+            params.append(f"const {CTYPE[prog.inputs[i].dtype]}* __restrict__ in{i}")
+            args.append({"in": prog.source(i)})
+    return params, args, ptr
+
+
+def _index_type(prog: Program, extra: int = 0) -> str:
+    spans = [m.span() for m in prog.outputs] + [prog.inputs[i].span() for i in prog.in_strides]
+    big = max(spans + [math.prod(prog.domain) if prog.domain else 1]) + extra >= 2**31 - 2**20
+    return "kf_i64" if big else "int"
+
+
+# ---- warp and block merges (reductions, norms, scans) ------------------------------------
+
+def _shfl(x: str, dtype: str, o: int, width: int, way: str = "down") -> str:
+    fn = f"__shfl_{way}_sync"
+    if dtype == "bool":
+        return f"(bool){fn}(0xffffffffu, (int){x}, {o}, {width})"
+    if dtype in ("int8", "uint8", "int16"):
+        return f"({CTYPE[dtype]}){fn}(0xffffffffu, (int){x}, {o}, {width})"
+    return f"{fn}(0xffffffffu, {x}, {o}, {width})"
+
+
+def _merge_block(kind, dtype: str, into: list[str], other: list[str], tag: str) -> list[str]:
+    """Statements: into = merge(into, other)."""
+    a, b, merged = kind.merge_exprs(dtype)
+    env = {v.value: n for v, n in zip(a, into)}
+    env.update({v.value: n for v, n in zip(b, other)})
+    em = Emitter(f"m{tag}_", env, None)
+    res = [em(m) for m in merged]
+    return ["{"] + [f"  {line}" for line in em.lines] + [f"  {n} = {r};" for n, r in zip(into, res)] + ["}"]

@@ -1,0 +1,114 @@
+"""Pointwise lowering (`algo` "flat"): items vectors of vec elements a thread, loads issued
+before any math."""
+
+from __future__ import annotations
+
+import math
+
+from ...proposers.builtin.common import ceil_div
+from ..ir import Program
+from .emit import CTYPE, Built, Emitter, _header, _index_type, _pointers, coalesce, convert, offsets_code
+
+# ---- pointwise -----------------------------------------------------------------------
+
+def pointwise_layout(prog: Program):
+    tensors = [list(s) for s in prog.out_strides] + [list(prog.in_strides[i]) for i in sorted(prog.in_strides)]
+    nd = len(prog.domain)
+    order = sorted(range(nd), key=lambda d: -prog.out_strides[0][d])
+    return coalesce(list(prog.domain), tensors, order)
+
+
+def pointwise_vecs(prog: Program) -> tuple[int, ...]:
+    """Legal vector widths (elements) along the inner coalesced dim, narrowest first."""
+    sizes, strides = pointwise_layout(prog)
+    metas = list(prog.outputs) + [prog.inputs[i] for i in sorted(prog.in_strides)]
+    out = []
+    for v in (1, 2, 4, 8, 16):
+        ok = sizes[-1] % v == 0
+        for m, st in zip(metas, strides):
+            if st[-1] == 1 and v > 1:
+                ok &= v * m.itemsize <= 16 and m.align % (v * m.itemsize) == 0 and all(s % v == 0 for s in st[:-1])
+        if ok:
+            out.append(v)
+    return tuple(out)
+
+
+def lower_pointwise(prog: Program, knobs: dict, sm_count: int) -> Built:
+    nt, v, it = knobs["threads"], knobs["vec"], knobs["items"]
+    sizes, strides = pointwise_layout(prog)
+    numel = math.prod(sizes)
+    nv = numel // v
+    params, args, ptr = _pointers(prog)
+    no = len(prog.outputs)
+    loaded = sorted(prog.in_strides)
+    idx = _index_type(prog, 2 * nt * it * v)
+    names = [f"o{t}" for t in range(len(strides))]
+    ins_of = {i: no + k for k, i in enumerate(loaded)}
+    hoist, decl, loads, body = [], [], [], []
+    for i in loaded:
+        t = ins_of[i]
+        st = strides[t]
+        ct = CTYPE[prog.inputs[i].dtype]
+        if not any(st):
+            hoist.append(f"  const {ct} h{i} = {ptr[i]}[0];")
+            continue
+        decl.append(f"    {ct} x{i}[IT][V];")
+        if st[-1] == 1 and v > 1:
+            loads.append(f"        *reinterpret_cast<kf_vec<{ct}, V>*>(x{i}[k]) = "
+                         f"*reinterpret_cast<const kf_vec<{ct}, V>*>({ptr[i]} + off[k][{t}]);")
+        else:
+            loads.append(f"        for (int j = 0; j < V; ++j) x{i}[k][j] = {ptr[i]}[off[k][{t}] + j * {st[-1]}];")
+
+    def load(i, stored):
+        return f"h{i}" if not any(strides[ins_of[i]]) else f"x{i}[k][j]"
+
+    em = Emitter("v", {}, load)
+    res = [em(e) for e in prog.results]
+    body += [f"          {line}" for line in em.lines]
+    stores = []
+    for j, (m, r) in enumerate(zip(prog.outputs, res)):
+        if not m.numel:  # passed (every output is) but never written: an empty tensor
+            continue
+        ct = CTYPE[m.dtype]
+        body.append(f"          r{j}[j] = {convert(r, prog.results[j].dtype, m.dtype)};")
+        if strides[j][-1] == 1 and v > 1:
+            stores.append(f"        *reinterpret_cast<kf_vec<{ct}, V>*>(out{j} + off[k][{j}]) = "
+                          f"*reinterpret_cast<const kf_vec<{ct}, V>*>(r{j});")
+        else:
+            stores.append(f"        for (int j = 0; j < V; ++j) out{j}[off[k][{j}] + j * {strides[j][-1]}] = r{j}[j];")
+    rdecl = [f"        {CTYPE[m.dtype]} r{j}[V];" for j, m in enumerate(prog.outputs) if m.numel]
+    offs = offsets_code("(base + k * NT) * V", sizes, strides, [f"off[k][{t}]" for t in range(len(strides))], idx, False)
+    src = "\n".join([
+        f"typedef {idx} kf_idx;",
+        f"constexpr int NT = {nt}; constexpr int V = {v}; constexpr int IT = {it}; constexpr kf_idx NV = {nv};",
+        f'extern "C" __global__ void __launch_bounds__(NT) kf_gen({", ".join(params)}) {{',
+        *hoist,
+        "  for (kf_idx base = (kf_idx)blockIdx.x * (NT * IT) + threadIdx.x; base < NV;"
+        " base += (kf_idx)gridDim.x * (NT * IT)) {",
+        f"    kf_idx off[IT][{len(strides)}];",
+        *decl,
+        "#pragma unroll",
+        "    for (int k = 0; k < IT; ++k) {",
+        "      if (base + k * NT < NV) {",
+        *[f"        {line}" for line in offs],
+        *loads,
+        "      }",
+        "    }",
+        "#pragma unroll",
+        "    for (int k = 0; k < IT; ++k) {",
+        "      if (base + k * NT < NV) {",
+        *rdecl,
+        "#pragma unroll",
+        "        for (int j = 0; j < V; ++j) {",
+        *body,
+        "        }",
+        *stores,
+        "      }",
+        "    }",
+        "  }",
+        "}",
+    ])
+    blocks = max(1, ceil_div(nv, nt * it))
+    if knobs.get("grid") == "stride":
+        blocks = min(blocks, sm_count * max(1, 2048 // nt))
+    return Built(_header(src), [("kf_gen", (blocks,), (nt,), args, 0)], [])

@@ -1,0 +1,248 @@
+"""Scans (`gen_scan`, `gen_scan_block`) and windows (`gen_window`: 2-D and 3-D pooling)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ...proposers.builtin.common import ceil_div
+from ..ir import Expr, Program, opmath
+from .emit import (CTYPE, Built, Emitter, _const, _header, _index_type, _merge_block, _pointers, _shfl, coalesce,
+                   convert, offsets_code)
+
+# ---- scan ------------------------------------------------------------------------------
+
+@dataclass
+class _ScanLines:
+    """What both scan kernels share: the lines (kept dims coalesced, the offsets of line q
+    in every tensor as code), each tensor's stride along the scan dim, the operand's lifted
+    state at element i (its statements in `operand`), and the epilogue's stores at i."""
+    params: list
+    args: list
+    idx: str  # the index type
+    kn: int
+    length: int
+    kofs: list[str]
+    operand: list[str]
+    lifted: str
+    epilogue: list[str]  # statements computing the outputs from st0 and storing them at i
+
+
+def _scan_lines(prog: Program, idx_extra: int) -> _ScanLines:
+    scan = prog.scan
+    params, args, ptr = _pointers(prog)
+    no = len(prog.outputs)
+    loaded = sorted(prog.in_strides)
+    tix = {i: no + k for k, i in enumerate(loaded)}
+    tensors = [list(s) for s in prog.out_strides] + [list(prog.in_strides[i]) for i in loaded]
+    kept = [d for d in range(len(prog.domain)) if d != scan.dim]
+    ks, kst = coalesce(list(prog.domain), tensors, sorted(kept, key=lambda d: -prog.out_strides[0][d]))
+    sd = [t[scan.dim] for t in tensors]
+    idx = _index_type(prog, idx_extra)
+    kofs = offsets_code("q", ks, kst, [f"k{t}" for t in range(len(tensors))], idx)
+
+    def load(i, stored):
+        return f"{ptr[i]}[k{tix[i]} + i * {sd[tix[i]]}]"
+
+    em = Emitter("p", {}, load)
+    x = em(scan.operand)
+    (lift,) = scan.kind.lift_exprs(Expr.var("x", scan.operand.dtype))
+    em.env["x"] = x
+    lifted = em(lift)
+    epi = Emitter("e", {"s0": "st0"}, load)
+    res = [epi(e) for e in prog.results]
+    stores = [f"out{j}[k{j} + i * {sd[j]}] = {convert(r, prog.results[j].dtype, m.dtype)};"
+              for j, (m, r) in enumerate(zip(prog.outputs, res))]
+    return _ScanLines(params, args, idx, math.prod(ks), prog.domain[scan.dim], kofs, em.lines, lifted,
+                      epi.lines + stores)
+
+
+def lower_scan(prog: Program, knobs: dict) -> Built:
+    """One thread per line along the scan dim, walking it in order: every layout, no
+    cooperation between threads (coalesced when the scan dim is not the innermost)."""
+    scan = prog.scan
+    kind, dt = scan.kind, scan.operand.dtype
+    (st_type,) = kind.state(dt)
+    nt, unroll = knobs["threads"], knobs["unroll"]
+    sl = _scan_lines(prog, 2 * nt)
+    (ident,) = kind.identity_exprs(dt)
+    step = _merge_block(kind, dt, ["st0"], [sl.lifted], "u")
+    before, after = (sl.epilogue, []) if scan.exclusive else ([], sl.epilogue)
+    body = [f"typedef {sl.idx} kf_idx;",
+            f"constexpr int NT = {nt}; constexpr kf_idx KN = {sl.kn}; constexpr kf_idx LEN = {sl.length};",
+            f'extern "C" __global__ void __launch_bounds__(NT) kf_gen({", ".join(sl.params)}) {{',
+            "  const kf_idx q = (kf_idx)blockIdx.x * NT + threadIdx.x;",
+            "  if (q >= KN) return;",
+            *[f"  {line}" for line in sl.kofs],
+            f"  {CTYPE[st_type]} st0 = {_const(ident)};",
+            f"#pragma unroll {unroll}",
+            "  for (kf_idx i0 = 0; i0 < LEN; ++i0) {",
+            f"    const kf_idx i = {'LEN - 1 - i0' if scan.reverse else 'i0'};",
+            *[f"    {line}" for line in sl.operand + before + step + after],
+            "  }",
+            "}"]
+    return Built(_header("\n".join(body)), [("kf_gen", (ceil_div(sl.kn, nt),), (nt,), sl.args, 0)], [])
+
+
+def scan_is_inner(prog: Program) -> bool:
+    """The scanned dim is the innermost in memory for the first output (lines are contiguous)."""
+    return prog.out_strides[0][prog.scan.dim] == 1 and prog.domain[prog.scan.dim] > 1
+
+
+def lower_scan_block(prog: Program, knobs: dict) -> Built:
+    """One block per line along the scan dim (for lines contiguous in memory): in chunks of
+    threads x items elements, each thread scans its `items` consecutive elements, a warp
+    scans its threads' totals with shuffles, warp 0 scans the warps' totals in shared memory,
+    and a carry takes the line on to the next chunk. The merge is associative, so the tree
+    gives eager's answer; floating sums fold at most `items` elements in sequence per level."""
+    scan = prog.scan
+    kind, dt = scan.kind, scan.operand.dtype
+    (st_type,) = kind.state(dt)
+    T = CTYPE[st_type]
+    nt, it = knobs["threads"], knobs["items"]
+    sl = _scan_lines(prog, 2 * nt * it)
+    (ident,) = kind.identity_exprs(dt)
+    zero = _const(ident)
+
+    def merged(into: str, other: str, tag: str) -> list[str]:
+        return _merge_block(kind, dt, [into], [other], tag)
+
+    element = f"const kf_idx i = {'LEN - 1 - j' if scan.reverse else 'j'};"
+
+    def warp_scan(v: str, tag: str) -> list[str]:  # v = the inclusive scan of v over the warp's lanes
+        return ["#pragma unroll", "for (int o = 1; o < 32; o <<= 1) {",
+                f"  {T} t{tag} = {_shfl(v, st_type, 'o', 32, 'up')};",
+                *[f"  {line}" for line in merged(f"t{tag}", v, tag)],
+                f"  if (lane >= o) {v} = t{tag};", "}"]
+
+    # the state each output reads: the elements before this one (exclusive) or up to it
+    before = ([f"if (u > 0) {{", *[f"  {line}" for line in merged("st0", "v[u - 1]", "x")], "}"] if scan.exclusive
+              else merged("st0", "v[u]", "x"))
+    body = [f"typedef {sl.idx} kf_idx;",
+            f"constexpr int NT = {nt}; constexpr int IT = {it}; constexpr int NW = NT / 32; "
+            f"constexpr kf_idx LEN = {sl.length};",
+            f'extern "C" __global__ void __launch_bounds__(NT) kf_gen({", ".join(sl.params)}) {{',
+            "  const kf_idx q = blockIdx.x;",
+            *[f"  {line}" for line in sl.kofs],
+            "  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;",
+            f"  __shared__ {T} sw[NW];",
+            f"  {T} carry = {zero};",
+            "  for (kf_idx c0 = 0; c0 < LEN; c0 += (kf_idx)NT * IT) {",
+            f"    {T} v[IT];",
+            f"    {T} tot = {zero};",
+            "#pragma unroll",
+            "    for (int u = 0; u < IT; ++u) {",
+            "      const kf_idx j = c0 + (kf_idx)threadIdx.x * IT + u;",
+            f"      {T} xu = {zero};",
+            "      if (j < LEN) {",
+            f"        {element}",
+            *[f"        {line}" for line in sl.operand],
+            f"        xu = {sl.lifted};",
+            "      }",
+            *[f"      {line}" for line in merged("tot", "xu", "a")],
+            "      v[u] = tot;",
+            "    }",
+            f"    {T} winc = tot;",
+            *[f"    {line}" for line in warp_scan("winc", "w")],
+            f"    {T} wexc = {_shfl('winc', st_type, 1, 32, 'up')};",
+            f"    if (lane == 0) wexc = {zero};",
+            "    __syncthreads();  // the last chunk's reads of sw are done",
+            "    if (lane == 31) sw[warp] = winc;",
+            "    __syncthreads();",
+            "    if (warp == 0) {",
+            f"      {T} s = lane < NW ? sw[lane] : {zero};",
+            *[f"      {line}" for line in warp_scan("s", "b")],
+            "      if (lane < NW) sw[lane] = s;",
+            "    }",
+            "    __syncthreads();",
+            f"    {T} pre = carry;",
+            f"    const {T} wp = warp > 0 ? sw[warp - 1] : {zero};",
+            *[f"    {line}" for line in merged("pre", "wp", "p")],
+            *[f"    {line}" for line in merged("pre", "wexc", "q")],
+            "#pragma unroll",
+            "    for (int u = 0; u < IT; ++u) {",
+            "      const kf_idx j = c0 + (kf_idx)threadIdx.x * IT + u;",
+            "      if (j < LEN) {",
+            f"        {element}",
+            f"        {T} st0 = pre;",
+            *[f"        {line}" for line in before],
+            *[f"        {line}" for line in sl.epilogue],
+            "      }",
+            "    }",
+            f"    const {T} bt = sw[NW - 1];",
+            *[f"    {line}" for line in merged("carry", "bt", "c")],
+            "  }",
+            "}"]
+    return Built(_header("\n".join(body)), [("kf_gen", (sl.kn,), (nt,), sl.args, 0)], [])
+
+
+# ---- window (pooling) -------------------------------------------------------------------
+
+def lower_window(prog: Program, knobs: dict) -> Built:
+    """One thread per output point folding its window over the last k dims (k = 2 or 3;
+    padding skipped), then the epilogue."""
+    w = prog.window
+    m = prog.inputs[w.input]
+    dt = opmath(m.dtype)
+    kind = w.kind
+    st_types = kind.state(dt)
+    nt, unroll = knobs["threads"], knobs["unroll"]
+    params, args, ptr = _pointers(prog)
+    nd, k = len(prog.domain), len(w.kernel)
+    order = sorted(range(nd), key=lambda d: -prog.out_strides[0][d])
+    ist = prog.in_strides[w.input]
+    size = m.shape[-k:]
+    pooled = range(k)  # pooled dim i is domain dim nd - k + i
+    idx = _index_type(prog, 2 * nt)
+    n_out = math.prod(prog.domain)
+    # coordinates of output point q, innermost (in the first output's memory order) first
+    coords = [f"  {idx} e_ = q;"]
+    for d in reversed(order):
+        coords.append(f"  const {idx} c{d} = e_ % {prog.domain[d]}; e_ /= {prog.domain[d]};")
+    base = " + ".join([f"c{d} * {ist[d]}" for d in range(nd - k)] or ["0"])
+    outs = [" + ".join([f"c{d} * {st[d]}" for d in range(nd)]) for st in prog.out_strides]
+    st = [f"st{c}" for c in range(len(st_types))]
+    em = Emitter("p", {"ridx": "ri", "x": "xv"}, None)
+    lifted = [em(e) for e in kind.lift_exprs(Expr.var("x", dt))]
+    span = " * ".join(f"(hi{i} - lo{i})" for i in pooled)
+    clipped = " * ".join(f"((hi{i} < N{i} ? hi{i} : N{i}) - (lo{i} > 0 ? lo{i} : 0))" for i in pooled)
+    count = str(w.divisor_override) if w.divisor_override else span if w.count_include_pad else clipped
+    epi = Emitter("e", {**{f"s{c}": n for c, n in enumerate(st)}, "count": "cnt"}, None)
+    res = [epi(e) for e in prog.results]
+    loops, pad = [], "  "
+    for i in pooled:  # one loop per pooled dim, outermost first; a point in the padding is skipped
+        loops += [f"#pragma unroll {unroll}",
+                  f"{pad}for (int k{i} = 0; k{i} < {w.kernel[i]}; ++k{i}) {{",
+                  f"{pad}  const int i{i} = o{i} * {w.stride[i]} - {w.padding[i]} + k{i} * {w.dilation[i]};",
+                  f"{pad}  if (i{i} < 0 || i{i} >= N{i}) continue;"]
+        pad += "  "
+    at = " + ".join(f"(kf_idx)i{i} * {ist[nd - k + i]}" for i in pooled)
+    flat = "(kf_i64)i0"
+    for i in pooled[1:]:
+        flat = f"({flat} * N{i} + i{i})"
+    inner = [f"const {CTYPE[dt]} xv = {convert(f'x[{at}]', m.dtype, dt)};",
+             f"const kf_i64 ri = {flat};",
+             *em.lines,
+             *_merge_block(kind, dt, st, lifted, "u")]
+    closing = ["  " * (i + 1) + "}" for i in reversed(pooled)]
+    body = [f"typedef {idx} kf_idx;",
+            f"constexpr int NT = {nt}; " + " ".join(f"constexpr int N{i} = {size[i]};" for i in pooled),
+            f'extern "C" __global__ void __launch_bounds__(NT) kf_gen({", ".join(params)}) {{',
+            "  const kf_idx q = (kf_idx)blockIdx.x * NT + threadIdx.x;",
+            f"  if (q >= {n_out}) return;",
+            *coords,
+            f"  const {CTYPE[m.dtype]}* x = {ptr[w.input]} + ({base});",
+            *[f"  const int o{i} = (int)c{nd - k + i};" for i in pooled],
+            *[f"  {CTYPE[t]} {n} = {_const(v)};" for n, t, v in zip(st, st_types, kind.identity_exprs(dt))],
+            *loops,
+            *[f"{pad}{line}" for line in inner],
+            *closing,
+            # the window's extent along each dim, clipped to the padded input (eager's divisor)
+            *[f"  const int lo{i} = o{i} * {w.stride[i]} - {w.padding[i]}, hi{i} = lo{i} + {w.kernel[i]} < N{i} + "
+              f"{w.padding[i]} ? lo{i} + {w.kernel[i]} : N{i} + {w.padding[i]};" for i in pooled],
+            f"  const kf_i64 cnt = {count};",
+            *[f"  {line}" for line in epi.lines],
+            *[f"  out{j}[{o}] = {convert(r, prog.results[j].dtype, om.dtype)};"
+              for j, (om, r, o) in enumerate(zip(prog.outputs, res, outs))],
+            "}"]
+    return Built(_header("\n".join(body)), [("kf_gen", (ceil_div(n_out, nt),), (nt,), args, 0)], [])
