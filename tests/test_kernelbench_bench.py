@@ -119,6 +119,18 @@ def test_fast_p_counts_correct_problems_faster_than_p_and_geomean_skips_missing(
     assert s["geomean_speedup_vs_eager"] == pytest.approx((2.5 * 1.2 * 9.0 * 0.9) ** 0.25)
 
 
+def test_a_problem_without_a_kernel_scores_as_eager_and_noise_is_no_speedup():
+    """No kernel shipped: pkg.apply() runs eager's calls, so a 1 % faster median is noise, not fast_1."""
+    none = kb.score({"dispatched": 0, "compiled": 0, "eager_us": 100.0, "kforge_us": 99.0, "kforge_correct": True,
+                     "compile_us": 150.0})
+    assert none["speedup_vs_eager"] == 1.0 and none["speedup_vs_compile"] == 1.5
+    some = kb.score({"dispatched": 1, "compiled": 1, "eager_us": 100.0, "kforge_us": 80.0, "kforge_correct": True,
+                     "kforge_compile_us": 50.0, "kforge_compile_correct": True, "kforge_optimize_us": 40.0,
+                     "kforge_optimize_correct": False, "compile_us": 60.0})
+    assert some["best_kforge_us"] == 50.0 and some["speedup_vs_eager"] == 2.0
+    assert not kb.fast_p([{**none, "correct": True}], "eager")["fast_1"]
+
+
 def test_a_level_run_reports_each_problem_and_a_problem_that_does_not_build_is_a_row(tmp_path):
     out = tmp_path / "l2.json"
     kb.main(["--kernelbench", str(DATA), "--level", "2", "--problems", "all", "--regions", "--iterations", "1",
