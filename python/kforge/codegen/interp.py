@@ -1,6 +1,6 @@
 """A reference interpreter of the IR in torch on the CPU.
 
-It evaluates the very Expr trees lower.py turns into CUDA (the op table's formulas, the
+It evaluates the very Expr trees lower/ turns into CUDA (the op table's formulas, the
 casts, the reduction kinds' lift and merge), with one torch function per primitive, so a
 test against eager checks the table and the kinds, not a second copy of them. Reductions
 fold with merge as a balanced tree over the reduced elements in row-major order, scans one

@@ -20,7 +20,7 @@ broadcasts), so any layout is indexed through its own strides and nothing is cop
 `Expr` is a small immutable tree (a DAG once equal subtrees are shared) of primitives
 (`PRIMS`). Values are in their compute dtype: float16/bfloat16 are loaded as float32 and
 rounded once on store (eager's opmath); ints and bool compute in their own dtype. The same
-tree is lowered to CUDA (lower.py) and evaluated by the reference interpreter (interp.py).
+tree is lowered to CUDA (lower/) and evaluated by the reference interpreter (interp.py).
 
 Builder API (for single-op cards and for fused regions):
 
