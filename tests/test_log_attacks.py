@@ -144,7 +144,7 @@ def test_what_kforge_writes_is_never_refused_nan_in_evidence_included(tmp_path):
 
 
 def test_a_log_locked_by_another_process_is_waited_for_briefly_then_named(run_dir, capsys, monkeypatch):
-    monkeypatch.setattr(store_sqlite, "LOCK_WAIT_S", 0.5)
+    monkeypatch.setattr(store_sqlite.logfile, "LOCK_WAIT_S", 0.5)
     with subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
             import sqlite3, sys, time
             conn = sqlite3.connect(sys.argv[1])

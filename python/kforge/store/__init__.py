@@ -10,7 +10,8 @@ calls the store, it never knows which one.
 from .base import SearchStore
 from .memory import MemoryStore
 from .records import CandidateRecord, CardRecord, EventRecord, LLMCallRecord, LLMUsage, RunRecord
-from .sqlite import LOG_NAME, MIGRATIONS, SCHEMA_VERSION, SQLiteStore, connect
+from .sqlite import SQLiteStore
+from .sqlite.logfile import LOG_NAME, MIGRATIONS, SCHEMA_VERSION, connect
 
 __all__ = ["LOG_NAME", "MIGRATIONS", "SCHEMA_VERSION", "CandidateRecord", "CardRecord", "EventRecord", "LLMCallRecord",
            "LLMUsage", "MemoryStore", "RunRecord", "SearchStore", "SQLiteStore", "connect"]
