@@ -34,6 +34,15 @@ def test_the_first_matching_node_sets_gpu_and_driver_and_every_other_must_agree(
         assert why.startswith("it has ") and what in why and why.endswith("or take it out of the cluster"), why
 
 
+def test_without_cards_the_arch_most_gpus_have_is_the_reference_whatever_the_node_order():
+    """`kforge doctor` (no cards): an sm_80 node listed first must not make the sm_90 ones the odd ones out."""
+    nodes = [facts(arch="sm_80"), facts(), facts()]
+    ref = Reference.for_cards([])
+    assert ref.arch is None
+    ref.settle_arch(nodes)
+    assert [ref.refusal(f) is None for f in nodes] == [False, True, True]
+
+
 def test_a_torch_build_tag_is_the_same_torch_and_a_node_without_gpu_is_refused():
     ref = Reference.for_cards([toy_card()])
     release = torch.__version__.split("+")[0]

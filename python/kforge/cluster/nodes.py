@@ -8,8 +8,9 @@ run, with the reason in the log).
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 from ..cards import Card
 
@@ -60,6 +61,14 @@ class Reference:
         return Reference(arch=min(archs) if len(archs) == 1 else None, torch=release(torch.__version__),
                          kforge=__version__)
 
+    def settle_arch(self, facts: Iterable[dict]) -> None:
+        """Without cards that name an arch (a CPU capture, `kforge doctor`), the arch most of the
+        GPUs have: which nodes are refused must not depend on the order Ray lists them in."""
+        if self.arch is None:
+            archs = collections.Counter(g["arch"] for f in facts for g in (f.get("gpus") or []) if g.get("arch"))
+            if archs:
+                self.arch = max(archs, key=lambda a: (archs[a], a))
+
     def refusal(self, facts: dict) -> str | None:
         """Why a node with `facts` may not evaluate for this reference, or None (then its
         GPU model and driver become the reference's where it had none)."""
@@ -95,8 +104,10 @@ def cluster_report(address: str) -> dict:
 
     connect(address)
     reference = Reference.for_cards([])
+    probed = probe_nodes()
+    reference.settle_arch(facts for node, facts in probed if "error" not in facts and node["Resources"].get("GPU"))
     nodes = []
-    for node, facts in probe_nodes():
+    for node, facts in probed:
         shown = {k: v for k, v in facts.items() if k not in ("gpus", "hardware")}
         row = {"node_id": node["NodeID"], "ip": node["NodeManagerAddress"],
                "gpus": int(node["Resources"].get("GPU", 0)), "gpus_seen": facts.get("gpus", []), **shown}

@@ -220,6 +220,7 @@ class RayPool(EvaluatorPool):
                     last = (str(e).strip().splitlines() or [type(e).__name__])[-1]  # a remote traceback's error
                     failed[pending[ref]] = f"its actor failed to start ({last})"
             reference = nodes.Reference.for_cards(cards)
+            reference.settle_arch(described.values())
             refused: dict[str, str] = {}
             self.slots = []
             for label, a in started:
