@@ -202,6 +202,18 @@ class _Recording(FakeEvaluator):
             self.tally.started.set()
 
 
+@pytest.fixture(autouse=True)
+def _terminal_sigint():
+    """Ctrl-C as a terminal's Python sees it (KeyboardInterrupt), whatever SIGINT handler an
+    earlier test in this process left behind (in the full suite one did: the runs below then
+    ran to the end or hung)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def _ctrl_c(started: threading.Event, delay: float) -> None:
     """SIGINT to the main thread, as a terminal's Ctrl-C: once the workers are searching, it
     lands while the runner waits for them."""
