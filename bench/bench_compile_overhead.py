@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from bench_dispatch import RELU, event_times_us, host_us_per_call
+from provenance import provenance
 from kforge import compiler, customops
 from kforge.candidate import Candidate, LaunchPlan
 from kforge.cards import ArgSpec, Card, TensorMeta
@@ -89,7 +90,7 @@ def main(argv=None) -> None:
                 "kforge_op_direct": host_us_per_call(lambda: op(x), args.forwards * args.calls)}
         graphs = {name: graph_us(fn, x, 200) for name, fn in (("kforge_op", kforge_graph),
                                                                ("inductor_extern", extern_graph))}
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "n": args.n, "calls": args.calls,
+    result = {**provenance(), "n": args.n, "calls": args.calls,
               "host_us_per_call": host, "kforge_over_extern_us": host["kforge_op"] - host["inductor_extern"],
               "cuda_graph_us_per_forward": graphs}
     args.out.parent.mkdir(parents=True, exist_ok=True)

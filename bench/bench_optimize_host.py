@@ -22,7 +22,6 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -37,6 +36,7 @@ from kforge.capturing import capture  # noqa: E402
 from kforge.dispatch import Dispatcher, dispatch_blocker  # noqa: E402
 from kforge.families import family_of  # noqa: E402
 from kforge.modelspec import load_model_spec  # noqa: E402
+from provenance import provenance  # noqa: E402
 
 
 class NullLauncher:
@@ -110,8 +110,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    out = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
-           "device": "cpu", "clock": "thread_time", "models": {}}
+    out = {**provenance(), "device": "cpu", "clock": "thread_time", "models": {}}  # host time, whatever GPU there is
     for name, (model, inputs) in models().items():
         out["models"][name] = r = bench(model, inputs, calls=args.calls, rounds=args.rounds)
         print(f"{name}: {r['regions_replaced']} regions, {r['ops_replaced']} op nodes replaced")

@@ -21,7 +21,6 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -35,6 +34,7 @@ from kforge.capturing import capture  # noqa: E402
 from kforge.card_files import load_cards  # noqa: E402
 from kforge.modelspec import load_model_spec  # noqa: E402
 from kforge.store import SQLiteStore  # noqa: E402
+from provenance import provenance  # noqa: E402
 
 TARGET_MS = 50.0
 
@@ -111,8 +111,7 @@ def main(argv=None) -> None:
     same = dispatched(local.package_path) == dispatched(remote.package_path)
     median = statistics.median(diffs) if diffs else None
     out = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__, "ray": ray.__version__, "model": args.model, "iterations": args.iterations,
+        **provenance(), "ray": ray.__version__, "model": args.model, "iterations": args.iterations,
         "local": {"search_s": local_s, "dispatched": dispatched(local.package_path)},
         "ray": {"search_s": ray_s, "dispatched": dispatched(remote.package_path)},
         "same_dispatched": same,
