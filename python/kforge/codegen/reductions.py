@@ -252,6 +252,14 @@ def _float_input(c: Call, what: str) -> tuple[Val, Expr] | str:
     return (x, x.at(x.dtype)) if x.dtype in FLOATS else f"{what} of integers raises in eager"
 
 
+def _channels_input(c: Call, what: str) -> tuple[Val, Expr] | str:
+    """A floating (N, C, ...) input, as group and batch norm need."""
+    got = _float_input(c, what)
+    if not isinstance(got, str) and got[0].ndim < 2:
+        return f"{what} needs (N, C, ...) input"
+    return got
+
+
 def _last_dims_norm(rms: bool) -> Callable:
     """layer_norm (Welford: mean, variance) and rms_norm (the mean of squares) over the last
     len(normalized_shape) dims; rstd = rsqrt(var + eps); rms_norm's eps defaults to the
@@ -273,12 +281,10 @@ def _last_dims_norm(rms: bool) -> Callable:
 
 
 def _group_norm(c: Call):
-    got = _float_input(c, "group_norm")
+    got = _channels_input(c, "group_norm")
     if isinstance(got, str):
         return got
     x, e = got
-    if x.ndim < 2:
-        return "group_norm needs (N, C, ...) input"
     g, eps = c.s("group"), c.s("eps")
     w, b = _opt(c, "weight"), _opt(c, "bias")
 
@@ -294,12 +300,10 @@ def _group_norm(c: Call):
 def _batch_norm(c: Call):
     """Per-channel (dim 1) statistics: running ones (inference: a pointwise affine map) or the
     batch's own (training with no running stats: instance norm's form)."""
-    got = _float_input(c, "batch_norm")
+    got = _channels_input(c, "batch_norm")
     if isinstance(got, str):
         return got
     x, e = got
-    if x.ndim < 2:
-        return "batch_norm needs (N, C, ...) input"
     w, b, eps = _opt(c, "weight"), _opt(c, "bias"), c.s("eps")
     training = c.name != "_native_batch_norm_legit_no_training" and bool(c.s("training", False))
     rm, rv = _opt(c, "running_mean"), _opt(c, "running_var")
