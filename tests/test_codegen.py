@@ -220,9 +220,22 @@ def test_expression_matches_eager_on_edge_values(name, dtype):
     if name in ("pow_half", "pow_minus_half") and dtype == F16:
         pytest.skip("eager's CPU fp16 pow skips the sqrt/rsqrt shortcut of its CUDA kernel (pow(-inf, 0.5) = inf)")
     got, want = _run(op, [t.to(dtype) for t in tensors], *scalars, **kw)
+    if name in SCALAR_EAGER:
+        want = [_eager_per_element(op, t.to(dtype)) for t in tensors]
     for g, w in zip(got, want):
         assert g.dtype == w.dtype
         torch.testing.assert_close(g, w, equal_nan=True, **TOL.get(w.dtype, dict(rtol=0, atol=0)))
+
+
+# Eager's CPU kernel for these gives another answer at ±inf in its vectorized loop than in its
+# scalar tail (gelu: NaN against inf for +inf, by where the element falls and the CPU's vector
+# width). Eager's CUDA kernel computes element by element, as the scalar tail does, and the
+# generated code follows CUDA: compare with eager one element at a time.
+SCALAR_EAGER = {"gelu_erf"}
+
+
+def _eager_per_element(op, x):
+    return torch.stack([op(v.reshape(1))[0] for v in x.reshape(-1)]).reshape(x.shape)
 
 
 INTS = torch.tensor([-7, -3, -1, 0, 1, 2, 5, 100, 2**31 - 1, -2**31])
