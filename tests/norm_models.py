@@ -21,9 +21,11 @@ class ScaleSoftmax(nn.Module):
         return torch.softmax(x * 0.125, -1)
 
 
-class LogSoftmax(nn.Module):
+class TemperatureLogSoftmax(nn.Module):
+    """log_softmax after a temperature: a region (one op alone is an op card, not a region)."""
+
     def forward(self, x):
-        return torch.log_softmax(x, -1)
+        return torch.log_softmax(x / 0.7, -1)
 
 
 class AddLayerNormGelu(nn.Module):

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from norm_models import (AddLayerNormGelu, AddRMSNorm, BatchNormReluAdd, GroupNormSilu, InstanceNormRelu, LogSoftmax,
+from norm_models import (AddLayerNormGelu, AddRMSNorm, BatchNormReluAdd, GroupNormSilu, InstanceNormRelu, TemperatureLogSoftmax,
                          MaskSoftmax, ScaleSoftmax)
 
 from kforge.capturing import capture
@@ -30,22 +30,6 @@ def cuda(*shape, dtype=torch.float32, channels_last=False):
     return x.to(memory_format=torch.channels_last) if channels_last else x
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def _half(m):
     return m.to(dtype=BF16)
 
@@ -54,7 +38,7 @@ CASES = {
     "mask softmax bf16 (gemma)": (MaskSoftmax, lambda: (cuda(2, 8, 128, 129, dtype=BF16), cuda(2, 1, 128, 129, dtype=BF16))),
     "scale softmax 1-element rows": (ScaleSoftmax, lambda: (cuda(300, 1),)),
     "scale softmax 3x70001 (longer than a block)": (ScaleSoftmax, lambda: (cuda(3, 70001),)),
-    "log_softmax 257x1000": (LogSoftmax, lambda: (cuda(257, 1000),)),
+    "temperature log_softmax 257x1000": (TemperatureLogSoftmax, lambda: (cuda(257, 1000),)),
     "add layer_norm gelu 4096 bf16": (lambda: _half(AddLayerNormGelu(4096)),
                                       lambda: (cuda(3, 77, 4096, dtype=BF16), cuda(3, 77, 4096, dtype=BF16))),
     "add layer_norm gelu 33": (lambda: AddLayerNormGelu(33), lambda: (cuda(129, 33), cuda(129, 33))),

@@ -113,15 +113,21 @@ def _hardtanh(c: Call):
 
 
 def _round(c: Call):
-    _, (x,) = c.promote(["self"])
+    common, (x,) = c.promote(["self"])
     if x.dtype not in FLOATS:
         return x
     d = c.s("decimals", 0)
     if d == 0:
         return prim("rint", x)
-    # eager: neg_flag = decimals < 0; ten_pow = 10**|decimals|; rint(x * ten_pow) / ten_pow (or / and *)
-    ten = float(10 ** abs(d))
-    return prim("rint", x / ten) * ten if d < 0 else prim("rint", x * ten) / ten
+    # eager: neg_flag = decimals < 0; ten_pow = 10**|decimals|; rint(x * ten_pow) / ten_pow (or / and *),
+    # all in the tensor's own dtype: for float16/bfloat16, ten_pow and the scaled value are rounded
+    # to it (3.496 rounds to 3.5 in bf16, and rint(3.5) = 4 where fp32 would give 3)
+    dt = getattr(torch, common)
+    ten = float(torch.tensor(10.0 ** abs(d), dtype=torch.float64).to(dt).double())
+    scaled = x / ten if d < 0 else x * ten
+    if common in ("float16", "bfloat16"):
+        scaled = scaled.cast(common)
+    return prim("rint", scaled) * ten if d < 0 else prim("rint", scaled) / ten
 
 
 def _div(c: Call):
@@ -335,6 +341,16 @@ def _logaddexp(base2: bool) -> Entry:
     return entry
 
 
+def _bessel_i(name: str, x: Expr) -> Expr:
+    """i0 and i1 as eager computes them: above |x| = 8 its series is multiplied by exp(|x|), so
+    the result is ±inf once exp overflows (|x| >= 88.7228 in float32), where CUDA's
+    cyl_bessel_i0f/i1f are still finite up to |x| ~ 91."""
+    big = 709.782712893384 if x.dtype == "float64" else 88.72283935546875
+    inf = _k(x, math.inf)
+    over = where(x < 0, -inf, inf) if name == "i1" else inf  # i1 is odd, i0 even
+    return where(prim("abs", x) >= big, over, prim(name, x))
+
+
 def _frac(x: Expr) -> Expr:
     return x - prim("trunc", x)
 
@@ -350,9 +366,9 @@ POINTWISE: dict[str, Entry] = {
     # float maps (integers promote to float32)
     **{n: _unary(lambda x, n=n: prim(n, x), INT_TO_FLOAT) for n in (
         "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt", "sin", "cos", "tan", "asin",
-        "acos", "atan", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh", "erf", "erfc", "erfinv", "lgamma",
-        "i0")},
-    "special_i1": _unary(lambda x: prim("i1", x), INT_TO_FLOAT),
+        "acos", "atan", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh", "erf", "erfc", "erfinv", "lgamma")},
+    "i0": _unary(lambda x: _bessel_i("i0", x), INT_TO_FLOAT),
+    "special_i1": _unary(lambda x: _bessel_i("i1", x), INT_TO_FLOAT),
     "special_bessel_j0": _unary(lambda x: prim("j0", x), INT_TO_FLOAT),
     "special_bessel_j1": _unary(lambda x: prim("j1", x), INT_TO_FLOAT),
     "sigmoid": _unary(_sigmoid, INT_TO_FLOAT),
