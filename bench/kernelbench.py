@@ -197,6 +197,18 @@ def fast_p(rows: list[dict], baseline: str, ps=FAST_P) -> dict[str, float]:
     return out
 
 
+def beyond_noise(rows: list[dict], baseline: str) -> float:
+    """The share of problems correct and faster than `baseline` by more than the noise: the
+    baseline's median less kforge's best exceeds the larger of the two interquartile ranges."""
+    def faster(r: dict) -> bool:
+        best, base = r.get("best_kforge_us"), r.get(f"{baseline}_us")
+        if not r.get("correct") or best is None or base is None:
+            return False
+        iqr = next((r.get(f"{v}_iqr_us") or 0.0 for v in ("eager", *VARIANTS) if r.get(f"{v}_us") == best), 0.0)
+        return base - best > max(iqr, r.get(f"{baseline}_iqr_us") or 0.0)
+    return sum(map(faster, rows)) / len(rows) if rows else 0.0
+
+
 def geomean(xs: list[float]) -> float | None:
     xs = [x for x in xs if x and x > 0 and math.isfinite(x)]
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
@@ -212,6 +224,7 @@ def summarize(rows: list[dict]) -> dict:
         "with_dispatched_kernel": sum(1 for r in rows if r.get("dispatched", 0) > 0),
         "correct": sum(1 for r in timed if r.get("correct")),
         "vs_eager": fast_p(rows, "eager"), "vs_compile": fast_p(rows, "compile"),
+        "beyond_noise": {"eager": beyond_noise(rows, "eager"), "compile": beyond_noise(rows, "compile")},
         "geomean_speedup_vs_eager": geomean([r.get("speedup_vs_eager") for r in timed]),
         "geomean_speedup_vs_compile": geomean([r.get("speedup_vs_compile") for r in timed]),
         # Each kforge variant on its own against eager (the speedups above take the best correct one).

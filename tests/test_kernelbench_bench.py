@@ -131,6 +131,18 @@ def test_a_problem_without_a_kernel_scores_as_eager_and_noise_is_no_speedup():
     assert not kb.fast_p([{**none, "correct": True}], "eager")["fast_1"]
 
 
+def test_faster_beyond_noise_needs_a_margin_wider_than_either_interquartile_range():
+    def row(best, best_iqr, base_iqr, correct=True):
+        return kb.score({"dispatched": 1, "compiled": 0, "eager_us": 100.0, "eager_iqr_us": base_iqr, "kforge_us": best,
+                         "kforge_iqr_us": best_iqr, "kforge_correct": True, "compile_us": 100.0, "correct": correct})
+    rows = [row(90.0, 2.0, 3.0),          # 10 µs faster, noise 3: beyond it
+            row(99.0, 0.5, 2.0),          # 1 µs faster, the baseline's IQR is 2: noise
+            row(95.0, 6.0, 1.0),          # kforge's own IQR is wider than the margin
+            row(50.0, 1.0, 1.0, correct=False)]
+    assert kb.fast_p(rows, "eager")["fast_1"] == 0.75
+    assert kb.beyond_noise(rows, "eager") == 0.25 and kb.summarize(rows)["beyond_noise"]["eager"] == 0.25
+
+
 def test_a_level_run_reports_each_problem_and_a_problem_that_does_not_build_is_a_row(tmp_path):
     out = tmp_path / "l2.json"
     kb.main(["--kernelbench", str(DATA), "--level", "2", "--problems", "all", "--regions", "--iterations", "1",
@@ -183,7 +195,7 @@ def _result(path: Path, **fields) -> None:
                                 "command": "python x", **fields}))
 
 
-def test_the_scoreboard_joins_a_levels_shards_and_keeps_the_newest_model_run(tmp_path):
+def test_the_scoreboard_joins_a_levels_shards_and_later_runs_and_keeps_the_newest_model_run(tmp_path):
     names = ["1_a", "2_b", "3_c"]
     fast = {"correct": True, "kforge_us": 1.0, "eager_us": 2.0, "speedup_vs_eager": 2.5, "speedup_vs_compile": 1.2}
     _result(tmp_path / "kernelbench_l1_s0of2_h200.json", date="2026-12-02T00:00", shard="0/2", problem_list=names,
@@ -196,6 +208,13 @@ def test_the_scoreboard_joins_a_levels_shards_and_keeps_the_newest_model_run(tmp
     assert sorted(p.name for p, _ in files) == ["kernelbench_l1_s0of2_h200.json", "kernelbench_l1_s1of2_h200.json"]
     assert s["problems"] == 3 and s["vs_eager"]["fast_1"] == pytest.approx(2 / 3)
     assert s["vs_eager"]["fast_2"] == pytest.approx(1 / 3) and s["vs_compile"]["fast_1"] == pytest.approx(2 / 3)
+    # a later run of some of the list's problems (--problems) replaces their rows, and only theirs
+    _result(tmp_path / "kernelbench_l1_s1_h200.json", date="2026-12-03T00:00", problem_list=["2_b", "3_c"],
+            problems=[{"problem": "2_b", **fast, "speedup_vs_eager": 3.0}, {"problem": "3_c", "error": "not run: time budget spent"}])
+    files, s = scoreboard.kernelbench_level(tmp_path, 1)
+    assert sorted(p.name for p, _ in files) == ["kernelbench_l1_s0of2_h200.json", "kernelbench_l1_s1_h200.json"]
+    assert s["problems"] == 3 and s["vs_eager"]["fast_2"] == pytest.approx(2 / 3)
+    (tmp_path / "kernelbench_l1_s1_h200.json").unlink()
     us = {"eager": {"median_us": 100.0}, "kforge": {"median_us": 80.0}}
     _result(tmp_path / "ab_resnet50_bf16_s8_h200.json", date="2026-12-01", model_us={**us, "torch.compile": {"median_us": 50.0}})
     _result(tmp_path / "model_resnet50_bf16_s9_h200.json", date="2026-12-02", model_us=us)  # newer, no torch.compile
