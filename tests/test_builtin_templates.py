@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from builtin_cards import (A, BF16, F16, GN_COOP, SPREAD, gn, make_card, meta, softmax, softmax_to, to_copy,
+from builtin_cards import (A, BF16, F16, GN_COOP, SPREAD, gn, ln, make_card, meta, rms, softmax, softmax_to, to_copy,
                            variance_inputs)
 from kforge import compiler
 from kforge.candidate import Candidate
@@ -91,6 +91,8 @@ def test_unsupported_cards_are_declined_with_a_reason(card, reason):
     (lambda: make_card(A._softmax.default, meta(16, 8).t(), -1, False), "contiguous"),
     (lambda: gn(1, 64, 8, 8, 32, channels_last=True), "channels_last"),
     (lambda: softmax_to(8, 64, dtype=torch.float32, to=BF16), "only dtype=torch.float32"),
+    (lambda: ln(8, 1 << 20), "leaves most SMs idle"),  # KernelBench's LayerNorm: 8 rows of 4M, scaled
+    (lambda: rms(4, 65536, BF16), "leaves most SMs idle"),
 ])
 def test_norm_cards_a_template_declines_get_the_generated_kernel(card, reason):
     c = card()
