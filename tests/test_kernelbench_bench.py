@@ -129,6 +129,10 @@ def test_a_problem_without_a_kernel_scores_as_eager_and_noise_is_no_speedup():
                      "kforge_optimize_correct": False, "compile_us": 60.0})
     assert some["best_kforge_us"] == 50.0 and some["speedup_vs_eager"] == 2.0
     assert not kb.fast_p([{**none, "correct": True}], "eager")["fast_1"]
+    # the model check found kforge.compile slower: kforge.compile is plain torch.compile, timed once
+    plain = kb.score({"dispatched": 1, "compiled": 1, "eager_us": 100.0, "kforge_us": 90.0, "kforge_correct": True,
+                      "compile_us": 60.0, "compile_correct": True, "model_check": {"use": "torch.compile"}})
+    assert plain["best_kforge_us"] == 60.0 and plain["speedup_vs_compile"] == 1.0
 
 
 def test_faster_beyond_noise_needs_a_margin_wider_than_either_interquartile_range():
