@@ -304,6 +304,7 @@ def run_problem(problem: Problem, args, device: str, search_s: float) -> dict:
     row["dispatched"] = sum(1 for c in pkg.cards if c.dispatched)  # region cards run through kforge.optimize
     row["regions_dispatched"] = sum(1 for c in regions if c.dispatched)
     row["compiled"] = sum(1 for c in pkg.cards if c.compiled)
+    row["card_decisions"] = card_decisions(pkg)
     check = (pkg.manifest or {}).get("model_check") or {}
     if check:  # kforge.compile follows it: plain torch.compile where it found the kernels slower
         row["model_check"] = {k: check.get(k) for k in ("verdict", "use", "torch_compile_us", "kforge_compile_us", "drop")}
@@ -344,6 +345,15 @@ def run_problem(problem: Problem, args, device: str, search_s: float) -> dict:
         row[f"{name}_us"] = meas.median
         row[f"{name}_iqr_us"] = meas.iqr
     return score(row)
+
+
+def card_decisions(pkg, most: int = 24) -> list[dict]:
+    """Why each card that is not a view ships or not, in the package's own words, largest share
+    first: the evidence for what to improve next, kept next to the numbers."""
+    cards = sorted((c for c in pkg.cards if c.card.family != "view"), key=lambda c: -(c.card.share or 0.0))
+    return [{"card": " > ".join(op.split("::")[-1] for op in (c.card.region.ops if c.card.region else [c.card.op])),
+             "share": c.card.share, "eager": c.decision, "reason": c.reason[:200],
+             "compiled": c.compile_decision, "compile_reason": (c.compile_reason or "")[:200]} for c in cards[:most]]
 
 
 def score(row: dict) -> dict:

@@ -135,6 +135,22 @@ def test_a_problem_without_a_kernel_scores_as_eager_and_noise_is_no_speedup():
     assert plain["best_kforge_us"] == 60.0 and plain["speedup_vs_compile"] == 1.0
 
 
+def test_card_decisions_give_each_searched_cards_reasons_largest_share_first():
+    from types import SimpleNamespace as NS
+    card = lambda op, share, family="pointwise", ops=None: NS(op=op, share=share, family=family,  # noqa: E731
+                                                               region=NS(ops=ops) if ops else None)
+    pkg = NS(cards=[
+        NS(card=card("aten::relu.default", 0.1), decision="fallback", reason="slower than eager",
+           compile_decision=None, compile_reason=""),
+        NS(card=card("aten::view.default", 0.5, "view"), decision="fallback", reason="a view", compile_decision=None,
+           compile_reason=""),
+        NS(card=card("region::add+relu", 0.6, "region", ["aten::add.Tensor", "aten::relu.default"]),
+           decision="dispatched", reason="1.8x eager", compile_decision="fallback", compile_reason="slower than Inductor")])
+    got = kb.card_decisions(pkg)
+    assert [d["card"] for d in got] == ["add.Tensor > relu.default", "relu.default"]
+    assert got[0]["eager"] == "dispatched" and got[0]["compile_reason"] == "slower than Inductor"
+
+
 def test_faster_beyond_noise_needs_a_margin_wider_than_either_interquartile_range():
     def row(best, best_iqr, base_iqr, correct=True):
         return kb.score({"dispatched": 1, "compiled": 0, "eager_us": 100.0, "eager_iqr_us": base_iqr, "kforge_us": best,
