@@ -47,8 +47,17 @@ lane() {  # lane LOG ITEM...: run the items in order
   local log=$1 item; shift
   for item in "$@"; do
     case $item in
-      tests) step "$log" gpu-tests "${T_TESTS:-100}" python3 -m pytest -q -p no:cacheprovider --timeout 120 \
-               ${GPU_TESTS:-tests/gpu} ${TESTS_K:+-k "$TESTS_K"} ;;
+      # With pytest-xdist (carried in .whl/), TEST_WORKERS processes share the GPU (default 8; 0: one
+      # process); the timing tests of test_core_gpu.py run alone afterwards. 543 tests took 490 s on 4.
+      tests) if [ "${TEST_WORKERS:-8}" != 0 ] && python3 -c "import xdist" 2>/dev/null; then
+               step "$log" gpu-tests "${T_TESTS:-100}" python3 -m pytest -q -p no:cacheprovider -p no:benchmark --timeout 120 \
+                 --tb=short -n "${TEST_WORKERS:-8}" ${GPU_TESTS:-tests/gpu --ignore=tests/gpu/test_core_gpu.py} ${TESTS_K:+-k "$TESTS_K"}
+               [ -n "$GPU_TESTS" ] || step "$log" gpu-tests-timing 60 python3 -m pytest -q -p no:cacheprovider --timeout 120 \
+                 tests/gpu/test_core_gpu.py
+             else
+               step "$log" gpu-tests "${T_TESTS:-100}" python3 -m pytest -q -p no:cacheprovider --timeout 120 --tb=short \
+                 ${GPU_TESTS:-tests/gpu} ${TESTS_K:+-k "$TESTS_K"}
+             fi ;;
       # The same with its own paths and filter (GPU_TESTS2, TESTS_K2), for splitting tests over both lanes.
       tests2) step "$log" gpu-tests2 "${T_TESTS2:-${T_TESTS:-100}}" python3 -m pytest -q -p no:cacheprovider --timeout 120 \
                 ${GPU_TESTS2:-tests/gpu} ${TESTS_K2:+-k "$TESTS_K2"} ;;
