@@ -260,8 +260,9 @@ def _search_counts(run_dir: Path) -> dict:
         return {"candidates": log.activity(run_id)[0], "llm_cost_usd": llm.cost_usd, "llm_tokens": llm.tokens}
 
 
-def run_problem(problem: Problem, args, device: str, search_s: float) -> dict:
-    """Build, search (search_s seconds at most), check and time one problem: its result row."""
+def run_problem(problem: Problem, args, device: str, search_s: float, workers=None) -> dict:
+    """Build, search (search_s seconds at most), check and time one problem: its result row.
+    workers: kforge.run's evaluator_factory (main() keeps one worker process for every problem)."""
     import kforge
     from kforge import timing
 
@@ -285,7 +286,7 @@ def run_problem(problem: Problem, args, device: str, search_s: float) -> dict:
         return run_dir, kforge.run(model, tuple(inputs), out=run_dir / "p.cast", run_dir=run_dir,
                                    proposer=args.proposer, iterations=args.iterations, wall_time_s=search_s,
                                    progress=False, check_model=args.model_check, model_name=problem.name,
-                                   include_vendor=args.include_vendor, regions=regions)
+                                   include_vendor=args.include_vendor, regions=regions, evaluator_factory=workers)
     try:
         run_dir, result = search(args.regions)
     except Exception as e:  # noqa: BLE001 (a model the region tracer cannot take still has its op cards)
@@ -413,29 +414,41 @@ def main(argv=None) -> None:
         out = {**head, "summary": summarize(rows), "problems": rows, "of": len(files)}
         args.out.write_text(json.dumps(out, indent=1, default=str))
 
-    for i, f in enumerate(files):
-        search_s = budget.search_s(len(files) - i)
-        if search_s is None:
-            rows += [{"problem": g.stem, "error": "not run: time budget spent"} for g in files[i:]]
-            break
-        t0 = time.monotonic()
-        try:
-            problem = fit(load_problem(f), args.max_bytes)
-            row = run_problem(problem, args, device, search_s) if problem.scale > 0 else {
-                "problem": problem.name, "notes": problem.notes, "error": "too large"}
-        except Exception as e:  # noqa: BLE001 (one problem's failure is a row, not the end of the run)
-            row = {"problem": f.stem, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-        row["wall_s"] = round(time.monotonic() - t0, 1)
-        budget.record(row["wall_s"], row.get("search_s", 0.0))
-        rows.append(row)
-        print(json.dumps({k: row.get(k) for k in ("problem", "wall_s", "dispatched", "correct", "speedup_vs_eager",
-                                                   "speedup_vs_compile", "error")}), flush=True)
-        if device == "cuda":
-            torch.cuda.empty_cache()
-        torch._dynamo.reset()  # the problem's compiled graphs go with it
-        write()  # after every problem: a run cut short by its time limit keeps what it measured
+    from kforge.evaluate import KeptEvaluators
+
+    # One worker process for every problem: a fresh one per problem cost its Python start, CUDA
+    # context and Inductor's first compile (the per-card torch.compile baseline) each time.
+    with KeptEvaluators() as workers:
+        for i, f in enumerate(files):
+            if not _one(i, f, files, args, device, budget, rows, workers):
+                break
+            write()  # after every problem: a run cut short by its time limit keeps what it measured
     write()
     print(json.dumps(summarize(rows), indent=1))
+
+
+def _one(i: int, f: Path, files: list[Path], args, device: str, budget: Budget, rows: list[dict], workers) -> bool:
+    """Run problem `f` (the i-th of `files`) into `rows`; False when the time budget is spent."""
+    search_s = budget.search_s(len(files) - i)
+    if search_s is None:
+        rows += [{"problem": g.stem, "error": "not run: time budget spent"} for g in files[i:]]
+        return False
+    t0 = time.monotonic()
+    try:
+        problem = fit(load_problem(f), args.max_bytes)
+        row = run_problem(problem, args, device, search_s, workers) if problem.scale > 0 else {
+            "problem": problem.name, "notes": problem.notes, "error": "too large"}
+    except Exception as e:  # noqa: BLE001 (one problem's failure is a row, not the end of the run)
+        row = {"problem": f.stem, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+    row["wall_s"] = round(time.monotonic() - t0, 1)
+    budget.record(row["wall_s"], row.get("search_s", 0.0))
+    rows.append(row)
+    print(json.dumps({k: row.get(k) for k in ("problem", "wall_s", "dispatched", "correct", "speedup_vs_eager",
+                                               "speedup_vs_compile", "error")}), flush=True)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    torch._dynamo.reset()  # the problem's compiled graphs go with it
+    return True
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 from evalkit import fake, make_card, relu_card, softmax_card
 from kforge.card_files import save_card, save_sample
 from kforge.errors import CardError
-from kforge.evaluate import CompileOnlyEvaluator, WorkerHandle, make_evaluator
+from kforge.evaluate import CompileOnlyEvaluator, KeptEvaluators, WorkerHandle, make_evaluator
 from kforge.verdict import EvalResult, Verdict
 from kforge.timing import as_called_calls
 from kforge.backends import FakeBackend, NotDispatched
@@ -180,6 +181,36 @@ def test_captured_sample_is_checked_first(tmp_path):
     with make_evaluator(tmp_path, backend="fake", **FAST) as p:
         r = p.evaluate(card, fake("relu_good"))
         assert r.evidence["input_sets"][0] == "sample0", r.evidence
+
+
+def test_kept_evaluators_keep_one_worker_across_runs_each_reading_its_own_samples(tmp_path):
+    """KeptEvaluators (a benchmark running many models): the second run is served by the first
+    run's worker process, reads its own run directory's sample, and closing a run keeps it."""
+    card = relu_card((32, 32))
+    card.samples = 1
+    made = []
+
+    def make(run_dir, device):
+        made.append((run_dir, device))
+        return make_evaluator(run_dir, backend="fake", **FAST)
+
+    with KeptEvaluators(make) as workers:
+        pids, sets = [], []
+        for run in ("a", "b"):
+            d = tmp_path / run
+            x = card.random_inputs(7 if run == "a" else 8, "cpu")
+            save_card(card, d)
+            save_sample(card, d, 0, x, card.call_eager(x))
+            ev = workers(d, 0)
+            r = ev.evaluate(card, fake("relu_good"))
+            assert r.verdict in (Verdict.VALID, Verdict.SLOWER), r.message
+            sets.append(r.evidence["input_sets"][0])
+            pids.append(workers._kept[0].handles[0].ping()["pid"])
+            ev.close()  # what kforge.run does when it ends: the worker stays
+            shutil.rmtree(d)  # run b cannot be served from run a's directory
+        assert made == [(tmp_path / "a", 0)] and pids[0] == pids[1] and sets == ["sample0", "sample0"]
+        kept = workers._kept[0]
+    assert kept.handles[0]._proc is None  # the with block stopped it
 
 
 def test_card_that_eager_cannot_run_raises_card_error(tmp_path):

@@ -24,10 +24,11 @@ import itertools
 import multiprocessing as mp
 import queue
 import signal
+import threading
 import time
 from dataclasses import fields
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from . import validate, worker
 from .candidate import Candidate
@@ -194,14 +195,15 @@ class WorkerPool(Evaluator):
         for h in self.handles:
             self._free.put(h)
 
-    def evaluate(self, card: Card, candidate: Candidate) -> EvalResult:
+    def evaluate(self, card: Card, candidate: Candidate, run_dir: str | Path | None = None) -> EvalResult:
+        """run_dir: where the card's samples are (default: the pool's run directory)."""
         early = screen(card, candidate)
         if early is not None:
             return early
         h = self._free.get()
         try:
             t0 = time.monotonic()
-            result = h.evaluate(card, candidate, self.run_dir)
+            result = h.evaluate(card, candidate, run_dir or self.run_dir)
             result.evidence.setdefault("eval_s", round(time.monotonic() - t0, 3))
             return _flag_vendor(candidate, result)
         finally:
@@ -216,6 +218,63 @@ class WorkerPool(Evaluator):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class KeptEvaluators:
+    """An `evaluator_factory` for kforge.run that keeps each device's evaluator, and so its
+    worker process, from one run to the next: a script or notebook that runs many models (a
+    benchmark suite) pays the worker's start, its CUDA context and Inductor's first compile of
+    a torch.compile baseline once, not per run. Each run still reads its own run directory,
+    and a worker that crashes is restarted as usual. Runs that share it should run one after
+    the other; close() (or the with block) stops the workers.
+
+        with KeptEvaluators() as workers:
+            for model, inputs in models:
+                kforge.run(model, inputs, evaluator_factory=workers, ...)
+
+    make(run_dir, device) builds an evaluator the first time a device is asked for (default:
+    kforge.run's own, one worker process per GPU, compile-only without one)."""
+
+    def __init__(self, make: Callable[[Path, int | None], Evaluator] | None = None):
+        if make is None:
+            from .runner import default_evaluator as make
+        self._make = make
+        self._kept: dict[int | None, Evaluator] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, run_dir: Path, device: int | None) -> Evaluator:
+        with self._lock:
+            if device not in self._kept:
+                self._kept[device] = self._make(Path(run_dir), device)
+            return _Borrowed(self._kept[device], Path(run_dir))
+
+    def close(self) -> None:
+        with self._lock:
+            kept, self._kept = list(self._kept.values()), {}
+        for ev in kept:
+            ev.close()
+
+    def __enter__(self) -> "KeptEvaluators":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _Borrowed(Evaluator):
+    """A kept evaluator lent to one run: it evaluates against the run's directory, and closing
+    it (which the run does when it ends) gives it back instead of stopping its worker."""
+
+    def __init__(self, kept: Evaluator, run_dir: Path):
+        self.kept, self.run_dir = kept, run_dir
+
+    def evaluate(self, card: Card, candidate: Candidate) -> EvalResult:
+        if isinstance(self.kept, WorkerPool):
+            return self.kept.evaluate(card, candidate, self.run_dir)
+        return self.kept.evaluate(card, candidate)  # compile-only: reads nothing from the run directory
+
+    def close(self) -> None:
+        pass
 
 
 _OPTION_NAMES = {f.name for f in fields(EvalOptions)}

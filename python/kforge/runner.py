@@ -149,7 +149,8 @@ def run(model=None, example_inputs=None, out: str | Path | None = "model.cast", 
     max_cost_usd: a hard limit on the run's LLM spend, checked before every call.
     resume: continue the run in `run_dir` from its cards and search log, without capturing.
     evaluator_factory(run_dir, device): the evaluator of one worker (device None: no GPU);
-      default `default_evaluator`.
+      default `default_evaluator`. A script that runs many models passes one
+      `kforge.evaluate.KeptEvaluators()` to every run: its worker processes stay up between runs.
     cards: only search these card ids.
     ops: only search cards whose op name contains one of these (e.g. ["softmax", "group_norm"]).
     check_model: when a package was written, time the model's forward eager and with the
