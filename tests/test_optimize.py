@@ -207,6 +207,21 @@ def test_the_forward_with_hits_calls_no_aten_op_more_than_eager_and_no_wrapper(t
     assert not [c for c in calls if c.endswith("torch/_ops.py:__call__")]  # every aten call through its binding
 
 
+def test_batch_norms_outside_the_regions_make_eagers_call_in_a_changed_graph(tmp_path):
+    """A graph the package changes runs its other batch norms as eager does (aten::batch_norm,
+    cuDNN on a GPU), not as the trace spells them (_native_batch_norm_legit_no_training)."""
+    model, x = resnet(), torch.randn(2, 4, 8, 8)
+    cards = region_cards(model, x, tmp_path, "fused")[:1]
+    pkg = fake_package(cards, {c.id: (1.0, 5.0) for c in cards})
+    with torch.inference_mode():
+        assert torch.equal(optimize(model, pkg, launcher=FakeLauncher(cards))(x), model(x))
+        fast = optimize(model, pkg, launcher=NullLauncher())  # the calls counted are the graph's own
+        fast(x)
+        eager, ours = aten_calls(model, x), aten_calls(fast, x)
+    assert len(fast.replaced) == 2 and eager["aten::batch_norm"] == 4  # one card, two sites
+    assert ours["aten::batch_norm"] == 2 and ours[f"aten::{BN}"] == 0
+
+
 def test_a_graph_with_no_hits_calls_what_eager_calls(tmp_path):
     model, x = resnet(), torch.randn(2, 4, 8, 8)
     fast = optimize(model, fake_package([], {}))
