@@ -204,9 +204,10 @@ class _Recording(FakeEvaluator):
 
 @pytest.fixture(autouse=True)
 def _terminal_sigint():
-    """Ctrl-C as a terminal's Python sees it (KeyboardInterrupt), whatever SIGINT handler an
-    earlier test in this process left behind (in the full suite one did: the runs below then
-    ran to the end or hung)."""
+    """Ctrl-C as a terminal's Python sees it (KeyboardInterrupt), whatever SIGINT disposition
+    the process has. In two full-suite runs the Ctrl-C below was lost (a run went to its end, the
+    next hung), as it is with SIGINT ignored; which earlier test causes it is not known: none
+    changes Python's handler (checked after every test), and ray.init leaves the OS one as it was."""
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
