@@ -32,12 +32,15 @@ PLAN = LaunchPlan.from_json({"kernels": [{"name": "k", "grid": [1, 1, 1], "block
                                           "args": [{"in": 0}, {"out": 0}]}]})
 
 
-def fake_package(*cards, decisions=None, compile_decisions=None, name="fake.cast") -> CastPackage:
+def fake_package(*cards, decisions=None, compile_decisions=None, name="fake.cast",
+                 compile_us=(1.0, 5.0)) -> CastPackage:
     """A package of CPU cards, every one dispatched (eager and compiled) unless `decisions` (both)
-    or `compile_decisions` (compiled graphs') say otherwise."""
+    or `compile_decisions` (compiled graphs') say otherwise; compile_us: each kernel's time and
+    its op's compiled alone, as the packager records them."""
     decisions = decisions or ["dispatched"] * len(cards)
     compile_decisions = compile_decisions or decisions
-    packaged = [PackagedCard(c, d, "test", "custom", {"id": c.id},
+    evidence = {"kernel_us": compile_us[0], "compile_us": compile_us[1]}
+    packaged = [PackagedCard(c, d, "test", "custom", {"id": c.id, **({"compile": dict(evidence)} if cd == "dispatched" else {})},
                              Candidate(f'extern "C" __global__ void k() {{}} // {c.id}', PLAN),
                              compile_decision=cd, compile_reason="test")
                 for c, d, cd in zip(cards, decisions, compile_decisions)]
@@ -250,6 +253,19 @@ def test_compiled_model_runs_the_kernels_inductor_runs_the_rest_and_equals_eager
     torch.testing.assert_close(got, want)
     assert again.shape == want.shape
     assert len(launcher.calls) == 2 and pkg.cards[0].counters.hits == 2  # the kernel ran each forward
+
+
+@pytest.mark.parametrize("margin_us, placed", [(4.0, True), (1e-6, False)])
+def test_in_a_channels_last_graph_a_kernel_next_to_a_convolution_must_pay_for_the_layout_copies(margin_us, placed):
+    """Inductor lays the CPU's convolutions out channels-last (as the GPU's, by its heuristic): the
+    norm's output must be copied back for the 1x1 convolution after it. A kernel whose margin
+    over torch.compile is below that copy's time at the GPU's bandwidth stays Inductor's."""
+    model, x, card = group_norm_model(fused=False)
+    launcher = FakeLauncher(group_norm_kernel(2, 1e-5))
+    pkg = fake_package(card, compile_us=(5.0, 5.0 + margin_us))
+    with torch.no_grad():
+        torch.testing.assert_close(pkg.compile(model, launcher=launcher)(x), model(x))
+    assert bool(launcher.calls) is placed
 
 
 def test_a_card_inside_a_chain_inductor_fuses_is_left_to_inductor_and_decomposed_as_without_kforge():

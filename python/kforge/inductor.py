@@ -5,7 +5,7 @@
     compiled = torch.compile(model, options=pkg.inductor_options())    # the pass alone
 
 The pass (Inductor's post_grad_custom_post_pass, a CustomGraphPass whose uuid() is the
-package's digest, so Inductor's FX-graph and AOT caches key on it) rewrites each graph in three
+package's digest, so Inductor's FX-graph and AOT caches key on it) rewrites each graph in these
 steps, all keyed on the cards whose compile decision is "dispatched" (their kernel beat the card
 compiled alone by torch.compile; kforge.package):
 
@@ -22,6 +22,11 @@ compiled alone by torch.compile; kforge.package):
             the card's kernel plus the eager time of the region's other nodes, an upper bound on
             Inductor's code for them, under the region card's torch.compile time, beyond its
             noise). kforge.optimize (no Inductor, nothing fuses) takes every hit.
+  layout    a kforge op takes its inputs in the stride order traced. Where Inductor will lay the
+            graph's convolutions out channels-last (its layout optimization, asked of Inductor
+            per graph), a region or op next to a convolution is replaced only where its margin
+            over torch.compile covers the copies into and out of that layout (their bytes at
+            the GPU's copy bandwidth; kforge.inductor_rewrites.pays_for_relayout).
   leftovers Inductor decomposes many ops before any post-grad pass runs (group_norm, softmax,
             layer_norm, ...). kforge.compile hands Inductor its own decomposition table, in
             which a call that hits a card, and every op of a region card, stays whole for the

@@ -54,6 +54,7 @@ class Evidence:
     whole: set = field(default_factory=set)
     eager_us: dict[str, float] = field(default_factory=dict)  # op card id -> its eager time
     kernel_us: dict[str, float] = field(default_factory=dict)  # op card id -> its kernel's, against torch.compile
+    compile_us: dict[str, float] = field(default_factory=dict)  # op card id -> its op compiled alone
 
     @staticmethod
     def of(package: Any) -> "Evidence":
@@ -72,12 +73,14 @@ class Evidence:
                 ev.eager_us[c.id] = timing["eager_us"]
             if compiled.get("kernel_us") is not None:
                 ev.kernel_us[c.id] = compiled["kernel_us"]
+            if compiled.get("compile_us") is not None:
+                ev.compile_us[c.id] = compiled["compile_us"]
         return ev
 
     @property
     def key(self) -> str:
         return hashlib.sha256(repr((sorted(self.regions.items(), key=repr), sorted(self.eager_us.items()),
-                                    sorted(self.kernel_us.items()))).encode()).hexdigest()[:16]
+                                    sorted(self.kernel_us.items()), sorted(self.compile_us.items()))).encode()).hexdigest()[:16]
 
     def wins_inside(self, card: str, node: torch.fx.Node, site: regions_mod.Site) -> bool:
         """Whether card's kernel at `node`, with the rest of `site` split off and run alone, is
@@ -145,6 +148,7 @@ class OpRewrite:
 
     def __call__(self, graph: torch.fx.Graph) -> int:
         site_of = _fused_sites(graph) if self.fusion_aware else {}
+        relayout = self.fusion_aware and layout_optimized(graph)  # Inductor's layout: compiled graphs only
         replaced = 0
         for node in list(graph.nodes):
             if node.op != "call_function" or node.target not in self._tables:
@@ -160,6 +164,14 @@ class OpRewrite:
                 log.info("%s stays Inductor's at %s: it fuses with its neighbours there", kernel.name(), node.name)
                 continue
             inputs = [x for x in _tensor_args(node.target, node.args, node.kwargs) if x is not None]
+            if relayout:
+                outs = node.meta.get("val")
+                moved = relayout_bytes([(x, 0) for x in inputs if isinstance(x, torch.fx.Node)],
+                                       [(node, k) for k in range(len(outs) if isinstance(outs, (tuple, list)) else 1)])
+                if not pays_for_relayout(kernel.name(), node.name, moved, self.evidence.kernel_us.get(v.card.id),
+                                         self.evidence.compile_us.get(v.card.id)):
+                    self.declined.append(kernel.name())
+                    continue
             with graph.inserting_before(node):
                 new = _call(graph, kernel, inputs)
             new.meta.update({key: val for key, val in node.meta.items() if key != "val"})
@@ -186,6 +198,71 @@ def _call(graph: torch.fx.Graph, kernel: torch._ops.OpOverload, inputs: Sequence
     return new
 
 
+# ---- layout copies around a kernel ----------------------------------------------------------
+# A kforge op takes its inputs in the stride order traced (needs_fixed_stride_order: the
+# strides its guard matched). Where Inductor lays a graph's convolutions out channels-last
+# (its layout optimization), a kernel between two convolutions costs a copy of its input into
+# the traced layout and one of its output back, which Inductor's own fused kernel for the
+# same nodes does not pay. On the H200, kforge.compile placing such kernels made MobileNetV1
+# 1.47x slower than torch.compile. A site pays for those copies out of the kernel's margin
+# over torch.compile, or stays Inductor's.
+
+_CONV = (torch.ops.aten.convolution.default,)
+
+
+def layout_optimized(graph: torch.fx.Graph) -> bool:
+    """Whether Inductor will lay this graph's convolutions out channels-last (its own heuristic,
+    a private API: False, with a log line, where it cannot be asked)."""
+    gm = graph.owning_module
+    if gm is None or not any(n.op == "call_function" and n.target in _CONV for n in graph.nodes):
+        return False
+    try:
+        from torch._inductor.graph import GraphLowering
+
+        return bool(GraphLowering.decide_layout_opt(gm, is_inference=True))
+    except Exception as e:  # noqa: BLE001 (another torch: assume the layout stays as traced)
+        log.info("cannot ask Inductor whether it lays this graph out channels-last: %s: %s", type(e).__name__, e)
+        return False
+
+
+def _value_of(node: torch.fx.Node, k: int) -> Any:
+    val = node.meta.get("val")
+    return val[k] if isinstance(val, (tuple, list)) else val
+
+
+def _users_of(node: torch.fx.Node, k: int) -> list[torch.fx.Node]:
+    if isinstance(node.meta.get("val"), (tuple, list)):
+        return [u for g in node.users if regions_mod._is_getitem(g) and regions_mod._value(g) == (node, k)
+                for u in g.users]
+    return list(node.users)
+
+
+def relayout_bytes(inputs: Sequence[tuple[torch.fx.Node, int]], outputs: Sequence[tuple[torch.fx.Node, int]]) -> int:
+    """Bytes Inductor's layout copies move around a kernel in a channels-last graph: each input
+    of 4 or more dims that a convolution produced, and each output a convolution reads, read
+    once and written once."""
+    def nbytes(v: Any) -> int:
+        return v.numel() * v.element_size() if isinstance(v, torch.Tensor) and v.dim() >= 4 else 0
+    moved = sum(nbytes(_value_of(n, k)) for n, k in inputs if n.op == "call_function" and n.target in _CONV)
+    moved += sum(nbytes(_value_of(n, k)) for n, k in outputs if any(u.target in _CONV for u in _users_of(n, k)))
+    return 2 * moved
+
+
+def pays_for_relayout(what: str, at: str, moved: int, kernel_us: float | None, compile_us: float | None) -> bool:
+    """Whether a kernel's margin over torch.compile covers the layout copies placing it costs."""
+    if not moved:
+        return True
+    from .hardware import current
+
+    copies_us = current().floor_us(moved)
+    if kernel_us is not None and compile_us is not None and compile_us - kernel_us > copies_us:
+        return True
+    log.info("%s stays Inductor's at %s: Inductor lays this graph out channels-last, and the layout copies to and "
+             "from the kernel (%.1f µs at least) cost more than it saves over torch.compile (%s)", what, at, copies_us,
+             "no numbers" if kernel_us is None or compile_us is None else f"{compile_us - kernel_us:.1f} µs")
+    return False
+
+
 class RegionRewrite:
     """Regions of the graph that match a region card (kforge.optimize's matching: structure and
     input metadata), each replaced by one call of the card's custom op. `kernels`: the region
@@ -209,6 +286,11 @@ class RegionRewrite:
         from .optimize import match_regions
 
         chosen = match_regions(graph, self._by_match)
+        if chosen and layout_optimized(graph):
+            chosen = [(site, ks) for site, ks in chosen
+                      if pays_for_relayout(self._op[id(_aligned(site, ks))].name(), site.nodes[0].name,
+                                           relayout_bytes(site.inputs, site.outputs),
+                                           _aligned(site, ks).kernel_us, _aligned(site, ks).baseline_us)]
         for site, ks in chosen:
             _replace_site(graph, site, self._op[id(_aligned(site, ks))])
         if chosen:
