@@ -436,6 +436,53 @@ def test_ctrl_c_in_the_terminal_does_not_kill_a_worker(tmp_path, card):
         assert p.handles[0].pid == pid and p.handles[0].starts == 1
 
 
+_PARENT = """
+import os, sys, threading, time
+sys.path.insert(0, {tests!r})
+from evalkit import fake, relu_card
+from kforge.evaluate import make_evaluator
+card = relu_card()
+p = make_evaluator({run!r}, backend="fake", timeout_s=600.0, min_reps=5, min_ms=0.0, warmup_ms=0.0, fresh_sets=3,
+                   compile_baseline=False)
+p.evaluate(card, fake("relu_good"))
+threading.Thread(target=p.evaluate, args=(card, fake("relu_hang")), daemon=True).start()
+time.sleep(1.0)  # the worker is inside the hung kernel
+print(p.handles[0].pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"  # a zombie has ended
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_a_worker_inside_a_hung_kernel_ends_when_its_parent_is_killed(tmp_path):
+    """A SIGKILLed `kforge run` (or Ray actor) cannot stop its worker, and a worker stuck in a
+    kernel does not read the pipe that would tell it: it must notice the parent is gone."""
+    import subprocess
+    import sys
+
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT.format(tests=str(Path(__file__).parent), run=str(tmp_path))],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(parent.stdout.readline())
+        assert _alive(worker)
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(worker), "the worker outlived its killed parent"
+    finally:
+        parent.kill()
+        parent.wait(10)
+        parent.stdout.close()
+
+
 @pytest.mark.parametrize("text, name", [
     ("CUDA error in kforge's kernel for aten::relu.default: CUDA_ERROR_MISALIGNED_ADDRESS: misaligned address",
      "CUDA_ERROR_MISALIGNED_ADDRESS"),  # the C++ dispatch path names the driver's error

@@ -11,6 +11,8 @@ import dataclasses
 import os
 import resource
 import signal
+import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -47,8 +49,22 @@ def _rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+ORPHAN_EXIT = 3  # the exit code of a worker whose parent is gone
+
+
+def _exit_with_parent(parent: int, every_s: float = 1.0) -> None:
+    """End this process once the one that started it is gone. A parent that exits or is
+    killed closes the pipe, which ends the request loop, but not while a hung kernel holds the
+    main thread: a SIGKILLed `kforge run` or a dead Ray actor would leave a process holding the
+    GPU. os._exit works from this thread whatever the main one is doing."""
+    while os.getppid() == parent:
+        time.sleep(every_s)
+    os._exit(ORPHAN_EXIT)
+
+
 def main(conn, backend_name: str, device: int, opts_json: dict) -> None:
     """Entry point of the worker process: serve requests until shutdown or EOF."""
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="kforge-orphan-watch", daemon=True).start()
     # Ctrl-C in the terminal reaches the whole process group. The parent decides when the
     # search stops; a worker killed mid-candidate would log a false "worker died" verdict.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
