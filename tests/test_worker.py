@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch
 from evalkit import fake, make_card, relu_card, softmax_card
 from kforge.card_files import save_card, save_sample
 from kforge.errors import CardError
-from kforge.evaluate import CompileOnlyEvaluator, KeptEvaluators, WorkerHandle, make_evaluator
+from kforge.evaluate import CompileOnlyEvaluator, KeptEvaluators, WorkerHandle, WorkerPool, make_evaluator
 from kforge.verdict import EvalResult, Verdict
 from kforge.timing import as_called_calls
 from kforge.backends import FakeBackend, NotDispatched
@@ -196,21 +195,66 @@ def test_kept_evaluators_keep_one_worker_across_runs_each_reading_its_own_sample
 
     with KeptEvaluators(make) as workers:
         pids, sets = [], []
+        verdicts = []
         for run in ("a", "b"):
             d = tmp_path / run
-            x = card.random_inputs(7 if run == "a" else 8, "cpu")
+            x = card.random_inputs(7, "cpu")
             save_card(card, d)
             save_sample(card, d, 0, x, card.call_eager(x))
             ev = workers(d, 0)
             r = ev.evaluate(card, fake("relu_good"))
-            assert r.verdict in (Verdict.VALID, Verdict.SLOWER), r.message
+            verdicts.append(r.verdict)
             sets.append(r.evidence["input_sets"][0])
             pids.append(workers._kept[0].handles[0].ping()["pid"])
             ev.close()  # what kforge.run does when it ends: the worker stays
-            shutil.rmtree(d)  # run b cannot be served from run a's directory
         assert made == [(tmp_path / "a", 0)] and pids[0] == pids[1] and sets == ["sample0", "sample0"]
+        assert all(v in (Verdict.VALID, Verdict.SLOWER) for v in verdicts)
         kept = workers._kept[0]
     assert kept.handles[0]._proc is None  # the with block stopped it
+
+
+def test_a_kept_pool_is_asked_with_each_runs_own_directory(tmp_path, card):
+    class Recording(WorkerPool):
+        def __init__(self):
+            self.seen, self.closed = [], False
+
+        def evaluate(self, card, candidate, run_dir=None):
+            self.seen.append(run_dir)
+            return EvalResult(Verdict.VALID)
+
+        def close(self):
+            self.closed = True
+
+    pool = Recording()
+    with KeptEvaluators(lambda run_dir, device: pool) as workers:
+        for run in ("a", "b"):
+            ev = workers(tmp_path / run, 0)
+            ev.evaluate(card, fake("relu_good"))
+            ev.close()
+        assert pool.seen == [tmp_path / "a", tmp_path / "b"] and not pool.closed
+    assert pool.closed
+
+
+def test_ctrl_c_while_the_worker_judges_leaves_nothing_for_the_next_request(tmp_path, card):
+    """A Ctrl-C in the parent mid-candidate (a notebook's interrupt) kills the worker: it would
+    go on judging and answer the next request, perhaps another run's, with this one's replies."""
+    import threading
+
+    with make_evaluator(tmp_path, backend="fake", timeout_s=30.0, **FAST) as p:
+        p.evaluate(card, fake("relu_good"))
+        first = p.handles[0].pid
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's Ctrl-C
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                p.evaluate(card, fake("relu_hang"))
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        assert time.monotonic() - t0 < 10  # the Ctrl-C ended the wait, not the 30 s timeout
+        r = p.evaluate(card, fake("relu_zeros"))
+        assert r.verdict is Verdict.INCORRECT and r.evidence["check"] == "constant", r.message
+        assert p.handles[0].pid != first
 
 
 def test_card_that_eager_cannot_run_raises_card_error(tmp_path):

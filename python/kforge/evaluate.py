@@ -136,6 +136,18 @@ class WorkerHandle:
     def evaluate(self, card: Card, candidate: Candidate, run_dir: str | Path) -> EvalResult:
         req = Request("evaluate", next(self._ids), card.to_json(), str(run_dir), candidate.to_json())
         self._request(req)
+        try:
+            return self._await(req)
+        except CardError:
+            raise  # the worker said so and is ready for the next request
+        except BaseException:
+            # Ctrl-C (or anything else) while the worker judges: it goes on and would answer the
+            # next request with this one's late replies; a kept worker (KeptEvaluators) would
+            # hand them to the next run. It is killed and starts afresh when next asked.
+            self._kill()
+            raise
+
+    def _await(self, req: Request) -> EvalResult:
         phase, budget = "preparing and compiling", self.opts.compile_timeout_s
         while True:
             try:
@@ -145,6 +157,8 @@ class WorkerHandle:
             if reply is None:
                 self._kill()
                 return self._timed_out(phase, budget)
+            if reply.id != req.id:
+                continue  # an earlier request's, which is over
             if reply.kind == "progress":
                 phase, budget = reply.phase, reply.budget_s
             elif reply.kind == "error":
@@ -233,7 +247,10 @@ class KeptEvaluators:
                 kforge.run(model, inputs, evaluator_factory=workers, ...)
 
     make(run_dir, device) builds an evaluator the first time a device is asked for (default:
-    kforge.run's own, one worker process per GPU, compile-only without one)."""
+    kforge.run's own, one worker process per GPU, compile-only without one); what it returns
+    is a WorkerPool (each run's requests name the run's directory) or an evaluator that reads
+    nothing from a run directory. It serves this machine's GPUs: a Ray cluster's actors own
+    their workers (kforge.run(cluster=...) refuses it)."""
 
     def __init__(self, make: Callable[[Path, int | None], Evaluator] | None = None):
         if make is None:
@@ -253,6 +270,10 @@ class KeptEvaluators:
             kept, self._kept = list(self._kept.values()), {}
         for ev in kept:
             ev.close()
+
+    def __getstate__(self):
+        raise TypeError("KeptEvaluators keeps this machine's worker processes and cannot be sent to a cluster: "
+                        "pass it to kforge.run without cluster=")
 
     def __enter__(self) -> "KeptEvaluators":
         return self

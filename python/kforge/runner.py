@@ -264,7 +264,11 @@ def search_run(run_dir: str | Path, *, out: str | Path | None = None, proposer: 
         pool: EvaluatorPool = LocalPool(run_dir, gpu_devices(devices), factory)
     else:
         from .cluster import open_pool
+        from .evaluate import KeptEvaluators
 
+        if isinstance(factory, KeptEvaluators):
+            raise ValueError("KeptEvaluators keeps this machine's worker processes; a cluster's actors own theirs: "
+                             "pass it to kforge.run without cluster=")
         pool = open_pool(cluster, run_dir, all_cards, factory, devices)
     validated, hardware = pool.validated, pool.hardware
     if not validated:
