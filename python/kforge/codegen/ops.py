@@ -123,7 +123,7 @@ def _round(c: Call):
     # all in the tensor's own dtype: for float16/bfloat16, ten_pow and the scaled value are rounded
     # to it (3.496 rounds to 3.5 in bf16, and rint(3.5) = 4 where fp32 would give 3)
     dt = getattr(torch, common)
-    ten = float(torch.tensor(10.0 ** abs(d), dtype=torch.float64).to(dt).double())
+    ten = float(torch.tensor(10.0, dtype=torch.float64).pow(abs(d)).to(dt).double())  # inf past the dtype's range
     scaled = x / ten if d < 0 else x * ten
     if common in ("float16", "bfloat16"):
         scaled = scaled.cast(common)
@@ -345,10 +345,12 @@ def _bessel_i(name: str, x: Expr) -> Expr:
     """i0 and i1 as eager computes them: above |x| = 8 its series is multiplied by exp(|x|), so
     the result is ±inf once exp overflows (|x| >= 88.7228 in float32), where CUDA's
     cyl_bessel_i0f/i1f are still finite up to |x| ~ 91."""
-    big = 709.782712893384 if x.dtype == "float64" else 88.72283935546875
+    a = prim("abs", x)
+    big = a > 709.782712893384 if x.dtype == "float64" else a >= 88.72283935546875  # exp(|x|) is inf
     inf = _k(x, math.inf)
     over = where(x < 0, -inf, inf) if name == "i1" else inf  # i1 is odd, i0 even
-    return where(prim("abs", x) >= big, over, prim(name, x))
+    # at ±inf eager's product is inf / inf: NaN
+    return where(prim("isinf", x), _k(x, math.nan), where(big, over, prim(name, x)))
 
 
 def _frac(x: Expr) -> Expr:
