@@ -73,7 +73,7 @@ log = logging.getLogger("kforge.inductor")
 
 # Bumped when what the pass does to a graph changes: part of uuid(), so Inductor's caches never
 # serve a graph an older pass rewrote.
-PASS_VERSION = 2  # 2: fusion-aware op substitution, region cards, leftovers decomposed
+PASS_VERSION = 3  # 2: fusion-aware op substitution, region cards, leftovers decomposed; 3: layout copies
 
 
 class CompileFallbackWarning(UserWarning):
