@@ -53,7 +53,7 @@ lane() {  # lane LOG ITEM...: run the items in order
                step "$log" gpu-tests "${T_TESTS:-100}" python3 -m pytest -q -p no:cacheprovider -p no:benchmark --timeout 120 \
                  --tb=short -n "${TEST_WORKERS:-8}" ${GPU_TESTS:-tests/gpu --ignore=tests/gpu/test_core_gpu.py} ${TESTS_K:+-k "$TESTS_K"}
                [ -n "$GPU_TESTS" ] || step "$log" gpu-tests-timing 60 python3 -m pytest -q -p no:cacheprovider --timeout 120 \
-                 tests/gpu/test_core_gpu.py
+                 tests/gpu/test_core_gpu.py ${TESTS_K:+-k "$TESTS_K"}
              else
                step "$log" gpu-tests "${T_TESTS:-100}" python3 -m pytest -q -p no:cacheprovider --timeout 120 --tb=short \
                  ${GPU_TESTS:-tests/gpu} ${TESTS_K:+-k "$TESTS_K"}

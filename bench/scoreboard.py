@@ -47,13 +47,17 @@ def _load(paths) -> list[tuple[Path, dict]]:
 
 def kernelbench_level(results: Path, level: int) -> tuple[list[tuple[Path, dict]], dict] | None:
     """The level's files and the summary over its list: the longest problem list of the level's
-    files (the newest of equals), each problem's row from the newest file within that list that
-    measured it (shards of a run, or a later run of some of its problems, fill in the rest)."""
+    files (the newest of equals), each problem's row from the newest file within that list, with
+    that file's device, proposer, regions and size limit, that measured it (shards of a run, or a
+    later run of some of its problems, fill in the rest)."""
     found = sorted(_load(results.glob(f"kernelbench_l{level}*.json")), key=lambda f: f[1].get("date", ""))
     if not found:
         return None
-    listed = max(reversed(found), key=lambda f: len(f[1].get("problem_list") or []))[1].get("problem_list") or []
-    within = [f for f in found if set(f[1].get("problem_list") or []) <= set(listed)] or found[-1:]
+    ref = max(reversed(found), key=lambda f: len(f[1].get("problem_list") or []))[1]
+    listed = ref.get("problem_list") or []
+    same = ("device", "proposer", "regions", "max_bytes")  # what makes two files' rows comparable
+    within = [f for f in found if f[1].get("problem_list") and set(f[1]["problem_list"]) <= set(listed)
+              and all(f[1].get(k) == ref.get(k) for k in same)] or found[-1:]
     rows: dict[str, dict] = {}
     source: dict[str, tuple[Path, dict]] = {}
     for f in within:  # oldest first: a newer measurement of a problem replaces an older one

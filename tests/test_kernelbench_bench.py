@@ -133,6 +133,11 @@ def test_a_problem_without_a_kernel_scores_as_eager_and_noise_is_no_speedup():
     plain = kb.score({"dispatched": 1, "compiled": 1, "eager_us": 100.0, "kforge_us": 90.0, "kforge_correct": True,
                       "compile_us": 60.0, "compile_correct": True, "model_check": {"use": "torch.compile"}})
     assert plain["best_kforge_us"] == 60.0 and plain["speedup_vs_compile"] == 1.0
+    # its only kernel was for compiled graphs and the check sent those to torch.compile: nothing
+    # of kforge runs, so pkg.apply()'s 3 % is noise
+    unused = kb.score({"dispatched": 0, "compiled": 1, "eager_us": 100.0, "kforge_us": 97.0, "kforge_correct": True,
+                       "compile_us": 120.0, "compile_correct": True, "model_check": {"use": "torch.compile"}})
+    assert unused["best_kforge_us"] == 100.0 and unused["speedup_vs_eager"] == 1.0
 
 
 def test_card_decisions_give_each_searched_cards_reasons_largest_share_first():
@@ -235,6 +240,12 @@ def test_the_scoreboard_joins_a_levels_shards_and_later_runs_and_keeps_the_newes
     assert sorted(p.name for p, _ in files) == ["kernelbench_l1_s0of2_h200.json", "kernelbench_l1_s1_h200.json"]
     assert s["problems"] == 3 and s["vs_eager"]["fast_2"] == pytest.approx(2 / 3)
     (tmp_path / "kernelbench_l1_s1_h200.json").unlink()
+    # ... but not a run on another GPU, or with another proposer
+    _result(tmp_path / "kernelbench_l1_a100.json", date="2026-12-04T00:00", problem_list=["2_b"], device="NVIDIA A100",
+            problems=[{"problem": "2_b", **fast, "speedup_vs_eager": 3.0}])
+    files, _ = scoreboard.kernelbench_level(tmp_path, 1)
+    assert "kernelbench_l1_a100.json" not in [p.name for p, _ in files]
+    (tmp_path / "kernelbench_l1_a100.json").unlink()
     us = {"eager": {"median_us": 100.0}, "kforge": {"median_us": 80.0}}
     _result(tmp_path / "ab_resnet50_bf16_s8_h200.json", date="2026-12-01", model_us={**us, "torch.compile": {"median_us": 50.0}})
     _result(tmp_path / "model_resnet50_bf16_s9_h200.json", date="2026-12-02", model_us=us)  # newer, no torch.compile
