@@ -51,6 +51,18 @@ class ViewOfIntermediate(nn.Module):
         return torch.sigmoid(a).view(4, 8, 6) * b
 
 
+class RepeatKV(nn.Module):
+    """A rotary-style product on the queries and keys, then repeat_kv of the keys (GQA): the
+    unsqueeze and expand of a computed value, materialized by the clone; two outputs whose
+    shapes differ in a leading size-1 dim."""
+
+    def forward(self, emb, q, k):  # in the order the region first reads them (its inputs' order)
+        cos, sin = emb.cos(), emb.sin()  # shared by both chains: one region, as in a Gemma layer
+        q_out = q * cos + q * sin
+        k_out = k * cos + k * sin
+        return q_out, k_out[:, :, None].expand(1, 1, 4, 16, 8).contiguous()
+
+
 class SliceOfInput(nn.Module):
     def forward(self, a, b):
         return torch.sigmoid(a[:, 1:]) * b
@@ -79,6 +91,9 @@ CASES = {
     "rstd_of_float64": (Rstd, lambda: (torch.randn(16, 300, dtype=torch.float64),),
                         ["_to_copy", "pow", "mean", "add", "rsqrt"]),
     "views_of_inputs": (ViewsOfInputs, lambda: (torch.randn(32, 6), torch.randn(4, 8)), ["sigmoid", "mul"]),
+    "repeat_kv_of_a_computed_value": (RepeatKV, lambda: (torch.randn(16, 8), torch.randn(1, 4, 16, 8),
+                                                         torch.randn(1, 1, 16, 8)),
+                                      ["cos", "sin", "mul", "mul", "add", "mul", "mul", "add", "clone"]),  # views unnamed
 }
 
 

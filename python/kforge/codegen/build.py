@@ -134,6 +134,14 @@ def _split(strides: tuple[int, ...], frame: tuple[int, ...], split) -> tuple[int
     return strides[:d] + (strides[d] * (frame[d] // g), strides[d]) + strides[d + 1:]
 
 
+def _lead_stripped(shape) -> tuple[int, ...]:
+    """The shape without its leading size-1 dims (what right-aligned broadcasting sees)."""
+    shape = tuple(shape)
+    while shape and shape[0] == 1:
+        shape = shape[1:]
+    return shape
+
+
 def _reshaped(shape, strides, to: tuple[int, ...]) -> tuple[int, ...] | None:
     """The strides of a (shape, strides) tensor viewed with shape `to` (same elements in
     row-major order), 0 on size-1 dims; None if that is not a view."""
@@ -201,6 +209,16 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
     def reshape(j: int, node: Node) -> str | None:
         """A view of a computed value that keeps its elements' order: later nodes see its shape."""
         src = node.args.get("self")
+        if src is not None and red is None and scan is None and not frames and src.kind == "node":
+            # Before any reduction every value is a function of the domain's trailing dims (its
+            # loads broadcast right-aligned), so a view that only adds or drops leading size-1
+            # dims, or an expand (a broadcast), leaves it that same function: repeat_kv's
+            # unsqueeze + expand of the rotated keys, for one.
+            m, out = values[(src.index, src.output)][1], node.metas[0]
+            if _lead_stripped(m.shape) == _lead_stripped(out.shape) or (
+                    table_key(node.op)[0] == "expand" and broadcast_strides(m.shape, m.stride, tuple(out.shape)) is not None):
+                values[(j, 0)] = (val(src).expr, out)
+                return None
         if red is None or not red.keepdim or src is None:
             return (f"{packet_name(node.op)} of a computed value: reshapes are generated after a normalization "
                     "(or a keepdim reduction) only")
@@ -304,8 +322,9 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
     live = [m for m in out_metas if m.numel]
     split = red.split if red is not None else None
     if red is None:
-        frame = tuple(live[0].shape)
-        if any(tuple(m.shape) != frame for m in live):
+        # outputs that differ only in leading size-1 dims share one domain: the one with the most dims
+        frame = tuple(max(live, key=lambda m: len(m.shape)).shape)
+        if any(_lead_stripped(m.shape) != _lead_stripped(frame) for m in live):
             return "pointwise outputs of different shapes (an inference batch norm's statistics, too)"
         if scan is not None and not frame:
             return "a scan of a 0-dim tensor is a copy"
@@ -339,7 +358,8 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
                 return f"output of shape {m.shape} is not a view of the region's {frame}"
             out_strides.append(st)
         elif red is None or tuple(m.shape) == frame:
-            out_strides.append(_split(tuple(m.stride), frame, split))
+            lead = len(frame) - len(m.shape)  # an output with fewer (leading size-1) dims than the domain
+            out_strides.append(_split((0,) * lead + tuple(m.stride), frame, split))
         else:
             st = _view_strides(m, keep_dom)
             if st is None:
