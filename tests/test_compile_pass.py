@@ -524,6 +524,7 @@ def test_the_gemma_attention_chain_keeps_inductors_one_kernel():
     """What the H200 measured: add(scores, mask) bf16, the cast to fp32 and softmax fp32 each
     beat their op compiled alone, and replacing them split Inductor's one kernel for
     add -> cast -> softmax -> cast into three extern calls and two of its own (0.84x torch.compile)."""
+    torch.manual_seed(0)
     s, m = torch.randn(2, 4, 8, 8, dtype=torch.bfloat16), torch.randn(2, 1, 8, 8, dtype=torch.bfloat16)
     v = torch.randn(2, 4, 8, 8, dtype=torch.bfloat16)
     scores = s + m
@@ -542,7 +543,9 @@ def test_the_gemma_attention_chain_keeps_inductors_one_kernel():
     assert sum(r(gm.graph) for r in rewrites) == 0 and len(rewrites[0].declined) == 3
     inductor.Decompose(kept, select_decomp_table())(gm.graph)
     gm.recompile()
-    torch.testing.assert_close(gm(s, m, v), attention(s, m, v))
+    # Inductor's decomposed softmax may round a probability to bf16 one ulp off eager's, and the
+    # matmul carries that into its sums (a CI run saw 1e-3 on a value near 0.02)
+    torch.testing.assert_close(gm(s, m, v), attention(s, m, v), atol=4e-3, rtol=1.6e-2)
     assert launcher.calls == []
 
 
