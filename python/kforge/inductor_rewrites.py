@@ -285,12 +285,12 @@ class RegionRewrite:
 
         from .optimize import match_regions
 
-        chosen = match_regions(graph, self._by_match)
-        if chosen and layout_optimized(graph):
-            chosen = [(site, ks) for site, ks in chosen
-                      if pays_for_relayout(self._op[id(_aligned(site, ks))].name(), site.nodes[0].name,
-                                           relayout_bytes(site.inputs, site.outputs),
-                                           _aligned(site, ks).kernel_us, _aligned(site, ks).baseline_us)]
+        def pays(site: regions_mod.Site, ks: list) -> bool:  # before choosing: an overlapping region may pay
+            k = _aligned(site, ks)
+            return pays_for_relayout(self._op[id(k)].name(), site.nodes[0].name,
+                                     relayout_bytes(site.inputs, site.outputs), k.kernel_us, k.baseline_us)
+
+        chosen = match_regions(graph, self._by_match, pays if layout_optimized(graph) else None)
         for site, ks in chosen:
             _replace_site(graph, site, self._op[id(_aligned(site, ks))])
         if chosen:

@@ -232,17 +232,20 @@ def by_match(kernels: Sequence[RegionKernel]) -> dict[tuple, list[RegionKernel]]
     return dict(out)
 
 
-def match_regions(graph: fx.Graph | fx.GraphModule,
-                  kernels: dict[tuple, list[RegionKernel]]) -> list[tuple[regions_mod.Site, list[RegionKernel]]]:
-    """The graph's regions (as capture finds them) that match `kernels` (by_match), and of those
-    that overlap, the set that saves the most by the kernels' evidence; in graph order. Shared by
-    kforge.optimize and kforge.compile's pass: one matcher."""
+def match_regions(graph: fx.Graph | fx.GraphModule, kernels: dict[tuple, list[RegionKernel]],
+                  keep: Callable[[regions_mod.Site, list[RegionKernel]], bool] | None = None,
+                  ) -> list[tuple[regions_mod.Site, list[RegionKernel]]]:
+    """The graph's regions (as capture finds them) that match `kernels` (by_match) and that
+    `keep` accepts, and of those that overlap, the set that saves the most by the kernels'
+    evidence; in graph order. Shared by kforge.optimize and kforge.compile's pass: one matcher."""
     from .package import RegionOption, choose_regions
 
     options, matched = [], {}
     for site in regions_mod.find(graph):
         ks = kernels.get(site.match_key())
         if not ks or len({_device(src, k) for src, k in site.inputs}) != 1:  # a kernel runs on one device
+            continue
+        if keep is not None and not keep(site, ks):
             continue
         best = min(ks, key=lambda k: k.kernel_us if k.kernel_us is not None else float("inf"))
         opt = RegionOption(best.card.id, frozenset(n.name for n in site.nodes), best.kernel_us, best.baseline_us)
