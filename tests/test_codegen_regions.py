@@ -63,6 +63,13 @@ class RepeatKV(nn.Module):
         return q_out, k_out[:, :, None].expand(1, 1, 4, 16, 8).contiguous()
 
 
+class RepeatKVHeads(nn.Module):
+    """repeat_kv with two KV heads and a batch of 2: the size-1 dim goes in between."""
+
+    def forward(self, a):
+        return torch.sigmoid(a)[:, :, None].expand(2, 2, 4, 8).contiguous()
+
+
 class SliceOfInput(nn.Module):
     def forward(self, a, b):
         return torch.sigmoid(a[:, 1:]) * b
@@ -162,7 +169,9 @@ def test_the_builtin_proposer_proposes_for_a_region_card(tmp_path):
 
 DECLINED = {
     "view_of_intermediate": (ViewOfIntermediate, lambda: (torch.randn(4, 48), torch.randn(4, 8, 6)),
-                             "reshapes are generated after a normalization (or a keepdim reduction) only"),
+                             "only views that add or drop leading size-1 dims, and expands"),
+    "unsqueeze_between_dims_of_a_computed_value": (RepeatKVHeads, lambda: (torch.randn(2, 2, 8),),
+                                                   "only views that add or drop leading size-1 dims, and expands"),
     "slice_at_an_offset": (SliceOfInput, lambda: (torch.randn(8, 33), torch.randn(8, 32)), "storage offset 1"),
     "vendor_epilogue": (LinearGelu, lambda: (torch.randn(4, 48),),
                         "no builtin template or generated kernel for aten::addmm"),

@@ -1,6 +1,7 @@
 """Region cards captured on the GPU get generated kernels that the evaluator accepts (fresh
 input sets, poisoned outputs, tolerance from eager's own error, against the subgraph's replay):
-a pointwise chain, views of inputs read in place, and a reduction with a prologue."""
+a pointwise chain, views of inputs read in place, a rotary chain with repeat_kv's broadcast of a
+computed value, and a reduction with a prologue."""
 
 from __future__ import annotations
 
@@ -35,7 +36,27 @@ class Rstd(nn.Module):
         return torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
+class RotaryRepeatKV(nn.Module):
+    """The Gemma layer's rotary chain in bf16 (batch 1, one KV head, as the example layer has):
+    cos/sin of the positions' angles, the rotation of the (transposed) queries and keys, and
+    repeat_kv's unsqueeze + expand + clone of the keys."""
+
+    def forward(self, emb, q, k, q_rot, k_rot):
+        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+        q_out = q * cos + q_rot * sin
+        k_out = k * cos + k_rot * sin
+        return q_out, k_out[:, :, None].expand(1, 1, 8, 128, 64).contiguous()
+
+
+def _rotary_inputs():
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(1, 128, 8, 64, **bf16).transpose(1, 2)  # (B, H, S, D) viewed from (B, S, H, D)
+    k = torch.randn(1, 128, 1, 64, **bf16).transpose(1, 2)
+    return (torch.randn(128, 64, device="cuda"), q, k, torch.randn_like(q), torch.randn_like(k))
+
+
 CASES = {
+    "rotary_repeat_kv_bf16": (RotaryRepeatKV, _rotary_inputs),
     "silu_mul": (SiluMul, lambda: (torch.randn(64, 4096, device="cuda"), torch.randn(64, 4096, device="cuda"))),
     "views_of_inputs": (ViewsOfInputs, lambda: (torch.randn(2048, 128, device="cuda"),
                                                 torch.randn(64, 32, device="cuda"))),

@@ -219,6 +219,8 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
                     table_key(node.op)[0] == "expand" and broadcast_strides(m.shape, m.stride, tuple(out.shape)) is not None):
                 values[(j, 0)] = (val(src).expr, out)
                 return None
+            return (f"{packet_name(node.op)} of a computed value from {tuple(m.shape)} to {tuple(out.shape)}: before a "
+                    "reduction, only views that add or drop leading size-1 dims, and expands, are generated")
         if red is None or not red.keepdim or src is None:
             return (f"{packet_name(node.op)} of a computed value: reshapes are generated after a normalization "
                     "(or a keepdim reduction) only")
