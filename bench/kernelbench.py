@@ -356,15 +356,12 @@ def _check_model(model, inputs: list, pkg, row: dict):
     not as search: the whole problem with the package's kernels under kforge.compile against
     torch.compile; the verdict goes into the package, which kforge.compile then follows."""
     import kforge
-    from kforge.modelcheck import check_model
-    from kforge.package import record_model_check
+    from kforge.package import check_package
 
     t0 = time.perf_counter()
     try:
-        record = check_model(model, tuple(inputs), pkg, with_compile=True).compile_record()
-        if record is not None:
-            record_model_check(pkg.path, record)
-            pkg = kforge.load(pkg.path)
+        if check_package(model, tuple(inputs), pkg).compile_record() is not None:
+            pkg = kforge.load(pkg.path)  # with the verdict it now records
     except Exception as e:  # noqa: BLE001 (the problem is still timed, with kforge.compile unchecked)
         row["notes"].append(f"model check failed: {type(e).__name__}: {str(e)[:200]}")
     row["model_check_s"] = round(time.perf_counter() - t0, 2)

@@ -271,10 +271,6 @@ class KeptEvaluators:
         for ev in kept:
             ev.close()
 
-    def __getstate__(self):
-        raise TypeError("KeptEvaluators keeps this machine's worker processes and cannot be sent to a cluster: "
-                        "pass it to kforge.run without cluster=")
-
     def __enter__(self) -> "KeptEvaluators":
         return self
 

@@ -148,7 +148,7 @@ class OpRewrite:
 
     def __call__(self, graph: torch.fx.Graph) -> int:
         site_of = _fused_sites(graph) if self.fusion_aware else {}
-        relayout = self.fusion_aware and layout_optimized(graph)  # Inductor's layout: compiled graphs only
+        relayout = None  # whether Inductor lays the graph out channels-last: asked at the first hit, compiled graphs only
         replaced = 0
         for node in list(graph.nodes):
             if node.op != "call_function" or node.target not in self._tables:
@@ -164,6 +164,8 @@ class OpRewrite:
                 log.info("%s stays Inductor's at %s: it fuses with its neighbours there", kernel.name(), node.name)
                 continue
             inputs = [x for x in _tensor_args(node.target, node.args, node.kwargs) if x is not None]
+            if relayout is None:
+                relayout = self.fusion_aware and layout_optimized(graph)
             if relayout:
                 outs = node.meta.get("val")
                 moved = relayout_bytes([(x, 0) for x in inputs if isinstance(x, torch.fx.Node)],
@@ -225,16 +227,16 @@ def layout_optimized(graph: torch.fx.Graph) -> bool:
         return False
 
 
-def _value_of(node: torch.fx.Node, k: int) -> Any:
-    val = node.meta.get("val")
-    return val[k] if isinstance(val, (tuple, list)) else val
+def _reader(src: torch.fx.Node, k: int) -> torch.fx.Node | None:
+    """The node whose value is output k of `src`: src itself, or its getitem node (None: unread)."""
+    if isinstance(src.meta.get("val"), (tuple, list)):
+        return next((u for u in src.users if regions_mod._is_getitem(u) and regions_mod._value(u) == (src, k)), None)
+    return src
 
 
 def _users_of(node: torch.fx.Node, k: int) -> list[torch.fx.Node]:
-    if isinstance(node.meta.get("val"), (tuple, list)):
-        return [u for g in node.users if regions_mod._is_getitem(g) and regions_mod._value(g) == (node, k)
-                for u in g.users]
-    return list(node.users)
+    r = _reader(node, k)
+    return list(r.users) if r is not None else []
 
 
 def relayout_bytes(inputs: Sequence[tuple[torch.fx.Node, int]], outputs: Sequence[tuple[torch.fx.Node, int]]) -> int:
@@ -243,8 +245,9 @@ def relayout_bytes(inputs: Sequence[tuple[torch.fx.Node, int]], outputs: Sequenc
     once and written once."""
     def nbytes(v: Any) -> int:
         return v.numel() * v.element_size() if isinstance(v, torch.Tensor) and v.dim() >= 4 else 0
-    moved = sum(nbytes(_value_of(n, k)) for n, k in inputs if n.op == "call_function" and n.target in _CONV)
-    moved += sum(nbytes(_value_of(n, k)) for n, k in outputs if any(u.target in _CONV for u in _users_of(n, k)))
+    moved = sum(nbytes(regions_mod.traced_value(n, k)) for n, k in inputs if n.op == "call_function" and n.target in _CONV)
+    moved += sum(nbytes(regions_mod.traced_value(n, k)) for n, k in outputs
+                 if any(u.target in _CONV for u in _users_of(n, k)))
     return 2 * moved
 
 
@@ -316,20 +319,15 @@ def _aligned(site: regions_mod.Site, kernels: Sequence[Any]) -> Any:
 def _replace_site(graph: torch.fx.Graph, site: regions_mod.Site, kernel: torch._ops.OpOverload) -> None:
     """The site's nodes become one call of `kernel`, placed before its last node (after every
     input, since each input feeds a member); the caller re-sorts the graph for outputs' users."""
-    def read(src: torch.fx.Node, k: int) -> torch.fx.Node:
-        if isinstance(src.meta.get("val"), (tuple, list)):  # read through its getitem node
-            return next(u for u in src.users if regions_mod._is_getitem(u) and regions_mod._value(u) == (src, k))
-        return src
-
     with graph.inserting_before(site.nodes[-1]):
-        call = _call(graph, kernel, [read(src, k) for src, k in site.inputs])
+        call = _call(graph, kernel, [_reader(src, k) for src, k in site.inputs])
         outs = [call] if len(site.outputs) == 1 else [graph.call_function(operator.getitem, (call, j))
                                                         for j in range(len(site.outputs))]
     if len(outs) > 1:
         for j, out in enumerate(outs):
             out.meta["val"] = call.meta["val"][j]
     for (src, k), out in zip(site.outputs, outs):
-        read(src, k).replace_all_uses_with(out)  # an output value has no user inside its region
+        _reader(src, k).replace_all_uses_with(out)  # an output value has no user inside its region
     members = set(site.nodes)
     doomed = [n for n in graph.nodes if n in members or (regions_mod._is_getitem(n) and n.args[0] in members)]
     for n in reversed(doomed):

@@ -195,8 +195,7 @@ def contract(gm: fx.GraphModule, chosen: list[tuple[regions_mod.Site, Callable]]
         call = new.call_function(fn, tuple(value_node(src, k) for src, k in site.inputs))
         for j, (src, k) in enumerate(site.outputs):
             outputs_of[(src, k)] = out = new.call_function(operator.getitem, (call, j))
-            val = src.meta.get("val")
-            out.meta["val"] = val[k] if isinstance(val, (tuple, list)) else val  # later rewrites read it
+            out.meta["val"] = regions_mod.traced_value(src, k)  # later rewrites read it
     new.lint()
     return fx.GraphModule(gm, new)
 
@@ -266,8 +265,7 @@ class Replaced:
 
 
 def _device(src: fx.Node, k: int) -> torch.device:
-    val = src.meta["val"]
-    return (val[k] if isinstance(val, (tuple, list)) else val).device
+    return regions_mod.traced_value(src, k).device
 
 
 def eager_batch_norms(graph: fx.Graph) -> int:

@@ -42,14 +42,14 @@ from .errors import CudaUnavailableError, KforgeError, PackageError
 from .guards import REASONS, meaning
 from .manifest import read_manifest
 from .package_cards import PackagedCard, parse_cards
-from .package_write import record_model_check, write_package
+from .package_write import check_package, record_model_check, write_package
 from .verdict import EvalResult
 from .winners import RegionOption, choose_regions
 
 # Users write, choose and load packages through kforge.package (docs/interfaces.md); the
 # writer and the choice of winners are modules of their own.
 __all__ = ["CastPackage", "PackagedCard", "PackageFallbackWarning", "RegionOption", "choose_regions", "load",
-           "record_model_check", "write_package"]
+           "check_package", "record_model_check", "write_package"]
 
 log = logging.getLogger("kforge.package")
 

@@ -1,11 +1,13 @@
 """Writing a .cast from a search run: the winners (kforge.winners) recompiled for the package's
-arch, their manifest entries, and the zip (kforge.castfile)."""
+arch, their manifest entries, and the zip (kforge.castfile); and the model check's verdict
+written into a package afterwards."""
 
 from __future__ import annotations
 
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -228,3 +230,18 @@ def record_model_check(path: str | Path, verdict: dict) -> None:
     members[MANIFEST] = json.dumps(manifest, indent=1, sort_keys=True).encode()
     check_manifest(path, members[MANIFEST])  # never write what load() would refuse
     castfile.write_zip(path, {k: v for k, v in members.items() if k != CHECKSUMS})
+
+
+def check_package(model: Any, example_inputs: Any, package, *, leave_one_out: int = 0,
+                  **install_options: Any) -> Any:
+    """kforge.modelcheck.check_model as `kforge run` makes it, its ModelCheck returned:
+    kforge.compile timed too where the package has kernels for compiled graphs, and the verdict
+    on it written into the package file (manifest "model_check"), which kforge.compile follows."""
+    from .modelcheck import check_model
+
+    check = check_model(model, example_inputs, package, with_compile=any(c.compiled for c in package.cards),
+                        leave_one_out=leave_one_out, **install_options)
+    record = check.compile_record()
+    if record is not None:
+        record_model_check(package.path, record)
+    return check

@@ -121,6 +121,12 @@ def role(n: fx.Node) -> str | None:
     return None
 
 
+def traced_value(node: fx.Node, k: int) -> Any:
+    """Output k's traced (fake) value of `node`: meta["val"], or its k-th item for a node with several."""
+    val = node.meta.get("val")
+    return val[k] if isinstance(val, (tuple, list)) else val
+
+
 def _value(a: fx.Node) -> Value:
     if _is_getitem(a) and isinstance(a.args[0], fx.Node) and isinstance(a.args[0].meta.get("val"), (tuple, list)):
         return a.args[0], int(a.args[1])

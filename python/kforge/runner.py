@@ -206,20 +206,16 @@ def _check_model(result: RunResult, model, example_inputs, *, load_options: dict
     """Time the model eager and with the new package; the verdict goes into the result and
     the run's log. A failure or Ctrl-C here is reported, never raised: the package is
     already written and the run is done."""
-    from .modelcheck import check_model
-    from .package import load, record_model_check
+    from .package import check_package, load
 
     where = Path(result.package_path).resolve()  # how the dashboard finds the check of its package
     try:
         pkg = load(result.package_path, **(load_options or {}))
         if not any(c.dispatched or c.compiled for c in pkg.cards):
             return  # nothing is dispatched: the model runs eager and compiles plain either way
-        check = check_model(model, example_inputs, pkg, with_compile=any(c.compiled for c in pkg.cards),
-                            leave_one_out=leave_one_out, **install_options)
+        check = check_package(model, example_inputs, pkg, leave_one_out=leave_one_out, **install_options)
         message = f"{where}: {check.message()}"
         record = check.compile_record()
-        if record is not None:
-            record_model_check(result.package_path, record)
         lost = record is not None and record["use"] == "torch.compile"
         level = "warning" if check.verdict in ("slower", "unused") or lost else "info"
         result.model_check = check
