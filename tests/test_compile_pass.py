@@ -589,3 +589,56 @@ def test_a_kept_layer_norm_left_to_inductor_decomposes_into_ops_inductor_can_low
     assert aten.native_layer_norm.default not in calls
     assert all(isinstance(t, torch._ops.OpOverload) or t is operator.getitem for t in calls), calls
     torch.testing.assert_close(gm(x, w, b), fn(x, w, b))
+
+
+class ConvBlocks(torch.nn.Module):
+    """conv -> bn -> relu, twelve times: each block's epilogue region reads the one before's output."""
+
+    def __init__(self, blocks: int = 12):
+        super().__init__()
+        layers = [torch.nn.Conv2d(3, 4, 3, padding=1)] + [torch.nn.Conv2d(4, 4, 3, padding=1) for _ in range(blocks - 1)]
+        self.layers = torch.nn.Sequential(*(m for conv in layers for m in (conv, torch.nn.BatchNorm2d(4), torch.nn.ReLU())))
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+class ReplayLauncher:
+    """Every region card of the package, served by its own replay (variant ids as the package's registry has them)."""
+
+    def __init__(self, pkg):
+        self.cards, self.calls = [c.card for c in pkg.kernel_cards()], []
+
+    def launch(self, vid, inputs, outputs, workspaces, device):
+        self.calls.append(vid)
+        for out, ref in zip(outputs, self.cards[vid].region.replay(list(inputs))):
+            out.copy_(ref)
+
+
+@pytest.mark.parametrize("how", ["compile", "optimize"])
+def test_a_region_that_reads_another_regions_output_reads_its_kernels_output(tmp_path, how):
+    """Replacing one block's region removes the node the next block's region reads: that call
+    must read the first call's output, whatever order the sites are replaced in (kforge.compile's
+    pass replaced them in the order of their node names, "relu_10" before "relu_2", and on
+    ResNet-50 a call read an erased node)."""
+    torch._dynamo.reset()
+    model = ConvBlocks().eval()
+    x = torch.randn(1, 3, 4, 4)
+    with torch.no_grad():
+        cards = [c for c in capture(model, x, tmp_path, regions=True, time_cards=False).cards if c.region]
+    assert {tuple(c.region.ops[:1]) for c in cards} >= {("convolution",)}
+
+    def saves(c) -> float:  # the whole block saves more than its bn -> relu alone: the blocks' regions are chosen
+        return 8.0 if c.region.ops[0] == "convolution" else 4.0
+    pkg = CastPackage(Path("blocks.cast"), {"format": 3, "gpu": {"name": "cpu", "arch": "cpu"}, "cards": [{"id": c.id} for c in cards]},
+                      [PackagedCard(c, "dispatched", "test", "custom",
+                                    {"id": c.id, "compile": {"kernel_us": 1.0, "compile_us": 1.0 + saves(c)},
+                                     "timing": {"dispatched_us": 1.0}, "baseline": {"baseline_us": 1.0 + saves(c)}},
+                                    Candidate(f'extern "C" __global__ void k() {{}} // {c.id}', PLAN),
+                                    compile_decision="dispatched", compile_reason="test") for c in cards])
+    launcher = ReplayLauncher(pkg)
+    fast = pkg.compile(model, launcher=launcher) if how == "compile" else kforge.optimize(model, pkg, launcher=launcher)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x))
+    assert len(launcher.calls) == 12  # every block ran as one region kernel
+    assert {launcher.cards[v].region.ops[0] for v in launcher.calls} == {"convolution"}

@@ -3,12 +3,14 @@ multi-use value or a graph output."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kforge import graph, regions
+from kforge import contraction, graph, regions
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -223,3 +225,25 @@ def test_region_samples_keep_to_the_sample_budget(tmp_path):
     (card,) = [c for c in r.cards if c.region is not None]
     assert card.samples == 0 and any("sample budget was spent" in n for n in card.notes)
     assert not list((tmp_path / "cards" / card.id).glob("sample*.safetensors"))
+
+
+def test_two_convex_sites_that_would_close_a_cycle_together_keep_the_first():
+    """A and B are each convex, but A writes what B reads (a_i -> b_j) and B writes what A reads
+    (b_k -> a_l): one call for each would need the other's output first."""
+    def f(x, y):
+        a_r = x.sin()
+        a_i = a_r * 2
+        b_c = y.sigmoid()
+        b_k = b_c * 3
+        a_l = a_r + b_k
+        b_j = a_i.cos()
+        return a_l, b_j + b_c
+
+    gm = torch.fx.symbolic_trace(f)
+    by = {n.name: n for n in gm.graph.nodes}
+    a = SimpleNamespace(nodes=[by["sin"], by["mul"], by["add"]])
+    b = SimpleNamespace(nodes=[by["sigmoid"], by["mul_1"], by["cos"], by["add_1"]])
+    b_head = SimpleNamespace(nodes=[by["sigmoid"], by["mul_1"]])
+    assert contraction.without_cycles(gm, [a, b]) == [a]
+    assert contraction.without_cycles(gm, [b, a]) == [b]
+    assert contraction.without_cycles(gm, [a, b_head]) == [a, b_head]  # B's head alone closes nothing

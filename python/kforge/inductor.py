@@ -90,10 +90,6 @@ def unsupported() -> str | None:
         return f"torch {torch.__version__} has no {e.name or e} (kforge's pass needs Inductor)"
     if not isinstance(getattr(custom_graph_pass, "CustomGraphPass", None), type):
         return f"torch {torch.__version__} has no torch._inductor.custom_graph_pass.CustomGraphPass"
-    try:  # (after the check above: importing the pattern matcher imports CustomGraphPass)
-        from torch._inductor.pattern_matcher import stable_topological_sort  # noqa: F401
-    except ImportError as e:
-        return f"torch {torch.__version__} has no {e.name or e} (kforge's region rewrite needs it)"
     if "post_grad_custom_post_pass" not in config.get_config_copy():
         return f"torch {torch.__version__}'s Inductor has no post_grad_custom_post_pass option"
     if "decompositions" not in inspect.signature(compile_fx).parameters:

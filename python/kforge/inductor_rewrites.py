@@ -16,6 +16,7 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from . import regions as regions_mod
+from .contraction import reader, replace_sites
 from .dispatch import Variant
 from .errors import CardError
 from .guards import call_values, slot_kind, traced_key
@@ -227,15 +228,8 @@ def layout_optimized(graph: torch.fx.Graph) -> bool:
         return False
 
 
-def _reader(src: torch.fx.Node, k: int) -> torch.fx.Node | None:
-    """The node whose value is output k of `src`: src itself, or its getitem node (None: unread)."""
-    if isinstance(src.meta.get("val"), (tuple, list)):
-        return next((u for u in src.users if regions_mod._is_getitem(u) and regions_mod._value(u) == (src, k)), None)
-    return src
-
-
 def _users_of(node: torch.fx.Node, k: int) -> list[torch.fx.Node]:
-    r = _reader(node, k)
+    r = reader(node, k)
     return list(r.users) if r is not None else []
 
 
@@ -284,8 +278,6 @@ class RegionRewrite:
         self.key = "regions:" + ",".join(sorted(op.name() for op in self._op.values()))
 
     def __call__(self, graph: torch.fx.Graph) -> int:
-        from torch._inductor.pattern_matcher import stable_topological_sort
-
         from .optimize import match_regions
 
         def pays(site: regions_mod.Site, ks: list) -> bool:  # before choosing: an overlapping region may pay
@@ -294,10 +286,18 @@ class RegionRewrite:
                                      relayout_bytes(site.inputs, site.outputs), k.kernel_us, k.baseline_us)
 
         chosen = match_regions(graph, self._by_match, pays if layout_optimized(graph) else None)
-        for site, ks in chosen:
-            _replace_site(graph, site, self._op[id(_aligned(site, ks))])
-        if chosen:
-            stable_topological_sort(graph)  # an output's user may stand before the site's last node
+
+        def call(i: int, inputs: list[torch.fx.Node]) -> list[torch.fx.Node]:
+            site, ks = chosen[i]
+            node = _call(graph, self._op[id(_aligned(site, ks))], inputs)
+            if len(site.outputs) == 1:
+                return [node]
+            outs = [graph.call_function(operator.getitem, (node, j)) for j in range(len(site.outputs))]
+            for j, out in enumerate(outs):
+                out.meta["val"] = node.meta["val"][j]
+            return outs
+
+        replace_sites(graph, [site for site, _ in chosen], call)
         return len(chosen)
 
 
@@ -314,24 +314,6 @@ def _aligned(site: regions_mod.Site, kernels: Sequence[Any]) -> Any:
     """Of the kernels whose card matches a site, the one whose input alignment is the trace's."""
     return next((k for k in kernels if [m.align for m in k.card.inputs] == [m.align for m in site.input_metas]),
                 kernels[0])
-
-
-def _replace_site(graph: torch.fx.Graph, site: regions_mod.Site, kernel: torch._ops.OpOverload) -> None:
-    """The site's nodes become one call of `kernel`, placed before its last node (after every
-    input, since each input feeds a member); the caller re-sorts the graph for outputs' users."""
-    with graph.inserting_before(site.nodes[-1]):
-        call = _call(graph, kernel, [_reader(src, k) for src, k in site.inputs])
-        outs = [call] if len(site.outputs) == 1 else [graph.call_function(operator.getitem, (call, j))
-                                                        for j in range(len(site.outputs))]
-    if len(outs) > 1:
-        for j, out in enumerate(outs):
-            out.meta["val"] = call.meta["val"][j]
-    for (src, k), out in zip(site.outputs, outs):
-        _reader(src, k).replace_all_uses_with(out)  # an output value has no user inside its region
-    members = set(site.nodes)
-    doomed = [n for n in graph.nodes if n in members or (regions_mod._is_getitem(n) and n.args[0] in members)]
-    for n in reversed(doomed):
-        graph.erase_node(n)
 
 
 def _tensor_args(op: torch._ops.OpOverload, args: Sequence, kwargs: dict) -> list:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import heapq
 import operator
 import sys
 import types
@@ -51,6 +50,7 @@ from . import bindings
 from . import graph as graph_mod
 from . import regions as regions_mod
 from .cards import Card
+from .contraction import replace_sites, without_cycles
 from .dispatch import Counters, Launcher
 from .guards import _ALIGN, GuardSpec, TensorGuard, tensor_key
 from .replay import Replayed
@@ -121,85 +121,6 @@ def fits(card: Card, inputs: Sequence[torch.Tensor]) -> bool:
         isinstance(t, torch.Tensor) and tensor_key(t)[:4] == TensorGuard.of(m).key[:4] for t, m in zip(inputs, card.inputs))
 
 
-def contract(gm: fx.GraphModule, chosen: list[tuple[regions_mod.Site, Callable]]) -> fx.GraphModule:
-    """A new graph module where each chosen site's nodes are one call of its callable, the
-    other nodes as they were. Sites are convex, so the result is a DAG: nodes are emitted in
-    a topological order that keeps the original order wherever it can."""
-    old = list(gm.graph.nodes)
-    owner: dict[fx.Node, int] = {}
-    for i, (site, _) in enumerate(chosen):
-        for n in site.nodes:
-            owner[n] = i
-            for u in n.users:  # the getitem nodes of a member belong to its site too
-                if u.op == "call_function" and regions_mod._is_getitem(u):
-                    owner[u] = i
-    position = {n: j for j, n in enumerate(old)}
-    items: list[Any] = []
-    seen_sites: set[int] = set()
-    for n in old:
-        if n in owner:
-            if owner[n] not in seen_sites:
-                seen_sites.add(owner[n])
-                items.append(("site", owner[n]))
-        else:
-            items.append(("node", n))
-
-    def deps(item) -> set:
-        nodes = chosen[item[1]][0].nodes if item[0] == "site" else [item[1]]
-        out = set()
-        for n in nodes:
-            for a in regions_mod._node_args(n):
-                key = ("site", owner[a]) if a in owner else ("node", a)
-                if key != item:
-                    out.add(key)
-        return out
-
-    first = {it: (min(position[n] for n in chosen[it[1]][0].nodes) if it[0] == "site" else position[it[1]])
-             for it in items}
-    pending = {it: deps(it) for it in items}
-    users: dict[Any, list] = collections.defaultdict(list)
-    for it, ds in pending.items():
-        for d in ds:
-            users[d].append(it)
-    ready = [(first[it], i, it) for i, it in enumerate(items) if not pending[it]]
-    heapq.heapify(ready)
-    order = []
-    index_of = {it: i for i, it in enumerate(items)}
-    while ready:
-        _, _, it = heapq.heappop(ready)
-        order.append(it)
-        for u in users[it]:
-            pending[u].discard(it)
-            if not pending[u]:
-                heapq.heappush(ready, (first[u], index_of[u], u))
-
-    new = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    outputs_of: dict[regions_mod.Value, fx.Node] = {}
-
-    def lookup(a: fx.Node) -> fx.Node:
-        return outputs_of[regions_mod._value(a)] if a in owner else env[a]
-
-    def value_node(src: fx.Node, k: int) -> fx.Node:
-        if src in owner:
-            return outputs_of[(src, k)]
-        if isinstance(src.meta.get("val"), (tuple, list)):  # read through its getitem node
-            return env[next(u for u in src.users if regions_mod._is_getitem(u) and regions_mod._value(u) == (src, k))]
-        return env[src]
-
-    for kind, x in order:
-        if kind == "node":
-            env[x] = new.node_copy(x, lookup)
-            continue
-        site, fn = chosen[x]
-        call = new.call_function(fn, tuple(value_node(src, k) for src, k in site.inputs))
-        for j, (src, k) in enumerate(site.outputs):
-            outputs_of[(src, k)] = out = new.call_function(operator.getitem, (call, j))
-            out.meta["val"] = regions_mod.traced_value(src, k)  # later rewrites read it
-    new.lint()
-    return fx.GraphModule(gm, new)
-
-
 # ---- the optimized model ---------------------------------------------------------------------
 
 def region_kernels(package: Any, launcher: Launcher, *, compiled: bool = False) -> list[RegionKernel]:
@@ -236,7 +157,8 @@ def match_regions(graph: fx.Graph | fx.GraphModule, kernels: dict[tuple, list[Re
                   ) -> list[tuple[regions_mod.Site, list[RegionKernel]]]:
     """The graph's regions (as capture finds them) that match `kernels` (by_match) and that
     `keep` accepts, and of those that overlap, the set that saves the most by the kernels'
-    evidence; in graph order. Shared by kforge.optimize and kforge.compile's pass: one matcher."""
+    evidence, less any whose replacement together with the others would close a cycle; in graph
+    order. Shared by kforge.optimize and kforge.compile's pass: one matcher."""
     from .package import RegionOption, choose_regions
 
     options, matched = [], {}
@@ -250,8 +172,9 @@ def match_regions(graph: fx.Graph | fx.GraphModule, kernels: dict[tuple, list[Re
         opt = RegionOption(best.card.id, frozenset(n.name for n in site.nodes), best.kernel_us, best.baseline_us)
         options.append(opt)
         matched[opt] = (site, ks)
-    chosen = [matched[o] for o in choose_regions(options)]
-    chosen.sort(key=lambda sk: min(n.name for n in sk[0].nodes))
+    chosen = [matched[o] for o in sorted(choose_regions(options), key=lambda o: -(o.saving_us or 0.0))]
+    kept = {id(s) for s in without_cycles(graph, [s for s, _ in chosen])}  # most saving first
+    chosen = sorted((sk for sk in chosen if id(sk[0]) in kept), key=lambda sk: min(n.name for n in sk[0].nodes))
     return chosen
 
 
@@ -326,7 +249,18 @@ class OptimizedModel(torch.nn.Module):
         chosen = match_regions(gm, self._by_match)
         for site, ks in chosen:
             self.replaced.append(Replaced(index, site.nodes[0].name, [k.card.id for k in ks]))
-        out = contract(gm, [(site, RegionCall(site.subgraph, ks)) for site, ks in chosen]) if chosen else gm
+        if chosen:
+            def call(i: int, inputs: list[fx.Node]) -> list[fx.Node]:
+                site, ks = chosen[i]
+                node = gm.graph.call_function(RegionCall(site.subgraph, ks), tuple(inputs))
+                outs = [gm.graph.call_function(operator.getitem, (node, j)) for j in range(len(site.outputs))]
+                for out, (src, k) in zip(outs, site.outputs):
+                    out.meta["val"] = regions_mod.traced_value(src, k)  # later rewrites read it
+                return outs
+
+            replace_sites(gm.graph, [site for site, _ in chosen], call)
+            gm.graph.lint()
+        out = gm
         replaced = sum(rewrite(out.graph) for rewrite in self._op_rewrites)
         self.ops_replaced += replaced
         if not chosen and not replaced:
