@@ -29,9 +29,10 @@ def test_a_level_is_searched_checked_and_timed_against_eager_and_torch_compile(l
     row = timed[0]
     assert row["correct"] and row["eager_us"] > 0 and row["compile_us"] > 0 and row["cards"] > 0
     assert row["speedup_vs_eager"] == pytest.approx(row["eager_us"] / row["best_kforge_us"])
+    plain = (row.get("model_check") or {}).get("use") == "torch.compile"  # the check found the kernels slower
     for variant in ("kforge_optimize", "kforge_compile"):  # timed whenever there is a kernel for them
         assert (f"{variant}_us" in row or f"{variant}_error" in row) == bool(
-            row["dispatched"] if variant == "kforge_optimize" else row["compiled"])
+            row["dispatched"] if variant == "kforge_optimize" else row["compiled"] and not plain)
     assert d["summary"]["timed"] == 1 and d["summary"]["problems"] == len(d["problem_list"])
     if level == 2:
         assert d["problems"][1]["error"].startswith("does not build")

@@ -112,7 +112,7 @@ def test_group_norm_search_finds_the_split_kernel(tmp_path, endpoint):
 
     assert [name for _, name in model.asked] == ["group_norm_v1_block", "group_norm_v2_split"]
     one_block, split = by_kernel["group_norm_block"], by_kernel["group_norm_partial"]
-    assert one_block["verdict"] in ("slower", "valid") and split["verdict"] == "valid"
-    assert split["kernel_us"] < one_block["kernel_us"]
-    assert outcome.best is not None and outcome.best.id == split["id"] and outcome.best_speedup > 1.2
+    assert one_block.verdict in ("slower", "valid") and split.verdict == "valid"
+    assert split.kernel_us < one_block.kernel_us
+    assert outcome.best is not None and outcome.best.id == split.id and outcome.best_speedup > 1.2
     log.close()
