@@ -138,9 +138,16 @@ def fit(problem: Problem, max_bytes: float) -> Problem:
         problem.notes.append(f"inputs {size / 1e6:.0f} MB over the limit and no batch global to scale: skipped")
         problem.scale = 0.0
         return problem
-    original = g[knob]
+    original, checked, tied = g[knob], not _runs(problem), []
     while size > max_bytes and g[knob] > 1:
-        g[knob] = max(1, g[knob] // 2)
+        old = g[knob]
+        g[knob] = max(1, old // 2)
+        _retie(g, tied, old, g[knob])
+        if not checked:  # at the first halving: does the model still run?
+            checked = True
+            if not _runs(problem):  # another size equals the batch by design (a square problem)
+                tied = _tied(g, knob, old)
+                _retie(g, tied, old, g[knob])
         before, size = size, _bytes(_input_meta(problem))
         if size == before:  # get_inputs() reads a shape computed from batch_size at import
             problem.notes.append(f"inputs {size / 1e6:.0f} MB over the limit and {knob} does not size them: skipped")
@@ -148,10 +155,38 @@ def fit(problem: Problem, max_bytes: float) -> Problem:
             return problem
     problem.scale = g[knob] / original
     problem.notes.append(f"{knob} {original} -> {g[knob]} to fit {max_bytes / 1e6:.0f} MB")
+    if tied:
+        problem.notes.append(f"{', '.join(tied)} equal to {knob} and scaled with it (the model needs them equal)")
     if size > max_bytes:
         problem.notes.append(f"still {size / 1e6:.0f} MB at {knob}=1: skipped")
         problem.scale = 0.0
     return problem
+
+
+def _runs(problem: Problem) -> bool:
+    """Whether the problem's model runs on its inputs, on the meta device (no memory, no time)."""
+    m = problem.module
+    try:
+        with torch.device("meta"), torch.no_grad():
+            m.Model(*m.get_init_inputs())(*m.get_inputs())
+        return True
+    except Exception:  # noqa: BLE001 (ops without a meta kernel count as not known to run)
+        return False
+
+
+def _tied(g: dict, knob: str, value: int) -> list[str]:
+    """The module globals other than `knob` that hold `value`: an int, or a tuple of ints with it."""
+    def holds(v: Any) -> bool:
+        if isinstance(v, tuple):
+            return value in v and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+        return isinstance(v, int) and not isinstance(v, bool) and v == value
+    return [name for name, v in g.items() if name != knob and not name.startswith("_") and holds(v)]
+
+
+def _retie(g: dict, names: list[str], old: int, new: int) -> None:
+    for name in names:
+        v = g[name]
+        g[name] = tuple(new if x == old else x for x in v) if isinstance(v, tuple) else new
 
 
 @dataclass

@@ -73,6 +73,35 @@ def test_a_large_batch_is_halved_until_the_inputs_fit_and_the_scale_is_recorded(
     assert small.scale == 1.0 and small.notes == []
 
 
+SQUARE = '''import torch
+import torch.nn as nn
+
+class Model(nn.Module):
+    def forward(self, predictions, targets):
+        return torch.mean(torch.clamp(1 - predictions * targets, min=0))
+
+batch_size = 4096
+input_shape = (4096,)
+
+def get_inputs():
+    return [torch.rand(batch_size, *input_shape), torch.rand(batch_size)]
+
+def get_init_inputs():
+    return []
+'''
+
+
+def test_a_size_that_must_equal_the_batch_is_scaled_with_it(tmp_path):
+    """KernelBench's HingeLoss multiplies (batch, n) by (batch,): it runs only where n is the
+    batch, so halving the batch alone makes a problem that does not run."""
+    (tmp_path / "100_HingeLoss.py").write_text(SQUARE)
+    p = kb.fit(kb.load_problem(tmp_path / "100_HingeLoss.py"), max_bytes=4 * 1024 * 1024)
+    assert p.module.batch_size == 512 and p.module.input_shape == (512,) and p.scale == 0.125  # 1024: 4 MiB + 4 KiB
+    assert "input_shape equal to batch_size and scaled with it" in p.notes[-1]
+    predictions, targets = p.module.get_inputs()
+    assert p.module.Model()(predictions, targets).shape == ()
+
+
 def test_default_lists_hold_what_the_scoreboard_must_show_and_shards_split_them():
     level1 = set(kb.DEFAULT_PROBLEMS[1])
     assert {*range(19, 37), 38, 39, 40, 42, 47, 48, 49, 51, 52, 53, *range(88, 97), 98, 99, 100} <= level1
