@@ -351,6 +351,13 @@ def _red_cases():
         "norm1": (A.linalg_vector_norm.default, [x4], (1.0, [-1]), {}),
         "norm_inf": (A.linalg_vector_norm.default, [x4], (float("inf"), [-1]), {}),
         "norm_3": (A.linalg_vector_norm.default, [x4.abs() + 0.1], (3.0, [-1]), {}),
+        # losses with their edges: |d| below, at and above beta/delta, a NaN, a beta of 0
+        "mse_loss": (A.mse_loss.default, [x4, x4.flip(0)], (), {}),
+        "mse_loss_sum_bf16": (A.mse_loss.default, [h, h.flip(0)], (2,), {}),
+        "smooth_l1_edges": (A.smooth_l1_loss.default, [X2, torch.zeros_like(X2)], (1, 0.5), {}),
+        "smooth_l1_beta_0_sum": (A.smooth_l1_loss.default, [x4, x4.flip(1)], (2, 0.0), {}),
+        "huber_delta": (A.huber_loss.default, [torch.tensor([[-2.0, -0.5, 0.0, 0.5, 1.5, 2.0]]),
+                                               torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])], (1, 1.5), {}),
         "cumsum_inner": (A.cumsum.default, [x4], (-1,), {}),
         "cumsum_channels_last": (A.cumsum.default, [cl], (1,), {}),
         "cumsum_transposed_bf16": (A.cumsum.default, [t.to(BF16)], (0,), {}),

@@ -202,6 +202,37 @@ def _vector_norm(c: Call):
                          lambda s, n: [prim("pow", s[0], _k(s[0], 1.0 / ordv))])
 
 
+def _loss(name: str, term: Callable[[Call, Expr], Expr]) -> Callable:
+    """A pointwise loss of (self - target) reduced over every element, as eager computes it:
+    the loss tensor in the input dtype (each term computed in its opmath, then stored), then
+    its mean (reduction=1) or sum (2)."""
+    def entry(c: Call):
+        x, t = c.v("self"), c.v("target")
+        if x.dtype not in FLOATS or t is None or not t.is_tensor or t.dtype != x.dtype or t.ndim != x.ndim:
+            return f"{name}: a float input and a target of its dtype and rank are generated (no promotion or broadcast)"
+        reduction = c.s("reduction", 1)
+        if reduction not in (1, 2):
+            return f"{name} with reduction='none' is a pointwise loss, not generated yet"
+        loss = term(c, x.at(x.dtype) - t.at(x.dtype)).cast(x.dtype).cast(_acc(x.dtype, "sum"))
+        mean = reduction == 1
+        return ReductionPlan("sum", loss, tuple(range(x.ndim)), False, lambda s, n: [s[0] / float(n) if mean else s[0]])
+    return entry
+
+
+def _smooth_l1(c: Call, d: Expr) -> Expr:
+    beta = float(c.s("beta", 1.0))
+    z = prim("abs", d)
+    if beta == 0.0:
+        return z
+    return where(z < _k(z, beta), _k(z, 0.5) * z * z / _k(z, beta), z - _k(z, 0.5 * beta))
+
+
+def _huber(c: Call, d: Expr) -> Expr:
+    delta = float(c.s("delta", 1.0))
+    z = prim("abs", d)
+    return where(z < _k(z, delta), _k(z, 0.5) * z * z, _k(z, delta) * (z - _k(z, 0.5 * delta)))
+
+
 # op packet (with overload where it matters) -> entry giving a ReductionPlan or a reason
 REDUCTION_OPS: dict[str, Callable] = {
     "sum": _reduce_sum("sum"), "mean": _reduce_sum("sum", mean=True), "prod": _reduce_sum("prod"),
@@ -213,6 +244,8 @@ REDUCTION_OPS: dict[str, Callable] = {
     "var": _reduce_var(False, False), "std": _reduce_var(True, False),
     "var_mean": _reduce_var(False, True), "std_mean": _reduce_var(True, True),
     "logsumexp": _logsumexp, "linalg_vector_norm": _vector_norm, "norm": _vector_norm,
+    "mse_loss": _loss("mse_loss", lambda c, d: d * d), "smooth_l1_loss": _loss("smooth_l1_loss", _smooth_l1),
+    "huber_loss": _loss("huber_loss", _huber),
 }
 
 
