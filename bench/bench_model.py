@@ -147,6 +147,9 @@ def main(argv=None) -> None:
             "iterations": row.iterations, "search_s": row.search_s, "eager_us": row.eager_us, "best_kernel_us": row.best_us,
             "best_speedup": row.speedup, "decision": c.decision if c else "not searched",
             "reason": c.reason if c else row.note, "timing": timing_,
+            # the card's kernel against the card compiled alone by torch.compile, and what kforge.compile decided
+            "compile": entry.get("compile", {}) if isinstance(entry, dict) else {},
+            "compile_decision": c.compile_decision if c else None, "compile_reason": c.compile_reason if c else None,
         })
     out = {
         **provenance(), "model": args.model,
