@@ -45,6 +45,8 @@ def without_cycles(graph: fx.Graph | fx.GraphModule, sites: Sequence[Site]) -> l
     """Of disjoint sites, in priority order, those that can all be replaced together: a site
     whose replacement with those kept before it would close a cycle is dropped."""
     g = graph.graph if isinstance(graph, fx.GraphModule) else graph
+    if _acyclic(g, _owners(sites)):  # the common case: one pass over the graph
+        return list(sites)
     kept: list[Site] = []
     for site in sites:
         if _acyclic(g, _owners([*kept, site])):
