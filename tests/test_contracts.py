@@ -120,3 +120,19 @@ def test_io_bytes_counts_in_place_writes_once():
     add = Card("aten::add.Tensor", "", [ArgSpec("self", "tensor", tensor=m), ArgSpec("other", "tensor", tensor=m),
                                         ArgSpec("alpha", "value", value=1)], [m], "sm_90")
     assert add_.io_bytes() == add.io_bytes() == 3 * 4096
+
+
+def test_io_bytes_reads_no_destination_whose_old_values_the_op_overwrites():
+    """copy_ reads its source and writes its destination (2 passes, not 3); an out= argument
+    is written, never read. A floor counting them as reads sat 1.5x above what a copy must
+    move, and flagged correct copy kernels on the H200 as beyond the roofline."""
+    from test_dispatch import make_card
+
+    aten = torch.ops.aten
+    x = torch.randn(64, 32)
+    copy_ = make_card(aten.copy_.default, torch.empty(64, 32), x, aliases={0: 0})
+    assert copy_.write_only_inputs == {0} and copy_.io_bytes() == 2 * x.nbytes
+    mean_out = make_card(aten.mean.out, x, [1], False, out=torch.empty(64), aliases={0: 1})
+    assert mean_out.write_only_inputs == {1} and mean_out.io_bytes() == x.nbytes + 64 * 4
+    add_ = make_card(aten.add_.Tensor, torch.randn(64, 32), x, aliases={0: 0})
+    assert add_.write_only_inputs == set() and add_.io_bytes() == 3 * x.nbytes  # add_ reads self

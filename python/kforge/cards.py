@@ -55,6 +55,9 @@ def pointer_alignment(ptr: int) -> int:
     return 1
 
 
+_OVERWRITES = frozenset({"copy_", "fill_", "zero_"})  # in-place ops that never read self's old values
+
+
 @dataclass(frozen=True)
 class TensorMeta:
     shape: tuple[int, ...]
@@ -269,6 +272,24 @@ class Card:
         return written
 
     @property
+    def write_only_inputs(self) -> set[int]:
+        """Indices (in `inputs`) of written tensors whose old values the op never reads: out=
+        arguments, and self of an op that overwrites it (copy_, fill_, zero_)."""
+        try:
+            outs = {a.name for a in torch._C.parse_schema(self.schema).arguments if a.is_out}
+        except Exception:  # noqa: BLE001 (no parsable schema: out= arguments are named out)
+            outs = {"out"}
+        overwrites = self.name.split(".")[0] in _OVERWRITES
+        idx, only = 0, set()
+        for a in self.args:
+            metas = [a.tensor] if a.kind == "tensor" else [m for m in (a.tensors or []) if m] if a.kind == "tensors" else []
+            for _ in metas:
+                if a.written and (a.name in outs or overwrites and a.name == "self"):
+                    only.add(idx)
+                idx += 1
+        return only
+
+    @property
     def name(self) -> str:
         return self.op.removeprefix("aten::")
 
@@ -283,8 +304,10 @@ class Card:
         return f"{self.name}({', '.join(parts)})"
 
     def io_bytes(self) -> int:
-        """Fewest bytes a kernel must move: every input read once, every output written once."""
-        reads = sum(m.nbytes for m in self.inputs)
+        """Fewest bytes a kernel must move: every input it reads read once (not an out= argument
+        or copy_'s destination), every output written once."""
+        skip = self.write_only_inputs
+        reads = sum(m.nbytes for i, m in enumerate(self.inputs) if i not in skip)
         writes = sum(m.nbytes for m in self.outputs)  # an in-place output is still a write
         returned = set(self.aliases.values())
         writes += sum(self.inputs[i].nbytes for i in self.written_inputs if i not in returned)
