@@ -632,6 +632,9 @@ ON_CPU = {
     "logsumexp": lambda: make_card(A.logsumexp.default, meta(3, 800), [1]),
     "any_bool": lambda: make_card(A.any.dim, meta(5, 600, dtype=torch.bool), 1),
     "norm2": lambda: make_card(A.linalg_vector_norm.default, meta(6, 500), 2.0, [-1]),
+    # out= reductions: the out argument is the output, not an operand broadcast to the domain
+    "norm2_out": lambda: make_card(A.linalg_vector_norm.out, meta(6, 500), 2.0, [-1], out=meta(6)),
+    "mean_out_keepdim": lambda: make_card(A.mean.out, meta(5, 300), [-1], True, out=meta(5, 1)),
     "cumsum_rows": lambda: make_card(A.cumsum.default, meta(5, 300), 1),
     "cumsum_dim0_int": lambda: make_card(A.cumsum.default, meta(70, 6, dtype=I32), 0),
     "cumprod_channels_last": lambda: make_card(A.cumprod.default, meta(2, 8, 3, 5, channels_last=True), 1),
