@@ -259,17 +259,18 @@ class Card:
                 out += [m for m in a.tensors if m is not None]
         return out
 
+    def _tensor_args(self):
+        """(index in `inputs`, its ArgSpec) for every tensor input."""
+        idx = 0
+        for a in self.args:
+            for _ in [a.tensor] if a.kind == "tensor" else [m for m in (a.tensors or []) if m] if a.kind == "tensors" else []:
+                yield idx, a
+                idx += 1
+
     @property
     def written_inputs(self) -> set[int]:
         """Indices (in `inputs`) of tensors the op writes: in-place and out= arguments."""
-        idx, written = 0, set()
-        for a in self.args:
-            metas = [a.tensor] if a.kind == "tensor" else [m for m in (a.tensors or []) if m] if a.kind == "tensors" else []
-            for _ in metas:
-                if a.written:
-                    written.add(idx)
-                idx += 1
-        return written
+        return {i for i, a in self._tensor_args() if a.written}
 
     @property
     def write_only_inputs(self) -> set[int]:
@@ -280,14 +281,7 @@ class Card:
         except Exception:  # noqa: BLE001 (no parsable schema: out= arguments are named out)
             outs = {"out"}
         overwrites = self.name.split(".")[0] in _OVERWRITES
-        idx, only = 0, set()
-        for a in self.args:
-            metas = [a.tensor] if a.kind == "tensor" else [m for m in (a.tensors or []) if m] if a.kind == "tensors" else []
-            for _ in metas:
-                if a.written and (a.name in outs or overwrites and a.name == "self"):
-                    only.add(idx)
-                idx += 1
-        return only
+        return {i for i, a in self._tensor_args() if a.written and (a.name in outs or overwrites and a.name == "self")}
 
     @property
     def name(self) -> str:

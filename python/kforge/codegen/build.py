@@ -44,12 +44,6 @@ def _overload(op: str):
         return None
 
 
-def _out_args(op: str) -> frozenset[str]:
-    """The names of an overload's out= arguments (schema is_out)."""
-    ov = _overload(op)
-    return frozenset(a.name for a in ov._schema.arguments if a.is_out) if ov is not None else frozenset()
-
-
 def entry_for(op: str):
     """('pointwise' | 'reduction' | 'norm' | 'scan' | 'window', entry) for an op overload, or (None, why)."""
     name, overload = table_key(op)
@@ -272,7 +266,8 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
             name, overload = table_key(node.op)
             channel = entry[0] if kind == "norm" else ()
             bound = {}
-            written_only = _out_args(node.op)  # out= arguments: written, never read (nor broadcast)
+            ov = _overload(node.op)  # its out= arguments are written, never read (nor broadcast)
+            written_only = {a.name for a in ov._schema.arguments if a.is_out} if ov is not None else set()
             for k, v in node.args.items():
                 if k in written_only:
                     continue
