@@ -87,19 +87,21 @@ def replace_sites(graph: fx.Graph, sites: Sequence[Site],
     be disjoint and replaceable together (without_cycles)."""
     position = {n: j for j, n in enumerate(graph.nodes)}
     owner = _owners(sites)
-    reads = [{owner[src] for src, _ in site.inputs if src in owner} for site in sites]
-    order = _topological(len(sites), reads)
     end = next(n for n in reversed(graph.nodes) if n.op == "output")
     outputs_of: dict[tuple[fx.Node, int], fx.Node] = {}
     rank: dict[fx.Node, tuple[int, int]] = {n: (j, 0) for n, j in position.items()}
-    for i in order:
-        site = sites[i]
-        ins = [outputs_of[(src, k)] if src in owner else reader(src, k) for src, k in site.inputs]
+    for i, site in enumerate(sites):
+        # An input from a site replaced before is its call's output; from one replaced after,
+        # the member's node, which that site's replace_all_uses_with then points at its call.
+        ins = [outputs_of.get((src, k)) or reader(src, k) for src, k in site.inputs]
         with graph.inserting_before(end):
             outs = call(i, ins)
-        first = min(position[n] for n in site.nodes)
-        for j, n in enumerate(x for x in graph.nodes if x not in rank):  # the nodes call() added
-            rank[n] = (first, 1 + j)
+        added, n = [], end.prev
+        while n not in rank:  # the nodes call() added, just before the output
+            added.append(n)
+            n = n.prev
+        first = min(position[m] for m in site.nodes)
+        rank.update((m, (first, 1 + j)) for j, m in enumerate(reversed(added)))
         for (src, k), out in zip(site.outputs, outs, strict=True):
             outputs_of[(src, k)] = out
             reader(src, k).replace_all_uses_with(out)  # an output value has no user inside its region
@@ -108,30 +110,10 @@ def replace_sites(graph: fx.Graph, sites: Sequence[Site],
     _sort(graph, rank)
 
 
-def _topological(count: int, reads: list[set[int]]) -> list[int]:
-    pending = [set(r) for r in reads]
-    readers: dict[int, list[int]] = {}
-    for i, r in enumerate(reads):
-        for j in r:
-            readers.setdefault(j, []).append(i)
-    ready = [i for i in range(count) if not pending[i]]
-    order = []
-    while ready:
-        i = ready.pop()
-        order.append(i)
-        for u in readers.get(i, ()):
-            pending[u].discard(i)
-            if not pending[u]:
-                ready.append(u)
-    if len(order) != count:
-        raise ValueError("these sites read each other's outputs in a cycle: choose them with without_cycles")
-    return order
-
-
 def _sort(graph: fx.Graph, rank: dict[fx.Node, tuple[int, int]]) -> None:
     """Reorder the graph's nodes so that each follows its inputs, lowest rank first among the ready."""
     nodes = list(graph.nodes)
-    waiting = {n: len(set(n.all_input_nodes)) for n in nodes}
+    waiting = {n: len(n.all_input_nodes) for n in nodes}
     ready = [(rank[n], id(n), n) for n in nodes if not waiting[n]]
     heapq.heapify(ready)
     order = []
