@@ -82,6 +82,25 @@ class Subgraph:
         """Short names of the ops that do work (views left out), in order."""
         return [packet_name(n.op) for n in self.nodes if family_of(n.op) != "view"]
 
+    def roundings(self, ref: dict) -> int:
+        """How many ops on the longest chain from the inputs to `ref` (an output ref) round
+        their result to a half type (views left out): eager rounds each, so a fused kernel
+        that rounds as eager does can still differ from it by about one ulp per rounding."""
+        depth: dict[int, int] = {}
+
+        def refs(v: Any) -> list[int]:
+            if is_ref(v):
+                return [v["node"]] if "node" in v else []
+            if isinstance(v, (list, tuple)):
+                return [j for x in v for j in refs(x)]
+            return []
+
+        for j, n in enumerate(self.nodes):
+            before = max((depth[i] for i in refs(n.args) + refs(list(n.kwargs.values()))), default=0)
+            rounds = family_of(n.op) != "view" and any(m.dtype in ("float16", "bfloat16") for m in n.outputs)
+            depth[j] = before + int(rounds)
+        return depth.get(ref["node"], 0) if is_ref(ref) and "node" in ref else 0
+
     def to_json(self) -> dict:
         return {"kind": self.kind, "nodes": [n.to_json() for n in self.nodes], "outputs": self.outputs}
 
