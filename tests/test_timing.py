@@ -40,3 +40,10 @@ def test_time_as_called_enters_each_context_outside_the_timed_batch():
 
     timing.time_as_called([(ctx, lambda: None)], calls=4, rounds=2, device="cpu")
     assert len(entered) == 4  # one per round: 2 warm-up + 2 timed
+
+
+def test_the_spin_outlasts_the_host_time_and_gives_up_past_its_cap(monkeypatch):
+    monkeypatch.setattr(timing, "cycles_per_us", lambda device=None: 2000.0)
+    assert timing.spin_cycles(0.0) == int(timing.HOST_PAD_US * 2000)
+    assert timing.spin_cycles(100.0) == int((timing.HOST_MARGIN * 100 + timing.HOST_PAD_US) * 2000)
+    assert timing.spin_cycles(timing.MAX_SPIN_US) == 0  # past the cap: timed with its host time

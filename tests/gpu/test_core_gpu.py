@@ -115,3 +115,22 @@ def test_harness_agrees_with_triton_do_bench_on_a_2gb_copy():
     ratio = ours.median / (theirs_ms * 1e3)
     assert 0.9 <= ratio <= 1.1, f"harness {ours.median:.1f} us vs do_bench {theirs_ms * 1e3:.1f} us"
     torch.testing.assert_close(dst, src, rtol=0, atol=0)
+
+
+def test_gpu_time_leaves_out_the_host_time_of_issuing_the_work():
+    """A callable that spends 3 ms on the host before a µs kernel is timed at the kernel's µs,
+    as torch.compile's guards must not be counted as its kernels' time."""
+    import time
+
+    x = torch.zeros(1024, device="cuda")
+
+    def slow_host():
+        time.sleep(0.003)
+        x.add_(1)
+
+    def fast_host():
+        x.add_(1)
+
+    slow, fast = timing.time_fns([slow_host, fast_host], min_reps=20, min_ms=10, warmup_ms=5)
+    assert slow.median < 100, f"{slow.median:.1f} µs: the host's 3 ms are in the sample"
+    assert abs(slow.median - fast.median) < 50
