@@ -60,7 +60,7 @@ def test_the_region_kernel_replays_from_a_cuda_graph_and_new_inputs_are_read(tmp
         model.scale.data = torch.full_like(model.scale, 3.0)  # moved: a replay would read the old one
     with torch.inference_mode():
         torch.testing.assert_close(fast(a, b), model(a, b))
-    assert fast.report()["cuda_graphs"][0]["misses"] == 1
+    assert sum(r["misses"] for r in fast.report()["cuda_graphs"]) == 1  # whichever graph a, b reach
 
 
 def test_a_new_shape_captures_its_own_graph_and_a_host_sync_runs_op_by_op(tmp_path):
