@@ -42,7 +42,7 @@ def relu_candidate(n: int, block: int = 256) -> Candidate:
 
 def result(verdict: str = "valid", *, eager: float = 10.0, kernel: float = 5.0, dispatched: float | None = 6.0,
            iqr: tuple[float, float] | None = (0.2, 0.1), flags: tuple[str, ...] = (), compiled: float | None = 8.0,
-           compile_iqr: float = 0.1, compile_error: str | None = None) -> EvalResult:
+           compile_iqr: float = 0.1, compile_error: str | None = None, message: str = "") -> EvalResult:
     """A verdict as the worker writes it; `compiled`: the card under torch.compile (None: not timed)."""
     evidence = {"tolerances": {"seed1": [{"atol": 1e-6, "rtol": 1e-5}]}}
     if iqr:
@@ -51,7 +51,7 @@ def result(verdict: str = "valid", *, eager: float = 10.0, kernel: float = 5.0, 
         evidence["compiled"] = {"median_us": compiled, "iqr_us": compile_iqr}
     if compile_error:
         evidence["compile_error"] = compile_error
-    return EvalResult(Verdict(verdict), evidence=evidence, eager_us=eager, kernel_us=kernel, dispatched_us=dispatched,
+    return EvalResult(Verdict(verdict), message, evidence=evidence, eager_us=eager, kernel_us=kernel, dispatched_us=dispatched,
                       compile_us=compiled, max_abs_err=1e-7, max_rel_err=1e-6, flags=list(flags))
 
 
@@ -118,7 +118,8 @@ def test_winners_only_when_faster_as_dispatched_beyond_noise(tmp_path):
         (a, [(relu_candidate(1024), result())], None),
         (b, [(relu_candidate(2048), result(kernel=5.0, dispatched=11.0))], None),
         (c, [(relu_candidate(3072), result(dispatched=9.8, iqr=(0.4, 0.4)))], None),
-        (d, [(relu_candidate(4096), result("incorrect")), (relu_candidate(4096, 128), result("compile_error"))], None),
+        (d, [(relu_candidate(4096), result("incorrect")), (relu_candidate(4096, 128),
+                                                                 result("compile_error", message="k.cu(3): error: x is undefined\n1 error"))], None),
         (e, [], "view op"),
         (f, two_fast, None),
         (g1, [(relu_candidate(7168), result(dispatched=9.8, iqr=None))], None),
@@ -130,7 +131,8 @@ def test_winners_only_when_faster_as_dispatched_beyond_noise(tmp_path):
     assert {cid for cid, x in got.items() if x["decision"] == "dispatched"} == {a.id, f.id, g2.id}
     assert got[b.id]["reason"] == "slower than eager as dispatched (11.00 µs vs 10.00 µs)"
     assert got[c.id]["reason"].startswith("within timing noise of eager as dispatched (9.80 µs vs 10.00 µs, noise 0.40")
-    assert got[d.id]["reason"] == "no valid candidate (2 tried: 1 incorrect, 1 compile_error)"
+    assert got[d.id]["reason"] == ("no valid candidate (2 tried: 1 incorrect, 1 compile_error); "
+                                   "the last failure: k.cu(3): error: x is undefined")  # what to fix, first line
     assert got[e.id]["reason"] == "not searched: view op"
     assert got[f.id]["candidate"]["knobs"] == {"block": 128} and got[f.id]["timing"]["dispatched_us"] == 6.5
     assert got[g1.id]["decision"] == "fallback" and got[g1.id]["timing"]["noise_us"] == pytest.approx(0.3)

@@ -106,8 +106,11 @@ def choose(rows: list[CandidateRecord], skip_reason: str | None, *, noise_factor
     valid = [r for r in rows if r.verdict == Verdict.VALID.value]
     if not valid:
         counts = collections.Counter(r.verdict for r in rows)
+        failed = [r for r in rows if r.verdict != Verdict.SLOWER.value and r.message]
+        last = max(failed, key=lambda r: r.id).message.strip().splitlines()[0][:200] if failed else ""
         return nothing(f"no valid candidate ({len(rows)} tried: "
-                       + ", ".join(f"{n} {v}" for v, n in counts.most_common()) + ")")
+                       + ", ".join(f"{n} {v}" for v, n in counts.most_common()) + ")"
+                       + (f"; the last failure: {last}" if last else ""))
     trusted = [r for r in valid if "beyond_roofline" not in r.flags]
     if not trusted:
         return nothing("every valid candidate is faster than the HBM floor (flagged beyond_roofline); needs review")
