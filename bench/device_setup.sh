@@ -5,8 +5,12 @@ set -eo pipefail
 export PYTHONUNBUFFERED=1
 : "${OUT:=/tmp/out}"
 mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+# Wheels the image lacks, carried by the device call: .whl/ (openai, pytest-xdist) and, only for
+# the Ray item, .whl-ray/ (a slimmed Ray and its dependencies: docs/cluster.md), kept apart so
+# the other calls do not carry its 50 MB.
+wheels=$(ls .whl/*.whl .whl-ray/*.whl 2>/dev/null || true)
+if [ -n "$wheels" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels
   export PYTHONPATH=/tmp/site
 fi
 # Logs stay out of $OUT: only 8 files come back from a device call, and they are for results.
