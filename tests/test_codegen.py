@@ -14,7 +14,7 @@ from builtin_cards import A, BF16, F16, make_card, meta
 from codegen_cards import EDGES, card_for, pointwise_overloads
 from kforge import compiler
 from kforge.cards import TensorMeta
-from kforge.codegen import build, interp, ops
+from kforge.codegen import build, card_program, interp, ops
 from kforge.codegen.ir import Node, Ref
 from kforge.hardware import H200
 from kforge.proposers.builtin import BuiltinProposer, generated
@@ -41,7 +41,7 @@ def _generated_card(op):
         card = card_for(op, dt)
         if card is None:
             continue
-        prog = build.program_for_card(card)
+        prog = card_program.program_for_card(card)
         if not isinstance(prog, str):
             return card, None
         why = prog
@@ -85,7 +85,7 @@ def test_an_op_torch_tags_nowhere_comes_from_the_table_and_matches_eager(op):
 
     for dt in (torch.float32, torch.int64):
         card = card_for(op, dt)
-        prog = None if card is None else build.program_for_card(card)
+        prog = None if card is None else card_program.program_for_card(card)
         if card is not None and not isinstance(prog, str):
             break
     assert not isinstance(prog, str), prog
@@ -133,7 +133,7 @@ def _gpu_card(op, tensors, *scalars, **kw):
 def _run(op, tensors, *scalars, **kw):
     """(interpreter's outputs, eager's) for op on CPU tensors."""
     card = _gpu_card(op, tensors, *scalars, **kw)
-    prog = build.program_for_card(card)
+    prog = card_program.program_for_card(card)
     assert not isinstance(prog, str), prog
     got = interp.run(prog, [t for t in tensors if isinstance(t, torch.Tensor)])
     want = op(*tensors, *scalars, **kw)
@@ -246,7 +246,7 @@ def test_round_decimals_on_16_bit_floats_rounds_as_eagers_cuda_kernel():
     so this is checked against that formula, not against CPU eager)."""
     x = torch.tensor([0.35, 0.45, 1.25, -0.35], dtype=BF16)
     card = _gpu_card(A.round.decimals, [x], decimals=1)
-    (got,) = interp.run(build.program_for_card(card), [x])
+    (got,) = interp.run(card_program.program_for_card(card), [x])
     ten = torch.tensor(10.0, dtype=BF16)
     want = (torch.round((x * ten).float()).to(BF16).float() / ten.float()).to(BF16)  # each step rounded to bf16
     assert torch.equal(got, want) and got[0].item() == pytest.approx(0.4, abs=1e-2)
@@ -303,7 +303,7 @@ def test_bool_ops_and_comparisons_match_eager():
 def test_mixed_dtypes_promote_like_eager():
     # bf16 * fp32 0-dim CUDA tensor: eager's CUDA kernel rounds the 0-dim operand to bf16 first
     # (a CPU 0-dim tensor would be a scalar kept in fp32, so this is checked on the tree).
-    prog = build.program_for_card(make_card(A.mul.Tensor, meta(6, 4, dtype=BF16), meta()))
+    prog = card_program.program_for_card(make_card(A.mul.Tensor, meta(6, 4, dtype=BF16), meta()))
     assert any(e.op == "cast" and e.value == ("round", "bfloat16") and e.args[0].op == "load"
                for e in prog.results[0].walk())
     i = torch.arange(-5, 5, dtype=torch.int32)
@@ -433,7 +433,7 @@ def test_reversed_and_exclusive_scans(reverse, exclusive):
     import cuda_on_cpu
 
     card = make_card(A.cumsum.default, meta(6, 23), 1)
-    prog = build.program_for_card(card)
+    prog = card_program.program_for_card(card)
     prog.scan = dataclasses.replace(prog.scan, reverse=reverse, exclusive=exclusive)
     x = torch.randn(6, 23)
     want = x.flip(1).cumsum(1).flip(1) if reverse else x.cumsum(1)
@@ -458,7 +458,7 @@ def test_contiguous_lines_get_a_parallel_block_scan_that_compiles_for_every_sett
     import dataclasses
 
     card = make_card(A.cumsum.default, meta(6, 3001), 1)
-    prog = build.program_for_card(card)
+    prog = card_program.program_for_card(card)
     prog.scan = dataclasses.replace(prog.scan, reverse=reverse, exclusive=exclusive)
     generated._PROGRAMS[card.id] = prog
     try:

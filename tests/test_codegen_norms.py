@@ -21,7 +21,7 @@ from norm_models import (AddLayerNormGelu, AddRMSNorm, BatchNormReluAdd, GroupNo
 from kforge import compiler
 from kforge.capturing import capture
 from kforge.card_files import load_sample
-from kforge.codegen import build, interp, lower
+from kforge.codegen import build, card_program, interp, lower
 from kforge.codegen.ir import Node, Ref
 from kforge.hardware import H200
 from kforge.proposers.builtin import BuiltinProposer, generated
@@ -167,7 +167,7 @@ def _compile_and_run(card, inputs, want, run: bool = True):
 @pytest.mark.parametrize("name", sorted(CARDS))
 def test_norm_card_matches_eager_compiles_and_runs(name):
     card, inputs, eager = CARDS[name]()
-    prog = build.program_for_card(card)
+    prog = card_program.program_for_card(card)
     assert not isinstance(prog, str), prog
     assert BuiltinProposer().supports(card) == (True, "")
     want = eager()
@@ -178,7 +178,7 @@ def test_norm_card_matches_eager_compiles_and_runs(name):
 
 def test_a_norm_is_one_kernel_over_the_reduced_domain():
     card, _, _ = _group_norm((2, 16, 5, 3), 4, F32, channels_last=True)
-    prog = build.program_for_card(card)
+    prog = card_program.program_for_card(card)
     assert prog.normalizes and prog.domain == (2, 4, 4, 5, 3) and prog.reduce_dims == (2, 3, 4)
     # the channel vectors are read in place through views broadcast over (N, C, H, W)
     assert sorted(prog.source(i) for i in prog.in_strides) == [0, 1, 2]
@@ -188,11 +188,11 @@ def test_a_norm_is_one_kernel_over_the_reduced_domain():
 
 def test_staging_falls_back_when_the_row_does_not_fit():
     card, _, _ = _softmax(False, (2, 70001), -1, F32)
-    prog = build.program_for_card(card)
+    prog = card_program.program_for_card(card)
     k = {"algo": "gen_norm", "threads": 1024, "lanes": "block", "vec": 1, "staging": "regs"}
     assert lower.norm_staging(prog, k) == "reload"
     card, _, _ = _softmax(False, (8, 8192), -1, F32)
-    prog = build.program_for_card(card)
+    prog = card_program.program_for_card(card)
     assert lower.norm_staging(prog, {**k, "vec": 4}) == "regs"  # 8 values a thread
     assert lower.norm_staging(prog, {**k, "threads": 128, "vec": 4}) == "smem"  # 64 values a thread, 32 KB a block
     assert lower.norm_staging(prog, {**k, "threads": 128, "vec": 4, "staging": "reload"}) == "reload"
@@ -224,13 +224,13 @@ DECLINED = {
 @pytest.mark.parametrize("name", sorted(DECLINED))
 def test_norm_the_generator_cannot_do_is_declined_with_its_reason(name):
     make, reason = DECLINED[name]
-    why = build.program_for_card(make())
+    why = card_program.program_for_card(make())
     assert isinstance(why, str) and reason in why, why
 
 
 def test_a_node_that_reads_a_norms_statistics_is_declined():
     x, w = make_card(A.native_layer_norm.default, meta(4, 8), [8], None, None, 1e-5), None
-    ln = build.node_of_card(x)
+    ln = card_program.node_of_card(x)
     nodes = [ln, Node("aten::mul.Tensor", {"self": Ref("node", 0, 0), "other": Ref("node", 0, 2)}, [x.outputs[0]])]
     why = build.from_nodes(nodes, x.inputs, [Ref("node", 1)], [x.outputs[0]], {})
     assert isinstance(why, str) and "statistics" in why, (why, w)
@@ -289,7 +289,7 @@ def test_norm_region_is_one_program_that_matches_its_replay(tmp_path, name):
     assert cpu_card.region.ops == ops
     inputs, _ = load_sample(cpu_card, tmp_path, 0)
     card = cpu_card.retarget("cuda", "sm_90")
-    prog = build.program_for_card(card)
+    prog = card_program.program_for_card(card)
     assert not isinstance(prog, str), prog
     assert prog.normalizes == ("batch_norm" not in name)
     assert len(cand_kernels(card)) == 1

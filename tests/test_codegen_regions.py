@@ -15,7 +15,7 @@ from torch import nn
 import cuda_on_cpu
 from kforge import compiler
 from kforge.capturing import capture
-from kforge.codegen import build, interp
+from kforge.codegen import card_program, interp
 from kforge.hardware import H200
 from kforge.proposers.base import ProposalContext
 from kforge.proposers.builtin import BuiltinProposer, generated
@@ -63,6 +63,17 @@ class RepeatKV(nn.Module):
         return q_out, k_out[:, :, None].expand(1, 1, 4, 16, 8).contiguous()
 
 
+class Rotary(nn.Module):
+    """transformers' apply_rotary_pos_emb with GQA: q and k have different head counts, so the
+    region's two outputs have different shapes (one kernel each); cos and sin are read outside
+    the region too (here by a matmul; in a model, by the next layers)."""
+
+    def forward(self, freqs, q, q_rot, k, k_rot, w):
+        c, s = freqs.cos() * 1.0, freqs.sin() * 1.0
+        cos, sin = c.unsqueeze(1), s.unsqueeze(1)
+        return q * cos + q_rot * sin, k * cos + k_rot * sin, c.unsqueeze(1) @ w, s.unsqueeze(1) @ w
+
+
 class RepeatKVHeads(nn.Module):
     """repeat_kv with two KV heads and a batch of 2: the size-1 dim goes in between."""
 
@@ -84,11 +95,11 @@ class LinearGelu(nn.Module):
         return F.gelu(self.lin(x))
 
 
-def region_card(tmp_path, model, *inputs):
-    """The one region card of a CPU capture, retargeted to an H200."""
+def region_card(tmp_path, model, *inputs, ops=None):
+    """The one region card of a CPU capture (with `ops`: the one of those ops), retargeted to an H200."""
     with torch.no_grad():
         r = capture(model, inputs, tmp_path, regions=True, time_cards=False)
-    (card,) = [c for c in r.cards if c.region is not None]
+    (card,) = [c for c in r.cards if c.region is not None and ops in (None, c.region.ops)]
     return card.retarget("cuda", "sm_90")
 
 
@@ -101,6 +112,10 @@ CASES = {
     "repeat_kv_of_a_computed_value": (RepeatKV, lambda: (torch.randn(16, 8), torch.randn(1, 4, 16, 8),
                                                          torch.randn(1, 1, 16, 8)),
                                       ["cos", "sin", "mul", "mul", "add", "mul", "mul", "add", "clone"]),  # views unnamed
+    "rotary_q_and_k_of_two_shapes": (Rotary, lambda: (torch.randn(1, 16, 8), torch.randn(2, 4, 16, 8),
+                                                        torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8),
+                                                        torch.randn(2, 2, 16, 8), torch.randn(8, 8)),
+                                     ["mul", "mul", "add", "mul", "mul", "add"]),
 }
 
 
@@ -116,10 +131,11 @@ def _knobs(card):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_region_lowers_compiles_and_matches_its_replay(tmp_path, name):
     model, make_inputs, ops = CASES[name]
-    inputs = make_inputs()
-    card = region_card(tmp_path, model(), *inputs)
-    assert card.region.ops == ops
-    prog = build.program_for_card(card)
+    made = make_inputs()
+    card = region_card(tmp_path, model(), *made, ops=ops)
+    same = [tuple(t.shape) for t in made] == [tuple(m.shape) for m in card.inputs]
+    inputs = list(made) if same else card.random_inputs(0, "cpu")  # the region reads values the model computes
+    prog = card_program.program_for_card(card)
     assert not isinstance(prog, str), prog
     assert BuiltinProposer().supports(card) == (True, "")
     want = card.region.replay([t.clone() for t in inputs])
@@ -136,7 +152,7 @@ def test_region_lowers_compiles_and_matches_its_replay(tmp_path, name):
 
 def test_the_reduction_region_has_its_cast_and_square_as_prologue(tmp_path):
     card = region_card(tmp_path, Rstd(), torch.randn(16, 300, dtype=torch.float16))
-    prog = build.program_for_card(card)
+    prog = card_program.program_for_card(card)
     assert not isinstance(prog, str), prog
     assert prog.reduction is not None and prog.reduction.dims == (1,) and prog.domain == (16, 300)
     assert generated.default(card, H200)["algo"] == "gen_rows"
@@ -152,7 +168,7 @@ def test_views_of_inputs_are_read_in_place_through_the_real_inputs(tmp_path):
     """view and unsqueeze+expand become program inputs of their own, launched with the card's
     input they view: the plan passes only in0 and in1."""
     card = region_card(tmp_path, ViewsOfInputs(), torch.randn(32, 6), torch.randn(4, 8))
-    prog = build.program_for_card(card)
+    prog = card_program.program_for_card(card)
     assert not isinstance(prog, str), prog
     assert len(card.inputs) == 2 and [prog.source(i) for i in sorted(prog.in_strides)] == [0, 1]
     assert prog.in_strides[min(prog.in_strides)] == (48, 6, 1)
@@ -184,3 +200,19 @@ def test_region_the_generator_cannot_do_is_declined_with_its_reason(tmp_path, na
     card = region_card(tmp_path, model(), *make_inputs())
     ok, why = BuiltinProposer().supports(card)
     assert not ok and reason in why, why
+
+
+def test_a_region_with_outputs_of_two_shapes_is_one_kernel_per_shape(tmp_path):
+    """q and k of a GQA rotary embedding: each kernel computes what its output needs (both read
+    cos and sin) and writes only it; every output is written once."""
+    made = CASES["rotary_q_and_k_of_two_shapes"][1]()
+    card = region_card(tmp_path, Rotary(), *made, ops=["mul", "mul", "add", "mul", "mul", "add"])
+    prog = card_program.program_for_card(card)
+    assert not isinstance(prog, str), prog
+    assert len(prog.parts) == 1 and prog.out_index == [0] and prog.parts[0].out_index == [1]
+    assert prog.domain == (2, 4, 16, 8) and prog.parts[0].domain == (2, 2, 16, 8)
+    cand = generated.build(card, generated.default(card, H200), H200)
+    kernels = cand.plan.kernels
+    assert [k.name for k in kernels] == ["kf_gen", "kf_gen_p1"]
+    assert [[a["out"] for a in k.args if "out" in a] for k in kernels] == [[0], [1]]
+    assert sorted(a["in"] for a in kernels[1].args if "in" in a) == [0, 1, 4, 5]  # cos, sin, k, rotated k

@@ -1,5 +1,5 @@
 """aten nodes -> Program (the builder the ir docstring describes), for a single-op card (one
-node) and for a region card (its subgraph's nodes, region_nodes).
+node) and for a region card (its subgraph's nodes: card_program turns a card into them).
 
 Each node's value comes from the op table (ops.POINTWISE, reductions.REDUCTION_OPS, reductions.NORM_OPS).
 Nodes before the one reduction or normalization are its prologue, evaluated over the reduced
@@ -16,11 +16,8 @@ from dataclasses import replace
 
 import torch
 
-from ..cards import Card, TensorMeta, decode_value
-from ..errors import CardError
+from ..cards import TensorMeta
 from ..families import family_of, packet_name, tagged_nowhere
-from ..subgraph import Node as SubNode
-from ..subgraph import is_ref
 from . import ops, reductions
 from .call import Call, Val
 from .ir import FLOATS, Expr, Node, opmath, Program, Reduction, Ref, Scan, Window, broadcast_strides
@@ -331,7 +328,7 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
         # outputs that differ only in leading size-1 dims share one domain: the one with the most dims
         frame = tuple(max(live, key=lambda m: len(m.shape)).shape)
         if any(_lead_stripped(m.shape) != _lead_stripped(frame) for m in live):
-            return "pointwise outputs of different shapes (an inference batch norm's statistics, too)"
+            return DIFFERENT_SHAPES
         if scan is not None and not frame:
             return "a scan of a 0-dim tensor is a copy"
     domain = _domain(frame, split)
@@ -399,102 +396,4 @@ def _meta_of(ref, inputs, values) -> TensorMeta:
     return inputs[ref.index] if ref.kind == "in" else values[(ref.index, ref.output)][1]
 
 
-def node_of_card(card: Card) -> Node:
-    """The card's call as one node whose tensors are the card's inputs."""
-    args, idx = {}, 0
-    for a in card.args:
-        if a.kind == "tensor":
-            args[a.name] = Ref("in", idx)
-            idx += 1
-        elif a.kind == "tensors":
-            refs = []
-            for m in a.tensors:
-                refs.append(Ref("in", idx) if m is not None else None)
-                idx += m is not None
-            args[a.name] = refs
-        else:
-            args[a.name] = decode_value(a.value)
-    return Node(card.op, args, list(card.outputs))
-
-
-def _view_input(n: SubNode, j: int, src, inputs: list[TensorMeta], sources: list[int]) -> Ref | str:
-    """A view of a region input folded into an input of its own: the same memory read with the
-    view's shape and strides (program input appended to `inputs`, its launch-plan input to
-    `sources`), or why not."""
-    what = f"region node {j} ({packet_name(n.op)})"
-    if not isinstance(src, Ref) or src.kind != "in":
-        return f"{what} is a view of a computed value: views of intermediates are not generated"
-    if len(n.outputs) != 1 or n.outputs[0].dtype != inputs[src.index].dtype:
-        return f"{what} splits its input or reinterprets its dtype: not generated"
-    m, out = inputs[src.index], n.outputs[0]
-    if out.storage_offset != m.storage_offset:
-        return (f"{what} starts at storage offset {out.storage_offset}, its input at {m.storage_offset}: "
-                "the kernel reads from the input's pointer")
-    inputs.append(replace(out, device=m.device, align=m.align, lo=m.lo, hi=m.hi))
-    sources.append(sources[src.index])
-    return Ref("in", len(inputs) - 1)
-
-
-def region_nodes(card: Card) -> tuple[list[Node], list[TensorMeta], list[int], list[Ref]] | str:
-    """A region card's subgraph as builder nodes: (nodes, program inputs, the launch-plan input
-    each reads, the refs it returns), or why not. Arguments are bound to schema names with
-    their defaults filled; views of inputs become inputs (_view_input)."""
-    inputs, sources = list(card.inputs), list(range(len(card.inputs)))
-    refs: dict[tuple[int, int], Ref] = {}  # subgraph (node, out) -> its ref among the builder's nodes or inputs
-    nodes: list[Node] = []
-
-    def value(v):
-        if is_ref(v):
-            return Ref("in", v["in"]) if "in" in v else refs[(v["node"], v["out"])]
-        if isinstance(v, list):
-            return [value(x) for x in v]
-        return decode_value(v)
-
-    for j, n in enumerate(card.region.nodes):
-        try:
-            schema = n.overload()._schema.arguments
-        except CardError as e:
-            return str(e)
-        positional = [a for a in schema if not a.kwarg_only]
-        unknown = set(n.kwargs) - {a.name for a in schema}
-        if len(n.args) > len(positional) or unknown:
-            return f"region node {j} ({n.op}) does not match its schema"
-        args = {}
-        for k, a in enumerate(schema):
-            if k < len(n.args) and not a.kwarg_only:
-                args[a.name] = value(n.args[k])
-            elif a.name in n.kwargs:
-                args[a.name] = value(n.kwargs[a.name])
-            elif a.has_default_value():
-                args[a.name] = a.default_value
-            else:
-                return f"region node {j} ({n.op}) has no value for argument {a.name}"
-        src = args.get(schema[0].name) if schema else None
-        if family_of(n.op) == "view" and isinstance(src, Ref) and src.kind == "in":
-            ref = _view_input(n, j, src, inputs, sources)
-            if isinstance(ref, str):
-                return ref
-            refs[(j, 0)] = ref
-            continue
-        refs.update({(j, k): Ref("node", len(nodes), k) for k in range(len(n.outputs))})
-        nodes.append(Node(n.op, args, list(n.outputs)))
-    outputs = [refs[(r["node"], r["out"])] for r in card.region.outputs]
-    if any(r.kind == "in" for r in outputs):
-        return "a region output is a view of an input: there is nothing to compute"
-    return nodes, inputs, sources, outputs
-
-
-def program_for_card(card: Card) -> Program | str:
-    if any(m.device != "cuda" for m in card.inputs + card.outputs):
-        return "a tensor is not on the GPU: generated kernels read CUDA memory only"
-    if not card.outputs:
-        return "the op returns no tensor"
-    if card.region is not None:
-        conv = region_nodes(card)
-        if isinstance(conv, str):
-            return conv
-        nodes, inputs, sources, refs = conv
-        return from_nodes(nodes, inputs, refs, list(card.outputs), card.aliases, sources)
-    node = node_of_card(card)
-    refs = [Ref("node", 0, k) for k in range(len(card.outputs))]
-    return from_nodes([node], card.inputs, refs, list(card.outputs), card.aliases)
+DIFFERENT_SHAPES = "pointwise outputs of different shapes (an inference batch norm's statistics, too)"

@@ -144,7 +144,17 @@ def _window(prog: Program, inputs: list[torch.Tensor]) -> dict[str, torch.Tensor
 
 def run(prog: Program, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """The program's outputs (contiguous, with the output shapes and dtypes) for CPU `inputs`
-    (the launch plan's: a region's views of an input read that input)."""
+    (the launch plan's: a region's views of an input read that input), in the card's order
+    (a program with parts: every part's outputs too)."""
+    if prog.out_index is None and not prog.parts:
+        return _run(prog, inputs)
+    got: dict[int, torch.Tensor] = {}
+    for p in [prog, *prog.parts]:
+        got.update((p.card_output(j), t) for j, t in enumerate(_run(p, inputs)))
+    return [got[j] for j in range(len(got))]
+
+
+def _run(prog: Program, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     dom = prog.domain
     red = prog.reduction
     kept = tuple(1 if d in prog.reduce_dims else s for d, s in enumerate(dom))

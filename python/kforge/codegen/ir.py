@@ -272,6 +272,16 @@ class Program:
     # per input: the launch-plan input whose memory it reads (a region's view of an input is
     # an input of its own, with the view's shape and strides); None: every input is its own
     sources: list[int] | None = None
+    # A pointwise region whose outputs have different shapes (rotary embeddings: q, k and the
+    # cos and sin they return) is one program per shape, each a kernel of one launch plan: the
+    # first is this program, the rest its `parts`; `out_index[j]` is the card output that
+    # output j is (None: output j is the card's output j).
+    out_index: list[int] | None = None
+    parts: list["Program"] = field(default_factory=list)
+
+    def card_output(self, j: int) -> int:
+        """The card output (launch-plan {"out": n}) that output j is."""
+        return j if self.out_index is None else self.out_index[j]
 
     def source(self, i: int) -> int:
         """The launch-plan input ({"in": n}) that program input i reads."""

@@ -34,6 +34,20 @@ def pointwise_vecs(prog: Program) -> tuple[int, ...]:
 
 
 def lower_pointwise(prog: Program, knobs: dict, sm_count: int) -> Built:
+    """One kernel, kf_gen; a program with parts (one per output shape) adds one kernel per
+    part, kf_gen_p1, ..., each in a namespace of its own and at the widest vector width it
+    allows up to the knob's."""
+    src, launch = _kernel(prog, knobs, sm_count, "kf_gen")
+    bodies, launches = [src], [launch]
+    for n, part in enumerate(prog.parts, 1):
+        vec = max(w for w in pointwise_vecs(part) if w <= knobs["vec"])
+        src, launch = _kernel(part, {**knobs, "vec": vec}, sm_count, f"kf_gen_p{n}")
+        bodies.append(f"namespace kf_p{n} {{\n{src}\n}}")
+        launches.append(launch)
+    return Built(_header("\n".join(bodies)), launches, [])
+
+
+def _kernel(prog: Program, knobs: dict, sm_count: int, name: str) -> tuple[str, tuple]:
     nt, v, it = knobs["threads"], knobs["vec"], knobs["items"]
     sizes, strides = pointwise_layout(prog)
     numel = math.prod(sizes)
@@ -81,7 +95,7 @@ def lower_pointwise(prog: Program, knobs: dict, sm_count: int) -> Built:
     src = "\n".join([
         f"typedef {idx} kf_idx;",
         f"constexpr int NT = {nt}; constexpr int V = {v}; constexpr int IT = {it}; constexpr kf_idx NV = {nv};",
-        f'extern "C" __global__ void __launch_bounds__(NT) kf_gen({", ".join(params)}) {{',
+        f'extern "C" __global__ void __launch_bounds__(NT) {name}({", ".join(params)}) {{',
         *hoist,
         "  for (kf_idx base = (kf_idx)blockIdx.x * (NT * IT) + threadIdx.x; base < NV;"
         " base += (kf_idx)gridDim.x * (NT * IT)) {",
@@ -111,4 +125,5 @@ def lower_pointwise(prog: Program, knobs: dict, sm_count: int) -> Built:
     blocks = max(1, ceil_div(nv, nt * it))
     if knobs.get("grid") == "stride":
         blocks = min(blocks, sm_count * max(1, 2048 // nt))
-    return Built(_header(src), [("kf_gen", (blocks,), (nt,), args, 0)], [])
+    args = [{"out": prog.card_output(a["out"])} if "out" in a else a for a in args]
+    return src, (name, (blocks,), (nt,), args, 0)

@@ -12,7 +12,7 @@ import json
 
 from ...candidate import Candidate, LaunchPlan
 from ...cards import Card
-from ...codegen import build as cg_build
+from ...codegen import card_program
 from ...codegen import lower
 from ...codegen.ir import FLOATS, Program
 from ...hardware import Hardware
@@ -28,7 +28,7 @@ def program(card: Card) -> Program | str:
         if len(_PROGRAMS) > 4096:
             _PROGRAMS.clear()
         try:
-            _PROGRAMS[card.id] = cg_build.program_for_card(card)
+            _PROGRAMS[card.id] = card_program.program_for_card(card)
         except (ValueError, TypeError, ArithmeticError) as e:
             # An entry that cannot express this dtype (e.g. a NaN constant in an integer
             # op) declines the card; a search must not die on one card.

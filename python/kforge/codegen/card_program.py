@@ -1,0 +1,169 @@
+"""What a card's program is: its call, or its region's subgraph, as the builder's nodes
+(build.from_nodes). A region's views of its inputs become inputs of their own, and a pointwise
+region whose outputs have different shapes becomes one program per shape (ir.Program.parts)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..cards import Card, TensorMeta, decode_value
+from ..errors import CardError
+from ..families import family_of, packet_name
+from ..subgraph import Node as SubNode
+from ..subgraph import is_ref
+from .build import DIFFERENT_SHAPES, _lead_stripped, from_nodes
+from .ir import Node, Program, Ref
+
+
+def node_of_card(card: Card) -> Node:
+    """The card's call as one node whose tensors are the card's inputs."""
+    args, idx = {}, 0
+    for a in card.args:
+        if a.kind == "tensor":
+            args[a.name] = Ref("in", idx)
+            idx += 1
+        elif a.kind == "tensors":
+            refs = []
+            for m in a.tensors:
+                refs.append(Ref("in", idx) if m is not None else None)
+                idx += m is not None
+            args[a.name] = refs
+        else:
+            args[a.name] = decode_value(a.value)
+    return Node(card.op, args, list(card.outputs))
+
+
+def _view_input(n: SubNode, j: int, src, inputs: list[TensorMeta], sources: list[int]) -> Ref | str:
+    """A view of a region input folded into an input of its own: the same memory read with the
+    view's shape and strides (program input appended to `inputs`, its launch-plan input to
+    `sources`), or why not."""
+    what = f"region node {j} ({packet_name(n.op)})"
+    if not isinstance(src, Ref) or src.kind != "in":
+        return f"{what} is a view of a computed value: views of intermediates are not generated"
+    if len(n.outputs) != 1 or n.outputs[0].dtype != inputs[src.index].dtype:
+        return f"{what} splits its input or reinterprets its dtype: not generated"
+    m, out = inputs[src.index], n.outputs[0]
+    if out.storage_offset != m.storage_offset:
+        return (f"{what} starts at storage offset {out.storage_offset}, its input at {m.storage_offset}: "
+                "the kernel reads from the input's pointer")
+    inputs.append(replace(out, device=m.device, align=m.align, lo=m.lo, hi=m.hi))
+    sources.append(sources[src.index])
+    return Ref("in", len(inputs) - 1)
+
+
+def region_nodes(card: Card) -> tuple[list[Node], list[TensorMeta], list[int], list[Ref]] | str:
+    """A region card's subgraph as builder nodes: (nodes, program inputs, the launch-plan input
+    each reads, the refs it returns), or why not. Arguments are bound to schema names with
+    their defaults filled; views of inputs become inputs (_view_input)."""
+    inputs, sources = list(card.inputs), list(range(len(card.inputs)))
+    refs: dict[tuple[int, int], Ref] = {}  # subgraph (node, out) -> its ref among the builder's nodes or inputs
+    nodes: list[Node] = []
+
+    def value(v):
+        if is_ref(v):
+            return Ref("in", v["in"]) if "in" in v else refs[(v["node"], v["out"])]
+        if isinstance(v, list):
+            return [value(x) for x in v]
+        return decode_value(v)
+
+    for j, n in enumerate(card.region.nodes):
+        try:
+            schema = n.overload()._schema.arguments
+        except CardError as e:
+            return str(e)
+        positional = [a for a in schema if not a.kwarg_only]
+        unknown = set(n.kwargs) - {a.name for a in schema}
+        if len(n.args) > len(positional) or unknown:
+            return f"region node {j} ({n.op}) does not match its schema"
+        args = {}
+        for k, a in enumerate(schema):
+            if k < len(n.args) and not a.kwarg_only:
+                args[a.name] = value(n.args[k])
+            elif a.name in n.kwargs:
+                args[a.name] = value(n.kwargs[a.name])
+            elif a.has_default_value():
+                args[a.name] = a.default_value
+            else:
+                return f"region node {j} ({n.op}) has no value for argument {a.name}"
+        src = args.get(schema[0].name) if schema else None
+        if family_of(n.op) == "view" and isinstance(src, Ref) and src.kind == "in":
+            ref = _view_input(n, j, src, inputs, sources)
+            if isinstance(ref, str):
+                return ref
+            refs[(j, 0)] = ref
+            continue
+        refs.update({(j, k): Ref("node", len(nodes), k) for k in range(len(n.outputs))})
+        nodes.append(Node(n.op, args, list(n.outputs)))
+    outputs = [refs[(r["node"], r["out"])] for r in card.region.outputs]
+    if any(r.kind == "in" for r in outputs):
+        return "a region output is a view of an input: there is nothing to compute"
+    return nodes, inputs, sources, outputs
+
+
+def program_for_card(card: Card) -> Program | str:
+    if any(m.device != "cuda" for m in card.inputs + card.outputs):
+        return "a tensor is not on the GPU: generated kernels read CUDA memory only"
+    if not card.outputs:
+        return "the op returns no tensor"
+    if card.region is not None:
+        conv = region_nodes(card)
+        if isinstance(conv, str):
+            return conv
+        nodes, inputs, sources, refs = conv
+        prog = from_nodes(nodes, inputs, refs, list(card.outputs), card.aliases, sources)
+        return _by_shape(nodes, inputs, refs, list(card.outputs), card.aliases, sources) if prog == DIFFERENT_SHAPES else prog
+    node = node_of_card(card)
+    refs = [Ref("node", 0, k) for k in range(len(card.outputs))]
+    return from_nodes([node], card.inputs, refs, list(card.outputs), card.aliases)
+
+
+def _by_shape(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], out_metas: list[TensorMeta],
+              aliases: dict[int, int], sources: list[int]) -> Program | str:
+    """A region whose pointwise outputs have different shapes as one program per shape (ir.Program.parts),
+    each built from the nodes its outputs need (what two of them need is computed by both)."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for j, m in enumerate(out_metas):
+        groups.setdefault(_lead_stripped(m.shape), []).append(j)
+    progs = []
+    for idx in groups.values():
+        keep = _needed(nodes, [outputs[j] for j in idx])
+        renumber = {old: new for new, old in enumerate(keep)}
+
+        def moved(v):
+            if isinstance(v, Ref):
+                return Ref("node", renumber[v.index], v.output) if v.kind == "node" else v
+            return [moved(x) for x in v] if isinstance(v, list) else v
+
+        sub = [Node(nodes[k].op, {a: moved(v) for a, v in nodes[k].args.items()}, nodes[k].metas) for k in keep]
+        local = {j: k for k, j in enumerate(idx)}
+        prog = from_nodes(sub, list(inputs), [moved(outputs[j]) for j in idx], [out_metas[j] for j in idx],
+                          {local[j]: i for j, i in aliases.items() if j in local}, list(sources))
+        if isinstance(prog, str):
+            return prog
+        if prog.reduction is not None or prog.scan is not None or prog.window is not None:
+            return DIFFERENT_SHAPES
+        prog.out_index = idx
+        progs.append(prog)
+    progs[0].parts = progs[1:]
+    return progs[0]
+
+
+def _needed(nodes: list[Node], refs: list[Ref]) -> list[int]:
+    """The nodes `refs` depend on, in order."""
+    seen, todo = set(), [r.index for r in refs if r.kind == "node"]
+    while todo:
+        k = todo.pop()
+        if k in seen:
+            continue
+        seen.add(k)
+
+        def walk(v):
+            if isinstance(v, Ref) and v.kind == "node":
+                todo.append(v.index)
+            elif isinstance(v, list):
+                for x in v:
+                    walk(x)
+
+        for v in nodes[k].args.values():
+            walk(v)
+    return sorted(seen)
