@@ -1,7 +1,8 @@
 """Region cards captured on the GPU get generated kernels that the evaluator accepts (fresh
 input sets, poisoned outputs, tolerance from eager's own error, against the subgraph's replay):
 a pointwise chain, views of inputs read in place, a rotary chain with repeat_kv's broadcast of a
-computed value, and a reduction with a prologue."""
+computed value, a GQA rotary chain whose outputs have two shapes (one kernel each), and a
+reduction with a prologue."""
 
 from __future__ import annotations
 
@@ -48,6 +49,23 @@ class RotaryRepeatKV(nn.Module):
         return q_out, k_out[:, :, None].expand(1, 1, 8, 128, 64).contiguous()
 
 
+class RotaryGQA(nn.Module):
+    """transformers' apply_rotary_pos_emb with 8 query and 2 key heads in bf16: the region's q and
+    k outputs have different shapes, one generated kernel each; cos and sin feed a matmul too."""
+
+    def forward(self, freqs, q, q_rot, k, k_rot, w):
+        c, s = freqs.cos().to(q.dtype), freqs.sin().to(q.dtype)
+        cos, sin = c.unsqueeze(1), s.unsqueeze(1)
+        return q * cos + q_rot * sin, k * cos + k_rot * sin, c.unsqueeze(1) @ w, s.unsqueeze(1) @ w
+
+
+def _gqa_inputs():
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    q, k = torch.randn(2, 8, 128, 64, **bf16), torch.randn(2, 2, 128, 64, **bf16)
+    return (torch.randn(1, 128, 64, device="cuda"), q, torch.randn_like(q), k, torch.randn_like(k),
+            torch.randn(64, 64, **bf16))
+
+
 def _rotary_inputs():
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
     q = torch.randn(1, 128, 8, 64, **bf16).transpose(1, 2)  # (B, H, S, D) viewed from (B, S, H, D)
@@ -57,6 +75,7 @@ def _rotary_inputs():
 
 CASES = {
     "rotary_repeat_kv_bf16": (RotaryRepeatKV, _rotary_inputs),
+    "rotary_gqa_two_shapes_bf16": (RotaryGQA, _gqa_inputs),
     "silu_mul": (SiluMul, lambda: (torch.randn(64, 4096, device="cuda"), torch.randn(64, 4096, device="cuda"))),
     "views_of_inputs": (ViewsOfInputs, lambda: (torch.randn(2048, 128, device="cuda"),
                                                 torch.randn(64, 32, device="cuda"))),
@@ -69,7 +88,8 @@ def test_generated_region_kernel_passes_the_evaluator(tmp_path, name):
     model, make_inputs = CASES[name]
     with torch.no_grad():
         r = capture(model(), make_inputs(), tmp_path, regions=True)
-    (card,) = [c for c in r.cards if c.region is not None]
+    regions = [c for c in r.cards if c.region is not None]
+    card = max(regions, key=lambda c: len(c.region.ops))  # the GQA case's q and k chain, not its cos or sin
     hw = current()
     assert BuiltinProposer().supports(card) == (True, "")
     first = BuiltinProposer().propose(ProposalContext(card, hw)).candidate
