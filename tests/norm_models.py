@@ -68,6 +68,20 @@ class GroupNormSilu(nn.Module):
         return F.silu(self.gn(x))
 
 
+class ScaleAddLayerNorm2d(nn.Module):
+    """ConvNeXt's layer norm over channels of an NCHW map (timm's LayerNorm2d: permute to NHWC,
+    layer_norm, permute back) after the block's scaled residual add; a 1x1 convolution after it
+    keeps the permute back outside the region."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.gamma, self.ln, self.conv = nn.Parameter(torch.randn(c, 1, 1)), nn.LayerNorm(c), nn.Conv2d(c, c, 1)
+
+    def forward(self, x, shortcut):
+        y = shortcut + x * self.gamma
+        return self.conv(self.ln(y.permute(0, 2, 3, 1)).permute(0, 3, 1, 2))
+
+
 class BatchNormReluAdd(nn.Module):
     """In eval mode: running statistics away from (0, 1), so they matter."""
 

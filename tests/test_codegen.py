@@ -596,6 +596,45 @@ def test_region_of_pointwise_nodes_and_a_reduction_with_an_epilogue():
     assert compiler.compile(built.source, arch="sm_90").cubin
 
 
+def test_a_permute_of_a_computed_value_moves_the_region_to_the_permuted_domain():
+    """x + y, permuted to channels-last, layer-normed over channels (ConvNeXt's LayerNorm2d),
+    with the sum returned too: every load is read through permuted strides, and the sum is
+    written through its own strides at the permuted points."""
+    x, y = torch.randn(2, 6, 3, 4), torch.randn(2, 6, 3, 4)
+    m = lambda *s: TensorMeta(s, torch.empty(s).stride(), "float32", "cuda")  # noqa: E731
+    nodes = [Node("aten::add.Tensor", {"self": Ref("in", 0), "other": Ref("in", 1), "alpha": 1}, [m(2, 6, 3, 4)]),
+             Node("aten::permute.default", {"self": Ref("node", 0), "dims": [0, 2, 3, 1]}, [m(2, 3, 4, 6)]),
+             Node("aten::native_layer_norm.default", {"input": Ref("node", 1), "normalized_shape": [6], "weight": None,
+                                                       "bias": None, "eps": 1e-5}, [m(2, 3, 4, 6), m(2, 3, 4, 1), m(2, 3, 4, 1)])]
+    prog = build.from_nodes(nodes, [TensorMeta.of(x), TensorMeta.of(y)], [Ref("node", 2), Ref("node", 0)],
+                            [m(2, 3, 4, 6), m(2, 6, 3, 4)], {})
+    assert not isinstance(prog, str), prog
+    assert prog.domain == (2, 3, 4, 6) and prog.out_strides[1] == (72, 4, 1, 12)
+    normed, total = interp.run(prog, [x, y])
+    torch.testing.assert_close(normed, torch.nn.functional.layer_norm((x + y).permute(0, 2, 3, 1), (6,)))
+    torch.testing.assert_close(total, x + y)
+    from kforge.codegen import lower
+
+    built = lower.lower_norm(prog, {"algo": "gen_norm", "threads": 64, "lanes": 1, "vec": 1, "staging": "regs"})
+    assert compiler.compile(built.source, arch="sm_90").cubin
+
+
+def test_a_permute_after_a_keepdim_reduction_is_written_once_per_kept_point():
+    x = torch.randn(2, 5, 3, 4)
+    m = lambda *s: TensorMeta(s, torch.empty(s).stride(), "float32", "cuda")  # noqa: E731
+    nodes = [Node("aten::mul.Tensor", {"self": Ref("in", 0), "other": 2.0}, [m(2, 5, 3, 4)]),
+             Node("aten::mean.dim", {"self": Ref("node", 0), "dim": [2, 3], "keepdim": True, "dtype": None}, [m(2, 5, 1, 1)]),
+             Node("aten::permute.default", {"self": Ref("node", 1), "dims": [0, 2, 3, 1]}, [m(2, 1, 1, 5)])]
+    prog = build.from_nodes(nodes, [TensorMeta.of(x)], [Ref("node", 2)], [m(2, 1, 1, 5)], {})
+    assert not isinstance(prog, str), prog
+    assert prog.out_strides[0] == (5, 1, 0, 0)  # over (2, 5, 3, 4): channel c at c, nothing over the reduced dims
+    (got,) = interp.run(prog, [x])
+    torch.testing.assert_close(got, (x * 2).mean((2, 3), keepdim=True).permute(0, 2, 3, 1))
+    used = nodes + [Node("aten::relu.default", {"self": Ref("node", 2)}, [m(2, 1, 1, 5)])]
+    why = build.from_nodes(used, [TensorMeta.of(x)], [Ref("node", 3)], [m(2, 1, 1, 5)], {})
+    assert "only a region output may be one" in why
+
+
 def test_region_with_two_reductions_is_declined():
     m = lambda *s: TensorMeta(s, torch.empty(s).stride(), "float32", "cuda")  # noqa: E731
     nodes = [Node("aten::amax.default", {"self": Ref("in", 0), "dim": [1], "keepdim": True}, [m(4, 1)]),

@@ -17,7 +17,7 @@ import torch
 import cuda_on_cpu
 from builtin_cards import A, BF16, F16, F32, make_card, meta
 from norm_models import (AddLayerNormGelu, AddRMSNorm, BatchNormReluAdd, GroupNormSilu, HandRMSNorm, InstanceNormRelu,
-                         MaskSoftmax, ScaleSoftmax)
+                         MaskSoftmax, ScaleAddLayerNorm2d, ScaleSoftmax)
 from kforge import compiler
 from kforge.capturing import capture
 from kforge.card_files import load_sample
@@ -276,6 +276,8 @@ REGIONS = {
                                       ["native_group_norm", "silu"]),
     "batch_norm relu add": (lambda: BatchNormReluAdd(16).eval(), lambda: (_t((2, 16, 5, 5)), _t((2, 16, 5, 5))),
                             ["_native_batch_norm_legit_no_training", "relu", "add"]),
+    "scale add layer_norm over channels": (lambda: ScaleAddLayerNorm2d(12), lambda: (_t((2, 12, 5, 3)), _t((2, 12, 5, 3))),
+                                           ["mul", "add", "native_layer_norm"]),  # the permute unnamed (a view)
 }
 
 
@@ -285,7 +287,7 @@ def test_norm_region_is_one_program_that_matches_its_replay(tmp_path, name):
     model, make_inputs, ops = REGIONS[name]
     with torch.no_grad():
         r = capture(model(), make_inputs(), tmp_path, regions=True, time_cards=False)
-    (cpu_card,) = [c for c in r.cards if c.region is not None]
+    (cpu_card,) = [c for c in r.cards if c.region is not None and c.region.kind == "fused"]  # not a conv's epilogue
     assert cpu_card.region.ops == ops
     inputs, _ = load_sample(cpu_card, tmp_path, 0)
     card = cpu_card.retarget("cuda", "sm_90")

@@ -180,6 +180,14 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
     frame_of: dict[tuple[int, int], int] = {}
     load_frame: dict[int, int] = {}
     in_frame: dict[tuple[int, int], int] = {}
+    # Permutes of computed values (a channels-last layer norm: permute, norm, permute back).
+    # Before the reduction, a permute moves every value to the permuted domain (_permuted);
+    # `moved` holds each moved value's shape before and the dims taken since (its output is
+    # written through its own strides, permuted), `stale` the values it could not move. After
+    # the reduction, a permute may only be a region output: written permuted, read by no node.
+    moved: dict[tuple[int, int], tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    stale: set[tuple[int, int]] = set()
+    written_permuted: dict[tuple[int, int], tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
     def val(ref: Ref) -> Val:
         if ref.kind == "in":
@@ -198,6 +206,10 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
             return Val(Expr.load(i, m.dtype), m.dtype, len(m.shape))
         if (ref.index, ref.output) in stats:
             raise _Decline("a node uses a normalization's statistics (mean, rstd): not generated")
+        if (ref.index, ref.output) in stale:
+            raise _Decline("a value from before a permute, of a shape it does not broadcast to, is used after it")
+        if (ref.index, ref.output) in written_permuted:
+            raise _Decline("a permute after the reduction is read by another node: only a region output may be one")
         if frames and frame_of.get((ref.index, ref.output), 0) != len(frames) - 1:
             raise _Decline("a value from before a reshape is used after it: not generated")
         e, m = values[(ref.index, ref.output)]
@@ -216,6 +228,12 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
                     table_key(node.op)[0] == "expand" and broadcast_strides(m.shape, m.stride, tuple(out.shape)) is not None):
                 values[(j, 0)] = (val(src).expr, out)
                 return None
+            if table_key(node.op)[0] == "permute":
+                val(src)
+                dims = tuple(d % len(m.shape) for d in node.args["dims"])
+                _permuted(tuple(m.shape), dims, values, moved, stale, inputs, sources, loads, load_frame)
+                values[(j, 0)] = (values[(src.index, src.output)][0], out)
+                return None
             return (f"{packet_name(node.op)} of a computed value from {tuple(m.shape)} to {tuple(out.shape)}: before a "
                     "reduction, only views that add or drop leading size-1 dims, and expands, are generated")
         if red is None or not red.keepdim or src is None:
@@ -223,6 +241,10 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
                     "(or a keepdim reduction) only")
         e, m = val(src).expr, values[(src.index, src.output)][1]
         out = node.metas[0]
+        if table_key(node.op)[0] == "permute" and not frames:
+            values[(j, 0)] = (e, out)
+            written_permuted[(j, 0)] = (tuple(d % len(m.shape) for d in node.args["dims"]), tuple(m.shape))
+            return None
         if out.numel != m.numel or _reshaped(m.shape, m.stride, tuple(out.shape)) != _reshaped(
                 out.shape, out.stride, tuple(out.shape)):
             return f"{packet_name(node.op)} of a computed value reorders its elements: not generated"
@@ -353,8 +375,16 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
     out_strides = []
     for r, m in zip(outputs, out_metas):
         f = frame_of.get((r.index, r.output), 0)
+        key = (r.index, r.output)
+        if key in stale:
+            return "a region output from before a permute has a shape it does not broadcast to"
         if not m.numel:
             out_strides.append((0,) * len(domain))
+        elif key in moved or key in written_permuted:
+            st = _permuted_strides(m, moved.get(key), written_permuted.get(key), frame)
+            if st is None:
+                return f"output of shape {m.shape} is not a permutation of the region's {frame}"
+            out_strides.append(_split(st, frame, split))
         elif f:
             st = to_frame(tuple(m.stride), f)
             if st is None:
@@ -390,6 +420,71 @@ def _domain(frame: tuple[int, ...], split) -> tuple[int, ...]:
 
 class _Decline(Exception):
     pass
+
+
+def _permuted(shape, dims, values, moved, stale, inputs, sources, loads, load_frame) -> None:
+    """Move every value to the domain permuted by `dims` (before any reduction, where each value is
+    a function of the point through its loads): each load of an input reads a new input, that
+    input broadcast to `shape` and permuted; a value that does not broadcast to `shape` goes stale."""
+    to = tuple(shape[d] for d in dims)
+    made: dict[int, int] = {}
+
+    def load_of(i: int) -> int:
+        if i not in made:
+            st = broadcast_strides(tuple(inputs[i].shape), tuple(inputs[i].stride), shape)
+            if st is None:
+                raise _Decline(f"input {i} of shape {tuple(inputs[i].shape)} does not broadcast to {shape} before a permute")
+            inputs.append(replace(inputs[i], shape=to, stride=tuple(st[d] for d in dims)))
+            sources.append(sources[i])
+            made[i] = len(inputs) - 1
+        return made[i]
+
+    memo: dict[int, Expr] = {}
+
+    def moved_expr(e: Expr) -> Expr:
+        if id(e) not in memo:
+            memo[id(e)] = (Expr("load", (), e.dtype, (load_of(e.value[0]), e.value[1])) if e.op == "load" else
+                           Expr(e.op, tuple(moved_expr(a) for a in e.args), e.dtype, e.value))
+        return memo[id(e)]
+
+    for key, (e, m) in list(values.items()):
+        if key in stale or broadcast_strides(tuple(m.shape), (0,) * len(m.shape), shape) is None:
+            stale.add(key)
+            continue
+        before, taken = moved.get(key, (shape, tuple(range(len(shape)))))
+        moved[key] = (before, tuple(taken[d] for d in dims))
+        values[key] = (moved_expr(e), replace(m, shape=to, stride=_contiguous(to)))
+    for i in [i for i in loads if i not in made.values()]:  # read only through the permuted inputs now
+        del loads[i]
+        load_frame.pop(i, None)
+    for i in made.values():
+        loads[i], load_frame[i] = "pro", 0
+
+
+def _permuted_strides(m: TensorMeta, moved, written, frame) -> tuple[int, ...] | None:
+    """Strides over the domain of an output whose value a permute moved (its elements sit at the
+    permuted points) or that is a permute written after the reduction."""
+    if moved is not None:
+        before, taken = moved
+        if _lead_stripped(m.shape) != _lead_stripped(before) or len(taken) != len(frame):
+            return None
+        st = broadcast_strides(tuple(m.shape), tuple(m.stride), before)
+        return tuple(st[d] for d in taken)
+    dims, src = written  # the permute's dims, and its operand's shape: size 1 where a reduction kept a dim
+    if len(m.shape) != len(frame) or len(src) != len(frame):
+        return None
+    inverse = [0] * len(dims)
+    for k, d in enumerate(dims):
+        inverse[d] = k
+    return tuple(0 if src[e] == 1 else m.stride[inverse[e]] for e in range(len(frame)))
+
+
+def _contiguous(shape) -> tuple[int, ...]:
+    st, acc = [], 1
+    for n in reversed(shape):
+        st.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(st))
 
 
 def _meta_of(ref, inputs, values) -> TensorMeta:

@@ -193,6 +193,9 @@ def _run(prog: Program, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         v = evaluate(e, env, None if prog.window else loads_over(shape)).expand(shape)
         if shape != kept and not any(st[d] for d in prog.reduce_dims):  # a statistic of a normalization
             v = v[at_kept]
-        outs.append(v.to(_T[m.dtype]).reshape(m.shape).contiguous())
+        # written through the output's strides over the domain, as the kernel writes it
+        out = torch.empty_strided(tuple(m.shape), tuple(m.stride), dtype=_T[m.dtype])
+        torch.as_strided(out, v.shape, st).copy_(v.to(_T[m.dtype]))
+        outs.append(out.contiguous())
     return outs
 
