@@ -82,6 +82,16 @@ class ScaleAddLayerNorm2d(nn.Module):
         return self.conv(self.ln(y.permute(0, 2, 3, 1)).permute(0, 3, 1, 2))
 
 
+class WindowMaskSoftmax(nn.Module):
+    """Swin's shifted-window attention probabilities: a relative position bias, then a mask per
+    window through a 5-D view of the scores, then softmax over the 4-D scores again."""
+
+    def forward(self, attn, bias, mask):
+        nw, (b, h, n, _) = mask.shape[0], attn.shape
+        attn = (attn + bias.unsqueeze(0)).view(b // nw, nw, h, n, n) + mask.unsqueeze(1).unsqueeze(0)
+        return torch.softmax(attn.view(-1, h, n, n), -1)
+
+
 class BatchNormReluAdd(nn.Module):
     """In eval mode: running statistics away from (0, 1), so they matter."""
 

@@ -15,7 +15,7 @@ from codegen_cards import EDGES, card_for, pointwise_overloads
 from kforge import compiler
 from kforge.cards import TensorMeta
 from kforge.codegen import build, card_program, interp, ops
-from kforge.codegen.ir import Node, Ref
+from kforge.codegen.ir import Node, Ref, broadcast_strides
 from kforge.hardware import H200
 from kforge.proposers.builtin import BuiltinProposer, generated
 from kforge.proposers.builtin import space as knob_space
@@ -723,3 +723,10 @@ def test_pooling_of_integer_tensors_is_declined_since_eager_cuda_cannot_check_it
     card = make_card(torch.ops.aten.max_pool2d_with_indices.default, meta(2, 5, 17, 13, dtype=torch.int32),
                      [3, 3], [2, 2], [1, 1], [2, 2], True)
     assert "eager has no CUDA kernel" in generated.check(card)
+
+
+def test_broadcasting_drops_leading_size_1_dims_beyond_the_domain_and_only_those():
+    mask = torch.empty(1, 4, 1, 16, 16)  # Swin's window mask, viewed with one more dim than the scores
+    assert broadcast_strides(tuple(mask.shape), mask.stride(), (4, 3, 16, 16)) == (256, 0, 16, 1)
+    assert broadcast_strides((2, 4, 1, 16, 16), (1024, 256, 256, 16, 1), (4, 3, 16, 16)) is None
+    assert broadcast_strides((3, 1), (1, 1), (2, 3, 5)) == (0, 1, 0)

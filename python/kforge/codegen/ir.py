@@ -300,10 +300,13 @@ class Program:
 
 
 def broadcast_strides(shape: tuple[int, ...], stride: tuple[int, ...], domain: tuple[int, ...]) -> tuple[int, ...] | None:
-    """Strides of a tensor of `shape` broadcast to `domain` (right-aligned), or None."""
+    """Strides of a tensor of `shape` broadcast to `domain` (right-aligned; leading size-1 dims
+    beyond the domain's are dropped), or None."""
     lead = len(domain) - len(shape)
     if lead < 0:
-        return None
+        if any(n != 1 for n in shape[:-lead]):
+            return None
+        shape, stride, lead = shape[-lead:], stride[-lead:], 0
     out = []
     for d, size in enumerate(domain):
         k = d - lead
