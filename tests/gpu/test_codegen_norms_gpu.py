@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from norm_models import (AddLayerNormGelu, AddRMSNorm, BatchNormReluAdd, GroupNormSilu, InstanceNormRelu, TemperatureLogSoftmax,
-                         MaskSoftmax, ScaleAddLayerNorm2d, ScaleSoftmax)
+                         MaskSoftmax, ScaleAddLayerNorm2d, ScaleSoftmax, WindowMaskSoftmax)
 
 from kforge.capturing import capture
 from kforge.evaluate import make_evaluator
@@ -53,6 +53,8 @@ CASES = {
         lambda: _half(BatchNormReluAdd(64)).eval(),
         lambda: (cuda(4, 64, 28, 28, dtype=BF16, channels_last=True), cuda(4, 64, 28, 28, dtype=BF16, channels_last=True))),
     "instance_norm relu": (lambda: InstanceNormRelu(16, affine=True), lambda: (cuda(2, 16, 9, 11),)),
+    "window mask softmax (swin, one image)": (WindowMaskSoftmax, lambda: (cuda(64, 3, 49, 49), cuda(3, 49, 49),
+                                                                           cuda(64, 49, 49))),
     "scale add layer_norm over channels (convnext) bf16": (lambda: _half(ScaleAddLayerNorm2d(96)),
                                                            lambda: (cuda(4, 96, 28, 28, dtype=BF16), cuda(4, 96, 28, 28, dtype=BF16))),
 }
