@@ -2,7 +2,7 @@
 are retargeted to CUDA metadata, lowered to one Program, compiled by NVRTC for sm_90 and
 checked against their subgraph's replay through the reference interpreter and through the
 generated C itself (g++, tests/cuda_on_cpu.py, which binds the launch plan's arguments as the
-GPU would). Views of inputs are read in place; what the generator cannot do is declined with
+GPU would). Views of inputs are read in place, at their offsets; what the generator cannot do is declined with
 its reason. Normalization regions (rms_norm, softmax, group norm, ...): test_codegen_norms.py."""
 
 from __future__ import annotations
@@ -86,6 +86,19 @@ class SliceOfInput(nn.Module):
         return torch.sigmoid(a[:, 1:]) * b
 
 
+class QKVSplit(nn.Module):
+    """timm's attention after the qkv projection: a reshape and permute of its output, unbind into
+    q, k and v (views at three offsets), q scaled, all three made contiguous for the attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).reshape(2, 5, 3, 2, 8).permute(2, 0, 3, 1, 4).unbind(0)
+        return (q * 0.35).contiguous(), k.contiguous(), v.contiguous()
+
+
 class LinearGelu(nn.Module):
     def __init__(self):
         super().__init__()
@@ -112,6 +125,8 @@ CASES = {
     "repeat_kv_of_a_computed_value": (RepeatKV, lambda: (torch.randn(16, 8), torch.randn(1, 4, 16, 8),
                                                          torch.randn(1, 1, 16, 8)),
                                       ["cos", "sin", "mul", "mul", "add", "mul", "mul", "add", "clone"]),  # views unnamed
+    "slice_at_an_offset": (SliceOfInput, lambda: (torch.randn(8, 33), torch.randn(8, 32)), ["sigmoid", "mul"]),
+    "qkv_unbind_at_three_offsets": (QKVSplit, lambda: (torch.randn(2, 5, 16),), ["mul", "clone", "clone", "clone"]),
     "rotary_q_and_k_of_two_shapes": (Rotary, lambda: (torch.randn(1, 16, 8), torch.randn(2, 4, 16, 8),
                                                         torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8),
                                                         torch.randn(2, 2, 16, 8), torch.randn(8, 8)),
@@ -188,7 +203,6 @@ DECLINED = {
                              "only views that add or drop leading size-1 dims, and expands"),
     "unsqueeze_between_dims_of_a_computed_value": (RepeatKVHeads, lambda: (torch.randn(2, 2, 8),),
                                                    "only views that add or drop leading size-1 dims, and expands"),
-    "slice_at_an_offset": (SliceOfInput, lambda: (torch.randn(8, 33), torch.randn(8, 32)), "storage offset 1"),
     "vendor_epilogue": (LinearGelu, lambda: (torch.randn(4, 48),),
                         "no builtin template or generated kernel for aten::addmm"),
 }
@@ -216,3 +230,15 @@ def test_a_region_with_outputs_of_two_shapes_is_one_kernel_per_shape(tmp_path):
     assert [k.name for k in kernels] == ["kf_gen", "kf_gen_p1"]
     assert [[a["out"] for a in k.args if "out" in a] for k in kernels] == [[0], [1]]
     assert sorted(a["in"] for a in kernels[1].args if "in" in a) == [0, 1, 4, 5]  # cos, sin, k, rotated k
+
+
+def test_views_at_offsets_read_the_one_input_at_their_offsets(tmp_path):
+    """unbind's q, k and v start 0, 16 and 32 elements into the qkv projection's output: the
+    plan passes that one tensor three times, each read from its own offset."""
+    card = region_card(tmp_path, QKVSplit(), torch.randn(2, 5, 16), ops=["mul", "clone", "clone", "clone"])
+    prog = card_program.program_for_card(card)
+    assert not isinstance(prog, str), prog
+    assert len(card.inputs) == 1 and sorted(prog.offset(i) for i in prog.in_strides) == [0, 16, 32]
+    cand = generated.build(card, generated.default(card, H200), H200)
+    assert {a["in"] for a in cand.plan.kernels[0].args if "in" in a} == {0}
+    assert "+ 16)" in cand.source and "+ 32)" in cand.source

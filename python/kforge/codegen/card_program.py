@@ -33,22 +33,27 @@ def node_of_card(card: Card) -> Node:
     return Node(card.op, args, list(card.outputs))
 
 
-def _view_input(n: SubNode, j: int, src, inputs: list[TensorMeta], sources: list[int]) -> Ref | str:
-    """A view of a region input folded into an input of its own: the same memory read with the
-    view's shape and strides (program input appended to `inputs`, its launch-plan input to
-    `sources`), or why not."""
+def _view_input(n: SubNode, j: int, src, inputs: list[TensorMeta], sources: list[int]) -> list[Ref] | str:
+    """A view of a region input folded into inputs of their own, one per tensor it returns (unbind,
+    split and chunk return several): the same memory read with the view's shape, strides and
+    storage offset (program inputs appended to `inputs`, their launch-plan input to `sources`;
+    the kernel reads from the input's pointer plus the offset), or why not."""
     what = f"region node {j} ({packet_name(n.op)})"
     if not isinstance(src, Ref) or src.kind != "in":
         return f"{what} is a view of a computed value: views of intermediates are not generated"
-    if len(n.outputs) != 1 or n.outputs[0].dtype != inputs[src.index].dtype:
-        return f"{what} splits its input or reinterprets its dtype: not generated"
-    m, out = inputs[src.index], n.outputs[0]
-    if out.storage_offset != m.storage_offset:
-        return (f"{what} starts at storage offset {out.storage_offset}, its input at {m.storage_offset}: "
-                "the kernel reads from the input's pointer")
-    inputs.append(replace(out, device=m.device, align=m.align, lo=m.lo, hi=m.hi))
-    sources.append(sources[src.index])
-    return Ref("in", len(inputs) - 1)
+    m = inputs[src.index]
+    if not n.outputs or any(out.dtype != m.dtype for out in n.outputs):
+        return f"{what} reinterprets its input's dtype: not generated"
+    refs = []
+    for out in n.outputs:
+        moved = (out.storage_offset - m.storage_offset) * m.itemsize  # bytes past the input's pointer
+        if moved < 0:
+            return f"{what} starts before its input's first element"
+        align = m.align if not moved else min(m.align, moved & -moved)
+        inputs.append(replace(out, device=m.device, align=align, lo=m.lo, hi=m.hi))
+        sources.append(sources[src.index])
+        refs.append(Ref("in", len(inputs) - 1))
+    return refs
 
 
 def region_nodes(card: Card) -> tuple[list[Node], list[TensorMeta], list[int], list[Ref]] | str:
@@ -87,10 +92,10 @@ def region_nodes(card: Card) -> tuple[list[Node], list[TensorMeta], list[int], l
                 return f"region node {j} ({n.op}) has no value for argument {a.name}"
         src = args.get(schema[0].name) if schema else None
         if family_of(n.op) == "view" and isinstance(src, Ref) and src.kind == "in":
-            ref = _view_input(n, j, src, inputs, sources)
-            if isinstance(ref, str):
-                return ref
-            refs[(j, 0)] = ref
+            made = _view_input(n, j, src, inputs, sources)
+            if isinstance(made, str):
+                return made
+            refs.update({(j, k): r for k, r in enumerate(made)})
             continue
         refs.update({(j, k): Ref("node", len(nodes), k) for k in range(len(n.outputs))})
         nodes.append(Node(n.op, args, list(n.outputs)))

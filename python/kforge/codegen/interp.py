@@ -117,7 +117,7 @@ def _window(prog: Program, inputs: list[torch.Tensor]) -> dict[str, torch.Tensor
     k = len(w.kernel)
     m, t = prog.inputs[w.input], inputs[prog.source(w.input)]
     dt = w.kind.state(opmath(m.dtype))[0]
-    x = torch.as_strided(t, m.shape, prog.in_strides[w.input], t.storage_offset()).to(_T[dt])
+    x = torch.as_strided(t, m.shape, prog.in_strides[w.input], t.storage_offset() + prog.offset(w.input)).to(_T[dt])
     size, out = m.shape[-k:], prog.domain[-k:]
     # output coordinates along each pooled dim, shaped to broadcast over the others
     o = [torch.arange(n).reshape([-1 if j == i else 1 for j in range(k)]) for i, n in enumerate(out)]
@@ -162,7 +162,7 @@ def _run(prog: Program, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     def loads_over(shape):
         def load(i, stored):
             t = inputs[prog.source(i)]
-            return torch.as_strided(t, shape, prog.in_strides[i], t.storage_offset())
+            return torch.as_strided(t, shape, prog.in_strides[i], t.storage_offset() + prog.offset(i))
         return load
 
     env: dict[str, torch.Tensor] = {}

@@ -287,6 +287,11 @@ class Program:
         """The launch-plan input ({"in": n}) that program input i reads."""
         return i if self.sources is None else self.sources[i]
 
+    def offset(self, i: int) -> int:
+        """Elements past the launch-plan input's pointer where program input i starts (a view at
+        an offset: a slice, one tensor of an unbind or a split)."""
+        return self.inputs[i].storage_offset - self.inputs[self.source(i)].storage_offset
+
     @property
     def reduce_dims(self) -> tuple[int, ...]:
         return self.reduction.dims if self.reduction else ()

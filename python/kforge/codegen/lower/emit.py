@@ -203,14 +203,14 @@ def _pointers(prog: Program) -> tuple[list[str], list[dict], dict[int, str]]:
         if i in written:
             ptr[i] = f"out{written[i]}"
         else:
-            ptr[i] = f"in{i}"
+            ptr[i] = f"(in{i} + {prog.offset(i)})" if prog.offset(i) else f"in{i}"
             params.append(f"const {CTYPE[prog.inputs[i].dtype]}* __restrict__ in{i}")
             args.append({"in": prog.source(i)})
     return params, args, ptr
 
 
 def _index_type(prog: Program, extra: int = 0) -> str:
-    spans = [m.span() for m in prog.outputs] + [prog.inputs[i].span() for i in prog.in_strides]
+    spans = [m.span() for m in prog.outputs] + [prog.inputs[i].span() + prog.offset(i) for i in prog.in_strides]
     big = max(spans + [math.prod(prog.domain) if prog.domain else 1]) + extra >= 2**31 - 2**20
     return "kf_i64" if big else "int"
 
