@@ -619,6 +619,29 @@ def test_a_permute_of_a_computed_value_moves_the_region_to_the_permuted_domain()
     assert compiler.compile(built.source, arch="sm_90").cubin
 
 
+def test_a_reshape_of_a_computed_value_before_the_reduction_regroups_its_loads():
+    """(a + b) viewed per head, (4, 32) -> (4, 2, 16), softmax over the head dim (a QK-norm's
+    shape), with the sum returned too; a bias broadcast over the rows cannot follow a view that
+    merges the rows into its dim, and is declined."""
+    a, b = torch.randn(4, 32), torch.randn(4, 32)
+    m = lambda *s: TensorMeta(s, torch.empty(s).stride(), "float32", "cuda")  # noqa: E731
+    nodes = [Node("aten::add.Tensor", {"self": Ref("in", 0), "other": Ref("in", 1), "alpha": 1}, [m(4, 32)]),
+             Node("aten::view.default", {"self": Ref("node", 0), "size": [4, 2, 16]}, [m(4, 2, 16)]),
+             Node("aten::_softmax.default", {"self": Ref("node", 1), "dim": -1, "half_to_float": False}, [m(4, 2, 16)])]
+    prog = build.from_nodes(nodes, [TensorMeta.of(a), TensorMeta.of(b)], [Ref("node", 2), Ref("node", 0)],
+                            [m(4, 2, 16), m(4, 32)], {})
+    assert not isinstance(prog, str), prog
+    probs, total = interp.run(prog, [a, b])
+    torch.testing.assert_close(probs, torch.softmax((a + b).view(4, 2, 16), -1))
+    torch.testing.assert_close(total, a + b)
+    bias = torch.randn(32)
+    merged = [Node("aten::add.Tensor", {"self": Ref("in", 0), "other": Ref("in", 1), "alpha": 1}, [m(4, 32)]),
+              Node("aten::view.default", {"self": Ref("node", 0), "size": [128]}, [m(128)]),
+              Node("aten::_softmax.default", {"self": Ref("node", 1), "dim": -1, "half_to_float": False}, [m(128)])]
+    why = build.from_nodes(merged, [TensorMeta.of(a), TensorMeta.of(bias)], [Ref("node", 2)], [m(128)], {})
+    assert "cannot be read at the view's points through strides" in why
+
+
 def test_a_permute_after_a_keepdim_reduction_is_written_once_per_kept_point():
     x = torch.randn(2, 5, 3, 4)
     m = lambda *s: TensorMeta(s, torch.empty(s).stride(), "float32", "cuda")  # noqa: E731

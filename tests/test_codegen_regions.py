@@ -125,6 +125,9 @@ CASES = {
     "repeat_kv_of_a_computed_value": (RepeatKV, lambda: (torch.randn(16, 8), torch.randn(1, 4, 16, 8),
                                                          torch.randn(1, 1, 16, 8)),
                                       ["cos", "sin", "mul", "mul", "add", "mul", "mul", "add", "clone"]),  # views unnamed
+    # views of computed values: the region moves to the view's domain (its loads regrouped)
+    "view_of_intermediate": (ViewOfIntermediate, lambda: (torch.randn(4, 48), torch.randn(4, 8, 6)), ["sigmoid", "mul"]),
+    "unsqueeze_between_dims_of_a_computed_value": (RepeatKVHeads, lambda: (torch.randn(2, 2, 8),), ["sigmoid", "clone"]),
     "slice_at_an_offset": (SliceOfInput, lambda: (torch.randn(8, 33), torch.randn(8, 32)), ["sigmoid", "mul"]),
     "qkv_unbind_at_three_offsets": (QKVSplit, lambda: (torch.randn(2, 5, 16),), ["mul", "clone", "clone", "clone"]),
     "rotary_q_and_k_of_two_shapes": (Rotary, lambda: (torch.randn(1, 16, 8), torch.randn(2, 4, 16, 8),
@@ -199,10 +202,6 @@ def test_the_builtin_proposer_proposes_for_a_region_card(tmp_path):
 
 
 DECLINED = {
-    "view_of_intermediate": (ViewOfIntermediate, lambda: (torch.randn(4, 48), torch.randn(4, 8, 6)),
-                             "only views that add or drop leading size-1 dims, and expands"),
-    "unsqueeze_between_dims_of_a_computed_value": (RepeatKVHeads, lambda: (torch.randn(2, 2, 8),),
-                                                   "only views that add or drop leading size-1 dims, and expands"),
     "vendor_epilogue": (LinearGelu, lambda: (torch.randn(4, 48),),
                         "no builtin template or generated kernel for aten::addmm"),
 }

@@ -21,6 +21,7 @@ from ..families import family_of, packet_name, tagged_nowhere
 from . import ops, reductions
 from .call import Call, Val
 from .ir import FLOATS, Expr, Node, opmath, Program, Reduction, Ref, Scan, Window, broadcast_strides
+from .views import Decline, lead_stripped, moved_strides, moved_to, reshaped
 
 IR_DTYPES = FLOATS + ("int64", "int32", "int16", "int8", "uint8", "bool")
 
@@ -131,26 +132,8 @@ def _split(strides: tuple[int, ...], frame: tuple[int, ...], split) -> tuple[int
     return strides[:d] + (strides[d] * (frame[d] // g), strides[d]) + strides[d + 1:]
 
 
-def _lead_stripped(shape) -> tuple[int, ...]:
-    """The shape without its leading size-1 dims (what right-aligned broadcasting sees)."""
-    shape = tuple(shape)
-    while shape and shape[0] == 1:
-        shape = shape[1:]
-    return shape
-
-
-def _reshaped(shape, strides, to: tuple[int, ...]) -> tuple[int, ...] | None:
-    """The strides of a (shape, strides) tensor viewed with shape `to` (same elements in
-    row-major order), 0 on size-1 dims; None if that is not a view."""
-    try:
-        v = torch.empty(0, device="meta").as_strided(tuple(shape), tuple(strides)).view(to)
-    except RuntimeError:
-        return None
-    return tuple(0 if n == 1 else st for n, st in zip(to, v.stride()))
-
-
 def _view_strides(m: TensorMeta, shape: tuple[int, ...]) -> tuple[int, ...] | None:
-    return _reshaped(m.shape, m.stride, shape)
+    return reshaped(m.shape, m.stride, shape)
 
 
 def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], out_metas: list[TensorMeta],
@@ -180,11 +163,11 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
     frame_of: dict[tuple[int, int], int] = {}
     load_frame: dict[int, int] = {}
     in_frame: dict[tuple[int, int], int] = {}
-    # Permutes of computed values (a channels-last layer norm: permute, norm, permute back).
-    # Before the reduction, a permute moves every value to the permuted domain (_permuted);
-    # `moved` holds each moved value's shape before and the dims taken since (its output is
-    # written through its own strides, permuted), `stale` the values it could not move. After
-    # the reduction, a permute may only be a region output: written permuted, read by no node.
+    # Views of computed values that reorder or regroup them (a channels-last layer norm: permute,
+    # norm, permute back). Before the reduction, such a view moves every value to its domain
+    # (_moved_to); `moved` holds each moved value's shape before and the stride maps since (its
+    # output is written through its own strides, remapped), `stale` the values it could not
+    # move. After the reduction, a permute may only be a region output: written permuted.
     moved: dict[tuple[int, int], tuple[tuple[int, ...], tuple[int, ...]]] = {}
     stale: set[tuple[int, int]] = set()
     written_permuted: dict[tuple[int, int], tuple[tuple[int, ...], tuple[int, ...]]] = {}
@@ -202,16 +185,16 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
             load_frame[i] = f
             loads.setdefault(i, phase)
             if loads[i] != phase and not red.keepdim:
-                raise _Decline(f"input {i} is read both before and after the reduction")
+                raise Decline(f"input {i} is read both before and after the reduction")
             return Val(Expr.load(i, m.dtype), m.dtype, len(m.shape))
         if (ref.index, ref.output) in stats:
-            raise _Decline("a node uses a normalization's statistics (mean, rstd): not generated")
+            raise Decline("a node uses a normalization's statistics (mean, rstd): not generated")
         if (ref.index, ref.output) in stale:
-            raise _Decline("a value from before a permute, of a shape it does not broadcast to, is used after it")
+            raise Decline("a value from before a permute, of a shape it does not broadcast to, is used after it")
         if (ref.index, ref.output) in written_permuted:
-            raise _Decline("a permute after the reduction is read by another node: only a region output may be one")
+            raise Decline("a permute after the reduction is read by another node: only a region output may be one")
         if frames and frame_of.get((ref.index, ref.output), 0) != len(frames) - 1:
-            raise _Decline("a value from before a reshape is used after it: not generated")
+            raise Decline("a value from before a reshape is used after it: not generated")
         e, m = values[(ref.index, ref.output)]
         return Val(e, m.dtype, len(m.shape))
 
@@ -224,18 +207,23 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
             # dims, or an expand (a broadcast), leaves it that same function: repeat_kv's
             # unsqueeze + expand of the rotated keys, for one.
             m, out = values[(src.index, src.output)][1], node.metas[0]
-            if _lead_stripped(m.shape) == _lead_stripped(out.shape) or (
+            if lead_stripped(m.shape) == lead_stripped(out.shape) or (
                     table_key(node.op)[0] == "expand" and broadcast_strides(m.shape, m.stride, tuple(out.shape)) is not None):
                 values[(j, 0)] = (val(src).expr, out)
                 return None
+            shape, to = tuple(m.shape), tuple(out.shape)
             if table_key(node.op)[0] == "permute":
-                val(src)
-                dims = tuple(d % len(m.shape) for d in node.args["dims"])
-                _permuted(tuple(m.shape), dims, values, moved, stale, inputs, sources, loads, load_frame)
-                values[(j, 0)] = (values[(src.index, src.output)][0], out)
-                return None
-            return (f"{packet_name(node.op)} of a computed value from {tuple(m.shape)} to {tuple(out.shape)}: before a "
-                    "reduction, only views that add or drop leading size-1 dims, and expands, are generated")
+                dims = tuple(d % len(shape) for d in node.args["dims"])
+                remap = lambda st: tuple(st[d] for d in dims)  # noqa: E731
+            elif out.numel == m.numel and table_key(node.op)[0] != "expand":
+                remap = lambda st: reshaped(shape, st, to)  # noqa: E731
+            else:
+                return (f"{packet_name(node.op)} of a computed value from {shape} to {to}: before a reduction, views "
+                        "that keep the number of elements, permutes and expands are generated")
+            val(src)
+            moved_to(shape, to, remap, values, moved, stale, inputs, sources, loads, load_frame)
+            values[(j, 0)] = (values[(src.index, src.output)][0], out)
+            return None
         if red is None or not red.keepdim or src is None:
             return (f"{packet_name(node.op)} of a computed value: reshapes are generated after a normalization "
                     "(or a keepdim reduction) only")
@@ -245,7 +233,7 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
             values[(j, 0)] = (e, out)
             written_permuted[(j, 0)] = (tuple(d % len(m.shape) for d in node.args["dims"]), tuple(m.shape))
             return None
-        if out.numel != m.numel or _reshaped(m.shape, m.stride, tuple(out.shape)) != _reshaped(
+        if out.numel != m.numel or reshaped(m.shape, m.stride, tuple(out.shape)) != reshaped(
                 out.shape, out.stride, tuple(out.shape)):
             return f"{packet_name(node.op)} of a computed value reorders its elements: not generated"
         if not frames:
@@ -339,7 +327,7 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
             for k, (r, m) in enumerate(zip(results, node.metas)):
                 values[(j, k)] = (r.cast(m.dtype), m)
                 frame_of[(j, k)] = len(frames) - 1 if frames else 0
-    except _Decline as d:
+    except Decline as d:
         return str(d)
     except TypeError as e:  # a primitive given a dtype it does not take
         return f"not generated for these dtypes: {e}"
@@ -349,7 +337,7 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
     if red is None:
         # outputs that differ only in leading size-1 dims share one domain: the one with the most dims
         frame = tuple(max(live, key=lambda m: len(m.shape)).shape)
-        if any(_lead_stripped(m.shape) != _lead_stripped(frame) for m in live):
+        if any(lead_stripped(m.shape) != lead_stripped(frame) for m in live):
             return DIFFERENT_SHAPES
         if scan is not None and not frame:
             return "a scan of a 0-dim tensor is a copy"
@@ -358,7 +346,7 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
     keep_dom = tuple(1 if d in dims else n for d, n in enumerate(domain))
     results = [values[(r.index, r.output)][0] for r in outputs]
     def to_frame(st, f: int):  # strides over frames[f] -> over the domain
-        st = st if st is None or not f else _reshaped(frames[f], st, frame)
+        st = st if st is None or not f else reshaped(frames[f], st, frame)
         return st if st is None else _split(st, frame, split)
 
     for i in loads:
@@ -381,7 +369,7 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
         if not m.numel:
             out_strides.append((0,) * len(domain))
         elif key in moved or key in written_permuted:
-            st = _permuted_strides(m, moved.get(key), written_permuted.get(key), frame)
+            st = moved_strides(m, moved.get(key), written_permuted.get(key), frame)
             if st is None:
                 return f"output of shape {m.shape} is not a permutation of the region's {frame}"
             out_strides.append(_split(st, frame, split))
@@ -416,75 +404,6 @@ def _domain(frame: tuple[int, ...], split) -> tuple[int, ...]:
         return frame
     d, g = split
     return frame[:d] + (g, frame[d] // g) + frame[d + 1:]
-
-
-class _Decline(Exception):
-    pass
-
-
-def _permuted(shape, dims, values, moved, stale, inputs, sources, loads, load_frame) -> None:
-    """Move every value to the domain permuted by `dims` (before any reduction, where each value is
-    a function of the point through its loads): each load of an input reads a new input, that
-    input broadcast to `shape` and permuted; a value that does not broadcast to `shape` goes stale."""
-    to = tuple(shape[d] for d in dims)
-    made: dict[int, int] = {}
-
-    def load_of(i: int) -> int:
-        if i not in made:
-            st = broadcast_strides(tuple(inputs[i].shape), tuple(inputs[i].stride), shape)
-            if st is None:
-                raise _Decline(f"input {i} of shape {tuple(inputs[i].shape)} does not broadcast to {shape} before a permute")
-            inputs.append(replace(inputs[i], shape=to, stride=tuple(st[d] for d in dims)))
-            sources.append(sources[i])
-            made[i] = len(inputs) - 1
-        return made[i]
-
-    memo: dict[int, Expr] = {}
-
-    def moved_expr(e: Expr) -> Expr:
-        if id(e) not in memo:
-            memo[id(e)] = (Expr("load", (), e.dtype, (load_of(e.value[0]), e.value[1])) if e.op == "load" else
-                           Expr(e.op, tuple(moved_expr(a) for a in e.args), e.dtype, e.value))
-        return memo[id(e)]
-
-    for key, (e, m) in list(values.items()):
-        if key in stale or broadcast_strides(tuple(m.shape), (0,) * len(m.shape), shape) is None:
-            stale.add(key)
-            continue
-        before, taken = moved.get(key, (shape, tuple(range(len(shape)))))
-        moved[key] = (before, tuple(taken[d] for d in dims))
-        values[key] = (moved_expr(e), replace(m, shape=to, stride=_contiguous(to)))
-    for i in [i for i in loads if i not in made.values()]:  # read only through the permuted inputs now
-        del loads[i]
-        load_frame.pop(i, None)
-    for i in made.values():
-        loads[i], load_frame[i] = "pro", 0
-
-
-def _permuted_strides(m: TensorMeta, moved, written, frame) -> tuple[int, ...] | None:
-    """Strides over the domain of an output whose value a permute moved (its elements sit at the
-    permuted points) or that is a permute written after the reduction."""
-    if moved is not None:
-        before, taken = moved
-        if _lead_stripped(m.shape) != _lead_stripped(before) or len(taken) != len(frame):
-            return None
-        st = broadcast_strides(tuple(m.shape), tuple(m.stride), before)
-        return tuple(st[d] for d in taken)
-    dims, src = written  # the permute's dims, and its operand's shape: size 1 where a reduction kept a dim
-    if len(m.shape) != len(frame) or len(src) != len(frame):
-        return None
-    inverse = [0] * len(dims)
-    for k, d in enumerate(dims):
-        inverse[d] = k
-    return tuple(0 if src[e] == 1 else m.stride[inverse[e]] for e in range(len(frame)))
-
-
-def _contiguous(shape) -> tuple[int, ...]:
-    st, acc = [], 1
-    for n in reversed(shape):
-        st.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(st))
 
 
 def _meta_of(ref, inputs, values) -> TensorMeta:

@@ -11,8 +11,9 @@ from ..errors import CardError
 from ..families import family_of, packet_name
 from ..subgraph import Node as SubNode
 from ..subgraph import is_ref
-from .build import DIFFERENT_SHAPES, _lead_stripped, from_nodes
+from .build import DIFFERENT_SHAPES, from_nodes
 from .ir import Node, Program, Ref
+from .views import lead_stripped
 
 
 def node_of_card(card: Card) -> Node:
@@ -128,7 +129,7 @@ def _by_shape(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], o
     each built from the nodes its outputs need (what two of them need is computed by both)."""
     groups: dict[tuple[int, ...], list[int]] = {}
     for j, m in enumerate(out_metas):
-        groups.setdefault(_lead_stripped(m.shape), []).append(j)
+        groups.setdefault(lead_stripped(m.shape), []).append(j)
     progs = []
     for idx in groups.values():
         keep = _needed(nodes, [outputs[j] for j in idx])

@@ -1,0 +1,102 @@
+"""Views of computed values in the builder (build.from_nodes): which views keep a value the
+same function of the domain, and moving a region's values to the domain a view puts them on
+(each load then read through remapped strides; the outputs written through theirs)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ..cards import TensorMeta
+from .ir import Expr, broadcast_strides
+
+
+class Decline(Exception):
+    """The builder declines the region: str(e) says why."""
+
+
+def lead_stripped(shape) -> tuple[int, ...]:
+    """The shape without its leading size-1 dims (what right-aligned broadcasting sees)."""
+    shape = tuple(shape)
+    while shape and shape[0] == 1:
+        shape = shape[1:]
+    return shape
+
+
+def reshaped(shape, strides, to: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The strides of a (shape, strides) tensor viewed with shape `to` (same elements in
+    row-major order), 0 on size-1 dims; None if that is not a view."""
+    try:
+        v = torch.empty(0, device="meta").as_strided(tuple(shape), tuple(strides)).view(to)
+    except RuntimeError:
+        return None
+    return tuple(0 if n == 1 else st for n, st in zip(to, v.stride()))
+
+
+def moved_to(shape, to, remap, values, moved, stale, inputs, sources, loads, load_frame) -> None:
+    """Move every value from domain `shape` to domain `to`, where a view (a permute, a reshape)
+    puts it, before any reduction (each value is then a function of the point through its loads):
+    each load of an input reads a new input, that input broadcast to `shape` and its strides
+    remapped (`remap`: strides over `shape` -> over `to`, None where the view cannot follow them);
+    a value that does not broadcast to `shape` goes stale."""
+    made: dict[int, int] = {}
+
+    def load_of(i: int) -> int:
+        if i not in made:
+            st = broadcast_strides(tuple(inputs[i].shape), tuple(inputs[i].stride), shape)
+            st = remap(st) if st is not None else None
+            if st is None:
+                raise Decline(f"input {i} of shape {tuple(inputs[i].shape)}, read before a view from {shape} to {to}, "
+                               "cannot be read at the view's points through strides")
+            inputs.append(replace(inputs[i], shape=to, stride=st))
+            sources.append(sources[i])
+            made[i] = len(inputs) - 1
+        return made[i]
+
+    memo: dict[int, Expr] = {}
+
+    def moved_expr(e: Expr) -> Expr:
+        if id(e) not in memo:
+            memo[id(e)] = (Expr("load", (), e.dtype, (load_of(e.value[0]), e.value[1])) if e.op == "load" else
+                           Expr(e.op, tuple(moved_expr(a) for a in e.args), e.dtype, e.value))
+        return memo[id(e)]
+
+    for key, (e, m) in list(values.items()):
+        if key in stale or broadcast_strides(tuple(m.shape), (0,) * len(m.shape), shape) is None:
+            stale.add(key)
+            continue
+        before, maps = moved.get(key, (shape, ()))
+        moved[key] = (before, maps + (remap,))
+        values[key] = (moved_expr(e), replace(m, shape=to, stride=contiguous(to)))
+    for i in [i for i in loads if i not in made.values()]:  # read only through the moved inputs now
+        del loads[i]
+        load_frame.pop(i, None)
+    for i in made.values():
+        loads[i], load_frame[i] = "pro", 0
+
+
+def moved_strides(m: TensorMeta, moved, written, frame) -> tuple[int, ...] | None:
+    """Strides over the domain of an output whose value a view moved (its elements sit at the
+    view's points) or that is a permute written after the reduction."""
+    if moved is not None:
+        before, maps = moved
+        st = broadcast_strides(tuple(m.shape), tuple(m.stride), before) if lead_stripped(m.shape) == lead_stripped(before) else None
+        for remap in maps:
+            st = remap(st) if st is not None else None
+        return st if st is not None and len(st) == len(frame) else None
+    dims, src = written  # the permute's dims, and its operand's shape: size 1 where a reduction kept a dim
+    if len(m.shape) != len(frame) or len(src) != len(frame):
+        return None
+    inverse = [0] * len(dims)
+    for k, d in enumerate(dims):
+        inverse[d] = k
+    return tuple(0 if src[e] == 1 else m.stride[inverse[e]] for e in range(len(frame)))
+
+
+def contiguous(shape) -> tuple[int, ...]:
+    st, acc = [], 1
+    for n in reversed(shape):
+        st.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(st))
