@@ -653,6 +653,14 @@ def test_a_permute_after_a_keepdim_reduction_is_written_once_per_kept_point():
     assert prog.out_strides[0] == (5, 1, 0, 0)  # over (2, 5, 3, 4): channel c at c, nothing over the reduced dims
     (got,) = interp.run(prog, [x])
     torch.testing.assert_close(got, (x * 2).mean((2, 3), keepdim=True).permute(0, 2, 3, 1))
+    # ConvNeXt's head: the mean restrided (as_strided over its size-1 dims) before the permute
+    restrided = TensorMeta((2, 5, 1, 1), (5, 1, 5, 5), "float32", "cuda")
+    head = nodes[:2] + [Node("aten::as_strided.default", {"self": Ref("node", 1), "size": [2, 5, 1, 1],
+                                                          "stride": [5, 1, 5, 5], "storage_offset": None}, [restrided]),
+                        Node("aten::permute.default", {"self": Ref("node", 2), "dims": [0, 2, 3, 1]}, [m(2, 1, 1, 5)])]
+    prog = build.from_nodes(head, [TensorMeta.of(x)], [Ref("node", 3)], [m(2, 1, 1, 5)], {})
+    assert not isinstance(prog, str), prog
+    torch.testing.assert_close(interp.run(prog, [x])[0], (x * 2).mean((2, 3), keepdim=True).permute(0, 2, 3, 1))
     used = nodes + [Node("aten::relu.default", {"self": Ref("node", 2)}, [m(2, 1, 1, 5)])]
     why = build.from_nodes(used, [TensorMeta.of(x)], [Ref("node", 3)], [m(2, 1, 1, 5)], {})
     assert "only a region output may be one" in why
