@@ -215,7 +215,8 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
             if table_key(node.op)[0] == "permute":
                 dims = tuple(d % len(shape) for d in node.args["dims"])
                 remap = lambda st: tuple(st[d] for d in dims)  # noqa: E731
-            elif out.numel == m.numel and table_key(node.op)[0] != "expand":
+            elif out.numel == m.numel and table_key(node.op)[0] != "expand" and \
+                    reshaped(shape, m.stride, to) == reshaped(to, out.stride, to):  # keeps the elements' order (as_strided may not)
                 remap = lambda st: reshaped(shape, st, to)  # noqa: E731
             else:
                 return (f"{packet_name(node.op)} of a computed value from {shape} to {to}: before a reduction, views "
