@@ -9,7 +9,7 @@ call is declined. Type promotion is eager's (torch._prims_common.elementwise_dty
 the op's promotion kind): operands are cast to the common dtype, then computed in its
 opmath (float32 for float16/bfloat16), and the builder rounds once to the output dtype.
 Formulas follow eager's CUDA kernels (aten/src/ATen/native/cuda/*.cu), edge values
-included; tests/test_codegen_ops.py checks them against eager on the CPU.
+included; tests/test_codegen.py checks them against eager on the CPU.
 """
 
 from __future__ import annotations
@@ -296,12 +296,13 @@ def _where(c: Call):
     return where(cond.expr if cond.dtype == "bool" else ne(cond.at(cond.dtype), 0), a, b)
 
 
+def _filled(c: Call) -> Expr:  # fill_, zero_ (0) and masked_fill's fill: the value cast to self's dtype
+    v, stored = c.v("value") if "value" in c.values else None, c.v("self").dtype
+    return v.at(stored) if v is not None and v.is_tensor else Expr.const(0 if v is None else v.number, opmath(stored)).cast(stored)
+
+
 def _masked_fill(c: Call):
-    stored = c.v("self").dtype
-    x = c.v("self").at(stored)
-    value = c.v("value")
-    fill = value.at(stored) if value.is_tensor else Expr.const(value.number, opmath(stored)).cast(stored)
-    return where(c.v("mask").expr, fill, x)
+    return where(c.v("mask").expr, _filled(c), c.v("self").at(c.v("self").dtype))
 
 
 def _gelu_backward(c: Call):
@@ -457,7 +458,7 @@ POINTWISE: dict[str, Entry] = {
     "bitwise_right_shift": _shift(False), "__rshift__": _shift(False), "__irshift__": _shift(False),
     # ternary and masked
     "lerp": _lerp, "addcmul": _addc(False), "addcdiv": _addc(True),
-    "where": _where, "masked_fill": _masked_fill,
+    "where": _where, "masked_fill": _masked_fill, "fill": _filled, "zero": _filled,
     # backward maps
     "gelu_backward": _gelu_backward,
     "sigmoid_backward": _binary(lambda g, y: g * (1.0 - y) * y, "grad_output", "output"),
