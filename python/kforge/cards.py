@@ -251,26 +251,18 @@ class Card:
     @property
     def inputs(self) -> list[TensorMeta]:
         """Tensor inputs in launch-plan order (None items of tensor lists are skipped)."""
-        out: list[TensorMeta] = []
-        for a in self.args:
-            if a.kind == "tensor":
-                out.append(a.tensor)
-            elif a.kind == "tensors":
-                out += [m for m in a.tensors if m is not None]
-        return out
+        return [m for _, m in self._tensor_args()]
 
     def _tensor_args(self):
-        """(index in `inputs`, its ArgSpec) for every tensor input."""
-        idx = 0
+        """(its ArgSpec, its meta) for every tensor input, in `inputs` order."""
         for a in self.args:
-            for _ in [a.tensor] if a.kind == "tensor" else [m for m in (a.tensors or []) if m] if a.kind == "tensors" else []:
-                yield idx, a
-                idx += 1
+            metas = [a.tensor] if a.kind == "tensor" else a.tensors or [] if a.kind == "tensors" else []
+            yield from ((a, m) for m in metas if m is not None)
 
     @property
     def written_inputs(self) -> set[int]:
         """Indices (in `inputs`) of tensors the op writes: in-place and out= arguments."""
-        return {i for i, a in self._tensor_args() if a.written}
+        return {i for i, (a, _) in enumerate(self._tensor_args()) if a.written}
 
     @property
     def write_only_inputs(self) -> set[int]:
@@ -281,7 +273,8 @@ class Card:
         except Exception:  # noqa: BLE001 (no parsable schema: out= arguments are named out)
             outs = {"out"}
         overwrites = self.name.split(".")[0] in _OVERWRITES
-        return {i for i, a in self._tensor_args() if a.written and (a.name in outs or overwrites and a.name == "self")}
+        return {i for i, (a, _) in enumerate(self._tensor_args())
+                if a.written and (a.name in outs or overwrites and a.name == "self")}
 
     @property
     def name(self) -> str:

@@ -85,11 +85,10 @@ def replace_sites(graph: fx.Graph, sites: Sequence[Site],
     """Replace each site's nodes by what `call(i, inputs)` adds to the graph for sites[i]: one
     node per site output, in order, given the nodes holding the site's inputs. The sites must
     be disjoint and replaceable together (without_cycles)."""
-    position = {n: j for j, n in enumerate(graph.nodes)}
     owner = _owners(sites)
     end = next(n for n in reversed(graph.nodes) if n.op == "output")
     outputs_of: dict[tuple[fx.Node, int], fx.Node] = {}
-    rank: dict[fx.Node, tuple[int, int]] = {n: (j, 0) for n, j in position.items()}
+    rank: dict[fx.Node, tuple[int, int]] = {n: (j, 0) for j, n in enumerate(graph.nodes)}  # added nodes: (site's first, k)
     for i, site in enumerate(sites):
         # An input from a site replaced before is its call's output; from one replaced after,
         # the member's node, which that site's replace_all_uses_with then points at its call.
@@ -100,7 +99,7 @@ def replace_sites(graph: fx.Graph, sites: Sequence[Site],
         while n not in rank:  # the nodes call() added, just before the output
             added.append(n)
             n = n.prev
-        first = min(position[m] for m in site.nodes)
+        first = min(rank[m][0] for m in site.nodes)
         rank.update((m, (first, 1 + j)) for j, m in enumerate(reversed(added)))
         for (src, k), out in zip(site.outputs, outs, strict=True):
             outputs_of[(src, k)] = out

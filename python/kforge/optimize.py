@@ -260,17 +260,16 @@ class OptimizedModel(torch.nn.Module):
 
             replace_sites(gm.graph, [site for site, _ in chosen], call)
             gm.graph.lint()
-        out = gm
-        replaced = sum(rewrite(out.graph) for rewrite in self._op_rewrites)
+        replaced = sum(rewrite(gm.graph) for rewrite in self._op_rewrites)
         self.ops_replaced += replaced
         if not chosen and not replaced:
             self.graphs.append(None)
             return None  # nothing of the package here: dynamo's graph runs, as eager would
-        eager_batch_norms(out.graph)
-        bindings.retarget(out)
-        out.recompile()
-        self.graphs.append(out)
-        return out.forward
+        eager_batch_norms(gm.graph)
+        bindings.retarget(gm)
+        gm.recompile()
+        self.graphs.append(gm)
+        return gm.forward
 
     def _replayed(self, fn: Callable, pure: bool) -> Replayed:
         r = Replayed(fn, pure, self._owned_ptrs, self.notes, len(self.replayed))
