@@ -8,6 +8,7 @@ Variables:
   KFORGE_LOG_LEVEL     logging level of the `kforge` logger, shown on stderr (default: WARNING, Python's)
   KFORGE_ARCH          the arch kernels compile for where no GPU is visible (default: sm_90)
   KFORGE_DISPATCH      python: dispatch in Python only; native: fail where an op cannot dispatch in C++
+  KFORGE_LAYOUT        keep: traced graphs keep their convolutions' layout (default: channels-last, kforge.layout)
   KFORGE_LLM_CONFIG    the LLM proposer's config file (TOML or JSON)
   KFORGE_LLM_BASE_URL  its OpenAI-compatible endpoint (else OPENAI_BASE_URL)
   KFORGE_LLM_MODEL     its model
@@ -106,6 +107,11 @@ def configure_logging() -> None:
 
 def default_arch() -> str:
     return os.environ.get("KFORGE_ARCH", "sm_90")
+
+
+def layout_mode() -> str:
+    """KFORGE_LAYOUT: "keep", or "" (channels-last convolutions where kforge.layout applies)."""
+    return os.environ.get("KFORGE_LAYOUT", "").strip().lower()
 
 
 def dispatch_path() -> str:

@@ -5,7 +5,8 @@ into graphs at its graph breaks; each graph is lowered to aten by aot_autograd w
 decompositions of kforge's choosing, so only the CompositeImplicitAutograd ops decompose,
 exactly as they do in eager: native_group_norm stays native_group_norm, softmax becomes
 _softmax, linear becomes t + addmm. The graphs are functional (relu_ is recorded as relu).
-Every node carries its value's metadata in node.meta["val"] (a fake tensor: shape, stride,
+Inference graphs with 2-D convolutions on CUDA are laid out channels-last
+as torch.compile lays them out (kforge.layout). Every node carries its value's metadata in node.meta["val"] (a fake tensor: shape, stride,
 dtype), its scalar arguments in node.args, and its module in node.meta["nn_module_stack"].
 
 What runs: the callable the graph compiler returns for each graph, called by dynamo's code with
@@ -28,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+
+from . import layout
 
 ROOT = "(root)"  # module path of nodes run by the model's own forward (as capture names it)
 
@@ -116,6 +119,7 @@ def aten_backend(compile_graph: GraphCompiler, notes: list[str], finish: Finishe
 
         def inference_compiler(agm: torch.fx.GraphModule, _inputs: list) -> Callable:
             runs["pure"], direct = _inference_meta(agm, example_inputs)
+            layout.apply(agm, notes)  # channels-last convolutions, as torch.compile lays them out
             fn = compile_graph(agm, index, note)
             runs["fn"] = gm.forward if fn is None else fn if direct else None
             return agm if fn is None else fn

@@ -4,7 +4,8 @@ in place of the regions they match, and everything else as eager runs it (no Ind
     fast = kforge.optimize(model, pkg)      # or pkg.optimize(model)
     y = fast(x)
 
-How: torch.compile with kforge's aten backend (kforge.graph). In each graph, the regions are
+How: torch.compile with kforge's aten backend (kforge.graph), which runs convolutions
+channels-last as torch.compile does (kforge.layout). In each graph, the regions are
 found as capture found them (kforge.regions); a region whose structure and input metadata
 match a dispatched region card of the package is contracted into one call of a plain Python
 callable (RegionCall), which launches the card's kernel when the inputs' pointer alignments
@@ -16,7 +17,7 @@ card's custom op (the rewrite kforge.compile's pass runs). Nothing is installed:
 own eager calls elsewhere are untouched.
 
 Host cost per forward, which a launch-bound forward pays on every call: a graph the package
-changes nothing in runs as dynamo traced it (eager's own calls); a changed graph runs with no
+and the layout pass change nothing in runs as dynamo traced it (eager's own calls); a changed graph runs with no
 aot_autograd runtime wrapper where that wrapper has nothing to do (kforge.graph), and its aten
 calls go through the bindings eager code calls (kforge.bindings), so what remains over eager is
 dynamo's guard check and one Python call per region. With cuda_graphs=True each graph is
@@ -46,7 +47,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from . import bindings
+from . import bindings, layout
 from . import graph as graph_mod
 from . import regions as regions_mod
 from .cards import Card
@@ -262,7 +263,7 @@ class OptimizedModel(torch.nn.Module):
             gm.graph.lint()
         replaced = sum(rewrite(gm.graph) for rewrite in self._op_rewrites)
         self.ops_replaced += replaced
-        if not chosen and not replaced:
+        if not chosen and not replaced and not gm.meta.get(layout.CHANGED):
             self.graphs.append(None)
             return None  # nothing of the package here: dynamo's graph runs, as eager would
         eager_batch_norms(gm.graph)
