@@ -25,7 +25,7 @@ sys.path[:0] = [str(ROOT / "python"), str(ROOT / "tests")]
 
 from builtin_cards import (A, BF16, F16, F32, bn, fresh_inputs, gn, ln, make_card, meta, rms, softmax,  # noqa: E402
                            softmax_to)
-from kforge import compiler, runtime, timing, tolerance, validate  # noqa: E402
+from kforge import baseline, compiler, runtime, timing, tolerance, validate  # noqa: E402
 from kforge.cards import empty_like_meta, faithful_clone  # noqa: E402
 from kforge.errors import KforgeError, ProposerError  # noqa: E402
 from kforge.hardware import current  # noqa: E402
@@ -184,12 +184,19 @@ def best_per_algo(tried: list[dict]) -> dict:
 
 
 def eager_fn(card, inputs):
+    if card.region is not None:
+        return lambda: card.call_eager(inputs, "cuda")
     args, kwargs = card.build_call(inputs, "cuda")
     op = card.overload()
     return lambda: op(*args, **kwargs)
 
 
 def compiled_fn(card, inputs):
+    if card.region is not None:
+        torch._dynamo.reset()
+        fn = baseline.compiled_reference(card, torch.device("cuda"), "inductor")
+        fn(inputs)
+        return lambda: fn(inputs)
     op = card.overload()
     args, kwargs = card.build_call(inputs, "cuda")
     tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]

@@ -10,6 +10,7 @@ sweep checked against eager, then eager, torch.compile and the best kernel timed
 from __future__ import annotations
 
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -19,9 +20,24 @@ sys.path[:0] = [str(ROOT / "python"), str(ROOT / "tests"), str(ROOT / "bench")]
 
 import bench_builtin  # noqa: E402
 from builtin_cards import A, BF16, F16, make_card, meta  # noqa: E402
+from kforge.capturing import capture  # noqa: E402
 from kforge.proposers.builtin import generated  # noqa: E402
+from norm_models import BatchNormReluAdd  # noqa: E402
 
 FLOOR = ("floor", 0.8)
+
+
+def region(model, shape, dtype, channels_last: bool):
+    """The one region card of `model` run on CUDA inputs of `shape` (every input that shape)."""
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    model = model.to(device="cuda", dtype=dtype).eval()
+    ins = [torch.randn(shape, device="cuda", dtype=dtype).to(memory_format=fmt) for _ in range(2)]
+    with torch.no_grad():
+        r = capture(model, tuple(ins), Path(tempfile.mkdtemp(prefix="kforge-bench-")), regions=True, time_cards=False)
+    (card,) = [c for c in r.cards if c.region is not None]
+    return card
+
+
 BIG = (8192, 8192)  # 256 MB of fp32, 128 MB of bf16
 CASES = {
     # >= 64 MB: the HBM target
@@ -43,6 +59,15 @@ CASES = {
     "logsumexp 1024x65536 fp32": (lambda: make_card(A.logsumexp.default, meta(1024, 65536), [1]), FLOOR),
     "mean hw 64x256x56x56 channels_last fp32": (lambda: make_card(A.mean.dim, meta(64, 256, 56, 56, channels_last=True),
                                                                   [2, 3]), FLOOR),
+    # ResNet-50's batch norm -> relu -> add at its largest, in both layouts
+    "bn relu add region 32x256x56x56 channels_last bf16": (
+        lambda: region(BatchNormReluAdd(256), (32, 256, 56, 56), BF16, True), FLOOR),
+    "bn relu add region 32x256x56x56 bf16": (lambda: region(BatchNormReluAdd(256), (32, 256, 56, 56), BF16, False),
+                                             FLOOR),
+    "add 32x256x56x56 channels_last bf16": (lambda: make_card(A.add.Tensor, meta(32, 256, 56, 56, dtype=BF16,
+                                                                                  channels_last=True),
+                                                              meta(32, 256, 56, 56, dtype=BF16, channels_last=True)),
+                                            FLOOR),
     # smaller, KernelBench-like shapes
     "sum dim1 16x256x256 fp32": (lambda: make_card(A.sum.dim_IntList, meta(16, 256, 256), [1], True), None),
     "max dim 16x256x256 fp32": (lambda: make_card(A.max.dim, meta(16, 256, 256), 1), None),

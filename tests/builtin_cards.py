@@ -76,9 +76,10 @@ def variance_inputs(card: Card) -> list[int]:
 
 
 def fresh_inputs(card: Card, seed: int, device: str = "cuda") -> list[torch.Tensor]:
-    """card.random_inputs, with a batch norm's running variances made non-negative."""
+    """card.random_inputs, with a batch norm's running variances made non-negative (of a
+    region card: every 1-D input, its norms' parameters and statistics)."""
     inputs = card.random_inputs(seed, device)
-    for i in variance_inputs(card):
+    for i in variance_inputs(card) if card.region is None else [i for i, t in enumerate(inputs) if t.dim() == 1]:
         inputs[i].abs_()
     return inputs
 

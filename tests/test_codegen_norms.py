@@ -121,6 +121,7 @@ CARDS = {
     "group_norm 3x6 (2-D)": lambda: _group_norm((3, 6), 3, F32),
     "batch_norm inference 2x16x5x3 fp32": lambda: _bn_inference((2, 16, 5, 3), F32),
     "batch_norm inference channels_last bf16": lambda: _bn_inference((2, 16, 5, 3), BF16, channels_last=True),
+    "batch_norm inference channels_last fp32": lambda: _bn_inference((2, 16, 5, 3), F32, channels_last=True),
     "instance stats 1x12x7x5 fp32": lambda: _instance_stats((1, 12, 7, 5), F32),
 }
 
@@ -162,6 +163,19 @@ def _compile_and_run(card, inputs, want, run: bool = True):
         assert compiler.compile(cand.source, arch="sm_90").cubin, knobs
         if exact and _threads_alone(knobs):
             _check_outputs(cuda_on_cpu.run(card, cand, inputs), want, card)
+
+
+def test_a_pointwise_kernel_holds_at_most_64_elements_a_thread_by_default():
+    """Each item holds a vector of every tensor read: batch norm in channels-last reads five
+    (8-wide in bf16), so one item; an add of two fp32 tensors of the same size keeps four."""
+    bn_card = make_card(A._native_batch_norm_legit_no_training.default, meta(32, 256, 56, 56, dtype=BF16, channels_last=True),
+                        *(meta(256, dtype=BF16) for _ in range(4)), 0.1, 1e-5)
+    bn_card = dataclasses.replace(bn_card, id="", outputs=[bn_card.outputs[0]] + [  # eager's empty statistics
+        dataclasses.replace(o, shape=(0,), stride=(1,)) for o in bn_card.outputs[1:]])
+    add_card = make_card(A.add.Tensor, meta(32, 256, 56, 56, dtype=BF16), meta(32, 256, 56, 56, dtype=BF16))
+    bn, add = generated.default(bn_card, H200), generated.default(add_card, H200)
+    assert (bn["algo"], bn["vec"], bn["items"]) == ("gen_flat", 8, 1)
+    assert (add["algo"], add["vec"], add["items"]) == ("gen_flat", 8, 4)
 
 
 @pytest.mark.parametrize("name", sorted(CARDS))
@@ -242,22 +256,6 @@ def cand_kernels(card):
     return generated.build(card, generated.default(card, H200), H200).plan.kernels
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 REGIONS = {
     "instance_norm relu": (lambda: InstanceNormRelu(16, False), lambda: (_t((2, 16, 5, 7)),),
                            ["_native_batch_norm_legit", "relu"]),
@@ -276,6 +274,10 @@ REGIONS = {
                                       ["native_group_norm", "silu"]),
     "batch_norm relu add": (lambda: BatchNormReluAdd(16).eval(), lambda: (_t((2, 16, 5, 5)), _t((2, 16, 5, 5))),
                             ["_native_batch_norm_legit_no_training", "relu", "add"]),
+    "batch_norm relu add channels_last": (lambda: BatchNormReluAdd(16).eval(),
+                                          lambda: (_t((2, 16, 5, 5), channels_last=True),
+                                                   _t((2, 16, 5, 5), channels_last=True)),
+                                          ["_native_batch_norm_legit_no_training", "relu", "add"]),
     "scale add layer_norm over channels": (lambda: ScaleAddLayerNorm2d(12), lambda: (_t((2, 12, 5, 3)), _t((2, 12, 5, 3))),
                                            ["mul", "add", "native_layer_norm"]),  # the permute unnamed (a view)
     # one image (the mask's window dim lines up with the scores' batch): the mask's extra leading size-1 dim is dropped

@@ -49,6 +49,9 @@ CASES = {
     "group_norm silu one image (few long rows: the split form)": (
         lambda: GroupNormSilu(128, 32), lambda: (cuda(1, 128, 64, 64),)),
     "group_norm silu bf16 odd plane": (lambda: _half(GroupNormSilu(96, 32)), lambda: (cuda(2, 96, 13, 7, dtype=BF16),)),
+    "batch_norm relu add odd channels_last": (lambda: BatchNormReluAdd(24).eval(),
+                                              lambda: (cuda(3, 24, 7, 9, channels_last=True),
+                                                       cuda(3, 24, 7, 9, channels_last=True))),
     "batch_norm relu add resnet bf16 channels_last": (
         lambda: _half(BatchNormReluAdd(64)).eval(),
         lambda: (cuda(4, 64, 28, 28, dtype=BF16, channels_last=True), cuda(4, 64, 28, 28, dtype=BF16, channels_last=True))),
@@ -64,6 +67,8 @@ def _variants(card, hw):
     """The proposer's first candidate, then each staging and lane count of the one-kernel form
     and the two-pass split form."""
     base = generated.default(card, hw)
+    if base["algo"] == "gen_flat":  # a channels-last norm's parameters read along the inner dim
+        return [base, {**base, "vec": 1, "items": 4}, {**base, "threads": 64, "items": 8, "grid": "stride"}]
     if not base["algo"].startswith("gen_norm"):
         return [base]
     out = [base]
