@@ -642,3 +642,18 @@ def test_a_region_that_reads_another_regions_output_reads_its_kernels_output(tmp
         torch.testing.assert_close(fast(x), model(x))
     assert len(launcher.calls) == 12  # every block ran as one region kernel
     assert {launcher.cards[v].region.ops[0] for v in launcher.calls} == {"convolution"}
+
+
+def test_a_kept_call_inductors_table_lowers_whole_stays_without_a_warning(caplog):
+    """Inductor's add.Tensor entry returns NotImplemented for real tensors (Inductor lowers the
+    add itself): the node stays an add, quietly, and the graph computes what it did."""
+    table = select_decomp_table()
+    assert table[aten.add.Tensor](torch.ones(2), torch.ones(2)) is NotImplemented  # what the test relies on
+    gm = make_fx(lambda a, b: torch.relu(a + b), tracing_mode="fake")(torch.randn(3, 4), torch.randn(3, 4))
+    with caplog.at_level("WARNING", logger="kforge.inductor"):
+        inductor.Decompose({aten.add.Tensor}, table)(gm.graph)
+    gm.recompile()
+    assert not [r for r in caplog.records if r.name == "kforge.inductor"]
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [aten.add.Tensor, aten.relu.default]
+    a, b = torch.randn(3, 4), torch.randn(3, 4)
+    torch.testing.assert_close(gm(a, b), torch.relu(a + b))

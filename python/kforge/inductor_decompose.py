@@ -33,6 +33,11 @@ class Decompose:
         return 0  # nothing replaced by a kernel
 
 
+class _LoweredWhole(Exception):
+    """An entry of Inductor's table returned NotImplemented (its add.Tensor does for real
+    tensors): Inductor lowers the call itself, so the node stays as it is."""
+
+
 def _inline_decomposition(graph: torch.fx.Graph, node: torch.fx.Node, table: dict) -> None:
     from torch._dispatch.python import enable_python_dispatcher
     from torch._guards import detect_fake_mode
@@ -49,6 +54,8 @@ def _inline_decomposition(graph: torch.fx.Graph, node: torch.fx.Node, table: dic
             vals[i] = t
         args, kwargs = pytree.tree_unflatten(vals, spec)
         out = table[node.target](*args, **kwargs)
+        if out is NotImplemented:  # the table's way of saying Inductor lowers this call whole
+            raise _LoweredWhole
         # A plain tuple: a decomposition's named tuple (native_layer_norm's return type) would be
         # traced as a call of its class, which Inductor cannot lower.
         return tuple(out) if isinstance(out, tuple) else out
@@ -56,6 +63,8 @@ def _inline_decomposition(graph: torch.fx.Graph, node: torch.fx.Node, table: dic
     try:
         with detect_fake_mode(fakes) or contextlib.nullcontext(), enable_python_dispatcher():
             sub = make_fx(call, table, tracing_mode="real")(*fakes)
+    except _LoweredWhole:
+        return
     except Exception as e:  # noqa: BLE001 (the node stays whole: Inductor runs it as an extern op)
         log.warning("kforge could not decompose %s (%s: %s); Inductor runs it whole", node.name, type(e).__name__, e)
         return
