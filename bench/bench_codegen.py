@@ -22,16 +22,16 @@ import bench_builtin  # noqa: E402
 from builtin_cards import A, BF16, F16, make_card, meta  # noqa: E402
 from kforge.capturing import capture  # noqa: E402
 from kforge.proposers.builtin import generated  # noqa: E402
-from norm_models import BatchNormReluAdd  # noqa: E402
+from norm_models import BatchNormReluAdd, BatchNormReluPool  # noqa: E402
 
 FLOOR = ("floor", 0.8)
 
 
-def region(model, shape, dtype, channels_last: bool):
-    """The one region card of `model` run on CUDA inputs of `shape` (every input that shape)."""
+def region(model, shape, dtype, channels_last: bool, n_inputs: int = 2):
+    """The one region card of `model` run on `n_inputs` CUDA inputs of `shape`."""
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     model = model.to(device="cuda", dtype=dtype).eval()
-    ins = [torch.randn(shape, device="cuda", dtype=dtype).to(memory_format=fmt) for _ in range(2)]
+    ins = [torch.randn(shape, device="cuda", dtype=dtype).to(memory_format=fmt) for _ in range(n_inputs)]
     with torch.no_grad():
         r = capture(model, tuple(ins), Path(tempfile.mkdtemp(prefix="kforge-bench-")), regions=True, time_cards=False)
     (card,) = [c for c in r.cards if c.region is not None]
@@ -64,6 +64,8 @@ CASES = {
         lambda: region(BatchNormReluAdd(256), (32, 256, 56, 56), BF16, True), FLOOR),
     "bn relu add region 32x256x56x56 bf16": (lambda: region(BatchNormReluAdd(256), (32, 256, 56, 56), BF16, False),
                                              FLOOR),
+    "bn relu max_pool region 32x64x112x112 channels_last bf16 (ResNet's stem)": (
+        lambda: region(BatchNormReluPool(64), (32, 64, 112, 112), BF16, True, n_inputs=1), FLOOR),
     "add 32x256x56x56 channels_last bf16": (lambda: make_card(A.add.Tensor, meta(32, 256, 56, 56, dtype=BF16,
                                                                                   channels_last=True),
                                                               meta(32, 256, 56, 56, dtype=BF16, channels_last=True)),

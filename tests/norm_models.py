@@ -115,3 +115,19 @@ class InstanceNormRelu(nn.Module):
 
     def forward(self, x):
         return torch.relu(self.norm(x))
+
+
+class BatchNormReluPool(nn.Module):
+    """ResNet's stem after its convolution (eval mode): batch norm, relu and a 3x3 max pool of
+    stride 2 and padding 1 (its indices unused); `avg`: an average pool instead."""
+
+    def __init__(self, c, avg=False):
+        super().__init__()
+        self.bn = nn.BatchNorm2d(c)
+        self.pool = nn.AvgPool2d(3, 2, 1) if avg else nn.MaxPool2d(3, 2, 1)
+        with torch.no_grad():
+            self.bn.running_mean.normal_()
+            self.bn.running_var.uniform_(0.5, 2.0)
+
+    def forward(self, x):
+        return self.pool(torch.relu(self.bn(x)))

@@ -16,7 +16,7 @@ import torch
 
 import cuda_on_cpu
 from builtin_cards import A, BF16, F16, F32, make_card, meta
-from norm_models import (AddLayerNormGelu, AddRMSNorm, BatchNormReluAdd, GroupNormSilu, HandRMSNorm, InstanceNormRelu,
+from norm_models import (AddLayerNormGelu, AddRMSNorm, BatchNormReluAdd, BatchNormReluPool, GroupNormSilu, HandRMSNorm, InstanceNormRelu,
                          MaskSoftmax, ScaleAddLayerNorm2d, ScaleSoftmax, WindowMaskSoftmax)
 from kforge import compiler
 from kforge.capturing import capture
@@ -142,7 +142,7 @@ def _sample_knobs(card):
 
 def _threads_alone(knobs) -> bool:
     """Settings whose threads do not cooperate: what cuda_on_cpu runs exactly."""
-    return knobs["algo"] == "gen_flat" or (knobs["algo"] == "gen_norm" and knobs["lanes"] == 1)
+    return knobs["algo"] in ("gen_flat", "gen_window") or (knobs["algo"] == "gen_norm" and knobs["lanes"] == 1)
 
 
 def _check_outputs(got, want, card):
@@ -278,6 +278,12 @@ REGIONS = {
                                           lambda: (_t((2, 16, 5, 5), channels_last=True),
                                                    _t((2, 16, 5, 5), channels_last=True)),
                                           ["_native_batch_norm_legit_no_training", "relu", "add"]),
+    # a pooling with its prologue (ResNet's stem): the indices unused, so not an output
+    "batch_norm relu max_pool channels_last": (lambda: BatchNormReluPool(8).eval(),
+                                               lambda: (_t((2, 8, 12, 11), channels_last=True),),
+                                               ["_native_batch_norm_legit_no_training", "relu", "max_pool2d_with_indices"]),
+    "batch_norm relu avg_pool": (lambda: BatchNormReluPool(8, avg=True).eval(), lambda: (_t((2, 8, 9, 12)),),
+                                 ["_native_batch_norm_legit_no_training", "relu", "avg_pool2d"]),
     "scale add layer_norm over channels": (lambda: ScaleAddLayerNorm2d(12), lambda: (_t((2, 12, 5, 3)), _t((2, 12, 5, 3))),
                                            ["mul", "add", "native_layer_norm"]),  # the permute unnamed (a view)
     # one image (the mask's window dim lines up with the scores' batch): the mask's extra leading size-1 dim is dropped

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from norm_models import (AddLayerNormGelu, AddRMSNorm, BatchNormReluAdd, GroupNormSilu, InstanceNormRelu, TemperatureLogSoftmax,
+from norm_models import (AddLayerNormGelu, AddRMSNorm, BatchNormReluAdd, BatchNormReluPool, GroupNormSilu, InstanceNormRelu, TemperatureLogSoftmax,
                          MaskSoftmax, ScaleAddLayerNorm2d, ScaleSoftmax, WindowMaskSoftmax)
 
 from kforge.capturing import capture
@@ -49,6 +49,9 @@ CASES = {
     "group_norm silu one image (few long rows: the split form)": (
         lambda: GroupNormSilu(128, 32), lambda: (cuda(1, 128, 64, 64),)),
     "group_norm silu bf16 odd plane": (lambda: _half(GroupNormSilu(96, 32)), lambda: (cuda(2, 96, 13, 7, dtype=BF16),)),
+    "batch_norm relu max_pool resnet stem bf16 channels_last": (
+        lambda: _half(BatchNormReluPool(64)).eval(), lambda: (cuda(2, 64, 56, 57, dtype=BF16, channels_last=True),)),
+    "batch_norm relu avg_pool odd": (lambda: BatchNormReluPool(6, avg=True).eval(), lambda: (cuda(3, 6, 9, 13),)),
     "batch_norm relu add odd channels_last": (lambda: BatchNormReluAdd(24).eval(),
                                               lambda: (cuda(3, 24, 7, 9, channels_last=True),
                                                        cuda(3, 24, 7, 9, channels_last=True))),

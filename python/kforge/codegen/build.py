@@ -84,32 +84,6 @@ def _copy_declined(args: dict, src: TensorMeta, out: TensorMeta) -> str | None:
     return None
 
 
-def _window_program(node: Node, inputs: list[TensorMeta], out_metas: list[TensorMeta], aliases) -> Program | str:
-    """A pooling node alone (windows are not fused with other nodes yet)."""
-    name, overload = table_key(node.op)
-    ref = node.args["self"]
-    if not isinstance(ref, Ref) or ref.kind != "in":
-        return "a window over a computed tensor is not generated (pooling reads a card input)"
-    m = inputs[ref.index]
-    if m.dtype not in FLOATS:
-        return f"pooling of {m.dtype} tensors: eager has no CUDA kernel for it to check a kernel against"
-    plan = reductions.WINDOW_OPS[name](Call(name, overload, {**node.args, "self": Val(Expr.load(ref.index, m.dtype),
-                                                                                        m.dtype, len(m.shape))}))
-    if isinstance(plan, str):
-        return plan
-    if any(s < 0 for s in m.stride):
-        return "negative strides are not generated"
-    kind = reductions.REDUCTIONS[plan.kind]
-    x = Expr.load(ref.index, m.dtype)
-    refs = tuple(Expr.var(f"s{i}", d) for i, d in enumerate(kind.state(x.dtype)))
-    results = [e.cast(o.dtype) for e, o in zip(plan.outputs(refs, Expr.var("count", "int64")), out_metas)]
-    domain = tuple(out_metas[0].shape)
-    win = Window(kind, ref.index, plan.kernel, plan.stride, plan.padding, plan.dilation, plan.count_include_pad,
-                 plan.divisor_override)
-    return Program(domain, list(inputs), list(out_metas), {ref.index: tuple(m.stride)},
-                   [tuple(o.stride) for o in out_metas], results, None, dict(aliases), None, win)
-
-
 def _channel_input(ref, ndim: int, inputs: list[TensorMeta], sources: list[int], what: str) -> Ref | str:
     """A per-channel vector (C,) of an (N, C, ...) operand as an input of its own with shape
     (1, C, 1, ...): the same memory, broadcast over every dim but 1."""
@@ -258,11 +232,12 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
         for k, (e, m) in enumerate(zip(plan.outputs(refs, n), node.metas)):
             values[(j, k)] = (e.cast(m.dtype), m)
 
-    if len(nodes) == 1 and entry_for(nodes[0].op)[0] == "window":
-        return _window_program(nodes[0], inputs, out_metas, aliases)
+    win: Window | None = None  # a pooling node: the last of its region, the nodes before it its prologue
     try:
         for j, node in enumerate(nodes):
             kind, entry = entry_for(node.op)
+            if win is not None:
+                return f"{packet_name(node.op)} after a pooling: a window ends what is generated as one kernel"
             if kind is None and family_of(node.op) == "view":  # (positive is in the table)
                 why = reshape(j, node)
                 if why:
@@ -270,8 +245,8 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
                 continue
             if kind is None:
                 return entry
-            if kind == "window":
-                return "a window fused with other nodes is not generated yet"
+            if kind == "window" and (red is not None or scan is not None):
+                return "a window beside a reduction or a scan: the IR has one fold level"
             if red is not None and not red.keepdim and any(tuple(m.shape) == frame != out_shape for m in node.metas):
                 return ("a node over the reduced elements after a reduction without keepdim: a normalization "
                         "is generated from keepdim reductions (or the aten norm ops)")
@@ -299,6 +274,12 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
                 if why:
                     return why
             call = Call(name, overload, bound)
+            if kind == "window":
+                win = _window(j, node, call, _meta_of(node.args["self"], inputs, values), values)
+                if isinstance(win, str):
+                    return win
+                frame = win.frame
+                continue
             if kind == "scan":
                 if red is not None or scan is not None:
                     return "a scan beside a reduction or another scan: the IR has one fold level"
@@ -337,6 +318,8 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
     except TypeError as e:  # a primitive given a dtype it does not take
         return f"not generated for these dtypes: {e}"
 
+    if win is not None:
+        return _window_program(win, inputs, sources, loads, out_metas, results_of(values, outputs), aliases)
     live = [m for m in out_metas if m.numel]
     split = red.split if red is not None else None
     if red is None:
@@ -349,7 +332,7 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
     domain = _domain(frame, split)
     dims = red.dims if red is not None else ()
     keep_dom = tuple(1 if d in dims else n for d, n in enumerate(domain))
-    results = [values[(r.index, r.output)][0] for r in outputs]
+    results = results_of(values, outputs)
     def to_frame(st, f: int):  # strides over frames[f] -> over the domain
         st = st if st is None or not f else reshaped(frames[f], st, frame)
         return st if st is None else _split(st, frame, split)
@@ -402,6 +385,49 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
     scan_ = Scan(reductions.REDUCTIONS[scan.kind], scan.operand, scan.dim) if scan is not None else None
     return Program(domain, inputs, list(out_metas), in_strides, out_strides, results, reduction, dict(aliases),
                    scan_, sources=None if sources == list(range(len(inputs))) else sources)
+
+
+def results_of(values, outputs: list[Ref]) -> list[Expr]:
+    """The values of the region's outputs."""
+    return [values[(r.index, r.output)][0] for r in outputs]
+
+
+def _window(j: int, node: Node, call: Call, src: TensorMeta, values) -> Window | str:
+    """A pooling node's Window (its operand: the pooled value, a load or the prologue's
+    expression), its outputs' values set in `values`."""
+    if src.dtype not in FLOATS:
+        return f"pooling of {src.dtype} tensors: eager has no CUDA kernel for it to check a kernel against"
+    plan = reductions.WINDOW_OPS[call.name](call)
+    if isinstance(plan, str):
+        return plan
+    operand = call.v("self").expr
+    kind = reductions.REDUCTIONS[plan.kind]
+    refs = tuple(Expr.var(f"s{i}", d) for i, d in enumerate(kind.state(operand.dtype)))
+    for k, (e, m) in enumerate(zip(plan.outputs(refs, Expr.var("count", "int64")), node.metas)):
+        values[(j, k)] = (e.cast(m.dtype), m)
+    return Window(kind, operand, tuple(src.shape), plan.kernel, plan.stride, plan.padding, plan.dilation,
+                  plan.count_include_pad, plan.divisor_override)
+
+
+def _window_program(win: Window, inputs, sources, loads, out_metas, results, aliases) -> Program | str:
+    """A pooling and its prologue: the domain is the pooling's output shape, every load strided
+    over the pooled tensor's shape (win.frame)."""
+    if win.kind.name == "argmax" and not any(n.op == "var" and n.value == "s1" for r in results for n in r.walk()):
+        win = replace(win, kind=reductions.REDUCTIONS["max"])  # indices unused: a max folds the same values
+    domain = tuple(out_metas[0].shape)
+    if any(tuple(m.shape) != domain for m in out_metas):
+        return "a region output beside a pooling's: only the pooling's outputs are generated with it"
+    in_strides = {}
+    for i in loads:
+        st = broadcast_strides(inputs[i].shape, inputs[i].stride, win.frame)
+        if st is None:
+            return f"input {i} of shape {inputs[i].shape} does not broadcast to {win.frame}"
+        in_strides[i] = st
+    out_strides = [tuple(m.stride) for m in out_metas]
+    if any(s < 0 for st in list(in_strides.values()) + out_strides for s in st):
+        return "negative strides are not generated"
+    return Program(domain, inputs, list(out_metas), in_strides, out_strides, results, None, dict(aliases), None, win,
+                   sources=None if sources == list(range(len(inputs))) else sources)
 
 
 def _domain(frame: tuple[int, ...], split) -> tuple[int, ...]:

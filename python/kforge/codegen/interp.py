@@ -16,7 +16,7 @@ import operator
 
 import torch
 
-from .ir import INTS, Expr, Program, opmath
+from .ir import INTS, Expr, Program
 
 _T = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16,
       "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
@@ -115,10 +115,14 @@ def _window(prog: Program, inputs: list[torch.Tensor]) -> dict[str, torch.Tensor
     """The folded state and the divisor at every output point of a pooling program."""
     w = prog.window
     k = len(w.kernel)
-    m, t = prog.inputs[w.input], inputs[prog.source(w.input)]
-    dt = w.kind.state(opmath(m.dtype))[0]
-    x = torch.as_strided(t, m.shape, prog.in_strides[w.input], t.storage_offset() + prog.offset(w.input)).to(_T[dt])
-    size, out = m.shape[-k:], prog.domain[-k:]
+    dt = w.kind.state(w.operand.dtype)[0]
+
+    def load(i, stored):
+        t = inputs[prog.source(i)]
+        return torch.as_strided(t, w.frame, prog.in_strides[i], t.storage_offset() + prog.offset(i))
+
+    x = evaluate(w.operand, {}, load).expand(w.frame).to(_T[dt])
+    size, out = w.frame[-k:], prog.domain[-k:]
     # output coordinates along each pooled dim, shaped to broadcast over the others
     o = [torch.arange(n).reshape([-1 if j == i else 1 for j in range(k)]) for i, n in enumerate(out)]
     a_vars, b_vars, merged = w.kind.merge_exprs(dt)

@@ -240,15 +240,18 @@ class Scan:
 
 @dataclass
 class Window:
-    """A fold over a window of the last len(kernel) dims of input `input` per output point
-    (pooling, 2-D or 3-D): output (.., o1, o2[, o3]) folds input (.., o*stride - pad +
-    k*dilation, ...) for k inside `kernel`, skipping points in the padding. The operand is the
-    input's value there (var "x"), the element's index in its plane or volume (row-major over
-    the pooled dims: ih * W + iw, or (id * H + ih) * W + iw) is var "ridx"; the epilogue sees
-    the state (s0, ...) and the divisor eager's avg_pool uses (var "count", int64)."""
+    """A fold over a window of the last len(kernel) dims of `frame` (the pooled tensor's shape)
+    per output point (pooling, 2-D or 3-D): output (.., o1, o2[, o3]) folds the pooled tensor
+    at (.., o*stride - pad + k*dilation, ...) for k inside `kernel`, skipping points in the
+    padding. `operand` is the pooled tensor's value at a frame point: a load of an input, or a
+    pointwise prologue over loads (batch norm -> relu before a max pool), every loaded input's
+    in_strides over the frame. The element's index in its plane or volume (row-major over the
+    pooled dims: ih * W + iw, or (id * H + ih) * W + iw) is var "ridx"; the epilogue sees the
+    state (s0, ...) and the divisor eager's avg_pool uses (var "count", int64)."""
 
     kind: ReductionKind
-    input: int
+    operand: Expr
+    frame: tuple[int, ...]
     kernel: tuple[int, ...]
     stride: tuple[int, ...]
     padding: tuple[int, ...]
@@ -268,7 +271,7 @@ class Program:
     reduction: Reduction | None = None
     aliases: dict[int, int] = field(default_factory=dict)  # output -> input it overwrites
     scan: Scan | None = None  # outputs over the whole domain see the running state as var "s0"...
-    window: Window | None = None  # the domain is the output shape; in_strides holds the input's own strides
+    window: Window | None = None  # the domain is the output shape; in_strides are over window.frame
     # per input: the launch-plan input whose memory it reads (a region's view of an input is
     # an input of its own, with the view's shape and strides); None: every input is its own
     sources: list[int] | None = None

@@ -20,7 +20,8 @@ that a second kernel merges in order (two passes) before the epilogue.
 Scan (`algo` "gen_scan"): one thread per line along the scanned dim, walking it in order;
 `algo` "gen_scan_block" (lines contiguous in memory): one block per line, a parallel scan of
 chunks of threads x items elements carried from chunk to chunk.
-Window (`algo` "gen_window", 2-D and 3-D pooling): one thread per output point folding its window.
+Window (`algo` "gen_window", 2-D and 3-D pooling): one thread per output point folding its
+window (`vec` output points along a non-pooled innermost dim, channels-last's channels).
 """
 
 from __future__ import annotations
@@ -28,4 +29,4 @@ from __future__ import annotations
 from .pointwise import lower_pointwise, pointwise_vecs
 from .reduce import (lower_norm, lower_norm_split, lower_reduction, norm_staging, norm_vecs, reduced_is_inner,
                      reduction_layout, reduction_vecs)
-from .scan import lower_scan, lower_scan_block, lower_window, scan_is_inner
+from .scan import lower_scan, lower_scan_block, lower_window, scan_is_inner, window_vecs

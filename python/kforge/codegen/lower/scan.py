@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from ...proposers.builtin.common import ceil_div
-from ..ir import Expr, Program, opmath
+from ..ir import Expr, Program
 from .emit import (CTYPE, Built, Emitter, _const, _header, _index_type, _merge_block, _pointers, _shfl, coalesce,
                    convert, offsets_code)
 
@@ -178,28 +178,64 @@ def lower_scan_block(prog: Program, knobs: dict) -> Built:
 
 # ---- window (pooling) -------------------------------------------------------------------
 
-def lower_window(prog: Program, knobs: dict) -> Built:
-    """One thread per output point folding its window over the last k dims (k = 2 or 3;
-    padding skipped), then the epilogue."""
+def window_vecs(prog: Program) -> tuple[int, ...]:
+    """Legal vector widths (output points a thread) along the first output's innermost dim,
+    narrowest first: more than 1 where that dim is not pooled (channels-last pooling), every
+    output is contiguous along it and every loaded input contiguous or broadcast along it."""
     w = prog.window
-    m = prog.inputs[w.input]
-    dt = opmath(m.dtype)
+    nd, k = len(prog.domain), len(w.kernel)
+    inner = min(range(nd), key=lambda d: (prog.out_strides[0][d] != 1, d))
+    out = [1]
+    if inner >= nd - k or any(st[inner] != 1 for st in prog.out_strides):
+        return (1,)
+    for v in (2, 4, 8, 16):
+        ok = prog.domain[inner] % v == 0
+        for m, st, off in [(m, st, 0) for m, st in zip(prog.outputs, prog.out_strides)] + [
+                (prog.inputs[i], prog.in_strides[i], prog.offset(i)) for i in prog.in_strides]:
+            if st[inner] not in (0, 1):
+                ok = False
+            elif st[inner] == 1:
+                ok &= v * m.itemsize <= 16 and m.align % (v * m.itemsize) == 0 and off % v == 0 and \
+                    all(s % v == 0 for d, s in enumerate(st) if d != inner)
+        if ok:
+            out.append(v)
+    return tuple(out)
+
+
+def lower_window(prog: Program, knobs: dict) -> Built:
+    """One thread per `vec` output points along the innermost dim (1 unless that dim is not
+    pooled, as channels are in channels-last) folding their windows over the last k dims (k = 2
+    or 3; padding skipped; the operand, a prologue over loads, evaluated at each window point,
+    16-byte loads where the inputs allow), then the epilogue."""
+    w = prog.window
+    dt = w.operand.dtype
     kind = w.kind
     st_types = kind.state(dt)
-    nt, unroll = knobs["threads"], knobs["unroll"]
+    nt, unroll, v = knobs["threads"], knobs["unroll"], knobs.get("vec", 1)
     params, args, ptr = _pointers(prog)
     nd, k = len(prog.domain), len(w.kernel)
     order = sorted(range(nd), key=lambda d: -prog.out_strides[0][d])
-    ist = prog.in_strides[w.input]
-    size = m.shape[-k:]
+    inner = min(range(nd), key=lambda d: (prog.out_strides[0][d] != 1, d)) if v > 1 else None
+    size = w.frame[-k:]
     pooled = range(k)  # pooled dim i is domain dim nd - k + i
-    idx = _index_type(prog, 2 * nt)
-    n_out = math.prod(prog.domain)
+    idx = _index_type(prog, 2 * nt * v)
+    n_out = math.prod(prog.domain) // v
     # coordinates of output point q, innermost (in the first output's memory order) first
     coords = [f"  {idx} e_ = q;"]
     for d in reversed(order):
-        coords.append(f"  const {idx} c{d} = e_ % {prog.domain[d]}; e_ /= {prog.domain[d]};")
-    base = " + ".join([f"c{d} * {ist[d]}" for d in range(nd - k)] or ["0"])
+        n = prog.domain[d] // v if d == inner else prog.domain[d]
+        coords.append(f"  const {idx} c{d} = (e_ % {n}){f' * {v}' if d == inner else ''}; e_ /= {n};")
+    loaded = sorted(prog.in_strides)
+    # each loaded input's start for this output point's leading dims, then its offset at a window point
+    bases = [f"  const {CTYPE[prog.inputs[i].dtype]}* x{i} = {ptr[i]} + ("
+             + " + ".join([f"c{d} * {prog.in_strides[i][d]}" for d in range(nd - k)] or ["0"]) + ");" for i in loaded]
+    at = {i: " + ".join([f"(kf_idx)i{j} * {prog.in_strides[i][nd - k + j]}" for j in range(k)]) for i in loaded}
+    along = {i: inner is not None and prog.in_strides[i][inner] == 1 for i in loaded}
+    window_loads = [f"const kf_vec<{CTYPE[prog.inputs[i].dtype]}, V> l{i} = "
+                    f"*reinterpret_cast<const kf_vec<{CTYPE[prog.inputs[i].dtype]}, V>*>(x{i} + {at[i]});"
+                    if along[i] else f"const {CTYPE[prog.inputs[i].dtype]} l{i} = x{i}[{at[i]}];" for i in loaded]
+    pe = Emitter("q", {}, lambda i, stored: f"l{i}.v[j]" if along[i] else f"l{i}")
+    xval = pe(w.operand)
     outs = [" + ".join([f"c{d} * {st[d]}" for d in range(nd)]) for st in prog.out_strides]
     st = [f"st{c}" for c in range(len(st_types))]
     em = Emitter("p", {"ridx": "ri", "x": "xv"}, None)
@@ -207,7 +243,7 @@ def lower_window(prog: Program, knobs: dict) -> Built:
     span = " * ".join(f"(hi{i} - lo{i})" for i in pooled)
     clipped = " * ".join(f"((hi{i} < N{i} ? hi{i} : N{i}) - (lo{i} > 0 ? lo{i} : 0))" for i in pooled)
     count = str(w.divisor_override) if w.divisor_override else span if w.count_include_pad else clipped
-    epi = Emitter("e", {**{f"s{c}": n for c, n in enumerate(st)}, "count": "cnt"}, None)
+    epi = Emitter("e", {**{f"s{c}": f"{n}[j]" for c, n in enumerate(st)}, "count": "cnt"}, None)
     res = [epi(e) for e in prog.results]
     loops, pad = [], "  "
     for i in pooled:  # one loop per pooled dim, outermost first; a point in the padding is skipped
@@ -216,33 +252,41 @@ def lower_window(prog: Program, knobs: dict) -> Built:
                   f"{pad}  const int i{i} = o{i} * {w.stride[i]} - {w.padding[i]} + k{i} * {w.dilation[i]};",
                   f"{pad}  if (i{i} < 0 || i{i} >= N{i}) continue;"]
         pad += "  "
-    at = " + ".join(f"(kf_idx)i{i} * {ist[nd - k + i]}" for i in pooled)
     flat = "(kf_i64)i0"
     for i in pooled[1:]:
         flat = f"({flat} * N{i} + i{i})"
-    inner = [f"const {CTYPE[dt]} xv = {convert(f'x[{at}]', m.dtype, dt)};",
-             f"const kf_i64 ri = {flat};",
-             *em.lines,
-             *_merge_block(kind, dt, st, lifted, "u")]
+    inner_lines = [*window_loads, f"const kf_i64 ri = {flat};", "#pragma unroll", "for (int j = 0; j < V; ++j) {",
+                   *[f"  {line}" for line in pe.lines], f"  const {CTYPE[dt]} xv = {xval};",
+                   *[f"  {line}" for line in em.lines],
+                   *[f"  {line}" for line in _merge_block(kind, dt, [f"{n}[j]" for n in st], lifted, "u")], "}"]
     closing = ["  " * (i + 1) + "}" for i in reversed(pooled)]
+    cts = [CTYPE[om.dtype] for om in prog.outputs]
+    stores = [*[f"  {ct} r{j}[V];" for j, ct in enumerate(cts)], "#pragma unroll", "  for (int j = 0; j < V; ++j) {",
+              *[f"    {line}" for line in epi.lines],
+              *[f"    r{j}[j] = {convert(r, prog.results[j].dtype, om.dtype)};"
+                for j, (om, r) in enumerate(zip(prog.outputs, res))], "  }",
+              *[f"  *reinterpret_cast<kf_vec<{ct}, V>*>(out{j} + {o}) = *reinterpret_cast<const kf_vec<{ct}, V>*>(r{j});"
+                for j, (ct, o) in enumerate(zip(cts, outs))]]
     body = [f"typedef {idx} kf_idx;",
-            f"constexpr int NT = {nt}; " + " ".join(f"constexpr int N{i} = {size[i]};" for i in pooled),
+            f"constexpr int NT = {nt}; constexpr int V = {v}; " + " ".join(f"constexpr int N{i} = {size[i]};" for i in pooled),
             f'extern "C" __global__ void __launch_bounds__(NT) kf_gen({", ".join(params)}) {{',
             "  const kf_idx q = (kf_idx)blockIdx.x * NT + threadIdx.x;",
             f"  if (q >= {n_out}) return;",
             *coords,
-            f"  const {CTYPE[m.dtype]}* x = {ptr[w.input]} + ({base});",
+            *bases,
             *[f"  const int o{i} = (int)c{nd - k + i};" for i in pooled],
-            *[f"  {CTYPE[t]} {n} = {_const(v)};" for n, t, v in zip(st, st_types, kind.identity_exprs(dt))],
+            *[f"  {CTYPE[t]} {n}[V];" for n, t in zip(st, st_types)],
+            "#pragma unroll",
+            "  for (int j = 0; j < V; ++j) {",
+            *[f"    {n}[j] = {_const(val)};" for n, val in zip(st, kind.identity_exprs(dt))],
+            "  }",
             *loops,
-            *[f"{pad}{line}" for line in inner],
+            *[f"{pad}{line}" for line in inner_lines],
             *closing,
             # the window's extent along each dim, clipped to the padded input (eager's divisor)
             *[f"  const int lo{i} = o{i} * {w.stride[i]} - {w.padding[i]}, hi{i} = lo{i} + {w.kernel[i]} < N{i} + "
               f"{w.padding[i]} ? lo{i} + {w.kernel[i]} : N{i} + {w.padding[i]};" for i in pooled],
             f"  const kf_i64 cnt = {count};",
-            *[f"  {line}" for line in epi.lines],
-            *[f"  out{j}[{o}] = {convert(r, prog.results[j].dtype, om.dtype)};"
-              for j, (om, r, o) in enumerate(zip(prog.outputs, res, outs))],
+            *stores,
             "}"]
     return Built(_header("\n".join(body)), [("kf_gen", (ceil_div(n_out, nt),), (nt,), args, 0)], [])

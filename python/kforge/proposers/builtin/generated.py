@@ -137,7 +137,8 @@ def _scan_default(prog: Program, card: Card, hw: Hardware) -> Knobs:
 def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
     prog = program(card)
     if prog.window is not None:
-        return [{"algo": ("gen_window",), "threads": (64, 128, 256, 512), "unroll": (1, 2, 4)}]
+        return [{"algo": ("gen_window",), "threads": (64, 128, 256, 512), "unroll": (1, 2, 4),
+                 "vec": lower.window_vecs(prog)}]
     if prog.scan is not None:
         return _scan_spaces(prog)
     if prog.normalizes:
@@ -154,8 +155,9 @@ def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
 def default(card: Card, hw: Hardware) -> Knobs:
     prog = program(card)
     if prog.window is not None:
-        return {"algo": "gen_window", "threads": 256 if card.outputs[0].numel >= 256 * 2 * hw.sm_count else 128,
-                "unroll": 2}
+        vec = lower.window_vecs(prog)[-1]  # 16-byte accesses across channels where the layout allows
+        return {"algo": "gen_window", "threads": 256 if card.outputs[0].numel // vec >= 256 * 2 * hw.sm_count else 128,
+                "unroll": 2, "vec": vec}
     if prog.scan is not None:
         return _scan_default(prog, card, hw)
     if prog.reduction is None:
