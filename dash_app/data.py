@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
-import re
 import shutil
 import statistics
 import tempfile
@@ -34,14 +32,12 @@ from typing import Any, Callable, Iterable
 from kforge.errors import KforgeError, LogError, PackageError
 from kforge.store import LOG_NAME, CardRecord, LLMUsage, SQLiteStore
 from kforge.manifest import read_manifest
-from kforge.redact import scrub
+
+from .rows import (CORRECT, NOT_FAILED, estimated_speedup, failure_kind, first_line, flatten, loads, manifest_row,
+                   pct_of_floor, proposer_of_call, record_dict, scrubbed)
 
 TTL_S = 1.5
 
-# Verdicts the search keeps (correct kernels); everything else but "untimed" (compiled, with
-# no GPU to run it: not a failure) is a failure.
-CORRECT = ("valid", "slower")
-NOT_FAILED = CORRECT + ("untimed",)
 CAPTURED = "captured"  # the status of a run dir that holds cards and no search log
 CAPTURE_FILE = "capture.json"
 
@@ -58,52 +54,6 @@ def _ttl(method: Callable) -> Callable:
         return self._cached((method.__name__, args), lambda: method(self, *args))
 
     return wrapper
-
-
-def _loads(text: str | None, default: Any) -> Any:
-    if not text:
-        return default
-    try:
-        return json.loads(text)
-    except ValueError:
-        return default
-
-
-def _scrubbed(value: Any) -> Any:
-    """`value` with its texts scrubbed: a log written before kforge scrubbed its texts may hold
-    a key in any of them. A JSON value is scrubbed as the one text it is stored as."""
-    if isinstance(value, str):
-        return scrub(value, limit=None)
-    if isinstance(value, (dict, list)):
-        return _loads(scrub(json.dumps(value), limit=None), type(value)())
-    return value
-
-
-def _record(record: Any, *keys: str) -> dict:
-    """A store record as a dict of scrubbed values (only `keys`, when given)."""
-    return {k: _scrubbed(getattr(record, k)) for k in keys or [f.name for f in dataclasses.fields(record)]}
-
-
-def proposer_of_call(model: str) -> str:
-    """The proposer an llm_calls row belongs to. The search logs a call under its proposer's
-    name (`llm:<model>`); the LLM client's per-attempt recorder logs the bare model."""
-    return model if model.startswith("llm:") else f"llm:{model}"
-
-
-def first_line(text: str | None) -> str:
-    for line in (text or "").splitlines():
-        if line.strip():
-            return line.strip()
-    return ""
-
-
-# Numbers, hex addresses and quoted names vary between otherwise identical failures
-# ("max abs err 0.31 at index 17" vs "... 0.29 at index 4"); grouping ignores them.
-_VARYING = re.compile(r"\b[0-9a-f]{16}\b|0x[0-9a-fA-F]+|[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")  # card ids too
-
-
-def failure_kind(message: str | None) -> str:
-    return _VARYING.sub("N", first_line(message)) or "(no message)"
 
 
 class Catalog:
@@ -172,7 +122,7 @@ class Catalog:
         from kforge.cardtable import skip_reason
         from kforge.card_files import load_cards
 
-        info = _loads((run_dir / CAPTURE_FILE).read_text(), {})
+        info = loads((run_dir / CAPTURE_FILE).read_text(), {})
         cards = load_cards(run_dir)
         with SQLiteStore(where) as log:
             log.start_run(run_dir.name, config={"captured_only": True, "run_dir": str(run_dir)},
@@ -243,7 +193,7 @@ class Catalog:
         for run_id, path in index.items():
             try:
                 run, spend, (n, last) = self._read(path, lambda log: (
-                    _record(log.run(run_id)), sum(log.llm_usage(run_id).values(), LLMUsage()), log.activity(run_id)))
+                    record_dict(log.run(run_id)), sum(log.llm_usage(run_id).values(), LLMUsage()), log.activity(run_id)))
                 cards = self.cards(run_id)
             except NotFound as e:  # damaged past what opening it checks
                 broken.append({"log": str(path), "error": str(e), "created": _mtime(path)})
@@ -295,7 +245,7 @@ class Catalog:
 
     @_ttl
     def run_config(self, run_id: str) -> dict:
-        return _scrubbed(self._q(run_id, lambda log: log.run(run_id)).config)
+        return scrubbed(self._q(run_id, lambda log: log.run(run_id)).config)
 
     # ---- cards ---------------------------------------------------------------------
     _CARD_KEYS = ("card_id", "op", "family", "summary", "calls", "eager_us", "share", "status", "skip_reason",
@@ -303,7 +253,7 @@ class Catalog:
 
     @classmethod
     def _card_of(cls, record: CardRecord) -> dict:
-        row = _record(record, *cls._CARD_KEYS)
+        row = record_dict(record, *cls._CARD_KEYS)
         row.update(top_calls=record.card.get("top_calls"), n_candidates=record.candidates,
                    n_valid=record.verdicts.get("valid", 0))
         return row
@@ -312,8 +262,8 @@ class Catalog:
     def _card_row(row: dict) -> dict:
         row["op_name"] = row["op"].removeprefix("aten::").removesuffix(".default")
         # Floor % = how close to the HBM floor a latency is (100 % = moves its bytes at copy bandwidth).
-        row["eager_floor_pct"] = _pct(row["floor_us"], row["eager_us"])
-        row["best_floor_pct"] = _pct(row["floor_us"], row["best_us"])
+        row["eager_floor_pct"] = pct_of_floor(row["floor_us"], row["eager_us"])
+        row["best_floor_pct"] = pct_of_floor(row["floor_us"], row["best_us"])
         return row
 
     def _timed(self, run_id: str) -> bool:
@@ -338,7 +288,7 @@ class Catalog:
         if record is None:
             raise NotFound(f"run {run_id!r} has no card {card_id!r}; pick one on the run's cards page")
         (row,) = self._card_rows(run_id, [self._card_of(record)])
-        card = _scrubbed(record.card)
+        card = scrubbed(record.card)
         row["module_paths"] = card.get("module_paths", [])
         row["arch"] = card.get("arch", "")
         return row
@@ -351,7 +301,7 @@ class Catalog:
     @_ttl
     def candidates(self, run_id: str, card_id: str) -> list[dict]:
         """Every candidate of a card in the order it was evaluated (no sources: they are large)."""
-        rows = [_record(c, *self._LIST_KEYS) for c in self._q(run_id, lambda log: log.candidates(run_id, card_id,
+        rows = [record_dict(c, *self._LIST_KEYS) for c in self._q(run_id, lambda log: log.candidates(run_id, card_id,
                                                                                                   bodies=False))]
         for r in rows:
             r["summary"] = first_line(r["message"])
@@ -365,12 +315,12 @@ class Catalog:
         record = self._q(run_id, lambda log: log.candidate(run_id, cand_id))
         if record is None:
             raise NotFound(f"run {run_id!r} has no candidate #{cand_id}; pick one on its card's page")
-        c = _record(record)
+        c = record_dict(record)
         base_id = c["repair_of"] if c["repair_of"] is not None else c["parent_id"]
         c["base_id"], c["base_source"] = base_id, None
         if base_id is not None:
             base = self._q(run_id, lambda log: log.candidate(run_id, base_id))
-            c["base_source"] = _scrubbed(base.source) if base else None
+            c["base_source"] = scrubbed(base.source) if base else None
         return c
 
     def tree_edges(self, run_id: str, card_id: str) -> list[dict]:
@@ -399,7 +349,7 @@ class Catalog:
     def timeline(self, run_id: str) -> list[dict]:
         """Every candidate of the run in the order it was evaluated: card, time, verdict, speedup."""
         rows = self._q(run_id, lambda log: log.candidates(run_id, bodies=False))
-        return [_record(c, "id", "card_id", "created", "verdict", "speedup")
+        return [record_dict(c, "id", "card_id", "created", "verdict", "speedup")
                 for c in sorted(rows, key=lambda c: (c.created, c.id))]
 
     # ---- failures, events, providers ------------------------------------------------------
@@ -407,7 +357,7 @@ class Catalog:
     def failures(self, run_id: str) -> list[dict]:
         """Failed candidates grouped by verdict and the first line of their message, biggest group first."""
         summaries = self._summaries(run_id)
-        rows = [dict(_record(c, "id", "card_id", "verdict", "message"), summary=summaries.get(c.card_id))
+        rows = [dict(record_dict(c, "id", "card_id", "verdict", "message"), summary=summaries.get(c.card_id))
                 for c in self._q(run_id, lambda log: log.candidates(run_id, bodies=False))
                 if c.verdict not in NOT_FAILED]
         groups: dict[tuple[str, str], dict] = {}
@@ -425,7 +375,7 @@ class Catalog:
         """What the proposer failed to deliver (an unreachable endpoint, replies without a usable
         kernel: the search's "proposer_error" events), grouped like failures, biggest first."""
         summaries = self._summaries(run_id)
-        rows = [dict(_record(e, "card_id", "message"), summary=summaries.get(e.card_id))
+        rows = [dict(record_dict(e, "card_id", "message"), summary=summaries.get(e.card_id))
                 for e in self._q(run_id, lambda log: log.events(run_id, "proposer_error"))]
         groups: dict[str, dict] = {}
         for r in rows:
@@ -442,14 +392,14 @@ class Catalog:
 
     @_ttl
     def events(self, run_id: str, limit: int = 30) -> list[dict]:
-        return [_record(e, "created", "level", "kind", "card_id", "message")
+        return [record_dict(e, "created", "level", "kind", "card_id", "message")
                 for e in self._q(run_id, lambda log: log.events(run_id, newest=limit))]
 
     @_ttl
     def providers(self, run_id: str) -> list[dict]:
         """Each proposer (builtin, llm:<model>) compared: outcomes, speedups, cards won, LLM spend."""
         cands, usage = self._q(run_id, lambda log: (
-            [_record(c, "card_id", "id", "proposer", "verdict", "speedup") for c in log.candidates(run_id, bodies=False)],
+            [record_dict(c, "card_id", "id", "proposer", "verdict", "speedup") for c in log.candidates(run_id, bodies=False)],
             log.llm_usage(run_id)))
         winners = {r["best_candidate"] for r in self.cards(run_id) if r["best_candidate"] is not None}
         totals: dict[str, LLMUsage] = {}
@@ -499,7 +449,7 @@ class Catalog:
         it had one."""
         view: dict[str, Any] = {"path": None, "error": None, "header": {}, "cards": [], "model_check": None}
         # The run's model checks (kforge.modelcheck, logged by `kforge run` as "PACKAGE: message").
-        checks = [_record(e, "level", "message")
+        checks = [record_dict(e, "level", "message")
                   for e in reversed(self._q(run_id, lambda log: log.events(run_id, "model-check")))]
         problems = []
         for path in self._package_files(run_id):
@@ -512,7 +462,7 @@ class Catalog:
                 continue
             view["path"] = str(path)
             view["model_check"] = _model_check_of(checks, path)
-            view["header"] = _flatten(manifest, skip=("cards",))
+            view["header"] = flatten(manifest, skip=("cards",))
             view["cards"] = [manifest_row(e) for e in manifest.get("cards", []) if isinstance(e, dict)]
             return view
         run = self.run(run_id)
@@ -520,7 +470,6 @@ class Catalog:
             f"no package for this run yet: `kforge package {run['run_dir']} --out model.cast` writes "
             "one (on the GPU that searched it); give its path to the dashboard if it is elsewhere")
         return view
-
 
 
 def _next_step(kind: str, run_dir: Path) -> str:
@@ -543,63 +492,8 @@ def _model_check_of(checks: list[dict], package: Path) -> dict | None:
                  if c["message"].startswith(prefix)), None)
 
 
-def _flatten(d: dict, skip: tuple[str, ...] = (), prefix: str = "") -> dict[str, Any]:
-    """Scalars of a manifest's header, nested keys joined ("gpu name")."""
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if k in skip:
-            continue
-        if isinstance(v, dict):
-            out.update(_flatten(v, prefix=f"{prefix}{k} "))
-        elif not isinstance(v, list) and v is not None:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def manifest_row(e: dict) -> dict:
-    """One card entry of a manifest (kforge.package format), flattened for a table."""
-    timing, error = e.get("timing") or {}, e.get("error") or {}
-    compiled = e.get("compile") if isinstance(e.get("compile"), dict) else {}  # none in format 1 packages
-    eager, kernel = timing.get("eager_us"), timing.get("kernel_us")
-    return {
-        "card_id": e.get("id", ""), "op": e.get("op", ""), "summary": e.get("summary", ""),
-        "decision": e.get("decision", ""), "reason": e.get("reason") or "", "kind": e.get("kind") or "",
-        "eager_us": eager, "kernel_us": kernel, "dispatched_us": timing.get("dispatched_us"),
-        "eager_dispatched_us": timing.get("eager_dispatched_us"),
-        "speedup": eager / kernel if eager and kernel else None,
-        "compile_decision": compiled.get("decision") or "none", "compile_reason": compiled.get("reason") or "",
-        "compile_us": compiled.get("compile_us"),
-        "max_abs_err": error.get("max_abs_err"), "tolerance": tolerance_text(error.get("tolerances")),
-        "candidate": (e.get("candidate") or {}).get("log_id"),
-    }
-
-
-def tolerance_text(tolerances: Any) -> str:
-    """The tolerance a packaged kernel passed, per output: kforge.worker records one list per
-    input set (one {atol, rtol, how} per observed tensor); the loosest over the sets is shown."""
-    if not isinstance(tolerances, dict):
-        return ""
-    outputs: dict[int, tuple[float, float]] = {}
-    for per_output in tolerances.values():
-        for j, t in enumerate(per_output if isinstance(per_output, list) else []):
-            if isinstance(t, dict) and isinstance(t.get("atol"), (int, float)) and isinstance(t.get("rtol"), (int, float)):
-                a, r = outputs.get(j, (0.0, 0.0))
-                outputs[j] = (max(a, t["atol"]), max(r, t["rtol"]))
-    return "; ".join(f"atol={a:.2g}, rtol={r:.2g}" for _, (a, r) in sorted(outputs.items()))
-
-
-def estimated_speedup(cards: list[dict]) -> float | None:
-    """Whole-model speedup implied by the winners and their shares (Amdahl), if any won."""
-    saved = sum((c["share"] or 0.0) * (1.0 - 1.0 / c["best_speedup"]) for c in cards if c["best_speedup"])
-    return 1.0 / (1.0 - saved) if saved > 0 and saved < 1 else None
-
-
 def _mtime(path: Path) -> float:
     try:
         return path.stat().st_mtime
     except OSError:
         return 0.0
-
-
-def _pct(floor_us: float | None, latency_us: float | None) -> float | None:
-    return 100.0 * floor_us / latency_us if floor_us and latency_us else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from .components import VERDICT_COLORS, fmt_us, fmt_x, speedup_color
-from .data import CORRECT
+from .rows import CORRECT
 
 ROOT = "root"
 

@@ -22,7 +22,8 @@ from kforge.verdict import EvalResult, Verdict  # noqa: E402
 import_dash_app()
 from dash_app import figures  # noqa: E402
 from dash_app.components import highlight  # noqa: E402
-from dash_app.data import Catalog, NotFound, failure_kind  # noqa: E402
+from dash_app.data import Catalog, NotFound  # noqa: E402
+from dash_app.rows import failure_kind  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -344,7 +345,7 @@ def test_package_tolerances_of_a_real_run(tmp_path):
 
 
 def test_tolerance_text_takes_the_loosest_per_output_over_input_sets():
-    from dash_app.data import tolerance_text
+    from dash_app.rows import tolerance_text
 
     sets = {"seed1": [{"atol": 1e-6, "rtol": 1e-5, "how": "."}, {"atol": 0.0, "rtol": 0.0, "how": "exact"}],
             "seed2": [{"atol": 3e-6, "rtol": 1e-5, "how": "."}, {"atol": 0.0, "rtol": 0.0, "how": "exact"}]}

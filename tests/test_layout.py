@@ -93,3 +93,11 @@ def test_the_environment_is_read_in_kforge_env_only():
     read = re.compile(r"""(environ(\.get)?\s*[\[(]|getenv\()\s*["']KFORGE_""")
     readers = [str(p.relative_to(ROOT)) for p in _modules().values() if read.search(p.read_text())]
     assert readers == ["env.py"]
+
+
+def test_no_dashboard_module_is_longer_than_a_reader_can_hold():
+    dash = Path(__file__).resolve().parents[1] / "dash_app"
+    lengths = {str(p.relative_to(dash)): len(p.read_text().splitlines()) for p in sorted(dash.rglob("*.py"))}
+    assert lengths, f"no dashboard modules under {dash}"
+    too_long = {name: n for name, n in lengths.items() if n > MAX_LINES}
+    assert not too_long, f"over {MAX_LINES} lines, split them: " + ", ".join(f"{k} ({n})" for k, n in too_long.items())
