@@ -1,5 +1,7 @@
 """Where a benchmark result comes from, recorded the same way by every script whose results
-bench/scoreboard.py reads: date, device, torch, commit and the command line."""
+bench/scoreboard.py reads: date, device, torch, commit, how many tracked files differ from it
+(a device that runs a copy of the working tree may hold an older .git: the commit alone would
+name code that was not the code measured) and the command line."""
 
 from __future__ import annotations
 
@@ -11,17 +13,32 @@ from pathlib import Path
 import torch
 
 
-def commit() -> str | None:
-    """The checkout's commit, or None where the tree was copied without .git (the scoreboard
-    then names the commit that added the result file)."""
+HERE = Path(__file__).parent
+
+
+def _git(*args: str, where: Path = HERE) -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=Path(__file__).parent, check=True).stdout.strip() or None
+        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, cwd=where,
+                              check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def commit(where: Path = HERE) -> str | None:
+    """The checkout's commit, or None where the tree was copied without .git (the scoreboard
+    then names the commit that added the result file)."""
+    out = _git("rev-parse", "--short", "HEAD", where=where)
+    return out.strip() or None if out is not None else None
+
+
+def uncommitted(where: Path = HERE) -> int | None:
+    """How many tracked files differ from that commit (None without git)."""
+    out = _git("status", "--porcelain", "--untracked-files=no", where=where)
+    return None if out is None else len([line for line in out.splitlines() if line.strip()])
 
 
 def provenance() -> dict:
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "torch": torch.__version__, "commit": commit(), "command": " ".join(["python", *sys.argv])}
+            "torch": torch.__version__, "commit": commit(), "uncommitted_files": uncommitted(),
+            "command": " ".join(["python", *sys.argv])}

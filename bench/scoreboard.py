@@ -87,7 +87,8 @@ def example_models(results: Path) -> dict[str, tuple[Path, dict]]:
 
 def _commit(path: Path, data: dict) -> str:
     if data.get("commit"):
-        return data["commit"]
+        changed = data.get("uncommitted_files")
+        return f"{data['commit']} with {changed} tracked files changed since it" if changed else data["commit"]
     try:
         added = subprocess.run(["git", "log", "--diff-filter=A", "-1", "--format=%h", "--", path.name],
                                capture_output=True, text=True, timeout=10, cwd=path.parent, check=True).stdout.strip()

@@ -287,3 +287,36 @@ def test_the_scoreboard_joins_a_levels_shards_and_later_runs_and_keeps_the_newes
     assert "| 1 | 3 | 2 | 0 | 67 % / 67 % / 33 % / 33 % |" in text and "| 2 | not measured yet |" in text
     assert "| resnet50_bf16 | 100 | 50 (2.00×) | — | 80 (1.25×) |" in text and "model_resnet50_bf16_s9" not in text
     assert "commit abc1234; `python x`" in text
+
+
+def test_a_result_measured_on_a_changed_tree_says_so(tmp_path):
+    """provenance counts the tracked files that differ from the checkout's commit (a device may
+    run a copy of the working tree over an older .git), and the scoreboard names them."""
+    import shutil
+    import subprocess
+
+    import provenance
+
+    if shutil.which("git") is None:
+        pytest.skip("needs git")
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("commit", "-qm", "a")
+    assert provenance.uncommitted(tmp_path) == 0 and provenance.commit(tmp_path)
+    (tmp_path / "a.py").write_text("x = 2\n")
+    (tmp_path / "untracked.py").write_text("")
+    assert provenance.uncommitted(tmp_path) == 1
+    assert provenance.uncommitted(tmp_path / "no-such-dir") is None
+    _result(tmp_path / "ab_m_s1_h200.json", date="2026-12-03", uncommitted_files=3,
+            model_us={"eager": {"median_us": 2.0}, "kforge": {"median_us": 1.0}})
+    _result(tmp_path / "ab_n_s1_h200.json", date="2026-12-03", uncommitted_files=0,
+            model_us={"eager": {"median_us": 2.0}, "kforge": {"median_us": 1.0}})
+    text = scoreboard.render(tmp_path)
+    assert "commit abc1234 with 3 tracked files changed since it; `python x`" in text
+    assert text.count("commit abc1234; `python x`") == 1  # the clean one
