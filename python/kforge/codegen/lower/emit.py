@@ -157,6 +157,14 @@ def coalesce(sizes: list[int], strides: list[list[int]], order: list[int]) -> tu
     return out_sizes, out
 
 
+def vector_fits(v: int, m, st: tuple[int, ...] | list[int], inner: int, offset: int = 0) -> bool:
+    """Whether a tensor (meta m, strides st over the layout) contiguous along dim `inner` can be
+    read or written `v` elements at a time: 16 bytes at most, aligned, and every other stride
+    (and its offset) a multiple of v."""
+    return v * m.itemsize <= 16 and m.align % (v * m.itemsize) == 0 and offset % v == 0 and \
+        all(s % v == 0 for d, s in enumerate(st) if d != inner % len(st))
+
+
 def offsets_code(var: str, sizes: list[int], strides: list[list[int]], names: list[str], idx: str,
                  declare: bool = True) -> list[str]:
     """Statements setting names[t] (declared here unless `declare` is False) to tensor t's

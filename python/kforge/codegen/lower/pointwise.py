@@ -7,7 +7,7 @@ import math
 
 from ...proposers.builtin.common import ceil_div
 from ..ir import Program
-from .emit import CTYPE, Built, Emitter, _header, _index_type, _pointers, coalesce, convert, offsets_code
+from .emit import CTYPE, Built, Emitter, _header, _index_type, _pointers, coalesce, convert, offsets_code, vector_fits
 
 # ---- pointwise -----------------------------------------------------------------------
 
@@ -27,7 +27,7 @@ def pointwise_vecs(prog: Program) -> tuple[int, ...]:
         ok = sizes[-1] % v == 0
         for m, st in zip(metas, strides):
             if st[-1] == 1 and v > 1:
-                ok &= v * m.itemsize <= 16 and m.align % (v * m.itemsize) == 0 and all(s % v == 0 for s in st[:-1])
+                ok &= vector_fits(v, m, st, -1)
         if ok:
             out.append(v)
     return tuple(out)

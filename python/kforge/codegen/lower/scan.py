@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from ...proposers.builtin.common import ceil_div
 from ..ir import Expr, Program
 from .emit import (CTYPE, Built, Emitter, _const, _header, _index_type, _merge_block, _pointers, _shfl, coalesce,
-                   convert, offsets_code)
+                   convert, offsets_code, vector_fits)
 
 # ---- scan ------------------------------------------------------------------------------
 
@@ -178,28 +178,23 @@ def lower_scan_block(prog: Program, knobs: dict) -> Built:
 
 # ---- window (pooling) -------------------------------------------------------------------
 
+def _window_inner(prog: Program) -> int:
+    """The domain dim the first output is contiguous along (else dim 0)."""
+    return min(range(len(prog.domain)), key=lambda d: (prog.out_strides[0][d] != 1, d))
+
+
 def window_vecs(prog: Program) -> tuple[int, ...]:
     """Legal vector widths (output points a thread) along the first output's innermost dim,
     narrowest first: more than 1 where that dim is not pooled (channels-last pooling), every
     output is contiguous along it and every loaded input contiguous or broadcast along it."""
-    w = prog.window
-    nd, k = len(prog.domain), len(w.kernel)
-    inner = min(range(nd), key=lambda d: (prog.out_strides[0][d] != 1, d))
-    out = [1]
-    if inner >= nd - k or any(st[inner] != 1 for st in prog.out_strides):
+    nd, k, inner = len(prog.domain), len(prog.window.kernel), _window_inner(prog)
+    tensors = [(m, st, 0) for m, st in zip(prog.outputs, prog.out_strides)] + [
+        (prog.inputs[i], prog.in_strides[i], prog.offset(i)) for i in prog.in_strides]
+    if inner >= nd - k or any(st[inner] not in (0, 1) for _, st, _ in tensors) or \
+            any(st[inner] != 1 for st in prog.out_strides):
         return (1,)
-    for v in (2, 4, 8, 16):
-        ok = prog.domain[inner] % v == 0
-        for m, st, off in [(m, st, 0) for m, st in zip(prog.outputs, prog.out_strides)] + [
-                (prog.inputs[i], prog.in_strides[i], prog.offset(i)) for i in prog.in_strides]:
-            if st[inner] not in (0, 1):
-                ok = False
-            elif st[inner] == 1:
-                ok &= v * m.itemsize <= 16 and m.align % (v * m.itemsize) == 0 and off % v == 0 and \
-                    all(s % v == 0 for d, s in enumerate(st) if d != inner)
-        if ok:
-            out.append(v)
-    return tuple(out)
+    return (1,) + tuple(v for v in (2, 4, 8, 16) if prog.domain[inner] % v == 0 and all(
+        vector_fits(v, m, st, inner, off) for m, st, off in tensors if st[inner] == 1))
 
 
 def lower_window(prog: Program, knobs: dict) -> Built:
@@ -215,7 +210,7 @@ def lower_window(prog: Program, knobs: dict) -> Built:
     params, args, ptr = _pointers(prog)
     nd, k = len(prog.domain), len(w.kernel)
     order = sorted(range(nd), key=lambda d: -prog.out_strides[0][d])
-    inner = min(range(nd), key=lambda d: (prog.out_strides[0][d] != 1, d)) if v > 1 else None
+    inner = _window_inner(prog) if v > 1 else None
     size = w.frame[-k:]
     pooled = range(k)  # pooled dim i is domain dim nd - k + i
     idx = _index_type(prog, 2 * nt * v)
