@@ -8,7 +8,9 @@ mkdir -p "$OUT"
 # Wheels the image lacks, carried by the device call: .whl/ (openai, pytest-xdist) and, only for
 # the Ray item, .whl-ray/ (a slimmed Ray and its dependencies: docs/cluster.md), kept apart so
 # the other calls do not carry its 50 MB.
-wheels=$(ls .whl/*.whl .whl-ray/*.whl 2>/dev/null || true)
+# One path per wheel file name: both folders may hold the same dependency (idna), and pip refuses
+# the same version twice.
+wheels=$(ls .whl/*.whl .whl-ray/*.whl 2>/dev/null | awk -F/ '!seen[$NF]++' || true)
 if [ -n "$wheels" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels
   export PYTHONPATH=/tmp/site
