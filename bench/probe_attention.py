@@ -1,8 +1,9 @@
 """Which way of computing attention is fastest for a given shape (run on the GPU): SDPA as
 eager picks its backend, each backend forced, and the plain decomposition (one matmul for the
 scores with the scale folded in, a softmax, one matmul for the output), all in one
-interleaved run (GPU time, median, L2 flushed before every rep). Also each piece of the
-decomposition alone, and each result's largest error against an fp32 reference.
+interleaved run (GPU time, median, L2 flushed before every rep): with bf16 scores, and as
+kforge.attention rewrites it (fp32 scores, softmax in fp32, probabilities cast to bf16). Also
+each piece of the bf16 decomposition alone, and each result's largest error against an fp32 reference.
 
 SDPA's flash kernel takes head dims up to 256; beyond that eager runs the memory-efficient
 kernel, whose speed at head dim 512 (the SD VAE's single-head attention) is the question.
@@ -24,13 +25,13 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "python"), str(ROOT / "bench")]
 
-from kforge import timing  # noqa: E402
+from kforge import attention, timing  # noqa: E402
 from provenance import provenance  # noqa: E402
 
 SHAPES = [(1, 1, 16384, 512), (1, 1, 4096, 512), (1, 8, 4096, 128), (2, 8, 4096, 256), (1, 1, 16384, 256)]
 
 
-def decomposed(q, k, v):
+def decomposed_bf16(q, k, v):
     b, h, s, d = q.shape
     q3, k3, v3 = (t.reshape(b * h, s, d) for t in (q, k, v))
     scores = torch.baddbmm(torch.empty(b * h, s, s, dtype=q.dtype, device=q.device), q3, k3.transpose(1, 2),
@@ -57,7 +58,8 @@ def probe(shape: tuple[int, int, int, int]) -> dict:
             runs[f"sdpa {name}"] = fn
         except Exception as e:  # noqa: BLE001 - a backend that refuses the shape
             print(f"{shape} {name}: {str(e).splitlines()[0][:120]}")
-    runs["decomposed"] = lambda: decomposed(q, k, v)
+    runs["decomposed, bf16 scores"] = lambda: decomposed_bf16(q, k, v)
+    runs["kforge.attention (fp32 scores)"] = lambda: attention.decomposed(q, k, v, d ** -0.5)
     q3, k3, v3 = (t.reshape(b * h, s, d) for t in (q, k, v))
     sc = torch.empty(b * h, s, s, dtype=q.dtype, device="cuda")
     runs["piece: scores baddbmm"] = lambda: torch.baddbmm(sc, q3, k3.transpose(1, 2), beta=0.0, alpha=0.1)

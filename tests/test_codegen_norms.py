@@ -212,6 +212,20 @@ def test_staging_falls_back_when_the_row_does_not_fit():
     assert lower.norm_staging(prog, {**k, "threads": 128, "vec": 4, "staging": "reload"}) == "reload"
 
 
+def test_the_default_takes_more_threads_where_that_keeps_a_long_row_in_registers():
+    """A 16384-long fp32 row (attention scores, kforge.attention): 512 threads would hold 32
+    values each, over the limit of 16, and 64 KB does not fit shared memory, so the epilogue
+    would read the row again; 1024 threads hold 16 each."""
+    card, _, _ = _softmax(False, (4096, 16384), -1, F32)
+    knobs = generated.default(card, H200)
+    prog = card_program.program_for_card(card)
+    assert (knobs["algo"], knobs["threads"], knobs["vec"]) == ("gen_norm", 1024, 4)
+    assert lower.norm_staging(prog, knobs) == "regs"
+    assert lower.norm_staging(prog, {**knobs, "threads": 512}) == "reload"
+    card, _, _ = _softmax(False, (4096, 2048), -1, F32)  # fits at the usual count: unchanged
+    assert generated.default(card, H200)["threads"] == 128
+
+
 def test_few_long_rows_take_the_two_pass_split_form():
     """One image's group norm: 32 rows of 16384 elements cannot fill an H200 a block each; the
     statistics fold over several blocks a row, then a grid-wide kernel applies them."""

@@ -185,7 +185,8 @@ def test_uuid_is_the_package_and_changes_with_it():
     launcher = FakeLauncher(relu_kernel, softmax_kernel(1))
 
     def uuid(pkg, keeps_whole=True):
-        return inductor.KforgePass(pkg.digest, inductor._rewrites(pkg, launcher), keeps_whole=keeps_whole).uuid()
+        rewrites = inductor._own() + inductor._rewrites(pkg, launcher)
+        return inductor.KforgePass(pkg.digest, rewrites, keeps_whole=keeps_whole).uuid()
     base = uuid(fake_package(relu, sm))
     assert uuid(fake_package(relu, sm)) == base  # a fresh load of the same package: Inductor's caches hit
     assert uuid(fake_package(relu, sm, decisions=["dispatched", "fallback"])) != base
@@ -475,8 +476,9 @@ def test_a_card_the_model_check_names_is_left_out():
     relu, sm = make_card(aten.relu.default, x), make_card(aten._softmax.default, x, 1, False)
     pkg = model_checked(fake_package(relu, sm, name="drop.cast"), "kforge.compile", drop=[sm.id])
     with pytest.warns(inductor.CompileFallbackWarning, match=f"without card.* {sm.id}"):
-        (rewrite,) = inductor.options(pkg, launcher=FakeLauncher(relu_kernel, softmax_kernel(1)))[
+        rewrites = inductor.options(pkg, launcher=FakeLauncher(relu_kernel, softmax_kernel(1)))[
             "post_grad_custom_post_pass"].rewrites
+    (rewrite,) = [r for r in rewrites if isinstance(r, inductor.OpRewrite)]
     assert rewrite.ops == [aten.relu.default]
 
 

@@ -114,6 +114,11 @@ def layout_mode() -> str:
     return os.environ.get("KFORGE_LAYOUT", "").strip().lower()
 
 
+def attention_mode() -> str:
+    """KFORGE_ATTENTION: "keep", "decompose", or "" (matmul-softmax-matmul where measured faster: kforge.attention)."""
+    return os.environ.get("KFORGE_ATTENTION", "").strip().lower()
+
+
 def dispatch_path() -> str:
     """KFORGE_DISPATCH: "python", "native", or "" (C++ where it can, else Python)."""
     return os.environ.get("KFORGE_DISPATCH", "").strip().lower()

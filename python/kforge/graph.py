@@ -6,7 +6,8 @@ decompositions of kforge's choosing, so only the CompositeImplicitAutograd ops d
 exactly as they do in eager: native_group_norm stays native_group_norm, softmax becomes
 _softmax, linear becomes t + addmm. The graphs are functional (relu_ is recorded as relu).
 Inference graphs with 2-D convolutions on CUDA are laid out channels-last
-as torch.compile lays them out (kforge.layout). Every node carries its value's metadata in node.meta["val"] (a fake tensor: shape, stride,
+as torch.compile lays them out (kforge.layout), and a fused attention call runs as
+matmul-softmax-matmul where that is measured faster (kforge.attention). Every node carries its value's metadata in node.meta["val"] (a fake tensor: shape, stride,
 dtype), its scalar arguments in node.args, and its module in node.meta["nn_module_stack"].
 
 What runs: the callable the graph compiler returns for each graph, called by dynamo's code with
@@ -30,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import layout
+from . import attention, layout
 
 ROOT = "(root)"  # module path of nodes run by the model's own forward (as capture names it)
 
@@ -119,6 +120,9 @@ def aten_backend(compile_graph: GraphCompiler, notes: list[str], finish: Finishe
 
         def inference_compiler(agm: torch.fx.GraphModule, _inputs: list) -> Callable:
             runs["pure"], direct = _inference_meta(agm, example_inputs)
+            if attention.apply(agm.graph, notes):  # matmul-softmax-matmul where faster than the fused call
+                agm.graph.lint()
+                agm.recompile()
             layout.apply(agm, notes)  # channels-last convolutions, as torch.compile lays them out
             fn = compile_graph(agm, index, note)
             runs["fn"] = gm.forward if fn is None else fn if direct else None

@@ -27,6 +27,9 @@ compiled alone by torch.compile; kforge.package):
             per graph), a region or op next to a convolution is replaced only where its margin
             over torch.compile covers the copies into and out of that layout (their bytes at
             the GPU's copy bandwidth; kforge.inductor_rewrites.pays_for_relayout).
+  attention before all these, a fused attention call becomes matmul-softmax-matmul where that
+            was measured faster on this GPU (kforge.attention; it needs no card: with none,
+            kforge.compile is torch.compile plus this step).
   leftovers Inductor decomposes many ops before any post-grad pass runs (group_norm, softmax,
             layer_norm, ...). kforge.compile hands Inductor its own decomposition table, in
             which a call that hits a card, and every op of a region card, stays whole for the
@@ -58,7 +61,7 @@ from typing import Any, Collection, Sequence
 
 import torch
 
-from . import customops
+from . import attention, customops, env
 from .dispatch import Launcher
 from .errors import KforgeError
 from .inductor_decompose import Decompose, _decompositions
@@ -73,7 +76,7 @@ log = logging.getLogger("kforge.inductor")
 
 # Bumped when what the pass does to a graph changes: part of uuid(), so Inductor's caches never
 # serve a graph an older pass rewrote.
-PASS_VERSION = 3  # 2: fusion-aware op substitution, region cards, leftovers decomposed; 3: layout copies
+PASS_VERSION = 4  # 2: fusion-aware op substitution, region cards, leftovers decomposed; 3: layout copies; 4: attention
 
 
 class CompileFallbackWarning(UserWarning):
@@ -159,6 +162,12 @@ def _rewrites(package: Any, launcher: Launcher | None, *, compiled: bool = True,
                   if sites else [])
 
 
+def _own() -> list[Rewrite]:
+    """kforge's rewrites that need no package: attention as matmul-softmax-matmul where measured
+    faster (kforge.attention), unless KFORGE_ATTENTION=keep."""
+    return [] if env.attention_mode() == "keep" else [attention.AttentionRewrite()]
+
+
 def _fall_back(why: str) -> None:
     message = f"kforge's kernels stay out of this compiled model: {why}; it compiles with plain torch.compile"
     log.warning(message)
@@ -201,7 +210,7 @@ def options(package: Any, *, launcher: Launcher | None = None) -> dict:
     plain, drop = _verdict(package)
     if plain:
         return {}
-    return {"post_grad_custom_post_pass": KforgePass(package.digest, _rewrites(package, launcher, drop=drop),
+    return {"post_grad_custom_post_pass": KforgePass(package.digest, _own() + _rewrites(package, launcher, drop=drop),
                                                      keeps_whole=False)}
 
 
@@ -238,7 +247,7 @@ def compile(model: Any, package: Any, *, launcher: Launcher | None = None, drop:
     if "post_grad_custom_post_pass" in user_options:
         raise KforgeError("kforge.compile installs its own post_grad_custom_post_pass: leave it out of options "
                           "(run your pass as post_grad_custom_pre_pass)")
-    rewrites = _rewrites(package, launcher, drop=drop)
+    rewrites = _own() + _rewrites(package, launcher, drop=drop)
     if not rewrites:
         log.info("%s has no kernel for compiled graphs here: plain torch.compile", package.path)
         return torch.compile(model, **torch_compile_options)

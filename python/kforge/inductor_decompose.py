@@ -5,13 +5,13 @@ would have, so Inductor generates the code it would have generated without kforg
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Any, Callable, Collection, Sequence
 
 import torch
 
 from .inductor_rewrites import Rewrite
+from .inline import inline
 
 log = logging.getLogger("kforge.inductor")
 
@@ -29,63 +29,8 @@ class Decompose:
     def __call__(self, graph: torch.fx.Graph) -> int:
         for node in list(graph.nodes):
             if node.op == "call_function" and node.target in self.kept:
-                _inline_decomposition(graph, node, self._table)
+                inline(graph, node, self._table)
         return 0  # nothing replaced by a kernel
-
-
-class _LoweredWhole(Exception):
-    """An entry of Inductor's table returned NotImplemented (its add.Tensor does for real
-    tensors): Inductor lowers the call itself, so the node stays as it is."""
-
-
-def _inline_decomposition(graph: torch.fx.Graph, node: torch.fx.Node, table: dict) -> None:
-    from torch._dispatch.python import enable_python_dispatcher
-    from torch._guards import detect_fake_mode
-    from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.utils import _pytree as pytree
-
-    flat, spec = pytree.tree_flatten((node.args, node.kwargs))
-    slots = [i for i, x in enumerate(flat) if isinstance(x, torch.fx.Node)]
-    fakes = [flat[i].meta["val"] for i in slots]
-
-    def call(*tensors: Any) -> Any:
-        vals = list(flat)
-        for i, t in zip(slots, tensors):
-            vals[i] = t
-        args, kwargs = pytree.tree_unflatten(vals, spec)
-        out = table[node.target](*args, **kwargs)
-        if out is NotImplemented:  # the table's way of saying Inductor lowers this call whole
-            raise _LoweredWhole
-        # A plain tuple: a decomposition's named tuple (native_layer_norm's return type) would be
-        # traced as a call of its class, which Inductor cannot lower.
-        return tuple(out) if isinstance(out, tuple) else out
-
-    try:
-        with detect_fake_mode(fakes) or contextlib.nullcontext(), enable_python_dispatcher():
-            sub = make_fx(call, table, tracing_mode="real")(*fakes)
-    except _LoweredWhole:
-        return
-    except Exception as e:  # noqa: BLE001 (the node stays whole: Inductor runs it as an extern op)
-        log.warning("kforge could not decompose %s (%s: %s); Inductor runs it whole", node.name, type(e).__name__, e)
-        return
-    env: dict[torch.fx.Node, Any] = {}
-    placeholders = iter(flat[i] for i in slots)
-    result: Any = None
-    with graph.inserting_before(node):
-        for n in sub.graph.nodes:
-            if n.op == "placeholder":
-                env[n] = next(placeholders)
-            elif n.op == "output":
-                result = torch.fx.node.map_arg(n.args[0], lambda a: env[a])
-            else:
-                env[n] = graph.node_copy(n, lambda a: env[a])
-    if isinstance(result, (list, tuple)):
-        for user in list(node.users):  # a tuple's users are its getitem nodes
-            user.replace_all_uses_with(result[user.args[1]])
-            graph.erase_node(user)
-    else:
-        node.replace_all_uses_with(result)
-    graph.erase_node(node)
 
 
 def _decompositions(rewrites: Sequence[Rewrite]) -> tuple[dict, set]:

@@ -210,7 +210,16 @@ def _norm_default(prog: Program, lay, hw: Hardware) -> Knobs:
         return {"algo": "gen_norm", "threads": 128 if lay.kn >= 4 * hw.sm_count else 64, "lanes": lanes, "vec": vec,
                 "staging": "regs"}
     threads = pick((128, 256, 512, 1024), nc / 8)
-    return {"algo": "gen_norm", "threads": threads, "lanes": "block", "vec": vec, "staging": "regs"}
+    knobs = {"algo": "gen_norm", "threads": threads, "lanes": "block", "vec": vec, "staging": "regs"}
+    # More threads where that keeps the row in registers: otherwise the epilogue reads it again
+    # (a 16384-long fp32 softmax row at 512 threads is 32 values a thread, over the limit).
+    for more in (t for t in (256, 512, 1024) if t > threads):
+        if lower.norm_staging(prog, knobs) == "regs":
+            break
+        if lower.norm_staging(prog, {**knobs, "threads": more}) == "regs":
+            knobs["threads"] = more
+            break
+    return knobs
 
 
 def build(card: Card, knobs: Knobs, hw: Hardware) -> Candidate:
