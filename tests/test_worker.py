@@ -539,3 +539,37 @@ def test_device_errors_raised_as_runtime_errors_get_their_driver_name(text, name
     fault = CudaBackend.fault(None, RuntimeError(text))
     assert fault is not None and fault.cuda_error == name
     assert CudaBackend.fault(None, RuntimeError("shape mismatch")) is None
+
+
+def test_out_of_memory_outside_a_kernel_gives_cached_blocks_back_and_tries_once_more(tmp_path, card, monkeypatch):
+    """The worker loop in this process (a pipe for the parent): preparing the card's input sets
+    runs out of memory once; the worker empties the allocator's cache and judges the candidate."""
+    from kforge import worker
+
+    calls, released = [0], [0]
+
+    def prepare_once_oom(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        return prepare(*args, **kwargs)
+
+    real_release = worker.release_cached_memory
+    monkeypatch.setattr(worker, "prepare", prepare_once_oom)
+    monkeypatch.setattr(worker, "release_cached_memory", lambda: (released.__setitem__(0, released[0] + 1), real_release()))
+    parent, child = mp.Pipe()
+    from kforge.worker_protocol import Request
+
+    parent.send(Request("evaluate", 1, card.to_json(), str(tmp_path), fake("relu_good").to_json()).__dict__)
+    parent.send(Request("shutdown").__dict__)
+    sigint = signal.getsignal(signal.SIGINT)
+    try:
+        worker.main(child, "fake", 0, {**FAST, "timeout_s": 2.0})
+    finally:
+        signal.signal(signal.SIGINT, sigint)  # the worker ignores Ctrl-C; this process must not
+    messages = []
+    while parent.poll():
+        messages.append(parent.recv())
+    (result,) = [m for m in messages if m["kind"] == "result"]
+    assert EvalResult.from_json(result["result"]).verdict in (Verdict.VALID, Verdict.SLOWER)
+    assert calls[0] == 2 and released[0] >= 2  # one for the new card, one for the retry

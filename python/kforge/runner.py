@@ -190,6 +190,9 @@ def run(model=None, example_inputs=None, out: str | Path | None = "model.cast", 
         from .capturing import capture
 
         run_dir = capture(model, example_inputs, run_dir, progress=capture_progress, regions=regions).run_dir
+        from .worker import release_cached_memory
+
+        release_cached_memory()  # what the capture cached: the workers' now (a 1 GB card's sets OOMed at 41 GB held)
         model_name = model_name or type(model).__name__
     result = search_run(run_dir, out=out, proposer=proposer, iterations=iterations, min_share=min_share,
                         include_vendor=include_vendor, devices=devices, wall_time_s=wall_time_s,

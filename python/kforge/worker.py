@@ -8,6 +8,7 @@ to each other is kforge.worker_protocol; how one candidate is judged is kforge.j
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import resource
 import signal
@@ -15,6 +16,8 @@ import threading
 import time
 import traceback
 from pathlib import Path
+
+import torch
 
 from .backends import Backend, make_backend
 from .baseline import Baselines
@@ -37,9 +40,18 @@ class _CardCache:
         key = (card.id, run_dir)
         if key != self.key:
             self.key, self.value = None, None
+            release_cached_memory()  # the last card's blocks: another card's sizes fragment them
             self.value = prepare(card, run_dir, backend.device, opts.fresh_sets)
             self.key = key
         return self.value
+
+
+def release_cached_memory() -> None:
+    """Give the CUDA caching allocator's free blocks back to the driver, for other processes
+    (the workers, after a capture) or other sizes (the next card)."""
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def _rss_bytes() -> int:
@@ -90,8 +102,14 @@ def main(conn, backend_name: str, device: int, opts_json: dict) -> None:
         try:
             card = Card.from_json(req.card)
             candidate = Candidate.from_json(req.candidate)
-            sets, holdout = cache.get(card, req.run_dir, backend, opts)
-            result, fatal = Judge(backend, card, sets, holdout, candidate, opts, progress, baselines).run()
+            try:
+                sets, holdout = cache.get(card, req.run_dir, backend, opts)
+                result, fatal = Judge(backend, card, sets, holdout, candidate, opts, progress, baselines).run()
+            except torch.OutOfMemoryError:
+                # Blocks the allocator caches for other cards' sizes: give them back, try once more.
+                release_cached_memory()
+                sets, holdout = cache.get(card, req.run_dir, backend, opts)
+                result, fatal = Judge(backend, card, sets, holdout, candidate, opts, progress, baselines).run()
         except CardError as e:
             conn.send(dataclasses.asdict(WorkerMessage("error", req.id, error="CardError", message=str(e))))
             continue
