@@ -22,7 +22,7 @@ import bench_builtin  # noqa: E402
 from builtin_cards import A, BF16, F16, make_card, meta  # noqa: E402
 from kforge.capturing import capture  # noqa: E402
 from kforge.proposers.builtin import generated  # noqa: E402
-from norm_models import BatchNormReluAdd, BatchNormReluPool  # noqa: E402
+from norm_models import BatchNormReluAdd, BatchNormReluPool, MaskSoftmax  # noqa: E402
 
 FLOOR = ("floor", 0.8)
 
@@ -36,6 +36,13 @@ def region(model, shape, dtype, channels_last: bool, n_inputs: int = 2):
         r = capture(model, tuple(ins), Path(tempfile.mkdtemp(prefix="kforge-bench-")), regions=True, time_cards=False)
     (card,) = [c for c in r.cards if c.region is not None]
     return card
+
+
+class SoftmaxToBf16(torch.nn.Module):
+    """The probabilities of kforge.attention's rewrite: fp32 scores, softmax, cast to bf16."""
+
+    def forward(self, x):
+        return torch.softmax(x, -1).to(torch.bfloat16)
 
 
 BIG = (8192, 8192)  # 256 MB of fp32, 128 MB of bf16
@@ -66,6 +73,10 @@ CASES = {
                                              FLOOR),
     "bn relu max_pool region 32x64x112x112 channels_last bf16 (ResNet's stem)": (
         lambda: region(BatchNormReluPool(64), (32, 64, 112, 112), BF16, True, n_inputs=1), FLOOR),
+    # softmax regions: attention scores of the SD-VAE (16384-long rows) and Gemma's mask softmax
+    "softmax to bf16 region 16384x16384 fp32 (SD-VAE attention)": (
+        lambda: region(SoftmaxToBf16(), (16384, 16384), torch.float32, False, n_inputs=1), FLOOR),
+    "mask softmax region 8x2048x2048 bf16 (Gemma)": (lambda: region(MaskSoftmax(), (8, 2048, 2048), BF16, False), FLOOR),
     "add 32x256x56x56 channels_last bf16": (lambda: make_card(A.add.Tensor, meta(32, 256, 56, 56, dtype=BF16,
                                                                                   channels_last=True),
                                                               meta(32, 256, 56, 56, dtype=BF16, channels_last=True)),

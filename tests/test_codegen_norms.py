@@ -226,6 +226,29 @@ def test_the_default_takes_more_threads_where_that_keeps_a_long_row_in_registers
     assert generated.default(card, H200)["threads"] == 128
 
 
+@pytest.mark.parametrize("log", [False, True])
+def test_a_staged_row_folds_max_then_sum_and_agrees_with_the_online_merge_on_infinities_and_nan(log):
+    """With the row held by its thread (staging regs or smem), the logsumexp state is folded in
+    phases (max, then the sum of exp(x - max)): the same outputs as the online merge (staging
+    reload) and as eager, rows of -inf, with +inf and with NaN included, run on the CPU."""
+    card, (x,), eager = _softmax(log, (6, 40), -1, F32)
+    x[0] = -math.inf
+    x[1, 3] = math.inf
+    x[2, 5] = math.nan
+    x[3, :20] = -math.inf
+    base = {"algo": "gen_norm", "threads": 64, "lanes": 1, "vec": 4}
+    runs = {}
+    for staging in ("regs", "smem", "reload"):
+        cand = generated.build(card, {**base, "staging": staging}, H200)
+        assert ("mu1_0" in cand.source) == (staging != "reload")  # the second phase's fold
+        runs[staging] = cuda_on_cpu.run(card, cand, [x])[0]
+    want = interp.run(card_program.program_for_card(card), [x])[0]
+    for staging, got in runs.items():
+        torch.testing.assert_close(got, runs["reload"], equal_nan=True, msg=lambda m: f"{staging}: {m}")
+    torch.testing.assert_close(runs["regs"], want, equal_nan=True)
+    torch.testing.assert_close(runs["regs"][3:], eager()[3:], equal_nan=True)  # finite rows: as eager
+
+
 def test_few_long_rows_take_the_two_pass_split_form():
     """One image's group norm: 32 rows of 16384 elements cannot fill an H200 a block each; the
     statistics fold over several blocks a row, then a grid-wide kernel applies them."""

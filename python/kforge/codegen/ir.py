@@ -202,6 +202,11 @@ class ReductionKind:
     identity: Callable[[str], tuple]
     lift: Callable[[Expr, Expr], tuple]
     merge: Callable[[tuple, tuple], tuple]
+    # The same state as a sequence of simpler folds, for elements a thread holds (staged): phase
+    # i folds lift_i(x, states of phases < i) with its own kind into state component i. The
+    # online logsumexp's merge is a chain of dependent exps per element; max, then the sum of
+    # exp(x - max), keeps only an add on the chain.
+    phases: tuple = ()  # of (ReductionKind, Callable[[Expr, tuple[Expr, ...]], Expr])
 
     def merge_exprs(self, dtype: str) -> tuple[tuple[Expr, ...], tuple[Expr, ...], tuple[Expr, ...]]:
         """merge over variables: (a vars, b vars, merged state)."""

@@ -6,7 +6,7 @@ pointwise table's (codegen.ops)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -77,6 +77,11 @@ REDUCTIONS: dict[str, ReductionKind] = {
     "logsumexp": ReductionKind("logsumexp", lambda d: (d, d), lambda d: (-math.inf, 0.0),
                                lambda x, r: (x, _k(x, 1)), _lse_merge),
 }
+# Staged, max first, then the sum of exp(x - max), an element equal to the max counting 1 as the
+# online merge counts it (so rows of -inf, or with +inf, fold to the same state).
+REDUCTIONS["logsumexp"] = replace(REDUCTIONS["logsumexp"], phases=(
+    (REDUCTIONS["max"], lambda x, s: x),
+    (REDUCTIONS["sum"], lambda x, s: where(eq(x, s[0]), _k(x, 1), prim("exp", x - s[0])))))
 
 
 @dataclass

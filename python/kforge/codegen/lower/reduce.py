@@ -285,6 +285,30 @@ def _chunk_store(dst: str, ct: str, off: str, inner: int, v: int, src: str) -> l
     return ["#pragma unroll", f"for (int jj = 0; jj < {v}; ++jj) {dst}[{off} + jj * {inner}] = {src}[jj];"]
 
 
+def _group_merge(kind, dt: str, st: list[str], st_types: list[str], lanes: int, tag: str) -> list[str]:
+    """Statements: the state `st` of each of a row's `lanes` threads merged, and every lane of
+    the group holding the merged state (a warp's shuffles, then shared memory across warps)."""
+    out: list[str] = []
+    w = min(lanes, 32)
+    if w > 1:
+        other = [f"sh{tag}{c}" for c in range(len(st))]
+        out += ["#pragma unroll", f"  for (int o = {w // 2}; o > 0; o >>= 1) {{"]
+        out += [f"    const {CTYPE[t]} {o} = {_shfl(n, t, 'o', w)};" for o, n, t in zip(other, st, st_types)]
+        out += [f"    {line}" for line in _merge_block(kind, dt, st, other, f"s{tag}")] + ["  }"]
+    if lanes > 32:
+        nw = lanes // 32
+        sm = [f"sm{tag}{c}" for c in range(len(st))]
+        out += [f"  __shared__ {CTYPE[t]} {a}[ROWS][{nw}];" for a, t in zip(sm, st_types)]
+        out += ["  if (lane % 32 == 0) {", *[f"    {a}[threadIdx.x / LANES][lane / 32] = {n};" for a, n in zip(sm, st)],
+                "  }", "  __syncthreads();", *[f"  {n} = {a}[threadIdx.x / LANES][0];" for a, n in zip(sm, st)],
+                f"  for (int wi = 1; wi < {nw}; ++wi) {{"]
+        out += [f"    {line}" for line in _merge_block(kind, dt, st, [f"{a}[threadIdx.x / LANES][wi]" for a in sm],
+                                                    f"w{tag}")] + ["  }"]
+    elif w > 1:  # every lane of the group takes lane 0's state
+        out += [f"  {n} = {_shfl_idx(n, t, w)};" for n, t in zip(st, st_types)]
+    return out
+
+
 def lower_norm(prog: Program, knobs: dict) -> Built:
     """A group of `lanes` threads per row (the reduced elements of one kept point): pass 1
     folds the prologue over the row in chunks of `vec` elements, keeping the loaded values
@@ -337,19 +361,31 @@ def lower_norm(prog: Program, knobs: dict) -> Built:
     def offsets(ts: list[int]) -> list[str]:
         return offsets_code("c * V", lay.rsizes, [lay.rstrides[t] for t in ts], [f"r{t}" for t in ts], idx)
 
-    # pass 1: the fold
-    p1 = offsets([tix[i] for i in pro] + [logical_t])
-    for i in pro:
-        if not staged:
-            p1.append(f"{CTYPE[prog.inputs[i].dtype]} xv{i}[V];")
-        p1 += load_chunk(i, arr(i, 1))
-    em = Emitter("p", {"ridx": f"((kf_i64)r{logical_t} + (kf_i64)jj * {lay.rstrides[logical_t][-1]})"},
-                 lambda i, stored: f"{arr(i, 1)}[jj]")
-    x = em(red.operand)
-    em.env["x"] = x
-    lifted = [em(e) for e in kind.lift_exprs(Expr.var("x", dt))]
-    p1 += ["#pragma unroll", "for (int jj = 0; jj < V; ++jj) {", *[f"  {line}" for line in em.lines],
-           *[f"  {line}" for line in _merge_block(kind, dt, st, lifted, "u")], "}"]
+    # pass 1: the fold, in one pass of the kind's merge, or (staged) one pass per phase of it
+    phases = kind.phases if staged else ()
+    folds = [(kind, st, None)] if not phases else [(k, [st[c]], lift) for c, (k, lift) in enumerate(phases)]
+    p1s = []
+    for f, (fk, fst, lift) in enumerate(folds):
+        p1 = offsets([tix[i] for i in pro] + [logical_t])
+        for i in pro:
+            if not staged:
+                p1.append(f"{CTYPE[prog.inputs[i].dtype]} xv{i}[V];")
+            if f == 0:
+                p1 += load_chunk(i, arr(i, 1))
+        earlier = {f"kf_phase{c}": st[c] for c in range(f)}
+        em = Emitter(f"p{f}_", {"ridx": f"((kf_i64)r{logical_t} + (kf_i64)jj * {lay.rstrides[logical_t][-1]})", **earlier},
+                     lambda i, stored: f"{arr(i, 1)}[jj]")
+        x = em(red.operand)
+        em.env["x"] = x
+        xv = Expr.var("x", dt)
+        if lift is None:
+            lifted = [em(e) for e in fk.lift_exprs(xv)]
+        else:
+            value = lift(xv, tuple(Expr.var(f"kf_phase{c}", t) for c, t in enumerate(st_types[:f])))
+            lifted = [em(e) for e in fk.lift_exprs(value)]
+        p1 += ["#pragma unroll", "for (int jj = 0; jj < V; ++jj) {", *[f"  {line}" for line in em.lines],
+               *[f"  {line}" for line in _merge_block(fk, dt, fst, lifted, f"u{f}")], "}"]
+        p1s.append((fk, fst, p1))
 
     # pass 2: the epilogue at every element
     outs2 = [j for j in full]
@@ -381,23 +417,9 @@ def lower_norm(prog: Program, knobs: dict) -> Built:
         body += [f"  {CTYPE[prog.inputs[i].dtype]} x{i}[P][V];" for i in pro]
     elif staging == "smem":
         body += [f"  __shared__ {CTYPE[prog.inputs[i].dtype]} sx{i}[ROWS][P * LANES][V];" for i in pro]
-    body += ["  if (live) {", *[f"    {line}" for line in loop(p1)], "  }"]
-    w = min(lanes, 32)
-    if w > 1:
-        other = [f"sh{c}" for c in range(ns)]
-        body += ["#pragma unroll", f"  for (int o = {w // 2}; o > 0; o >>= 1) {{"]
-        body += [f"    const {CTYPE[t]} {o} = {_shfl(n, t, 'o', w)};" for o, n, t in zip(other, st, st_types)]
-        body += [f"    {line}" for line in _merge_block(kind, dt, st, other, "s")] + ["  }"]
-    if lanes > 32:
-        nw = lanes // 32
-        body += [f"  __shared__ {CTYPE[t]} sm{c}[ROWS][{nw}];" for c, t in enumerate(st_types)]
-        body += ["  if (lane % 32 == 0) {", *[f"    sm{c}[threadIdx.x / LANES][lane / 32] = {n};" for c, n in enumerate(st)],
-                 "  }", "  __syncthreads();", *[f"  {n} = sm{c}[threadIdx.x / LANES][0];" for c, n in enumerate(st)],
-                 f"  for (int wi = 1; wi < {nw}; ++wi) {{"]
-        body += [f"    {line}" for line in _merge_block(kind, dt, st, [f"sm{c}[threadIdx.x / LANES][wi]" for c in range(ns)],
-                                                     "w")] + ["  }"]
-    elif w > 1:  # every lane of the group takes lane 0's state
-        body += [f"  {n} = {_shfl_idx(n, t, w)};" for n, t in zip(st, st_types)]
+    for f, (fk, fst, p1) in enumerate(p1s):
+        body += ["  if (live) {", *[f"    {line}" for line in loop(p1)], "  }"]
+        body += _group_merge(fk, dt, fst, [st_types[st.index(n)] for n in fst], lanes, f"{f}_" if phases else "")
     body += ["  if (live) {", *[f"    {line}" for line in loop(p2)], "  }"]
     if kept:
         em3 = Emitter("f", {f"s{c}": n for c, n in enumerate(st)}, lambda i, stored: f"{ptr[i]}[k{tix[i]}]")
