@@ -226,6 +226,18 @@ def test_the_default_takes_more_threads_where_that_keeps_a_long_row_in_registers
     assert generated.default(card, H200)["threads"] == 128
 
 
+def test_a_row_too_long_for_a_warps_registers_takes_a_small_block_reading_it_again(tmp_path):
+    """Gemma's mask softmax (2048 bf16 scores and a mask a row): 64 values a lane for a warp, so
+    a 64-thread block per row reads the row again, the fastest form measured on the H200."""
+    from test_codegen_regions import region_card
+
+    card = region_card(tmp_path, MaskSoftmax(), torch.randn(1, 64, 2048).bfloat16(), torch.randn(1, 64, 2048).bfloat16())
+    knobs = generated.default(card, H200)
+    assert knobs == {"algo": "gen_norm", "threads": 64, "lanes": "block", "vec": 8, "staging": "reload"}
+    prog = card_program.program_for_card(card)
+    assert lower.norm_staging(prog, {**knobs, "threads": 128, "lanes": 32, "staging": "regs"}) == "smem"
+
+
 @pytest.mark.parametrize("log", [False, True])
 def test_a_staged_row_folds_max_then_sum_and_agrees_with_the_online_merge_on_infinities_and_nan(log):
     """With the row held by its thread (staging regs or smem), the logsumexp state is folded in
