@@ -62,8 +62,14 @@ def card_for(op: torch._ops.OpOverload, dtype=torch.float32):
             res = op(*args, **{**kwargs, **{n: meta(*SHAPE, dtype=dtype) for n in outs}})
         except Exception:
             res = None
+        try:  # the functional overload's result dtype first (a meta call does not check it: isinf.out)
+            functional = getattr(op.overloadpacket, "default" if op._overloadname == "out" else
+                                 op._overloadname.removesuffix("_out"))
+            first = [functional(*args, **kwargs).dtype]
+        except Exception:
+            first = []
         for n in outs:
-            for dt in (dtype, torch.bool, torch.float32, torch.int64):
+            for dt in (*first, dtype, torch.bool, torch.float32, torch.int64):
                 try:
                     op(*args, **{**kwargs, **{m: meta(*SHAPE, dtype=dt) for m in outs}})
                     kwargs.update({m: meta(*SHAPE, dtype=dt) for m in outs})

@@ -98,6 +98,48 @@ def test_an_op_torch_tags_nowhere_comes_from_the_table_and_matches_eager(op):
     assert compiler.compile(generated.build(card, generated.default(card, H200), H200).source, arch="sm_90").cubin
 
 
+def _untagged_out_forms():
+    """.out overloads torch leaves untagged while tagging their packet's default pointwise
+    (hardtanh.out, elu.out, relu.out, ...): listed from the tags, not by hand."""
+    from kforge.families import out_form_of_pointwise
+
+    out = []
+    for name in sorted(ops.POINTWISE):
+        packet = getattr(torch.ops.aten, name, None)
+        for o in packet.overloads() if packet is not None else ():
+            ov = getattr(packet, o)
+            if torch.Tag.pointwise not in ov.tags and out_form_of_pointwise(ov) and card_for(ov) is not None:
+                out.append(ov)
+    return out
+
+
+@pytest.mark.parametrize("op", _untagged_out_forms(), ids=str)
+def test_the_out_form_of_a_tagged_pointwise_op_is_generated_and_matches_eager(op):
+    from kforge.cards import flatten_outputs
+
+    for dt in (torch.float32, torch.int64):  # bitwise ops and shifts take integers
+        card = card_for(op, dt)
+        prog = None if card is None else card_program.program_for_card(card)
+        if card is not None and not isinstance(prog, str):
+            break
+    assert not isinstance(prog, str), prog
+    inputs = card.random_inputs(0, "cpu")
+    want = flatten_outputs(card.call_eager([t.clone() for t in inputs], "cpu"))
+    got = interp.run(prog, [t.clone() for t in inputs])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert compiler.compile(generated.build(card, generated.default(card, H200), H200).source, arch="sm_90").cubin
+
+
+def test_untagged_out_forms_include_hardtanh_and_exclude_other_signatures():
+    names = {str(op) for op in _untagged_out_forms()}
+    assert {"aten.hardtanh.out", "aten.elu.out", "aten.relu.out"} <= names
+    from kforge.families import out_form_of_pointwise
+
+    assert out_form_of_pointwise(torch.ops.aten.clip.Tensor_out)  # of clip.Tensor, not of clip.default
+    assert not out_form_of_pointwise(torch.ops.aten.mm.out) and not out_form_of_pointwise(torch.ops.aten.hardtanh.default)
+
+
 def test_torch_211s_untagged_leaky_relu_and_hardtanh_inplace_are_generated(monkeypatch):
     """torch 2.11 tags neither leaky_relu nor hardtanh_ pointwise in any overload (2.13 does):
     with their tags taken away, the generator still takes both from the table, and their cards

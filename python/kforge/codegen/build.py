@@ -17,7 +17,7 @@ from dataclasses import replace
 import torch
 
 from ..cards import TensorMeta
-from ..families import family_of, packet_name, tagged_nowhere
+from ..families import family_of, out_form_of_pointwise, packet_name, tagged_nowhere
 from . import ops, reductions
 from .call import Call, Val
 from .ir import FLOATS, Expr, Node, opmath, Program, Reduction, Ref, Scan, Window, broadcast_strides
@@ -46,7 +46,8 @@ def entry_for(op: str):
     """('pointwise' | 'reduction' | 'norm' | 'scan' | 'window', entry) for an op overload, or (None, why)."""
     name, overload = table_key(op)
     ov = _overload(op)
-    if ov is not None and (torch.Tag.pointwise in ov.tags or name in ops.POINTWISE and tagged_nowhere(ov)) \
+    if ov is not None and (torch.Tag.pointwise in ov.tags or out_form_of_pointwise(ov)
+                           or name in ops.POINTWISE and tagged_nowhere(ov)) \
             or name in ("_to_copy", "copy"):
         if name in ops.POINTWISE:
             return "pointwise", ops.POINTWISE[name]
