@@ -12,7 +12,7 @@ Two decisions, made here:
   CUTLASS, CuTe, CUB, Thrust, ...) is judged incorrect ("mislabelled vendor wrapper"),
   not relabelled: its proposer misreported what it wrote, and the search feeds the
   failure back. A candidate labelled "vendor" is evaluated like any other and flagged
-  "vendor_wrapper" so the package audits it as one (GUARDS row 13).
+  "vendor_wrapper" so the package audits it as one (docs/security.md: vendor libraries).
 - A result faster than the HBM roofline is kept only if a held-out run after timing
   still passes (the worker always does that run); it then keeps its verdict with the
   flag "beyond_roofline" for review, otherwise it is incorrect.

@@ -14,8 +14,8 @@ less exact than eager, never much:
 `excess` is the smallest atol that lets eager itself pass against float64 with that
 rtol; `scale` is the RMS of the float64 reference's finite values. Scaling by the
 reference's magnitude is what makes a wrong answer fail at every magnitude: a softmax row
-of 4096 holds values near 2.4e-4, where a blanket atol of 1e-2 passes all zeros (GUARDS
-row 4). SLACK = 4: comparing a candidate with eager adds both their errors, so 4x lets a
+of 4096 holds values near 2.4e-4, where a blanket atol of 1e-2 passes all zeros (a
+constant output). SLACK = 4: comparing a candidate with eager adds both their errors, so 4x lets a
 candidate be about 3x less exact than eager and still pass. The cap keeps an op whose
 eager is itself inexact from loosening the check into meaninglessness. A region card's
 output that eager rounds to a half type at several ops in turn (group_norm then silu, in

@@ -2,11 +2,12 @@
 
 Each check returns None when it passes, else a Failure naming the check and carrying the
 evidence (the failing element, its value and the expected one). The evaluation worker
-runs them in the order the GUARDS.md rows need: every element written (row 3), values
-within the scale-aware tolerance and NaN/Inf only where eager has them (rows 4, 5, 9),
-not a constant when eager is not (row 4), inputs unchanged (row 7), repeated runs agreeing
-(row 8). Speed flags (row 12) and the vendor-library scan (row 13) live here too: they are
-pure functions of numbers and text.
+runs them in the order docs/security.md ("The evaluator: what a kernel must prove") lists
+the cheats they catch: every element written (partial writes), values within the
+scale-aware tolerance and NaN/Inf only where eager has them (silent precision loss), not a
+constant when eager is not (constant outputs), inputs unchanged (input mutation), repeated
+runs agreeing (races). Speed flags (speed beyond physics) and the vendor-library scan live
+here too: they are pure functions of numbers and text.
 """
 
 from __future__ import annotations
@@ -216,7 +217,7 @@ def check_repeatable(first: list[torch.Tensor], second: list[torch.Tensor], tols
 
 def speed_flags(kernel_us: float, eager_us: float, floor_us: float) -> list[str]:
     """Results to review: faster than moving the card's bytes at copy bandwidth allows, or
-    more than SUSPICIOUS_SPEEDUP times faster than eager (GUARDS row 12)."""
+    more than SUSPICIOUS_SPEEDUP times faster than eager (speed beyond physics)."""
     flags = []
     if kernel_us < floor_us:
         flags.append("beyond_roofline")

@@ -1,5 +1,5 @@
-"""One deliberately bad kernel per GUARDS.md row, and good kernels, through ONE evaluator
-pool on the GPU: every verdict is what the row's check must give, and the pool survives
+"""One deliberately bad kernel per cheat docs/security.md lists, and good kernels, through ONE evaluator
+pool on the GPU: every verdict is what its check must give, and the pool survives
 crashes and hangs. The kernels and their launch plans are in kernels/ (cases.json);
 tests/test_worker.py checks on the CPU that each of them compiles with NVRTC."""
 
