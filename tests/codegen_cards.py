@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from builtin_cards import make_card, meta
+from kforge.families import functional_of
 
 A = torch.ops.aten
 SHAPE = (5, 7)
@@ -63,9 +64,7 @@ def card_for(op: torch._ops.OpOverload, dtype=torch.float32):
         except Exception:
             res = None
         try:  # the functional overload's result dtype first (a meta call does not check it: isinf.out)
-            functional = getattr(op.overloadpacket, "default" if op._overloadname == "out" else
-                                 op._overloadname.removesuffix("_out"))
-            first = [functional(*args, **kwargs).dtype]
+            first = [functional_of(op)(*args, **kwargs).dtype]
         except Exception:
             first = []
         for n in outs:

@@ -68,7 +68,8 @@ class Site:
 
     def scores_bytes(self) -> int:
         b, h, s, _ = self.q.shape
-        per = _scores_dtype(self.q).itemsize + (self.q.dtype.itemsize if _scores_dtype(self.q) != self.q.dtype else 0)
+        wide = _scores_dtype(self.q)  # the scores, then the probabilities cast back where that differs
+        per = wide.itemsize + (self.q.dtype.itemsize if wide != self.q.dtype else 0)
         return b * h * s * self.k.shape[2] * per
 
     def describe(self) -> str:
@@ -191,14 +192,14 @@ def _measure(s: Site) -> Decision:
     with unset_fake_temporarily(), torch.no_grad():
         device = torch.device("cuda", s.q.device.index if s.q.device.index is not None else torch.cuda.current_device())
         gen = torch.Generator(device=device).manual_seed(0)
-        real = {}
-        for name, t in (("q", s.q), ("k", s.k), ("v", s.v)):
-            x = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
-            real[name] = x.normal_(generator=gen)
-        q, k, v = real["q"], real["k"], real["v"]
         a = _bound(s.node)
-        args = [q, k, v] + [x for name, x in list(a.items())[3:] if not _kwarg_only(s.node, name)]
-        kwargs = {name: x for name, x in a.items() if _kwarg_only(s.node, name)}
+        real: dict[fx.Node, torch.Tensor] = {}  # one tensor per input node (q, k and v may be one)
+        for name, t in (("query", s.q), ("key", s.k), ("value", s.v)):
+            if a[name] not in real:
+                x = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+                real[a[name]] = x.normal_(generator=gen)
+        q, k, v = (real[a[name]] for name in ("query", "key", "value"))
+        args, kwargs = fx.node.map_arg((s.node.args, s.node.kwargs), real.__getitem__)
 
         def fused() -> torch.Tensor:
             return s.node.target(*args, **kwargs)[0]
@@ -218,10 +219,6 @@ def _measure(s: Site) -> Decision:
     if t_mine > (1 - MARGIN) * t_fused:
         return Decision(False, f"kept fused: matmul-softmax-matmul is not faster ({numbers})")
     return Decision(True, f"runs as matmul-softmax-matmul: {numbers}")
-
-
-def _kwarg_only(node: fx.Node, name: str) -> bool:
-    return any(a.name == name and a.kwarg_only for a in node.target._schema.arguments)
 
 
 def apply(graph: fx.Graph, notes: list[str] | None = None, table: dict | None = None) -> int:

@@ -90,18 +90,22 @@ def family_of(op: str | torch._ops.OpOverload) -> str:
     return "other"
 
 
+def functional_of(overload: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """The functional overload an out= overload writes the result of (`x.out` of `x.default`,
+    `x.Y_out` of `x.Y`), or None."""
+    name = overload._overloadname
+    functional = "default" if name == "out" else name[:-4] if name.endswith("_out") else None
+    return None if functional is None else getattr(overload.overloadpacket, functional, None)
+
+
 def out_form_of_pointwise(overload: torch._ops.OpOverload) -> bool:
     """The out= form (tag out) of its packet's pointwise-tagged functional overload (`x.out` of
-    `x.default`, `x.Y_out` of `x.Y`), taking the same arguments and `out`: torch tags hardtanh.default, elu.default, relu.default and a dozen
-    others pointwise, and not their .out forms, which models reach too (F.hardtanh runs
+    `x.default`, `x.Y_out` of `x.Y`), taking the same arguments and `out`: torch tags
+    hardtanh.default, elu.default, relu.default and a dozen others pointwise, and not their .out forms, which models reach too (F.hardtanh runs
     hardtanh.out where eager has an output to write)."""
     if torch.Tag.out not in overload.tags:
         return False
-    name = overload._overloadname
-    functional = "default" if name == "out" else name[:-4] if name.endswith("_out") else None
-    if functional is None:
-        return False
-    base = getattr(overload.overloadpacket, functional, None)
+    base = functional_of(overload)
     if base is None or torch.Tag.pointwise not in base.tags:
         return False
     args = [(a.name, str(a.type)) for a in overload._schema.arguments if not getattr(a, "is_out", False)]

@@ -102,14 +102,16 @@ def main(conn, backend_name: str, device: int, opts_json: dict) -> None:
         try:
             card = Card.from_json(req.card)
             candidate = Candidate.from_json(req.candidate)
-            try:
+            def judge() -> tuple[EvalResult, bool]:
                 sets, holdout = cache.get(card, req.run_dir, backend, opts)
-                result, fatal = Judge(backend, card, sets, holdout, candidate, opts, progress, baselines).run()
+                return Judge(backend, card, sets, holdout, candidate, opts, progress, baselines).run()
+
+            try:
+                result, fatal = judge()
             except torch.OutOfMemoryError:
                 # Blocks the allocator caches for other cards' sizes: give them back, try once more.
                 release_cached_memory()
-                sets, holdout = cache.get(card, req.run_dir, backend, opts)
-                result, fatal = Judge(backend, card, sets, holdout, candidate, opts, progress, baselines).run()
+                result, fatal = judge()
         except CardError as e:
             conn.send(dataclasses.asdict(WorkerMessage("error", req.id, error="CardError", message=str(e))))
             continue

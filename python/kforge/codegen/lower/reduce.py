@@ -363,9 +363,11 @@ def lower_norm(prog: Program, knobs: dict) -> Built:
 
     # pass 1: the fold, in one pass of the kind's merge, or (staged) one pass per phase of it
     phases = kind.phases if staged else ()
-    folds = [(kind, st, None)] if not phases else [(k, [st[c]], lift) for c, (k, lift) in enumerate(phases)]
+    # (kind, state names, their dtypes, the element's value from x and the earlier phases' states)
+    folds = ([(kind, st, list(st_types), lambda x, _: x)] if not phases else
+             [(k, [st[c]], [st_types[c]], lift) for c, (k, lift) in enumerate(phases)])
     p1s = []
-    for f, (fk, fst, lift) in enumerate(folds):
+    for f, (fk, fst, ftypes, lift) in enumerate(folds):
         p1 = offsets([tix[i] for i in pro] + [logical_t])
         for i in pro:
             if not staged:
@@ -377,15 +379,11 @@ def lower_norm(prog: Program, knobs: dict) -> Built:
                      lambda i, stored: f"{arr(i, 1)}[jj]")
         x = em(red.operand)
         em.env["x"] = x
-        xv = Expr.var("x", dt)
-        if lift is None:
-            lifted = [em(e) for e in fk.lift_exprs(xv)]
-        else:
-            value = lift(xv, tuple(Expr.var(f"kf_phase{c}", t) for c, t in enumerate(st_types[:f])))
-            lifted = [em(e) for e in fk.lift_exprs(value)]
+        value = lift(Expr.var("x", dt), tuple(Expr.var(f"kf_phase{c}", t) for c, t in enumerate(st_types[:f])))
+        lifted = [em(e) for e in fk.lift_exprs(value)]
         p1 += ["#pragma unroll", "for (int jj = 0; jj < V; ++jj) {", *[f"  {line}" for line in em.lines],
                *[f"  {line}" for line in _merge_block(fk, dt, fst, lifted, f"u{f}")], "}"]
-        p1s.append((fk, fst, p1))
+        p1s.append((fk, fst, ftypes, p1))
 
     # pass 2: the epilogue at every element
     outs2 = [j for j in full]
@@ -417,9 +415,9 @@ def lower_norm(prog: Program, knobs: dict) -> Built:
         body += [f"  {CTYPE[prog.inputs[i].dtype]} x{i}[P][V];" for i in pro]
     elif staging == "smem":
         body += [f"  __shared__ {CTYPE[prog.inputs[i].dtype]} sx{i}[ROWS][P * LANES][V];" for i in pro]
-    for f, (fk, fst, p1) in enumerate(p1s):
+    for f, (fk, fst, ftypes, p1) in enumerate(p1s):
         body += ["  if (live) {", *[f"    {line}" for line in loop(p1)], "  }"]
-        body += _group_merge(fk, dt, fst, [st_types[st.index(n)] for n in fst], lanes, f"{f}_" if phases else "")
+        body += _group_merge(fk, dt, fst, ftypes, lanes, f"{f}_" if phases else "")
     body += ["  if (live) {", *[f"    {line}" for line in loop(p2)], "  }"]
     if kept:
         em3 = Emitter("f", {f"s{c}": n for c, n in enumerate(st)}, lambda i, stored: f"{ptr[i]}[k{tix[i]}]")

@@ -221,12 +221,8 @@ def _norm_default(prog: Program, lay, hw: Hardware) -> Knobs:
     knobs = {"algo": "gen_norm", "threads": threads, "lanes": "block", "vec": vec, "staging": "regs"}
     # More threads where that keeps the row in registers: otherwise the epilogue reads it again
     # (a 16384-long fp32 softmax row at 512 threads is 32 values a thread, over the limit).
-    for more in (t for t in (256, 512, 1024) if t > threads):
-        if lower.norm_staging(prog, knobs) == "regs":
-            break
-        if lower.norm_staging(prog, {**knobs, "threads": more}) == "regs":
-            knobs["threads"] = more
-            break
+    knobs["threads"] = next((t for t in (128, 256, 512, 1024) if t >= threads
+                             and lower.norm_staging(prog, {**knobs, "threads": t}) == "regs"), threads)
     if lower.norm_staging(prog, knobs) != "regs":
         # Shared-memory staging measured slower than the alternatives wherever it was tried
         # (above; SD-VAE's 16384-long rows: 853-872 us against 565 in registers).
