@@ -99,16 +99,17 @@ def functional_of(overload: torch._ops.OpOverload) -> torch._ops.OpOverload | No
 
 
 def out_form_of_pointwise(overload: torch._ops.OpOverload) -> bool:
-    """The out= form (tag out) of its packet's pointwise-tagged functional overload (`x.out` of
+    """The out= form (out arguments in its schema) of its packet's pointwise-tagged functional overload (`x.out` of
     `x.default`, `x.Y_out` of `x.Y`), taking the same arguments and `out`: torch tags
     hardtanh.default, elu.default, relu.default and a dozen others pointwise, and not their .out forms, which models reach too (F.hardtanh runs
     hardtanh.out where eager has an output to write)."""
-    if torch.Tag.out not in overload.tags:
+    schema = overload._schema.arguments
+    if not any(a.is_out for a in schema):  # the schema, not torch.Tag.out: torch 2.11 has no such tag
         return False
     base = functional_of(overload)
     if base is None or torch.Tag.pointwise not in base.tags:
         return False
-    args = [(a.name, str(a.type)) for a in overload._schema.arguments if not getattr(a, "is_out", False)]
+    args = [(a.name, str(a.type)) for a in schema if not a.is_out]
     return args == [(a.name, str(a.type)) for a in base._schema.arguments]
 
 
