@@ -272,3 +272,53 @@ def test_a_model_hard_to_trace_keeps_its_op_cards_and_runs_as_eager(model, break
         assert torch.equal(fast(a), model(b)) and torch.equal(a, b)  # the input written as eager writes it
         assert torch.equal(fast(a), model(b)) and torch.equal(a, b)
     assert len([n for n in fast.notes if n.startswith("graph break")]) == breaks and fast.replaced
+
+
+class Expert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)) * 2
+
+
+class Moe(nn.Module):
+    """A router whose region the package has, then a loop over the experts that got tokens: each
+    expert is called with its own token count, which changes from call to call."""
+
+    def __init__(self, experts: int = 6):
+        super().__init__()
+        self.gate = nn.Linear(8, experts)
+        self.experts = nn.ModuleList(Expert() for _ in range(experts))
+
+    def forward(self, x):
+        choice = (torch.sigmoid(self.gate(x)) * 2).argmax(-1)
+        out = torch.zeros_like(x)
+        for e in choice.unique().tolist():
+            idx = (choice == e).nonzero().flatten()
+            out[idx] = self.experts[e](x[idx])
+        return out
+
+
+def test_a_frame_retraced_for_new_shapes_with_nothing_of_the_package_runs_natively(tmp_path):
+    torch.manual_seed(0)
+    model, x = Moe().eval(), torch.randn(64, 8)
+    router = [c for c in region_cards(model, x, tmp_path) if any(n.op == "aten::sigmoid.default" for n in c.region.nodes)]
+    assert router
+    launcher = FakeLauncher(router)
+    fast = optimize(model, fake_package(router, {c.id: (1.0, 5.0) for c in router}), launcher=launcher)
+    with torch.no_grad():
+        for seed in range(4):
+            x = torch.randn(64, 8, generator=torch.Generator().manual_seed(seed))
+            assert torch.allclose(fast(x), model(x))
+            traced = len(fast.graphs)
+            if seed == 0:
+                first = traced
+        guards = [c for c in python_calls(fast, x) if "_dynamo/guards.py" in c]
+    natively = [n for n in fast.notes if "runs eagerly from now on" in n]
+    assert len(natively) == 1 and natively[0].startswith("forward (") and "test_optimize.py" in natively[0]
+    # After the first forward the experts are not traced again however their token counts change,
+    # no guard of theirs is checked (the top frame's are: 4 calls), and the router's region still
+    # runs its kernel.
+    assert traced == first and len(guards) <= 4 and len(launcher.calls) == 5

@@ -25,6 +25,7 @@ with a warning, and the per-op capture still covers the model.
 from __future__ import annotations
 
 import re
+import types
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -59,6 +60,38 @@ class Trace:
 
 class GraphCaptureWarning(UserWarning):
     """Graph capture is not possible with this torch: regions are not captured."""
+
+
+def tracing_code() -> "types.CodeType | None":
+    """The code object whose frame dynamo is tracing now, read inside a backend (a private dynamo
+    API: None on a torch without it)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        return InstructionTranslator.current_tx().f_code
+    except Exception:  # noqa: BLE001 (no translator, or this torch moved it)
+        return None
+
+
+def can_run_natively() -> bool:
+    """Whether this torch has the private dynamo API run_natively uses."""
+    try:
+        from torch._dynamo.eval_frame import skip_code  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def run_natively(code: types.CodeType) -> None:
+    """Have dynamo run `code`'s frames as plain Python from now on: no cache lookup, no guard
+    check (the functions it calls are still traced). Call it outside dynamo's tracing: dynamo sets
+    the strategy of the frame it converts when the conversion returns. Nothing happens on a
+    torch without the private API (see can_run_natively)."""
+    try:
+        from torch._dynamo.eval_frame import skip_code
+    except ImportError:
+        return
+    skip_code(code)
 
 
 def _aot(fw_compiler: Callable, inference_compiler: Callable) -> Callable | None:

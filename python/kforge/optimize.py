@@ -27,7 +27,9 @@ Guards and recompiles: dynamo guards each graph on its inputs' shapes, strides a
 (dynamic=False); a new shape traces a new graph, whose regions are matched anew, and a
 region no card describes runs its original nodes. A new shape is a miss, never an error;
 past dynamo's recompile limit (torch._dynamo.config.recompile_limit, 8 per frame by
-default) dynamo runs that frame eagerly. Outputs come from the caching allocator and
+default) dynamo runs that frame eagerly. A frame traced for two new shapes within one forward,
+with nothing of the package in either (a mixture-of-experts' expert, called with its own token
+count), runs as plain Python from then on, with no guard check (OptimizedModel._count_frame). Outputs come from the caching allocator and
 kernels launch on the current stream, so an optimized forward can be captured in a CUDA graph.
 
 The kernel call is `RegionKernel.run(inputs) -> outputs`, one callable per card: it can be
@@ -223,6 +225,9 @@ def eager_batch_norms(graph: fx.Graph) -> int:
     return count
 
 
+IDLE_SHAPES = 2  # new shapes of a frame traced in one forward, with nothing of the package, before it runs natively
+
+
 class OptimizedModel(torch.nn.Module):
     """`model` traced by kforge's backend with the package's kernels in its graphs (see the
     module doc)."""
@@ -239,12 +244,20 @@ class OptimizedModel(torch.nn.Module):
         self.graphs: list[fx.GraphModule | None] = []  # what each traced graph runs (None: dynamo's graph, unchanged)
         self._op_rewrites = op_rewrites
         self._by_match = by_match(kernels)
+        self._forwards = 0
+        self._to_run_natively: list[types.CodeType] = []
+        self._idle: dict[types.CodeType, tuple[int, int]] = {}  # code -> (forward, shapes traced in it with nothing)
         self.replayed: list[Replayed] = []  # with cuda_graphs, one per traced graph
         backend = graph_mod.aten_backend(self._compile_graph, self.notes, self._replayed if cuda_graphs else None)
         self.__dict__["_compiled"] = torch.compile(model, backend=backend, dynamic=False)  # not a submodule
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._compiled(*args, **kwargs)
+        self._forwards += 1
+        try:
+            return self._compiled(*args, **kwargs)
+        finally:
+            while self._to_run_natively:  # once dynamo is done with them: it sets a frame's strategy on return
+                graph_mod.run_natively(self._to_run_natively.pop())
 
     def _compile_graph(self, gm: fx.GraphModule, index: int, note: str | None) -> Callable:
         chosen = match_regions(gm, self._by_match)
@@ -263,7 +276,9 @@ class OptimizedModel(torch.nn.Module):
             gm.graph.lint()
         replaced = sum(rewrite(gm.graph) for rewrite in self._op_rewrites)
         self.ops_replaced += replaced
-        if not chosen and not replaced and not gm.meta.get(layout.CHANGED):
+        idle = not chosen and not replaced and not gm.meta.get(layout.CHANGED)
+        self._count_frame(idle, note)
+        if idle:
             self.graphs.append(None)
             return None  # nothing of the package here: dynamo's graph runs, as eager would
         eager_batch_norms(gm.graph)
@@ -271,6 +286,27 @@ class OptimizedModel(torch.nn.Module):
         gm.recompile()
         self.graphs.append(gm)
         return gm.forward
+
+    def _count_frame(self, idle: bool, broke: str | None) -> None:
+        """A frame dynamo traces for a second new shape within one forward, each time whole (no graph
+        break) and with nothing of the package in it, runs natively once that forward returns
+        (kforge.graph.run_natively). Dynamo keeps one compiled entry per shape and checks their
+        guards in turn on every call, so a frame called with ever-new shapes in every forward (a
+        mixture-of-experts' expert, one token count per call) costs a guard check per entry per
+        call, and past the recompile limit it runs eagerly behind those checks anyway: 1.8 ms a
+        forward in the Qwen MoE block, for nothing the package does. A model called with a new
+        batch size traces each frame once per forward, and keeps its frames."""
+        code = graph_mod.tracing_code() if idle and not broke else None  # a break: the resumed part may match
+        if code is None:
+            return
+        forward, shapes = self._idle.get(code, (None, 0))
+        shapes = shapes + 1 if forward == self._forwards else 1
+        self._idle[code] = (self._forwards, shapes)
+        if shapes == IDLE_SHAPES and graph_mod.can_run_natively():
+            self._to_run_natively.append(code)
+            self.notes.append(f"{code.co_name} ({code.co_filename}:{code.co_firstlineno}) traced for "
+                              f"{IDLE_SHAPES} new shapes in one forward, with nothing of the package in them: it "
+                              "runs eagerly from now on, with no guard checks")
 
     def _replayed(self, fn: Callable, pure: bool) -> Replayed:
         r = Replayed(fn, pure, self._owned_ptrs, self.notes, len(self.replayed))
