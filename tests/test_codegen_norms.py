@@ -226,15 +226,17 @@ def test_the_default_takes_more_threads_where_that_keeps_a_long_row_in_registers
     assert generated.default(card, H200)["threads"] == 128
 
 
-def test_a_row_too_long_for_a_warps_registers_takes_a_small_block_reading_it_again(tmp_path):
-    """Gemma's mask softmax (2048 bf16 scores and a mask a row): 64 values a lane for a warp, so
-    a 64-thread block per row reads the row again, the fastest form measured on the H200."""
+def test_a_row_too_long_for_a_warps_registers_takes_the_smallest_block_that_holds_it(tmp_path):
+    """Gemma's mask softmax (2048 bf16 scores and a mask a row): 64 values a lane for a warp, 32
+    a thread for a 128-thread block, which keeps the row in registers."""
     from test_codegen_regions import region_card
 
     card = region_card(tmp_path, MaskSoftmax(), torch.randn(1, 64, 2048).bfloat16(), torch.randn(1, 64, 2048).bfloat16())
     knobs = generated.default(card, H200)
-    assert knobs == {"algo": "gen_norm", "threads": 64, "lanes": "block", "vec": 8, "staging": "reload"}
+    assert knobs == {"algo": "gen_norm", "threads": 128, "lanes": "block", "vec": 8, "staging": "regs"}
     prog = card_program.program_for_card(card)
+    assert lower.norm_staging(prog, knobs) == "regs"
+    assert lower.norm_staging(prog, {**knobs, "threads": 64}) == "smem"
     assert lower.norm_staging(prog, {**knobs, "threads": 128, "lanes": 32, "staging": "regs"}) == "smem"
 
 

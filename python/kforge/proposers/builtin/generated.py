@@ -192,8 +192,8 @@ def default(card: Card, hw: Hardware) -> Knobs:
 
 
 def _norm_default(prog: Program, lay, hw: Hardware) -> Knobs:
-    """The widest vector; a warp per row up to 256 chunks of it, else a block sized so that each
-    thread keeps at most 8 chunks (the row stays in registers); a thread per row where the
+    """The widest vector; a warp per row up to 256 chunks of it where the row fits the warp's
+    registers, else a block with the fewest threads that keep it there; a thread per row where the
     reduced elements are strided and the kept ones are not (the loads coalesce across rows);
     the two-pass split form where long rows are too few for a block each."""
     vec = lower.norm_vecs(prog)[-1]
@@ -211,23 +211,17 @@ def _norm_default(prog: Program, lay, hw: Hardware) -> Knobs:
                  "staging": "regs"}
         if lower.norm_staging(prog, knobs) == "regs":
             return knobs
-        # The row does not fit a warp's registers (Gemma's mask softmax: 2048 bf16 scores and a
-        # mask, 64 values a lane): a small block per row, reading the row again from L2. On the
-        # H200, 8x2048x2048: 84 us at 64 threads against 131 for the warp (its row staged in
-        # shared memory) and 118 for a 128-thread block staging it there.
-        return {"algo": "gen_norm", "threads": pick((32, 64, 128, 256), nc / 4), "lanes": "block", "vec": vec,
-                "staging": "reload"}
-    threads = pick((128, 256, 512, 1024), nc / 8)
-    knobs = {"algo": "gen_norm", "threads": threads, "lanes": "block", "vec": vec, "staging": "regs"}
-    # More threads where that keeps the row in registers: otherwise the epilogue reads it again
-    # (a 16384-long fp32 softmax row at 512 threads is 32 values a thread, over the limit).
-    knobs["threads"] = next((t for t in (128, 256, 512, 1024) if t >= threads
-                             and lower.norm_staging(prog, {**knobs, "threads": t}) == "regs"), threads)
-    if lower.norm_staging(prog, knobs) != "regs":
-        # Shared-memory staging measured slower than the alternatives wherever it was tried
-        # (above; SD-VAE's 16384-long rows: 853-872 us against 565 in registers).
-        knobs["staging"] = "reload"
-    return knobs
+        least = pick((32, 64, 128, 256), nc / 4)  # a row that does not fit a warp's registers
+    else:
+        least = pick((128, 256, 512, 1024), nc / 8)
+    # A block per row, with the fewest threads from `least` up that keep the row in registers,
+    # else `least` threads reading the row again from L2 in the epilogue: shared-memory staging
+    # measured slower than both wherever it was tried (a mask softmax, 8x2048x2048 bf16 scores
+    # and mask: 118 us staged by 128 threads, 84 us reloaded by 64, 131 us for a warp; SD-VAE's 16384-long fp32 rows: 853-872 us staged, 565 us in the registers of 1024).
+    knobs = {"algo": "gen_norm", "lanes": "block", "vec": vec, "staging": "regs"}
+    fits = [t for t in (32, 64, 128, 256, 512, 1024)
+            if t >= least and lower.norm_staging(prog, {**knobs, "threads": t}) == "regs"]
+    return {**knobs, "threads": fits[0]} if fits else {**knobs, "threads": least, "staging": "reload"}
 
 
 def build(card: Card, knobs: Knobs, hw: Hardware) -> Candidate:
