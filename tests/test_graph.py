@@ -92,3 +92,31 @@ def test_graph_breaks_leave_the_op_capture_whole(tmp_path):
     assert {"aten::relu.default", "aten::mul.Tensor", "aten::sigmoid.default", "aten::add.Tensor"} <= {c.op for c in r.cards}
     # relu*2 and the branch's condition before the break, sigmoid+1 after it
     assert sorted(c.region.ops for c in r.cards if c.region) == [["relu", "mul"], ["sigmoid", "add"], ["sum", "gt"]]
+
+
+def test_the_trace_forgets_the_frames_it_retraced_for_new_shapes():
+    """Dynamo's entries are per code object, shared by every compiled model in the process: an
+    expert the trace retraced for each token count would keep checking those entries' guards
+    under the user's own torch.compile. A code traced once keeps its entries (the compiled
+    module's wrapper, shared by every compiled module, holds the user's own)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from test_optimize import Expert, Moe
+
+    torch.manual_seed(0)
+    model, x = Moe().eval(), torch.randn(64, 8)
+    codes = []
+
+    def backend(gm, example_inputs):
+        codes.append(graph.tracing_code())
+        return gm.forward
+
+    with torch.no_grad():
+        compiled = torch.compile(model.gate, backend=backend, dynamic=False)
+        compiled(x)
+        (wrapper,) = codes
+        t = graph.trace(model, (x,), {})
+        assert len(t.graphs) > 3  # the router's, and one per expert's token count
+        assert not _debug_get_cache_entry_list(Expert.forward.__code__)
+        assert _debug_get_cache_entry_list(wrapper)
+        compiled(x)
+    assert len(codes) == 1  # the user's compiled entry, still there, still used

@@ -24,6 +24,7 @@ with a warning, and the per-op capture still covers the model.
 
 from __future__ import annotations
 
+import collections
 import re
 import types
 import warnings
@@ -92,6 +93,16 @@ def run_natively(code: types.CodeType) -> None:
     except ImportError:
         return
     skip_code(code)
+
+
+def forget(code: types.CodeType) -> None:
+    """Drop dynamo's compiled entries and frame state for `code` (torch._dynamo.reset_code, a
+    private API: nothing happens on a torch without it)."""
+    try:
+        from torch._dynamo import reset_code
+    except ImportError:
+        return
+    reset_code(code)
 
 
 def _aot(fw_compiler: Callable, inference_compiler: Callable) -> Callable | None:
@@ -200,11 +211,28 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict) -> Trace:
 
         return run
 
+    lower = aten_backend(record, result.notes)
+    traced: collections.Counter = collections.Counter()  # code -> graphs traced of it
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        traced[tracing_code()] += 1
+        return lower(gm, example_inputs)
+
     try:
-        torch.compile(model, backend=aten_backend(record, result.notes), dynamic=False)(*args, **kwargs)
+        torch.compile(model, backend=backend, dynamic=False)(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 (reported; the per-op capture does not depend on it)
         result.notes.append(f"graph capture failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
         result.graphs = []
+    finally:
+        # Dynamo keeps compiled entries per code object, for every compiled model in the process. A
+        # frame the trace retraced for new shapes (an expert, called with a new token count each
+        # time, reaches the recompile limit in this one forward) would keep checking the trace's
+        # entries on its every call, under the model's own torch.compile or kforge.optimize too:
+        # such codes are forgotten. A code traced once (the compiled module's wrapper, shared by
+        # every compiled module) keeps its entries, and the user's beside them.
+        for code, graphs in traced.items():
+            if code is not None and graphs > 1:
+                forget(code)
     if not result.graphs and not result.notes:
         result.notes.append("graph capture produced no graph (dynamo ran the model eagerly: recompile limit "
                             "reached for this model's code?)")
