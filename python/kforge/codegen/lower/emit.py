@@ -87,10 +87,19 @@ class Emitter:
         self.lines: list[str] = []
 
     def __call__(self, e: Expr) -> str:
-        for n in e.walk():
-            if n not in self.names:
-                self.names[n] = self._emit(n)
+        def go(n: Expr) -> None:  # operands before users; a named subtree is not entered (see bind)
+            if n in self.names:
+                return
+            for a in n.args:
+                go(a)
+            self.names[n] = self._emit(n)
+
+        go(e)
         return self.names[e]
+
+    def bind(self, e: Expr, name: str) -> None:
+        """`e` is already computed, as `name`: its subtree is not emitted again."""
+        self.names[e] = name
 
     def _emit(self, n: Expr) -> str:
         if n.op == "const":

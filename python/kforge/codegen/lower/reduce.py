@@ -231,6 +231,25 @@ def _shfl_idx(x: str, dtype: str, width: int) -> str:
     return f"__shfl_sync(0xffffffffu, {x}, 0, {width})"
 
 
+def _loads_outside(exprs: list[Expr], sub: Expr) -> set[int]:
+    """The inputs `exprs` load other than through the subtree `sub`."""
+    seen: set[Expr] = set()
+    found: set[int] = set()
+
+    def go(e: Expr) -> None:
+        if e in seen or e == sub:
+            return
+        seen.add(e)
+        if e.op == "load":
+            found.add(e.value[0])
+        for a in e.args:
+            go(a)
+
+    for e in exprs:
+        go(e)
+    return found
+
+
 def _norm_tensors(prog: Program) -> list[tuple[int, "TensorMeta"]]:
     """(layout index, meta) of every tensor a normalization reads or writes per element."""
     no = len(prog.outputs)
@@ -340,9 +359,16 @@ def lower_norm(prog: Program, knobs: dict) -> Built:
     st = [f"st{c}" for c in range(ns)]
     ident = [_const(e) for e in kind.identity_exprs(dt)]
     staged = staging != "reload"
+    # With the row in registers, they keep the reduction's operand (computed once, in pass 1) rather
+    # than the inputs it is computed from, where the epilogue reads those only through it: later
+    # phases and the epilogue then neither recompute the prologue nor hold its inputs (a mask
+    # softmax's scores and mask, added and rounded to bf16 in every pass before).
+    held = staging == "regs" and not (_loads_outside([prog.results[j] for j in full], red.operand) & set(pro))
 
     def arr(i: int, p: int) -> str:
         """The V values of input i in this chunk (pass p)."""
+        if held:
+            return f"xv{i}"
         if staged and i in pro:
             return f"x{i}[u]" if staging == "regs" else f"sx{i}[threadIdx.x / LANES][c]"
         return f"xv{i}"
@@ -370,18 +396,21 @@ def lower_norm(prog: Program, knobs: dict) -> Built:
     for f, (fk, fst, ftypes, lift) in enumerate(folds):
         p1 = offsets([tix[i] for i in pro] + [logical_t])
         for i in pro:
-            if not staged:
+            if not staged or held and f == 0:
                 p1.append(f"{CTYPE[prog.inputs[i].dtype]} xv{i}[V];")
             if f == 0:
                 p1 += load_chunk(i, arr(i, 1))
         earlier = {f"kf_phase{c}": st[c] for c in range(f)}
         em = Emitter(f"p{f}_", {"ridx": f"((kf_i64)r{logical_t} + (kf_i64)jj * {lay.rstrides[logical_t][-1]})", **earlier},
                      lambda i, stored: f"{arr(i, 1)}[jj]")
+        if held and f > 0:
+            em.bind(red.operand, "xo[u][jj]")
         x = em(red.operand)
+        keep = [f"xo[u][jj] = {x};"] if held and f == 0 else []
         em.env["x"] = x
         value = lift(Expr.var("x", dt), tuple(Expr.var(f"kf_phase{c}", t) for c, t in enumerate(st_types[:f])))
         lifted = [em(e) for e in fk.lift_exprs(value)]
-        p1 += ["#pragma unroll", "for (int jj = 0; jj < V; ++jj) {", *[f"  {line}" for line in em.lines],
+        p1 += ["#pragma unroll", "for (int jj = 0; jj < V; ++jj) {", *[f"  {line}" for line in em.lines + keep],
                *[f"  {line}" for line in _merge_block(fk, dt, fst, lifted, f"u{f}")], "}"]
         p1s.append((fk, fst, ftypes, p1))
 
@@ -394,6 +423,8 @@ def lower_norm(prog: Program, knobs: dict) -> Built:
             p2 += load_chunk(i, f"xv{i}")
     p2 += [f"{CTYPE[prog.outputs[j].dtype]} o{j}[V];" for j in outs2]
     em2 = Emitter("e", {f"s{c}": n for c, n in enumerate(st)}, lambda i, stored: f"{arr(i, 2)}[jj]")
+    if held:
+        em2.bind(red.operand, "xo[u][jj]")
     res = {j: em2(prog.results[j]) for j in outs2}
     p2 += ["#pragma unroll", "for (int jj = 0; jj < V; ++jj) {", *[f"  {line}" for line in em2.lines],
            *[f"  o{j}[jj] = {convert(res[j], prog.results[j].dtype, prog.outputs[j].dtype)};" for j in outs2], "}"]
@@ -411,7 +442,9 @@ def lower_norm(prog: Program, knobs: dict) -> Built:
             "  const bool live = q < KN;",
             *[f"  {line}" for line in kofs],
             *[f"  {CTYPE[t]} {n} = {val};" for n, t, val in zip(st, st_types, ident)]]
-    if staging == "regs":
+    if held:
+        body.append(f"  {CTYPE[dt]} xo[P][V];")
+    elif staging == "regs":
         body += [f"  {CTYPE[prog.inputs[i].dtype]} x{i}[P][V];" for i in pro]
     elif staging == "smem":
         body += [f"  __shared__ {CTYPE[prog.inputs[i].dtype]} sx{i}[ROWS][P * LANES][V];" for i in pro]
