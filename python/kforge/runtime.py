@@ -88,7 +88,7 @@ def current_stream(device_index: int | None) -> int:
 
 def launch(plan, inputs, outputs, workspaces=(), stream=None) -> None:
     """Launch a resolved plan with torch tensors on `stream` (default: torch's current stream)."""
-    C = _C()
+    _C()  # the extension, loaded before the first launch
     if stream is None:
         stream = current_stream((inputs or outputs)[0].device.index)
     try:

@@ -5,7 +5,6 @@ timing noise; per captured call site the non-overlapping regions that save the m
 from __future__ import annotations
 
 import collections
-import json
 from dataclasses import dataclass
 from typing import Sequence
 

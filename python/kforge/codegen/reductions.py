@@ -174,7 +174,6 @@ def _reduce_var(std: bool, with_mean: bool) -> Callable:
 
 
 def _logsumexp(c: Call):
-    x = c.v("self")
     _, (e,) = c.promote(["self"], INT_TO_FLOAT)
 
     def outs(s, n):  # all -inf: max is -inf and the sum 0; +inf: max is inf and the sum NaN

@@ -30,3 +30,7 @@ from .pointwise import lower_pointwise, pointwise_vecs
 from .reduce import (lower_norm, lower_norm_split, lower_reduction, norm_staging, norm_vecs, reduced_is_inner,
                      reduction_layout, reduction_vecs)
 from .scan import lower_scan, lower_scan_block, lower_window, scan_is_inner, window_vecs
+
+__all__ = ["lower_norm", "lower_norm_split", "lower_pointwise", "lower_reduction", "lower_scan", "lower_scan_block",
+           "lower_window", "norm_staging", "norm_vecs", "pointwise_vecs", "reduced_is_inner", "reduction_layout",
+           "reduction_vecs", "scan_is_inner", "window_vecs"]

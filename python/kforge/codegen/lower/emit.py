@@ -52,7 +52,7 @@ def _const(e: Expr) -> str:
         return "true" if v else "false"
     if e.dtype in INTS:
         if e.dtype == "int64":
-            return f"(-9223372036854775807LL - 1)" if v == -2**63 else f"{v}LL"
+            return "(-9223372036854775807LL - 1)" if v == -2**63 else f"{v}LL"
         return f"(({CTYPE[e.dtype]}){v})"
     if e.dtype == "float32":
         return f32(v)

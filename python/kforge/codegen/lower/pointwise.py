@@ -56,7 +56,6 @@ def _kernel(prog: Program, knobs: dict, sm_count: int, name: str) -> tuple[str, 
     no = len(prog.outputs)
     loaded = sorted(prog.in_strides)
     idx = _index_type(prog, 2 * nt * it * v)
-    names = [f"o{t}" for t in range(len(strides))]
     ins_of = {i: no + k for k, i in enumerate(loaded)}
     hoist, decl, loads, body = [], [], [], []
     for i in loaded:

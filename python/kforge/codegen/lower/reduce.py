@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from ...proposers.builtin.common import ceil_div
+from ...cards import TensorMeta
 from ..ir import Expr, Program
 from .emit import (CTYPE, Built, Emitter, _const, _header, _index_type, _merge_block, _pointers, _shfl, coalesce,
                    convert, offsets_code)
@@ -116,7 +117,7 @@ def lower_reduction(prog: Program, knobs: dict, sm_count: int) -> Built:
             "  const kf_idx q = (kf_idx)blockIdx.x * ROWS + threadIdx.x / LANES;",
             "  const bool live = q < KN;",
             *[f"  {line}" for line in kofs],
-            f"  const kf_idx lo = (kf_idx)blockIdx.y * CH, hi = lo + CH < RN ? lo + CH : RN;",
+            "  const kf_idx lo = (kf_idx)blockIdx.y * CH, hi = lo + CH < RN ? lo + CH : RN;",
             *[f"  {CTYPE[t]} {n} = {v};" for n, t, v in zip(st, st_types, ident)],
             "  if (live) {",
             # each lane takes V consecutive elements at a time (V > 1: one vector load per tensor;
@@ -250,7 +251,7 @@ def _loads_outside(exprs: list[Expr], sub: Expr) -> set[int]:
     return found
 
 
-def _norm_tensors(prog: Program) -> list[tuple[int, "TensorMeta"]]:
+def _norm_tensors(prog: Program) -> list[tuple[int, TensorMeta]]:
     """(layout index, meta) of every tensor a normalization reads or writes per element."""
     no = len(prog.outputs)
     out = [(j, m) for j, m in enumerate(prog.outputs) if m.numel]

@@ -116,7 +116,7 @@ def lower_scan_block(prog: Program, knobs: dict) -> Built:
                 f"  if (lane >= o) {v} = t{tag};", "}"]
 
     # the state each output reads: the elements before this one (exclusive) or up to it
-    before = ([f"if (u > 0) {{", *[f"  {line}" for line in merged("st0", "v[u - 1]", "x")], "}"] if scan.exclusive
+    before = (["if (u > 0) {", *[f"  {line}" for line in merged("st0", "v[u - 1]", "x")], "}"] if scan.exclusive
               else merged("st0", "v[u]", "x"))
     body = [f"typedef {sl.idx} kf_idx;",
             f"constexpr int NT = {nt}; constexpr int IT = {it}; constexpr int NW = NT / 32; "
