@@ -27,8 +27,8 @@ window (`vec` output points along a non-pooled innermost dim, channels-last's ch
 from __future__ import annotations
 
 from .pointwise import lower_pointwise, pointwise_vecs
-from .reduce import (lower_norm, lower_norm_split, lower_reduction, norm_staging, norm_vecs, reduced_is_inner,
-                     reduction_layout, reduction_vecs)
+from .norm import lower_norm, lower_norm_split, norm_staging, norm_vecs
+from .reduce import lower_reduction, reduced_is_inner, reduction_layout, reduction_vecs
 from .scan import lower_scan, lower_scan_block, lower_window, scan_is_inner, window_vecs
 
 __all__ = ["lower_norm", "lower_norm_split", "lower_pointwise", "lower_reduction", "lower_scan", "lower_scan_block",

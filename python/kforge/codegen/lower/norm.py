@@ -1,0 +1,303 @@
+"""Normalizations: a reduction whose epilogue runs over the reduced elements (`gen_norm`, one
+kernel with a group of lanes per row, or `gen_norm_split` for few long rows)."""
+
+from __future__ import annotations
+
+from ...cards import TensorMeta
+from ...proposers.builtin.common import ceil_div
+from ..ir import Expr, Program
+from .emit import (CTYPE, Built, Emitter, _const, _header, _index_type, _merge_block, _pointers, _shfl, convert,
+                   offsets_code)
+from .reduce import lower_reduction, reduction_layout
+
+def _shfl_idx(x: str, dtype: str, width: int) -> str:
+    """x from lane 0 of this thread's group of `width` lanes."""
+    if dtype in ("bool", "int8", "uint8", "int16"):
+        return f"({CTYPE[dtype]})__shfl_sync(0xffffffffu, (int){x}, 0, {width})"
+    return f"__shfl_sync(0xffffffffu, {x}, 0, {width})"
+
+
+def _loads_outside(exprs: list[Expr], sub: Expr) -> set[int]:
+    """The inputs `exprs` load other than through the subtree `sub`."""
+    seen: set[Expr] = set()
+    found: set[int] = set()
+
+    def go(e: Expr) -> None:
+        if e in seen or e == sub:
+            return
+        seen.add(e)
+        if e.op == "load":
+            found.add(e.value[0])
+        for a in e.args:
+            go(a)
+
+    for e in exprs:
+        go(e)
+    return found
+
+
+def _norm_tensors(prog: Program) -> list[tuple[int, TensorMeta]]:
+    """(layout index, meta) of every tensor a normalization reads or writes per element."""
+    no = len(prog.outputs)
+    out = [(j, m) for j, m in enumerate(prog.outputs) if m.numel]
+    return out + [(no + k, prog.inputs[i]) for k, i in enumerate(sorted(prog.in_strides))]
+
+
+def norm_vecs(prog: Program) -> tuple[int, ...]:
+    """Legal vector widths (elements) along the innermost reduced dim, narrowest first."""
+    lay = reduction_layout(prog)
+    out = []
+    for v in (1, 2, 4, 8, 16):
+        ok = lay.rsizes[-1] % v == 0
+        for t, m in _norm_tensors(prog):
+            if lay.rstrides[t][-1] == 1 and v > 1:
+                ok &= (v * m.itemsize <= 16 and m.align % (v * m.itemsize) == 0
+                       and all(s % v == 0 for s in lay.kstrides[t] + lay.rstrides[t][:-1]))
+        if ok:
+            out.append(v)
+    return tuple(out)
+
+
+def norm_staging(prog: Program, knobs: dict) -> str:
+    """Where pass 1 keeps the row's loaded values for the epilogue: the knob's choice when it
+    fits (registers: at most 32 values a thread, 16 from 512 threads up; shared memory: 40 KB
+    a block), else the next one down ("reload": the epilogue reads them again, from L2)."""
+    lay = reduction_layout(prog)
+    nt, v = knobs["threads"], knobs["vec"]
+    lanes = nt if knobs["lanes"] == "block" else knobs["lanes"]
+    per = ceil_div(lay.rn // v, lanes)
+    pro = sorted({e.value[0] for e in prog.reduction.operand.walk() if e.op == "load"})
+    regs = per * v * len(pro) <= (16 if nt >= 512 else 32)
+    smem = nt * per * v * sum(prog.inputs[i].itemsize for i in pro) <= 40 * 1024
+    order = ("regs", "smem", "reload")
+    for s in order[order.index(knobs["staging"]):]:
+        if s == "reload" or (s == "regs" and regs) or (s == "smem" and smem):
+            return s
+    return "reload"
+
+
+def _chunk_load(src: str, ct: str, off: str, inner: int, v: int, dest: str) -> list[str]:
+    """dest[0..v) = the v elements at src + off along a dim of stride `inner` (one vector access
+    when they are contiguous)."""
+    if inner == 1 and v > 1:
+        return [f"*reinterpret_cast<kf_vec<{ct}, {v}>*>({dest}) = *reinterpret_cast<const kf_vec<{ct}, {v}>*>({src} + {off});"]
+    return ["#pragma unroll", f"for (int jj = 0; jj < {v}; ++jj) {dest}[jj] = {src}[{off} + jj * {inner}];"]
+
+
+def _chunk_store(dst: str, ct: str, off: str, inner: int, v: int, src: str) -> list[str]:
+    if inner == 1 and v > 1:
+        return [f"*reinterpret_cast<kf_vec<{ct}, {v}>*>({dst} + {off}) = *reinterpret_cast<const kf_vec<{ct}, {v}>*>({src});"]
+    return ["#pragma unroll", f"for (int jj = 0; jj < {v}; ++jj) {dst}[{off} + jj * {inner}] = {src}[jj];"]
+
+
+def _group_merge(kind, dt: str, st: list[str], st_types: list[str], lanes: int, tag: str) -> list[str]:
+    """Statements: the state `st` of each of a row's `lanes` threads merged, and every lane of
+    the group holding the merged state (a warp's shuffles, then shared memory across warps)."""
+    out: list[str] = []
+    w = min(lanes, 32)
+    if w > 1:
+        other = [f"sh{tag}{c}" for c in range(len(st))]
+        out += ["#pragma unroll", f"  for (int o = {w // 2}; o > 0; o >>= 1) {{"]
+        out += [f"    const {CTYPE[t]} {o} = {_shfl(n, t, 'o', w)};" for o, n, t in zip(other, st, st_types)]
+        out += [f"    {line}" for line in _merge_block(kind, dt, st, other, f"s{tag}")] + ["  }"]
+    if lanes > 32:
+        nw = lanes // 32
+        sm = [f"sm{tag}{c}" for c in range(len(st))]
+        out += [f"  __shared__ {CTYPE[t]} {a}[ROWS][{nw}];" for a, t in zip(sm, st_types)]
+        out += ["  if (lane % 32 == 0) {", *[f"    {a}[threadIdx.x / LANES][lane / 32] = {n};" for a, n in zip(sm, st)],
+                "  }", "  __syncthreads();", *[f"  {n} = {a}[threadIdx.x / LANES][0];" for a, n in zip(sm, st)],
+                f"  for (int wi = 1; wi < {nw}; ++wi) {{"]
+        out += [f"    {line}" for line in _merge_block(kind, dt, st, [f"{a}[threadIdx.x / LANES][wi]" for a in sm],
+                                                    f"w{tag}")] + ["  }"]
+    elif w > 1:  # every lane of the group takes lane 0's state
+        out += [f"  {n} = {_shfl_idx(n, t, w)};" for n, t in zip(st, st_types)]
+    return out
+
+
+def lower_norm(prog: Program, knobs: dict) -> Built:
+    """A group of `lanes` threads per row (the reduced elements of one kept point): pass 1
+    folds the prologue over the row in chunks of `vec` elements, keeping the loaded values
+    (registers or shared memory when they fit); the state is merged across the group and
+    broadcast to every lane; pass 2 runs the epilogue at every element of the row (from the
+    kept values, or reading the row again) and stores it; lane 0 stores the statistics."""
+    red = prog.reduction
+    kind, dt = red.kind, red.operand.dtype
+    st_types = kind.state(dt)
+    ns = len(st_types)
+    lay = reduction_layout(prog)
+    nt, v = knobs["threads"], knobs["vec"]
+    lanes = nt if knobs["lanes"] == "block" else knobs["lanes"]
+    rows = nt // lanes
+    staging = norm_staging(prog, knobs)
+    nc = lay.rn // v
+    per = ceil_div(nc, lanes)
+    params, args, ptr = _pointers(prog)
+    no = len(prog.outputs)
+    loaded = sorted(prog.in_strides)
+    tix = {i: no + k for k, i in enumerate(loaded)}
+    logical_t = no + len(loaded)
+    idx = _index_type(prog, 2 * nt * v)
+    dims = red.dims
+    pro = sorted({e.value[0] for e in red.operand.walk() if e.op == "load"})
+    full = [j for j, m in enumerate(prog.outputs) if m.numel and any(prog.out_strides[j][d] for d in dims)]
+    kept = [j for j, m in enumerate(prog.outputs) if m.numel and j not in full]
+    epi = sorted({e.value[0] for j in full for e in prog.results[j].walk() if e.op == "load"})
+    st = [f"st{c}" for c in range(ns)]
+    ident = [_const(e) for e in kind.identity_exprs(dt)]
+    staged = staging != "reload"
+    # With the row in registers, they keep the reduction's operand (computed once, in pass 1) rather
+    # than the inputs it is computed from, where the epilogue reads those only through it: later
+    # phases and the epilogue then neither recompute the prologue nor hold its inputs (a mask
+    # softmax's scores and mask, added and rounded to bf16 in every pass before).
+    held = staging == "regs" and not (_loads_outside([prog.results[j] for j in full], red.operand) & set(pro))
+
+    def arr(i: int, p: int) -> str:
+        """The V values of input i in this chunk (pass p)."""
+        if held:
+            return f"xv{i}"
+        if staged and i in pro:
+            return f"x{i}[u]" if staging == "regs" else f"sx{i}[threadIdx.x / LANES][c]"
+        return f"xv{i}"
+
+    def load_chunk(i: int, dest: str) -> list[str]:
+        t = tix[i]
+        return _chunk_load(ptr[i], CTYPE[prog.inputs[i].dtype], f"k{t} + r{t}", lay.rstrides[t][-1], v, dest)
+
+    def loop(body: list[str]) -> list[str]:
+        if staged:
+            head = ["#pragma unroll", "for (int u = 0; u < P; ++u) {", "  const kf_idx c = (kf_idx)u * LANES + lane;",
+                    "  if (c < NC) {"]
+            return head + [f"    {line}" for line in body] + ["  }", "}"]
+        return ["for (kf_idx c = lane; c < NC; c += LANES) {"] + [f"  {line}" for line in body] + ["}"]
+
+    def offsets(ts: list[int]) -> list[str]:
+        return offsets_code("c * V", lay.rsizes, [lay.rstrides[t] for t in ts], [f"r{t}" for t in ts], idx)
+
+    # pass 1: the fold, in one pass of the kind's merge, or (staged) one pass per phase of it
+    phases = kind.phases if staged else ()
+    # (kind, state names, their dtypes, the element's value from x and the earlier phases' states)
+    folds = ([(kind, st, list(st_types), lambda x, _: x)] if not phases else
+             [(k, [st[c]], [st_types[c]], lift) for c, (k, lift) in enumerate(phases)])
+    p1s = []
+    for f, (fk, fst, ftypes, lift) in enumerate(folds):
+        p1 = offsets([tix[i] for i in pro] + [logical_t])
+        for i in pro:
+            if not staged or held and f == 0:
+                p1.append(f"{CTYPE[prog.inputs[i].dtype]} xv{i}[V];")
+            if f == 0:
+                p1 += load_chunk(i, arr(i, 1))
+        earlier = {f"kf_phase{c}": st[c] for c in range(f)}
+        em = Emitter(f"p{f}_", {"ridx": f"((kf_i64)r{logical_t} + (kf_i64)jj * {lay.rstrides[logical_t][-1]})", **earlier},
+                     lambda i, stored: f"{arr(i, 1)}[jj]")
+        if held and f > 0:
+            em.bind(red.operand, "xo[u][jj]")
+        x = em(red.operand)
+        keep = [f"xo[u][jj] = {x};"] if held and f == 0 else []
+        em.env["x"] = x
+        value = lift(Expr.var("x", dt), tuple(Expr.var(f"kf_phase{c}", t) for c, t in enumerate(st_types[:f])))
+        lifted = [em(e) for e in fk.lift_exprs(value)]
+        p1 += ["#pragma unroll", "for (int jj = 0; jj < V; ++jj) {", *[f"  {line}" for line in em.lines + keep],
+               *[f"  {line}" for line in _merge_block(fk, dt, fst, lifted, f"u{f}")], "}"]
+        p1s.append((fk, fst, ftypes, p1))
+
+    # pass 2: the epilogue at every element
+    outs2 = [j for j in full]
+    p2 = offsets(sorted({tix[i] for i in epi} | set(outs2)))
+    for i in epi:
+        if not (staged and i in pro):
+            p2.append(f"{CTYPE[prog.inputs[i].dtype]} xv{i}[V];")
+            p2 += load_chunk(i, f"xv{i}")
+    p2 += [f"{CTYPE[prog.outputs[j].dtype]} o{j}[V];" for j in outs2]
+    em2 = Emitter("e", {f"s{c}": n for c, n in enumerate(st)}, lambda i, stored: f"{arr(i, 2)}[jj]")
+    if held:
+        em2.bind(red.operand, "xo[u][jj]")
+    res = {j: em2(prog.results[j]) for j in outs2}
+    p2 += ["#pragma unroll", "for (int jj = 0; jj < V; ++jj) {", *[f"  {line}" for line in em2.lines],
+           *[f"  o{j}[jj] = {convert(res[j], prog.results[j].dtype, prog.outputs[j].dtype)};" for j in outs2], "}"]
+    for j in outs2:
+        p2 += _chunk_store(f"out{j}", CTYPE[prog.outputs[j].dtype], f"k{j} + r{j}", lay.rstrides[j][-1], v, f"o{j}")
+
+    kofs = offsets_code("q", lay.ksizes, lay.kstrides, [f"k{t}" for t in range(len(lay.kstrides))], idx)
+    body = [f"typedef {idx} kf_idx;",
+            f"constexpr int NT = {nt}; constexpr int LANES = {lanes}; constexpr int ROWS = {rows}; "
+            f"constexpr int V = {v}; constexpr int P = {per};",
+            f"constexpr kf_idx KN = {lay.kn}; constexpr kf_idx NC = {nc};",
+            f'extern "C" __global__ void __launch_bounds__(NT) kf_gen({", ".join(params)}) {{',
+            "  const int lane = threadIdx.x % LANES;",
+            "  const kf_idx q = (kf_idx)blockIdx.x * ROWS + threadIdx.x / LANES;",
+            "  const bool live = q < KN;",
+            *[f"  {line}" for line in kofs],
+            *[f"  {CTYPE[t]} {n} = {val};" for n, t, val in zip(st, st_types, ident)]]
+    if held:
+        body.append(f"  {CTYPE[dt]} xo[P][V];")
+    elif staging == "regs":
+        body += [f"  {CTYPE[prog.inputs[i].dtype]} x{i}[P][V];" for i in pro]
+    elif staging == "smem":
+        body += [f"  __shared__ {CTYPE[prog.inputs[i].dtype]} sx{i}[ROWS][P * LANES][V];" for i in pro]
+    for f, (fk, fst, ftypes, p1) in enumerate(p1s):
+        body += ["  if (live) {", *[f"    {line}" for line in loop(p1)], "  }"]
+        body += _group_merge(fk, dt, fst, ftypes, lanes, f"{f}_" if phases else "")
+    body += ["  if (live) {", *[f"    {line}" for line in loop(p2)], "  }"]
+    if kept:
+        em3 = Emitter("f", {f"s{c}": n for c, n in enumerate(st)}, lambda i, stored: f"{ptr[i]}[k{tix[i]}]")
+        res3 = {j: em3(prog.results[j]) for j in kept}
+        body += ["  if (live && lane == 0) {", *[f"    {line}" for line in em3.lines],
+                 *[f"    out{j}[k{j}] = {convert(res3[j], prog.results[j].dtype, prog.outputs[j].dtype)};" for j in kept],
+                 "  }"]
+    body.append("}")
+    return Built(_header("\n".join(body)), [("kf_gen", (ceil_div(lay.kn, rows),), (nt,), args, 0)], [])
+
+
+def lower_norm_split(prog: Program, knobs: dict, sm_count: int) -> Built:
+    """The two-pass form, for rows too long or too few for a block each (group norm of one
+    image): lower_reduction folds each row over `split` blocks and merges the states (writing
+    the statistics), then kf_gen_apply runs the epilogue over every element, grid-wide, in
+    chunks of `vec`, reading its row's state from the workspace."""
+    red = prog.reduction
+    kind, dt = red.kind, red.operand.dtype
+    st_types = kind.state(dt)
+    built = lower_reduction(prog, {"algo": "gen_rows", "threads": knobs["threads"], "lanes": "block",
+                                   "items": knobs["items"], "split": knobs["split"]}, sm_count)
+    lay = reduction_layout(prog)
+    v, nta = knobs["vec"], 256
+    nc = lay.rn // v
+    params, args, ptr = _pointers(prog)
+    no = len(prog.outputs)
+    tix = {i: no + k for k, i in enumerate(sorted(prog.in_strides))}
+    full = [j for j, m in enumerate(prog.outputs) if m.numel and any(prog.out_strides[j][d] for d in red.dims)]
+    epi = sorted({e.value[0] for j in full for e in prog.results[j].walk() if e.op == "load"})
+    idx = "kf_i64" if lay.kn * lay.rn >= 2**31 - 2**20 else "int"
+    kofs = offsets_code("q", lay.ksizes, lay.kstrides, [f"k{t}" for t in range(len(lay.kstrides))], idx)
+    ts = sorted({tix[i] for i in epi} | set(full))
+    rofs = offsets_code(f"c * {v}", lay.rsizes, [lay.rstrides[t] for t in ts], [f"r{t}" for t in ts], idx)
+    body = ["      " + line for line in kofs + rofs]
+    for c, t in enumerate(st_types):
+        body.append(f"      const {CTYPE[t]} st{c} = reinterpret_cast<const {CTYPE[t]}*>(ws + {c * knobs['split'] * lay.kn * 8}LL)[q];")
+    for i in epi:
+        t, ct = tix[i], CTYPE[prog.inputs[i].dtype]
+        body.append(f"      {ct} xv{i}[{v}];")
+        body += ["      " + line for line in _chunk_load(ptr[i], ct, f"k{t} + r{t}", lay.rstrides[t][-1], v, f"xv{i}")]
+    em = Emitter("e", {f"s{c}": f"st{c}" for c in range(len(st_types))}, lambda i, stored: f"xv{i}[jj]")
+    res = {j: em(prog.results[j]) for j in full}
+    body += [f"      {CTYPE[prog.outputs[j].dtype]} o{j}[{v}];" for j in full]
+    body += ["#pragma unroll", f"      for (int jj = 0; jj < {v}; ++jj) {{", *[f"        {line}" for line in em.lines],
+             *[f"        o{j}[jj] = {convert(res[j], prog.results[j].dtype, prog.outputs[j].dtype)};" for j in full],
+             "      }"]
+    for j in full:
+        body += ["      " + line for line in _chunk_store(f"out{j}", CTYPE[prog.outputs[j].dtype], f"k{j} + r{j}",
+                                                          lay.rstrides[j][-1], v, f"o{j}")]
+    total = lay.kn * nc
+    src = "\n".join([
+        f'extern "C" __global__ void __launch_bounds__({nta}) kf_gen_apply({", ".join(params)}, '
+        "const unsigned char* __restrict__ ws) {",
+        f"  for ({idx} g = ({idx})blockIdx.x * {nta} + threadIdx.x; g < ({idx}){total}; g += ({idx})gridDim.x * {nta}) {{",
+        f"    const {idx} q = g / {nc}, c = g % {nc};",
+        "    {",
+        *body,
+        "    }",
+        "  }",
+        "}"])
+    blocks = min(ceil_div(total, nta), sm_count * (2048 // nta) * 4)
+    source = built.source + "\n" + src + "\n"
+    kernels = built.kernels + [("kf_gen_apply", (blocks,), (nta,), args + [{"ws": 0}], 0)]
+    return Built(source, kernels, built.workspace)
