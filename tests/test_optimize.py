@@ -322,3 +322,29 @@ def test_a_frame_retraced_for_new_shapes_with_nothing_of_the_package_runs_native
     # no guard of theirs is checked (the top frame's are: 4 calls), and the router's region still
     # runs its kernel.
     assert traced == first and len(guards) <= 4 and len(launcher.calls) == 5
+
+
+def test_without_dynamos_private_frame_apis_the_model_still_runs_as_before(tmp_path, monkeypatch):
+    """skip_code, reset_code and the current translator are private dynamo APIs: on a torch
+    without them every frame stays compiled, and nothing else changes."""
+    import torch._dynamo as dynamo
+    import torch._dynamo.eval_frame as eval_frame
+    from kforge import graph
+
+    monkeypatch.delattr(eval_frame, "skip_code")
+    monkeypatch.delattr(dynamo, "reset_code")
+    assert not graph.can_run_natively()
+    torch.manual_seed(0)
+    model, x = Moe().eval(), torch.randn(64, 8)
+    router = [c for c in region_cards(model, x, tmp_path) if any(n.op == "aten::sigmoid.default" for n in c.region.nodes)]
+    fast = optimize(model, fake_package(router, {c.id: (1.0, 5.0) for c in router}), launcher=FakeLauncher(router))
+    with torch.no_grad():
+        for seed in range(3):
+            x = torch.randn(64, 8, generator=torch.Generator().manual_seed(seed))
+            assert torch.allclose(fast(x), model(x))
+    assert fast.replaced and not [n for n in fast.notes if "runs eagerly from now on" in n]
+    monkeypatch.setattr(graph, "tracing_code", lambda: None)  # no translator to ask
+    fast = optimize(model, fake_package(router, {c.id: (1.0, 5.0) for c in router}), launcher=FakeLauncher(router))
+    with torch.no_grad():
+        assert torch.allclose(fast(x), model(x))
+    monkeypatch.undo()  # before fresh_dynamo's reset, which calls reset_code
