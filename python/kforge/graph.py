@@ -74,13 +74,17 @@ def tracing_code() -> "types.CodeType | None":
         return None
 
 
+def _skip_code() -> Callable[[types.CodeType], None] | None:
+    try:
+        from torch._dynamo.eval_frame import skip_code
+    except ImportError:
+        return None
+    return skip_code
+
+
 def can_run_natively() -> bool:
     """Whether this torch has the private dynamo API run_natively uses."""
-    try:
-        from torch._dynamo.eval_frame import skip_code  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return _skip_code() is not None
 
 
 def run_natively(code: types.CodeType) -> None:
@@ -88,11 +92,9 @@ def run_natively(code: types.CodeType) -> None:
     check (the functions it calls are still traced). Call it outside dynamo's tracing: dynamo sets
     the strategy of the frame it converts when the conversion returns. Nothing happens on a
     torch without the private API (see can_run_natively)."""
-    try:
-        from torch._dynamo.eval_frame import skip_code
-    except ImportError:
-        return
-    skip_code(code)
+    skip = _skip_code()
+    if skip is not None:
+        skip(code)
 
 
 def forget(code: types.CodeType) -> None:

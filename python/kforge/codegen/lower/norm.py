@@ -10,6 +10,7 @@ from .emit import (CTYPE, Built, Emitter, _const, _header, _index_type, _merge_b
                    offsets_code)
 from .reduce import lower_reduction, reduction_layout
 
+
 def _shfl_idx(x: str, dtype: str, width: int) -> str:
     """x from lane 0 of this thread's group of `width` lanes."""
     if dtype in ("bool", "int8", "uint8", "int16"):
@@ -153,9 +154,7 @@ def lower_norm(prog: Program, knobs: dict) -> Built:
 
     def arr(i: int, p: int) -> str:
         """The V values of input i in this chunk (pass p)."""
-        if held:
-            return f"xv{i}"
-        if staged and i in pro:
+        if staged and not held and i in pro:
             return f"x{i}[u]" if staging == "regs" else f"sx{i}[threadIdx.x / LANES][c]"
         return f"xv{i}"
 

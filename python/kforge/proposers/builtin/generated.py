@@ -217,11 +217,12 @@ def _norm_default(prog: Program, lay, hw: Hardware) -> Knobs:
     # A block per row, with the fewest threads from `least` up that keep the row in registers,
     # else `least` threads reading the row again from L2 in the epilogue: shared-memory staging
     # measured slower than both wherever it was tried (a mask softmax, 8x2048x2048 bf16 scores
-    # and mask: 118 us staged by 128 threads, 84 us reloaded by 64, 131 us for a warp; SD-VAE's 16384-long fp32 rows: 853-872 us staged, 565 us in the registers of 1024).
+    # and mask: 118 us staged by 128 threads, 84 us reloaded by 64, 131 us for a warp; SD-VAE's
+    # 16384-long fp32 rows: 853-872 us staged, 565 us in the registers of 1024).
     knobs = {"algo": "gen_norm", "lanes": "block", "vec": vec, "staging": "regs"}
-    fits = [t for t in (32, 64, 128, 256, 512, 1024)
-            if t >= least and lower.norm_staging(prog, {**knobs, "threads": t}) == "regs"]
-    return {**knobs, "threads": fits[0]} if fits else {**knobs, "threads": least, "staging": "reload"}
+    fits = next((t for t in (32, 64, 128, 256, 512, 1024)
+                 if t >= least and lower.norm_staging(prog, {**knobs, "threads": t}) == "regs"), None)
+    return {**knobs, "threads": fits} if fits else {**knobs, "threads": least, "staging": "reload"}
 
 
 def build(card: Card, knobs: Knobs, hw: Hardware) -> Candidate:
