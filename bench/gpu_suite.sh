@@ -90,6 +90,9 @@ lane() {  # lane LOG ITEM...: run the items in order
       ray) step "$log" ray "${T_RAY:-420}" python3 bench/bench_ray.py "${RAY_MODEL:-examples/sd_vae_decoder.py}" \
              --min-share 0.02 --iterations "${ITERS:-6}" --out "$OUT/ray_h200.json" ;;
       probe) step "$log" probe "${T_PROBE:-60}" python3 bench/probe_long_rows.py --out "$OUT/probe_long_rows_h200.json" ;;
+      # Generated kernels over a knob grid against eager at KernelBench's scaled shapes (bench/probe_knobs.py).
+      probe_knobs) step "$log" probe-knobs "${T_PROBE:-240}" python3 bench/probe_knobs.py ${PROBE_ONLY:+--only "$PROBE_ONLY"} \
+                     --out "$OUT/probe_knobs_h200.json" ;;
       # SDPA's backends against the plain decomposition, per attention shape (bench/probe_attention.py).
       probe_attention) step "$log" probe-attention "${T_PROBE:-90}" python3 bench/probe_attention.py \
                          --out "$OUT/probe_attention_h200.json" ;;

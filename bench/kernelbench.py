@@ -66,7 +66,7 @@ class Problem:
     name: str
     path: Path
     module: types.ModuleType
-    scale: float = 1.0  # batch scale applied to fit --max-bytes (1.0: as written)
+    scale: float = 1.0  # the inputs' scale applied to fit --max-bytes (1.0: as written)
     notes: list[str] = field(default_factory=list)
 
 
@@ -158,9 +158,30 @@ def fit(problem: Problem, max_bytes: float) -> Problem:
     if tied:
         problem.notes.append(f"{', '.join(tied)} equal to {knob} and scaled with it (the model needs them equal)")
     if size > max_bytes:
+        size = _fit_channels(problem, max_bytes)
+    if size > max_bytes:
         problem.notes.append(f"still {size / 1e6:.0f} MB at {knob}=1: skipped")
         problem.scale = 0.0
     return problem
+
+
+def _fit_channels(problem: Problem, max_bytes: float) -> int:
+    """At batch 1, halve a `channels` global too (the 3-D and large 2-D poolings), where the
+    model still runs with fewer; the inputs' bytes afterwards."""
+    g = problem.module.__dict__
+    size = _bytes(_input_meta(problem))
+    if not isinstance(g.get("channels"), int) or isinstance(g.get("channels"), bool):
+        return size
+    original = g["channels"]
+    while size > max_bytes and g["channels"] > 1:
+        g["channels"] //= 2
+        size = _bytes(_input_meta(problem))
+    if g["channels"] == original or not _runs(problem):
+        g["channels"] = original
+        return _bytes(_input_meta(problem))
+    problem.scale *= g["channels"] / original
+    problem.notes.append(f"channels {original} -> {g['channels']} as well")
+    return size
 
 
 def _runs(problem: Problem) -> bool:

@@ -102,6 +102,41 @@ def test_a_size_that_must_equal_the_batch_is_scaled_with_it(tmp_path):
     assert p.module.Model()(predictions, targets).shape == ()
 
 
+POOL3D = '''import torch
+import torch.nn as nn
+
+class Model(nn.Module):
+    def __init__(self, kernel_size):
+        super().__init__()
+        self.pool = nn.MaxPool3d(kernel_size)
+
+    def forward(self, x):
+        return self.pool(x)
+
+batch_size = 4
+channels = 32
+dim = 32
+
+def get_inputs():
+    return [torch.rand(batch_size, channels, dim, dim, dim)]
+
+def get_init_inputs():
+    return [2]
+'''
+
+
+def test_channels_are_halved_too_where_batch_1_is_still_too_large(tmp_path):
+    """KernelBench's 3-D poolings hold GBs at batch 1: their channels are halved after the batch."""
+    (tmp_path / "43_Max_Pooling_3D.py").write_text(POOL3D)
+    p = kb.fit(kb.load_problem(tmp_path / "43_Max_Pooling_3D.py"), max_bytes=600_000)  # 4 MiB at batch 4
+    assert p.module.batch_size == 1 and p.module.channels == 4 and p.scale == 1 / 32
+    assert "channels 32 -> 4 as well" in p.notes
+    (x,) = p.module.get_inputs()
+    assert tuple(x.shape) == (1, 4, 32, 32, 32) and p.module.Model(2)(x).shape == (1, 4, 16, 16, 16)
+    tiny = kb.fit(kb.load_problem(tmp_path / "43_Max_Pooling_3D.py"), max_bytes=100)
+    assert tiny.scale == 0.0 and "skipped" in tiny.notes[-1]
+
+
 def test_default_lists_hold_what_the_scoreboard_must_show_and_shards_split_them():
     level1 = set(kb.DEFAULT_PROBLEMS[1])
     assert {*range(19, 37), 38, 39, 40, 42, 47, 48, 49, 51, 52, 53, *range(88, 97), 98, 99, 100} <= level1

@@ -37,7 +37,7 @@ class Hardware:
         return asdict(self)
 
 
-# Measured on the H200 lent to this project (copy bandwidth 4.27 TB/s, shared/baseline/).
+# Measured on the H200 lent to this project: a device-to-device copy moved 4.27 TB/s.
 H200 = Hardware("NVIDIA H200", "sm_90", 132, 60 * 2**20, 227 * 1024, 141 * 10**9, 4.27e12)
 
 # Datasheet-derived bandwidths, scaled by the ~0.89 copy efficiency measured on the H200.

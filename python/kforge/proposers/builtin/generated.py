@@ -148,7 +148,7 @@ def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
                  "split": _splits(prog), "vec": lower.norm_vecs(prog)}]
     if prog.reduction is None:
         return [{"algo": ("gen_flat",), "threads": (64, 128, 256, 512, 1024), "vec": lower.pointwise_vecs(prog),
-                 "items": (1, 2, 4, 8), "grid": ("exact", "stride")}]
+                 "items": (1, 2, 4, 8), "grid": ("exact", "stride"), "cache": ("plain", "stream")}]
     return _reduction_spaces(prog)
 
 
@@ -172,7 +172,7 @@ def default(card: Card, hw: Hardware) -> Knobs:
         while items > 1 and items * vec * read > 64:
             items //= 2
         return {"algo": "gen_flat", "threads": 256 if nvec >= 256 * hw.sm_count else 128, "vec": vec,
-                "items": items, "grid": "exact"}
+                "items": items, "grid": "exact", "cache": "plain"}
     lay = lower.reduction_layout(prog)
     if prog.normalizes:
         return _norm_default(prog, lay, hw)
