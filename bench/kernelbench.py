@@ -314,7 +314,14 @@ def _search_counts(run_dir: Path) -> dict:
     with SQLiteStore(run_dir, readonly=True) as log:  # one run: the problem's own directory
         run_id = log.latest_run()
         llm = sum(log.llm_usage(run_id).values(), LLMUsage())
-        return {"candidates": log.activity(run_id)[0], "llm_cost_usd": llm.cost_usd, "llm_tokens": llm.tokens}
+        # Each candidate's verdict and times: why a card fell back, without the run directory.
+        tried = [{"card": c.card_id[:12], "knobs": c.knobs, "verdict": c.verdict, "eager_us": c.eager_us,
+                  "kernel_us": c.kernel_us, "dispatched_us": c.dispatched_us,
+                  "eager_dispatched_us": ((c.evidence or {}).get("eager_dispatched") or {}).get("median_us"),
+                  "message": c.message[:160]}
+                 for c in log.candidates(run_id)]
+        return {"candidates": log.activity(run_id)[0], "llm_cost_usd": llm.cost_usd, "llm_tokens": llm.tokens,
+                "tried": tried}
 
 
 def run_problem(problem: Problem, args, device: str, search_s: float, workers=None) -> dict:

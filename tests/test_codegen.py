@@ -531,30 +531,6 @@ def test_vector_loads_in_reductions_fold_the_same_elements_in_the_same_order(mak
         assert all(s["vec"] == (1,) for s in generated.spaces(odd, H200))  # odd rows; rows strided in memory
 
 
-@pytest.mark.parametrize("make", [lambda: make_card(A.relu.default, meta(6, 1024)),
-                                  lambda: make_card(A.add.Tensor, meta(4, 512, dtype=torch.int32),
-                                                    meta(512, dtype=torch.int32)),
-                                  lambda: make_card(A.where.self, meta(8, 64, dtype=torch.bool), meta(8, 64), meta(64))],
-                         ids=["relu", "add int broadcast", "where bool"])
-def test_streaming_accesses_give_what_plain_ones_give(make):
-    """cache "stream" (evict-first vector loads and stores) changes the instructions, not the
-    values: bitwise the plain kernel's outputs (g++ on the CPU), at every vector width."""
-    import cuda_on_cpu
-
-    card = make()
-    (flat,) = generated.spaces(card, H200)
-    assert flat["cache"] == ("plain", "stream")
-    inputs = card.random_inputs(0, "cpu")
-    for vec in flat["vec"]:
-        knobs = {**generated.default(card, H200), "vec": vec}
-        streamed = generated.build(card, {**knobs, "cache": "stream"}, H200)
-        assert ("kf_ldcs(reinterpret_cast" in streamed.source) == (vec > 1)
-        got = cuda_on_cpu.run(card, streamed, inputs)
-        plain = cuda_on_cpu.run(card, generated.build(card, {**knobs, "cache": "plain"}, H200), inputs)
-        assert all(torch.equal(g, b) for g, b in zip(got, plain)), vec
-        assert compiler.compile(streamed.source, arch="sm_90").cubin
-
-
 def test_long_reduction_with_few_outputs_splits_across_blocks():
     card = make_card(A.sum.default, meta(64, 1 << 20))
     knobs = generated.default(card, H200)

@@ -165,17 +165,21 @@ def _compile_and_run(card, inputs, want, run: bool = True):
             _check_outputs(cuda_on_cpu.run(card, cand, inputs), want, card)
 
 
-def test_a_pointwise_kernel_holds_at_most_64_elements_a_thread_by_default():
-    """Each item holds a vector of every tensor read: batch norm in channels-last reads five
-    (8-wide in bf16), so one item; an add of two fp32 tensors of the same size keeps four."""
+def test_a_pointwise_kernel_is_one_widest_vector_a_thread_by_default():
+    """Batch norm in channels-last (five tensors read) and an add of two tensors alike: one
+    16-byte vector of each tensor a thread, 256 threads where there are many waves, 128 where
+    there are few; the knob space still holds more items."""
     bn_card = make_card(A._native_batch_norm_legit_no_training.default, meta(32, 256, 56, 56, dtype=BF16, channels_last=True),
                         *(meta(256, dtype=BF16) for _ in range(4)), 0.1, 1e-5)
     bn_card = dataclasses.replace(bn_card, id="", outputs=[bn_card.outputs[0]] + [  # eager's empty statistics
         dataclasses.replace(o, shape=(0,), stride=(1,)) for o in bn_card.outputs[1:]])
     add_card = make_card(A.add.Tensor, meta(32, 256, 56, 56, dtype=BF16), meta(32, 256, 56, 56, dtype=BF16))
-    bn, add = generated.default(bn_card, H200), generated.default(add_card, H200)
-    assert (bn["algo"], bn["vec"], bn["items"]) == ("gen_flat", 8, 1)
-    assert (add["algo"], add["vec"], add["items"]) == ("gen_flat", 8, 4)
+    small = make_card(A.relu.default, meta(64, 1000))
+    bn, add, few = (generated.default(c, H200) for c in (bn_card, add_card, small))
+    assert (bn["algo"], bn["vec"], bn["items"], bn["threads"]) == ("gen_flat", 8, 1, 256)
+    assert (add["algo"], add["vec"], add["items"], add["threads"]) == ("gen_flat", 8, 1, 256)
+    assert (few["vec"], few["items"], few["threads"]) == (4, 1, 128)
+    assert 8 in generated.spaces(add_card, H200)[0]["items"]
 
 
 @pytest.mark.parametrize("name", sorted(CARDS))

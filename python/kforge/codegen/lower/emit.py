@@ -23,24 +23,6 @@ template <typename T> __device__ __forceinline__ T kf_nanmax(T a, T b) { return 
 template <typename T> __device__ __forceinline__ T kf_nanmin(T a, T b) { return (a != a || a < b) ? a : b; }
 template <typename T> __device__ __forceinline__ T kf_imax(T a, T b) { return a > b ? a : b; }
 template <typename T> __device__ __forceinline__ T kf_imin(T a, T b) { return a < b ? a : b; }
-// Streaming (evict-first) vector accesses, ld.global.cs / st.global.cs, for data touched once;
-// widths without such an instruction fall back to plain accesses.
-template <int B> struct kf_bits { typedef void t; };
-template <> struct kf_bits<4> { typedef int t; };
-template <> struct kf_bits<8> { typedef int2 t; };
-template <> struct kf_bits<16> { typedef int4 t; };
-template <typename T> __device__ __forceinline__ void kf_ldcs(T* d, const T* s) {
-  typedef typename kf_bits<sizeof(T)>::t B;
-  if constexpr (sizeof(T) == 4 || sizeof(T) == 8 || sizeof(T) == 16)
-    *reinterpret_cast<B*>(d) = __ldcs(reinterpret_cast<const B*>(s));
-  else *d = *s;
-}
-template <typename T> __device__ __forceinline__ void kf_stcs(T* d, const T* s) {
-  typedef typename kf_bits<sizeof(T)>::t B;
-  if constexpr (sizeof(T) == 4 || sizeof(T) == 8 || sizeof(T) == 16)
-    __stcs(reinterpret_cast<B*>(d), *reinterpret_cast<const B*>(s));
-  else *d = *s;
-}
 """
 _HALF = r"""
 #include <cuda_fp16.h>

@@ -1,5 +1,5 @@
 """Pointwise lowering (`algo` "flat"): items vectors of vec elements a thread, loads issued
-before any math; `cache` "stream" makes the vector accesses evict-first."""
+before any math."""
 
 from __future__ import annotations
 
@@ -49,7 +49,6 @@ def lower_pointwise(prog: Program, knobs: dict, sm_count: int) -> Built:
 
 def _kernel(prog: Program, knobs: dict, sm_count: int, name: str) -> tuple[str, tuple]:
     nt, v, it = knobs["threads"], knobs["vec"], knobs["items"]
-    stream = knobs.get("cache") == "stream"  # evict-first loads and stores (ld/st.global.cs)
     sizes, strides = pointwise_layout(prog)
     numel = math.prod(sizes)
     nv = numel // v
@@ -67,10 +66,7 @@ def _kernel(prog: Program, knobs: dict, sm_count: int, name: str) -> tuple[str, 
             hoist.append(f"  const {ct} h{i} = {ptr[i]}[0];")
             continue
         decl.append(f"    {ct} x{i}[IT][V];")
-        if st[-1] == 1 and v > 1 and stream:
-            loads.append(f"        kf_ldcs(reinterpret_cast<kf_vec<{ct}, V>*>(x{i}[k]), "
-                         f"reinterpret_cast<const kf_vec<{ct}, V>*>({ptr[i]} + off[k][{t}]));")
-        elif st[-1] == 1 and v > 1:
+        if st[-1] == 1 and v > 1:
             loads.append(f"        *reinterpret_cast<kf_vec<{ct}, V>*>(x{i}[k]) = "
                          f"*reinterpret_cast<const kf_vec<{ct}, V>*>({ptr[i]} + off[k][{t}]);")
         else:
@@ -88,10 +84,7 @@ def _kernel(prog: Program, knobs: dict, sm_count: int, name: str) -> tuple[str, 
             continue
         ct = CTYPE[m.dtype]
         body.append(f"          r{j}[j] = {convert(r, prog.results[j].dtype, m.dtype)};")
-        if strides[j][-1] == 1 and v > 1 and stream:
-            stores.append(f"        kf_stcs(reinterpret_cast<kf_vec<{ct}, V>*>(out{j} + off[k][{j}]), "
-                          f"reinterpret_cast<const kf_vec<{ct}, V>*>(r{j}));")
-        elif strides[j][-1] == 1 and v > 1:
+        if strides[j][-1] == 1 and v > 1:
             stores.append(f"        *reinterpret_cast<kf_vec<{ct}, V>*>(out{j} + off[k][{j}]) = "
                           f"*reinterpret_cast<const kf_vec<{ct}, V>*>(r{j});")
         else:

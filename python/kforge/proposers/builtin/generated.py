@@ -148,7 +148,7 @@ def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
                  "split": _splits(prog), "vec": lower.norm_vecs(prog)}]
     if prog.reduction is None:
         return [{"algo": ("gen_flat",), "threads": (64, 128, 256, 512, 1024), "vec": lower.pointwise_vecs(prog),
-                 "items": (1, 2, 4, 8), "grid": ("exact", "stride"), "cache": ("plain", "stream")}]
+                 "items": (1, 2, 4, 8), "grid": ("exact", "stride")}]
     return _reduction_spaces(prog)
 
 
@@ -163,16 +163,12 @@ def default(card: Card, hw: Hardware) -> Knobs:
     if prog.reduction is None:
         vec = lower.pointwise_vecs(prog)[-1]
         nvec = card.outputs[0].numel // vec
-        waves = nvec / (256 * hw.sm_count * 8)
-        items = 4 if waves >= 4 else 2 if waves >= 1 else 1
-        # Every item holds a vector of each read tensor in registers: on the H200, batch norm ->
-        # relu -> add (six tensors read, 8-wide) ran 63 us at 4 items and 41 us at 1, where an
-        # add (two read) ran 42 us at any count. At most 64 elements held a thread.
-        read = sum(1 for st in prog.in_strides.values() if any(st))
-        while items > 1 and items * vec * read > 64:
-            items //= 2
+        # One vector a thread: on the H200 at 100 MB of fp32 (KernelBench's relu, sigmoid, gelu and
+        # hardtanh), items 1 at 128-256 threads ran 50.8-52.5 us as called against eager's
+        # 51.9-52.1 and items 4 at 256 threads 53.3-53.7 (bench/probe_knobs.py); batch norm ->
+        # relu -> add (six tensors read, 8-wide) ran 41 us at 1 item and 63 at 4.
         return {"algo": "gen_flat", "threads": 256 if nvec >= 256 * hw.sm_count else 128, "vec": vec,
-                "items": items, "grid": "exact", "cache": "plain"}
+                "items": 1, "grid": "exact"}
     lay = lower.reduction_layout(prog)
     if prog.normalizes:
         return _norm_default(prog, lay, hw)
