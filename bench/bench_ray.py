@@ -111,7 +111,7 @@ def main(argv=None) -> None:
     same = dispatched(local.package_path) == dispatched(remote.package_path)
     median = statistics.median(diffs) if diffs else None
     out = {
-        **provenance(), "ray": ray.__version__, "model": args.model, "iterations": args.iterations,
+        **provenance(), "ray_version": ray.__version__, "model": args.model, "iterations": args.iterations,
         "local": {"search_s": local_s, "dispatched": dispatched(local.package_path)},
         "ray": {"search_s": ray_s, "dispatched": dispatched(remote.package_path)},
         "same_dispatched": same,
