@@ -23,7 +23,7 @@ import torch
 
 import kforge
 from kforge import timing
-from kforge.modelcheck import time_graphs
+from kforge.replay import time_graphs
 from kforge.modelspec import load_model_spec
 from kforge.package import CastPackage
 

@@ -29,7 +29,8 @@ from kforge.shares import shares_by_family
 from kforge.card_files import load_cards
 from kforge.cards import flatten_outputs
 from kforge.hardware import current
-from kforge.modelcheck import compiled_forwards, time_graphs
+from kforge.modelcheck import compiled_forwards
+from kforge.replay import time_graphs
 from kforge.modelspec import load_model_spec
 from provenance import provenance
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from pathlib import Path
 
@@ -195,6 +196,26 @@ def test_the_compile_record_is_what_kforge_compile_follows():
     won = dataclasses.replace(lost, compiled={"torch.compile": (946.0, 4.0), "kforge.compile": (800.0, 4.0)})
     assert won.compile_record()["use"] == "kforge.compile" and won.compile_record()["drop"] == []
     assert ModelCheck(100.0, 1.0, 90.0, 1.0, "cuda:0").compile_record() is None  # not measured
+
+
+def test_kforge_optimize_slower_than_eager_is_recorded_for_it_to_follow():
+    """Op by op slower than eager beyond the noise: "use" eager, said in the message; from CUDA
+    graphs within the noise: kept. Recorded beside the compile verdict, in the package's format."""
+    from kforge.manifest import check_manifest
+
+    check = ModelCheck(100.0, 1.0, 90.0, 1.0, "cuda:0", hits=4, compiled={
+        "torch.compile": (95.0, 1.0), "kforge.compile": (80.0, 1.0),
+        "kforge.optimize": (120.0, 2.0), "kforge.optimize cuda_graphs": (99.5, 1.0)})
+    rec = check.compile_record()["optimize"]
+    assert rec["ops"] == {"verdict": "slower", "use": "eager", "eager_us": 100.0, "optimize_us": 120.0}
+    assert (rec["cuda_graphs"]["verdict"], rec["cuda_graphs"]["use"]) == ("level", "kforge.optimize")
+    assert "kforge.optimize 120.0 µs: 0.833x eager, slower: the package records it" in check.message()
+    assert "cuda_graphs 99.5 µs: 1.005x eager. Fastest" in check.message()
+    manifest = {"format": 3, "kforge": "0", "torch": "2", "gpu": {"name": "g", "arch": "sm_90"}, "cards": [],
+                "model_check": check.compile_record()}
+    assert check_manifest(Path("p.cast"), json.dumps(manifest).encode())["model_check"]["optimize"] == rec
+    no_optimize = dataclasses.replace(check, compiled={"torch.compile": (95.0, 1.0), "kforge.compile": (80.0, 1.0)})
+    assert "optimize" not in no_optimize.compile_record()
 
 
 def test_run_records_the_compile_verdict_in_the_package(cpu_cast, tmp_path, monkeypatch):  # noqa: F811

@@ -89,6 +89,37 @@ def test_the_kernel_is_what_runs(tmp_path):
         assert not torch.allclose(fast(x), model(x))  # the fake kernel's +1 reached the output
 
 
+def test_where_the_model_check_found_it_slower_than_eager_the_model_runs_as_it_is(tmp_path):
+    """The package records kforge.optimize op by op slower than eager (from CUDA graphs level): op by
+    op the model runs untraced, said once per package; from CUDA graphs, and with
+    use_verdict=False, the kernels run."""
+    import warnings
+
+    from kforge.optimize import OptimizeFallbackWarning
+
+    model, x = resnet(), torch.randn(2, 4, 8, 8)
+    cards = region_cards(model, x, tmp_path, "fused")
+    pkg = fake_package(cards, {c.id: (1.0, 5.0) for c in cards})
+    pkg.manifest["model_check"] = {"optimize": {
+        "ops": {"verdict": "slower", "use": "eager", "eager_us": 100.0, "optimize_us": 120.0},
+        "cuda_graphs": {"verdict": "level", "use": "kforge.optimize", "eager_us": 100.0, "optimize_us": 99.0}}}
+    launcher = FakeLauncher(cards)
+    with pytest.warns(OptimizeFallbackWarning, match=r"slower than eager \(120.0 µs against 100.0\)"):
+        plain = optimize(model, pkg, launcher=launcher)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = optimize(model, pkg, launcher=launcher)  # said once
+    with torch.no_grad():
+        assert torch.equal(plain(x), model(x)) and torch.equal(again(x), model(x))
+    assert launcher.calls == [] and plain.replaced == [] and "runs the model as it is" in plain.report()["notes"][0]
+    ours = optimize(model, pkg, launcher=launcher, use_verdict=False)
+    with torch.no_grad():
+        assert torch.equal(ours(x), model(x))
+    assert sorted(launcher.calls) == [0, 0, 1, 1]
+    graphed = optimize(model, pkg, launcher=launcher, cuda_graphs=True)  # level there: the kernels run
+    assert "_compiled" in graphed.__dict__ and graphed.__dict__["_compiled"] is not model
+
+
 def test_a_new_shape_falls_back_to_the_original_nodes(tmp_path):
     model = resnet()
     cards = region_cards(model, torch.randn(2, 4, 8, 8), tmp_path, "fused")

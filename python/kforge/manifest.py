@@ -183,7 +183,12 @@ _MANIFEST = _record({
         "drop": _list_of(_matching(_CARD_ID, "a card id (16 hex digits)")),
         "leave_one_out": _list_of(_record({"card": _matching(_CARD_ID, "a card id (16 hex digits)"),
                                            "kforge_compile_us": _number, "verdict": _one_of("faster", "level", "slower")},
-                                          required=("card", "kforge_compile_us", "verdict")))},
+                                          required=("card", "kforge_compile_us", "verdict"))),
+        # Format 3 too: kforge.optimize against eager, which kforge.optimize follows (absent before).
+        "optimize": _record({mode: _record({"verdict": _one_of("faster", "level", "slower"),
+                                            "use": _one_of("kforge.optimize", "eager"), "eager_us": _number,
+                                            "optimize_us": _number}, required=("verdict", "use"))
+                             for mode in ("ops", "cuda_graphs")})},
         required=("verdict", "use", "torch_compile_us", "kforge_compile_us", "noise_us")),
 }, required=("format", "kforge", "torch", "gpu", "cards"))
 

@@ -18,13 +18,13 @@ import contextlib
 import dataclasses
 import math
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
 from . import timing
+from .replay import GraphUnsupported, _first_line, time_graphs
 from .modelrun import as_call, model_device, model_state
 from .errors import KforgeError
 
@@ -159,6 +159,9 @@ class ModelCheck:
         if cards:
             record["leave_one_out"] = [{"card": c, "kforge_compile_us": self.leave_one_out[c][0],
                                         "verdict": self._without(c)} for c in cards]
+        optimized = self.optimize_record()
+        if optimized:
+            record["optimize"] = optimized
         if "faster" in (verdict, self.compile_verdict("reduce-overhead")):
             return record
         helping = [c for c in cards if self._without(c) == "faster"]
@@ -167,6 +170,19 @@ class ModelCheck:
         else:
             record["use"] = "torch.compile"
         return record
+
+    def optimize_record(self) -> dict:
+        """kforge.optimize against eager, op by op ("ops") and from CUDA graphs ("cuda_graphs"), by
+        the same noise rule: "use" is "eager" where it was slower, and kforge.optimize then runs
+        the model as it is (the package records it). {} when not measured."""
+        out = {}
+        for key, name in (("ops", "kforge.optimize"), ("cuda_graphs", "kforge.optimize cuda_graphs")):
+            if name in self.compiled:
+                o, o_iqr = self.compiled[name]
+                verdict = _compare(self.eager_us, o, _noise(self.eager_us, self.eager_iqr_us, o_iqr))
+                out[key] = {"verdict": verdict, "use": "eager" if verdict == "slower" else "kforge.optimize",
+                            "eager_us": self.eager_us, "optimize_us": o}
+        return out
 
     def _compile_message(self) -> str:
         if self.compile_error:
@@ -181,10 +197,13 @@ class ModelCheck:
             suffix = f" {mode}" if mode else ""
             (t, _), (k, _) = self.compiled["torch.compile" + suffix], self.compiled["kforge.compile" + suffix]
             parts.append(f"torch.compile{suffix} {t:.1f} µs, kforge.compile{suffix} {k:.1f} µs: {t / k:.3f}x, {verdict}")
-        for name in ("kforge.optimize", "kforge.optimize cuda_graphs"):
-            if name in self.compiled:
-                o = self.compiled[name][0]
-                parts.append(f"{name} {o:.1f} µs: {self.eager_us / o:.3f}x eager")
+        optimized = self.optimize_record()
+        for key, name in (("ops", "kforge.optimize"), ("cuda_graphs", "kforge.optimize cuda_graphs")):
+            if key in optimized:
+                o = optimized[key]["optimize_us"]
+                parts.append(f"{name} {o:.1f} µs: {self.eager_us / o:.3f}x eager" + (
+                    ", slower: the package records it, and kforge.optimize runs the model as it is"
+                    if optimized[key]["use"] == "eager" else ""))
         line = "; " + "; ".join(parts)
         record = self.compile_record()
         if record is None or record["use"] == "kforge.compile" and not record["drop"]:
@@ -250,95 +269,6 @@ def _compare(eager_us: float, package_us: float, noise_us: float) -> str:
     return "faster" if diff > 0 else "slower"
 
 
-def graphed(fn) -> "torch.cuda.CUDAGraph":
-    """`fn` captured in a CUDA graph, after two warm-up calls on a side stream (as
-    torch.cuda.graph wants). The caller keeps whatever `fn` reads alive while the graph is.
-
-    A forward a graph cannot hold raises, and leaves the process as it found it. One that
-    reads a value back on the host (.item(), .cpu(), nonzero) is found in the second warm-up
-    call, run with torch's sync debug mode at "error", before any capture starts. Any other
-    failed capture is undone: torch leaves the capture stream current, the CUDA generator
-    in capture mode (every later random op on the device raises) and the allocator routing
-    to the graph's pool, and this puts all three back."""
-    dev = torch.cuda.current_device()  # check_model makes the model's device current
-    stream = torch.cuda.current_stream(dev)
-    side = torch.cuda.Stream(dev)
-    side.wait_stream(stream)
-    try:
-        with torch.cuda.stream(side):
-            fn()
-            mode = torch.cuda.get_sync_debug_mode()
-            try:
-                _sync_debug_mode("error")
-                fn()
-            except RuntimeError as e:
-                if "synchroniz" not in str(e):
-                    raise  # another failure (out of memory, a CUDA error): not this check's to name
-                raise GraphUnsupported(f"the forward synchronizes with the host, which a CUDA graph cannot hold "
-                                       f"({_first_line(e)})") from e
-            finally:
-                _sync_debug_mode(mode)
-    finally:
-        stream.wait_stream(side)  # later work on the stream waits for the warm-up, however it ended
-    gen = torch.cuda.default_generators[dev]
-    rng = gen.clone_state()
-    pool = torch.cuda.graph_pool_handle()
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph, pool=pool):
-            fn()
-    except BaseException:
-        torch.cuda.set_stream(stream)
-        with contextlib.suppress(Exception):
-            gen.graphsafe_set_state(rng)  # a fresh state, not in capture mode, at the offset before capture
-        with contextlib.suppress(Exception):
-            torch._C._cuda_endAllocateToPool(dev, pool)
-            torch._C._cuda_releasePool(dev, pool)
-        raise
-    return graph
-
-
-def _sync_debug_mode(mode) -> None:
-    """torch.cuda.set_sync_debug_mode without its "prototype feature" warning (a warning
-    filter set to "error", as under pytest, would raise it after the mode is set)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.cuda.set_sync_debug_mode(mode)
-
-
-class GraphUnsupported(RuntimeError):
-    """The forward does something a CUDA graph cannot hold; found before any capture."""
-
-
-def _first_line(e: BaseException) -> str:
-    """The first line of the exception that started it all (torch.cuda.graph raises its own
-    "capture failed" on top of the forward's error)."""
-    for _ in range(8):
-        inner = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
-        if inner is None:
-            break
-        e = inner
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0][:200] if lines else ''}"
-
-
-def time_graphs(forward, package, *, calls: int, rounds: int, device=None,
-                **install_options: Any) -> list[timing.Measurement]:
-    """`forward` replayed from a CUDA graph eager and one captured with `package` installed,
-    timed interleaved as time_as_called does: [eager, package]. The package stays installed
-    while its graph exists (the graph launches its kernels, which live as long as the
-    install). Raises what capture raises for a forward a graph cannot hold."""
-    eager = graphed(forward)
-    with package.apply(**install_options):
-        packaged = graphed(forward)
-        try:
-            return timing.time_as_called([(contextlib.nullcontext, eager.replay),
-                                          (contextlib.nullcontext, packaged.replay)],
-                                         calls=calls, rounds=rounds, device=device)
-        finally:
-            del packaged  # before the uninstall unloads the kernels it launches
-
-
 # kforge.optimize: the traced graphs with the package's region and op kernels, the rest eager (no Inductor);
 # with cuda_graphs, each graph replayed from a CUDA graph.
 COMPILED = ("torch.compile", "kforge.compile", "torch.compile reduce-overhead", "kforge.compile reduce-overhead",
@@ -360,8 +290,9 @@ def compiled_forwards(model: torch.nn.Module, package, forward_of, *, launcher=N
               "torch.compile reduce-overhead": lambda: torch.compile(model, mode="reduce-overhead"),
               "kforge.compile reduce-overhead": lambda: kforge_compile(model, package, launcher=launcher,
                                                                        mode="reduce-overhead", use_verdict=False),
-              "kforge.optimize": lambda: optimize(model, package, launcher=launcher),
-              "kforge.optimize cuda_graphs": lambda: optimize(model, package, launcher=launcher, cuda_graphs=True)}
+              "kforge.optimize": lambda: optimize(model, package, launcher=launcher, use_verdict=False),
+              "kforge.optimize cuda_graphs": lambda: optimize(model, package, launcher=launcher, cuda_graphs=True,
+                                                              use_verdict=False)}
     forwards = {}
     # kforge.optimize first: dynamo keeps its compiled entries per code object, shared by every
     # compiled model in the process. A frame torch.compile retraces past the recompile limit (an

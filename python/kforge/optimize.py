@@ -32,6 +32,10 @@ with nothing of the package in either (a mixture-of-experts' expert, called with
 count), runs as plain Python from then on, with no guard check (OptimizedModel._count_frame). Outputs come from the caching allocator and
 kernels launch on the current stream, so an optimized forward can be captured in a CUDA graph.
 
+Where the package's model check (kforge run) found kforge.optimize slower than eager, op by op or
+from CUDA graphs, the package records it and kforge.optimize in that mode runs the model as it is,
+said once (OptimizeFallbackWarning); use_verdict=False overrides.
+
 The kernel call is `RegionKernel.run(inputs) -> outputs`, one callable per card: it can be
 swapped for a torch.library custom op without changing the graph surgery.
 """
@@ -43,6 +47,7 @@ import functools
 import operator
 import sys
 import types
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -228,12 +233,16 @@ def eager_batch_norms(graph: fx.Graph) -> int:
 IDLE_SHAPES = 2  # new shapes of a frame traced in one forward, with nothing of the package, before it runs natively
 
 
+class OptimizeFallbackWarning(UserWarning):
+    """kforge.optimize runs the model as it is: the package's model check found it slower than eager."""
+
+
 class OptimizedModel(torch.nn.Module):
     """`model` traced by kforge's backend with the package's kernels in its graphs (see the
-    module doc)."""
+    module doc); with `as_is` (why, for notes), the model run as it is, untraced."""
 
     def __init__(self, model: torch.nn.Module, package: Any, kernels: list[RegionKernel], op_rewrites: list,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, as_is: str | None = None):
         super().__init__()
         self.model = model
         self.package = package
@@ -248,6 +257,10 @@ class OptimizedModel(torch.nn.Module):
         self._to_run_natively: list[types.CodeType] = []
         self._idle: dict[types.CodeType, tuple[int, int]] = {}  # code -> (forward, shapes traced in it with nothing)
         self.replayed: list[Replayed] = []  # with cuda_graphs, one per traced graph
+        if as_is:
+            self.notes.append(as_is)
+            self.__dict__["_compiled"] = model
+            return
         backend = graph_mod.aten_backend(self._compile_graph, self.notes, self._replayed if cuda_graphs else None)
         self.__dict__["_compiled"] = torch.compile(model, backend=backend, dynamic=False)  # not a submodule
 
@@ -326,16 +339,42 @@ class OptimizedModel(torch.nn.Module):
                 "notes": list(self.notes)}
 
 
+_said: set[tuple[str, bool]] = set()  # (package, cuda_graphs) whose model verdict optimize() has reported
+
+
+def _slower_than_eager(package: Any, cuda_graphs: bool) -> str | None:
+    """Why kforge.optimize runs the model as it is, where the package's model check found it slower
+    than eager in this mode (warned once per package and mode); else None."""
+    check = ((getattr(package, "manifest", None) or {}).get("model_check") or {}).get("optimize") or {}
+    found = check.get("cuda_graphs" if cuda_graphs else "ops")
+    if not found or found["use"] != "eager":
+        return None
+    mode = " with cuda_graphs" if cuda_graphs else ""
+    why = (f"{package.path}: the model check found kforge.optimize{mode} slower than eager "
+           f"({found.get('optimize_us', float('nan')):.1f} µs against {found.get('eager_us', float('nan')):.1f}): "
+           "it runs the model as it is; kforge.optimize(..., use_verdict=False) overrides")
+    if (package.digest, cuda_graphs) not in _said:
+        _said.add((package.digest, cuda_graphs))
+        warnings.warn(why, OptimizeFallbackWarning, stacklevel=3)
+    return why
+
+
 def optimize(model: torch.nn.Module, package: Any, *, ops: bool = True, launcher: Launcher | None = None,
-             cuda_graphs: bool = False) -> OptimizedModel:
+             cuda_graphs: bool = False, use_verdict: bool = True) -> OptimizedModel:
     """`model` with the package's kernels in its traced graphs: its region cards, and with
     `ops` its single-op cards too, each node whose call hits a card's guard given the card's
     custom op (kforge.inductor_rewrites.OpRewrite, the pass kforge.compile runs). Nothing is installed:
     eager calls outside the optimized model are untouched. `launcher` defaults to the
     package's kernels loaded on the current device (tests pass a CPU stand-in). With
     `cuda_graphs`, each graph is replayed from a CUDA graph (kforge.replay says when that is
-    safe and what each call checks; a graph it cannot hold runs op by op, with a note)."""
+    safe and what each call checks; a graph it cannot hold runs op by op, with a note). Where the
+    package's model check found this mode slower than eager, the model runs as it is (said once;
+    `use_verdict=False` ignores the check)."""
     from .inductor import _rewrites
+
+    as_is = _slower_than_eager(package, cuda_graphs) if use_verdict else None
+    if as_is:
+        return OptimizedModel(model, package, [], [], as_is=as_is)
 
     if launcher is None and any(c.dispatched for c in package.cards):
         launcher = package.launcher()

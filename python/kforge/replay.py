@@ -2,7 +2,7 @@
 
 A graph's forward launched op by op pays the host's time for every call; replayed from a CUDA
 graph it pays one launch. `Replayed` wraps the callable dynamo calls for one graph: on its first
-call it captures the callable in a CUDA graph (kforge.modelcheck.graphed: two warm-up calls on
+call it captures the callable in a CUDA graph (graphed() below: two warm-up calls on
 a side stream first, and a forward that synchronizes with the host, or that a graph cannot hold
 otherwise, is found and undone there), then each call replays it.
 
@@ -23,9 +23,13 @@ every output a tensor. Any other graph, and one whose capture fails, runs op by 
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from typing import Any, Callable
 
 import torch
+
+from . import timing
 
 
 class Replayed:
@@ -55,8 +59,6 @@ class Replayed:
         return False
 
     def _capture(self, inputs: tuple) -> bool:
-        from .modelcheck import GraphUnsupported, _first_line, graphed
-
         if not self.pure:
             return self._refuse("it writes its inputs, or is not an inference graph (run under torch.no_grad "
                                 "or torch.inference_mode)")
@@ -92,3 +94,92 @@ class Replayed:
         outputs, self.kind = list(held[0]), type(held[0])
         self.graph, self.outputs, self._args = graph, outputs, args  # the graph reads args' memory
         return True
+
+
+def graphed(fn) -> "torch.cuda.CUDAGraph":
+    """`fn` captured in a CUDA graph, after two warm-up calls on a side stream (as
+    torch.cuda.graph wants). The caller keeps whatever `fn` reads alive while the graph is.
+
+    A forward a graph cannot hold raises, and leaves the process as it found it. One that
+    reads a value back on the host (.item(), .cpu(), nonzero) is found in the second warm-up
+    call, run with torch's sync debug mode at "error", before any capture starts. Any other
+    failed capture is undone: torch leaves the capture stream current, the CUDA generator
+    in capture mode (every later random op on the device raises) and the allocator routing
+    to the graph's pool, and this puts all three back."""
+    dev = torch.cuda.current_device()  # check_model makes the model's device current
+    stream = torch.cuda.current_stream(dev)
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(stream)
+    try:
+        with torch.cuda.stream(side):
+            fn()
+            mode = torch.cuda.get_sync_debug_mode()
+            try:
+                _sync_debug_mode("error")
+                fn()
+            except RuntimeError as e:
+                if "synchroniz" not in str(e):
+                    raise  # another failure (out of memory, a CUDA error): not this check's to name
+                raise GraphUnsupported(f"the forward synchronizes with the host, which a CUDA graph cannot hold "
+                                       f"({_first_line(e)})") from e
+            finally:
+                _sync_debug_mode(mode)
+    finally:
+        stream.wait_stream(side)  # later work on the stream waits for the warm-up, however it ended
+    gen = torch.cuda.default_generators[dev]
+    rng = gen.clone_state()
+    pool = torch.cuda.graph_pool_handle()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            fn()
+    except BaseException:
+        torch.cuda.set_stream(stream)
+        with contextlib.suppress(Exception):
+            gen.graphsafe_set_state(rng)  # a fresh state, not in capture mode, at the offset before capture
+        with contextlib.suppress(Exception):
+            torch._C._cuda_endAllocateToPool(dev, pool)
+            torch._C._cuda_releasePool(dev, pool)
+        raise
+    return graph
+
+
+def _sync_debug_mode(mode) -> None:
+    """torch.cuda.set_sync_debug_mode without its "prototype feature" warning (a warning
+    filter set to "error", as under pytest, would raise it after the mode is set)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.cuda.set_sync_debug_mode(mode)
+
+
+class GraphUnsupported(RuntimeError):
+    """The forward does something a CUDA graph cannot hold; found before any capture."""
+
+
+def _first_line(e: BaseException) -> str:
+    """The first line of the exception that started it all (torch.cuda.graph raises its own
+    "capture failed" on top of the forward's error)."""
+    for _ in range(8):
+        inner = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+        if inner is None:
+            break
+        e = inner
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:200] if lines else ''}"
+
+
+def time_graphs(forward, package, *, calls: int, rounds: int, device=None,
+                **install_options: Any) -> list[timing.Measurement]:
+    """`forward` replayed from a CUDA graph eager and one captured with `package` installed,
+    timed interleaved as time_as_called does: [eager, package]. The package stays installed
+    while its graph exists (the graph launches its kernels, which live as long as the
+    install). Raises what capture raises for a forward a graph cannot hold."""
+    eager = graphed(forward)
+    with package.apply(**install_options):
+        packaged = graphed(forward)
+        try:
+            return timing.time_as_called([(contextlib.nullcontext, eager.replay),
+                                          (contextlib.nullcontext, packaged.replay)],
+                                         calls=calls, rounds=rounds, device=device)
+        finally:
+            del packaged  # before the uninstall unloads the kernels it launches

@@ -18,7 +18,8 @@ from test_package import build_run, result
 
 from kforge.candidate import Candidate, LaunchPlan
 from kforge.dispatch import Dispatcher
-from kforge.modelcheck import GraphUnsupported, check_model, graphed
+from kforge.modelcheck import check_model
+from kforge.replay import GraphUnsupported, graphed
 from kforge.package import load, write_package
 
 pytestmark = pytest.mark.gpu
