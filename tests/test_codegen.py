@@ -572,8 +572,12 @@ def test_templates_stay_first_and_the_generator_adds_its_algorithms():
 
     first = BuiltinProposer().propose(ctx(card)).candidate
     assert first.knobs["algo"] == "flat"  # the template's default
-    seen = {BuiltinProposer().propose(ctx(card, parent=_tried(first), seed=s)).candidate.knobs["algo"] for s in range(40)}
-    assert "gen_flat" in seen
+    second = BuiltinProposer().propose(ctx(card, parent=_tried(first), tried=[first.digest()])).candidate
+    assert second.knobs == generated.default(card, H200)  # then the generator's, before any neighbour
+    both = [first.digest(), second.digest()]
+    seen = {BuiltinProposer().propose(ctx(card, parent=_tried(first), tried=both, seed=s)).candidate.knobs["algo"]
+            for s in range(40)}
+    assert seen == {"flat", "gen_flat"}
 
 
 def _tried(cand):
