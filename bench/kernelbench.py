@@ -158,27 +158,27 @@ def fit(problem: Problem, max_bytes: float) -> Problem:
     if tied:
         problem.notes.append(f"{', '.join(tied)} equal to {knob} and scaled with it (the model needs them equal)")
     if size > max_bytes:
-        size = _fit_channels(problem, max_bytes)
+        size = _fit_channels(problem, max_bytes, size)
     if size > max_bytes:
         problem.notes.append(f"still {size / 1e6:.0f} MB at {knob}=1: skipped")
         problem.scale = 0.0
     return problem
 
 
-def _fit_channels(problem: Problem, max_bytes: float) -> int:
-    """At batch 1, halve a `channels` global too (the 3-D and large 2-D poolings), where the
-    model still runs with fewer; the inputs' bytes afterwards."""
+def _fit_channels(problem: Problem, max_bytes: float, size: int) -> int:
+    """At batch 1 (the inputs `size` bytes), halve a `channels` global too (the 3-D and large 2-D
+    poolings), where the model still runs with fewer; the inputs' bytes afterwards."""
     g = problem.module.__dict__
-    size = _bytes(_input_meta(problem))
-    if not isinstance(g.get("channels"), int) or isinstance(g.get("channels"), bool):
+    original = g.get("channels")
+    if not isinstance(original, int) or isinstance(original, bool):
         return size
-    original = g["channels"]
+    before = size
     while size > max_bytes and g["channels"] > 1:
         g["channels"] //= 2
         size = _bytes(_input_meta(problem))
     if g["channels"] == original or not _runs(problem):
         g["channels"] = original
-        return _bytes(_input_meta(problem))
+        return before
     problem.scale *= g["channels"] / original
     problem.notes.append(f"channels {original} -> {g['channels']} as well")
     return size

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import json
 import random
 import sys
@@ -30,7 +29,7 @@ from kforge import timing  # noqa: E402
 from kforge.cards import faithful_clone  # noqa: E402
 from kforge.errors import KforgeError  # noqa: E402
 from kforge.hardware import current  # noqa: E402
-from kforge.proposers.builtin import generated  # noqa: E402
+from kforge.proposers.builtin import generated, space  # noqa: E402
 
 KB = (64, 393216)  # level 1's elementwise problems at batch 64 (100 MB of fp32)
 CASES = {
@@ -47,11 +46,7 @@ def grid(card, hw, most: int, rng: random.Random) -> list[dict]:
     """The default first, then up to `most` - 1 other settings drawn from the knob spaces, those
     at the default's vector width first."""
     first = generated.default(card, hw)
-    every = []
-    for sp in generated.spaces(card, hw):
-        names = list(sp)
-        every += [dict(zip(names, vals)) for vals in itertools.product(*(sp[n] for n in names))]
-    every = [k for k in every if k != first]
+    every = [k for sp in generated.spaces(card, hw) for k in space.configs(sp) if k != first]
     rng.shuffle(every)
     every.sort(key=lambda k: k.get("vec") != first.get("vec"))  # the default's vector width first
     return [first] + every[:most - 1]

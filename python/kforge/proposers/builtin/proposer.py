@@ -31,6 +31,7 @@ class BuiltinProposer(Proposer):
 
     def __init__(self, templates: tuple[Template, ...] = TEMPLATES):
         self.templates = templates
+        self._defaults: dict[tuple, list[Proposal]] = {}  # (card id, hardware) -> each template's default, built once
 
     def _templates(self, card: Card, hw) -> tuple[list[Template], list[KnobSpace]]:
         ok, why = self.supports(card)
@@ -60,11 +61,14 @@ class BuiltinProposer(Proposer):
         # short search measures each algorithm family's best guess. On the H200, KernelBench's
         # mean over dim 1 of 2x4096x4095 ran 56 us in the mean template's default against eager's
         # 55, and the generator's default, never reached in 4 candidates, is sum's 45 us kernel.
-        for f in found:
-            proposal = self._build(ctx, f.default(ctx.card, ctx.hardware))
+        key = (ctx.card.id, ctx.hardware)
+        if key not in self._defaults:
+            self._defaults[key] = [self._build(ctx, f.default(ctx.card, ctx.hardware)) for f in found]
+        defaults = self._defaults[key]
+        for proposal in defaults:
             if proposal.candidate.digest() not in ctx.tried_digests:
                 return proposal
-        origin = found[0].default(ctx.card, ctx.hardware) if ctx.parent is None else ctx.parent.candidate.knobs
+        origin = defaults[0].candidate.knobs if ctx.parent is None else ctx.parent.candidate.knobs
         failed = [t.candidate.knobs for t in ctx.sibling_failures]
         pool = [k for s in spaces for k in space.configs(s)
                 if k != origin and not any(space.repeats_failure(origin, k, f) for f in failed)]
