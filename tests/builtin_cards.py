@@ -34,6 +34,9 @@ def make_card(op: torch._ops.OpOverload, *args, align: int = 16, **kwargs) -> Ca
         written = a.alias_info is not None and a.alias_info.is_write
         if isinstance(v, torch.Tensor):
             specs.append(ArgSpec(a.name, "tensor", a.kwarg_only, tensor=_cuda(v, align), written=written))
+        elif isinstance(v, (list, tuple)) and v and all(isinstance(t, torch.Tensor) or t is None for t in v):
+            specs.append(ArgSpec(a.name, "tensors", a.kwarg_only, tensors=[None if t is None else _cuda(t, align)
+                                                                           for t in v], written=written))
         else:
             specs.append(ArgSpec(a.name, "value", a.kwarg_only, value=encode_value(v)))
     result = op(*args, **kwargs)

@@ -108,6 +108,30 @@ class LinearGelu(nn.Module):
         return F.gelu(self.lin(x))
 
 
+def rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class FullRotary(nn.Module):
+    """transformers' rotary embedding whole: the angles are cat(freqs, freqs), rotate_half is
+    cat(-x2, x1), and the queries and keys have different head counts (GQA). The cats cut the
+    last dim into two slabs, each a kernel per output shape: four kernels, one launch plan."""
+
+    def forward(self, inv_freq, pos, q, k):
+        freqs = (inv_freq[None, :, None].float() @ pos[:, None, :].float()).transpose(1, 2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(q.dtype).unsqueeze(1), emb.sin().to(q.dtype).unsqueeze(1)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+class CatOfActivations(nn.Module):
+    """A cat of two pointwise values along a middle dim, then more pointwise work."""
+
+    def forward(self, a, b):
+        return torch.cat((torch.sigmoid(a), b * 2), dim=1).relu()
+
+
 def region_card(tmp_path, model, *inputs, ops=None):
     """The one region card of a CPU capture (with `ops`: the one of those ops), retargeted to an H200."""
     with torch.no_grad():
@@ -134,6 +158,11 @@ CASES = {
                                                         torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8),
                                                         torch.randn(2, 2, 16, 8), torch.randn(8, 8)),
                                      ["mul", "mul", "add", "mul", "mul", "add"]),
+    "rotary_whole_with_its_cats": (FullRotary, lambda: (torch.randn(4), torch.arange(16)[None], torch.randn(1, 4, 16, 8),
+                                                        torch.randn(1, 2, 16, 8)),
+                                   ["cat", "cos", "sin", "mul", "neg", "cat", "mul", "add", "mul", "neg", "cat", "mul", "add"]),
+    "cat_along_a_middle_dim": (CatOfActivations, lambda: (torch.randn(4, 3, 8), torch.randn(4, 5, 8)),
+                               ["sigmoid", "mul", "cat", "relu"]),
 }
 
 

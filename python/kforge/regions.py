@@ -4,7 +4,8 @@ Two kinds of candidates, found independently (they may overlap; the packager pic
 
   fused      connected chains of pointwise, reduction, normalization and pooling nodes, with
              the views between them, whose intermediates are used only inside the region.
-             A region ends at vendor ops (mm/addmm/conv/attention), `other` ops, graph inputs
+             A region ends at vendor ops (mm/addmm/conv/attention), `other` ops but cat
+             (the generator cuts a cat into slabs of pointwise work), graph inputs
              and outputs, and at any value that is also used outside it (a multi-use value
              is a region output, never an intermediate). At most one reduction level: no
              reduction (sum, mean, softmax, layer/group norm, pooling) may depend on another
@@ -116,7 +117,7 @@ def role(n: fx.Node) -> str | None:
         return "vendor" if name in EPILOGUE_VENDOR else None
     if family in ("reduction", "pooling") or (family == "normalization" and name not in PER_CHANNEL):
         return "reduce"
-    if family in ("pointwise", "normalization"):
+    if family in ("pointwise", "normalization") or name == "cat":  # a cat: slabs of pointwise work (codegen/concat.py)
         return "compute"
     return None
 

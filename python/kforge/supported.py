@@ -12,7 +12,7 @@ from __future__ import annotations
 
 
 def markdown() -> str:
-    from .codegen import ops, reductions
+    from .codegen import concat, ops, reductions
     from .proposers.builtin import TEMPLATES
 
     lines = ["# Supported ops", "",
@@ -35,10 +35,12 @@ def markdown() -> str:
               + ", ".join(f"`{n}`" for n in sorted(reductions.WINDOW_OPS)),
               "- **Normalizations** (one kernel, or two passes for few long rows): "
               + ", ".join(f"`{n}`" for n in sorted(reductions.NORM_OPS)),
+              f"- **Concatenation**: `cat`, alone or in pointwise work (one kernel per slab of the output, at most"
+              f" {concat.MAX_SLABS})",
               "- **Fused regions** (`--regions`): chains of the ops above with at most one reduction or",
               "  normalization (its prologue and an epilogue over every element: a mask add and casts around",
               "  softmax, a residual add into a norm, an activation after it), views of the region's inputs",
-              "  folded in, reshapes of computed values after a normalization.", "",
+              "  folded in, reshapes of computed values after a normalization, cats in the pointwise work.", "",
               "## Pointwise ops the generator declines", "", "| op | why |", "| --- | --- |"]
     lines += [f"| `{n}` | {why} |" for n, why in sorted(ops.DECLINED.items())]
     return "\n".join(lines) + "\n"

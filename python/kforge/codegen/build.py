@@ -377,15 +377,25 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
             out_strides.append(st)
     if any(s < 0 for st in list(in_strides.values()) + out_strides for s in st):
         return "negative strides are not generated"
-    for m in live:
-        if m.span() != m.numel:
-            return "an output is not dense (it overlaps or has gaps)"
+    if any(_overlaps(m) for m in live):  # gaps are fine: a slab of a cat's output has them
+        return "an output overlaps itself (an expanded view): not generated"
     reduction = Reduction(reductions.REDUCTIONS[red.kind], red.operand, red.dims) if red is not None else None
     if reduction is not None and not red.dims:
         return "a reduction over no dims"
     scan_ = Scan(reductions.REDUCTIONS[scan.kind], scan.operand, scan.dim) if scan is not None else None
     return Program(domain, inputs, list(out_metas), in_strides, out_strides, results, reduction, dict(aliases),
                    scan_, sources=None if sources == list(range(len(inputs))) else sources)
+
+
+def _overlaps(m: TensorMeta) -> bool:
+    """Two indices of `m` name one element: some dim's stride is less than the extent of the
+    dims inside it."""
+    extent = 1
+    for size, st in sorted(((sz, abs(st)) for sz, st in zip(m.shape, m.stride) if sz > 1), key=lambda d: d[1]):
+        if st < extent:
+            return True
+        extent = st * size
+    return False
 
 
 def results_of(values, outputs: list[Ref]) -> list[Expr]:

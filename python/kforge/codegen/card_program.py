@@ -11,6 +11,7 @@ from ..errors import CardError
 from ..families import family_of, packet_name
 from ..subgraph import Node as SubNode
 from ..subgraph import is_ref
+from . import concat
 from .build import DIFFERENT_SHAPES, from_nodes
 from .ir import Node, Program, Ref
 from .views import lead_stripped
@@ -116,11 +117,45 @@ def program_for_card(card: Card) -> Program | str:
         if isinstance(conv, str):
             return conv
         nodes, inputs, sources, refs = conv
-        prog = from_nodes(nodes, inputs, refs, list(card.outputs), card.aliases, sources)
-        return _by_shape(nodes, inputs, refs, list(card.outputs), card.aliases, sources) if prog == DIFFERENT_SHAPES else prog
-    node = node_of_card(card)
-    refs = [Ref("node", 0, k) for k in range(len(card.outputs))]
-    return from_nodes([node], card.inputs, refs, list(card.outputs), card.aliases)
+    else:
+        nodes, inputs, sources = [node_of_card(card)], list(card.inputs), list(range(len(card.inputs)))
+        refs = [Ref("node", 0, k) for k in range(len(card.outputs))]
+    if any(concat.is_cat(n.op) for n in nodes):
+        return _slabbed(nodes, inputs, sources, refs, list(card.outputs), card.aliases)
+    return _built(nodes, inputs, sources, refs, list(card.outputs), card.aliases)
+
+
+def _built(nodes: list[Node], inputs: list[TensorMeta], sources: list[int], refs: list[Ref],
+           out_metas: list[TensorMeta], aliases: dict[int, int]) -> Program | str:
+    prog = from_nodes(nodes, inputs, refs, out_metas, aliases, sources)
+    return _by_shape(nodes, inputs, refs, out_metas, aliases, sources) if prog == DIFFERENT_SHAPES else prog
+
+
+def _slabbed(nodes: list[Node], inputs: list[TensorMeta], sources: list[int], refs: list[Ref],
+             out_metas: list[TensorMeta], aliases: dict[int, int]) -> Program | str:
+    """Work that reads cats as one pointwise program per slab of the outputs (concat.py), the
+    parts of one launch plan."""
+    cut = concat.slabs(nodes, inputs, refs, out_metas, aliases, sources)
+    if isinstance(cut, str):
+        return cut
+    progs: list[Program] = []
+    for sub, sub_inputs, sub_sources, sub_refs, sub_metas, index, offsets in cut:
+        for k, r in enumerate(sub_refs):
+            if r.kind == "in":  # the slab is a piece of the cat as it came in: a copy of it
+                sub.append(Node("aten::clone.default", {"self": r, "memory_format": None}, [sub_metas[k]]))
+                sub_refs[k] = Ref("node", len(sub) - 1, 0)
+        prog = _built(sub, sub_inputs, sub_sources, sub_refs, sub_metas, {})
+        if isinstance(prog, str):
+            return prog
+        for p in [prog, *prog.parts]:
+            if p.reduction is not None or p.scan is not None or p.window is not None:
+                return "a cat beside a reduction: cats are generated in pointwise work only"
+            local = p.out_index or list(range(len(p.outputs)))
+            p.out_index, p.out_offsets = [index[j] for j in local], [offsets[j] for j in local]
+            progs.append(p)
+        prog.parts = []
+    progs[0].parts, progs[0].card_outputs = progs[1:], out_metas
+    return progs[0]
 
 
 def _by_shape(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], out_metas: list[TensorMeta],

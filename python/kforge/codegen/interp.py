@@ -152,6 +152,13 @@ def run(prog: Program, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     (a program with parts: every part's outputs too)."""
     if prog.out_index is None and not prog.parts:
         return _run(prog, inputs)
+    if prog.card_outputs is not None:  # slabs: each part writes its slab of the card outputs
+        full = [torch.empty_strided(tuple(m.shape), tuple(m.stride), dtype=_T[m.dtype]) for m in prog.card_outputs]
+        for p in [prog, *prog.parts]:
+            for j, t in enumerate(_run(p, inputs)):
+                m, out = p.outputs[j], full[p.card_output(j)]
+                torch.as_strided(out, tuple(m.shape), tuple(m.stride), p.out_offset(j)).copy_(t)
+        return [t.contiguous() for t in full]
     got: dict[int, torch.Tensor] = {}
     for p in [prog, *prog.parts]:
         got.update((p.card_output(j), t) for j, t in enumerate(_run(p, inputs)))

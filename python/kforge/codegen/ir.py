@@ -283,13 +283,22 @@ class Program:
     # A pointwise region whose outputs have different shapes (rotary embeddings: q, k and the
     # cos and sin they return) is one program per shape, each a kernel of one launch plan: the
     # first is this program, the rest its `parts`; `out_index[j]` is the card output that
-    # output j is (None: output j is the card's output j).
+    # output j is (None: output j is the card's output j). A cat cut into slabs (concat.py)
+    # is one part per slab, each writing its slab of the card outputs: `out_offsets[j]` is
+    # where output j starts, in elements past the card output's pointer (None: at it), and
+    # the first program's `card_outputs` are the card's output TensorMetas the slabs make up.
     out_index: list[int] | None = None
     parts: list["Program"] = field(default_factory=list)
+    out_offsets: list[int] | None = None
+    card_outputs: list | None = None
 
     def card_output(self, j: int) -> int:
         """The card output (launch-plan {"out": n}) that output j is."""
         return j if self.out_index is None else self.out_index[j]
+
+    def out_offset(self, j: int) -> int:
+        """Elements past the card output's pointer where output j starts (a slab of it)."""
+        return 0 if self.out_offsets is None else self.out_offsets[j]
 
     def source(self, i: int) -> int:
         """The launch-plan input ({"in": n}) that program input i reads."""

@@ -227,7 +227,7 @@ def _pointers(prog: Program) -> tuple[list[str], list[dict], dict[int, str]]:
 
 
 def _index_type(prog: Program, extra: int = 0) -> str:
-    spans = [m.span() for m in prog.outputs] + [prog.inputs[i].span() + prog.offset(i) for i in prog.in_strides]
+    spans = [m.span() + prog.out_offset(j) for j, m in enumerate(prog.outputs)] + [prog.inputs[i].span() + prog.offset(i) for i in prog.in_strides]
     big = max(spans + [math.prod(prog.domain) if prog.domain else 1]) + extra >= 2**31 - 2**20
     return "kf_i64" if big else "int"
 

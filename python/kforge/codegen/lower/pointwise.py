@@ -19,7 +19,13 @@ def pointwise_layout(prog: Program):
 
 
 def pointwise_vecs(prog: Program) -> tuple[int, ...]:
-    """Legal vector widths (elements) along the inner coalesced dim, narrowest first."""
+    """Vector widths (elements) along the inner coalesced dim legal in some kernel of the plan
+    (a program and its parts), narrowest first: each kernel runs at the widest it allows up to
+    the knob's (_vecs)."""
+    return tuple(sorted(set().union(*(_vecs(p) for p in [prog, *prog.parts]))))
+
+
+def _vecs(prog: Program) -> tuple[int, ...]:
     sizes, strides = pointwise_layout(prog)
     metas = list(prog.outputs) + [prog.inputs[i] for i in sorted(prog.in_strides)]
     out = []
@@ -34,15 +40,14 @@ def pointwise_vecs(prog: Program) -> tuple[int, ...]:
 
 
 def lower_pointwise(prog: Program, knobs: dict, sm_count: int) -> Built:
-    """One kernel, kf_gen; a program with parts (one per output shape) adds one kernel per
-    part, kf_gen_p1, ..., each in a namespace of its own and at the widest vector width it
-    allows up to the knob's."""
-    src, launch = _kernel(prog, knobs, sm_count, "kf_gen")
-    bodies, launches = [src], [launch]
-    for n, part in enumerate(prog.parts, 1):
-        vec = max(w for w in pointwise_vecs(part) if w <= knobs["vec"])
-        src, launch = _kernel(part, {**knobs, "vec": vec}, sm_count, f"kf_gen_p{n}")
-        bodies.append(f"namespace kf_p{n} {{\n{src}\n}}")
+    """One kernel, kf_gen; a program with parts (one per output shape, or per slab of a cat)
+    adds one kernel per part, kf_gen_p1, ..., each in a namespace of its own; every kernel runs
+    at the widest vector width it allows up to the knob's."""
+    bodies, launches = [], []
+    for n, part in enumerate([prog, *prog.parts]):
+        vec = max(w for w in _vecs(part) if w <= knobs["vec"])
+        src, launch = _kernel(part, {**knobs, "vec": vec}, sm_count, f"kf_gen_p{n}" if n else "kf_gen")
+        bodies.append(f"namespace kf_p{n} {{\n{src}\n}}" if n else src)
         launches.append(launch)
     return Built(_header("\n".join(bodies)), launches, [])
 
@@ -96,6 +101,7 @@ def _kernel(prog: Program, knobs: dict, sm_count: int, name: str) -> tuple[str, 
         f"constexpr int NT = {nt}; constexpr int V = {v}; constexpr int IT = {it}; constexpr kf_idx NV = {nv};",
         f'extern "C" __global__ void __launch_bounds__(NT) {name}({", ".join(params)}) {{',
         *hoist,
+        *[f"  out{j} += {prog.out_offset(j)};" for j in range(no) if prog.out_offset(j)],
         "  for (kf_idx base = (kf_idx)blockIdx.x * (NT * IT) + threadIdx.x; base < NV;"
         " base += (kf_idx)gridDim.x * (NT * IT)) {",
         f"    kf_idx off[IT][{len(strides)}];",

@@ -1,0 +1,200 @@
+"""Concatenation in generated kernels: pointwise work that reads aten::cat values, as one
+program per slab of the output along the concatenated dim.
+
+A cat's output is, slab by slab, one of its pieces: cutting the output along the cat dim at
+every piece boundary (of every cat, when several concatenate along the same dim), each slab
+reads exactly one piece of each cat, so the slab's program has no cat in it. A slab of a
+value is that value's nodes over the slab, their inputs narrowed to it (a narrowed input is a
+view at an offset, read in place); a cat in a slab is the piece the slab falls in, narrowed.
+The slabs' programs are the parts of one launch plan (ir.Program.parts), each writing its
+slab of the outputs at an offset (ir.Program.out_offsets). Rotary embeddings are the case
+that matters: rotate_half is cat(-x2, x1), and the angles are cat(freqs, freqs).
+
+The concatenated dim is counted from the right (pointwise values broadcast right-aligned),
+and every value between a cat and the outputs keeps it there: what moves it (a permute of
+it, a view that regroups it) is declined, as are cats of cats and cats beside a reduction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..cards import TensorMeta, pointer_alignment
+from ..families import family_of, packet_name
+from .ir import Node, Ref
+from .views import Decline
+
+MAX_SLABS = 16  # a cat of many pieces is many small kernels: not worth generating
+
+
+def is_cat(op: str) -> bool:
+    return op.removeprefix("aten::").partition(".")[0] == "cat"
+
+
+def slabs(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], out_metas: list[TensorMeta],
+          aliases: dict[int, int], sources: list[int]) -> list[tuple] | str:
+    """Per slab: (nodes, inputs, sources, outputs, out_metas, out_index, out_offsets), the builder's
+    arguments for that slab of the outputs, or why the cats cannot be cut into slabs."""
+    if aliases:
+        return "a cat in a region that writes its inputs: not generated"
+    try:
+        return _Slabs(nodes, inputs, sources).cut(outputs, out_metas)
+    except Decline as d:
+        return str(d)
+
+
+def _size(m: TensorMeta, r: int) -> int:
+    """Size along the dim r from the right (1 where the tensor has no such dim: it broadcasts)."""
+    return m.shape[len(m.shape) + r] if len(m.shape) + r >= 0 else 1
+
+
+def _narrow(m: TensorMeta, r: int, lo: int, hi: int) -> TensorMeta:
+    d = len(m.shape) + r
+    shape = m.shape[:d] + (hi - lo,) + m.shape[d + 1:]
+    moved = lo * m.stride[d]
+    align = m.align if not moved else min(m.align, pointer_alignment(moved * m.itemsize))
+    return replace(m, shape=shape, storage_offset=m.storage_offset + moved, align=align)
+
+
+class _Slabs:
+    def __init__(self, nodes: list[Node], inputs: list[TensorMeta], sources: list[int]):
+        self.nodes, self.inputs, self.sources = nodes, inputs, sources
+        cats = [n for n in nodes if is_cat(n.op)]
+        dims = set()
+        for n in cats:
+            nd = len(n.metas[0].shape)
+            if nd == 0:
+                raise Decline("a cat of 0-dim tensors")
+            dims.add(n.args["dim"] % nd - nd)
+        if len(dims) != 1:
+            raise Decline("cats along different dims: one dim is cut into slabs")
+        self.r = dims.pop()
+        sizes = {_size(n.metas[0], self.r) for n in cats}
+        if len(sizes) != 1:
+            raise Decline("cats of different sizes along their dim: one size is cut into slabs")
+        self.n = sizes.pop()
+        cuts = {0, self.n}
+        for n in cats:
+            start = 0
+            for ref in n.args["tensors"]:
+                if not isinstance(ref, Ref):
+                    raise Decline("a cat of a tensor the region does not compute or read")
+                start += self._value_size(ref)
+                cuts.add(start)
+            if start != self.n:
+                raise Decline("a cat whose pieces do not add up to its size (a legacy empty piece)")
+        self.cuts = sorted(cuts)
+        if len(self.cuts) - 1 > MAX_SLABS:
+            raise Decline(f"a cat cut into {len(self.cuts) - 1} slabs: at most {MAX_SLABS} are generated")
+        for n in nodes:
+            if family_of(n.op) not in ("pointwise", "view") and not is_cat(n.op):
+                raise Decline(f"a cat beside {packet_name(n.op)}: cats are generated in pointwise work only")
+
+    def _meta(self, ref: Ref) -> TensorMeta:
+        return self.inputs[ref.index] if ref.kind == "in" else self.nodes[ref.index].metas[ref.output]
+
+    def _value_size(self, ref: Ref) -> int:
+        return _size(self._meta(ref), self.r)
+
+    def cut(self, outputs: list[Ref], out_metas: list[TensorMeta]) -> list[tuple]:
+        for m in out_metas:
+            if _size(m, self.r) not in (1, self.n):
+                raise Decline(f"an output of shape {m.shape} does not span the cat's dim")
+        out = []
+        for k, (lo, hi) in enumerate(zip(self.cuts, self.cuts[1:])):
+            self.new_nodes: list[Node] = []
+            self.new_inputs, self.new_sources = list(self.inputs), list(self.sources)
+            self.memo: dict[tuple, Ref] = {}
+            refs, metas, index, offsets = [], [], [], []
+            for j, (ref, m) in enumerate(zip(outputs, out_metas)):
+                whole = _size(m, self.r) == 1  # does not vary along the dim: the first slab writes it
+                if whole and k:
+                    continue
+                refs.append(self.ref(ref, 0, 1) if whole else self.ref(ref, lo, hi))
+                nm = m if whole else _narrow(m, self.r, lo, hi)
+                metas.append(nm)
+                index.append(j)
+                offsets.append(nm.storage_offset - m.storage_offset)
+            out.append((self.new_nodes, self.new_inputs, self.new_sources, refs, metas, index, offsets))
+        return out
+
+    def ref(self, ref: Ref, lo: int, hi: int) -> Ref:
+        """`ref`'s value over [lo, hi) of its extent along the dim, as a ref among the slab's nodes."""
+        size = self._value_size(ref)
+        if size == 1:
+            lo, hi = 0, 1  # broadcast along the dim: the whole value
+        if not 0 <= lo < hi <= size:
+            raise Decline("a value read across a cat's piece boundary")
+        key = (ref, lo, hi)
+        if key in self.memo:
+            return self.memo[key]
+        if ref.kind == "in":
+            if (lo, hi) == (0, size):
+                made = ref
+            else:
+                self.new_inputs.append(_narrow(self.inputs[ref.index], self.r, lo, hi))
+                self.new_sources.append(self.sources[ref.index])
+                made = Ref("in", len(self.new_inputs) - 1)
+        else:
+            made = self._node(ref, lo, hi)
+        self.memo[key] = made
+        return made
+
+    def _node(self, ref: Ref, lo: int, hi: int) -> Ref:
+        n = self.nodes[ref.index]
+        if is_cat(n.op):
+            start = 0
+            for piece in n.args["tensors"]:
+                size = self._value_size(piece)
+                if start <= lo and hi <= start + size:
+                    return self.ref(piece, lo - start, hi - start)
+                start += size
+            raise Decline("a value read across a cat's piece boundary")
+        full = (lo, hi) == (0, self._value_size(ref))
+        args = {}
+        for name, v in n.args.items():
+            if isinstance(v, Ref):
+                if full:  # the whole value: its operands whole too
+                    args[name] = self.ref(v, 0, self._value_size(v))
+                else:
+                    args[name] = self.ref(v, lo, hi) if self._value_size(v) == 1 else self._arg(n, v, lo, hi)
+            elif isinstance(v, list) and any(isinstance(x, Ref) for x in v):
+                raise Decline(f"{packet_name(n.op)}: tensor-list arguments are not generated")
+            else:
+                args[name] = v
+        metas = list(n.metas)
+        if not full:
+            if family_of(n.op) == "view":
+                args = self._view_args(n, args, hi - lo)
+            metas = [_narrow(m, self.r, lo, hi) if _size(m, self.r) == _size(n.metas[0], self.r) else m
+                     for m in metas]
+        self.new_nodes.append(Node(n.op, args, metas))
+        return Ref("node", len(self.new_nodes) - 1, ref.output)
+
+    def _arg(self, n: Node, v: Ref, lo: int, hi: int) -> Ref:
+        if self._value_size(v) != _size(n.metas[0], self.r):
+            raise Decline(f"{packet_name(n.op)} changes the size along the cat's dim: not generated")
+        return self.ref(v, lo, hi)
+
+    def _view_args(self, n: Node, args: dict, width: int) -> dict:
+        """A view's arguments over a slab: its input's trailing dims from the cat's on stay where
+        they are, and the size argument names the slab's width."""
+        src = n.args.get("self")
+        m_in, m_out = self._meta(src), n.metas[0]
+        r = self.r
+        if len(m_in.shape) + r < 0 or m_in.shape[r:] != m_out.shape[r:]:
+            raise Decline(f"{packet_name(n.op)} moves the cat's dim: not generated")
+        name = packet_name(n.op)
+        if name == "permute":
+            nd = len(m_out.shape)
+            if any(d % nd != p for p, d in enumerate(args["dims"]) if p >= nd + r):
+                raise Decline("a permute of the cat's dim: not generated")
+            return args
+        for key in ("size", "shape"):
+            if key in args:
+                size = list(args[key])
+                size[len(size) + r] = width
+                return {**args, key: size}
+        if name in ("unsqueeze", "squeeze", "alias", "_unsafe_view", "view_as", "expand_as"):
+            return args
+        raise Decline(f"{name} of a value cut into slabs: not generated")
