@@ -64,6 +64,39 @@ def phase_seconds(run_dir: Path, run_id: str) -> dict:
     return {"candidates": len(candidates), "eval_s": round(eval_s, 2), **{k: round(v, 2) for k, v in totals.items()}}
 
 
+PROFILED = ("eager", "kforge.optimize", "torch.compile")
+
+
+def host_side(entries, reps: int = 15, forwards: int = 3) -> dict:
+    """Where a forward's host time goes, per entry: the median time its call takes to return
+    (the GPU idle before it, so nothing queued ahead slows the host or hides it), and for the
+    PROFILED entries the host ops that take longest, by self CPU time per forward
+    (torch.profiler over `forwards` forwards, CPU activity only). A forward slower than its
+    CUDA-graph replay by about its host time is bound by these."""
+    per_forward, top = {}, {}
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for name, ctx, fn in entries:
+        with ctx():
+            fn()
+            times = []
+            for _ in range(reps):
+                sync()
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e6)
+            sync()
+            per_forward[name] = sorted(times)[len(times) // 2]
+            if name in PROFILED:
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                    for _ in range(forwards):
+                        fn()
+                    sync()
+                rows = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:20]
+                top[name] = [{"op": a.key, "calls": a.count / forwards, "self_us": a.self_cpu_time_total / forwards}
+                             for a in rows]
+    return {"per_forward_us": per_forward, "top_ops": top}
+
+
 def fastest(model_us: dict) -> tuple[str, float, str]:
     """(the fastest row, how many times faster than the runner-up, the runner-up)."""
     (best, b), (second, t) = sorted(((k, m["median_us"]) for k, m in model_us.items()), key=lambda kv: kv[1])[:2]
@@ -123,6 +156,7 @@ def main(argv=None) -> None:
     optimize_err = {name: max_rel_err(fn(), ref) for name, _, fn in entries if name.startswith("kforge.optimize")}
     ms = timing.time_as_called([(ctx, fn) for _, ctx, fn in entries], calls=3, rounds=15)
     model_us = {name: m.summary() for (name, _, _), m in zip(entries, ms)}
+    host = host_side(entries)
     # The same forward replayed from CUDA graphs: no host overhead, so what the kernels do in a
     # forward bound by launch overhead (torch.compile's own graphs are the reduce-overhead rows above).
     graph_errors = {}
@@ -156,7 +190,7 @@ def main(argv=None) -> None:
         **provenance(), "model": args.model,
         "iterations": args.iterations, "search_wall_s": wall_s, "run_dir": str(run_dir),
         "dispatched": report["dispatched"], "cards_total": len(result.table),
-        "model_us": model_us, "compile_s": compile_s, "kforge_compile_max_rel_err_vs_eager": compile_err,
+        "model_us": model_us, "host": host, "compile_s": compile_s, "kforge_compile_max_rel_err_vs_eager": compile_err,
         "kforge_compile_speedup_vs_torch_compile": (
             model_us["torch.compile"]["median_us"] / model_us["kforge.compile"]["median_us"] if args.compile else None),
         "kforge_compile_graph_speedup_vs_torch_compile": (
@@ -175,7 +209,11 @@ def main(argv=None) -> None:
     Path(args.out).write_text(json.dumps(out, indent=1, default=str))
     print(f"{args.model}: {len(result.table)} cards, {report['dispatched']} dispatched, search {wall_s:.0f} s")
     for name, m in model_us.items():
-        print(f"  {name:28s} {m['median_us']:10.1f} us  (iqr {m['iqr_us']:.1f})")
+        h = host["per_forward_us"].get(name)
+        print(f"  {name:28s} {m['median_us']:10.1f} us  (iqr {m['iqr_us']:.1f})"
+              + (f", host {h:.0f} us to return" if h is not None else ""))
+    for name, rows in host["top_ops"].items():
+        print(f"  host ops of {name}: " + ", ".join(f"{r['op']} x{r['calls']:g} {r['self_us']:.0f} us" for r in rows[:8]))
     for name, why in graph_errors.items():
         print(f"  {name} not replayed from a CUDA graph: {why[:200]}")
     print(f"  speedup vs eager {out['speedup_vs_eager']:.3f}x, max rel err {err:.2e}")

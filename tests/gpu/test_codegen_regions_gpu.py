@@ -1,8 +1,9 @@
 """Region cards captured on the GPU get generated kernels that the evaluator accepts (fresh
 input sets, poisoned outputs, tolerance from eager's own error, against the subgraph's replay):
 a pointwise chain, views of inputs read in place, a rotary chain with repeat_kv's broadcast of a
-computed value, a GQA rotary chain whose outputs have two shapes (one kernel each), q/k/v
-unbound at three offsets of one tensor, and a reduction with a prologue."""
+computed value, a GQA rotary chain whose outputs have two shapes (one kernel each), the whole
+rotary embedding with its cats (one kernel per slab and shape), a cat of three odd-width pieces,
+q/k/v unbound at three offsets of one tensor, and a reduction with a prologue."""
 
 from __future__ import annotations
 
@@ -72,6 +73,31 @@ class QKVSplit(nn.Module):
         return (q * 0.125).contiguous(), k.contiguous(), v.contiguous()
 
 
+def _rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryWhole(nn.Module):
+    """transformers' rotary embedding from the positions on, bf16, GQA: the angles' outer product,
+    cat(freqs, freqs), cos and sin cast down, rotate_half's cat(-x2, x1) of q and k: two slabs of
+    the last dim, each a kernel per head count."""
+
+    def forward(self, inv_freq, pos, q, k):
+        freqs = (inv_freq[None, :, None].float() @ pos[:, None, :].float()).transpose(1, 2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(q.dtype).unsqueeze(1), emb.sin().to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+class CatOfThree(nn.Module):
+    """A cat alone (a card of its own, and with the sigmoid before it a region), pieces of odd
+    widths along a middle dim."""
+
+    def forward(self, a, b, c):
+        return torch.cat((torch.sigmoid(a), b, c), dim=1)
+
+
 def _gqa_inputs():
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
     q, k = torch.randn(2, 8, 128, 64, **bf16), torch.randn(2, 2, 128, 64, **bf16)
@@ -93,6 +119,13 @@ CASES = {
     "silu_mul": (SiluMul, lambda: (torch.randn(64, 4096, device="cuda"), torch.randn(64, 4096, device="cuda"))),
     "views_of_inputs": (ViewsOfInputs, lambda: (torch.randn(2048, 128, device="cuda"),
                                                 torch.randn(64, 32, device="cuda"))),
+    "rotary_whole_with_cats_bf16": (RotaryWhole, lambda: (
+        1.0 / 10000 ** (torch.arange(0, 64, 2, device="cuda") / 64), torch.arange(128, device="cuda")[None],
+        torch.randn(2, 8, 128, 64, device="cuda", dtype=torch.bfloat16),
+        torch.randn(2, 2, 128, 64, device="cuda", dtype=torch.bfloat16))),
+    "cat_of_three_odd_widths": (CatOfThree, lambda: (torch.randn(16, 3, 1000, device="cuda"),
+                                                     torch.randn(16, 7, 1000, device="cuda").transpose(1, 2).contiguous().transpose(1, 2),
+                                                     torch.randn(16, 5, 1000, device="cuda"))),
     "rstd_bf16": (Rstd, lambda: (torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16),)),
 }
 
@@ -113,3 +146,20 @@ def test_generated_region_kernel_passes_the_evaluator(tmp_path, name):
         for cand in [first] + others:
             res = ev.evaluate(card, cand)
             assert not res.verdict.failed, f"{card.summary()} {cand.knobs}: {res.verdict.value}: {res.message}"
+
+
+def test_a_generated_cat_card_passes_the_evaluator_at_every_vector_width(tmp_path):
+    """The cat call alone: three copies into slabs at element offsets 0, 3000 and 10000 of each
+    row (the second piece strided), each kernel at the widest vector its slab allows."""
+    model, make_inputs = CASES["cat_of_three_odd_widths"]
+    with torch.no_grad():
+        r = capture(model(), make_inputs(), tmp_path)
+    (card,) = [c for c in r.cards if c.op == "aten::cat.default"]
+    hw = current()
+    assert BuiltinProposer().supports(card) == (True, "")
+    (space,) = generated.spaces(card, hw)
+    with make_evaluator(tmp_path, devices=[0], timeout_s=20.0, **FAST) as ev:
+        for vec in space["vec"]:
+            cand = generated.build(card, {**generated.default(card, hw), "vec": vec}, hw)
+            res = ev.evaluate(card, cand)
+            assert not res.verdict.failed, f"vec {vec}: {res.verdict.value}: {res.message}"

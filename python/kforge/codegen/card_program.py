@@ -122,6 +122,8 @@ def program_for_card(card: Card) -> Program | str:
         refs = [Ref("node", 0, k) for k in range(len(card.outputs))]
     if any(concat.is_cat(n.op) for n in nodes):
         return _slabbed(nodes, inputs, sources, refs, list(card.outputs), card.aliases)
+    if card.region is None:  # one op: outputs of different shapes (batch norm's statistics) are declined
+        return from_nodes(nodes, inputs, refs, list(card.outputs), card.aliases)
     return _built(nodes, inputs, sources, refs, list(card.outputs), card.aliases)
 
 
