@@ -54,7 +54,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from . import bindings, layout
+from . import bindings, layout, restride
 from . import graph as graph_mod
 from . import regions as regions_mod
 from .cards import Card
@@ -295,6 +295,7 @@ class OptimizedModel(torch.nn.Module):
             self.graphs.append(None)
             return None  # nothing of the package here: dynamo's graph runs, as eager would
         eager_batch_norms(gm.graph)
+        restride.collapse(gm.graph)
         bindings.retarget(gm)
         gm.recompile()
         self.graphs.append(gm)
