@@ -54,7 +54,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from . import bindings, layout, restride
+from . import bindings, fold, layout, restride
 from . import graph as graph_mod
 from . import regions as regions_mod
 from .cards import Card
@@ -106,6 +106,8 @@ class RegionCall:
     traced; the worker calls it on the card's samples. What a trace cannot see is where the
     inputs lie, so the guard at run time is one compare of the inputs' pointer alignments
     against each card's."""
+
+    reads_only = True  # it writes none of its inputs (kforge.fold may hand it a folded constant)
 
     def __init__(self, subgraph: Subgraph, kernels: list[RegionKernel]):
         self.subgraph = subgraph
@@ -294,6 +296,7 @@ class OptimizedModel(torch.nn.Module):
         if idle:
             self.graphs.append(None)
             return None  # nothing of the package here: dynamo's graph runs, as eager would
+        fold.fold(gm.graph)
         eager_batch_norms(gm.graph)
         restride.collapse(gm.graph)
         bindings.retarget(gm)

@@ -1,0 +1,72 @@
+"""Values a traced graph computes from none of its inputs are computed once (kforge.fold): a
+causal mask and a position range become one call each that returns the same tensor on every
+forward; what could change or be written (random draws, undefined allocations, graph outputs,
+values a reader writes in place, values over the size cap) is left as it is."""
+
+from __future__ import annotations
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kforge import fold
+
+
+def _traced(f, *args):
+    return make_fx(f, tracing_mode="fake")(*args)
+
+
+def _calls(gm) -> list[str]:
+    return [getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func._schema.name.split("::")[-1])
+        return func(*args, **(kwargs or {}))
+
+
+def masked_softmax(x):
+    mask = torch.full((x.shape[-1], x.shape[-1]), float("-inf")).triu(1)
+    pos = torch.arange(x.shape[-1], dtype=torch.float32)
+    return torch.softmax(x + mask, -1) * pos
+
+
+def test_a_causal_mask_and_positions_are_computed_once():
+    x = torch.randn(2, 8, 8)
+    gm = _traced(masked_softmax, x)
+    assert fold.fold(gm.graph) == 2
+    gm.recompile()
+    assert not {"full.default", "triu.default", "arange.start_step", "arange.default"} & set(_calls(gm))
+    torch.testing.assert_close(gm(x), masked_softmax(x), rtol=0, atol=0)
+    want, y = masked_softmax(2 * x), 2 * x
+    with _Ops() as seen:
+        got = gm(y)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not {"full", "triu", "arange"} & set(seen.names), seen.names  # the second forward makes none
+
+
+def test_what_could_change_or_be_written_is_not_folded(monkeypatch):
+    def f(x):
+        noise = torch.rand(4)  # a random draw
+        scratch = torch.empty(4)  # undefined contents
+        out_const = torch.ones(4) * 3  # a graph output: the caller may write it
+        acc = torch.zeros(4)
+        acc.add_(x)  # written in place by its reader
+        return x + noise + scratch.fill_(1), out_const, acc
+
+    gm = _traced(f, torch.randn(4))
+    before = _calls(gm)
+    assert fold.fold(gm.graph) == 0
+    gm.recompile()
+    assert _calls(gm) == before
+
+    monkeypatch.setattr(fold, "MAX_BYTES", 63)  # the mask is 256 bytes, the positions 32
+    gm = _traced(masked_softmax, torch.randn(2, 8, 8))
+    assert fold.fold(gm.graph) == 1
+    gm.recompile()
+    assert "triu.default" in _calls(gm) and "arange.start_step" not in _calls(gm)
