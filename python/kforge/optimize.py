@@ -54,7 +54,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from . import bindings, fold, layout, restride
+from . import bindings, fold, layout, linears, restride
 from . import graph as graph_mod
 from . import regions as regions_mod
 from .cards import Card
@@ -298,6 +298,7 @@ class OptimizedModel(torch.nn.Module):
             return None  # nothing of the package here: dynamo's graph runs, as eager would
         fold.fold(gm.graph)
         eager_batch_norms(gm.graph)
+        linears.recompose(gm.graph)
         restride.collapse(gm.graph)
         bindings.retarget(gm)
         gm.recompile()
