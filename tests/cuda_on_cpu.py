@@ -41,10 +41,6 @@ inline float cyl_bessel_i1f(float x) { return std::copysign(std::cyl_bessel_i(1.
 inline double __longlong_as_double(long long v) { double d; std::memcpy(&d, &v, 8); return d; }
 inline float __int_as_float(int v) { float f; std::memcpy(&f, &v, 4); return f; }
 using std::isnan; using std::isinf; using std::signbit;
-struct uint2 { unsigned x, y; };
-struct uint4 { unsigned x, y, z, w; };
-template <typename T> inline T __ldcs(const T* p) { return *p; }
-template <typename T> inline void __stcs(T* p, T v) { *p = v; }
 """
 
 

@@ -804,26 +804,3 @@ def test_broadcasting_drops_leading_size_1_dims_beyond_the_domain_and_only_those
     assert broadcast_strides(tuple(mask.shape), mask.stride(), (4, 3, 16, 16)) == (256, 0, 16, 1)
     assert broadcast_strides((2, 4, 1, 16, 16), (1024, 256, 256, 16, 1), (4, 3, 16, 16)) is None
     assert broadcast_strides((3, 1), (1, 1), (2, 3, 5)) == (0, 1, 0)
-
-
-@pytest.mark.parametrize("dtype, vec", [(torch.float32, 4), (torch.float32, 1), (torch.int64, 2), (torch.bool, 8),
-                                        (BF16, 8)])
-def test_streaming_accesses_compile_and_compute_what_plain_ones_do(dtype, vec):
-    """Knob cache="stream" (evict-first loads and stores) on every access width: NVRTC compiles it
-    for sm_90 with the hint in the PTX, and on the CPU (g++, fp32/int64/bool) it writes what the
-    plain kernel writes."""
-    import cuda_on_cpu
-
-    card = make_card(A.where.self, meta(4, 96, dtype=torch.bool), meta(4, 96, dtype=dtype), meta(96, dtype=dtype))
-    (space,) = generated.spaces(card, H200)
-    assert space["cache"] == ("keep", "stream") and vec in space["vec"]
-    knobs = {**generated.default(card, H200), "vec": vec, "threads": 64}
-    assert knobs["cache"] == "keep"
-    plain, stream = generated.build(card, knobs, H200), generated.build(card, {**knobs, "cache": "stream"}, H200)
-    body = lambda c: c.source.split('extern "C"', 1)[1]  # noqa: E731 (the kernel, past the prelude)
-    assert "kf_ldcs(" in body(stream) and "kf_stcs(" in body(stream)
-    assert "kf_ldcs(" not in body(plain) and "kf_stcs(" not in body(plain)
-    assert compiler.compile(stream.source, arch="sm_90").cubin and compiler.compile(plain.source, arch="sm_90").cubin
-    if dtype != BF16:
-        inputs = card.random_inputs(0, "cpu")
-        assert torch.equal(cuda_on_cpu.run(card, stream, inputs)[0], cuda_on_cpu.run(card, plain, inputs)[0])

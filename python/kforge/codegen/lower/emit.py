@@ -18,23 +18,6 @@ _PRELUDE = r"""
 typedef long long kf_i64;
 template <typename T> __device__ __forceinline__ T kf_ld(T x) { return x; }
 template <typename T, int V> struct alignas(sizeof(T) * V) kf_vec { T v[V]; };
-// One access of a T (an element or a kf_vec of them): plain, or with the evict-first hint of
-// data touched once (__ldcs/__stcs on the machine word of T's size).
-template <int B> struct kf_word;
-template <> struct kf_word<1> { typedef unsigned char t; };
-template <> struct kf_word<2> { typedef unsigned short t; };
-template <> struct kf_word<4> { typedef unsigned int t; };
-template <> struct kf_word<8> { typedef uint2 t; };
-template <> struct kf_word<16> { typedef uint4 t; };
-template <typename T> __device__ __forceinline__ void kf_copy(T* d, const T* s) { *d = *s; }
-template <typename T> __device__ __forceinline__ void kf_ldcs(T* d, const T* s) {
-  typedef typename kf_word<sizeof(T)>::t W;
-  *reinterpret_cast<W*>(d) = __ldcs(reinterpret_cast<const W*>(s));
-}
-template <typename T> __device__ __forceinline__ void kf_stcs(T* d, const T* s) {
-  typedef typename kf_word<sizeof(T)>::t W;
-  __stcs(reinterpret_cast<W*>(d), *reinterpret_cast<const W*>(s));
-}
 // NaN-propagating, as torch.maximum/minimum: a NaN b fails the comparison and is returned.
 template <typename T> __device__ __forceinline__ T kf_nanmax(T a, T b) { return (a != a || a > b) ? a : b; }
 template <typename T> __device__ __forceinline__ T kf_nanmin(T a, T b) { return (a != a || a < b) ? a : b; }

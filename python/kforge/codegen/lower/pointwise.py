@@ -1,5 +1,5 @@
 """Pointwise lowering (`algo` "flat"): items vectors of vec elements a thread, loads issued
-before any math, plain or streaming (knob `cache`)."""
+before any math."""
 
 from __future__ import annotations
 
@@ -54,9 +54,6 @@ def lower_pointwise(prog: Program, knobs: dict, sm_count: int) -> Built:
 
 def _kernel(prog: Program, knobs: dict, sm_count: int, name: str) -> tuple[str, tuple]:
     nt, v, it = knobs["threads"], knobs["vec"], knobs["items"]
-    # "stream": loads and stores marked evict-first (ld.global.cs / st.global.cs), for data
-    # read and written once; "keep" (the default): plain accesses
-    ld, sto = ("kf_ldcs", "kf_stcs") if knobs.get("cache") == "stream" else ("kf_copy", "kf_copy")
     sizes, strides = pointwise_layout(prog)
     numel = math.prod(sizes)
     nv = numel // v
@@ -75,10 +72,10 @@ def _kernel(prog: Program, knobs: dict, sm_count: int, name: str) -> tuple[str, 
             continue
         decl.append(f"    {ct} x{i}[IT][V];")
         if st[-1] == 1 and v > 1:
-            vt = f"kf_vec<{ct}, V>"
-            loads.append(f"        {ld}(reinterpret_cast<{vt}*>(x{i}[k]), reinterpret_cast<const {vt}*>({ptr[i]} + off[k][{t}]));")
+            loads.append(f"        *reinterpret_cast<kf_vec<{ct}, V>*>(x{i}[k]) = "
+                         f"*reinterpret_cast<const kf_vec<{ct}, V>*>({ptr[i]} + off[k][{t}]);")
         else:
-            loads.append(f"        for (int j = 0; j < V; ++j) {ld}(&x{i}[k][j], {ptr[i]} + off[k][{t}] + j * {st[-1]});")
+            loads.append(f"        for (int j = 0; j < V; ++j) x{i}[k][j] = {ptr[i]}[off[k][{t}] + j * {st[-1]}];")
 
     def load(i, stored):
         return f"h{i}" if not any(strides[ins_of[i]]) else f"x{i}[k][j]"
@@ -93,10 +90,10 @@ def _kernel(prog: Program, knobs: dict, sm_count: int, name: str) -> tuple[str, 
         ct = CTYPE[m.dtype]
         body.append(f"          r{j}[j] = {convert(r, prog.results[j].dtype, m.dtype)};")
         if strides[j][-1] == 1 and v > 1:
-            vt = f"kf_vec<{ct}, V>"
-            stores.append(f"        {sto}(reinterpret_cast<{vt}*>(out{j} + off[k][{j}]), reinterpret_cast<const {vt}*>(r{j}));")
+            stores.append(f"        *reinterpret_cast<kf_vec<{ct}, V>*>(out{j} + off[k][{j}]) = "
+                          f"*reinterpret_cast<const kf_vec<{ct}, V>*>(r{j});")
         else:
-            stores.append(f"        for (int j = 0; j < V; ++j) {sto}(out{j} + off[k][{j}] + j * {strides[j][-1]}, &r{j}[j]);")
+            stores.append(f"        for (int j = 0; j < V; ++j) out{j}[off[k][{j}] + j * {strides[j][-1]}] = r{j}[j];")
     rdecl = [f"        {CTYPE[m.dtype]} r{j}[V];" for j, m in enumerate(prog.outputs) if m.numel]
     offs = offsets_code("(base + k * NT) * V", sizes, strides, [f"off[k][{t}]" for t in range(len(strides))], idx, False)
     src = "\n".join([

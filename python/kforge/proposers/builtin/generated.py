@@ -148,7 +148,7 @@ def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
                  "split": _splits(prog), "vec": lower.norm_vecs(prog)}]
     if prog.reduction is None:
         return [{"algo": ("gen_flat",), "threads": (64, 128, 256, 512, 1024), "vec": lower.pointwise_vecs(prog),
-                 "items": (1, 2, 4, 8), "grid": ("exact", "stride"), "cache": ("keep", "stream")}]
+                 "items": (1, 2, 4, 8), "grid": ("exact", "stride")}]
     return _reduction_spaces(prog)
 
 
@@ -168,7 +168,7 @@ def default(card: Card, hw: Hardware) -> Knobs:
         # 51.9-52.1 and items 4 at 256 threads 53.3-53.7 (bench/probe_knobs.py); batch norm ->
         # relu -> add (six tensors read, 8-wide) ran 41 us at 1 item and 63 at 4.
         return {"algo": "gen_flat", "threads": 256 if nvec >= 256 * hw.sm_count else 128, "vec": vec,
-                "items": 1, "grid": "exact", "cache": "keep"}
+                "items": 1, "grid": "exact"}
     lay = lower.reduction_layout(prog)
     if prog.normalizes:
         return _norm_default(prog, lay, hw)
