@@ -142,6 +142,15 @@ def test_a_weight_is_converted_once_per_version():
     assert convert(torch.randn(8, 4, 3, 3)) is not again  # another tensor is never the memo's
 
 
+def test_a_weight_autograd_must_see_is_converted_on_every_call():
+    convert, w = layout.ConvertedOnce(), torch.randn(8, 4, 3, 3, requires_grad=True)
+    with torch.no_grad():
+        first = convert(w)  # memoized: nothing records a backward here
+    assert convert(w) is not first and convert(w).grad_fn is not None  # grad on: a copy autograd records
+    with torch.no_grad():
+        assert convert(w) is first
+
+
 def test_keep_turns_the_pass_off(on_cpu, monkeypatch):
     monkeypatch.setenv("KFORGE_LAYOUT", "keep")
     g = traced(resnet(), torch.randn(2, 4, 8, 8)).graphs[0]

@@ -59,13 +59,14 @@ class ConvertedOnce:
         self.__name__ = "kforge_channels_last_weight"
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        memo = self._memo  # the hit first, as cheap as can be: it runs once per convolution per forward
+        if memo is not None and memo[0]() is t and memo[1] == t._version \
+                and not (t.requires_grad and torch.is_grad_enabled()):  # autograd must see the copy made
+            return memo[2]
         if t.is_contiguous(memory_format=_CL):
             return t
         if not _memoizable(t):
             return channels_last(t)
-        memo = self._memo
-        if memo is not None and memo[0]() is t and memo[1] == t._version:
-            return memo[2]
         out = channels_last(t)
         self._memo = (weakref.ref(t), t._version, out)
         return out
