@@ -12,6 +12,7 @@ import torch
 from fakes import FakeEvaluator, FakeProposer, toy_card
 
 from kforge import runner
+from kforge.capturing import capture
 from kforge.card_files import save_card
 from kforge.errors import CardError, KforgeError
 from kforge.store import SQLiteStore, connect
@@ -251,6 +252,28 @@ def test_devices_are_checked_against_the_visible_gpus(monkeypatch):
     assert runner.gpu_devices([1, 1, 0]) == [1, 0]  # never two workers timing on one GPU
     with pytest.raises(KforgeError, match="no GPU 2 here: 2 visible.*--devices"):
         runner.gpu_devices([0, 2])
+
+
+def test_a_card_whose_calls_all_run_inside_another_chosen_card_is_searched_last(tmp_path, monkeypatch):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(inplace=True)).eval()
+    captured = {c.op: c for c in capture(model, torch.randn(4, 8), tmp_path / "cap", time_cards=False).cards}
+    inner, outer, other = (captured[op] for op in ("aten::clamp_min_.default", "aten::relu_.default",
+                                                    "aten::copy_.default"))
+    inner.share, outer.share, other.share = 0.5, 0.3, 0.2  # the inner call ranks first by share
+    assert [c.op for c in runner.search_order([inner, outer, other])] == [
+        "aten::relu_.default", "aten::copy_.default", "aten::clamp_min_.default"]
+    # copy_ runs inside addmm, which the search leaves alone, and without relu_ chosen clamp_min_'s
+    # calls are its own to replace: both keep their places by share
+    assert runner.search_order([other, inner]) == [inner, other]
+    run_dir = tmp_path / "run"
+    saved = {}
+    for c in (inner, outer):
+        c = c.retarget("cuda", "sm_90")
+        save_card(c, run_dir)
+        saved[c.id] = c.op
+    gpu = GPU(monkeypatch, [0])
+    runner.search_run(run_dir, proposer=FakeProposer, iterations=1, progress=False)
+    assert [saved[card_id] for card_id, _ in gpu.calls] == ["aten::relu_.default", "aten::clamp_min_.default"]
 
 
 def test_a_run_deadline_is_shared_fairly_between_the_cards_left():
