@@ -211,8 +211,10 @@ class Judge:
         fns = [eager_fn, kernel_fn]
         baseline = None
         if o.compile_baseline:
+            t = time.perf_counter()
             baseline = self._guarded("torch.compile baseline",
                                      lambda: self.baselines.get(self.b, card, copies[0], self.progress, o))
+            self.evidence.setdefault("phase_s", {})["baseline"] = round(time.perf_counter() - t, 4)  # once per card
             if baseline.fn is not None:
                 def compiled_fn() -> None:
                     i = turn["c"] = (turn["c"] + 1) % n

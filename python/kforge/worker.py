@@ -103,8 +103,12 @@ def main(conn, backend_name: str, device: int, opts_json: dict) -> None:
             card = Card.from_json(req.card)
             candidate = Candidate.from_json(req.candidate)
             def judge() -> tuple[EvalResult, bool]:
-                sets, holdout = cache.get(card, req.run_dir, backend, opts)
-                return Judge(backend, card, sets, holdout, candidate, opts, progress, baselines).run()
+                t0 = time.perf_counter()
+                sets, holdout = cache.get(card, req.run_dir, backend, opts)  # built once per card
+                sets_s = time.perf_counter() - t0
+                result, fatal = Judge(backend, card, sets, holdout, candidate, opts, progress, baselines).run()
+                result.evidence.setdefault("phase_s", {})["sets"] = round(sets_s, 4)
+                return result, fatal
 
             try:
                 result, fatal = judge()
