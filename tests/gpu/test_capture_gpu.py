@@ -95,3 +95,16 @@ def test_gemma_under_inference_mode_captures_what_no_grad_captures(tmp_path):
 
     assert calls(got) == calls(ref)
     assert {"aten::_to_copy.default", "aten::softmax.int"} <= {c.op for c in got.cards}
+
+
+def test_fresh_inputs_are_drawn_on_the_gpu_with_the_cards_metadata(tmp_path):
+    x = torch.randn(2, 32, 8, 8, device="cuda", dtype=torch.bfloat16).to(memory_format=torch.channels_last)
+    cards = capture(Net().cuda().to(torch.bfloat16), x, tmp_path, time_cards=False).cards
+    card = next(c for c in cards if c.op == "aten::native_group_norm.default")
+    a, b, other = card.random_inputs(3, "cuda"), card.random_inputs(3, "cuda"), card.random_inputs(4, "cuda")
+    for t, m in zip(a, card.inputs):
+        assert t.is_cuda and t.dtype == m.torch_dtype and tuple(t.shape) == tuple(m.shape)
+        assert tuple(t.stride()) == tuple(m.stride) and torch.isfinite(t.float()).all()
+    assert all(torch.equal(s, t) for s, t in zip(a, b))  # one seed, one set
+    assert not torch.equal(a[0], other[0])
+    assert a[0].float().std() > 0.5  # drawn like the samples: normal values, not a constant
