@@ -12,7 +12,8 @@ problem's row comes from the newest file (within that list) that measured it, so
 a run (--shard k/n) and a later run of some of its problems (--problems) join it, and problems
 no file measured count as not run (not fast). Per example model (the file name without its
 ab_/model_ prefix, round tag and device: ab_resnet50_bf16_s8_h200 -> resnet50_bf16) the newest
-file that timed torch.compile is taken, else the newest.
+file that timed torch.compile is taken, else the newest; a run with a row whose timings spread over more
+than NOISY of their median (a busy shared machine) only where no quieter run of the model is there, marked.
 """
 
 from __future__ import annotations
@@ -81,8 +82,19 @@ def example_models(results: Path) -> dict[str, tuple[Path, dict]]:
     for p, d in _load(sorted(results.glob("ab_*.json")) + sorted(results.glob("model_*.json"))):
         if isinstance(d.get("model_us"), dict) and "eager" in d["model_us"]:
             by_key.setdefault(_model_key(p), []).append((p, d))
-    return {k: max(v, key=lambda f: ("torch.compile" in f[1]["model_us"], f[1].get("date", "")))
+    return {k: max(v, key=lambda f: ("torch.compile" in f[1]["model_us"], not noisy(f[1]), f[1].get("date", "")))
             for k, v in sorted(by_key.items())}
+
+
+NOISY = 0.10  # a model run with a row whose interquartile range is above this share of its median is noise
+
+
+def noisy(data: dict) -> float | None:
+    """The largest share of its median a row's IQR takes, where it is above NOISY (a shared machine
+    busy during the run: ratios in it cannot be judged), else None."""
+    shares = [m["iqr_us"] / m["median_us"] for m in data["model_us"].values()
+              if isinstance(m, dict) and m.get("iqr_us") is not None and m.get("median_us")]
+    return max(shares) if shares and max(shares) > NOISY else None
 
 
 def _commit(path: Path, data: dict) -> str:
@@ -144,7 +156,9 @@ def models_table(results: Path) -> str:
         for col, _ in MODEL_COLUMNS:
             t = us.get(col, {}).get("median_us")
             cells.append("—" if t is None else f"{t:.0f}" if col == "eager" else f"{t:.0f} ({eager / t:.2f}×)")
-        lines.append(f"| {key} | " + " | ".join(cells) + f" | `{path.name}` |")
+        noise = noisy(d)
+        mark = f" (noisy: an IQR of {100 * noise:.0f} % of its median)" if noise else ""
+        lines.append(f"| {key} | " + " | ".join(cells) + f" | `{path.name}`{mark} |")
         notes.append(_provenance(key, path, d))
     return "\n".join(lines + [""] + notes)
 

@@ -322,6 +322,12 @@ def test_the_scoreboard_joins_a_levels_shards_and_later_runs_and_keeps_the_newes
     assert "| 1 | 3 | 2 | 0 | 67 % / 67 % / 33 % / 33 % |" in text and "| 2 | not measured yet |" in text
     assert "| resnet50_bf16 | 100 | 50 (2.00×) | — | 80 (1.25×) |" in text and "model_resnet50_bf16_s9" not in text
     assert "commit abc1234; `python x`" in text
+    # a newer run with a row whose timings spread over more than 10 % of its median does not replace a quiet one
+    loud = {"eager": {"median_us": 100.0, "iqr_us": 3.0}, "torch.compile": {"median_us": 40.0, "iqr_us": 12.0}}
+    _result(tmp_path / "ab_resnet50_bf16_s10_h200.json", date="2026-12-03", model_us=loud)
+    assert scoreboard.example_models(tmp_path)["resnet50_bf16"][0].name == "ab_resnet50_bf16_s8_h200.json"
+    _result(tmp_path / "ab_gemma_s10_h200.json", date="2026-12-03", model_us=loud)  # the only run: shown, marked
+    assert "`ab_gemma_s10_h200.json` (noisy: an IQR of 30 % of its median) |" in scoreboard.models_table(tmp_path)
 
 
 def test_a_result_measured_on_a_changed_tree_says_so(tmp_path):
