@@ -11,7 +11,7 @@ import pytest
 import torch
 from fakes import FakeEvaluator, FakeProposer, toy_card
 
-from kforge import runner
+from kforge import cardtable, runner
 from kforge.capturing import capture
 from kforge.card_files import save_card
 from kforge.errors import CardError, KforgeError
@@ -260,11 +260,11 @@ def test_a_card_whose_calls_all_run_inside_another_chosen_card_is_searched_last(
     inner, outer, other = (captured[op] for op in ("aten::clamp_min_.default", "aten::relu_.default",
                                                     "aten::copy_.default"))
     inner.share, outer.share, other.share = 0.5, 0.3, 0.2  # the inner call ranks first by share
-    assert [c.op for c in runner.search_order([inner, outer, other])] == [
+    assert [c.op for c in cardtable.search_order([inner, outer, other])] == [
         "aten::relu_.default", "aten::copy_.default", "aten::clamp_min_.default"]
     # copy_ runs inside addmm, which the search leaves alone, and without relu_ chosen clamp_min_'s
     # calls are its own to replace: both keep their places by share
-    assert runner.search_order([other, inner]) == [inner, other]
+    assert cardtable.search_order([other, inner]) == [inner, other]
     run_dir = tmp_path / "run"
     saved = {}
     for c in (inner, outer):

@@ -25,7 +25,7 @@ from rich.text import Text
 
 from .card_files import load_cards
 from .cards import Card
-from .cardtable import module_path
+from .cardtable import module_path, search_order
 from .errors import CardError, KforgeError, ProposerUnavailable
 from .hardware import Hardware
 from .pool import EvaluatorFactory, EvaluatorPool, LocalPool
@@ -118,19 +118,6 @@ def skip_reason(card: Card, proposer: Proposer, *, min_share: float, include_ven
         return f"{100 * (card.share or 0.0):.2f}% of runtime is below min_share {100 * min_share:.2f}%"
     ok, why = proposer.supports(card)
     return None if ok else f"proposer {proposer.name} declines: {why}"
-
-
-def search_order(cards: Sequence[Card]) -> list[Card]:
-    """The chosen cards in the order the search takes them: by share, except that a card whose
-    every call runs inside another chosen card's op (clamp_min_ inside relu_, copy_ inside _to_copy)
-    comes after all the others. Its calls run only where the outer op's kernel falls back, and its
-    share is already in the outer card's, so with a deadline its search time goes to cards whose
-    calls a package would replace first: a 50 s ResNet-50 search spent it on twelve such cards and
-    left five of its region cards unsearched."""
-    from .op_capture import nested_in
-
-    ops = {c.op.removeprefix("aten::") for c in cards}
-    return sorted(cards, key=lambda c: (nested_in(c) in ops, -(c.share or 0.0)))
 
 
 def _make_proposer(spec: Any, options: dict) -> Proposer:
