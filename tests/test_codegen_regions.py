@@ -132,6 +132,29 @@ class CatOfActivations(nn.Module):
         return torch.cat((torch.sigmoid(a), b * 2), dim=1).relu()
 
 
+class SumTimesSquares(nn.Module):
+    """Two reductions over the same elements, the second's prologue (the square) after the first:
+    one fold of both (siblings)."""
+
+    def forward(self, x):
+        return x.sum(-1) * (x * x).sum(-1)
+
+
+class SoftmaxTimesSum(nn.Module):
+    def forward(self, x):
+        return F.softmax(x, -1) * x.sum(-1, keepdim=True)
+
+
+class SumsOverOtherDims(nn.Module):
+    def forward(self, x):
+        return x.sum(0).sum() + x.sum(1).sum()
+
+
+class MeanTimesCentred(nn.Module):
+    def forward(self, x):
+        return x.mean(-1, keepdim=True) * (x - x.sum(-1, keepdim=True))
+
+
 def region_card(tmp_path, model, *inputs, ops=None):
     """The one region card of a CPU capture (with `ops`: the one of those ops), retargeted to an H200."""
     with torch.no_grad():
@@ -163,6 +186,11 @@ CASES = {
                                    ["cat", "cos", "sin", "mul", "neg", "cat", "mul", "add", "mul", "neg", "cat", "mul", "add"]),
     "cat_along_a_middle_dim": (CatOfActivations, lambda: (torch.randn(4, 3, 8), torch.randn(4, 5, 8)),
                                ["sigmoid", "mul", "cat", "relu"]),
+    # sibling reductions: one pass folds both (the loss's mean stays outside the region)
+    "triplet_margin_loss_distances": (lambda: nn.TripletMarginLoss(margin=1.0),
+                                      lambda: (torch.rand(16, 40), torch.rand(16, 40), torch.rand(16, 40)),
+                                      ["sub", "add", "norm", "sub", "add", "norm", "add", "sub", "clamp_min"]),
+    "sum_and_sum_of_squares": (SumTimesSquares, lambda: (torch.rand(12, 50),), ["sum", "mul", "sum", "mul"]),  # no cancellation
 }
 
 
@@ -233,6 +261,11 @@ def test_the_builtin_proposer_proposes_for_a_region_card(tmp_path):
 DECLINED = {
     "vendor_epilogue": (LinearGelu, lambda: (torch.randn(4, 48),),
                         "no builtin template or generated kernel for aten::addmm"),
+    # sibling reductions fold together only over the same elements, and not beside a normalization
+    "a_sum_beside_a_softmax": (SoftmaxTimesSum, lambda: (torch.randn(8, 16),), "beside a scan or a normalization"),
+    "sums_over_other_dims": (SumsOverOtherDims, lambda: (torch.randn(8, 16),), "folds other elements than the first"),
+    "siblings_under_a_normalization": (MeanTimesCentred, lambda: (torch.randn(8, 16),),
+                                       "sibling reductions under a normalization are not generated"),
 }
 
 

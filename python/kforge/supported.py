@@ -37,10 +37,12 @@ def markdown() -> str:
               + ", ".join(f"`{n}`" for n in sorted(reductions.NORM_OPS)),
               f"- **Concatenation**: `cat`, alone or in pointwise work (one kernel per slab of the output, at most"
               f" {concat.MAX_SLABS})",
-              "- **Fused regions** (`--regions`): chains of the ops above with at most one reduction or",
+              "- **Fused regions** (`--regions`): chains of the ops above with one reduction level: one",
               "  normalization (its prologue and an epilogue over every element: a mask add and casts around",
-              "  softmax, a residual add into a norm, an activation after it), views of the region's inputs",
-              "  folded in, reshapes of computed values after a normalization, cats in the pointwise work.", "",
+              "  softmax, a residual add into a norm, an activation after it), or reductions over the same",
+              "  elements folded in one pass (a triplet loss's two distances) with an epilogue per output;",
+              "  views of the region's inputs folded in, reshapes of computed values after a normalization,",
+              "  cats in the pointwise work.", "",
               "## Pointwise ops the generator declines", "", "| op | why |", "| --- | --- |"]
     lines += [f"| `{n}` | {why} |" for n, why in sorted(ops.DECLINED.items())]
     return "\n".join(lines) + "\n"

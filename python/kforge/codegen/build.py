@@ -20,7 +20,8 @@ from ..cards import TensorMeta
 from ..families import family_of, out_form_of_pointwise, packet_name, tagged_nowhere
 from . import ops, reductions
 from .call import Call, Val
-from .ir import FLOATS, Expr, Node, opmath, Program, Reduction, Ref, Scan, Window, broadcast_strides
+from .ir import FLOATS, Expr, Node, opmath, Program, Reduction, Ref, Scan, Window, broadcast_strides, siblings
+from .order import prologue_first
 from .views import Decline, lead_stripped, moved_strides, moved_to, reshaped
 
 IR_DTYPES = FLOATS + ("int64", "int32", "int16", "int8", "uint8", "bool")
@@ -126,6 +127,8 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
     stats: set[tuple[int, int]] = set()  # a normalization's statistics: region outputs only
     phase = "pro"  # prologue, then epilogue after the reduction
     red: reductions.ReductionPlan | None = None
+    red_kind = ""  # "reduction" or "norm": what made `red`
+    sibs: list[reductions.ReductionPlan] = []  # reductions folded beside `red` over the same elements
     scan: reductions.ScanPlan | None = None
     frame: tuple[int, ...] | None = None  # the reduced operand's shape; the domain is it split (group norm)
     out_shape: tuple[int, ...] | None = None  # a plain reduction's output shape
@@ -233,9 +236,31 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
         for k, (e, m) in enumerate(zip(plan.outputs(refs, n), node.metas)):
             values[(j, k)] = (e.cast(m.dtype), m)
 
+    def sibling(j: int, node: Node, plan: reductions.ReductionPlan, kind: str, src_meta: TensorMeta) -> str | None:
+        """Fold `plan` beside the reduction there is, over the same elements; or why not."""
+        second = "a second reduction: the IR has one reduction level"
+        if scan is not None or kind != "reduction" or red_kind != "reduction":
+            return second + " (beside a scan or a normalization)" if scan is not None or red_kind else second
+        if (plan.dims, plan.keepdim, plan.split, tuple(src_meta.shape)) != (red.dims, red.keepdim, red.split, frame):
+            return second + ", and this one folds other elements than the first"
+        if any(e.op == "var" and str(e.value).startswith("s") for e in plan.operand.walk()):
+            return second + " (a reduction of a reduction's result)"
+        if tuple(node.metas[0].shape) != out_shape:
+            return second + ", with outputs of another shape"
+        offset = sum(len(reductions.REDUCTIONS[p.kind].state(p.operand.dtype)) for p in [red, *sibs])
+        kind_ = reductions.REDUCTIONS[plan.kind]
+        refs = tuple(Expr.var(f"s{offset + i}", d) for i, d in enumerate(kind_.state(plan.operand.dtype)))
+        dom = _domain(frame, plan.split)
+        n = math.prod(dom[d] for d in plan.dims) if dom else 1
+        for k, (e, m) in enumerate(zip(plan.outputs(refs, n), node.metas)):
+            values[(j, k)] = (e.cast(m.dtype), m)
+        sibs.append(plan)
+        return None
+
     win: Window | None = None  # a pooling node: the last of its region, the nodes before it its prologue
     try:
-        for j, node in enumerate(nodes):
+        for j in prologue_first(nodes, [j for j, n in enumerate(nodes) if entry_for(n.op)[0] in ("reduction", "norm")]):
+            node = nodes[j]
             kind, entry = entry_for(node.op)
             if win is not None:
                 return f"{packet_name(node.op)} after a pooling: a window ends what is generated as one kernel"
@@ -253,6 +278,8 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
                         "is generated from keepdim reductions (or the aten norm ops)")
             name, overload = table_key(node.op)
             channel = entry[0] if kind == "norm" else ()
+            if kind == "reduction" and red is not None:
+                phase = "pro"  # a sibling reduction's operand is read over the reduced elements
             bound = {}
             ov = _overload(node.op)  # its out= arguments are written, never read (nor broadcast)
             written_only = {a.name for a in ov._schema.arguments if a.is_out} if ov is not None else set()
@@ -298,10 +325,15 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
                         values[(j, k)] = ((plan[k] if k < len(plan) else Expr.const(0, opmath(m.dtype))).cast(m.dtype), m)
                     stats.update((j, k) for k in range(len(plan), len(node.metas)))
                     continue
-                if red is not None or scan is not None:
-                    return "a second reduction: the IR has one reduction level"
                 src = node.args["self" if "self" in node.args else "input"]
+                if red is not None or scan is not None:
+                    phase = "epi"
+                    why = sibling(j, node, plan, kind, _meta_of(src, inputs, values))
+                    if why:
+                        return why
+                    continue
                 reduce(j, node, plan, _meta_of(src, inputs, values))
+                red_kind = kind
                 if kind == "norm":
                     stats.update((j, k) for k in range(1, len(node.metas)))
                 else:
@@ -379,7 +411,14 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
         return "negative strides are not generated"
     if any(_overlaps(m) for m in live):  # gaps are fine: a slab of a cat's output has them
         return "an output overlaps itself (an expanded view): not generated"
-    reduction = Reduction(reductions.REDUCTIONS[red.kind], red.operand, red.dims) if red is not None else None
+    reduction = None
+    if red is not None:
+        kind_ = reductions.REDUCTIONS[red.kind]
+        if sibs:
+            if any(st[d] for st in out_strides for d in red.dims):
+                return "sibling reductions under a normalization are not generated"
+            kind_ = siblings([(reductions.REDUCTIONS[p.kind], p.operand.dtype) for p in [red, *sibs]])
+        reduction = Reduction(kind_, red.operand, red.dims, tuple(p.operand for p in sibs))
     if reduction is not None and not red.dims:
         return "a reduction over no dims"
     scan_ = Scan(reductions.REDUCTIONS[scan.kind], scan.operand, scan.dim) if scan is not None else None

@@ -183,11 +183,11 @@ def _run(prog: Program, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         rshape = [dom[d] for d in red.dims]
         ridx = torch.arange(math.prod(rshape), dtype=torch.int64).reshape(rshape) if rshape else torch.zeros((), dtype=torch.int64)
         ridx_dom = ridx.reshape([dom[d] if d in red.dims else 1 for d in range(len(dom))]).expand(dom)
-        x = evaluate(red.operand, {"ridx": ridx_dom}, loads_over(dom)).expand(dom)
-        lifted = red.kind.lift_exprs(Expr.var("x", red.operand.dtype))
+        xs, lifted = red.lifted()
+        env = {x.value: evaluate(o, {"ridx": ridx_dom}, loads_over(dom)).expand(dom) for x, o in zip(xs, red.operands)}
         k = math.prod(dom[d] for d in kd)
         flat = lambda t: t.expand(dom).permute(perm).reshape(k, -1)  # noqa: E731
-        states = tuple(flat(evaluate(e, {"x": x, "ridx": ridx_dom}, None)) for e in lifted)
+        states = tuple(flat(evaluate(e, {**env, "ridx": ridx_dom}, None)) for e in lifted)
         folded = _fold(red.kind, red.operand.dtype, states)
         env = {f"s{i}": s.reshape(kept) for i, s in enumerate(folded)}
     if prog.window is not None:

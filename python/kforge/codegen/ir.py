@@ -215,13 +215,34 @@ class ReductionKind:
         b = tuple(Expr.var(f"b{i}", d) for i, d in enumerate(st))
         return a, b, tuple(m.cast(d) for m, d in zip(self.merge(a, b), st))
 
-    def lift_exprs(self, x: Expr) -> tuple[Expr, ...]:
-        """One element's state from the prologue value x (may use var "ridx")."""
+    def lift_exprs(self, x: "Expr | tuple[Expr, ...]") -> tuple[Expr, ...]:
+        """One element's state from the prologue value x, a tuple of values for sibling folds
+        (`siblings`); may use var "ridx"."""
+        first = x[0] if isinstance(x, tuple) else x
         return tuple(e if isinstance(e, Expr) else Expr.const(e, d)
-                     for e, d in zip(self.lift(x, Expr.var("ridx", "int64")), self.state(x.dtype)))
+                     for e, d in zip(self.lift(x, Expr.var("ridx", "int64")), self.state(first.dtype)))
 
     def identity_exprs(self, dtype: str) -> tuple[Expr, ...]:
         return tuple(Expr.const(v, d) for v, d in zip(self.identity(dtype), self.state(dtype)))
+
+
+def siblings(parts: list[tuple[ReductionKind, str]]) -> ReductionKind:
+    """Folds of several operands over the same elements as one kind: its state is theirs side by
+    side, its lift takes one value per operand (a tuple, in order), its merge merges each part
+    (two norms of a triplet loss, a sum and a sum of squares). `state`, `identity` and `merge_exprs`
+    ignore the dtype they are given: each part keeps its operand's."""
+    sizes = [len(k.state(d)) for k, d in parts]
+    cuts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+
+    def each(t: tuple) -> list[tuple]:
+        return [tuple(t[cuts[i]:cuts[i + 1]]) for i in range(len(parts))]
+
+    return ReductionKind(
+        "+".join(k.name for k, _ in parts),
+        lambda _: tuple(t for k, d in parts for t in k.state(d)),
+        lambda _: tuple(v for k, d in parts for v in k.identity(d)),
+        lambda xs, ridx: tuple(e for (k, _), x in zip(parts, xs) for e in k.lift(x, ridx)),
+        lambda a, b: tuple(m for (k, _), pa, pb in zip(parts, each(a), each(b)) for m in k.merge(pa, pb)))
 
 
 @dataclass
@@ -229,6 +250,25 @@ class Reduction:
     kind: ReductionKind
     operand: Expr  # the prologue: evaluated at every point of the domain
     dims: tuple[int, ...]  # reduced dims of the domain
+    # further operands folded beside `operand` over the same elements: `kind` is then
+    # siblings(...) of one kind per operand, and its lift takes (operand, *siblings)
+    siblings: tuple[Expr, ...] = ()
+
+    @property
+    def operands(self) -> tuple[Expr, ...]:
+        return (self.operand, *self.siblings)
+
+    def loads(self) -> list[int]:
+        """The inputs the prologue reads, in order."""
+        return sorted({e.value[0] for o in self.operands for e in o.walk() if e.op == "load"})
+
+    def lifted(self, names: str = "x") -> tuple[tuple[Expr, ...], tuple[Expr, ...]]:
+        """(the operand variables x (x0, x1, ... for siblings), one element's state from them)."""
+        if not self.siblings:
+            x = Expr.var(names, self.operand.dtype)
+            return (x,), self.kind.lift_exprs(x)
+        xs = tuple(Expr.var(f"{names}{i}", o.dtype) for i, o in enumerate(self.operands))
+        return xs, self.kind.lift_exprs(xs)
 
 
 @dataclass

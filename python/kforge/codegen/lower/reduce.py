@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 from ...proposers.builtin.common import ceil_div
-from ..ir import Expr, Program
+from ..ir import Program
 from .emit import (CTYPE, Built, Emitter, _const, _header, _index_type, _merge_block, _pointers, _shfl, coalesce,
                    convert, offsets_code)
 
@@ -35,7 +35,7 @@ def reduction_layout(prog: Program) -> RedLayout:
     kept = [d for d in range(nd) if d not in dims]
     korder = sorted(kept, key=lambda d: -prog.out_strides[0][d])
     # the reduced dims in the memory order of the input read most (the prologue's first load)
-    pro = sorted({e.value[0] for e in prog.reduction.operand.walk() if e.op == "load"})
+    pro = prog.reduction.loads()
     ref = list(prog.in_strides[pro[0]]) if pro else logical
     rorder = sorted(dims, key=lambda d: -ref[d])
     ks, kst = coalesce(dom, tensors, korder)
@@ -60,7 +60,7 @@ def reduction_vecs(prog: Program, splits: tuple[int, ...]) -> tuple[int, ...]:
     offsets and alignment a multiple of the width, and every split's chunk whole vectors."""
     lay = reduction_layout(prog)
     red = prog.reduction
-    loads = sorted({e.value[0] for e in red.operand.walk() if e.op == "load"})
+    loads = red.loads()
     no = len(prog.outputs)
     tix = {i: no + k for k, i in enumerate(sorted(prog.in_strides))}
     out = [1]
@@ -92,7 +92,7 @@ def lower_reduction(prog: Program, knobs: dict, sm_count: int) -> Built:
     tix = {i: no + k for k, i in enumerate(loaded)}
     logical_t = no + len(loaded)
     idx = _index_type(prog, 2 * nt * it * vec)
-    pro_loads = {e.value[0] for e in red.operand.walk() if e.op == "load"}
+    pro_loads = set(red.loads())
     ch = ceil_div(lay.rn, split)
     ident = [_const(e) for e in kind.identity_exprs(dt)]
     st = [f"st{c}" for c in range(ns)]
@@ -110,7 +110,6 @@ def lower_reduction(prog: Program, knobs: dict, sm_count: int) -> Built:
     kofs = offsets_code("q", lay.ksizes, lay.kstrides, [f"k{t}" for t in range(len(lay.kstrides))], idx)
     rofs = offsets_code("r", lay.rsizes, [lay.rstrides[tix[i]] for i in sorted(pro_loads)] + [lay.rstrides[logical_t]],
                         [f"ro{i}" for i in sorted(pro_loads)] + ["rl"], idx)
-    xv = red.operand
     body = [f'extern "C" __global__ void __launch_bounds__(NT) kf_gen({", ".join(params)}) {{',
             "  const int lane = threadIdx.x % LANES;",
             "  const kf_idx q = (kf_idx)blockIdx.x * ROWS + threadIdx.x / LANES;",
@@ -152,9 +151,10 @@ def lower_reduction(prog: Program, knobs: dict, sm_count: int) -> Built:
         return f"x{i}[u][j]" if i in pro_loads else f"{ptr[i]}[k{tix[i]}]"
 
     em = Emitter("p", {"ridx": f"(ri[u] + (kf_i64)j * {lstride})"}, pro_load)
-    x = em(xv)
-    lift = kind.lift_exprs(Expr.var("x", dt))
-    em.env["x"] = x
+    xs, lift = red.lifted()
+    values = [em(o) for o in red.operands]
+    for x, v in zip(xs, values):
+        em.env[x.value] = v
     lifted = [em(e) for e in lift]
     body += [f"          {line}" for line in em.lines]
     body += [f"          {line}" for line in _merge_block(kind, dt, st, lifted, "u")]
