@@ -140,6 +140,22 @@ class SumTimesSquares(nn.Module):
         return x.sum(-1) * (x * x).sum(-1)
 
 
+class PoolThenActivation(nn.Module):
+    """A pooling's epilogue (KernelBench level 2: max pool then hardtanh, average pool then sigmoid)."""
+
+    def __init__(self, pool, act):
+        super().__init__()
+        self.pool, self.act = pool, act
+
+    def forward(self, x):
+        return self.act(self.pool(torch.sub(x, 0.5)) * 2.0)
+
+
+class PoolThenInput(nn.Module):
+    def forward(self, x, y):
+        return F.max_pool2d(x, 2) + y
+
+
 class SoftmaxTimesSum(nn.Module):
     def forward(self, x):
         return F.softmax(x, -1) * x.sum(-1, keepdim=True)
@@ -190,6 +206,11 @@ CASES = {
     "triplet_margin_loss_distances": (lambda: nn.TripletMarginLoss(margin=1.0),
                                       lambda: (torch.rand(16, 40), torch.rand(16, 40), torch.rand(16, 40)),
                                       ["sub", "add", "norm", "sub", "add", "norm", "add", "sub", "clamp_min"]),
+    # a pooling's pointwise epilogue in its kernel
+    "max_pool_then_hardtanh": (lambda: PoolThenActivation(nn.MaxPool2d(2), nn.Hardtanh()),
+                               lambda: (torch.randn(2, 3, 9, 10),), ["sub", "max_pool2d_with_indices", "mul", "hardtanh"]),
+    "avg_pool_then_mish": (lambda: PoolThenActivation(nn.AvgPool2d(3, 2, 1), nn.Mish()),
+                           lambda: (torch.randn(2, 3, 9, 10),), ["sub", "avg_pool2d", "mul", "mish"]),
     "sum_and_sum_of_squares": (SumTimesSquares, lambda: (torch.rand(12, 50),), ["sum", "mul", "sum", "mul"]),  # no cancellation
 }
 
@@ -264,6 +285,8 @@ DECLINED = {
     # sibling reductions fold together only over the same elements, and not beside a normalization
     "a_sum_beside_a_softmax": (SoftmaxTimesSum, lambda: (torch.randn(8, 16),), "beside a scan or a normalization"),
     "sums_over_other_dims": (SumsOverOtherDims, lambda: (torch.randn(8, 16),), "folds other elements than the first"),
+    "an_input_after_a_pooling": (PoolThenInput, lambda: (torch.randn(2, 3, 8, 8), torch.randn(2, 3, 4, 4)),
+                                 "a node after a pooling reads what the pooling does not compute"),
     "siblings_under_a_normalization": (MeanTimesCentred, lambda: (torch.randn(8, 16),),
                                        "sibling reductions under a normalization are not generated"),
 }

@@ -3,8 +3,8 @@ input sets, poisoned outputs, tolerance from eager's own error, against the subg
 a pointwise chain, views of inputs read in place, a rotary chain with repeat_kv's broadcast of a
 computed value, a GQA rotary chain whose outputs have two shapes (one kernel each), the whole
 rotary embedding with its cats (one kernel per slab and shape), a cat of three odd-width pieces,
-q/k/v unbound at three offsets of one tensor, a reduction with a prologue, and two reductions over
-the same elements folded in one pass."""
+q/k/v unbound at three offsets of one tensor, a reduction with a prologue, a pooling with its
+epilogue, and two reductions over the same elements folded in one pass."""
 
 from __future__ import annotations
 
@@ -128,6 +128,9 @@ CASES = {
                                                      torch.randn(16, 7, 1000, device="cuda").transpose(1, 2).contiguous().transpose(1, 2),
                                                      torch.randn(16, 5, 1000, device="cuda"))),
     "rstd_bf16": (Rstd, lambda: (torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16),)),
+    # a pooling's epilogue (KernelBench level 2's max pool then hardtanh) in the pooling's kernel
+    "max_pool_then_hardtanh": (lambda: nn.Sequential(nn.MaxPool2d(2), nn.Hardtanh()),
+                               lambda: (torch.randn(8, 64, 128, 128, device="cuda"),)),
     # sibling reductions: the two distances of a triplet loss folded in one pass
     "triplet_margin_loss_distances": (lambda: nn.TripletMarginLoss(margin=1.0),
                                       lambda: tuple(torch.rand(1024, 1000, device="cuda") for _ in range(3))),

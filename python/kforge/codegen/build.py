@@ -151,6 +151,9 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
     written_permuted: dict[tuple[int, int], tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
     def val(ref: Ref) -> Val:
+        if win is not None and (ref.kind == "in" or (ref.index, ref.output) in before_window):
+            raise Decline("a node after a pooling reads what the pooling does not compute: its epilogue is "
+                          "generated from the pooling's outputs and constants only")
         if ref.kind == "in":
             i, f = ref.index, len(frames) - 1 if frames else 0
             if f:
@@ -257,12 +260,13 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
         sibs.append(plan)
         return None
 
-    win: Window | None = None  # a pooling node: the last of its region, the nodes before it its prologue
+    win: Window | None = None  # a pooling node: the nodes before it its prologue, pointwise ones after it its epilogue
+    before_window: dict = {}  # the values computed before the pooling, which its epilogue may not read
     try:
         for j in prologue_first(nodes, [j for j, n in enumerate(nodes) if entry_for(n.op)[0] in ("reduction", "norm")]):
             node = nodes[j]
             kind, entry = entry_for(node.op)
-            if win is not None:
+            if win is not None and kind != "pointwise":  # a pooling's epilogue: pointwise maps of what it computes
                 return f"{packet_name(node.op)} after a pooling: a window ends what is generated as one kernel"
             if kind is None and family_of(node.op) == "view":  # (positive is in the table)
                 why = reshape(j, node)
@@ -303,6 +307,7 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
                     return why
             call = Call(name, overload, bound)
             if kind == "window":
+                before_window.update(values)
                 win = _window(j, node, call, _meta_of(node.args["self"], inputs, values), values)
                 if isinstance(win, str):
                     return win
