@@ -131,3 +131,16 @@ class BatchNormReluPool(nn.Module):
 
     def forward(self, x):
         return self.pool(torch.relu(self.bn(x)))
+
+
+class FrobeniusNormalize(nn.Module):
+    """KernelBench's FrobeniusNorm: a norm over every dim (a 0-dim result, broadcast as keepdim), then a divide."""
+
+    def forward(self, x):
+        return x / torch.norm(x, p="fro")
+
+
+class GlobalCentre(nn.Module):
+    def forward(self, x):
+        return x - x.mean()
+

@@ -16,7 +16,8 @@ import torch
 
 import cuda_on_cpu
 from builtin_cards import A, BF16, F16, F32, make_card, meta
-from norm_models import (AddLayerNormGelu, AddRMSNorm, BatchNormReluAdd, BatchNormReluPool, GroupNormSilu, HandRMSNorm, InstanceNormRelu,
+from norm_models import (AddLayerNormGelu, AddRMSNorm, BatchNormReluAdd, BatchNormReluPool, FrobeniusNormalize, GlobalCentre,
+                         GroupNormSilu, HandRMSNorm, InstanceNormRelu,
                          MaskSoftmax, ScaleAddLayerNorm2d, ScaleSoftmax, WindowMaskSoftmax)
 from kforge import compiler
 from kforge.capturing import capture
@@ -341,6 +342,9 @@ REGIONS = {
                                  ["_native_batch_norm_legit_no_training", "relu", "avg_pool2d"]),
     "scale add layer_norm over channels": (lambda: ScaleAddLayerNorm2d(12), lambda: (_t((2, 12, 5, 3)), _t((2, 12, 5, 3))),
                                            ["mul", "add", "native_layer_norm"]),  # the permute unnamed (a view)
+    # a reduction over every dim (its 0-dim result broadcast over them all): one row of all the elements
+    "frobenius normalize": (FrobeniusNormalize, lambda: (_t((3, 5, 7, 9)),), ["linalg_vector_norm", "div"]),
+    "global centre bf16": (GlobalCentre, lambda: (_t((4, 300), BF16),), ["mean", "sub"]),
     # one image (the mask's window dim lines up with the scores' batch): the mask's extra leading size-1 dim is dropped
     "window mask softmax": (WindowMaskSoftmax, lambda: (_t((4, 3, 16, 16)), _t((3, 16, 16)), _t((4, 16, 16))),
                             ["add", "add", "_softmax"]),

@@ -231,6 +231,8 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
 
     def reduce(j: int, node: Node, plan: reductions.ReductionPlan, src_meta: TensorMeta):
         nonlocal red, frame, phase
+        if not plan.keepdim and plan.split is None and set(plan.dims) == set(range(len(src_meta.shape))):
+            plan = replace(plan, keepdim=True)  # a 0-dim result broadcasts as a keepdim one does (x / x.norm())
         red, frame, phase = plan, tuple(src_meta.shape), "epi"
         dom = _domain(frame, plan.split)
         kind_ = reductions.REDUCTIONS[plan.kind]
