@@ -250,8 +250,6 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
             return second + ", and this one folds other elements than the first"
         if any(e.op == "var" and str(e.value).startswith("s") for e in plan.operand.walk()):
             return second + " (a reduction of a reduction's result)"
-        if tuple(node.metas[0].shape) != out_shape:
-            return second + ", with outputs of another shape"
         offset = sum(len(reductions.REDUCTIONS[p.kind].state(p.operand.dtype)) for p in [red, *sibs])
         kind_ = reductions.REDUCTIONS[plan.kind]
         refs = tuple(Expr.var(f"s{offset + i}", d) for i, d in enumerate(kind_.state(plan.operand.dtype)))
