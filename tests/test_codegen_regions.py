@@ -140,6 +140,11 @@ class SumTimesSquares(nn.Module):
         return x.sum(-1) * (x * x).sum(-1)
 
 
+class WholeSumTimesSquares(nn.Module):
+    def forward(self, x):
+        return x.sum() * (x * x).sum()
+
+
 class PoolThenActivation(nn.Module):
     """A pooling's epilogue (KernelBench level 2: max pool then hardtanh, average pool then sigmoid)."""
 
@@ -211,6 +216,7 @@ CASES = {
                                lambda: (torch.randn(2, 3, 9, 10),), ["sub", "max_pool2d_with_indices", "mul", "hardtanh"]),
     "avg_pool_then_mish": (lambda: PoolThenActivation(nn.AvgPool2d(3, 2, 1), nn.Mish()),
                            lambda: (torch.randn(2, 3, 9, 10),), ["sub", "avg_pool2d", "mul", "mish"]),
+    "whole_sum_and_sum_of_squares": (WholeSumTimesSquares, lambda: (torch.rand(6, 20),), ["sum", "mul", "sum", "mul"]),
     "sum_and_sum_of_squares": (SumTimesSquares, lambda: (torch.rand(12, 50),), ["sum", "mul", "sum", "mul"]),  # no cancellation
 }
 

@@ -231,8 +231,7 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
 
     def reduce(j: int, node: Node, plan: reductions.ReductionPlan, src_meta: TensorMeta):
         nonlocal red, frame, phase
-        if not plan.keepdim and plan.split is None and set(plan.dims) == set(range(len(src_meta.shape))):
-            plan = replace(plan, keepdim=True)  # a 0-dim result broadcasts as a keepdim one does (x / x.norm())
+        plan = reductions.broadcastable(plan, len(src_meta.shape))
         red, frame, phase = plan, tuple(src_meta.shape), "epi"
         dom = _domain(frame, plan.split)
         kind_ = reductions.REDUCTIONS[plan.kind]
@@ -243,7 +242,7 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
 
     def sibling(j: int, node: Node, plan: reductions.ReductionPlan, kind: str, src_meta: TensorMeta) -> str | None:
         """Fold `plan` beside the reduction there is, over the same elements; or why not."""
-        second = "a second reduction: the IR has one reduction level"
+        second, plan = "a second reduction: the IR has one reduction level", reductions.broadcastable(plan, len(src_meta.shape))
         if scan is not None or kind != "reduction" or red_kind != "reduction":
             return second + " (beside a scan or a normalization)" if scan is not None or red_kind else second
         if (plan.dims, plan.keepdim, plan.split, tuple(src_meta.shape)) != (red.dims, red.keepdim, red.split, frame):

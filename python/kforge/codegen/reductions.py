@@ -98,6 +98,13 @@ class ReductionPlan:
     split: tuple[int, int] | None = None
 
 
+def broadcastable(plan: ReductionPlan, ndim: int) -> ReductionPlan:
+    """`plan` as keepdim where it folds every dim of an `ndim`-dim operand: its 0-dim result then
+    broadcasts over them all as a keepdim result does (x / x.norm(), x - x.mean())."""
+    whole = not plan.keepdim and plan.split is None and set(plan.dims) == set(range(ndim))
+    return replace(plan, keepdim=True) if whole else plan
+
+
 def _dims(c: Call, ndim: int, name: str = "dim") -> tuple[int, ...]:
     d = c.s(name)
     if d is None or d == []:
