@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from norm_models import (AddLayerNormGelu, AddRMSNorm, BatchNormReluAdd, BatchNormReluPool, GroupNormSilu, InstanceNormRelu, TemperatureLogSoftmax,
+from norm_models import (AddLayerNormGelu, AddRMSNorm, BatchNormReluAdd, BatchNormReluPool, FrobeniusNormalize, GroupNormSilu,
+                         InstanceNormRelu, TemperatureLogSoftmax,
                          MaskSoftmax, ScaleAddLayerNorm2d, ScaleSoftmax, WindowMaskSoftmax)
 
 from kforge.capturing import capture
@@ -63,6 +64,9 @@ CASES = {
                                                                            cuda(64, 49, 49))),
     "scale add layer_norm over channels (convnext) bf16": (lambda: _half(ScaleAddLayerNorm2d(96)),
                                                            lambda: (cuda(4, 96, 28, 28, dtype=BF16), cuda(4, 96, 28, 28, dtype=BF16))),
+    # a norm over every dim (KernelBench's FrobeniusNorm): one row of all 16384 elements (a thread per
+    # row folds them in sequence, as it does SD-VAE's 16384-long softmax rows)
+    "frobenius normalize": (FrobeniusNormalize, lambda: (cuda(4, 16, 16, 16),)),
 }
 
 
