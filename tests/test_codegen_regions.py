@@ -157,8 +157,21 @@ class PoolThenActivation(nn.Module):
 
 
 class PoolThenInput(nn.Module):
+    """A pooling's epilogue that reads an input at each output point (a residual, a per-channel bias)."""
+
     def forward(self, x, y):
         return F.max_pool2d(x, 2) + y
+
+
+class PoolThenBias(nn.Module):
+    def forward(self, x, b):
+        return torch.sigmoid(F.avg_pool2d(x, 2) + b.view(1, -1, 1, 1))
+
+
+class PoolThenEarlierValue(nn.Module):
+    def forward(self, x):
+        y = torch.relu(x)
+        return F.max_pool2d(y, 1) + y  # a 1x1 pool keeps the shape
 
 
 class SoftmaxTimesSum(nn.Module):
@@ -217,6 +230,10 @@ CASES = {
     "avg_pool_then_mish": (lambda: PoolThenActivation(nn.AvgPool2d(3, 2, 1), nn.Mish()),
                            lambda: (torch.randn(2, 3, 9, 10),), ["sub", "avg_pool2d", "mul", "mish"]),
     "whole_sum_and_sum_of_squares": (WholeSumTimesSquares, lambda: (torch.rand(6, 20),), ["sum", "mul", "sum", "mul"]),
+    "max_pool_then_an_input": (PoolThenInput, lambda: (torch.randn(2, 3, 8, 8), torch.randn(2, 3, 4, 4)),
+                               ["max_pool2d_with_indices", "add"]),
+    "avg_pool_then_a_channel_bias_channels_last": (PoolThenBias, lambda: (
+        torch.randn(2, 8, 6, 6).to(memory_format=torch.channels_last), torch.randn(8)), ["avg_pool2d", "add", "sigmoid"]),
     "sum_and_sum_of_squares": (SumTimesSquares, lambda: (torch.rand(12, 50),), ["sum", "mul", "sum", "mul"]),  # no cancellation
 }
 
@@ -291,8 +308,8 @@ DECLINED = {
     # sibling reductions fold together only over the same elements, and not beside a normalization
     "a_sum_beside_a_softmax": (SoftmaxTimesSum, lambda: (torch.randn(8, 16),), "beside a scan or a normalization"),
     "sums_over_other_dims": (SumsOverOtherDims, lambda: (torch.randn(8, 16),), "folds other elements than the first"),
-    "an_input_after_a_pooling": (PoolThenInput, lambda: (torch.randn(2, 3, 8, 8), torch.randn(2, 3, 4, 4)),
-                                 "a node after a pooling reads what the pooling does not compute"),
+    "a_value_from_before_a_pooling_after_it": (PoolThenEarlierValue, lambda: (torch.randn(2, 3, 8, 8),),
+                                               "a node after a pooling reads a value from before it"),
     "siblings_under_a_normalization": (MeanTimesCentred, lambda: (torch.randn(8, 16),),
                                        "sibling reductions under a normalization are not generated"),
 }

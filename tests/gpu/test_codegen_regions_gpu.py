@@ -24,6 +24,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_dynamo")]
 FAST = dict(min_reps=5, min_ms=0.0, warmup_ms=0.0, fresh_sets=3)
 
 
+class PoolThenBias(nn.Module):
+    def forward(self, x, b):
+        return torch.sigmoid(F.avg_pool2d(x, 2) + b.view(1, -1, 1, 1))
+
+
 class SiluMul(nn.Module):
     def forward(self, a, b):
         return F.silu(a) * b
@@ -131,6 +136,8 @@ CASES = {
     # a pooling's epilogue (KernelBench level 2's max pool then hardtanh) in the pooling's kernel
     "max_pool_then_hardtanh": (lambda: nn.Sequential(nn.MaxPool2d(2), nn.Hardtanh()),
                                lambda: (torch.randn(8, 64, 128, 128, device="cuda"),)),
+    "avg_pool_then_a_channel_bias_channels_last": (PoolThenBias, lambda: (
+        torch.randn(8, 64, 56, 56, device="cuda").to(memory_format=torch.channels_last), torch.randn(64, device="cuda"))),
     # sibling reductions: the two distances of a triplet loss folded in one pass
     "triplet_margin_loss_distances": (lambda: nn.TripletMarginLoss(margin=1.0),
                                       lambda: tuple(torch.rand(1024, 1000, device="cuda") for _ in range(3))),

@@ -18,7 +18,7 @@ import torch
 
 from ..cards import TensorMeta
 from ..families import family_of, out_form_of_pointwise, packet_name, tagged_nowhere
-from . import ops, reductions
+from . import ops, reductions, windows
 from .call import Call, Val
 from .ir import FLOATS, Expr, Node, opmath, Program, Reduction, Ref, Scan, Window, broadcast_strides, siblings
 from .order import prologue_first
@@ -151,9 +151,16 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
     written_permuted: dict[tuple[int, int], tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
     def val(ref: Ref) -> Val:
-        if win is not None and (ref.kind == "in" or (ref.index, ref.output) in before_window):
-            raise Decline("a node after a pooling reads what the pooling does not compute: its epilogue is "
-                          "generated from the pooling's outputs and constants only")
+        if win is not None and ref.kind == "in":  # a pooling's epilogue reads an input at each output point
+            e = epi_reads.setdefault(ref.index, len(inputs))
+            if e == len(inputs):
+                inputs.append(inputs[ref.index])
+                sources.append(sources[ref.index])
+                loads[e] = "epi"
+            return Val(Expr.load(e, inputs[e].dtype), inputs[e].dtype, len(inputs[e].shape))
+        if win is not None and (ref.index, ref.output) in before_window:
+            raise Decline("a node after a pooling reads a value from before it: its epilogue is generated from "
+                          "the pooling's outputs, inputs and constants")
         if ref.kind == "in":
             i, f = ref.index, len(frames) - 1 if frames else 0
             if f:
@@ -261,6 +268,7 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
 
     win: Window | None = None  # a pooling node: the nodes before it its prologue, pointwise ones after it its epilogue
     before_window: dict = {}  # the values computed before the pooling, which its epilogue may not read
+    epi_reads: dict[int, int] = {}  # input -> its program input read over the pooling's output domain
     try:
         for j in prologue_first(nodes, [j for j, n in enumerate(nodes) if entry_for(n.op)[0] in ("reduction", "norm")]):
             node = nodes[j]
@@ -307,7 +315,7 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
             call = Call(name, overload, bound)
             if kind == "window":
                 before_window.update(values)
-                win = _window(j, node, call, _meta_of(node.args["self"], inputs, values), values)
+                win = windows.window(j, node, call, _meta_of(node.args["self"], inputs, values), values)
                 if isinstance(win, str):
                     return win
                 frame = win.frame
@@ -356,7 +364,7 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
         return f"not generated for these dtypes: {e}"
 
     if win is not None:
-        return _window_program(win, inputs, sources, loads, out_metas, results_of(values, outputs), aliases)
+        return windows.program(win, inputs, sources, loads, out_metas, results_of(values, outputs), aliases)
     live = [m for m in out_metas if m.numel]
     split = red.split if red is not None else None
     if red is None:
@@ -444,44 +452,6 @@ def _overlaps(m: TensorMeta) -> bool:
 def results_of(values, outputs: list[Ref]) -> list[Expr]:
     """The values of the region's outputs."""
     return [values[(r.index, r.output)][0] for r in outputs]
-
-
-def _window(j: int, node: Node, call: Call, src: TensorMeta, values) -> Window | str:
-    """A pooling node's Window (its operand: the pooled value, a load or the prologue's
-    expression), its outputs' values set in `values`."""
-    if src.dtype not in FLOATS:
-        return f"pooling of {src.dtype} tensors: eager has no CUDA kernel for it to check a kernel against"
-    plan = reductions.WINDOW_OPS[call.name](call)
-    if isinstance(plan, str):
-        return plan
-    operand = call.v("self").expr
-    kind = reductions.REDUCTIONS[plan.kind]
-    refs = tuple(Expr.var(f"s{i}", d) for i, d in enumerate(kind.state(operand.dtype)))
-    for k, (e, m) in enumerate(zip(plan.outputs(refs, Expr.var("count", "int64")), node.metas)):
-        values[(j, k)] = (e.cast(m.dtype), m)
-    return Window(kind, operand, tuple(src.shape), plan.kernel, plan.stride, plan.padding, plan.dilation,
-                  plan.count_include_pad, plan.divisor_override)
-
-
-def _window_program(win: Window, inputs, sources, loads, out_metas, results, aliases) -> Program | str:
-    """A pooling and its prologue: the domain is the pooling's output shape, every load strided
-    over the pooled tensor's shape (win.frame)."""
-    if win.kind.name == "argmax" and not any(n.op == "var" and n.value == "s1" for r in results for n in r.walk()):
-        win = replace(win, kind=reductions.REDUCTIONS["max"])  # indices unused: a max folds the same values
-    domain = tuple(out_metas[0].shape)
-    if any(tuple(m.shape) != domain for m in out_metas):
-        return "a region output beside a pooling's: only the pooling's outputs are generated with it"
-    in_strides = {}
-    for i in loads:
-        st = broadcast_strides(inputs[i].shape, inputs[i].stride, win.frame)
-        if st is None:
-            return f"input {i} of shape {inputs[i].shape} does not broadcast to {win.frame}"
-        in_strides[i] = st
-    out_strides = [tuple(m.stride) for m in out_metas]
-    if any(s < 0 for st in list(in_strides.values()) + out_strides for s in st):
-        return "negative strides are not generated"
-    return Program(domain, inputs, list(out_metas), in_strides, out_strides, results, None, dict(aliases), None, win,
-                   sources=None if sources == list(range(len(inputs))) else sources)
 
 
 def _domain(frame: tuple[int, ...], split) -> tuple[int, ...]:

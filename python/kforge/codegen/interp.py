@@ -201,7 +201,7 @@ def _run(prog: Program, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         if not m.numel:
             outs.append(torch.empty(m.shape, dtype=_T[m.dtype]))
             continue
-        v = evaluate(e, env, None if prog.window else loads_over(shape)).expand(shape)
+        v = evaluate(e, env, loads_over(shape)).expand(shape)  # a pooling's epilogue reads over its output domain
         if shape != kept and not any(st[d] for d in prog.reduce_dims):  # a statistic of a normalization
             v = v[at_kept]
         # written through the output's strides over the domain, as the kernel writes it

@@ -290,7 +290,8 @@ class Window:
     at (.., o*stride - pad + k*dilation, ...) for k inside `kernel`, skipping points in the
     padding. `operand` is the pooled tensor's value at a frame point: a load of an input, or a
     pointwise prologue over loads (batch norm -> relu before a max pool), every loaded input's
-    in_strides over the frame. The element's index in its plane or volume (row-major over the
+    in_strides over the frame; the epilogue may read inputs too, at each output point, their
+    in_strides over the domain. The element's index in its plane or volume (row-major over the
     pooled dims: ih * W + iw, or (id * H + ih) * W + iw) is var "ridx"; the epilogue sees the
     state (s0, ...) and the divisor eager's avg_pool uses (var "count", int64)."""
 

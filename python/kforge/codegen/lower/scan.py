@@ -220,7 +220,7 @@ def lower_window(prog: Program, knobs: dict) -> Built:
     for d in reversed(order):
         n = prog.domain[d] // v if d == inner else prog.domain[d]
         coords.append(f"  const {idx} c{d} = (e_ % {n}){f' * {v}' if d == inner else ''}; e_ /= {n};")
-    loaded = sorted(prog.in_strides)
+    loaded = sorted({e.value[0] for e in w.operand.walk() if e.op == "load"})  # the rest: the epilogue's, over the domain
     # each loaded input's start for this output point's leading dims, then its offset at a window point
     bases = [f"  const {CTYPE[prog.inputs[i].dtype]}* x{i} = {ptr[i]} + ("
              + " + ".join([f"c{d} * {prog.in_strides[i][d]}" for d in range(nd - k)] or ["0"]) + ");" for i in loaded]
@@ -238,7 +238,11 @@ def lower_window(prog: Program, knobs: dict) -> Built:
     span = " * ".join(f"(hi{i} - lo{i})" for i in pooled)
     clipped = " * ".join(f"((hi{i} < N{i} ? hi{i} : N{i}) - (lo{i} > 0 ? lo{i} : 0))" for i in pooled)
     count = str(w.divisor_override) if w.divisor_override else span if w.count_include_pad else clipped
-    epi = Emitter("e", {**{f"s{c}": f"{n}[j]" for c, n in enumerate(st)}, "count": "cnt"}, None)
+    def epi_load(i, stored):  # at this output point (the j-th along the inner dim)
+        at_out = " + ".join([f"c{d} * {prog.in_strides[i][d]}" for d in range(nd)])
+        return f"{ptr[i]}[{at_out}{f' + j * {prog.in_strides[i][inner]}' if inner is not None else ''}]"
+
+    epi = Emitter("e", {**{f"s{c}": f"{n}[j]" for c, n in enumerate(st)}, "count": "cnt"}, epi_load)
     res = [epi(e) for e in prog.results]
     loops, pad = [], "  "
     for i in pooled:  # one loop per pooled dim, outermost first; a point in the padding is skipped
