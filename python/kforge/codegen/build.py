@@ -236,16 +236,20 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
         frame_of[(j, 0)] = len(frames) - 1
         return None
 
+    def fold_outputs(j: int, node: Node, plan: reductions.ReductionPlan, offset: int = 0) -> None:
+        """The node's outputs from its fold's state, which starts at state var s<offset>."""
+        kind_ = reductions.REDUCTIONS[plan.kind]
+        refs = tuple(Expr.var(f"s{offset + i}", d) for i, d in enumerate(kind_.state(plan.operand.dtype)))
+        dom = _domain(frame, plan.split)
+        n = math.prod(dom[d] for d in plan.dims) if dom else 1
+        for k, (e, m) in enumerate(zip(plan.outputs(refs, n), node.metas)):
+            values[(j, k)] = (e.cast(m.dtype), m)
+
     def reduce(j: int, node: Node, plan: reductions.ReductionPlan, src_meta: TensorMeta):
         nonlocal red, frame, phase
         plan = reductions.broadcastable(plan, len(src_meta.shape))
         red, frame, phase = plan, tuple(src_meta.shape), "epi"
-        dom = _domain(frame, plan.split)
-        kind_ = reductions.REDUCTIONS[plan.kind]
-        refs = tuple(Expr.var(f"s{i}", d) for i, d in enumerate(kind_.state(plan.operand.dtype)))
-        n = math.prod(dom[d] for d in plan.dims) if dom else 1
-        for k, (e, m) in enumerate(zip(plan.outputs(refs, n), node.metas)):
-            values[(j, k)] = (e.cast(m.dtype), m)
+        fold_outputs(j, node, plan)
 
     def sibling(j: int, node: Node, plan: reductions.ReductionPlan, kind: str, src_meta: TensorMeta) -> str | None:
         """Fold `plan` beside the reduction there is, over the same elements; or why not."""
@@ -256,13 +260,7 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
             return second + ", and this one folds other elements than the first"
         if any(e.op == "var" and str(e.value).startswith("s") for e in plan.operand.walk()):
             return second + " (a reduction of a reduction's result)"
-        offset = sum(len(reductions.REDUCTIONS[p.kind].state(p.operand.dtype)) for p in [red, *sibs])
-        kind_ = reductions.REDUCTIONS[plan.kind]
-        refs = tuple(Expr.var(f"s{offset + i}", d) for i, d in enumerate(kind_.state(plan.operand.dtype)))
-        dom = _domain(frame, plan.split)
-        n = math.prod(dom[d] for d in plan.dims) if dom else 1
-        for k, (e, m) in enumerate(zip(plan.outputs(refs, n), node.metas)):
-            values[(j, k)] = (e.cast(m.dtype), m)
+        fold_outputs(j, node, plan, sum(len(reductions.REDUCTIONS[p.kind].state(p.operand.dtype)) for p in [red, *sibs]))
         sibs.append(plan)
         return None
 
@@ -270,9 +268,9 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
     before_window: dict = {}  # the values computed before the pooling, which its epilogue may not read
     epi_reads: dict[int, int] = {}  # input -> its program input read over the pooling's output domain
     try:
-        for j in prologue_first(nodes, [j for j, n in enumerate(nodes) if entry_for(n.op)[0] in ("reduction", "norm")]):
-            node = nodes[j]
-            kind, entry = entry_for(node.op)
+        entries = [entry_for(n.op) for n in nodes]
+        for j in prologue_first(nodes, [j for j, (k, _) in enumerate(entries) if k in ("reduction", "norm")]):
+            node, (kind, entry) = nodes[j], entries[j]
             if win is not None and kind != "pointwise":  # a pooling's epilogue: pointwise maps of what it computes
                 return f"{packet_name(node.op)} after a pooling: a window ends what is generated as one kernel"
             if kind is None and family_of(node.op) == "view":  # (positive is in the table)

@@ -67,7 +67,7 @@ def norm_staging(prog: Program, knobs: dict) -> str:
     nt, v = knobs["threads"], knobs["vec"]
     lanes = nt if knobs["lanes"] == "block" else knobs["lanes"]
     per = ceil_div(lay.rn // v, lanes)
-    pro = sorted({e.value[0] for e in prog.reduction.operand.walk() if e.op == "load"})
+    pro = prog.reduction.loads()
     regs = per * v * len(pro) <= (16 if nt >= 512 else 32)
     smem = nt * per * v * sum(prog.inputs[i].itemsize for i in pro) <= 40 * 1024
     order = ("regs", "smem", "reload")
@@ -139,7 +139,7 @@ def lower_norm(prog: Program, knobs: dict) -> Built:
     logical_t = no + len(loaded)
     idx = _index_type(prog, 2 * nt * v)
     dims = red.dims
-    pro = sorted({e.value[0] for e in red.operand.walk() if e.op == "load"})
+    pro = red.loads()
     full = [j for j, m in enumerate(prog.outputs) if m.numel and any(prog.out_strides[j][d] for d in dims)]
     kept = [j for j, m in enumerate(prog.outputs) if m.numel and j not in full]
     epi = sorted({e.value[0] for j in full for e in prog.results[j].walk() if e.op == "load"})
