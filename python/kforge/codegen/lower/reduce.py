@@ -116,7 +116,13 @@ def lower_reduction(prog: Program, knobs: dict, sm_count: int) -> Built:
             "  const bool live = q < KN;",
             *[f"  {line}" for line in kofs],
             "  const kf_idx lo = (kf_idx)blockIdx.y * CH, hi = lo + CH < RN ? lo + CH : RN;",
-            *[f"  {CTYPE[t]} {n} = {v};" for n, t, v in zip(st, st_types, ident)],
+            # one state per unrolled item u, merged after the loop: chains IT times shorter, so a
+            # long row's sum rounds about as eager's reduction (several accumulators a thread) does
+            *[f"  {CTYPE[t]} {n}u[IT];" for n, t in zip(st, st_types)],
+            "#pragma unroll",
+            "  for (int u = 0; u < IT; ++u) {",
+            *[f"    {n}u[u] = {v};" for n, v in zip(st, ident)],
+            "  }",
             "  if (live) {",
             # each lane takes V consecutive elements at a time (V > 1: one vector load per tensor;
             # chunks and rows are whole vectors, reduction_vecs says when)
@@ -157,8 +163,11 @@ def lower_reduction(prog: Program, knobs: dict, sm_count: int) -> Built:
         em.env[x.value] = v
     lifted = [em(e) for e in lift]
     body += [f"          {line}" for line in em.lines]
-    body += [f"          {line}" for line in _merge_block(kind, dt, st, lifted, "u")]
+    body += [f"          {line}" for line in _merge_block(kind, dt, [f"{n}u[u]" for n in st], lifted, "u")]
     body += ["        }", "        }", "      }", "    }", "  }"]
+    body += [f"  {CTYPE[t]} {n} = {n}u[0];" for n, t in zip(st, st_types)]
+    body += ["#pragma unroll", "  for (int u = 1; u < IT; ++u) {",
+             *[f"    {line}" for line in _merge_block(kind, dt, st, [f"{n}u[u]" for n in st], "i")], "  }"]
     # lanes -> lane 0 of the group: shuffles within a warp, then shared memory across warps
     w = min(lanes, 32)
     if w > 1:

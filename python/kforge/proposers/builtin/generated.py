@@ -45,8 +45,9 @@ def _splits(prog: Program) -> tuple[int, ...]:
     return tuple(s for s in SPLITS if s == 1 or (lay.rn >= s * 256 and s * lay.kn <= 2**24))
 
 
-# Accuracy of the reduction knobs. One thread folds about RN / (lanes x split) elements in
-# sequence, then the states merge as a tree; where rounding accumulates (floating sums,
+# Accuracy of the reduction knobs. One thread folds about RN / (lanes x split) elements, in
+# `items` interleaved chains (one partial state per unrolled item), then the states merge as a
+# tree; where rounding accumulates (floating sums,
 # products, Welford, logsumexp), a long sequential chain loses what eager's tree keeps:
 # an fp32 sum of 16M uniform values folded 2M at a time by 8 lanes misses by 2e-5 relative,
 # twice the evaluator's fp32 floor; 2048 at a time misses by 6e-7. So the reduction spaces
