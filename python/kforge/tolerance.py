@@ -11,8 +11,8 @@ less exact than eager, never much:
     rtol = the dtype's floor (about one ulp), times the roundings on a region's chain
     atol = scale * clamp(SLACK * excess / scale, floor, cap)
 
-`excess` is the smallest atol that lets eager itself pass against float64 with that
-rtol; `scale` is the RMS of the float64 reference's finite values. Scaling by the
+`excess` is the smallest atol that lets eager itself pass with that rtol against float64's
+answer rounded to the output's dtype (what an exact kernel returns); `scale` is the RMS of the float64 reference's finite values. Scaling by the
 reference's magnitude is what makes a wrong answer fail at every magnitude: a softmax row
 of 4096 holds values near 2.4e-4, where a blanket atol of 1e-2 passes all zeros (a
 constant output). SLACK = 4: comparing a candidate with eager adds both their errors, so 4x lets a
@@ -111,8 +111,12 @@ def _from_error(ref: torch.Tensor, hi: torch.Tensor | None, how_ref: str, ulps: 
     if hi is None:
         return Tolerance(floor * scale, rtol, f"{name} floor x rms {scale:.3g} ({how_ref})")
     got = _real64(ref).to(basis.device)  # the reference may have come from the CPU fallback
-    both = torch.isfinite(got) & torch.isfinite(basis)
-    excess = (got - basis).abs().sub(rtol * basis.abs()).clamp_min(0.0)[both]
+    # eager's error against the correctly rounded answer, what an exact kernel returns in this
+    # dtype: measured against the unrounded one, an eager just inside its rtol on one side left
+    # no room for a kernel's own last rounding on the other (fp16 cumprod, 2 ulps apart)
+    exact = _real64(hi.to(ref.dtype)).to(basis.device) if hi.dtype != ref.dtype else basis
+    both = torch.isfinite(got) & torch.isfinite(exact)
+    excess = (got - exact).abs().sub(rtol * exact.abs()).clamp_min(0.0)[both]
     measured = float(excess.max()) / scale if excess.numel() else 0.0
     rel = min(max(SLACK * measured, floor), cap)
     which = "floor" if rel == floor else "cap" if rel == cap else f"{SLACK:g}x eager's error"
