@@ -139,6 +139,21 @@ def test_winners_only_when_faster_as_dispatched_beyond_noise(tmp_path):
     assert got[h.id]["reason"].startswith("valid, but never timed as dispatched")
 
 
+def test_noise_is_the_facing_halves_of_the_two_interquartile_ranges():
+    """Seen on a busy H100: a bn+add+relu region's kernel ran 38 µs as dispatched against eager's
+    126 µs, whose reps had a few host hiccups (IQR 230 µs); half the sum of the IQRs called that
+    noise. The baseline's spread below its median and the kernel's above it do not overlap."""
+    eager = {"median_us": 125.7, "iqr_us": 230.0, "q1_us": 120.0, "q3_us": 350.0}
+    kernel = {"median_us": 38.0, "iqr_us": 3.0, "q1_us": 37.0, "q3_us": 40.0}
+    assert winners.noise(125.7, eager, kernel) == pytest.approx(5.7 + 2.0)
+    assert winners.beats(38.0, 125.7, winners.noise(125.7, eager, kernel), "eager").dispatched
+    even = {"median_us": 10.0, "iqr_us": 0.4}  # no quartiles recorded: half of each IQR
+    assert winners.noise(10.0, even, {"median_us": 9.8, "iqr_us": 0.4}) == pytest.approx(0.4)
+    assert winners.noise(10.0, {"median_us": 10.0}, kernel, margin=0.03) == pytest.approx(0.3)  # no IQR: the margin
+    slow_kernel = {"median_us": 100.0, "q1_us": 99.0, "q3_us": 130.0, "iqr_us": 31.0}
+    assert not winners.beats(100.0, 125.7, winners.noise(125.7, eager, slow_kernel), "eager").dispatched
+
+
 @pytest.mark.parametrize("eager, dispatched, compiled, kernel, want", [
     (10.0, 6.0, 8.0, 5.0, (True, True)),     # beats both
     (10.0, 6.0, 5.05, 5.0, (True, False)),   # beats eager; torch.compile's time is within the noise

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .tolerance import Tolerance
-from .verdict import Measurement, Verdict
+from .verdict import Measurement, Verdict, facing_spread
 
 # 0xFF in every byte is a NaN in every IEEE float format and -1 (or the maximum) in
 # every integer format: a written element is unlikely to hold it where eager does not.
@@ -227,9 +227,9 @@ def speed_flags(kernel_us: float, eager_us: float, floor_us: float) -> list[str]
 
 
 def speed_verdict(kernel: Measurement, eager: Measurement) -> tuple[Verdict, str]:
-    """VALID only when the kernel's median beats eager's by more than the timing noise,
-    taken as half the sum of both IQRs; a tie within noise is SLOWER (never ship a maybe)."""
-    margin = 0.5 * (kernel.iqr + eager.iqr)
+    """VALID only when the kernel's median beats eager's by more than the timing noise
+    (verdict.facing_spread of the two); a tie within noise is SLOWER (never ship a maybe)."""
+    margin = facing_spread(eager.summary(), kernel.summary())
     gain = eager.median - kernel.median
     if gain > margin:
         return Verdict.VALID, f"{eager.median / kernel.median:.2f}x faster than eager ({kernel.median:.2f} vs {eager.median:.2f} us)"

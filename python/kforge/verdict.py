@@ -62,10 +62,26 @@ class Measurement:
         return min(self.samples_us) if self.samples_us else math.nan
 
     def summary(self) -> dict[str, float]:
-        return {"median_us": self.median, "iqr_us": self.iqr, "min_us": self.min, "n": self.n}
+        return {"median_us": self.median, "iqr_us": self.iqr, "q1_us": self._q(0.25), "q3_us": self._q(0.75),
+                "min_us": self.min, "n": self.n}
 
     def __repr__(self) -> str:
         return f"Measurement(median={self.median:.3f}us, iqr={self.iqr:.3f}us, min={self.min:.3f}us, n={self.n})"
+
+
+def facing_spread(baseline: dict, kernel: dict) -> float | None:
+    """The timing noise between two timing summaries (Measurement.summary()): the facing halves of
+    their interquartile ranges, the baseline's from its median down to its first quartile and the
+    kernel's from its median up to its third. A kernel whose median beats the baseline's by more
+    has its slowest quarter of reps faster than the baseline's fastest quarter; a baseline's slow
+    outliers (a host hiccup in a launch-bound eager) do not hide it. Summaries without quartiles
+    take half of each IQR; None where an IQR is missing."""
+    def half(m: dict, quartile: str, toward: int) -> float | None:
+        if isinstance(m.get(quartile), (int, float)) and isinstance(m.get("median_us"), (int, float)):
+            return max(0.0, toward * (m[quartile] - m["median_us"]))
+        return 0.5 * m["iqr_us"] if isinstance(m.get("iqr_us"), (int, float)) else None
+    b, k = half(baseline, "q1_us", -1), half(kernel, "q3_us", 1)
+    return None if b is None or k is None else b + k
 
 
 @dataclass

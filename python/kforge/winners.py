@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .store import CandidateRecord
-from .verdict import Verdict
+from .verdict import Verdict, facing_spread
 
 # Without an IQR in the evidence a kernel must beat eager by this fraction to be dispatched.
 DEFAULT_MARGIN = 0.03
@@ -27,13 +27,14 @@ class Decision:
     noise_us: float | None = None
 
 
-def noise(baseline_us: float, baseline_iqr: float | None, kernel_iqr: float | None, *,
-          noise_factor: float = 1.0, margin: float = DEFAULT_MARGIN) -> float:
-    """How much faster than a baseline a kernel must be to count: noise_factor times half the sum
-    of the two IQRs, or `margin` of the baseline when an IQR is missing."""
-    if baseline_iqr is None or kernel_iqr is None:
-        return margin * baseline_us
-    return noise_factor * 0.5 * (baseline_iqr + kernel_iqr)
+def noise(baseline_us: float, baseline: dict, kernel: dict, *, noise_factor: float = 1.0,
+          margin: float = DEFAULT_MARGIN) -> float:
+    """How much faster than a baseline (median `baseline_us`) a kernel must be to count, from the
+    two timing summaries: noise_factor times their facing spread (verdict.facing_spread: at 1, the
+    kernel's slowest quarter of reps must beat the baseline's fastest quarter), or `margin` of the
+    baseline where an IQR is missing."""
+    spread = facing_spread(baseline, kernel)
+    return margin * baseline_us if spread is None else noise_factor * spread
 
 
 def beats(kernel_us: float, baseline_us: float, noise_us: float, baseline: str) -> Decision:
@@ -84,8 +85,8 @@ def _compile_decision(row: CandidateRecord, noise_factor: float, margin: float) 
     if row.compile_us is None:
         why = evidence.get("compile_error")
         return None, why if isinstance(why, str) and why else "never timed against torch.compile (searched without the compile baseline)"
-    c_iqr, k_iqr = _summary(evidence, "compiled").get("iqr_us"), _summary(evidence, "kernel").get("iqr_us")
-    return noise(row.compile_us, c_iqr, k_iqr, noise_factor=noise_factor, margin=margin), ""
+    return noise(row.compile_us, _summary(evidence, "compiled"), _summary(evidence, "kernel"),
+                 noise_factor=noise_factor, margin=margin), ""
 
 
 def choose(rows: list[CandidateRecord], skip_reason: str | None, *, noise_factor: float = 1.0,
@@ -128,9 +129,8 @@ def choose(rows: list[CandidateRecord], skip_reason: str | None, *, noise_factor
         eager = Decision(False, "valid, but never timed as dispatched (through the guard path)" if best is None
                          else "no eager timing to compare against")
     else:
-        e_iqr = _summary(evidence, "eager_dispatched", "eager").get("iqr_us")
-        d_iqr = _summary(evidence, "dispatched", "kernel").get("iqr_us")
-        e_noise = noise(eager_us, e_iqr, d_iqr, noise_factor=noise_factor, margin=margin)
+        e_noise = noise(eager_us, _summary(evidence, "eager_dispatched", "eager"), _summary(evidence, "dispatched", "kernel"),
+                        noise_factor=noise_factor, margin=margin)
         c_noise, why = _compile_decision(best, noise_factor, margin)
         eager, on_compile = decide(eager_us=eager_us, dispatched_us=best.dispatched_us, eager_noise_us=e_noise,
                                    kernel_us=best.kernel_us, compile_us=best.compile_us,
