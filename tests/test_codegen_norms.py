@@ -277,6 +277,11 @@ def test_few_long_rows_take_the_two_pass_split_form():
     cand = generated.build(card, knobs, H200)
     assert [k.name for k in cand.plan.kernels] == ["kf_gen", "kf_gen_finish", "kf_gen_apply"]
     assert compiler.compile(cand.source, arch="sm_90").cubin
+    # the statistics read a group's channels and pixels as one run, 4 floats a load, and fold
+    # each vector as one Welford chunk (its mean by a multiply, one division per merge)
+    stats = cand.source.split("kf_gen_finish")[0]
+    assert knobs["vec"] == 4 and "constexpr int V = 4;" in stats and "kf_vec<float, V>" in stats
+    assert "* 0.25f" in stats and "(4.0f / " in stats and "(1.0f / " not in stats  # no division per element
     card, _, _ = _group_norm((64, 128, 16, 16), 32, F32)
     assert generated.default(card, H200)["algo"] == "gen_norm"
 

@@ -207,6 +207,10 @@ class ReductionKind:
     # online logsumexp's merge is a chain of dependent exps per element; max, then the sum of
     # exp(x - max), keeps only an add on the chain.
     phases: tuple = ()  # of (ReductionKind, Callable[[Expr, tuple[Expr, ...]], Expr])
+    # The state of a few consecutive elements at once, all present (a vector a thread loaded),
+    # where that is cheaper than lifting and merging each: Welford's count, mean and squared
+    # deviations of the chunk, one division per merge of the chunk rather than one per element.
+    chunk: "Callable[[tuple[Expr, ...]], tuple] | None" = None
 
     def merge_exprs(self, dtype: str) -> tuple[tuple[Expr, ...], tuple[Expr, ...], tuple[Expr, ...]]:
         """merge over variables: (a vars, b vars, merged state)."""
@@ -221,6 +225,11 @@ class ReductionKind:
         first = x[0] if isinstance(x, tuple) else x
         return tuple(e if isinstance(e, Expr) else Expr.const(e, d)
                      for e, d in zip(self.lift(x, Expr.var("ridx", "int64")), self.state(first.dtype)))
+
+    def chunk_exprs(self, xs: tuple[Expr, ...]) -> tuple[Expr, ...]:
+        """The state of the elements xs (prologue values, in order), by `chunk`."""
+        return tuple(e.cast(d) if isinstance(e, Expr) else Expr.const(e, d)
+                     for e, d in zip(self.chunk(xs), self.state(xs[0].dtype)))
 
     def identity_exprs(self, dtype: str) -> tuple[Expr, ...]:
         return tuple(Expr.const(v, d) for v, d in zip(self.identity(dtype), self.state(dtype)))

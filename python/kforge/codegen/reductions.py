@@ -54,6 +54,19 @@ def _welford_merge(a, b):
     return (n, a[1] + d * wb, a[2] + b[2] + d * d * a[0] * wb)
 
 
+def _welford_chunk(xs):
+    """(count, mean, sum of squared deviations) of a vector's elements: its mean by one multiply
+    (vector widths are powers of two, so 1 / n is exact), its deviations from that mean."""
+    total = xs[0]
+    for x in xs[1:]:
+        total = total + x
+    mean = total * _k(total, 1.0 / len(xs))
+    m2 = (xs[0] - mean) * (xs[0] - mean)
+    for x in xs[1:]:
+        m2 = m2 + (x - mean) * (x - mean)
+    return (_k(total, len(xs)), mean, m2)
+
+
 def _lse_merge(a, b):
     """(max, sum of exp(x - max)): the online logsumexp state. One exp per merge (the smaller
     max's sum is scaled by exp(-|a - b|)); equal maxima (both -inf or +inf too) add."""
@@ -73,7 +86,7 @@ REDUCTIONS: dict[str, ReductionKind] = {
     "argmax": _arg_kind("argmax", True),
     "argmin": _arg_kind("argmin", False),
     "welford": ReductionKind("welford", lambda d: (d, d, d), lambda d: (0.0, 0.0, 0.0),
-                             lambda x, r: (_k(x, 1), x, _k(x, 0)), _welford_merge),
+                             lambda x, r: (_k(x, 1), x, _k(x, 0)), _welford_merge, chunk=_welford_chunk),
     "logsumexp": ReductionKind("logsumexp", lambda d: (d, d), lambda d: (-math.inf, 0.0),
                                lambda x, r: (x, _k(x, 1)), _lse_merge),
 }

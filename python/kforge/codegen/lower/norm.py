@@ -8,7 +8,7 @@ from ...proposers.builtin.common import ceil_div
 from ..ir import Expr, Program
 from .emit import (CTYPE, Built, Emitter, _const, _header, _index_type, _merge_block, _pointers, _shfl, convert,
                    offsets_code)
-from .reduce import lower_reduction, reduction_layout
+from .reduce import lower_reduction, reduction_layout, reduction_vecs
 
 
 def _shfl_idx(x: str, dtype: str, width: int) -> str:
@@ -255,8 +255,10 @@ def lower_norm_split(prog: Program, knobs: dict, sm_count: int) -> Built:
     red = prog.reduction
     kind, dt = red.kind, red.operand.dtype
     st_types = kind.state(dt)
+    # the statistics read `vec` elements at a time too, where the fold's layout allows that width
+    fold_vec = max(w for w in reduction_vecs(prog, (knobs["split"],)) if w <= knobs["vec"])
     built = lower_reduction(prog, {"algo": "gen_rows", "threads": knobs["threads"], "lanes": "block",
-                                   "items": knobs["items"], "split": knobs["split"]}, sm_count)
+                                   "items": knobs["items"], "split": knobs["split"], "vec": fold_vec}, sm_count)
     lay = reduction_layout(prog)
     v, nta = knobs["vec"], 256
     nc = lay.rn // v

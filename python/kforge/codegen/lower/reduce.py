@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 from ...proposers.builtin.common import ceil_div
-from ..ir import Program
+from ..ir import Expr, Program
 from .emit import (CTYPE, Built, Emitter, _const, _header, _index_type, _merge_block, _pointers, _shfl, coalesce,
                    convert, offsets_code)
 
@@ -23,7 +23,12 @@ class RedLayout:
     rn: int
 
 
-def reduction_layout(prog: Program) -> RedLayout:
+def reduction_layout(prog: Program, fold: bool = False) -> RedLayout:
+    """The kept and reduced dims, each coalesced where every tensor allows. With `fold`, the
+    reduced dims only as the fold reads them (the prologue's loads and the logical index): a group
+    norm's per-channel weight, read by its epilogue alone, then no longer splits a group's
+    channels from its pixels, and the fold reads them as one contiguous run; the other tensors'
+    reduced strides are then not theirs (zeros) and must not be used."""
     dims = prog.reduce_dims
     nd = len(prog.domain)
     dom = list(prog.domain)
@@ -39,6 +44,11 @@ def reduction_layout(prog: Program) -> RedLayout:
     ref = list(prog.in_strides[pro[0]]) if pro else logical
     rorder = sorted(dims, key=lambda d: -ref[d])
     ks, kst = coalesce(dom, tensors, korder)
+    if fold:
+        no, read = len(prog.out_strides), set(pro)
+        loaded = [i for i in sorted(prog.in_strides)]
+        tensors = [[0] * nd for _ in prog.out_strides] + [
+            t if loaded[k] in read else [0] * nd for k, t in enumerate(tensors[no:no + len(loaded)])] + [logical]
     rs, rst = coalesce(dom, tensors, rorder)
     return RedLayout(ks, kst, rs, rst, math.prod(ks), math.prod(rs))
 
@@ -58,7 +68,7 @@ def reduction_vecs(prog: Program, splits: tuple[int, ...]) -> tuple[int, ...]:
     """Legal vector widths (elements) for the prologue's loads, narrowest first: the reduced
     elements one run contiguous in every tensor the prologue loads, each tensor's kept
     offsets and alignment a multiple of the width, and every split's chunk whole vectors."""
-    lay = reduction_layout(prog)
+    lay = reduction_layout(prog, fold=True)
     red = prog.reduction
     loads = red.loads()
     no = len(prog.outputs)
@@ -82,7 +92,7 @@ def lower_reduction(prog: Program, knobs: dict, sm_count: int) -> Built:
     kind, dt = red.kind, red.operand.dtype
     st_types = kind.state(dt)
     ns = len(st_types)
-    lay = reduction_layout(prog)
+    lay = reduction_layout(prog, fold=True)
     nt, it, split, vec = knobs["threads"], knobs["items"], knobs["split"], knobs.get("vec", 1)
     lanes = 1 if knobs["algo"] == "gen_cols" else (nt if knobs["lanes"] == "block" else knobs["lanes"])
     rows = nt // lanes
@@ -149,22 +159,37 @@ def lower_reduction(prog: Program, knobs: dict, sm_count: int) -> Built:
              "      }",
              "#pragma unroll",
              "      for (int u = 0; u < IT; ++u) {",
-             "        if (r0 + (kf_idx)u * LANES * V < hi) {",
-             "#pragma unroll",
-             "        for (int j = 0; j < V; ++j) {"]
+             "        if (r0 + (kf_idx)u * LANES * V < hi) {"]
+    into = [f"{n}u[u]" for n in st]
+    if kind.chunk is not None and vec > 1 and not red.siblings:
+        # the V elements of a vector (always whole: reduction_vecs) folded as one chunk, then merged
+        values = []
+        em = Emitter("p", {}, None)
+        for j in range(vec):
+            em.load = lambda i, stored, j=j: f"x{i}[u][{j}]" if i in pro_loads else f"{ptr[i]}[k{tix[i]}]"
+            em.env["ridx"] = f"(ri[u] + (kf_i64){j} * {lstride})"
+            em.names = {}  # the same prologue expression at another element
+            values.append(em(red.operand))
+        xs = tuple(Expr.var(f"kf_c{j}", dt) for j in range(vec))
+        em.env.update({x.value: v for x, v in zip(xs, values)})
+        em.names = {}
+        chunk = [em(e) for e in kind.chunk_exprs(xs)]
+        body += [f"          {line}" for line in em.lines + _merge_block(kind, dt, into, chunk, "u")]
+        body += ["        }", "      }", "    }", "  }"]
+    else:
+        def pro_load(i, stored):
+            return f"x{i}[u][j]" if i in pro_loads else f"{ptr[i]}[k{tix[i]}]"
 
-    def pro_load(i, stored):
-        return f"x{i}[u][j]" if i in pro_loads else f"{ptr[i]}[k{tix[i]}]"
-
-    em = Emitter("p", {"ridx": f"(ri[u] + (kf_i64)j * {lstride})"}, pro_load)
-    xs, lift = red.lifted()
-    values = [em(o) for o in red.operands]
-    for x, v in zip(xs, values):
-        em.env[x.value] = v
-    lifted = [em(e) for e in lift]
-    body += [f"          {line}" for line in em.lines]
-    body += [f"          {line}" for line in _merge_block(kind, dt, [f"{n}u[u]" for n in st], lifted, "u")]
-    body += ["        }", "        }", "      }", "    }", "  }"]
+        em = Emitter("p", {"ridx": f"(ri[u] + (kf_i64)j * {lstride})"}, pro_load)
+        xs, lift = red.lifted()
+        values = [em(o) for o in red.operands]
+        for x, v in zip(xs, values):
+            em.env[x.value] = v
+        lifted = [em(e) for e in lift]
+        body += ["#pragma unroll", "        for (int j = 0; j < V; ++j) {"]
+        body += [f"          {line}" for line in em.lines]
+        body += [f"          {line}" for line in _merge_block(kind, dt, into, lifted, "u")]
+        body += ["        }", "        }", "      }", "    }", "  }"]
     body += [f"  {CTYPE[t]} {n} = {n}u[0];" for n, t in zip(st, st_types)]
     body += ["#pragma unroll", "  for (int u = 1; u < IT; ++u) {",
              *[f"    {line}" for line in _merge_block(kind, dt, st, [f"{n}u[u]" for n in st], "i")], "  }"]
