@@ -251,3 +251,25 @@ def _merge_block(kind, dtype: str, into: list[str], other: list[str], tag: str) 
     em = Emitter(f"m{tag}_", env, None)
     res = [em(m) for m in merged]
     return ["{"] + [f"  {line}" for line in em.lines] + [f"  {n} = {r};" for n, r in zip(into, res)] + ["}"]
+
+
+def _chunk_block(kind, dtype: str, into: list[str], operand, width: int, load, env: dict, tag: str,
+                 after=None) -> list[str]:
+    """Statements: into = merge(into, the kind's chunk state of `width` consecutive elements), the
+    operand evaluated at each element j (load(i, stored, j) and env(j) say where its inputs are;
+    after(j, name) adds statements that use element j's value)."""
+    from ..ir import Expr
+
+    em = Emitter(f"{tag}_", {}, None)
+    values, extra = [], []
+    for j in range(width):
+        em.load = lambda i, stored, j=j: load(i, stored, j)
+        em.env.update(env(j))
+        em.names = {}  # the same operand expression at another element
+        values.append(em(operand))
+        extra += after(j, values[-1]) if after else []
+    xs = tuple(Expr.var(f"kf_c{j}", dtype) for j in range(width))
+    em.env.update({x.value: v for x, v in zip(xs, values)})
+    em.names = {}
+    chunk = [em(e) for e in kind.chunk_exprs(xs)]
+    return em.lines + extra + _merge_block(kind, dtype, into, chunk, tag)

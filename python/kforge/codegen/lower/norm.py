@@ -6,7 +6,7 @@ from __future__ import annotations
 from ...cards import TensorMeta
 from ...proposers.builtin.common import ceil_div
 from ..ir import Expr, Program
-from .emit import (CTYPE, Built, Emitter, _const, _header, _index_type, _merge_block, _pointers, _shfl, convert,
+from .emit import (CTYPE, Built, Emitter, _chunk_block, _const, _header, _index_type, _merge_block, _pointers, _shfl, convert,
                    offsets_code)
 from .reduce import lower_reduction, reduction_layout, reduction_vecs
 
@@ -185,8 +185,15 @@ def lower_norm(prog: Program, knobs: dict) -> Built:
                 p1.append(f"{CTYPE[prog.inputs[i].dtype]} xv{i}[V];")
             if f == 0:
                 p1 += load_chunk(i, arr(i, 1))
+        ridx = f"((kf_i64)r{logical_t} + (kf_i64)jj * {lay.rstrides[logical_t][-1]})"
+        if not phases and fk.chunk is not None and v > 1:  # a chunk's V elements folded at once
+            p1 += _chunk_block(fk, dt, fst, red.operand, v, lambda i, stored, j: f"{arr(i, 1)}[{j}]",
+                               lambda j: {"ridx": ridx.replace("jj", str(j))}, f"p{f}",
+                               after=(lambda j, name: [f"xo[u][{j}] = {name};"]) if held else None)
+            p1s.append((fk, fst, ftypes, p1))
+            continue
         earlier = {f"kf_phase{c}": st[c] for c in range(f)}
-        em = Emitter(f"p{f}_", {"ridx": f"((kf_i64)r{logical_t} + (kf_i64)jj * {lay.rstrides[logical_t][-1]})", **earlier},
+        em = Emitter(f"p{f}_", {"ridx": ridx, **earlier},
                      lambda i, stored: f"{arr(i, 1)}[jj]")
         if held and f > 0:
             em.bind(red.operand, "xo[u][jj]")

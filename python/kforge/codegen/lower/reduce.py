@@ -7,8 +7,8 @@ import math
 from dataclasses import dataclass
 
 from ...proposers.builtin.common import ceil_div
-from ..ir import Expr, Program
-from .emit import (CTYPE, Built, Emitter, _const, _header, _index_type, _merge_block, _pointers, _shfl, coalesce,
+from ..ir import Program
+from .emit import (CTYPE, Built, Emitter, _chunk_block, _const, _header, _index_type, _merge_block, _pointers, _shfl, coalesce,
                    convert, offsets_code)
 
 # ---- reduction -----------------------------------------------------------------------
@@ -163,18 +163,10 @@ def lower_reduction(prog: Program, knobs: dict, sm_count: int) -> Built:
     into = [f"{n}u[u]" for n in st]
     if kind.chunk is not None and vec > 1 and not red.siblings:
         # the V elements of a vector (always whole: reduction_vecs) folded as one chunk, then merged
-        values = []
-        em = Emitter("p", {}, None)
-        for j in range(vec):
-            em.load = lambda i, stored, j=j: f"x{i}[u][{j}]" if i in pro_loads else f"{ptr[i]}[k{tix[i]}]"
-            em.env["ridx"] = f"(ri[u] + (kf_i64){j} * {lstride})"
-            em.names = {}  # the same prologue expression at another element
-            values.append(em(red.operand))
-        xs = tuple(Expr.var(f"kf_c{j}", dt) for j in range(vec))
-        em.env.update({x.value: v for x, v in zip(xs, values)})
-        em.names = {}
-        chunk = [em(e) for e in kind.chunk_exprs(xs)]
-        body += [f"          {line}" for line in em.lines + _merge_block(kind, dt, into, chunk, "u")]
+        def element_load(i, stored, j):
+            return f"x{i}[u][{j}]" if i in pro_loads else f"{ptr[i]}[k{tix[i]}]"
+        body += [f"          {line}" for line in _chunk_block(
+            kind, dt, into, red.operand, vec, element_load, lambda j: {"ridx": f"(ri[u] + (kf_i64){j} * {lstride})"}, "p")]
         body += ["        }", "      }", "    }", "  }"]
     else:
         def pro_load(i, stored):
