@@ -82,7 +82,7 @@ lane() {  # lane LOG ITEM...: run the items in order
       kb:*) IFS=: read -r _ kb_level kb_shard <<< "$item"
             step "$log" "kernelbench-l$kb_level${kb_shard:+-${kb_shard/\//of}}" "${T_KB:-420}" python3 bench/kernelbench.py \
               --kernelbench "${KB_ROOT:-.kb}" --level "$kb_level" ${kb_shard:+--shard "$kb_shard"} \
-              --time-budget "$(( ${T_KB:-420} - 30 ))" --max-bytes "${KB_BYTES:-5e8}" --iterations "${KB_ITERS:-12}" \
+              --time-budget "$(( ${T_KB:-420} - 30 ))" --max-bytes "${KB_BYTES:-2e8}" --iterations "${KB_ITERS:-12}" \
               --wall-time "${KB_WALL:-30}" $([ "${KB_REGIONS:-1}" = 0 ] || echo --regions) \
               ${KB_PROBLEMS:+--problems $KB_PROBLEMS} --out "$OUT/kernelbench_l${kb_level}${kb_shard:+_s${kb_shard/\//of}}_h200.json" ;;
       # The Ray backend on this GPU through a local Ray head vs the local worker: dispatched cards and
