@@ -729,10 +729,17 @@ def test_a_permute_after_a_keepdim_reduction_is_written_once_per_kept_point():
 
 def test_region_with_two_reductions_is_declined():
     m = lambda *s: TensorMeta(s, torch.empty(s).stride(), "float32", "cuda")  # noqa: E731
-    nodes = [Node("aten::amax.default", {"self": Ref("in", 0), "dim": [1], "keepdim": True}, [m(4, 1)]),
-             Node("aten::sum.dim_IntList", {"self": Ref("node", 0), "dim": [1], "keepdim": True, "dtype": None}, [m(4, 1)])]
-    why = build.from_nodes(nodes, [m(4, 8)], [Ref("node", 1)], [m(4, 1)], {})
+    nodes = [Node("aten::amax.default", {"self": Ref("in", 0), "dim": [1], "keepdim": True}, [m(4, 1, 6)]),
+             Node("aten::sum.dim_IntList", {"self": Ref("node", 0), "dim": [2], "keepdim": True, "dtype": None}, [m(4, 1, 1)])]
+    why = build.from_nodes(nodes, [m(4, 8, 6)], [Ref("node", 1)], [m(4, 1, 1)], {})
     assert isinstance(why, str) and "one reduction level" in why
+    # a second reduction over size-1 dims only folds one element a row: pointwise, so generated
+    ones = [nodes[0], Node("aten::sum.dim_IntList", {"self": Ref("node", 0), "dim": [1], "keepdim": True, "dtype": None},
+                           [m(4, 1, 6)])]
+    prog = build.from_nodes(ones, [m(4, 8, 6)], [Ref("node", 1)], [m(4, 1, 6)], {})
+    assert not isinstance(prog, str), prog
+    x = torch.randn(4, 8, 6)
+    torch.testing.assert_close(interp.run(prog, [x])[0], x.amax(1, keepdim=True))
 
 
 # ---- the generated C itself, run on the CPU ----------------------------------------------

@@ -132,6 +132,19 @@ class CatOfActivations(nn.Module):
         return torch.cat((torch.sigmoid(a), b * 2), dim=1).relu()
 
 
+class LogSumExpOfOne(nn.Module):
+    """KernelBench level 2's Gemm_Subtract_GlobalAvgPool_LogSumExp_GELU_ResidualAdd after its mean:
+    a logsumexp over a dim of size 1 folds one element (pointwise), then a residual broadcast over rows."""
+
+    def forward(self, m, x):
+        return F.gelu(torch.logsumexp(m, dim=1, keepdim=True)) + x
+
+
+class LogSumExpOfOnePlus(nn.Module):
+    def forward(self, m, x):  # no GELU: eager's CPU GELU of +inf is NaN, its CUDA one's (the table's) inf
+        return torch.logsumexp(m, dim=1, keepdim=True) * 2 + x
+
+
 class SumTimesSquares(nn.Module):
     """Two reductions over the same elements, the second's prologue (the square) after the first:
     one fold of both (siblings)."""
@@ -234,6 +247,9 @@ CASES = {
                                ["max_pool2d_with_indices", "add"]),
     "avg_pool_then_a_channel_bias_channels_last": (PoolThenBias, lambda: (
         torch.randn(2, 8, 6, 6).to(memory_format=torch.channels_last), torch.randn(8)), ["avg_pool2d", "add", "sigmoid"]),
+    # a reduction over size-1 dims folds one element: pointwise, so the row's residual broadcasts
+    "logsumexp_over_a_size_1_dim": (LogSumExpOfOne, lambda: (torch.randn(16, 1), torch.randn(16, 48)),
+                                    ["logsumexp", "gelu", "add"]),
     "sum_and_sum_of_squares": (SumTimesSquares, lambda: (torch.rand(12, 50),), ["sum", "mul", "sum", "mul"]),  # no cancellation
 }
 
@@ -267,6 +283,20 @@ def test_region_lowers_compiles_and_matches_its_replay(tmp_path, name):
         if knobs["algo"] != "gen_rows":
             for got, w in zip(cuda_on_cpu.run(card, cand, inputs), want):
                 torch.testing.assert_close(got, w, rtol=1e-6, atol=1e-6, msg=lambda m: f"{knobs}: {m}")
+
+
+def test_a_reduction_of_one_element_a_row_is_pointwise(tmp_path):
+    """No fold level is spent on it: the program is a pointwise one over the residual's domain, and
+    infinities and NaN come out as eager's (logsumexp of one element is that element)."""
+    card = region_card(tmp_path, LogSumExpOfOne(), torch.randn(16, 1), torch.randn(16, 48))
+    prog = card_program.program_for_card(card)
+    assert not isinstance(prog, str), prog
+    assert prog.reduction is None and prog.domain == (16, 48)
+    m = torch.tensor([[float("inf")], [-float("inf")], [float("nan")], [3.0]])
+    x = torch.randn(4, 48)
+    card4 = region_card(tmp_path / "4", LogSumExpOfOnePlus(), m, x)
+    (got,) = interp.run(card_program.program_for_card(card4), [m, x])
+    torch.testing.assert_close(got, card4.region.replay([m, x])[0], equal_nan=True)
 
 
 def test_the_reduction_region_has_its_cast_and_square_as_prologue(tmp_path):

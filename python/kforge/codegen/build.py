@@ -336,6 +336,12 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
                     stats.update((j, k) for k in range(len(plan), len(node.metas)))
                     continue
                 src = node.args["self" if "self" in node.args else "input"]
+                if kind == "reduction" and _one_element(plan, _meta_of(src, inputs, values), node.metas[0]):
+                    one = _lifted_alone(plan)  # a fold of one element: pointwise (its lift, then its outputs)
+                    for k, (e, m) in enumerate(zip(plan.outputs(one, 1), node.metas)):
+                        values[(j, k)] = (e.cast(m.dtype), m)
+                        frame_of[(j, k)] = len(frames) - 1 if frames else 0
+                    continue
                 if red is not None or scan is not None:
                     phase = "epi"
                     why = sibling(j, node, plan, kind, _meta_of(src, inputs, values))
@@ -434,6 +440,22 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
     scan_ = Scan(reductions.REDUCTIONS[scan.kind], scan.operand, scan.dim) if scan is not None else None
     return Program(domain, inputs, list(out_metas), in_strides, out_strides, results, reduction, dict(aliases),
                    scan_, sources=None if sources == list(range(len(inputs))) else sources)
+
+
+def _one_element(plan: reductions.ReductionPlan, src: TensorMeta, out: TensorMeta) -> bool:
+    """A reduction whose every output folds one element (all its dims of size 1: a logsumexp
+    over a dim a mean left at 1), with an output that is the operand's trailing dims as values
+    before it are (keepdim, or only leading dims dropped)."""
+    return bool(plan.dims) and plan.split is None and all(src.shape[d] == 1 for d in plan.dims) and \
+        lead_stripped(tuple(out.shape)) == lead_stripped(tuple(src.shape))
+
+
+def _lifted_alone(plan: reductions.ReductionPlan) -> tuple[Expr, ...]:
+    """The fold's state of the operand's one element (at reduced index 0)."""
+    kind = reductions.REDUCTIONS[plan.kind]
+    types = kind.state(plan.operand.dtype)
+    raw = kind.lift(plan.operand, Expr.const(0, "int64"))
+    return tuple((e if isinstance(e, Expr) else Expr.const(e, d)).cast(d) for e, d in zip(raw, types))
 
 
 def _overlaps(m: TensorMeta) -> bool:
