@@ -145,6 +145,19 @@ class LogSumExpOfOnePlus(nn.Module):
         return torch.logsumexp(m, dim=1, keepdim=True) * 2 + x
 
 
+class Pool1dThenGelu(nn.Module):
+    """KernelBench level 2's Matmul_AvgPool_GELU_Scale_Max after its matmul: avg_pool1d is an
+    unsqueeze, a 2-D pooling and a squeeze, and the GELU and scale follow the squeeze."""
+
+    def forward(self, x):
+        return F.gelu(F.avg_pool1d(x.unsqueeze(1), 4).squeeze(1)) * 2.0
+
+
+class PoolThenTranspose(nn.Module):
+    def forward(self, x):
+        return torch.sigmoid(F.max_pool2d(x, 2).transpose(2, 3))
+
+
 class SumTimesSquares(nn.Module):
     """Two reductions over the same elements, the second's prologue (the square) after the first:
     one fold of both (siblings)."""
@@ -250,6 +263,7 @@ CASES = {
     # a reduction over size-1 dims folds one element: pointwise, so the row's residual broadcasts
     "logsumexp_over_a_size_1_dim": (LogSumExpOfOne, lambda: (torch.randn(16, 1), torch.randn(16, 48)),
                                     ["logsumexp", "gelu", "add"]),
+    "avg_pool1d_squeezed_then_gelu": (Pool1dThenGelu, lambda: (torch.randn(6, 64),), ["avg_pool2d", "gelu", "mul"]),
     "sum_and_sum_of_squares": (SumTimesSquares, lambda: (torch.rand(12, 50),), ["sum", "mul", "sum", "mul"]),  # no cancellation
 }
 
@@ -338,6 +352,8 @@ DECLINED = {
     # sibling reductions fold together only over the same elements, and not beside a normalization
     "a_sum_beside_a_softmax": (SoftmaxTimesSum, lambda: (torch.randn(8, 16),), "beside a scan or a normalization"),
     "sums_over_other_dims": (SumsOverOtherDims, lambda: (torch.randn(8, 16),), "folds other elements than the first"),
+    "a_transpose_after_a_pooling": (PoolThenTranspose, lambda: (torch.randn(2, 3, 8, 6),),
+                                    "after a pooling: a window ends what is generated as one kernel"),
     "a_value_from_before_a_pooling_after_it": (PoolThenEarlierValue, lambda: (torch.randn(2, 3, 8, 8),),
                                                "a node after a pooling reads a value from before it"),
     "siblings_under_a_normalization": (MeanTimesCentred, lambda: (torch.randn(8, 16),),

@@ -265,6 +265,7 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
         return None
 
     win: Window | None = None  # a pooling node: the nodes before it its prologue, pointwise ones after it its epilogue
+    win_shape: tuple[int, ...] = ()  # its output's shape: the domain (region outputs may drop its size-1 dims)
     before_window: dict = {}  # the values computed before the pooling, which its epilogue may not read
     epi_reads: dict[int, int] = {}  # input -> its program input read over the pooling's output domain
     try:
@@ -272,6 +273,11 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
         for j in prologue_first(nodes, [j for j, (k, _) in enumerate(entries) if k in ("reduction", "norm")]):
             node, (kind, entry) = nodes[j], entries[j]
             if win is not None and kind != "pointwise":  # a pooling's epilogue: pointwise maps of what it computes
+                src = node.args.get("self")
+                if kind is None and family_of(node.op) == "view" and isinstance(src, Ref) and src.kind == "node" \
+                        and windows.ones_view(values[(src.index, src.output)][1], node.metas[0]):
+                    values[(j, 0)] = (val(src).expr, node.metas[0])  # 1-D pooling's squeeze: the same points
+                    continue
                 return f"{packet_name(node.op)} after a pooling: a window ends what is generated as one kernel"
             if kind is None and family_of(node.op) == "view":  # (positive is in the table)
                 why = reshape(j, node)
@@ -314,6 +320,7 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
             if kind == "window":
                 before_window.update(values)
                 win = windows.window(j, node, call, _meta_of(node.args["self"], inputs, values), values)
+                win_shape = tuple(node.metas[0].shape)
                 if isinstance(win, str):
                     return win
                 frame = win.frame
@@ -368,7 +375,7 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
         return f"not generated for these dtypes: {e}"
 
     if win is not None:
-        return windows.program(win, inputs, sources, loads, out_metas, results_of(values, outputs), aliases)
+        return windows.program(win, win_shape, inputs, sources, loads, out_metas, results_of(values, outputs), aliases)
     live = [m for m in out_metas if m.numel]
     split = red.split if red is not None else None
     if red is None:

@@ -28,14 +28,29 @@ def window(j: int, node: Node, call: Call, src: TensorMeta, values) -> Window | 
                   plan.count_include_pad, plan.divisor_override)
 
 
-def program(win: Window, inputs, sources, loads, out_metas, results, aliases) -> Program | str:
-    """A pooling with its prologue and epilogue: the domain is the pooling's output shape; the
-    prologue's loads are strided over the pooled tensor's shape (win.frame), the epilogue's over
-    the domain."""
+def ones_view(src: TensorMeta, out: TensorMeta) -> bool:
+    """A view that only adds or drops size-1 dims (avg_pool1d's squeeze after its 2-D pooling):
+    the same elements in the same order."""
+    return [n for n in src.shape if n != 1] == [n for n in out.shape if n != 1]
+
+
+def _strides_over(m: TensorMeta, domain: tuple[int, ...]) -> tuple[int, ...] | None:
+    """`m`'s strides over `domain`, which it equals up to size-1 dims (0 along each of those)."""
+    if not ones_view(m, TensorMeta(domain, domain, m.dtype, m.device)):
+        return None
+    own = iter(st for n, st in zip(m.shape, m.stride) if n != 1)
+    return tuple(0 if n == 1 else next(own) for n in domain)
+
+
+def program(win: Window, domain: tuple[int, ...], inputs, sources, loads, out_metas, results, aliases) -> Program | str:
+    """A pooling with its prologue and epilogue: the domain is the pooling's output shape (`domain`;
+    the region's outputs are it up to size-1 dims); the prologue's loads are strided over the
+    pooled tensor's shape (win.frame), the epilogue's over the domain (right-aligned: an input
+    broadcast against a squeezed output either aligns the same way or fails to broadcast here)."""
     if win.kind.name == "argmax" and not any(n.op == "var" and n.value == "s1" for r in results for n in r.walk()):
         win = replace(win, kind=reductions.REDUCTIONS["max"])  # indices unused: a max folds the same values
-    domain = tuple(out_metas[0].shape)
-    if any(tuple(m.shape) != domain for m in out_metas):
+    out_strides = [_strides_over(m, domain) for m in out_metas]
+    if any(st is None for st in out_strides):
         return "a region output beside a pooling's: only the pooling's outputs are generated with it"
     in_strides = {}
     for i in loads:  # the operand's loads over the pooled tensor, the epilogue's over the output
@@ -43,7 +58,6 @@ def program(win: Window, inputs, sources, loads, out_metas, results, aliases) ->
         if st is None:
             return f"input {i} of shape {inputs[i].shape} does not broadcast to {win.frame}"
         in_strides[i] = st
-    out_strides = [tuple(m.stride) for m in out_metas]
     if any(s < 0 for st in list(in_strides.values()) + out_strides for s in st):
         return "negative strides are not generated"
     return Program(domain, inputs, list(out_metas), in_strides, out_strides, results, None, dict(aliases), None, win,
