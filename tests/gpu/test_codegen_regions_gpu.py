@@ -4,7 +4,8 @@ a pointwise chain, views of inputs read in place, a rotary chain with repeat_kv'
 computed value, a GQA rotary chain whose outputs have two shapes (one kernel each), the whole
 rotary embedding with its cats (one kernel per slab and shape), a cat of three odd-width pieces,
 q/k/v unbound at three offsets of one tensor, a reduction with a prologue, a pooling with its
-epilogue, and two reductions over the same elements folded in one pass."""
+epilogue, and two reductions over the same elements folded in one pass; a 1-D pooling (squeezed
+before its epilogue) and a reduction over a size-1 dim (pointwise)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,16 @@ FAST = dict(min_reps=5, min_ms=0.0, warmup_ms=0.0, fresh_sets=3)
 class PoolThenBias(nn.Module):
     def forward(self, x, b):
         return torch.sigmoid(F.avg_pool2d(x, 2) + b.view(1, -1, 1, 1))
+
+
+class Pool1dThenGelu(nn.Module):  # avg_pool1d: unsqueeze, a 2-D pooling, then a squeeze before the epilogue
+    def forward(self, x):
+        return F.gelu(F.avg_pool1d(x.unsqueeze(1), 4).squeeze(1)) * 2.0
+
+
+class LogSumExpOfOne(nn.Module):  # a reduction over a size-1 dim: pointwise, so the residual broadcasts
+    def forward(self, m, x):
+        return F.gelu(torch.logsumexp(m, dim=1, keepdim=True)) + x
 
 
 class SiluMul(nn.Module):
@@ -138,6 +149,9 @@ CASES = {
                                lambda: (torch.randn(8, 64, 128, 128, device="cuda"),)),
     "avg_pool_then_a_channel_bias_channels_last": (PoolThenBias, lambda: (
         torch.randn(8, 64, 56, 56, device="cuda").to(memory_format=torch.channels_last), torch.randn(64, device="cuda"))),
+    "avg_pool1d_squeezed_then_gelu": (Pool1dThenGelu, lambda: (torch.randn(256, 4096, device="cuda"),)),
+    "logsumexp_over_a_size_1_dim": (LogSumExpOfOne, lambda: (torch.randn(512, 1, device="cuda"),
+                                                             torch.randn(512, 4096, device="cuda"))),
     # sibling reductions: the two distances of a triplet loss folded in one pass
     "triplet_margin_loss_distances": (lambda: nn.TripletMarginLoss(margin=1.0),
                                       lambda: tuple(torch.rand(1024, 1000, device="cuda") for _ in range(3))),
