@@ -254,6 +254,24 @@ def test_devices_are_checked_against_the_visible_gpus(monkeypatch):
         runner.gpu_devices([0, 2])
 
 
+def test_region_cards_are_searched_before_single_op_cards(tmp_path):
+    """With a deadline, the cards kforge.optimize and kforge.compile replace whole come first: a
+    region card with a smaller share than a single-op card is still searched before it."""
+    from test_regions import BasicBlock
+
+    model = BasicBlock().eval()
+    cards = capture(model, torch.randn(2, 4, 8, 8), tmp_path / "cap", regions=True, time_cards=False).cards
+    regions = [c for c in cards if c.region is not None]
+    ops = [c for c in cards if c.region is None]
+    assert regions and ops
+    for c in regions:
+        c.share = 0.01
+    for c in ops:
+        c.share = 0.2
+    order = cardtable.search_order(regions[:1] + ops + regions[1:])
+    assert [c.region is not None for c in order] == [True] * len(regions) + [False] * len(ops)
+
+
 def test_a_card_whose_calls_all_run_inside_another_chosen_card_is_searched_last(tmp_path, monkeypatch):
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(inplace=True)).eval()
     captured = {c.op: c for c in capture(model, torch.randn(4, 8), tmp_path / "cap", time_cards=False).cards}
