@@ -158,6 +158,16 @@ class PoolThenTranspose(nn.Module):
         return torch.sigmoid(F.max_pool2d(x, 2).transpose(2, 3))
 
 
+class Pool1dThenPerSampleBias(nn.Module):
+    def forward(self, x, b):  # b (N, 1, 1) broadcasts over the squeezed (N, C, L) by sample
+        return F.avg_pool1d(x, 4) + b
+
+
+class SumThenMaxOfOne(nn.Module):
+    def forward(self, x, z):  # z.amax(0) folds one element a column: pointwise, read after the sum
+        return x.sum(1) + z.amax(0)
+
+
 class SumTimesSquares(nn.Module):
     """Two reductions over the same elements, the second's prologue (the square) after the first:
     one fold of both (siblings)."""
@@ -313,6 +323,27 @@ def test_a_reduction_of_one_element_a_row_is_pointwise(tmp_path):
     torch.testing.assert_close(got, card4.region.replay([m, x])[0], equal_nan=True)
 
 
+def test_a_one_element_reduction_after_a_reduction_reads_its_input_after_it(tmp_path):
+    """z.amax(0) over z of (1, 8) is pointwise, read after x.sum(1): its input is an epilogue read,
+    so the region is generated right or declined, never with z read over the summed elements."""
+    x, z = torch.randn(8, 8), torch.randn(1, 8)
+    card = region_card(tmp_path, SumThenMaxOfOne(), x, z)
+    prog = card_program.program_for_card(card)
+    if not isinstance(prog, str):
+        torch.testing.assert_close(interp.run(prog, [x, z])[0], card.region.replay([x, z])[0])
+
+
+def test_a_row_of_odd_length_is_read_a_scalar_at_a_time(tmp_path):
+    """Rows of 4095 of a (4, 4096) tensor: a split's chunks could be whole vectors while the row is
+    not, and the last vector would fold the next row's first element."""
+    from kforge.codegen import lower
+    from codegen_cards import A, make_card
+
+    rows = torch.empty(4, 4096, device="meta")[:, :4095]
+    card = make_card(A.sum.dim_IntList, rows, [1])
+    assert lower.reduction_vecs(generated.program(card), (2, 4)) == (1,)
+
+
 def test_the_reduction_region_has_its_cast_and_square_as_prologue(tmp_path):
     card = region_card(tmp_path, Rstd(), torch.randn(16, 300, dtype=torch.float16))
     prog = card_program.program_for_card(card)
@@ -352,13 +383,19 @@ DECLINED = {
     # sibling reductions fold together only over the same elements, and not beside a normalization
     "a_sum_beside_a_softmax": (SoftmaxTimesSum, lambda: (torch.randn(8, 16),), "beside a scan or a normalization"),
     "sums_over_other_dims": (SumsOverOtherDims, lambda: (torch.randn(8, 16),), "folds other elements than the first"),
-    "a_transpose_after_a_pooling": (PoolThenTranspose, lambda: (torch.randn(2, 3, 8, 6),),
+    # square planes: the transpose keeps the shape, not the elements' order
+    "a_transpose_after_a_pooling": (PoolThenTranspose, lambda: (torch.randn(2, 3, 8, 8),),
                                     "after a pooling: a window ends what is generated as one kernel"),
     "a_value_from_before_a_pooling_after_it": (PoolThenEarlierValue, lambda: (torch.randn(2, 3, 8, 8),),
                                                "a node after a pooling reads a value from before it"),
     "siblings_under_a_normalization": (MeanTimesCentred, lambda: (torch.randn(8, 16),),
                                        "sibling reductions under a normalization are not generated"),
 }
+
+
+DECLINED["an_input_broadcast_over_a_squeezed_pooling_by_sample"] = (
+    Pool1dThenPerSampleBias, lambda: (torch.randn(4, 4, 32), torch.randn(4, 1, 1)),
+    "broadcasts otherwise over a view of the pooling's output")
 
 
 @pytest.mark.parametrize("name", sorted(DECLINED))

@@ -266,6 +266,7 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
 
     win: Window | None = None  # a pooling node: the nodes before it its prologue, pointwise ones after it its epilogue
     win_shape: tuple[int, ...] = ()  # its output's shape: the domain (region outputs may drop its size-1 dims)
+    win_views: list[tuple[int, ...]] = []  # shapes of the views after it that add or drop size-1 dims
     before_window: dict = {}  # the values computed before the pooling, which its epilogue may not read
     epi_reads: dict[int, int] = {}  # input -> its program input read over the pooling's output domain
     try:
@@ -274,9 +275,10 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
             node, (kind, entry) = nodes[j], entries[j]
             if win is not None and kind != "pointwise":  # a pooling's epilogue: pointwise maps of what it computes
                 src = node.args.get("self")
-                if kind is None and family_of(node.op) == "view" and isinstance(src, Ref) and src.kind == "node" \
-                        and windows.ones_view(values[(src.index, src.output)][1], node.metas[0]):
+                if kind is None and isinstance(src, Ref) and src.kind == "node" and windows.ones_view(
+                        packet_name(node.op), values[(src.index, src.output)][1], node.metas[0]):
                     values[(j, 0)] = (val(src).expr, node.metas[0])  # 1-D pooling's squeeze: the same points
+                    win_views.append(tuple(node.metas[0].shape))
                     continue
                 return f"{packet_name(node.op)} after a pooling: a window ends what is generated as one kernel"
             if kind is None and family_of(node.op) == "view":  # (positive is in the table)
@@ -293,7 +295,9 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
                         "is generated from keepdim reductions (or the aten norm ops)")
             name, overload = table_key(node.op)
             channel = entry[0] if kind == "norm" else ()
-            if kind == "reduction" and red is not None:
+            src = node.args.get("self", node.args.get("input"))
+            one = kind == "reduction" and reductions.folds_one(node.args, _meta_of(src, inputs, values), node.metas[0])
+            if kind == "reduction" and red is not None and not one:
                 phase = "pro"  # a sibling reduction's operand is read over the reduced elements
             bound = {}
             ov = _overload(node.op)  # its out= arguments are written, never read (nor broadcast)
@@ -343,9 +347,8 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
                     stats.update((j, k) for k in range(len(plan), len(node.metas)))
                     continue
                 src = node.args["self" if "self" in node.args else "input"]
-                if kind == "reduction" and _one_element(plan, _meta_of(src, inputs, values), node.metas[0]):
-                    one = _lifted_alone(plan)  # a fold of one element: pointwise (its lift, then its outputs)
-                    for k, (e, m) in enumerate(zip(plan.outputs(one, 1), node.metas)):
+                if one:  # a fold of one element: pointwise (its lift, then its outputs)
+                    for k, (e, m) in enumerate(zip(plan.outputs(reductions.lifted_alone(plan), 1), node.metas)):
                         values[(j, k)] = (e.cast(m.dtype), m)
                         frame_of[(j, k)] = len(frames) - 1 if frames else 0
                     continue
@@ -375,7 +378,7 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
         return f"not generated for these dtypes: {e}"
 
     if win is not None:
-        return windows.program(win, win_shape, inputs, sources, loads, out_metas, results_of(values, outputs), aliases)
+        return windows.program(win, win_shape, win_views, inputs, sources, loads, out_metas, results_of(values, outputs), aliases)
     live = [m for m in out_metas if m.numel]
     split = red.split if red is not None else None
     if red is None:
@@ -447,22 +450,6 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
     scan_ = Scan(reductions.REDUCTIONS[scan.kind], scan.operand, scan.dim) if scan is not None else None
     return Program(domain, inputs, list(out_metas), in_strides, out_strides, results, reduction, dict(aliases),
                    scan_, sources=None if sources == list(range(len(inputs))) else sources)
-
-
-def _one_element(plan: reductions.ReductionPlan, src: TensorMeta, out: TensorMeta) -> bool:
-    """A reduction whose every output folds one element (all its dims of size 1: a logsumexp
-    over a dim a mean left at 1), with an output that is the operand's trailing dims as values
-    before it are (keepdim, or only leading dims dropped)."""
-    return bool(plan.dims) and plan.split is None and all(src.shape[d] == 1 for d in plan.dims) and \
-        lead_stripped(tuple(out.shape)) == lead_stripped(tuple(src.shape))
-
-
-def _lifted_alone(plan: reductions.ReductionPlan) -> tuple[Expr, ...]:
-    """The fold's state of the operand's one element (at reduced index 0)."""
-    kind = reductions.REDUCTIONS[plan.kind]
-    types = kind.state(plan.operand.dtype)
-    raw = kind.lift(plan.operand, Expr.const(0, "int64"))
-    return tuple((e if isinstance(e, Expr) else Expr.const(e, d)).cast(d) for e, d in zip(raw, types))
 
 
 def _overlaps(m: TensorMeta) -> bool:

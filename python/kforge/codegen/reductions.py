@@ -118,6 +118,25 @@ def broadcastable(plan: ReductionPlan, ndim: int) -> ReductionPlan:
     return replace(plan, keepdim=True) if whole else plan
 
 
+def folds_one(args: dict, src, out) -> bool:
+    """Whether a reduction node (its args; operand and output metas) folds one element per output:
+    every dim it names (all where it names none) of size 1, its output the operand's trailing dims
+    as values before it are (keepdim, or only leading dims dropped). Known before its plan, so that
+    its loads keep the phase they are read in."""
+    d, nd = args.get("dim"), len(src.shape)
+    dims = range(nd) if d is None or d == [] else ([d] if isinstance(d, int) else d)
+    lead = lambda shape: tuple(shape)[next((i for i, n in enumerate(shape) if n != 1), len(shape)):]  # noqa: E731
+    return all(src.shape[x % nd] == 1 for x in dims) and lead(out.shape) == lead(src.shape)
+
+
+def lifted_alone(plan: "ReductionPlan") -> tuple[Expr, ...]:
+    """The fold's state of the operand's one element (at reduced index 0)."""
+    kind = REDUCTIONS[plan.kind]
+    types = kind.state(plan.operand.dtype)
+    raw = kind.lift(plan.operand, Expr.const(0, "int64"))
+    return tuple((e if isinstance(e, Expr) else Expr.const(e, d)).cast(d) for e, d in zip(raw, types))
+
+
 def _dims(c: Call, ndim: int, name: str = "dim") -> tuple[int, ...]:
     d = c.s(name)
     if d is None or d == []:

@@ -28,28 +28,39 @@ def window(j: int, node: Node, call: Call, src: TensorMeta, values) -> Window | 
                   plan.count_include_pad, plan.divisor_override)
 
 
-def ones_view(src: TensorMeta, out: TensorMeta) -> bool:
-    """A view that only adds or drops size-1 dims (avg_pool1d's squeeze after its 2-D pooling):
-    the same elements in the same order."""
-    return [n for n in src.shape if n != 1] == [n for n in out.shape if n != 1]
+ORDER_KEEPING_VIEWS = frozenset({"squeeze", "unsqueeze", "view", "reshape", "_unsafe_view", "alias"})
 
 
-def _strides_over(m: TensorMeta, domain: tuple[int, ...]) -> tuple[int, ...] | None:
-    """`m`'s strides over `domain`, which it equals up to size-1 dims (0 along each of those)."""
-    if not ones_view(m, TensorMeta(domain, domain, m.dtype, m.device)):
+def _ones(shape) -> list[int]:
+    return [n for n in shape if n != 1]
+
+
+def ones_view(op: str, src: TensorMeta, out: TensorMeta) -> bool:
+    """A view (packet `op`) that only adds or drops size-1 dims (avg_pool1d's squeeze after its
+    2-D pooling): the same elements in the same order. A transpose of a square plane is not one."""
+    return op in ORDER_KEEPING_VIEWS and _ones(src.shape) == _ones(out.shape)
+
+
+def _over(shape, strides, domain: tuple[int, ...]) -> tuple[int, ...] | None:
+    """Strides over `shape` as strides over `domain`, which it equals up to size-1 dims (0 along each
+    size-1 dim of the domain)."""
+    if strides is None or _ones(shape) != _ones(domain):
         return None
-    own = iter(st for n, st in zip(m.shape, m.stride) if n != 1)
+    own = iter(st for n, st in zip(shape, strides) if n != 1)
     return tuple(0 if n == 1 else next(own) for n in domain)
 
 
-def program(win: Window, domain: tuple[int, ...], inputs, sources, loads, out_metas, results, aliases) -> Program | str:
+def program(win: Window, domain: tuple[int, ...], views: list[tuple[int, ...]], inputs, sources, loads, out_metas,
+            results, aliases) -> Program | str:
     """A pooling with its prologue and epilogue: the domain is the pooling's output shape (`domain`;
-    the region's outputs are it up to size-1 dims); the prologue's loads are strided over the
-    pooled tensor's shape (win.frame), the epilogue's over the domain (right-aligned: an input
-    broadcast against a squeezed output either aligns the same way or fails to broadcast here)."""
+    the region's outputs are it up to size-1 dims, `views` the shapes its values took in between);
+    the prologue's loads are strided over the pooled tensor's shape (win.frame), the epilogue's
+    over the domain, and, read after such a view, broadcast over that view as over the domain (an
+    input that would broadcast differently, (4, 1, 1) over a squeezed (4, 4, 8) against the
+    domain's (4, 4, 1, 8), is declined)."""
     if win.kind.name == "argmax" and not any(n.op == "var" and n.value == "s1" for r in results for n in r.walk()):
         win = replace(win, kind=reductions.REDUCTIONS["max"])  # indices unused: a max folds the same values
-    out_strides = [_strides_over(m, domain) for m in out_metas]
+    out_strides = [_over(m.shape, m.stride, domain) for m in out_metas]
     if any(st is None for st in out_strides):
         return "a region output beside a pooling's: only the pooling's outputs are generated with it"
     in_strides = {}
@@ -57,6 +68,10 @@ def program(win: Window, domain: tuple[int, ...], inputs, sources, loads, out_me
         st = broadcast_strides(inputs[i].shape, inputs[i].stride, domain if loads[i] == "epi" else win.frame)
         if st is None:
             return f"input {i} of shape {inputs[i].shape} does not broadcast to {win.frame}"
+        if loads[i] == "epi" and any(_over(q, broadcast_strides(inputs[i].shape, inputs[i].stride, q), domain)
+                                     != _over(domain, st, domain) for q in views):
+            return (f"input {i} of shape {inputs[i].shape} broadcasts otherwise over a view of the pooling's output "
+                    f"than over the output {domain}")
         in_strides[i] = st
     if any(s < 0 for st in list(in_strides.values()) + out_strides for s in st):
         return "negative strides are not generated"

@@ -67,7 +67,8 @@ def reduced_is_inner(prog: Program) -> bool:
 def reduction_vecs(prog: Program, splits: tuple[int, ...]) -> tuple[int, ...]:
     """Legal vector widths (elements) for the prologue's loads, narrowest first: the reduced
     elements one run contiguous in every tensor the prologue loads, each tensor's kept
-    offsets and alignment a multiple of the width, and every split's chunk whole vectors."""
+    offsets and alignment a multiple of the width, and every split's chunk whole vectors (the
+    last chunk of a row too, so the row itself)."""
     lay = reduction_layout(prog, fold=True)
     red = prog.reduction
     loads = red.loads()
@@ -77,7 +78,7 @@ def reduction_vecs(prog: Program, splits: tuple[int, ...]) -> tuple[int, ...]:
     if len(lay.rsizes) != 1 or not loads:
         return tuple(out)
     for v in (2, 4, 8, 16):
-        ok = all(-(-lay.rn // s) % v == 0 for s in splits)
+        ok = lay.rn % v == 0 and all(-(-lay.rn // s) % v == 0 for s in splits)  # every chunk, the last too
         for i in loads:
             m, t = prog.inputs[i], tix[i]
             ok &= (lay.rstrides[t][-1] == 1 and v * m.itemsize <= 16 and m.align % (v * m.itemsize) == 0
