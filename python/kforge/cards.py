@@ -364,7 +364,7 @@ class Card:
         of the time a search spent on such a card before its first candidate)."""
         dev = torch.device(device)
         g = torch.Generator(device=dev).manual_seed(seed)
-        return [random_like(m, g, dev) for m in self.inputs]
+        return [random_like(m, g) for m in self.inputs]
 
     # ---- storage ----------------------------------------------------------------------
     def to_json(self) -> dict:
@@ -458,10 +458,11 @@ def empty_like_meta(m: TensorMeta, device: str | torch.device) -> torch.Tensor:
     return base.as_strided(m.shape, m.stride, pad - lo)
 
 
-def random_like(m: TensorMeta, g: torch.Generator, device) -> torch.Tensor:
-    t = empty_like_meta(m, device)
-    dt = m.torch_dtype
+def random_like(m: TensorMeta, g: torch.Generator) -> torch.Tensor:
+    """A tensor with `m`'s metadata on the generator's device, values drawn there."""
     dev = g.device
+    t = empty_like_meta(m, dev)
+    dt = m.torch_dtype
     if dt.is_floating_point or dt.is_complex:
         vals = torch.randn(t.shape, generator=g, dtype=torch.float32, device=dev)
     elif dt == torch.bool:

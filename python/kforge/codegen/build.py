@@ -296,7 +296,8 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
             name, overload = table_key(node.op)
             channel = entry[0] if kind == "norm" else ()
             src = node.args.get("self", node.args.get("input"))
-            one = kind == "reduction" and reductions.folds_one(node.args, _meta_of(src, inputs, values), node.metas[0])
+            src_meta = _meta_of(src, inputs, values) if kind in ("reduction", "norm") else None
+            one = kind == "reduction" and reductions.folds_one(node.args, src_meta, node.metas[0])
             if kind == "reduction" and red is not None and not one:
                 phase = "pro"  # a sibling reduction's operand is read over the reduced elements
             bound = {}
@@ -346,19 +347,19 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
                         values[(j, k)] = ((plan[k] if k < len(plan) else Expr.const(0, opmath(m.dtype))).cast(m.dtype), m)
                     stats.update((j, k) for k in range(len(plan), len(node.metas)))
                     continue
-                src = node.args["self" if "self" in node.args else "input"]
-                if one:  # a fold of one element: pointwise (its lift, then its outputs)
-                    for k, (e, m) in enumerate(zip(plan.outputs(reductions.lifted_alone(plan), 1), node.metas)):
+                if one:  # a fold of one element: pointwise (its lift at reduced index 0, then its outputs)
+                    alone = reductions.REDUCTIONS[plan.kind].lift_exprs(plan.operand, Expr.const(0, "int64"))
+                    for k, (e, m) in enumerate(zip(plan.outputs(alone, 1), node.metas)):
                         values[(j, k)] = (e.cast(m.dtype), m)
                         frame_of[(j, k)] = len(frames) - 1 if frames else 0
                     continue
                 if red is not None or scan is not None:
                     phase = "epi"
-                    why = sibling(j, node, plan, kind, _meta_of(src, inputs, values))
+                    why = sibling(j, node, plan, kind, src_meta)
                     if why:
                         return why
                     continue
-                reduce(j, node, plan, _meta_of(src, inputs, values))
+                reduce(j, node, plan, src_meta)
                 red_kind = kind
                 if kind == "norm":
                     stats.update((j, k) for k in range(1, len(node.metas)))

@@ -219,12 +219,13 @@ class ReductionKind:
         b = tuple(Expr.var(f"b{i}", d) for i, d in enumerate(st))
         return a, b, tuple(m.cast(d) for m, d in zip(self.merge(a, b), st))
 
-    def lift_exprs(self, x: "Expr | tuple[Expr, ...]") -> tuple[Expr, ...]:
+    def lift_exprs(self, x: "Expr | tuple[Expr, ...]", ridx: "Expr | None" = None) -> tuple[Expr, ...]:
         """One element's state from the prologue value x, a tuple of values for sibling folds
-        (`siblings`); may use var "ridx"."""
+        (`siblings`), at reduced index `ridx` (default: var "ridx")."""
         first = x[0] if isinstance(x, tuple) else x
+        ridx = Expr.var("ridx", "int64") if ridx is None else ridx
         return tuple(e if isinstance(e, Expr) else Expr.const(e, d)
-                     for e, d in zip(self.lift(x, Expr.var("ridx", "int64")), self.state(first.dtype)))
+                     for e, d in zip(self.lift(x, ridx), self.state(first.dtype)))
 
     def chunk_exprs(self, xs: tuple[Expr, ...]) -> tuple[Expr, ...]:
         """The state of the elements xs (prologue values, in order), by `chunk`."""

@@ -13,6 +13,7 @@ import torch
 
 from .call import INT_TO_FLOAT, Call, Val, _k, maximum, minimum
 from .ir import FLOATS, INTS, Expr, ReductionKind, eq, isnan, ne, opmath, prim, where
+from .views import lead_stripped
 
 
 # ---- reductions ------------------------------------------------------------------------
@@ -125,16 +126,7 @@ def folds_one(args: dict, src, out) -> bool:
     its loads keep the phase they are read in."""
     d, nd = args.get("dim"), len(src.shape)
     dims = range(nd) if d is None or d == [] else ([d] if isinstance(d, int) else d)
-    lead = lambda shape: tuple(shape)[next((i for i, n in enumerate(shape) if n != 1), len(shape)):]  # noqa: E731
-    return all(src.shape[x % nd] == 1 for x in dims) and lead(out.shape) == lead(src.shape)
-
-
-def lifted_alone(plan: "ReductionPlan") -> tuple[Expr, ...]:
-    """The fold's state of the operand's one element (at reduced index 0)."""
-    kind = REDUCTIONS[plan.kind]
-    types = kind.state(plan.operand.dtype)
-    raw = kind.lift(plan.operand, Expr.const(0, "int64"))
-    return tuple((e if isinstance(e, Expr) else Expr.const(e, d)).cast(d) for e, d in zip(raw, types))
+    return all(src.shape[x % nd] == 1 for x in dims) and lead_stripped(out.shape) == lead_stripped(src.shape)
 
 
 def _dims(c: Call, ndim: int, name: str = "dim") -> tuple[int, ...]:

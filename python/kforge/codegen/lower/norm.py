@@ -185,15 +185,16 @@ def lower_norm(prog: Program, knobs: dict) -> Built:
                 p1.append(f"{CTYPE[prog.inputs[i].dtype]} xv{i}[V];")
             if f == 0:
                 p1 += load_chunk(i, arr(i, 1))
-        ridx = f"((kf_i64)r{logical_t} + (kf_i64)jj * {lay.rstrides[logical_t][-1]})"
+        def ridx(j) -> str:  # the logical index of element j of this chunk
+            return f"((kf_i64)r{logical_t} + (kf_i64){j} * {lay.rstrides[logical_t][-1]})"
         if not phases and fk.chunk is not None and v > 1:  # a chunk's V elements folded at once
             p1 += _chunk_block(fk, dt, fst, red.operand, v, lambda i, stored, j: f"{arr(i, 1)}[{j}]",
-                               lambda j: {"ridx": ridx.replace("jj", str(j))}, f"p{f}",
+                               lambda j: {"ridx": ridx(j)}, f"p{f}",
                                after=(lambda j, name: [f"xo[u][{j}] = {name};"]) if held else None)
             p1s.append((fk, fst, ftypes, p1))
             continue
         earlier = {f"kf_phase{c}": st[c] for c in range(f)}
-        em = Emitter(f"p{f}_", {"ridx": ridx, **earlier},
+        em = Emitter(f"p{f}_", {"ridx": ridx("jj"), **earlier},
                      lambda i, stored: f"{arr(i, 1)}[jj]")
         if held and f > 0:
             em.bind(red.operand, "xo[u][jj]")

@@ -46,7 +46,7 @@ def reduction_layout(prog: Program, fold: bool = False) -> RedLayout:
     ks, kst = coalesce(dom, tensors, korder)
     if fold:
         no, read = len(prog.out_strides), set(pro)
-        loaded = [i for i in sorted(prog.in_strides)]
+        loaded = sorted(prog.in_strides)
         tensors = [[0] * nd for _ in prog.out_strides] + [
             t if loaded[k] in read else [0] * nd for k, t in enumerate(tensors[no:no + len(loaded)])] + [logical]
     rs, rst = coalesce(dom, tensors, rorder)
