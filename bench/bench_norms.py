@@ -72,6 +72,8 @@ REGIONS = {
                                                                                   _cuda(1, 2048, 2304, dtype=BF16))),
     "add layer_norm gelu fp32 8x512x768": (lambda: AddLayerNormGelu(768), lambda: (_cuda(8, 512, 768), _cuda(8, 512, 768))),
     "sd-vae group_norm silu 1x512x64x64 fp32": (lambda: GroupNormSilu(512, 32), lambda: (_cuda(1, 512, 64, 64),)),
+    "sd-vae group_norm silu bf16 1x512x128x128": (lambda: GroupNormSilu(512, 32).to(BF16),
+                                                  lambda: (_cuda(1, 512, 128, 128, dtype=BF16),)),
     "sd-vae group_norm silu 1x256x256x256 channels_last": (
         lambda: GroupNormSilu(256, 32), lambda: (_cuda(1, 256, 256, 256, channels_last=True),)),
     "resnet bn relu add bf16 32x256x56x56 channels_last": (

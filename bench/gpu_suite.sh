@@ -72,6 +72,10 @@ lane() {  # lane LOG ITEM...: run the items in order
       # Which card helps or hurts a model, and the same forward from CUDA graphs (ABLATE_MODEL, default Gemma).
       ablate) step "$log" ablate "${T_ABLATE:-200}" python3 bench/ablate_model.py "${ABLATE_MODEL:-examples/gemma_decoder.py}" \
                 --wall-time "${WALL:-45}" --out "$OUT/ablate_$(basename "${ABLATE_MODEL:-gemma}" .py)_h200.json" ;;
+      # Norm cards (template against generated) and the norm regions of the example models (bench_norms.py;
+      # ONLY_NORMS picks cases by name part, '|' between them; T_NORMS).
+      norms) step "$log" norms "${T_NORMS:-300}" python3 bench/bench_norms.py --budget "${BUDGET:-12}" \
+               $no_compile_flag ${ONLY_NORMS:+--only "$ONLY_NORMS"} --out "$OUT/norms_h200.json" ;;
       # Generated kernels (kforge.codegen) alone on pointwise and reduction cards, >= 64 MB ones included.
       codegen) step "$log" codegen "${T_CODEGEN:-240}" python3 bench/bench_codegen.py --budget "${BUDGET:-12}" \
                  $no_compile_flag ${ONLY_CODEGEN:+--only "$ONLY_CODEGEN"} --out "$OUT/codegen_h200.json" ;;

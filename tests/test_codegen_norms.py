@@ -268,22 +268,64 @@ def test_a_staged_row_folds_max_then_sum_and_agrees_with_the_online_merge_on_inf
     torch.testing.assert_close(runs["regs"][3:], eager()[3:], equal_nan=True)  # finite rows: as eager
 
 
-def test_few_long_rows_take_the_two_pass_split_form():
-    """One image's group norm: 32 rows of 16384 elements cannot fill an H200 a block each; the
-    statistics fold over several blocks a row, then a grid-wide kernel applies them."""
+def test_a_held_softmax_row_takes_one_exp_an_element_and_one_division_a_row():
+    """With the row in registers, the sum's phase keeps exp(x - max) in place of the operand and
+    the epilogue multiplies it by 1 / sum, taken once a row after the merges: one expf per
+    element and no division per element (Gemma's mask softmax was short of the memory floor by
+    its instructions). It runs on the CPU as the online merge does, rows of -inf, with +inf and
+    with NaN included."""
+    card, (x,), eager = _softmax(False, (6, 24), -1, F32)  # 24 floats a thread: registers
+    x[0] = -math.inf
+    x[1, 3] = math.inf
+    x[2, 5] = math.nan
+    x[3, :20] = -math.inf
+    base = {"algo": "gen_norm", "threads": 64, "lanes": 1, "vec": 4}
+    cand = generated.build(card, {**base, "staging": "regs"}, H200)
+    kernel = cand.source[cand.source.index("kf_gen("):]
+    assert kernel.count("expf(") == 1
+    row, epilogue = kernel.split("if (live)")[-2:]
+    assert "(1.0f / st1)" in row and "/" not in epilogue and "xo[u][jj] * rw0" in epilogue
+    reload = generated.build(card, {**base, "staging": "reload"}, H200)
+    assert "xo[" not in reload.source  # nothing held: the epilogue computes exp(x - max) itself
+    got = cuda_on_cpu.run(card, cand, [x])[0]
+    torch.testing.assert_close(got, cuda_on_cpu.run(card, reload, [x])[0], equal_nan=True)
+    torch.testing.assert_close(got[4:], eager()[4:])
+
+
+def test_few_long_rows_take_one_cooperative_launch_or_the_two_pass_split_form():
+    """One image's group norm: 32 rows of 16384 elements cannot fill an H200 a block each. By
+    default each row is folded by several blocks of one cooperative launch, every block resident
+    (its launch bounds leave room for them all), which wait for their row's other chunks on a
+    counter zeroed before the launch and normalize their own chunk. The two-pass split form folds
+    the chunks, merges them in a second kernel and applies them grid-wide in a third."""
     card, _, _ = _group_norm((1, 128, 64, 64), 32, F32)
     knobs = generated.default(card, H200)
-    assert knobs["algo"] == "gen_norm_split" and knobs["split"] >= 8
+    assert knobs["algo"] == "gen_norm_coop"
     cand = generated.build(card, knobs, H200)
-    assert [k.name for k in cand.plan.kernels] == ["kf_gen", "kf_gen_finish", "kf_gen_apply"]
+    (k,) = cand.plan.kernels
+    split = lower.coop_split(generated.program(card), knobs["threads"], knobs["vec"], H200.sm_count)
+    assert k.cooperative and k.grid == (32, split, 1) and split >= 4
+    assert k.grid[0] * k.grid[1] <= H200.sm_count * (1024 // knobs["threads"])  # all resident at once
+    assert f"__launch_bounds__(NT, {1024 // knobs['threads']})" in cand.source
+    assert cand.plan.workspace[0]["zero"] and "atomicAdd(count, 1u)" in cand.source
     assert compiler.compile(cand.source, arch="sm_90").cubin
+
+    split = generated.build(card, {"algo": "gen_norm_split", "threads": 512, "items": 4, "split": 16, "vec": 4}, H200)
+    assert [k.name for k in split.plan.kernels] == ["kf_gen", "kf_gen_finish", "kf_gen_apply"]
+    assert not any(k.cooperative for k in split.plan.kernels)
+    assert compiler.compile(split.source, arch="sm_90").cubin
     # the statistics read a group's channels and pixels as one run, 4 floats a load, and fold
     # each vector as one Welford chunk (its mean by a multiply, one division per merge)
-    stats = cand.source.split("kf_gen_finish")[0]
-    assert knobs["vec"] == 4 and "constexpr int V = 4;" in stats and "kf_vec<float, V>" in stats
-    assert "* 0.25f" in stats and "(4.0f / " in stats and "(1.0f / " not in stats  # no division per element
+    for source in (cand.source, split.source.split("kf_gen_finish")[0]):
+        assert "constexpr int V = 4;" in source and "kf_vec<float, V>" in source
+        assert "* 0.25f" in source and "(4.0f / " in source and "(1.0f / " not in source  # no division per element
+    # rows a block each fill the GPU; with more rows than SMs, split first, and the cooperative
+    # form only where two blocks a row can be resident (256 threads: 4 an SM)
     card, _, _ = _group_norm((64, 128, 16, 16), 32, F32)
     assert generated.default(card, H200)["algo"] == "gen_norm"
+    card, _, _ = _group_norm((5, 128, 64, 64), 32, F32)
+    assert generated.default(card, H200)["algo"] == "gen_norm_split"
+    assert [s["threads"] for s in generated.spaces(card, H200) if s["algo"] == ("gen_norm_coop",)] == [(256,)]
 
 
 DECLINED = {

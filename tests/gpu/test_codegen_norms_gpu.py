@@ -47,8 +47,10 @@ CASES = {
                                                                           cuda(2, 65, 2304, dtype=BF16))),
     "group_norm silu sd-vae channels_last": (lambda: GroupNormSilu(128, 32),
                                              lambda: (cuda(1, 128, 32, 32, channels_last=True),)),
-    "group_norm silu one image (few long rows: the split form)": (
+    "group_norm silu one image (few long rows: one cooperative launch)": (
         lambda: GroupNormSilu(128, 32), lambda: (cuda(1, 128, 64, 64),)),
+    "group_norm silu sd-vae bf16 (few long rows)": (lambda: _half(GroupNormSilu(512, 32)),
+                                                    lambda: (cuda(1, 512, 128, 128, dtype=BF16),)),
     "group_norm silu bf16 odd plane": (lambda: _half(GroupNormSilu(96, 32)), lambda: (cuda(2, 96, 13, 7, dtype=BF16),)),
     "batch_norm relu max_pool resnet stem bf16 channels_last": (
         lambda: _half(BatchNormReluPool(64)).eval(), lambda: (cuda(2, 64, 56, 57, dtype=BF16, channels_last=True),)),
@@ -71,15 +73,18 @@ CASES = {
 
 
 def _variants(card, hw):
-    """The proposer's first candidate, then each staging and lane count of the one-kernel form
-    and the two-pass split form."""
+    """The proposer's first candidate, then each staging and lane count of the one-kernel form,
+    the two-pass split form and, where it is offered, the one cooperative launch."""
     base = generated.default(card, hw)
     if base["algo"] == "gen_flat":  # a channels-last norm's parameters read along the inner dim
         return [base, {**base, "vec": 1, "items": 4}, {**base, "threads": 64, "items": 8, "grid": "stride"}]
     if not base["algo"].startswith("gen_norm"):
         return [base]
     out = [base]
-    if base["algo"] == "gen_norm_split":  # the two-pass form's own knobs, then the one-kernel form
+    coop = [s for s in generated.spaces(card, hw) if s["algo"] == ("gen_norm_coop",)]
+    if coop:  # the cooperative form at its narrowest
+        out.append({"algo": "gen_norm_coop", "threads": coop[0]["threads"][0], "items": 1, "vec": 1})
+    if base["algo"] in ("gen_norm_split", "gen_norm_coop"):  # few long rows' forms, then the one-kernel form
         base = {"algo": "gen_norm", "threads": 1024, "lanes": "block", "vec": base["vec"], "staging": "reload"}
         out.append(base)
     for name, values in (("staging", ("regs", "smem", "reload")), ("lanes", (1, 8, 32, "block"))):

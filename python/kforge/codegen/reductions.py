@@ -310,7 +310,9 @@ def _softmax(log: bool) -> Callable:
         if log:
             outs = lambda s, n: [e - (s[0] + prim("log", s[1]))]  # noqa: E731 (CUDA's LogSoftMaxForwardEpilogue)
         else:
-            outs = lambda s, n: [prim("exp", e - s[0]) / s[1]]  # noqa: E731
+            # eager divides by the sum; its reciprocal, taken once a row, differs by an ulp at most
+            # and cannot overflow: the sum is at least 1 (the max's exp(0)) unless it is NaN
+            outs = lambda s, n: [prim("exp", e - s[0]) * (1.0 / s[1])]  # noqa: E731
         return ReductionPlan("logsumexp", e, dims, True, outs)
     return entry
 

@@ -15,7 +15,9 @@ of `vec` consecutive elements in flight per thread), merges through warp shuffle
 shared memory; `algo` "rows" puts whole warps on an output (reduced dims contiguous), "cols"
 one thread per output (kept dims contiguous: the loads coalesce across outputs). `split` > 1
 divides the reduced elements over that many blocks, which write their states to a workspace
-that a second kernel merges in order (two passes) before the epilogue.
+that a second kernel merges in order (two passes) before the epilogue. A normalization's split
+form may instead be one cooperative launch ("gen_norm_coop"): each block publishes its chunk's
+state, waits for its row's other chunks, merges them all and normalizes its own chunk.
 
 Scan (`algo` "gen_scan"): one thread per line along the scanned dim, walking it in order;
 `algo` "gen_scan_block" (lines contiguous in memory): one block per line, a parallel scan of
@@ -27,10 +29,10 @@ window (`vec` output points along a non-pooled innermost dim, channels-last's ch
 from __future__ import annotations
 
 from .pointwise import lower_pointwise, pointwise_vecs
-from .norm import lower_norm, lower_norm_split, norm_staging, norm_vecs
+from .norm import coop_split, lower_norm, lower_norm_coop, lower_norm_split, norm_staging, norm_vecs
 from .reduce import lower_reduction, reduced_is_inner, reduction_layout, reduction_vecs
 from .scan import lower_scan, lower_scan_block, lower_window, scan_is_inner, window_vecs
 
-__all__ = ["lower_norm", "lower_norm_split", "lower_pointwise", "lower_reduction", "lower_scan", "lower_scan_block",
+__all__ = ["coop_split", "lower_norm", "lower_norm_coop", "lower_norm_split", "lower_pointwise", "lower_reduction", "lower_scan", "lower_scan_block",
            "lower_window", "norm_staging", "norm_vecs", "pointwise_vecs", "reduced_is_inner", "reduction_layout",
            "reduction_vecs", "scan_is_inner", "window_vecs"]

@@ -194,7 +194,7 @@ def offsets_code(var: str, sizes: list[int], strides: list[list[int]], names: li
 @dataclass
 class Built:
     source: str
-    kernels: list  # (name, grid, block, args, smem)
+    kernels: list  # (name, grid, block, args, smem[, cooperative])
     workspace: list
 
 

@@ -115,6 +115,81 @@ def _group_merge(kind, dt: str, st: list[str], st_types: list[str], lanes: int, 
     return out
 
 
+def _lockstep(a: Expr, b: Expr, into: dict[Expr, Expr]) -> bool:
+    """Pairs every subtree of `a` with the same position's in `b` (two trees one function built
+    from different leaves); False where their shapes differ."""
+    if a.op != b.op or len(a.args) != len(b.args) or a.dtype != b.dtype:
+        return a.op == "var" or b.op == "var"  # a leaf replaced by a subtree: paired, not entered
+    into[a] = b
+    return all(_lockstep(x, y, into) for x, y in zip(a.args, b.args))
+
+
+def phase_reuse(red, st_types: list[str], results: list[Expr]) -> tuple[Expr, Expr] | None:
+    """A subtree the last phase of a staged fold computes at every element and the epilogue
+    computes again (softmax's exp(x - max)), where the epilogue reads the operand only through
+    it: (the subtree in the epilogue's terms, in the phase's terms). The phase then keeps it in
+    place of the held operand, and the epilogue reads it back rather than recomputing it."""
+    phases = red.kind.phases
+    if not phases:
+        return None
+    f = len(phases) - 1
+    fk, lift = phases[f]
+    dt = red.operand.dtype
+    ours = fk.lift_exprs(lift(red.operand, tuple(Expr.var(f"s{c}", t) for c, t in enumerate(st_types[:f]))))
+    theirs = fk.lift_exprs(lift(Expr.var("x", dt), tuple(Expr.var(f"kf_phase{c}", t) for c, t in enumerate(st_types[:f]))))
+    pairs: dict[Expr, Expr] = {}
+    if not all(_lockstep(x, y, pairs) for x, y in zip(ours, theirs)):
+        return None
+    shared: set[Expr] = set()
+    reads_operand = False
+    seen: set[Expr] = set()
+
+    def go(e: Expr) -> None:
+        nonlocal reads_operand
+        if e in seen:
+            return
+        seen.add(e)
+        if e == red.operand:
+            reads_operand = True
+        elif e in pairs and e.op not in ("var", "const", "load"):
+            shared.add(e)
+        else:
+            for a in e.args:
+                go(a)
+
+    for e in results:
+        go(e)
+    if reads_operand or len(shared) != 1:
+        return None
+    (e,) = shared
+    return (e, pairs[e]) if e.dtype == dt else None
+
+
+def row_invariants(results: list[Expr]) -> list[Expr]:
+    """The largest subtrees of the epilogue that read only the fold's state and constants
+    (softmax's 1 / sum): computed once a row, not once an element."""
+    out: list[Expr] = []
+    seen: set[Expr] = set()
+
+    def invariant(e: Expr) -> bool:
+        return all(n.op == "const" or (n.op == "var" and n.value[0] == "s" and n.value[1:].isdigit()) or
+                   (n.op not in ("load", "var") and n.args) for n in e.walk())
+
+    def go(e: Expr) -> None:
+        if e in seen:
+            return
+        seen.add(e)
+        if e.args and invariant(e):
+            out.append(e)
+        else:
+            for a in e.args:
+                go(a)
+
+    for e in results:
+        go(e)
+    return out
+
+
 def lower_norm(prog: Program, knobs: dict) -> Built:
     """A group of `lanes` threads per row (the reduced elements of one kept point): pass 1
     folds the prologue over the row in chunks of `vec` elements, keeping the loaded values
@@ -151,6 +226,7 @@ def lower_norm(prog: Program, knobs: dict) -> Built:
     # phases and the epilogue then neither recompute the prologue nor hold its inputs (a mask
     # softmax's scores and mask, added and rounded to bf16 in every pass before).
     held = staging == "regs" and not (_loads_outside([prog.results[j] for j in full], red.operand) & set(pro))
+    reuse = phase_reuse(red, list(st_types), [prog.results[j] for j in full]) if held else None
 
     def arr(i: int, p: int) -> str:
         """The V values of input i in this chunk (pass p)."""
@@ -203,6 +279,8 @@ def lower_norm(prog: Program, knobs: dict) -> Built:
         em.env["x"] = x
         value = lift(Expr.var("x", dt), tuple(Expr.var(f"kf_phase{c}", t) for c, t in enumerate(st_types[:f])))
         lifted = [em(e) for e in fk.lift_exprs(value)]
+        if reuse and f == len(folds) - 1:  # the epilogue's subtree, computed here, over the operand
+            keep = [f"xo[u][jj] = {em.names[reuse[1]]};"]
         p1 += ["#pragma unroll", "for (int jj = 0; jj < V; ++jj) {", *[f"  {line}" for line in em.lines + keep],
                *[f"  {line}" for line in _merge_block(fk, dt, fst, lifted, f"u{f}")], "}"]
         p1s.append((fk, fst, ftypes, p1))
@@ -217,7 +295,10 @@ def lower_norm(prog: Program, knobs: dict) -> Built:
     p2 += [f"{CTYPE[prog.outputs[j].dtype]} o{j}[V];" for j in outs2]
     em2 = Emitter("e", {f"s{c}": n for c, n in enumerate(st)}, lambda i, stored: f"{arr(i, 2)}[jj]")
     if held:
-        em2.bind(red.operand, "xo[u][jj]")
+        em2.bind(reuse[0] if reuse else red.operand, "xo[u][jj]")
+    em_row = Emitter("rw", em2.env, None)  # once a row, after the merges
+    for e in row_invariants([prog.results[j] for j in outs2]):
+        em2.bind(e, em_row(e))
     res = {j: em2(prog.results[j]) for j in outs2}
     p2 += ["#pragma unroll", "for (int jj = 0; jj < V; ++jj) {", *[f"  {line}" for line in em2.lines],
            *[f"  o{j}[jj] = {convert(res[j], prog.results[j].dtype, prog.outputs[j].dtype)};" for j in outs2], "}"]
@@ -244,6 +325,7 @@ def lower_norm(prog: Program, knobs: dict) -> Built:
     for f, (fk, fst, ftypes, p1) in enumerate(p1s):
         body += ["  if (live) {", *[f"    {line}" for line in loop(p1)], "  }"]
         body += _group_merge(fk, dt, fst, ftypes, lanes, f"{f}_" if phases else "")
+    body += [f"  {line}" for line in em_row.lines]
     body += ["  if (live) {", *[f"    {line}" for line in loop(p2)], "  }"]
     if kept:
         em3 = Emitter("f", {f"s{c}": n for c, n in enumerate(st)}, lambda i, stored: f"{ptr[i]}[k{tix[i]}]")
@@ -255,46 +337,57 @@ def lower_norm(prog: Program, knobs: dict) -> Built:
     return Built(_header("\n".join(body)), [("kf_gen", (ceil_div(lay.kn, rows),), (nt,), args, 0)], [])
 
 
+def _apply_lines(prog: Program, v: int, idx: str, chunk: str) -> list[str]:
+    """Statements: the epilogue at the `v` elements of vector `chunk` of row q's reduced
+    elements (its kept offsets k0, k1, ... bound), from the row's state st0, st1, ..."""
+    red = prog.reduction
+    lay = reduction_layout(prog)
+    _, _, ptr = _pointers(prog)
+    no = len(prog.outputs)
+    tix = {i: no + k for k, i in enumerate(sorted(prog.in_strides))}
+    full = [j for j, m in enumerate(prog.outputs) if m.numel and any(prog.out_strides[j][d] for d in red.dims)]
+    epi = sorted({e.value[0] for j in full for e in prog.results[j].walk() if e.op == "load"})
+    ts = sorted({tix[i] for i in epi} | set(full))
+    body = offsets_code(f"{chunk} * {v}", lay.rsizes, [lay.rstrides[t] for t in ts], [f"r{t}" for t in ts], idx)
+    for i in epi:
+        t, ct = tix[i], CTYPE[prog.inputs[i].dtype]
+        body.append(f"{ct} xv{i}[{v}];")
+        body += _chunk_load(ptr[i], ct, f"k{t} + r{t}", lay.rstrides[t][-1], v, f"xv{i}")
+    em = Emitter("e", {f"s{c}": f"st{c}" for c in range(len(red.kind.state(red.operand.dtype)))},
+                 lambda i, stored: f"xv{i}[jj]")
+    res = {j: em(prog.results[j]) for j in full}
+    body += [f"{CTYPE[prog.outputs[j].dtype]} o{j}[{v}];" for j in full]
+    body += ["#pragma unroll", f"for (int jj = 0; jj < {v}; ++jj) {{", *[f"  {line}" for line in em.lines],
+             *[f"  o{j}[jj] = {convert(res[j], prog.results[j].dtype, prog.outputs[j].dtype)};" for j in full], "}"]
+    for j in full:
+        body += _chunk_store(f"out{j}", CTYPE[prog.outputs[j].dtype], f"k{j} + r{j}", lay.rstrides[j][-1], v, f"o{j}")
+    return body
+
+
+def _fold_vec(prog: Program, knobs: dict) -> int:
+    """The statistics' load width: the widest the fold's layout allows with every chunk whole, at
+    most the epilogue's."""
+    return max(w for w in reduction_vecs(prog, (knobs["split"],)) if w <= knobs["vec"])
+
+
 def lower_norm_split(prog: Program, knobs: dict, sm_count: int) -> Built:
     """The two-pass form, for rows too long or too few for a block each (group norm of one
     image): lower_reduction folds each row over `split` blocks and merges the states (writing
     the statistics), then kf_gen_apply runs the epilogue over every element, grid-wide, in
     chunks of `vec`, reading its row's state from the workspace."""
     red = prog.reduction
-    kind, dt = red.kind, red.operand.dtype
-    st_types = kind.state(dt)
-    # the statistics read `vec` elements at a time too, where the fold's layout allows that width
-    fold_vec = max(w for w in reduction_vecs(prog, (knobs["split"],)) if w <= knobs["vec"])
+    st_types = red.kind.state(red.operand.dtype)
     built = lower_reduction(prog, {"algo": "gen_rows", "threads": knobs["threads"], "lanes": "block",
-                                   "items": knobs["items"], "split": knobs["split"], "vec": fold_vec}, sm_count)
+                                   "items": knobs["items"], "split": knobs["split"], "vec": _fold_vec(prog, knobs)},
+                            sm_count)
     lay = reduction_layout(prog)
     v, nta = knobs["vec"], 256
     nc = lay.rn // v
-    params, args, ptr = _pointers(prog)
-    no = len(prog.outputs)
-    tix = {i: no + k for k, i in enumerate(sorted(prog.in_strides))}
-    full = [j for j, m in enumerate(prog.outputs) if m.numel and any(prog.out_strides[j][d] for d in red.dims)]
-    epi = sorted({e.value[0] for j in full for e in prog.results[j].walk() if e.op == "load"})
+    params, args, _ = _pointers(prog)
     idx = "kf_i64" if lay.kn * lay.rn >= 2**31 - 2**20 else "int"
     kofs = offsets_code("q", lay.ksizes, lay.kstrides, [f"k{t}" for t in range(len(lay.kstrides))], idx)
-    ts = sorted({tix[i] for i in epi} | set(full))
-    rofs = offsets_code(f"c * {v}", lay.rsizes, [lay.rstrides[t] for t in ts], [f"r{t}" for t in ts], idx)
-    body = ["      " + line for line in kofs + rofs]
-    for c, t in enumerate(st_types):
-        body.append(f"      const {CTYPE[t]} st{c} = reinterpret_cast<const {CTYPE[t]}*>(ws + {c * knobs['split'] * lay.kn * 8}LL)[q];")
-    for i in epi:
-        t, ct = tix[i], CTYPE[prog.inputs[i].dtype]
-        body.append(f"      {ct} xv{i}[{v}];")
-        body += ["      " + line for line in _chunk_load(ptr[i], ct, f"k{t} + r{t}", lay.rstrides[t][-1], v, f"xv{i}")]
-    em = Emitter("e", {f"s{c}": f"st{c}" for c in range(len(st_types))}, lambda i, stored: f"xv{i}[jj]")
-    res = {j: em(prog.results[j]) for j in full}
-    body += [f"      {CTYPE[prog.outputs[j].dtype]} o{j}[{v}];" for j in full]
-    body += ["#pragma unroll", f"      for (int jj = 0; jj < {v}; ++jj) {{", *[f"        {line}" for line in em.lines],
-             *[f"        o{j}[jj] = {convert(res[j], prog.results[j].dtype, prog.outputs[j].dtype)};" for j in full],
-             "      }"]
-    for j in full:
-        body += ["      " + line for line in _chunk_store(f"out{j}", CTYPE[prog.outputs[j].dtype], f"k{j} + r{j}",
-                                                          lay.rstrides[j][-1], v, f"o{j}")]
+    body = kofs + [f"const {CTYPE[t]} st{c} = reinterpret_cast<const {CTYPE[t]}*>(ws + {c * knobs['split'] * lay.kn * 8}LL)[q];"
+                   for c, t in enumerate(st_types)] + _apply_lines(prog, v, idx, "c")
     total = lay.kn * nc
     src = "\n".join([
         f'extern "C" __global__ void __launch_bounds__({nta}) kf_gen_apply({", ".join(params)}, '
@@ -302,7 +395,7 @@ def lower_norm_split(prog: Program, knobs: dict, sm_count: int) -> Built:
         f"  for ({idx} g = ({idx})blockIdx.x * {nta} + threadIdx.x; g < ({idx}){total}; g += ({idx})gridDim.x * {nta}) {{",
         f"    const {idx} q = g / {nc}, c = g % {nc};",
         "    {",
-        *body,
+        *[f"      {line}" for line in body],
         "    }",
         "  }",
         "}"])
@@ -310,3 +403,31 @@ def lower_norm_split(prog: Program, knobs: dict, sm_count: int) -> Built:
     source = built.source + "\n" + src + "\n"
     kernels = built.kernels + [("kf_gen_apply", (blocks,), (nta,), args + [{"ws": 0}], 0)]
     return Built(source, kernels, built.workspace)
+
+
+def coop_split(prog: Program, threads: int, vec: int, sm_count: int) -> int:
+    """gen_norm_coop's chunks a row: the most (a power of two) that keep every block resident at
+    once with 1024 threads an SM, every chunk whole vectors and a vector a thread at least; 0
+    where not even one block a row fits or the row is not whole vectors."""
+    lay = reduction_layout(prog)
+    s, most = 1, sm_count * max(1, 1024 // threads) // lay.kn
+    if most < 1 or lay.rn % vec:
+        return 0
+    while s * 2 <= most and ceil_div(lay.rn, s * 2) % vec == 0 and lay.rn // (s * 2) >= threads * vec:
+        s *= 2
+    return s
+
+
+def lower_norm_coop(prog: Program, knobs: dict, sm_count: int) -> Built:
+    """The split form in one cooperative launch: a block per chunk folds it, waits for its row's
+    other chunks (lower_reduction's `then`), and runs the epilogue over its own chunk, which it
+    has just read (from L2, mostly). One launch instead of three, and no second sweep over the
+    whole tensor from a cold start."""
+    nt, v = knobs["threads"], knobs["vec"]
+    split = coop_split(prog, nt, v, sm_count)
+    lay = reduction_layout(prog)
+    then = [f"for (kf_idx c = lo / {v} + threadIdx.x; c < hi / {v}; c += NT) {{",
+            *[f"  {line}" for line in _apply_lines(prog, v, "kf_idx", "c")], "}"]
+    assert split and ceil_div(lay.rn, split) % v == 0 and lay.rn % v == 0
+    return lower_reduction(prog, {"algo": "gen_rows", "threads": nt, "lanes": "block", "items": knobs["items"],
+                                  "split": split, "vec": _fold_vec(prog, {**knobs, "split": split})}, sm_count, then)

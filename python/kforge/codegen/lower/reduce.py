@@ -88,7 +88,13 @@ def reduction_vecs(prog: Program, splits: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def lower_reduction(prog: Program, knobs: dict, sm_count: int) -> Built:
+def lower_reduction(prog: Program, knobs: dict, sm_count: int, then: list[str] | None = None) -> Built:
+    """With `then` (a normalization's per-element epilogue over the block's chunk, in statements
+    that read the row's state st0, st1, ... and the chunk's bounds lo and hi), one cooperative
+    launch of a block per chunk (lanes "block"): each block publishes its chunk's state, waits
+    for its row's other chunks, merges all of the row's states in chunk order (every block the
+    same state), then runs `then`. Otherwise partial states go to a workspace that kf_gen_finish
+    merges."""
     red = prog.reduction
     kind, dt = red.kind, red.operand.dtype
     st_types = kind.state(dt)
@@ -113,9 +119,11 @@ def lower_reduction(prog: Program, knobs: dict, sm_count: int) -> Built:
              f"constexpr kf_idx KN = {lay.kn}; constexpr kf_idx RN = {lay.rn}; constexpr kf_idx CH = {ch};"]
     if split > 1 or prog.normalizes:
         params = params + ["unsigned char* __restrict__ ws"]
+    # cooperative: a counter per row first (a 128-byte line each, zeroed before the launch)
+    counters = 0 if then is None else lay.kn * 128
 
     def ws_ptr(c: int) -> str:
-        return f"reinterpret_cast<{CTYPE[st_types[c]]}*>(ws + {c * split * lay.kn * 8}LL)"
+        return f"reinterpret_cast<{CTYPE[st_types[c]]}*>(ws + {counters + c * split * lay.kn * 8}LL)"
 
     # kept offsets of every tensor for output q
     kofs = offsets_code("q", lay.ksizes, lay.kstrides, [f"k{t}" for t in range(len(lay.kstrides))], idx)
@@ -208,7 +216,7 @@ def lower_reduction(prog: Program, knobs: dict, sm_count: int) -> Built:
     # a normalization's per-element outputs are left to kf_gen_apply (lower_norm_split)
     once = [j for j, m in enumerate(prog.outputs) if m.numel and not any(prog.out_strides[j][d] for d in red.dims)]
 
-    def epilogue(state: list[str], indent: str) -> list[str]:
+    def epilogue(state: list[str], indent: str, to_ws: bool = prog.normalizes) -> list[str]:
         def epi_load(i, stored):
             return f"{ptr[i]}[k{tix[i]}]"
         em2 = Emitter("e", {f"s{c}": n for c, n in enumerate(state)}, epi_load)
@@ -216,11 +224,37 @@ def lower_reduction(prog: Program, knobs: dict, sm_count: int) -> Built:
         out = [indent + line for line in em2.lines]
         for j in once:
             out.append(f"{indent}out{j}[k{j}] = {convert(res[j], prog.results[j].dtype, prog.outputs[j].dtype)};")
-        if prog.normalizes:  # the row's state, for kf_gen_apply
+        if to_ws:  # the row's state, for kf_gen_apply
             out += [f"{indent}{ws_ptr(c)}[q] = {n};" for c, n in enumerate(state)]
         return out
 
-    if split == 1 and not prog.normalizes:
+    if then is not None:
+        assert lanes == nt, "a cooperative fold takes a block per chunk"
+        part = "(kf_idx)blockIdx.y * KN + q"
+        body += [*[f"  __shared__ {CTYPE[t]} row{c};" for c, t in enumerate(st_types)],
+                 "  if (live && lane == 0) {",
+                 *[f"    __stcg(&{ws_ptr(c)}[{part}], {n});" for c, n in enumerate(st)],
+                 "    __threadfence();  // the state is visible before the count says so",
+                 "    unsigned* count = reinterpret_cast<unsigned*>(ws + (kf_i64)q * 128);",
+                 "    atomicAdd(count, 1u);",
+                 f"    while (*reinterpret_cast<volatile unsigned*>(count) < {split}u) __nanosleep(64);",
+                 "    __threadfence();",
+                 *[f"    {n} = __ldcg(&{ws_ptr(c)}[q]);" for c, n in enumerate(st)],
+                 f"    for (int s = 1; s < {split}; ++s) {{",
+                 *[f"      const {CTYPE[t]} o{c} = __ldcg(&{ws_ptr(c)}[(kf_idx)s * KN + q]);" for c, t in enumerate(st_types)],
+                 *[f"      {line}" for line in _merge_block(kind, dt, st, [f"o{c}" for c in range(ns)], "f")],
+                 "    }",
+                 *[f"    row{c} = {n};" for c, n in enumerate(st)],
+                 "  }",
+                 "  __syncthreads();",
+                 "  if (!live) return;",
+                 *[f"  {n} = row{c};" for c, n in enumerate(st)]]
+        if once:
+            body += ["  if (blockIdx.y == 0 && lane == 0) {", *epilogue(st, "    ", to_ws=False), "  }"]
+        body += [f"  {line}" for line in then] + ["}"]
+        minb = max(1, 1024 // nt)  # every block resident at once: 64 registers a thread at most
+        body[0] = body[0].replace("__launch_bounds__(NT)", f"__launch_bounds__(NT, {minb})")
+    elif split == 1 and not prog.normalizes:
         body += ["  if (live && lane == 0) {", *epilogue(st, "    "), "  }", "}"]
     else:
         body += ["  if (live && lane == 0) {"]
@@ -243,7 +277,10 @@ def lower_reduction(prog: Program, knobs: dict, sm_count: int) -> Built:
     staged = split > 1 or prog.normalizes
     kernels = [("kf_gen", grid, (nt,), args + ([{"ws": 0}] if staged else []), 0)]
     workspace = []
-    if staged:
+    if then is not None:
+        kernels = [("kf_gen", grid, (nt,), args + [{"ws": 0}], 0, True)]
+        workspace = [{"bytes": counters + ns * split * lay.kn * 8, "zero": True}]
+    elif staged:
         kernels.append(("kf_gen_finish", (ceil_div(lay.kn, 256),), (256,), args + [{"ws": 0}], 0))
         workspace = [ns * split * lay.kn * 8]
     return Built(_header(src), kernels, workspace)
