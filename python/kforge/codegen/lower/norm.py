@@ -426,8 +426,11 @@ def lower_norm_coop(prog: Program, knobs: dict, sm_count: int) -> Built:
     nt, v = knobs["threads"], knobs["vec"]
     split = coop_split(prog, nt, v, sm_count)
     lay = reduction_layout(prog)
-    then = [f"for (kf_idx c = lo / {v} + threadIdx.x; c < hi / {v}; c += NT) {{",
-            *[f"  {line}" for line in _apply_lines(prog, v, "kf_idx", "c")], "}"]
+    # IT vectors a thread an iteration, unrolled (their loads independent of the stores before them)
+    then = [f"for (kf_idx c0 = lo / {v} + threadIdx.x; c0 < hi / {v}; c0 += (kf_idx)NT * IT) {{",
+            "#pragma unroll", "  for (int u = 0; u < IT; ++u) {", "    const kf_idx c = c0 + (kf_idx)u * NT;",
+            f"    if (c < hi / {v}) {{", *[f"      {line}" for line in _apply_lines(prog, v, "kf_idx", "c")], "    }",
+            "  }", "}"]
     assert split and ceil_div(lay.rn, split) % v == 0 and lay.rn % v == 0
     return lower_reduction(prog, {"algo": "gen_rows", "threads": nt, "lanes": "block", "items": knobs["items"],
                                   "split": split, "vec": _fold_vec(prog, {**knobs, "split": split})}, sm_count, then)
