@@ -292,6 +292,24 @@ def test_a_held_softmax_row_takes_one_exp_an_element_and_one_division_a_row():
     torch.testing.assert_close(got[4:], eager()[4:])
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_an_epilogue_rounded_to_16_bits_takes_the_fast_exp_and_division(tmp_path):
+    """SiLU after a group norm, in bf16: the epilogue's exp and division use the hardware's
+    approximations (their few fp32 ulps vanish in the bf16 rounding right after), in every
+    form; in fp32 the accurate ones. The statistics' fold is never approximated."""
+    for dtype, fast in ((BF16, True), (F32, False)):
+        with torch.no_grad():
+            r = capture(GroupNormSilu(32, 8).to(dtype), (torch.randn(2, 32, 8, 8, dtype=dtype),), tmp_path / str(dtype),
+                        regions=True, time_cards=False)
+        (card,) = [c.retarget("cuda", "sm_90") for c in r.cards if c.region is not None]
+        for knobs in ({"algo": "gen_norm", "threads": 128, "lanes": 32, "vec": 4, "staging": "reload"},
+                      {"algo": "gen_norm_split", "threads": 128, "items": 2, "split": 1, "vec": 4}):
+            source = generated.build(card, knobs, H200).source
+            assert ("__expf(" in source, "__fdividef(" in source, "expf(" in source.replace("__expf(", "")) == (
+                fast, fast, not fast), knobs
+            assert compiler.compile(source, arch="sm_90").cubin
+
+
 def test_few_long_rows_take_one_cooperative_launch_or_the_two_pass_split_form():
     """One image's group norm: 32 rows of 16384 elements cannot fill an H200 a block each. By
     default each row is folded by several blocks of one cooperative launch, every block resident
