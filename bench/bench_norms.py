@@ -22,7 +22,8 @@ sys.path[:0] = [str(ROOT / "python"), str(ROOT / "tests"), str(ROOT / "bench")]
 import bench_builtin  # noqa: E402
 import bench_regions  # noqa: E402
 from builtin_cards import BF16, F16, bn, gn, ln, meta, rms, softmax  # noqa: E402
-from norm_models import AddLayerNormGelu, AddRMSNorm, BatchNormReluAdd, GroupNormSilu, MaskSoftmax  # noqa: E402
+from norm_models import (AddLayerNormGelu, AddRMSNorm, BatchNormAddReluMean, BatchNormReluAdd, GroupNormSilu,  # noqa: E402
+                         MaskSoftmax)
 from kforge import timing  # noqa: E402
 from kforge.capturing import capture  # noqa: E402
 from kforge.card_files import load_sample  # noqa: E402
@@ -76,6 +77,9 @@ REGIONS = {
                                                   lambda: (_cuda(1, 512, 128, 128, dtype=BF16),)),
     "sd-vae group_norm silu 1x256x256x256 channels_last": (
         lambda: GroupNormSilu(256, 32), lambda: (_cuda(1, 256, 256, 256, channels_last=True),)),
+    "resnet bn add relu mean bf16 32x2048x7x7 channels_last": (
+        lambda: BatchNormAddReluMean(2048).eval().to(BF16),
+        lambda: (_cuda(32, 2048, 7, 7, dtype=BF16, channels_last=True), _cuda(32, 2048, 7, 7, dtype=BF16, channels_last=True))),
     "resnet bn relu add bf16 32x256x56x56 channels_last": (
         lambda: BatchNormReluAdd(256).eval().to(BF16),
         lambda: (_cuda(32, 256, 56, 56, dtype=BF16, channels_last=True),

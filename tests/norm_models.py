@@ -144,3 +144,13 @@ class GlobalCentre(nn.Module):
     def forward(self, x):
         return x - x.mean()
 
+
+class BatchNormAddReluMean(nn.Module):
+    """ResNet's last block and its global pool."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.bn = nn.BatchNorm2d(c)
+
+    def forward(self, x, r):
+        return torch.relu(self.bn(x) + r).mean((2, 3))

@@ -531,7 +531,8 @@ def test_vector_loads_in_reductions_fold_the_same_elements(make):
         for g, b in zip(got, scalar):
             torch.testing.assert_close(g, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{knobs}: {m}")
     for odd in (make_card(A.sum.dim_IntList, meta(6, 1001), [1]), make_card(A.sum.dim_IntList, meta(64, 6), [0])):
-        assert all(s["vec"] == (1,) for s in generated.spaces(odd, H200))  # odd rows; rows strided in memory
+        # odd rows; rows strided in memory (gen_cols_block's vector runs across outputs, not along a row)
+        assert all(s["vec"] == (1,) for s in generated.spaces(odd, H200) if s["algo"] != ("gen_cols_block",))
 
 
 def test_long_reduction_with_few_outputs_splits_across_blocks():

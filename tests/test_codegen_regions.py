@@ -13,9 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import cuda_on_cpu
+from norm_models import BatchNormAddReluMean
 from kforge import compiler
 from kforge.capturing import capture
-from kforge.codegen import card_program, interp
+from kforge.card_files import load_sample
+from kforge.codegen import card_program, interp, lower
 from kforge.hardware import H200
 from kforge.proposers.base import ProposalContext
 from kforge.proposers.builtin import BuiltinProposer, generated
@@ -432,3 +434,35 @@ def test_views_at_offsets_read_the_one_input_at_their_offsets(tmp_path):
     cand = generated.build(card, generated.default(card, H200), H200)
     assert {a["in"] for a in cand.plan.kernels[0].args if "in" in a} == {0}
     assert "+ 16)" in cand.source and "+ 32)" in cand.source
+
+
+def test_a_channels_last_global_pool_reads_a_vector_of_channels_a_thread(tmp_path):
+    """bn -> add -> relu -> mean over 7x7, channels-last (ResNet-50's last block at a batch that fills
+    the GPU): by default each thread folds a slice of the pixels for 4 neighbouring channels (16-byte
+    loads), the batch norm's per-channel parameters read once before its loop, and the slices
+    merge in order through shared memory. Each setting runs on the CPU as the region computes."""
+    cl = lambda t: t.to(memory_format=torch.channels_last)  # noqa: E731
+    x, r = cl(torch.randn(9, 2048, 7, 7)), cl(torch.randn(9, 2048, 7, 7))
+    model = BatchNormAddReluMean(2048).eval()
+    with torch.no_grad():
+        model.bn.running_mean.uniform_(-1, 1)
+        model.bn.running_var.uniform_(0.5, 2)
+    with torch.no_grad():
+        got = capture(model, (x, r), tmp_path, regions=True, time_cards=False)
+    (cpu_card,) = [c for c in got.cards if c.region is not None]
+    inputs = load_sample(cpu_card, tmp_path, 0)[0]  # x, the parameters, r
+    card = cpu_card.retarget("cuda", "sm_90")
+    knobs = generated.default(card, H200)
+    assert knobs["algo"] == "gen_cols_block" and knobs["vec"] == 4
+    want = card.region.replay([t.clone() for t in inputs])
+    for k in (knobs, {**knobs, "ty": 2, "items": 1, "vec": 1}, {**knobs, "ty": 16, "items": 4, "vec": 2},
+              {**knobs, "threads": 128, "ty": 4}):
+        cand = generated.build(card, k, H200)
+        assert compiler.compile(cand.source, arch="sm_90").cubin
+        if k["vec"] > 1:  # the parameters: one vector load each, before the reduced loop
+            assert cand.source.count("v) = *reinterpret_cast") == 4
+        for got, w in zip(cuda_on_cpu.run(card, cand, inputs), want):
+            torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"{k}: {m}")
+    # NCHW: the pixels of a channel are contiguous; rows, not columns
+    card = region_card(tmp_path / "nchw", model, x.contiguous(), r.contiguous())
+    assert lower.cols_block_vecs(generated.program(card)) == ()

@@ -34,14 +34,14 @@ class InputSet:
 def prepare(card: Card, run_dir: str | Path, device: torch.device, fresh_sets: int) -> tuple[list[InputSet], InputSet]:
     """(input sets for the checks, held-out set): the captured sample when there is one,
     then fresh sets drawn like it; tolerances derived on each. Raises CardError."""
-    raw: list[tuple[str, list[torch.Tensor]]] = []
-    if card.samples > 0:
-        ins, _ = load_sample(card, run_dir, 0, device=device)
-        raw.append(("sample0", ins))
-    raw += [(f"seed{s}", card.random_inputs(s, device)) for s in range(1, fresh_sets + 1)]
-    raw.append((f"seed{HOLDOUT_SEED}", card.random_inputs(HOLDOUT_SEED, device)))
+    # One set on the device at a time: a 1 GB card's five sets at once took what the next
+    # allocation needed on an 80 GB GPU.
+    names = (["sample0"] if card.samples > 0 else []) + [f"seed{s}" for s in range(1, fresh_sets + 1)] + \
+        [f"seed{HOLDOUT_SEED}"]
     sets = []
-    for name, ins in raw:
+    for name in names:
+        ins = load_sample(card, run_dir, 0, device=device)[0] if name == "sample0" else \
+            card.random_inputs(int(name.removeprefix("seed")), device)
         packed = [cards_mod.pack(t) for t in ins]
         if device.type == "cuda":  # pinned: each candidate copies every set to the GPU several times
             packed = [p.pin_memory() for p in packed]
@@ -53,6 +53,7 @@ def prepare(card: Card, run_dir: str | Path, device: torch.device, fresh_sets: i
         s = InputSet(name, packed, [])
         s.tolerances = derive(card, s.materialize(card, device), ref)
         sets.append(s)
+        del ins, ref
     return sets[:-1], sets[-1]
 
 

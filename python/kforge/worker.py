@@ -54,6 +54,19 @@ def release_cached_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def _memory_note() -> str:
+    """Where an out-of-memory error's GPU memory is: this worker's share first (the error's own
+    text, which says it last, is cut short in reports)."""
+    try:
+        free, total = torch.cuda.mem_get_info()
+        mine, live = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+    except Exception:  # noqa: BLE001 (no CUDA: no note)
+        return ""
+    gib = 2.0**30
+    return (f"[this worker holds {mine / gib:.2f} GiB ({live / gib:.2f} in tensors); other processes "
+            f"{max(0, total - free - mine) / gib:.2f} GiB; free {free / gib:.2f} of {total / gib:.2f}] ")
+
+
 def _rss_bytes() -> int:
     try:
         return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -124,7 +137,8 @@ def main(conn, backend_name: str, device: int, opts_json: dict) -> None:
             # becomes a failed record with the traceback, and the search goes on. A device
             # error that surfaced outside a guarded launch still poisons the context.
             fault = backend.fault(e)
-            result = EvalResult(Verdict.RUNTIME_ERROR, f"evaluation failed inside kforge: {type(e).__name__}: {e}",
+            result = EvalResult(Verdict.RUNTIME_ERROR, f"evaluation failed inside kforge: {type(e).__name__}: "
+                                f"{_memory_note() if isinstance(e, torch.OutOfMemoryError) else ''}{e}",
                                 {"evaluator_error": traceback.format_exc(),
                                  **({"cuda_error": fault.cuda_error} if fault else {})})
             fatal = bool(fault and fault.fatal)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from norm_models import (AddLayerNormGelu, AddRMSNorm, BatchNormReluAdd, BatchNormReluPool, FrobeniusNormalize, GroupNormSilu,
+from norm_models import (AddLayerNormGelu, AddRMSNorm, BatchNormAddReluMean, BatchNormReluAdd, BatchNormReluPool, FrobeniusNormalize, GroupNormSilu,
                          InstanceNormRelu, TemperatureLogSoftmax,
                          MaskSoftmax, ScaleAddLayerNorm2d, ScaleSoftmax, WindowMaskSoftmax)
 
@@ -61,6 +61,10 @@ CASES = {
     "batch_norm relu add resnet bf16 channels_last": (
         lambda: _half(BatchNormReluAdd(64)).eval(),
         lambda: (cuda(4, 64, 28, 28, dtype=BF16, channels_last=True), cuda(4, 64, 28, 28, dtype=BF16, channels_last=True))),
+    # a column of channels a thread, slices of the pixels merged in shared memory (gen_cols_block)
+    "batch_norm add relu mean resnet head bf16 channels_last": (
+        lambda: _half(BatchNormAddReluMean(2048)).eval(),
+        lambda: (cuda(32, 2048, 7, 7, dtype=BF16, channels_last=True), cuda(32, 2048, 7, 7, dtype=BF16, channels_last=True))),
     "instance_norm relu": (lambda: InstanceNormRelu(16, affine=True), lambda: (cuda(2, 16, 9, 11),)),
     "window mask softmax (swin, one image)": (WindowMaskSoftmax, lambda: (cuda(64, 3, 49, 49), cuda(3, 49, 49),
                                                                            cuda(64, 49, 49))),
@@ -78,6 +82,8 @@ def _variants(card, hw):
     base = generated.default(card, hw)
     if base["algo"] == "gen_flat":  # a channels-last norm's parameters read along the inner dim
         return [base, {**base, "vec": 1, "items": 4}, {**base, "threads": 64, "items": 8, "grid": "stride"}]
+    if base["algo"] == "gen_cols_block":  # one output a thread and two slices; more slices, fewer threads
+        return [base, {**base, "ty": 2, "items": 1, "vec": 1}, {**base, "threads": 128, "ty": 16, "items": 4}]
     if not base["algo"].startswith("gen_norm"):
         return [base]
     out = [base]

@@ -13,7 +13,9 @@ the inner dim), values computed in the compute dtype and rounded once on store.
 Reduction: a group of `lanes` threads folds each output's reduced elements (`items` loads
 of `vec` consecutive elements in flight per thread), merges through warp shuffles and, for groups wider than a warp,
 shared memory; `algo` "rows" puts whole warps on an output (reduced dims contiguous), "cols"
-one thread per output (kept dims contiguous: the loads coalesce across outputs). `split` > 1
+one thread per output (kept dims contiguous: the loads coalesce across outputs), "cols_block"
+a vector of neighbouring outputs per thread and several threads per column, each folding a slice
+of the reduced elements (merged through shared memory). `split` > 1
 divides the reduced elements over that many blocks, which write their states to a workspace
 that a second kernel merges in order (two passes) before the epilogue. A normalization's split
 form may instead be one cooperative launch ("gen_norm_coop"): each block publishes its chunk's
@@ -30,9 +32,9 @@ from __future__ import annotations
 
 from .pointwise import lower_pointwise, pointwise_vecs
 from .norm import coop_split, lower_norm, lower_norm_coop, lower_norm_split, norm_staging, norm_vecs
-from .reduce import lower_reduction, reduced_is_inner, reduction_layout, reduction_vecs
+from .reduce import cols_block_vecs, lower_cols_block, lower_reduction, reduced_is_inner, reduction_layout, reduction_vecs
 from .scan import lower_scan, lower_scan_block, lower_window, scan_is_inner, window_vecs
 
-__all__ = ["coop_split", "lower_norm", "lower_norm_coop", "lower_norm_split", "lower_pointwise", "lower_reduction", "lower_scan", "lower_scan_block",
+__all__ = ["cols_block_vecs", "coop_split", "lower_cols_block", "lower_norm", "lower_norm_coop", "lower_norm_split", "lower_pointwise", "lower_reduction", "lower_scan", "lower_scan_block",
            "lower_window", "norm_staging", "norm_vecs", "pointwise_vecs", "reduced_is_inner", "reduction_layout",
            "reduction_vecs", "scan_is_inner", "window_vecs"]

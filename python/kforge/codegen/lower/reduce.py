@@ -284,3 +284,126 @@ def lower_reduction(prog: Program, knobs: dict, sm_count: int, then: list[str] |
         kernels.append(("kf_gen_finish", (ceil_div(lay.kn, 256),), (256,), args + [{"ws": 0}], 0))
         workspace = [ns * split * lay.kn * 8]
     return Built(_header(src), kernels, workspace)
+
+
+# ---- columns a block: reduced elements strided, kept ones contiguous ------------------
+
+def cols_block_vecs(prog: Program) -> tuple[int, ...]:
+    """Legal widths (kept outputs a thread) for gen_cols_block, narrowest first; () where its
+    layout does not hold: a reduction (not a normalization) whose innermost kept dim every
+    tensor reads or writes contiguously or not at all (a channels-last global pool: channels)."""
+    red = prog.reduction
+    if prog.normalizes or red is None:
+        return ()
+    lay = reduction_layout(prog)
+    no = len(prog.outputs)
+    loaded = sorted(prog.in_strides)
+    metas = [(t, m) for t, m in enumerate(prog.outputs) if m.numel] + [(no + k, prog.inputs[i]) for k, i in enumerate(loaded)]
+    inner = [lay.kstrides[t][-1] for t, _ in metas]
+    if any(s not in (0, 1) for s in inner) or not any(inner[k] for k, (t, _) in enumerate(metas) if t >= no):
+        return ()
+    if any(lay.kstrides[t][-1] != 1 for t, m in metas if t < no):  # outputs written across the kept dim
+        return ()
+    out = []
+    for v in (1, 2, 4, 8):
+        ok = lay.ksizes[-1] % v == 0
+        for t, m in metas:
+            if v > 1 and lay.kstrides[t][-1] == 1:
+                ok &= (v * m.itemsize <= 16 and m.align % (v * m.itemsize) == 0 and
+                       all(s % v == 0 for s in lay.kstrides[t][:-1] + lay.rstrides[t]))
+        if ok:
+            out.append(v)
+    return tuple(out)
+
+
+def lower_cols_block(prog: Program, knobs: dict) -> Built:
+    """A block of `threads` threads: `threads / ty` columns of `vec` neighbouring kept outputs
+    (one vector load a tensor each, along the contiguous kept dim) by `ty` slices of the reduced
+    elements; each thread folds its slice (every ty-th element, `items` in flight, one state per
+    item), then the slices merge in order through shared memory and the last writes the outputs.
+    A channels-last global pool reads 16 bytes of channels a load, where a thread per output
+    (gen_cols) reads 2."""
+    red = prog.reduction
+    kind, dt = red.kind, red.operand.dtype
+    st_types = kind.state(dt)
+    lay = reduction_layout(prog)
+    nt, ty, it, v = knobs["threads"], knobs["ty"], knobs["items"], knobs["vec"]
+    tx = nt // ty
+    params, args, ptr = _pointers(prog)
+    no = len(prog.outputs)
+    loaded = sorted(prog.in_strides)
+    tix = {i: no + k for k, i in enumerate(loaded)}
+    logical_t = no + len(loaded)
+    idx = _index_type(prog, 2 * nt * it * v)
+    ident = [_const(e) for e in kind.identity_exprs(dt)]
+    ns = len(st_types)
+    kofs = offsets_code(f"q * {v}", lay.ksizes, lay.kstrides, [f"k{t}" for t in range(len(lay.kstrides))], idx)
+    # a tensor read the same at every reduced element (batch norm's per-channel parameters) is
+    # loaded once, before the loop
+    once_read = [i for i in sorted(red.loads()) if not any(lay.rstrides[tix[i]])]
+    pro = [i for i in sorted(red.loads()) if i not in once_read]
+    rofs = offsets_code("r", lay.rsizes, [lay.rstrides[tix[i]] for i in pro] + [lay.rstrides[logical_t]],
+                        [f"ro{i}" for i in pro] + ["rl"], idx)
+    wide = {i: lay.kstrides[tix[i]][-1] == 1 and v > 1 for i in red.loads()}  # else one value for the whole column
+
+    def load(i: int, dest: str, off: str) -> str:
+        ct = CTYPE[prog.inputs[i].dtype]
+        if not wide[i]:
+            return f"{dest}[0] = {ptr[i]}[k{tix[i]}{off}];"
+        return (f"*reinterpret_cast<kf_vec<{ct}, {v}>*>({dest}) = "
+                f"*reinterpret_cast<const kf_vec<{ct}, {v}>*>({ptr[i]} + k{tix[i]}{off});")
+
+    em = Emitter("p", {"ridx": "ri[u]"},
+                 lambda i, stored: f"x{i}{'v' if i in once_read else '[u]'}[{'j' if wide[i] else '0'}]")
+    xs, lift = red.lifted()
+    for x, o in zip(xs, red.operands):
+        em.env[x.value] = em(o)
+    lifted = [em(e) for e in lift]
+    st = [f"st{c}" for c in range(ns)]
+    body = [f"typedef {idx} kf_idx;",
+            f"constexpr int NT = {nt}; constexpr int TX = {tx}; constexpr int TY = {ty}; constexpr int IT = {it}; "
+            f"constexpr int V = {v};",
+            f"constexpr kf_idx KQ = {lay.kn // v}; constexpr kf_idx RN = {lay.rn};",
+            f'extern "C" __global__ void __launch_bounds__(NT) kf_gen({", ".join(params)}) {{',
+            "  const int tx = threadIdx.x % TX, ty = threadIdx.x / TX;",
+            "  const kf_idx q = (kf_idx)blockIdx.x * TX + tx;  // the column of V kept outputs",
+            "  const bool live = q < KQ;",
+            *[f"  {line}" for line in kofs],
+            *[f"  {CTYPE[t]} {n}u[IT][V];" for n, t in zip(st, st_types)],
+            "#pragma unroll", "  for (int u = 0; u < IT; ++u)", "#pragma unroll", "    for (int j = 0; j < V; ++j) {",
+            *[f"      {n}u[u][j] = {val};" for n, val in zip(st, ident)], "    }",
+            "  if (live) {",
+            *[f"    {CTYPE[prog.inputs[i].dtype]} x{i}v[V];" for i in once_read],
+            *[f"    {load(i, f'x{i}v', '')}" for i in once_read],
+            "    for (kf_idx r0 = ty; r0 < RN; r0 += (kf_idx)TY * IT) {",
+            *[f"      {CTYPE[prog.inputs[i].dtype]} x{i}[IT][V];" for i in pro],
+            "      kf_i64 ri[IT];",
+            "#pragma unroll", "      for (int u = 0; u < IT; ++u) {", "        const kf_idx r = r0 + (kf_idx)u * TY;",
+            "        if (r < RN) {", *[f"          {line}" for line in rofs],
+            *[f"          {load(i, f'x{i}[u]', f' + ro{i}')}" for i in pro],
+            "          ri[u] = rl;", "        }", "      }",
+            "#pragma unroll", "      for (int u = 0; u < IT; ++u) {", "        if (r0 + (kf_idx)u * TY < RN) {",
+            "#pragma unroll", "          for (int j = 0; j < V; ++j) {", *[f"            {line}" for line in em.lines],
+            *[f"            {line}" for line in _merge_block(kind, dt, [f"{n}u[u][j]" for n in st], lifted, "u")],
+            "          }", "        }", "      }", "    }", "  }",
+            # items, then slices in order (shared memory), each column's V outputs apart
+            *[f"  __shared__ {CTYPE[t]} sm{c}[TY][TX][V];" for c, t in enumerate(st_types)],
+            "#pragma unroll", "  for (int j = 0; j < V; ++j) {",
+            *[f"    {CTYPE[t]} {n} = {n}u[0][j];" for n, t in zip(st, st_types)],
+            "#pragma unroll", "    for (int u = 1; u < IT; ++u) {",
+            *[f"      {line}" for line in _merge_block(kind, dt, st, [f"{n}u[u][j]" for n in st], "i")], "    }",
+            *[f"    sm{c}[ty][tx][j] = {n};" for c, n in enumerate(st)], "  }",
+            "  __syncthreads();",
+            "  if (!live || ty != TY - 1) return;  // the last slice's threads: the others' states are all written"]
+    once = [j for j, m in enumerate(prog.outputs) if m.numel]
+    em2 = Emitter("e", {f"s{c}": n for c, n in enumerate(st)},
+                  lambda i, stored: f"{ptr[i]}[k{tix[i]} + j * {lay.kstrides[tix[i]][-1]}]")
+    res = {j: em2(prog.results[j]) for j in once}
+    body += ["#pragma unroll", "  for (int j = 0; j < V; ++j) {",
+             *[f"    {CTYPE[t]} {n} = sm{c}[0][tx][j];" for c, (n, t) in enumerate(zip(st, st_types))],
+             "    for (int y = 1; y < TY; ++y) {",
+             *[f"      {line}" for line in _merge_block(kind, dt, st, [f"sm{c}[y][tx][j]" for c in range(ns)], "y")],
+             "    }", *[f"    {line}" for line in em2.lines],
+             *[f"    out{j}[k{j} + j] = {convert(res[j], prog.results[j].dtype, prog.outputs[j].dtype)};" for j in once],
+             "  }", "}"]
+    return Built(_header("\n".join(body)), [("kf_gen", (ceil_div(lay.kn // v, tx),), (nt,), args, 0)], [])

@@ -83,7 +83,16 @@ def _reduction_spaces(prog: Program) -> list[KnobSpace]:
     rows["vec"] = lower.reduction_vecs(prog, rows["split"])
     cols = tuple(s for s in splits if s >= need)
     return [rows] + ([{"algo": ("gen_cols",), "threads": (64, 128, 256, 512), "items": (1, 2, 4, 8), "split": cols,
-                       "vec": lower.reduction_vecs(prog, cols)}] if cols else [])
+                       "vec": lower.reduction_vecs(prog, cols)}] if cols else []) + _cols_block_space(prog)
+
+
+def _cols_block_space(prog: Program) -> list[KnobSpace]:
+    """gen_cols_block where its layout holds and every slice's chain is short: at most CHAIN
+    elements a thread at its fewest slices (2)."""
+    vecs = lower.cols_block_vecs(prog)
+    if not vecs or lower.reduction_layout(prog).rn > 2 * CHAIN:
+        return []
+    return [{"algo": ("gen_cols_block",), "threads": (128, 256), "ty": (2, 4, 8, 16), "items": (1, 2, 4), "vec": vecs}]
 
 
 def _within(knobs: Knobs, spaces: list[KnobSpace]) -> Knobs:
@@ -180,6 +189,12 @@ def default(card: Card, hw: Hardware) -> Knobs:
         knobs = {"algo": "gen_rows", "threads": 512 if lanes == "block" else 256, "lanes": lanes, "items": 4}
         rows = knobs["threads"] // (knobs["threads"] if lanes == "block" else lanes)
     else:
+        block = _cols_block_space(prog)
+        if block and lay.kn // block[0]["vec"][-1] >= 32 * hw.sm_count:
+            # a column of the widest vector a thread, ~8 elements a slice: 256 blocks of 32 columns
+            # for ResNet-50's channels-last global pool (32x2048 outputs of 7x7)
+            return {"algo": "gen_cols_block", "threads": 256, "ty": pick(block[0]["ty"], lay.rn / 8), "items": 2,
+                    "vec": block[0]["vec"][-1]}
         knobs = {"algo": "gen_cols", "threads": 256, "items": 4}
         rows = 256
     blocks = -(-lay.kn // rows)
@@ -254,6 +269,8 @@ def build(card: Card, knobs: Knobs, hw: Hardware) -> Candidate:
                  else lower.lower_norm(prog, knobs))
     elif prog.reduction is None:
         built = lower.lower_pointwise(prog, knobs, hw.sm_count)
+    elif knobs["algo"] == "gen_cols_block":
+        built = lower.lower_cols_block(prog, knobs)
     else:
         built = lower.lower_reduction(prog, knobs, hw.sm_count)
     title = f"// kforge builtin: generated {card.op} knobs={json.dumps(knobs, sort_keys=True)}\n"
