@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kforge import tolerance
 from kforge import validate as V
 from kforge.evaluate import screen
 from kforge.tolerance import Tolerance
@@ -74,6 +75,29 @@ def test_compare_reports_the_worst_element():
     assert c.worst["index"] == 777 and c.failure.evidence["count"] == 1
     assert c.max_abs_err > 9e-4 and c.worst["got"] != c.worst["expected"]
     assert V.compare(ref.clone(), ref, TOL).ok
+
+
+def test_compare_in_chunks_says_what_one_pass_says(monkeypatch):
+    """Runs of 7 elements give the whole pass's maxima, first non-finite mismatch, worst element
+    and counts: mismatches, NaN and Inf in several runs, the worst tied twice, complex values."""
+    torch.manual_seed(0)
+    e = torch.randn(5, 13)
+    g = e + 1e-7 * torch.randn(5, 13)
+    g[1, 2] += 0.5
+    g[3, 9] += 0.5  # ties the worst: the first one is reported
+    cases = [(g, e), (g.t().contiguous().t(), e)]
+    nan = g.clone()
+    nan[2, 11], nan[4, 0] = float("nan"), float("inf")
+    cases.append((nan, e))
+    allinf = torch.full((3, 5), float("inf"))
+    cases.append((allinf, allinf.clone()))
+    cases.append((torch.complex(g, g), torch.complex(e, e)))
+    tol = Tolerance(1e-3, 1e-3, "test")
+    for got, want in cases:
+        monkeypatch.setattr(tolerance, "CHUNK", 1 << 24)
+        whole = V.compare(got, want, tol)
+        monkeypatch.setattr(tolerance, "CHUNK", 7)
+        assert V.compare(got, want, tol) == whole
 
 
 def test_nan_only_where_eager_has_nan():

@@ -8,6 +8,7 @@ import json
 import multiprocessing as mp
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -546,12 +547,13 @@ def test_out_of_memory_outside_a_kernel_gives_cached_blocks_back_and_tries_once_
     runs out of memory once; the worker empties the allocator's cache and judges the candidate."""
     from kforge import worker
 
-    calls, released = [0], [0]
+    calls, released, handling = [0], [0], []
 
     def prepare_once_oom(*args, **kwargs):
         calls[0] += 1
         if calls[0] == 1:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        handling.append(sys.exc_info()[1])  # the first try's error, and its frames' tensors, are gone
         return prepare(*args, **kwargs)
 
     real_release = worker.release_cached_memory
@@ -573,3 +575,4 @@ def test_out_of_memory_outside_a_kernel_gives_cached_blocks_back_and_tries_once_
     (result,) = [m for m in messages if m["kind"] == "result"]
     assert EvalResult.from_json(result["result"]).verdict in (Verdict.VALID, Verdict.SLOWER)
     assert calls[0] == 2 and released[0] >= 2  # one for the new card, one for the retry
+    assert handling == [None]

@@ -28,6 +28,7 @@ Integer and bool outputs must match exactly.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -46,6 +47,16 @@ _BOUNDS: dict[torch.dtype, tuple[float, float, float]] = {
     torch.float16: (2.0**-10, 2.0**-11, 5e-2),
     torch.bfloat16: (2.0**-7, 2.0**-8, 5e-2),
 }
+
+
+CHUNK = 1 << 24  # elements compared at a time: float64 temporaries of 128 MB each, whatever the output's size
+
+
+def chunks(n: int):
+    """(start, stop) of consecutive runs of at most CHUNK of n elements (this module's and
+    validate.compare's passes over an output)."""
+    step = CHUNK
+    return ((a, min(a + step, n)) for a in range(0, n, step))
 
 
 @dataclass(frozen=True)
@@ -104,20 +115,31 @@ def _from_error(ref: torch.Tensor, hi: torch.Tensor | None, how_ref: str, ulps: 
     name = str(ref.dtype).removeprefix("torch.")
     if ulps > 1:
         rtol, name = rtol * ulps, f"{name} x {ulps} roundings"
-    basis = _real64(hi if hi is not None else ref)
-    finite = basis[torch.isfinite(basis)]
-    scale = float(finite.square().mean().sqrt()) if finite.numel() else 0.0
+    # in runs of CHUNK elements, as validate.compare: float64 copies of a whole 1 GB output do not fit
+    src = (hi if hi is not None else ref).detach().reshape(-1)
+    squares, count = 0.0, 0
+    for a, b in chunks(src.numel()):
+        basis = _real64(src[a:b])
+        finite = basis[torch.isfinite(basis)]
+        squares, count = squares + float(finite.square().sum()), count + finite.numel()
+    scale = math.sqrt(squares / count) if count else 0.0
     scale = max(scale, torch.finfo(torch.float64).tiny)  # an all-zero output must be matched exactly
     if hi is None:
         return Tolerance(floor * scale, rtol, f"{name} floor x rms {scale:.3g} ({how_ref})")
-    got = _real64(ref).to(basis.device)  # the reference may have come from the CPU fallback
-    # eager's error against the correctly rounded answer, what an exact kernel returns in this
-    # dtype: measured against the unrounded one, an eager just inside its rtol on one side left
-    # no room for a kernel's own last rounding on the other (fp16 cumprod, 2 ulps apart)
-    exact = _real64(hi.to(ref.dtype)).to(basis.device) if hi.dtype != ref.dtype else basis
-    both = torch.isfinite(got) & torch.isfinite(exact)
-    excess = (got - exact).abs().sub(rtol * exact.abs()).clamp_min(0.0)[both]
-    measured = float(excess.max()) / scale if excess.numel() else 0.0
+    refs = ref.detach().reshape(-1)
+    worst = None
+    for a, b in chunks(src.numel()):
+        basis = _real64(src[a:b])
+        got = _real64(refs[a:b]).to(basis.device)  # the reference may have come from the CPU fallback
+        # eager's error against the correctly rounded answer, what an exact kernel returns in this
+        # dtype: measured against the unrounded one, an eager just inside its rtol on one side left
+        # no room for a kernel's own last rounding on the other (fp16 cumprod, 2 ulps apart)
+        exact = _real64(src[a:b].to(ref.dtype)).to(basis.device) if hi.dtype != ref.dtype else basis
+        both = torch.isfinite(got) & torch.isfinite(exact)
+        excess = (got - exact).abs().sub(rtol * exact.abs()).clamp_min(0.0)[both]
+        if excess.numel():
+            worst = max(worst or 0.0, float(excess.max()))
+    measured = worst / scale if worst is not None else 0.0
     rel = min(max(SLACK * measured, floor), cap)
     which = "floor" if rel == floor else "cap" if rel == cap else f"{SLACK:g}x eager's error"
     how = (f"{name}: eager vs {how_ref} needs atol {measured:.3g} x rms {scale:.3g}; "

@@ -125,8 +125,13 @@ def main(conn, backend_name: str, device: int, opts_json: dict) -> None:
 
             try:
                 result, fatal = judge()
+                retry = False
             except torch.OutOfMemoryError:
-                # Blocks the allocator caches for other cards' sizes: give them back, try once more.
+                retry = True
+            if retry:
+                # Blocks the allocator caches for other cards' sizes: give them back, try once more
+                # (outside the handler: its traceback held the first try's tensors through the second,
+                # 77 GB of a 1 GB card's on an 80 GB GPU).
                 release_cached_memory()
                 result, fatal = judge()
         except CardError as e:
