@@ -68,7 +68,9 @@ def run(card, cand, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     for j, o in enumerate(outs):
         if j not in card.aliases and o.is_floating_point():
             o.fill_(float("nan"))
-    ws = [torch.empty(b, dtype=torch.uint8) for b, _ in cand.plan.workspace_bytes()]
+    ws = [torch.zeros(b, dtype=torch.uint8) for b, _ in cand.plan.workspace_bytes()]
+    if any(k.cooperative for k in cand.plan.kernels):  # its blocks wait for each other: one at a time would hang
+        raise ValueError(f"{cand.knobs}: a cooperative kernel cannot run one thread at a time on the CPU")
     for k in cand.plan.kernels:
         fn = getattr(lib, k.name)
         ptrs = []

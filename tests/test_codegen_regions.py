@@ -306,7 +306,7 @@ def test_region_lowers_compiles_and_matches_its_replay(tmp_path, name):
         cand = generated.build(card, knobs, H200)
         cand.plan.validate(len(card.inputs), len(card.outputs))
         assert compiler.compile(cand.source, arch="sm_90").cubin
-        if knobs["algo"] != "gen_rows":
+        if knobs["algo"] not in ("gen_rows", "gen_norm_coop"):  # threads that cooperate across blocks: GPU only
             for got, w in zip(cuda_on_cpu.run(card, cand, inputs), want):
                 torch.testing.assert_close(got, w, rtol=1e-6, atol=1e-6, msg=lambda m: f"{knobs}: {m}")
 

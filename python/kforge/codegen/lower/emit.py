@@ -23,6 +23,12 @@ template <typename T> __device__ __forceinline__ T kf_nanmax(T a, T b) { return 
 template <typename T> __device__ __forceinline__ T kf_nanmin(T a, T b) { return (a != a || a < b) ? a : b; }
 template <typename T> __device__ __forceinline__ T kf_imax(T a, T b) { return a > b ? a : b; }
 template <typename T> __device__ __forceinline__ T kf_imin(T a, T b) { return a < b ? a : b; }
+// __fdividef where it is accurate (a divisor of normal magnitude up to 2^126: past it, it returns
+// 0), IEEE division elsewhere (subnormal, huge, infinite or NaN divisors).
+__device__ __forceinline__ float kf_fdiv(float a, float b) {
+  const float m = fabsf(b);
+  return (m >= 1.17549435e-38f && m < 8.50705917e37f) ? __fdividef(a, b) : a / b;
+}
 """
 _HALF = r"""
 #include <cuda_fp16.h>
@@ -79,12 +85,12 @@ def convert(x: str, src: str, dst: str) -> str:
 
 
 class Emitter:
-    """SSA statements for Expr DAGs in one scope; equal subtrees are emitted once. With `fast`,
-    float32 exp and division use the hardware's approximations (__expf, __fdividef: a few ulps,
-    against an ulp; 3 and 2 instructions against about 10 each): for values rounded to a 16-bit
-    type next, whose rounding hides that difference (see fast_ok)."""
+    """SSA statements for Expr DAGs in one scope; equal subtrees are emitted once. The nodes in
+    `fast` (float32 exp and division, fast_nodes) use the hardware's approximations (__expf,
+    __fdividef: a few ulps, against an ulp; about 3 instructions against 10): for values rounded
+    to a 16-bit type next, whose rounding hides that difference."""
 
-    def __init__(self, prefix: str, env: dict[str, str], load, fast: bool = False):
+    def __init__(self, prefix: str, env: dict[str, str], load, fast: frozenset = frozenset()):
         self.prefix, self.env, self.load, self.fast = prefix, env, load, fast
         self.names: dict[Expr, str] = {}
         self.lines: list[str] = []
@@ -116,9 +122,9 @@ class Emitter:
             x = self.names[n.args[0]]
             src = n.args[0].dtype
             expr = f"kf_ld({convert(x, src, n.value[1])})" if n.value else convert(x, src, n.dtype)
-        elif self.fast and n.op in ("exp", "div") and n.dtype == "float32":
+        elif n in self.fast:
             a = [self.names[x] for x in n.args]
-            expr = f"__expf({a[0]})" if n.op == "exp" else f"__fdividef({a[0]}, {a[1]})"
+            expr = f"__expf({a[0]})" if n.op == "exp" else f"kf_fdiv({a[0]}, {a[1]})"
         else:
             expr = self._prim(n, [self.names[a] for a in n.args])
         name = f"{self.prefix}{len(self.lines)}"
@@ -204,11 +210,36 @@ class Built:
     workspace: list
 
 
-def fast_ok(prog: Program) -> bool:
-    """Whether an epilogue may use Emitter's fast forms: every output a 16-bit float, so each
-    value is rounded to 8 or 11 significant bits right after it (a few fp32 ulps then change a
-    rounding once in thousands of elements, by one ulp of the output)."""
-    return all(m.dtype in ("float16", "bfloat16") for m in prog.outputs if m.numel)
+# Ops whose result jumps where an operand crosses a point: a few ulps in the operand may move a
+# whole step (a rounding, a comparison, a where's condition, an integer cast).
+_STEPS = frozenset({"lt", "le", "gt", "ge", "eq", "ne", "rint", "floor", "ceil", "trunc", "mod", "fmod", "isnan",
+                    "isinf", "signbit", "not", "and", "or", "xor", "shl", "shr", "copysign", "nextafter"})
+
+
+def fast_nodes(prog: Program, results: list) -> frozenset:
+    """The float32 exp and division nodes of `results` (epilogue expressions) that may take
+    Emitter's fast forms: every output a 16-bit float, so each value is rounded to 8 or 11
+    significant bits (a few fp32 ulps then change a rounding once in thousands of elements, by
+    one ulp of the output), and no step between the node and the output (nothing under a
+    comparison, a rounding, a where's condition or an integer cast)."""
+    if not all(m.dtype in ("float16", "bfloat16") for m in prog.outputs if m.numel):
+        return frozenset()
+    stepped: set = set()
+
+    def under_step(e) -> None:
+        if e not in stepped:
+            stepped.add(e)
+            for a in e.args:
+                under_step(a)
+
+    nodes = {n for r in results for n in r.walk()}
+    for n in nodes:
+        if n.op in _STEPS or (n.op == "cast" and n.dtype not in FLOATS):
+            for a in n.args:
+                under_step(a)
+        elif n.op == "where":
+            under_step(n.args[0])
+    return frozenset(n for n in nodes if n.op in ("exp", "div") and n.dtype == "float32" and n not in stepped)
 
 
 def _header(body: str) -> str:

@@ -7,7 +7,7 @@ from ...cards import TensorMeta
 from ...proposers.builtin.common import ceil_div
 from ..ir import Expr, Program
 from .emit import (CTYPE, Built, Emitter, _chunk_block, _const, _header, _index_type, _merge_block, _pointers, _shfl, convert,
-                   fast_ok, offsets_code)
+                   fast_nodes, offsets_code)
 from .reduce import lower_reduction, reduction_layout, reduction_vecs
 
 
@@ -293,7 +293,8 @@ def lower_norm(prog: Program, knobs: dict) -> Built:
             p2.append(f"{CTYPE[prog.inputs[i].dtype]} xv{i}[V];")
             p2 += load_chunk(i, f"xv{i}")
     p2 += [f"{CTYPE[prog.outputs[j].dtype]} o{j}[V];" for j in outs2]
-    em2 = Emitter("e", {f"s{c}": n for c, n in enumerate(st)}, lambda i, stored: f"{arr(i, 2)}[jj]", fast_ok(prog))
+    em2 = Emitter("e", {f"s{c}": n for c, n in enumerate(st)}, lambda i, stored: f"{arr(i, 2)}[jj]",
+                  fast_nodes(prog, [prog.results[j] for j in outs2]))
     if held:
         em2.bind(reuse[0] if reuse else red.operand, "xo[u][jj]")
     em_row = Emitter("rw", em2.env, None)  # once a row, after the merges
@@ -354,7 +355,7 @@ def _apply_lines(prog: Program, v: int, idx: str, chunk: str) -> list[str]:
         body.append(f"{ct} xv{i}[{v}];")
         body += _chunk_load(ptr[i], ct, f"k{t} + r{t}", lay.rstrides[t][-1], v, f"xv{i}")
     em = Emitter("e", {f"s{c}": f"st{c}" for c in range(len(red.kind.state(red.operand.dtype)))},
-                 lambda i, stored: f"xv{i}[jj]", fast_ok(prog))
+                 lambda i, stored: f"xv{i}[jj]", fast_nodes(prog, [prog.results[j] for j in full]))
     res = {j: em(prog.results[j]) for j in full}
     body += [f"{CTYPE[prog.outputs[j].dtype]} o{j}[{v}];" for j in full]
     body += ["#pragma unroll", f"for (int jj = 0; jj < {v}; ++jj) {{", *[f"  {line}" for line in em.lines],

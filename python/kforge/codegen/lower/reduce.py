@@ -304,9 +304,12 @@ def cols_block_vecs(prog: Program) -> tuple[int, ...]:
         return ()
     if any(lay.kstrides[t][-1] != 1 for t, m in metas if t < no):  # outputs written across the kept dim
         return ()
+    # the slices' states in static shared memory: 256 threads x v outputs x the state's bytes
+    state_bytes = sum(8 if t in ("float64", "int64") else 4 if t in ("float32", "int32") else 2 if t in (
+        "float16", "bfloat16", "int16") else 1 for t in red.kind.state(red.operand.dtype))
     out = []
     for v in (1, 2, 4, 8):
-        ok = lay.ksizes[-1] % v == 0
+        ok = lay.ksizes[-1] % v == 0 and 256 * v * state_bytes <= 40 * 1024
         for t, m in metas:
             if v > 1 and lay.kstrides[t][-1] == 1:
                 ok &= (v * m.itemsize <= 16 and m.align % (v * m.itemsize) == 0 and
