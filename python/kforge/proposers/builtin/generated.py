@@ -190,9 +190,10 @@ def default(card: Card, hw: Hardware) -> Knobs:
         rows = knobs["threads"] // (knobs["threads"] if lanes == "block" else lanes)
     else:
         block = _cols_block_space(prog)
-        if block and lay.kn // block[0]["vec"][-1] >= 32 * hw.sm_count:
+        if block and block[0]["vec"][-1] > 1 and lay.kn // block[0]["vec"][-1] >= 32 * hw.sm_count:
             # a column of the widest vector a thread, ~8 elements a slice: 256 blocks of 32 columns
-            # for ResNet-50's channels-last global pool (32x2048 outputs of 7x7)
+            # for ResNet-50's channels-last global pool (32x2048 outputs of 7x7). Scalar columns (an
+            # odd kept dim) stay with gen_cols, whose split measured well on KernelBench's sums.
             return {"algo": "gen_cols_block", "threads": 256, "ty": pick(block[0]["ty"], lay.rn / 8), "items": 2,
                     "vec": block[0]["vec"][-1]}
         knobs = {"algo": "gen_cols", "threads": 256, "items": 4}
