@@ -36,9 +36,12 @@ def test_tolerances_derived_in_chunks_match_one_pass(monkeypatch, dtype):
     ref = T.observed(card, x, card.call_eager(x, device="cpu"))
     whole = T.derive(card, x, ref)
     monkeypatch.setattr(T, "CHUNK", 7)
+    sizes, real64 = [], T._real64
+    monkeypatch.setattr(T, "_real64", lambda t: sizes.append(t.numel()) or real64(t))
     chunked = T.derive(card, x, ref)
     for w, c in zip(whole, chunked):
         assert c.rtol == w.rtol and c.atol == pytest.approx(w.atol, rel=1e-12)
+    assert sizes and max(sizes) <= 7  # no float64 copy of more than a run
 
 
 def test_fp16_accumulation_fails_an_fp32_op():
