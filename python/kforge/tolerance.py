@@ -115,21 +115,17 @@ def _from_error(ref: torch.Tensor, hi: torch.Tensor | None, how_ref: str, ulps: 
     name = str(ref.dtype).removeprefix("torch.")
     if ulps > 1:
         rtol, name = rtol * ulps, f"{name} x {ulps} roundings"
-    # in runs of CHUNK elements, as validate.compare: float64 copies of a whole 1 GB output do not fit
+    # in runs of CHUNK elements, as validate.compare: float64 copies of a whole 1 GB output do not
+    # fit. One pass gives the scale (the RMS of the finite values) and eager's worst excess.
     src = (hi if hi is not None else ref).detach().reshape(-1)
-    squares, count = 0.0, 0
+    refs = ref.detach().reshape(-1)
+    squares, count, worst = 0.0, 0, None
     for a, b in chunks(src.numel()):
         basis = _real64(src[a:b])
         finite = basis[torch.isfinite(basis)]
         squares, count = squares + float(finite.square().sum()), count + finite.numel()
-    scale = math.sqrt(squares / count) if count else 0.0
-    scale = max(scale, torch.finfo(torch.float64).tiny)  # an all-zero output must be matched exactly
-    if hi is None:
-        return Tolerance(floor * scale, rtol, f"{name} floor x rms {scale:.3g} ({how_ref})")
-    refs = ref.detach().reshape(-1)
-    worst = None
-    for a, b in chunks(src.numel()):
-        basis = _real64(src[a:b])
+        if hi is None:
+            continue
         got = _real64(refs[a:b]).to(basis.device)  # the reference may have come from the CPU fallback
         # eager's error against the correctly rounded answer, what an exact kernel returns in this
         # dtype: measured against the unrounded one, an eager just inside its rtol on one side left
@@ -139,6 +135,10 @@ def _from_error(ref: torch.Tensor, hi: torch.Tensor | None, how_ref: str, ulps: 
         excess = (got - exact).abs().sub(rtol * exact.abs()).clamp_min(0.0)[both]
         if excess.numel():
             worst = max(worst or 0.0, float(excess.max()))
+    scale = math.sqrt(squares / count) if count else 0.0
+    scale = max(scale, torch.finfo(torch.float64).tiny)  # an all-zero output must be matched exactly
+    if hi is None:
+        return Tolerance(floor * scale, rtol, f"{name} floor x rms {scale:.3g} ({how_ref})")
     measured = worst / scale if worst is not None else 0.0
     rel = min(max(SLACK * measured, floor), cap)
     which = "floor" if rel == floor else "cap" if rel == cap else f"{SLACK:g}x eager's error"

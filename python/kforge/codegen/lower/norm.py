@@ -140,26 +140,9 @@ def phase_reuse(red, st_types: list[str], results: list[Expr]) -> tuple[Expr, Ex
     pairs: dict[Expr, Expr] = {}
     if not all(_lockstep(x, y, pairs) for x, y in zip(ours, theirs)):
         return None
-    shared: set[Expr] = set()
-    reads_operand = False
-    seen: set[Expr] = set()
-
-    def go(e: Expr) -> None:
-        nonlocal reads_operand
-        if e in seen:
-            return
-        seen.add(e)
-        if e == red.operand:
-            reads_operand = True
-        elif e in pairs and e.op not in ("var", "const", "load"):
-            shared.add(e)
-        else:
-            for a in e.args:
-                go(a)
-
-    for e in results:
-        go(e)
-    if reads_operand or len(shared) != 1:
+    found = _largest(results, lambda e: e == red.operand or (e in pairs and e.op not in ("var", "const", "load")))
+    shared = [e for e in found if e != red.operand]
+    if red.operand in found or len(shared) != 1:
         return None
     (e,) = shared
     return (e, pairs[e]) if e.dtype == dt else None
@@ -168,18 +151,28 @@ def phase_reuse(red, st_types: list[str], results: list[Expr]) -> tuple[Expr, Ex
 def row_invariants(results: list[Expr]) -> list[Expr]:
     """The largest subtrees of the epilogue that read only the fold's state and constants
     (softmax's 1 / sum): computed once a row, not once an element."""
-    out: list[Expr] = []
-    seen: set[Expr] = set()
+    memo: dict[Expr, bool] = {}
 
     def invariant(e: Expr) -> bool:
-        return all(n.op == "const" or (n.op == "var" and n.value[0] == "s" and n.value[1:].isdigit()) or
-                   (n.op not in ("load", "var") and n.args) for n in e.walk())
+        if e not in memo:
+            memo[e] = e.op == "const" or (e.op == "var" and e.value[0] == "s" and e.value[1:].isdigit()) or (
+                e.op not in ("load", "var") and bool(e.args) and all(invariant(a) for a in e.args))
+        return memo[e]
+
+    return _largest(results, lambda e: bool(e.args) and invariant(e))
+
+
+def _largest(results: list[Expr], take) -> list[Expr]:
+    """The subtrees of `results` that `take` accepts, top down: one taken is not entered; each
+    node is looked at once."""
+    out: list[Expr] = []
+    seen: set[Expr] = set()
 
     def go(e: Expr) -> None:
         if e in seen:
             return
         seen.add(e)
-        if e.args and invariant(e):
+        if take(e):
             out.append(e)
         else:
             for a in e.args:

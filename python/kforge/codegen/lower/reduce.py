@@ -6,10 +6,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from ...proposers.builtin.common import ceil_div
 from ..ir import Program
 from .emit import (CTYPE, Built, Emitter, _chunk_block, _const, _header, _index_type, _merge_block, _pointers, _shfl, coalesce,
-                   convert, offsets_code)
+                   convert, offsets_code, vector_fits)
 
 # ---- reduction -----------------------------------------------------------------------
 
@@ -305,18 +307,10 @@ def cols_block_vecs(prog: Program) -> tuple[int, ...]:
     if any(lay.kstrides[t][-1] != 1 for t, m in metas if t < no):  # outputs written across the kept dim
         return ()
     # the slices' states in static shared memory: 256 threads x v outputs x the state's bytes
-    state_bytes = sum(8 if t in ("float64", "int64") else 4 if t in ("float32", "int32") else 2 if t in (
-        "float16", "bfloat16", "int16") else 1 for t in red.kind.state(red.operand.dtype))
-    out = []
-    for v in (1, 2, 4, 8):
-        ok = lay.ksizes[-1] % v == 0 and 256 * v * state_bytes <= 40 * 1024
-        for t, m in metas:
-            if v > 1 and lay.kstrides[t][-1] == 1:
-                ok &= (v * m.itemsize <= 16 and m.align % (v * m.itemsize) == 0 and
-                       all(s % v == 0 for s in lay.kstrides[t][:-1] + lay.rstrides[t]))
-        if ok:
-            out.append(v)
-    return tuple(out)
+    state_bytes = sum(getattr(torch, t).itemsize for t in red.kind.state(red.operand.dtype))
+    return tuple(v for v in (1, 2, 4, 8) if lay.ksizes[-1] % v == 0 and 256 * v * state_bytes <= 40 * 1024 and all(
+        v == 1 or lay.kstrides[t][-1] == 0 or vector_fits(v, m, lay.kstrides[t] + lay.rstrides[t], len(lay.kstrides[t]) - 1)
+        for t, m in metas))
 
 
 def lower_cols_block(prog: Program, knobs: dict) -> Built:
