@@ -22,8 +22,8 @@ sys.path[:0] = [str(ROOT / "python"), str(ROOT / "tests"), str(ROOT / "bench")]
 import bench_builtin  # noqa: E402
 import bench_regions  # noqa: E402
 from builtin_cards import BF16, F16, bn, gn, ln, meta, rms, softmax  # noqa: E402
-from norm_models import (AddLayerNormGelu, AddRMSNorm, BatchNormAddReluMean, BatchNormReluAdd, GroupNormSilu,  # noqa: E402
-                         MaskSoftmax)
+from norm_models import (AddLayerNormGelu, AddRMSNorm, BatchNormAddReluMean, BatchNormReluAdd, GeluMul,  # noqa: E402
+                         GroupNormSilu, MaskSoftmax)
 from kforge import timing  # noqa: E402
 from kforge.capturing import capture  # noqa: E402
 from kforge.card_files import load_sample  # noqa: E402
@@ -84,6 +84,12 @@ REGIONS = {
         lambda: BatchNormReluAdd(256).eval().to(BF16),
         lambda: (_cuda(32, 256, 56, 56, dtype=BF16, channels_last=True),
                  _cuda(32, 256, 56, 56, dtype=BF16, channels_last=True))),
+    # ResNet's stem after its convolution: a pooling with a prologue (gen_window_tile)
+    "resnet stem bn relu maxpool bf16 32x64x112x112": (
+        lambda: torch.nn.Sequential(torch.nn.BatchNorm2d(64), torch.nn.ReLU(), torch.nn.MaxPool2d(3, 2, 1)).eval().to(BF16),
+        lambda: (_cuda(32, 64, 112, 112, dtype=BF16),)),
+    # Gemma's MLP gate: gelu(tanh) of one matmul's output times the other's
+    "gemma gelu mul bf16 2048x16384": (GeluMul, lambda: (_cuda(2048, 16384, dtype=BF16), _cuda(2048, 16384, dtype=BF16))),
 }
 
 

@@ -3,7 +3,10 @@
 (block, thread) of each launch runs one after the other. That is exact for kernels whose
 threads do not cooperate (pointwise kernels; reductions with one thread per output,
 split or not), so the generated indexing, vector accesses, workspaces and epilogues are
-checked on a machine without a GPU. fp32, fp64, int and bool tensors only."""
+checked on a machine without a GPU. A kernel that waits at __syncthreads runs each block's
+threads as OS threads meeting at a barrier (a thread that returns leaves it, as on the GPU), so
+what one thread stages in shared memory for the others is checked too. Warp shuffles are not
+emulated. fp32, fp64, int and bool tensors only."""
 
 from __future__ import annotations
 
@@ -28,12 +31,35 @@ SHIM = r"""
 #define __restrict__
 #define __launch_bounds__(n)
 #define __shared__ static
+#include <barrier>
+#include <thread>
+#include <utility>
+#include <vector>
 struct kf_dim3 { unsigned x = 0, y = 0, z = 0; };
-static kf_dim3 threadIdx, blockIdx, gridDim, blockDim;
+static thread_local kf_dim3 threadIdx;
+static kf_dim3 blockIdx, gridDim, blockDim;
 extern "C" void kf_set_ids(unsigned bx, unsigned by, unsigned tx, unsigned gx, unsigned gy, unsigned nx) {
   blockIdx.x = bx; blockIdx.y = by; threadIdx.x = tx; gridDim.x = gx; gridDim.y = gy; blockDim.x = nx;
 }
-inline void __syncthreads() {}
+static std::barrier<>* kf_bar = nullptr;
+inline void __syncthreads() { if (kf_bar) kf_bar->arrive_and_wait(); }
+template <class... A, std::size_t... I>
+void kf_call(void (*f)(A...), void** p, std::index_sequence<I...>) { f(static_cast<A>(p[I])...); }
+template <class... A>  // every block in turn, its threads at once (kernel parameters are all pointers)
+void kf_grid(void (*f)(A...), void** p, unsigned gx, unsigned gy, unsigned nt) {
+  gridDim.x = gx; gridDim.y = gy; blockDim.x = nt;
+  for (unsigned by = 0; by < gy; ++by)
+    for (unsigned bx = 0; bx < gx; ++bx) {
+      blockIdx.x = bx; blockIdx.y = by;
+      std::barrier<> bar(nt);
+      kf_bar = &bar;
+      std::vector<std::thread> ts;
+      for (unsigned tx = 0; tx < nt; ++tx)
+        ts.emplace_back([=, &bar] { threadIdx.x = tx; kf_call(f, p, std::index_sequence_for<A...>{}); bar.arrive_and_drop(); });
+      for (auto& t : ts) t.join();
+      kf_bar = nullptr;
+    }
+}
 inline float rsqrtf(float x) { return 1.f / sqrtf(x); }
 inline float __expf(float x) { return expf(x); }
 inline float __fdividef(float a, float b) { return a / b; }
@@ -46,8 +72,10 @@ using std::isnan; using std::isinf; using std::signbit;
 """
 
 
-def _library(source: str) -> ctypes.CDLL:
-    body = SHIM + source.replace('extern "C" __global__', 'extern "C"')
+def _library(source: str, kernels: list[str]) -> ctypes.CDLL:
+    body = SHIM + source.replace('extern "C" __global__', 'extern "C"') + "".join(
+        f'\nextern "C" void kf_grid_{n}(void** p, unsigned gx, unsigned gy, unsigned nt) {{ kf_grid({n}, p, gx, gy, nt); }}'
+        for n in kernels)
     key = hashlib.sha256(body.encode()).hexdigest()[:16]
     d = Path(tempfile.gettempdir()) / "kforge_cuda_on_cpu"
     d.mkdir(exist_ok=True)
@@ -56,14 +84,15 @@ def _library(source: str) -> ctypes.CDLL:
         src = d / f"{key}.cpp"
         src.write_text(body)
         cc = shutil.which("g++")
-        subprocess.run([cc, "-O1", "-std=c++17", "-shared", "-fPIC", "-w", "-o", str(so), str(src)], check=True,
+        subprocess.run([cc, "-O1", "-std=c++20", "-pthread", "-shared", "-fPIC", "-w", "-o", str(so), str(src)], check=True,
                        capture_output=True)
     return ctypes.CDLL(str(so))
 
 
 def run(card, cand, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """The candidate's outputs for CPU `inputs` (NaN-poisoned first), after every launch."""
-    lib = _library(cand.source)
+    barriers = "__syncthreads" in cand.source
+    lib = _library(cand.source, sorted({k.name for k in cand.plan.kernels}) if barriers else [])
     outs = [inputs[card.aliases[j]] if j in card.aliases else empty_like_meta(m, "cpu") for j, m in enumerate(card.outputs)]
     for j, o in enumerate(outs):
         if j not in card.aliases and o.is_floating_point():
@@ -78,6 +107,9 @@ def run(card, cand, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
             kind, i = next(iter(a.items()))
             t = {"in": inputs, "out": outs, "ws": ws}[kind][i]
             ptrs.append(ctypes.c_void_p(t.data_ptr()))
+        if barriers:
+            getattr(lib, f"kf_grid_{k.name}")((ctypes.c_void_p * len(ptrs))(*ptrs), k.grid[0], k.grid[1], k.block[0])
+            continue
         for by in range(k.grid[1]):
             for bx in range(k.grid[0]):
                 for tx in range(k.block[0]):

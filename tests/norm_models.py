@@ -154,3 +154,10 @@ class BatchNormAddReluMean(nn.Module):
 
     def forward(self, x, r):
         return torch.relu(self.bn(x) + r).mean((2, 3))
+
+
+class GeluMul(nn.Module):
+    """Gemma's MLP gate: gelu(tanh) of the gate projection times the up projection."""
+
+    def forward(self, g, u):
+        return F.gelu(g, approximate="tanh") * u

@@ -792,13 +792,15 @@ ON_CPU = {
 
 
 def _cpu_settings(card):
-    """Settings whose threads do not cooperate (every pointwise one; one thread per output or line)."""
+    """Settings whose threads do not cooperate (every pointwise one; one thread per output or
+    line), and pooling tiles of up to 64 threads (their threads meet at a barrier)."""
     out = []
     for s in generated.spaces(card, H200):
         if s["algo"] in (("gen_rows",), ("gen_scan_block",)):
             continue
         for k in knob_space.configs(s):
-            if k["threads"] == 64 or (k["threads"] == 128 and k.get("grid") == "stride"):
+            if k.get("th", 8) * k.get("tw", 16) <= 64 or \
+                    k.get("threads") == 64 or (k.get("threads") == 128 and k.get("grid") == "stride"):
                 out.append(k)
     return out
 

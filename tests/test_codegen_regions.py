@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cuda_on_cpu
-from norm_models import BatchNormAddReluMean
+from norm_models import BatchNormAddReluMean, GeluMul
 from kforge import compiler
 from kforge.capturing import capture
 from kforge.card_files import load_sample
@@ -285,7 +285,7 @@ def _knobs(card):
     out = [generated.default(card, H200)]
     for s in generated.spaces(card, H200):
         if s["algo"] != ("gen_rows",):
-            out += [k for k in knob_space.configs(s) if k["threads"] == 64][::7]
+            out += [k for k in knob_space.configs(s) if k.get("threads", k.get("th", 0) * k.get("tw", 0)) == 64][::7]
     return out
 
 
@@ -466,3 +466,58 @@ def test_a_channels_last_global_pool_reads_a_vector_of_channels_a_thread(tmp_pat
     # NCHW: the pixels of a channel are contiguous; rows, not columns
     card = region_card(tmp_path / "nchw", model, x.contiguous(), r.contiguous())
     assert lower.cols_block_vecs(generated.program(card)) == ()
+
+
+def test_a_pooling_of_nchw_planes_stages_its_prologue_once_per_input_point(tmp_path):
+    """ResNet's stem, bn -> relu -> 3x3 stride-2 max pool over NCHW planes: by default a block
+    evaluates the batch norm and relu once per input point of its tile's span into shared
+    memory, then folds each output's window from there (one global read of x in the source, the
+    folds read the tile). Tiles that overhang the plane's edges and the padding, each run on the
+    CPU with the block's threads meeting at the barrier, give what the region computes."""
+    model = nn.Sequential(nn.BatchNorm2d(5), nn.ReLU(), nn.MaxPool2d(3, 2, 1)).eval()
+    with torch.no_grad():
+        model[0].running_mean.uniform_(-1, 1)
+        model[0].running_var.uniform_(0.5, 2)
+    with torch.no_grad():
+        got = capture(model, (torch.randn(2, 5, 37, 35),), tmp_path, regions=True, time_cards=False)
+    (cpu_card,) = [c for c in got.cards if c.region is not None]
+    inputs = load_sample(cpu_card, tmp_path, 0)[0]
+    card = cpu_card.retarget("cuda", "sm_90")
+    knobs = generated.default(card, H200)
+    assert knobs == {"algo": "gen_window_tile", "th": 16, "tw": 16}  # 19x18 outputs a plane
+    want = card.region.replay([t.clone() for t in inputs])
+    for k in (knobs, {**knobs, "th": 2, "tw": 16}, {**knobs, "th": 4, "tw": 32}):
+        cand = generated.build(card, k, H200)
+        assert compiler.compile(cand.source, arch="sm_90").cubin
+        assert cand.source.count("x0[") == 1 and "= kf_tile[" in cand.source
+        for got, w in zip(cuda_on_cpu.run(card, cand, inputs), want):
+            torch.testing.assert_close(got, w, rtol=1e-6, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    # channels-last: a vector of channels a thread instead, no tile
+    cl = region_card(tmp_path / "cl", model, torch.randn(2, 5, 37, 35).to(memory_format=torch.channels_last))
+    assert lower.window_tiles(generated.program(cl)) == {}
+    assert generated.default(cl, H200)["algo"] == "gen_window"
+
+
+def test_gelu_tanh_rounded_to_16_bits_takes_one_exp_and_no_tanh(tmp_path, monkeypatch):
+    """Gemma's gelu(tanh) * up in bf16: 1 + tanh(z) is computed as 2 / (1 + exp(-2z)) with the
+    hardware's exp and division (no tanhf, no cancellation where tanh nears -1); in fp32 the
+    table's tanhf stays. The rewritten form, run on the CPU in fp32, gives eager's GELU to a
+    few ulps (and eager's 0, inf and NaN at the ends)."""
+    from dataclasses import replace
+
+    from kforge.codegen.lower import emit, pointwise
+    x = torch.cat([torch.linspace(-12, 12, 4001), torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan")])])
+    for dtype, fast in ((torch.bfloat16, True), (torch.float32, False)):
+        card = region_card(tmp_path / str(dtype), GeluMul(), x.to(dtype), torch.ones_like(x, dtype=dtype))
+        source = generated.build(card, generated.default(card, H200), H200).source
+        kernel = source[source.index('extern "C"'):]
+        assert ("tanhf(" not in kernel, "kf_fdiv(2.0f, 1.0f + __expf(-2.0f * " in kernel) == (fast, fast)
+        assert compiler.compile(source, arch="sm_90").cubin
+    # the fast form in fp32 on the CPU: as if the outputs were 16-bit
+    monkeypatch.setattr(pointwise, "fast_nodes", lambda prog, results: emit.fast_nodes(
+        replace(prog, outputs=[replace(m, dtype="bfloat16") for m in prog.outputs]), results))
+    cand = generated.build(card, {**generated.default(card, H200), "threads": 64}, H200)
+    assert "tanhf(" not in cand.source
+    got = cuda_on_cpu.run(card, cand, [x, torch.ones_like(x)])[0]
+    want = F.gelu(x.double(), approximate="tanh")
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-7, equal_nan=True)

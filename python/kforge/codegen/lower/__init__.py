@@ -1,5 +1,5 @@
 """IR -> CUDA C for NVRTC plus a launch plan, for one point of the knob space: emit (what every
-lowering shares), pointwise, reduce (reductions and normalizations), scan (scans and windows).
+lowering shares), pointwise, reduce (reductions and normalizations), scan (scans), window (pooling).
 
 Layout: the domain's dims are reduced the way TensorIterator does it (size-1 dims dropped,
 dims ordered by the first output's strides, neighbours merged where every tensor is
@@ -25,7 +25,10 @@ Scan (`algo` "gen_scan"): one thread per line along the scanned dim, walking it 
 `algo` "gen_scan_block" (lines contiguous in memory): one block per line, a parallel scan of
 chunks of threads x items elements carried from chunk to chunk.
 Window (`algo` "gen_window", 2-D and 3-D pooling): one thread per output point folding its
-window (`vec` output points along a non-pooled innermost dim, channels-last's channels).
+window (`vec` output points along a non-pooled innermost dim, channels-last's channels);
+`algo` "gen_window_tile" (2-D, pooled dims innermost): a block per th x tw tile of output points
+stages the prologue's value at each input point of the tile's span in shared memory once, then
+folds every window from there.
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ from __future__ import annotations
 from .pointwise import lower_pointwise, pointwise_vecs
 from .norm import coop_split, lower_norm, lower_norm_coop, lower_norm_split, norm_staging, norm_vecs
 from .reduce import cols_block_vecs, lower_cols_block, lower_reduction, reduced_is_inner, reduction_layout, reduction_vecs
-from .scan import lower_scan, lower_scan_block, lower_window, scan_is_inner, window_vecs
+from .scan import lower_scan, lower_scan_block, scan_is_inner
+from .window import lower_window, window_tiles, window_vecs
 
 __all__ = ["cols_block_vecs", "coop_split", "lower_cols_block", "lower_norm", "lower_norm_coop", "lower_norm_split", "lower_pointwise", "lower_reduction", "lower_scan", "lower_scan_block",
            "lower_window", "norm_staging", "norm_vecs", "pointwise_vecs", "reduced_is_inner", "reduction_layout",
-           "reduction_vecs", "scan_is_inner", "window_vecs"]
+           "reduction_vecs", "scan_is_inner", "window_tiles", "window_vecs"]

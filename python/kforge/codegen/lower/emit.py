@@ -87,8 +87,9 @@ def convert(x: str, src: str, dst: str) -> str:
 class Emitter:
     """SSA statements for Expr DAGs in one scope; equal subtrees are emitted once. The nodes in
     `fast` (float32 exp and division, fast_nodes) use the hardware's approximations (__expf,
-    __fdividef: a few ulps, against an ulp; about 3 instructions against 10): for values rounded
-    to a 16-bit type next, whose rounding hides that difference."""
+    __fdividef: a few ulps, against an ulp; about 3 instructions against 10), and 1 +- tanh(z)
+    (GELU's tanh form) takes 2 / (1 + exp(-+2z)) through them: for values rounded to a 16-bit
+    type next, whose rounding hides that difference."""
 
     def __init__(self, prefix: str, env: dict[str, str], load, fast: frozenset = frozenset()):
         self.prefix, self.env, self.load, self.fast = prefix, env, load, fast
@@ -99,7 +100,8 @@ class Emitter:
         def go(n: Expr) -> None:  # operands before users; a named subtree is not entered (see bind)
             if n in self.names:
                 return
-            for a in n.args:
+            shifted = _one_plus_tanh(n) if n in self.fast else None
+            for a in (shifted[0],) if shifted else n.args:
                 go(a)
             self.names[n] = self._emit(n)
 
@@ -122,6 +124,9 @@ class Emitter:
             x = self.names[n.args[0]]
             src = n.args[0].dtype
             expr = f"kf_ld({convert(x, src, n.value[1])})" if n.value else convert(x, src, n.dtype)
+        elif n in self.fast and n.op in ("add", "sub"):  # 1 +- tanh(z) = 2 / (1 + exp(-+2z)): no cancellation
+            z, k = _one_plus_tanh(n)
+            expr = f"kf_fdiv(2.0f, 1.0f + __expf({k:.1f}f * {self.names[z]}))"
         elif n in self.fast:
             a = [self.names[x] for x in n.args]
             expr = f"__expf({a[0]})" if n.op == "exp" else f"kf_fdiv({a[0]}, {a[1]})"
@@ -217,7 +222,7 @@ _STEPS = frozenset({"lt", "le", "gt", "ge", "eq", "ne", "rint", "floor", "ceil",
 
 
 def fast_nodes(prog: Program, results: list) -> frozenset:
-    """The float32 exp and division nodes of `results` (epilogue expressions) that may take
+    """The float32 exp, division and 1 +- tanh nodes of `results` (epilogue expressions) that may take
     Emitter's fast forms: every output a 16-bit float, so each value is rounded to 8 or 11
     significant bits (a few fp32 ulps then change a rounding once in thousands of elements, by
     one ulp of the output), and no step between the node and the output (nothing under a
@@ -239,7 +244,20 @@ def fast_nodes(prog: Program, results: list) -> frozenset:
                 under_step(a)
         elif n.op == "where":
             under_step(n.args[0])
-    return frozenset(n for n in nodes if n.op in ("exp", "div") and n.dtype == "float32" and n not in stepped)
+    return frozenset(n for n in nodes if n.dtype == "float32" and n not in stepped and
+                     (n.op in ("exp", "div") or _one_plus_tanh(n)))
+
+
+def _one_plus_tanh(n: Expr) -> tuple[Expr, float] | None:
+    """(z, k) where `n` is 1 + tanh(z) (k = -2) or 1 - tanh(z) (k = 2): 2 / (1 + exp(k z)) either way."""
+    if n.op not in ("add", "sub") or len(n.args) != 2:
+        return None
+    a, b = n.args
+    if n.op == "add" and b.op == "const":
+        a, b = b, a
+    if a.op == "const" and a.value == 1 and b.op == "tanh" and b.dtype == "float32":
+        return b.args[0], -2.0 if n.op == "add" else 2.0
+    return None
 
 
 def _header(body: str) -> str:

@@ -7,7 +7,8 @@ import math
 
 from ...proposers.builtin.common import ceil_div
 from ..ir import Program
-from .emit import CTYPE, Built, Emitter, _header, _index_type, _pointers, coalesce, convert, offsets_code, vector_fits
+from .emit import (CTYPE, Built, Emitter, _header, _index_type, _pointers, coalesce, convert, fast_nodes, offsets_code,
+                   vector_fits)
 
 # ---- pointwise -----------------------------------------------------------------------
 
@@ -80,7 +81,7 @@ def _kernel(prog: Program, knobs: dict, sm_count: int, name: str) -> tuple[str, 
     def load(i, stored):
         return f"h{i}" if not any(strides[ins_of[i]]) else f"x{i}[k][j]"
 
-    em = Emitter("v", {}, load)
+    em = Emitter("v", {}, load, fast_nodes(prog, prog.results))
     res = [em(e) for e in prog.results]
     body += [f"          {line}" for line in em.lines]
     stores = []

@@ -1,4 +1,4 @@
-"""Scans (`gen_scan`, `gen_scan_block`) and windows (`gen_window`: 2-D and 3-D pooling)."""
+"""Scans (`gen_scan`: a thread per line; `gen_scan_block`: a block per contiguous line)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from ...proposers.builtin.common import ceil_div
 from ..ir import Expr, Program
 from .emit import (CTYPE, Built, Emitter, _const, _header, _index_type, _merge_block, _pointers, _shfl, coalesce,
-                   convert, offsets_code, vector_fits)
+                   convert, offsets_code)
 
 # ---- scan ------------------------------------------------------------------------------
 
@@ -174,118 +174,3 @@ def lower_scan_block(prog: Program, knobs: dict) -> Built:
             "  }",
             "}"]
     return Built(_header("\n".join(body)), [("kf_gen", (sl.kn,), (nt,), sl.args, 0)], [])
-
-
-# ---- window (pooling) -------------------------------------------------------------------
-
-def _window_inner(prog: Program) -> int:
-    """The domain dim the first output is contiguous along (else dim 0)."""
-    return min(range(len(prog.domain)), key=lambda d: (prog.out_strides[0][d] != 1, d))
-
-
-def window_vecs(prog: Program) -> tuple[int, ...]:
-    """Legal vector widths (output points a thread) along the first output's innermost dim,
-    narrowest first: more than 1 where that dim is not pooled (channels-last pooling), every
-    output is contiguous along it and every loaded input contiguous or broadcast along it."""
-    nd, k, inner = len(prog.domain), len(prog.window.kernel), _window_inner(prog)
-    tensors = [(m, st, 0) for m, st in zip(prog.outputs, prog.out_strides)] + [
-        (prog.inputs[i], prog.in_strides[i], prog.offset(i)) for i in prog.in_strides]
-    if inner >= nd - k or any(st[inner] not in (0, 1) for _, st, _ in tensors) or \
-            any(st[inner] != 1 for st in prog.out_strides):
-        return (1,)
-    return (1,) + tuple(v for v in (2, 4, 8, 16) if prog.domain[inner] % v == 0 and all(
-        vector_fits(v, m, st, inner, off) for m, st, off in tensors if st[inner] == 1))
-
-
-def lower_window(prog: Program, knobs: dict) -> Built:
-    """One thread per `vec` output points along the innermost dim (1 unless that dim is not
-    pooled, as channels are in channels-last) folding their windows over the last k dims (k = 2
-    or 3; padding skipped; the operand, a prologue over loads, evaluated at each window point,
-    16-byte loads where the inputs allow), then the epilogue."""
-    w = prog.window
-    dt = w.operand.dtype
-    kind = w.kind
-    st_types = kind.state(dt)
-    nt, unroll, v = knobs["threads"], knobs["unroll"], knobs.get("vec", 1)
-    params, args, ptr = _pointers(prog)
-    nd, k = len(prog.domain), len(w.kernel)
-    order = sorted(range(nd), key=lambda d: -prog.out_strides[0][d])
-    inner = _window_inner(prog) if v > 1 else None
-    size = w.frame[-k:]
-    pooled = range(k)  # pooled dim i is domain dim nd - k + i
-    idx = _index_type(prog, 2 * nt * v)
-    n_out = math.prod(prog.domain) // v
-    # coordinates of output point q, innermost (in the first output's memory order) first
-    coords = [f"  {idx} e_ = q;"]
-    for d in reversed(order):
-        n = prog.domain[d] // v if d == inner else prog.domain[d]
-        coords.append(f"  const {idx} c{d} = (e_ % {n}){f' * {v}' if d == inner else ''}; e_ /= {n};")
-    loaded = sorted({e.value[0] for e in w.operand.walk() if e.op == "load"})  # the rest: the epilogue's, over the domain
-    # each loaded input's start for this output point's leading dims, then its offset at a window point
-    bases = [f"  const {CTYPE[prog.inputs[i].dtype]}* x{i} = {ptr[i]} + ("
-             + " + ".join([f"c{d} * {prog.in_strides[i][d]}" for d in range(nd - k)] or ["0"]) + ");" for i in loaded]
-    at = {i: " + ".join([f"(kf_idx)i{j} * {prog.in_strides[i][nd - k + j]}" for j in range(k)]) for i in loaded}
-    along = {i: inner is not None and prog.in_strides[i][inner] == 1 for i in loaded}
-    window_loads = [f"const kf_vec<{CTYPE[prog.inputs[i].dtype]}, V> l{i} = "
-                    f"*reinterpret_cast<const kf_vec<{CTYPE[prog.inputs[i].dtype]}, V>*>(x{i} + {at[i]});"
-                    if along[i] else f"const {CTYPE[prog.inputs[i].dtype]} l{i} = x{i}[{at[i]}];" for i in loaded]
-    pe = Emitter("q", {}, lambda i, stored: f"l{i}.v[j]" if along[i] else f"l{i}")
-    xval = pe(w.operand)
-    outs = [" + ".join([f"c{d} * {st[d]}" for d in range(nd)]) for st in prog.out_strides]
-    st = [f"st{c}" for c in range(len(st_types))]
-    em = Emitter("p", {"ridx": "ri", "x": "xv"}, None)
-    lifted = [em(e) for e in kind.lift_exprs(Expr.var("x", dt))]
-    span = " * ".join(f"(hi{i} - lo{i})" for i in pooled)
-    clipped = " * ".join(f"((hi{i} < N{i} ? hi{i} : N{i}) - (lo{i} > 0 ? lo{i} : 0))" for i in pooled)
-    count = str(w.divisor_override) if w.divisor_override else span if w.count_include_pad else clipped
-    def epi_load(i, stored):  # at this output point (the j-th along the inner dim)
-        at_out = " + ".join([f"c{d} * {prog.in_strides[i][d]}" for d in range(nd)])
-        return f"{ptr[i]}[{at_out}{f' + j * {prog.in_strides[i][inner]}' if inner is not None else ''}]"
-
-    epi = Emitter("e", {**{f"s{c}": f"{n}[j]" for c, n in enumerate(st)}, "count": "cnt"}, epi_load)
-    res = [epi(e) for e in prog.results]
-    loops, pad = [], "  "
-    for i in pooled:  # one loop per pooled dim, outermost first; a point in the padding is skipped
-        loops += [f"#pragma unroll {unroll}",
-                  f"{pad}for (int k{i} = 0; k{i} < {w.kernel[i]}; ++k{i}) {{",
-                  f"{pad}  const int i{i} = o{i} * {w.stride[i]} - {w.padding[i]} + k{i} * {w.dilation[i]};",
-                  f"{pad}  if (i{i} < 0 || i{i} >= N{i}) continue;"]
-        pad += "  "
-    flat = "(kf_i64)i0"
-    for i in pooled[1:]:
-        flat = f"({flat} * N{i} + i{i})"
-    inner_lines = [*window_loads, f"const kf_i64 ri = {flat};", "#pragma unroll", "for (int j = 0; j < V; ++j) {",
-                   *[f"  {line}" for line in pe.lines], f"  const {CTYPE[dt]} xv = {xval};",
-                   *[f"  {line}" for line in em.lines],
-                   *[f"  {line}" for line in _merge_block(kind, dt, [f"{n}[j]" for n in st], lifted, "u")], "}"]
-    closing = ["  " * (i + 1) + "}" for i in reversed(pooled)]
-    cts = [CTYPE[om.dtype] for om in prog.outputs]
-    stores = [*[f"  {ct} r{j}[V];" for j, ct in enumerate(cts)], "#pragma unroll", "  for (int j = 0; j < V; ++j) {",
-              *[f"    {line}" for line in epi.lines],
-              *[f"    r{j}[j] = {convert(r, prog.results[j].dtype, om.dtype)};"
-                for j, (om, r) in enumerate(zip(prog.outputs, res))], "  }",
-              *[f"  *reinterpret_cast<kf_vec<{ct}, V>*>(out{j} + {o}) = *reinterpret_cast<const kf_vec<{ct}, V>*>(r{j});"
-                for j, (ct, o) in enumerate(zip(cts, outs))]]
-    body = [f"typedef {idx} kf_idx;",
-            f"constexpr int NT = {nt}; constexpr int V = {v}; " + " ".join(f"constexpr int N{i} = {size[i]};" for i in pooled),
-            f'extern "C" __global__ void __launch_bounds__(NT) kf_gen({", ".join(params)}) {{',
-            "  const kf_idx q = (kf_idx)blockIdx.x * NT + threadIdx.x;",
-            f"  if (q >= {n_out}) return;",
-            *coords,
-            *bases,
-            *[f"  const int o{i} = (int)c{nd - k + i};" for i in pooled],
-            *[f"  {CTYPE[t]} {n}[V];" for n, t in zip(st, st_types)],
-            "#pragma unroll",
-            "  for (int j = 0; j < V; ++j) {",
-            *[f"    {n}[j] = {_const(val)};" for n, val in zip(st, kind.identity_exprs(dt))],
-            "  }",
-            *loops,
-            *[f"{pad}{line}" for line in inner_lines],
-            *closing,
-            # the window's extent along each dim, clipped to the padded input (eager's divisor)
-            *[f"  const int lo{i} = o{i} * {w.stride[i]} - {w.padding[i]}, hi{i} = lo{i} + {w.kernel[i]} < N{i} + "
-              f"{w.padding[i]} ? lo{i} + {w.kernel[i]} : N{i} + {w.padding[i]};" for i in pooled],
-            f"  const kf_i64 cnt = {count};",
-            *stores,
-            "}"]
-    return Built(_header("\n".join(body)), [("kf_gen", (ceil_div(n_out, nt),), (nt,), args, 0)], [])

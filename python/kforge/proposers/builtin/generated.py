@@ -147,8 +147,9 @@ def _scan_default(prog: Program, card: Card, hw: Hardware) -> Knobs:
 def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
     prog = program(card)
     if prog.window is not None:
+        tiles = lower.window_tiles(prog)
         return [{"algo": ("gen_window",), "threads": (64, 128, 256, 512), "unroll": (1, 2, 4),
-                 "vec": lower.window_vecs(prog)}]
+                 "vec": lower.window_vecs(prog)}] + ([{"algo": ("gen_window_tile",), **tiles}] if tiles else [])
     if prog.scan is not None:
         return _scan_spaces(prog)
     if prog.normalizes:
@@ -166,6 +167,12 @@ def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
 def default(card: Card, hw: Hardware) -> Knobs:
     prog = program(card)
     if prog.window is not None:
+        tiles, w, ow = lower.window_tiles(prog), prog.window, prog.domain[-1]
+        if tiles and ow >= 16 and any(kk * d > s for kk, d, s in zip(w.kernel, w.dilation, w.stride)):
+            # overlapping windows over NCHW planes: each input point's prologue once, from a tile
+            # about as wide as the output row, ~256 threads
+            tw = pick(tiles["tw"], ow)
+            return {"algo": "gen_window_tile", "th": pick(tiles["th"], 256 / tw), "tw": tw}
         vec = lower.window_vecs(prog)[-1]  # 16-byte accesses across channels where the layout allows
         return {"algo": "gen_window", "threads": 256 if card.outputs[0].numel // vec >= 256 * 2 * hw.sm_count else 128,
                 "unroll": 2, "vec": vec}

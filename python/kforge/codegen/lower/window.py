@@ -1,0 +1,195 @@
+"""Windows (2-D and 3-D pooling, with a pointwise prologue and epilogue): `gen_window`, one
+thread per output point (or `vec` of them along channels-last's channels) folding its window
+straight from global memory, evaluating the prologue at every window point it visits; and
+`gen_window_tile` (2-D, the pooled dims innermost, as NCHW's), a block per tile of output
+points that first evaluates the prologue once per input point of the tile's window span into
+shared memory, then folds each output's window from there.
+
+A 3x3 stride-2 max pool visits each input point 2.25 times: with batch norm and relu before it
+(ResNet's stem) that is 2.25 evaluations of the prologue and 2.25 loads per input point, which
+made the one-thread-per-output form issue-bound (68 us for 32x64x112x112 bf16 on the H200,
+against 13 for reading the input once)."""
+
+from __future__ import annotations
+
+import math
+
+from ...proposers.builtin.common import ceil_div
+from ..ir import Expr, Program
+from .emit import CTYPE, Built, Emitter, _const, _header, _index_type, _merge_block, _pointers, convert, vector_fits
+
+SMEM_MAX = 48 * 1024  # static shared memory a block may declare
+
+
+def _window_inner(prog: Program) -> int:
+    """The domain dim the first output is contiguous along (else dim 0)."""
+    return min(range(len(prog.domain)), key=lambda d: (prog.out_strides[0][d] != 1, d))
+
+
+def window_vecs(prog: Program) -> tuple[int, ...]:
+    """Legal vector widths (output points a thread) along the first output's innermost dim,
+    narrowest first: more than 1 where that dim is not pooled (channels-last pooling), every
+    output is contiguous along it and every loaded input contiguous or broadcast along it."""
+    nd, k, inner = len(prog.domain), len(prog.window.kernel), _window_inner(prog)
+    tensors = [(m, st, 0) for m, st in zip(prog.outputs, prog.out_strides)] + [
+        (prog.inputs[i], prog.in_strides[i], prog.offset(i)) for i in prog.in_strides]
+    if inner >= nd - k or any(st[inner] not in (0, 1) for _, st, _ in tensors) or \
+            any(st[inner] != 1 for st in prog.out_strides):
+        return (1,)
+    return (1,) + tuple(v for v in (2, 4, 8, 16) if prog.domain[inner] % v == 0 and all(
+        vector_fits(v, m, st, inner, off) for m, st, off in tensors if st[inner] == 1))
+
+
+def _span(prog: Program, th: int, tw: int) -> tuple[int, int]:
+    """The input rows and columns a th x tw tile of output points reads."""
+    w = prog.window
+    return tuple((t - 1) * s + (kk - 1) * d + 1 for t, s, kk, d in zip((th, tw), w.stride, w.kernel, w.dilation))
+
+
+def window_tiles(prog: Program) -> dict[str, tuple[int, ...]]:
+    """gen_window_tile's tile rows (`th`) and columns (`tw`), every pair's staged span within
+    SMEM_MAX; empty where the form does not apply: not a 2-D pooling, or the first output not
+    contiguous along the last pooled dim (channels-last pools vectors of channels instead)."""
+    nd = len(prog.domain)
+    if len(prog.window.kernel) != 2 or prog.out_strides[0][nd - 1] != 1:
+        return {}
+    size = 8 if CTYPE[prog.window.operand.dtype] == "double" else 4  # a half type's staged value takes 2
+
+    def fits(th: int, tw: int) -> bool:
+        ih, iw = _span(prog, th, tw)
+        return ih * iw * size <= SMEM_MAX
+    tws = tuple(tw for tw in (16, 32, 64) if fits(2, tw))
+    ths = tuple(th for th in (2, 4, 8, 16) if tws and fits(th, tws[-1]))
+    return {"th": ths, "tw": tws} if ths else {}
+
+
+def lower_window(prog: Program, knobs: dict) -> Built:
+    """The fold of each output point's window over the last k pooled dims (padding skipped;
+    the operand evaluated at each window point, or read from the staged tile), then the
+    epilogue. gen_window: one thread per `vec` output points along the innermost dim (1 unless
+    that dim is not pooled, as channels are in channels-last), 16-byte loads where the inputs
+    allow. gen_window_tile: see the module's docstring."""
+    w = prog.window
+    dt = w.operand.dtype
+    kind = w.kind
+    st_types = kind.state(dt)
+    tiled = knobs["algo"] == "gen_window_tile"
+    params, args, ptr = _pointers(prog)
+    nd, k = len(prog.domain), len(w.kernel)
+    order = sorted(range(nd), key=lambda d: -prog.out_strides[0][d])
+    size = w.frame[-k:]
+    pooled = range(k)  # pooled dim i is domain dim nd - k + i
+    if tiled:
+        th, tw, v, unroll = knobs["th"], knobs["tw"], 1, max(w.kernel)
+        nt = th * tw
+        ih, iw = _span(prog, th, tw)
+        grid = (math.prod(prog.domain[:nd - 2]) * ceil_div(prog.domain[nd - 2], th) * ceil_div(prog.domain[nd - 1], tw),)
+    else:
+        nt, unroll, v = knobs["threads"], knobs["unroll"], knobs.get("vec", 1)
+        grid = (ceil_div(math.prod(prog.domain) // v, nt),)
+    inner = _window_inner(prog) if v > 1 else None
+    idx = _index_type(prog, 2 * nt * v)
+    loaded = sorted({e.value[0] for e in w.operand.walk() if e.op == "load"})  # the rest: the epilogue's, over the domain
+    if tiled:  # block b: tile column, tile row, then the leading dims in the output's memory order
+        coords = [f"  {idx} e_ = blockIdx.x;",
+                  f"  const int tx_ = (int)(e_ % {ceil_div(prog.domain[nd - 1], tw)}); e_ /= {ceil_div(prog.domain[nd - 1], tw)};",
+                  f"  const int ty_ = (int)(e_ % {ceil_div(prog.domain[nd - 2], th)}); e_ /= {ceil_div(prog.domain[nd - 2], th)};"]
+        coords += [f"  const {idx} c{d} = e_ % {prog.domain[d]}; e_ /= {prog.domain[d]};"
+                   for d in reversed(order) if d < nd - 2]
+    else:  # coordinates of output point q, innermost (in the first output's memory order) first
+        coords = ["  const kf_idx q = (kf_idx)blockIdx.x * NT + threadIdx.x;",
+                  f"  if (q >= {math.prod(prog.domain) // v}) return;", f"  {idx} e_ = q;"]
+        for d in reversed(order):
+            n = prog.domain[d] // v if d == inner else prog.domain[d]
+            coords.append(f"  const {idx} c{d} = (e_ % {n}){f' * {v}' if d == inner else ''}; e_ /= {n};")
+    # each loaded input's start for this output point's leading dims, then its offset at a window point
+    bases = [f"  const {CTYPE[prog.inputs[i].dtype]}* x{i} = {ptr[i]} + ("
+             + " + ".join([f"c{d} * {prog.in_strides[i][d]}" for d in range(nd - k)] or ["0"]) + ");" for i in loaded]
+    at = {i: " + ".join([f"(kf_idx)i{j} * {prog.in_strides[i][nd - k + j]}" for j in range(k)]) for i in loaded}
+    along = {i: inner is not None and prog.in_strides[i][inner] == 1 for i in loaded}
+    window_loads = [f"const kf_vec<{CTYPE[prog.inputs[i].dtype]}, V> l{i} = "
+                    f"*reinterpret_cast<const kf_vec<{CTYPE[prog.inputs[i].dtype]}, V>*>(x{i} + {at[i]});"
+                    if along[i] else f"const {CTYPE[prog.inputs[i].dtype]} l{i} = x{i}[{at[i]}];" for i in loaded]
+    pe = Emitter("q", {}, lambda i, stored: f"l{i}.v[j]" if along[i] else f"l{i}")
+    xval = pe(w.operand)
+    outs = [" + ".join([f"c{d} * {st[d]}" for d in range(nd)]) for st in prog.out_strides]
+    st = [f"st{c}" for c in range(len(st_types))]
+    em = Emitter("p", {"ridx": "ri", "x": "xv"}, None)
+    lifted = [em(e) for e in kind.lift_exprs(Expr.var("x", dt))]
+    span = " * ".join(f"(hi{i} - lo{i})" for i in pooled)
+    clipped = " * ".join(f"((hi{i} < N{i} ? hi{i} : N{i}) - (lo{i} > 0 ? lo{i} : 0))" for i in pooled)
+    count = str(w.divisor_override) if w.divisor_override else span if w.count_include_pad else clipped
+
+    def epi_load(i, stored):  # at this output point (the j-th along the inner dim)
+        at_out = " + ".join([f"c{d} * {prog.in_strides[i][d]}" for d in range(nd)])
+        return f"{ptr[i]}[{at_out}{f' + j * {prog.in_strides[i][inner]}' if inner is not None else ''}]"
+
+    epi = Emitter("e", {**{f"s{c}": f"{n}[j]" for c, n in enumerate(st)}, "count": "cnt"}, epi_load)
+    res = [epi(e) for e in prog.results]
+    loops, pad = [], "  "
+    for i in pooled:  # one loop per pooled dim, outermost first; a point in the padding is skipped
+        loops += [f"#pragma unroll {unroll}",
+                  f"{pad}for (int k{i} = 0; k{i} < {w.kernel[i]}; ++k{i}) {{",
+                  f"{pad}  const int i{i} = o{i} * {w.stride[i]} - {w.padding[i]} + k{i} * {w.dilation[i]};",
+                  f"{pad}  if (i{i} < 0 || i{i} >= N{i}) continue;"]
+        pad += "  "
+    flat = "(kf_i64)i0"
+    for i in pooled[1:]:
+        flat = f"({flat} * N{i} + i{i})"
+    if tiled:  # the operand at this window point, from the tile (row, column relative to its span)
+        tile_at = (f"(ly_ * {w.stride[0]} + k0 * {w.dilation[0]}) * {iw} + lx_ * {w.stride[1]} + k1 * {w.dilation[1]}")
+        operand = [f"const {CTYPE[dt]} xv = kf_tile[{tile_at}];"]
+    else:
+        operand = window_loads
+    fold = [f"const kf_i64 ri = {flat};", "#pragma unroll", "for (int j = 0; j < V; ++j) {",
+            *([] if tiled else [f"  {line}" for line in pe.lines] + [f"  const {CTYPE[dt]} xv = {xval};"]),
+            *[f"  {line}" for line in em.lines],
+            *[f"  {line}" for line in _merge_block(kind, dt, [f"{n}[j]" for n in st], lifted, "u")], "}"]
+    inner_lines = [*operand, *fold]
+    closing = ["  " * (i + 1) + "}" for i in reversed(pooled)]
+    cts = [CTYPE[om.dtype] for om in prog.outputs]
+    stores = [*[f"  {ct} r{j}[V];" for j, ct in enumerate(cts)], "#pragma unroll", "  for (int j = 0; j < V; ++j) {",
+              *[f"    {line}" for line in epi.lines],
+              *[f"    r{j}[j] = {convert(r, prog.results[j].dtype, om.dtype)};"
+                for j, (om, r) in enumerate(zip(prog.outputs, res))], "  }",
+              *[f"  *reinterpret_cast<kf_vec<{ct}, V>*>(out{j} + {o}) = *reinterpret_cast<const kf_vec<{ct}, V>*>(r{j});"
+                for j, (ct, o) in enumerate(zip(cts, outs))]]
+    if tiled:
+        # stage: the prologue once per input point of the tile's span (points in the padding are
+        # never read back: the fold skips them as gen_window does), then this thread's output point
+        stage = [f"  __shared__ {CTYPE[dt]} kf_tile[{ih * iw}];",
+                 f"  const int y0_ = ty_ * {th} * {w.stride[0]} - {w.padding[0]}, "
+                 f"x0_ = tx_ * {tw} * {w.stride[1]} - {w.padding[1]};",
+                 f"  for (int t_ = threadIdx.x; t_ < {ih * iw}; t_ += NT) {{",
+                 f"    const int i0 = y0_ + t_ / {iw}, i1 = x0_ + t_ % {iw};",
+                 "    if (i0 < 0 || i0 >= N0 || i1 < 0 || i1 >= N1) continue;",
+                 *[f"    {line}" for line in window_loads],
+                 *[f"    {line}" for line in pe.lines], f"    kf_tile[t_] = {xval};", "  }",
+                 "  __syncthreads();",
+                 f"  const int ly_ = threadIdx.x / {tw}, lx_ = threadIdx.x % {tw};",
+                 f"  const int o0 = ty_ * {th} + ly_, o1 = tx_ * {tw} + lx_;",
+                 f"  if (o0 >= {prog.domain[nd - 2]} || o1 >= {prog.domain[nd - 1]}) return;",
+                 f"  const {idx} c{nd - 2} = o0, c{nd - 1} = o1;"]
+    else:
+        stage = [f"  const int o{i} = (int)c{nd - k + i};" for i in pooled]
+    body = [f"typedef {idx} kf_idx;",
+            f"constexpr int NT = {nt}; constexpr int V = {v}; " + " ".join(f"constexpr int N{i} = {size[i]};" for i in pooled),
+            f'extern "C" __global__ void __launch_bounds__(NT) kf_gen({", ".join(params)}) {{',
+            *coords,
+            *bases,
+            *stage,
+            *[f"  {CTYPE[t]} {n}[V];" for n, t in zip(st, st_types)],
+            "#pragma unroll",
+            "  for (int j = 0; j < V; ++j) {",
+            *[f"    {n}[j] = {_const(val)};" for n, val in zip(st, kind.identity_exprs(dt))],
+            "  }",
+            *loops,
+            *[f"{pad}{line}" for line in inner_lines],
+            *closing,
+            # the window's extent along each dim, clipped to the padded input (eager's divisor)
+            *[f"  const int lo{i} = o{i} * {w.stride[i]} - {w.padding[i]}, hi{i} = lo{i} + {w.kernel[i]} < N{i} + "
+              f"{w.padding[i]} ? lo{i} + {w.kernel[i]} : N{i} + {w.padding[i]};" for i in pooled],
+            f"  const kf_i64 cnt = {count};",
+            *stores,
+            "}"]
+    return Built(_header("\n".join(body)), [("kf_gen", grid, (nt,), args, 0)], [])
