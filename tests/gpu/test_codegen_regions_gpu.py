@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from norm_models import BatchNormReluPool, GeluMul
 from kforge.capturing import capture
 from kforge.evaluate import make_evaluator
 from kforge.hardware import current
@@ -150,6 +151,11 @@ CASES = {
     "avg_pool_then_a_channel_bias_channels_last": (PoolThenBias, lambda: (
         torch.randn(8, 64, 56, 56, device="cuda").to(memory_format=torch.channels_last), torch.randn(64, device="cuda"))),
     "avg_pool1d_squeezed_then_gelu": (Pool1dThenGelu, lambda: (torch.randn(256, 4096, device="cuda"),)),
+    # ResNet's stem at an odd size: batch norm and relu staged once per input point in a tile
+    "bn_relu_max_pool_tiled_bf16": (lambda: BatchNormReluPool(64).eval().to(device="cuda", dtype=torch.bfloat16), lambda: (torch.randn(4, 64, 113, 111, device="cuda", dtype=torch.bfloat16),)),
+    # GELU's tanh form through the fast exp and division (bf16 outputs)
+    "gelu_tanh_mul_bf16": (GeluMul, lambda: (torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16) * 4,
+                                             torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16))),
     "logsumexp_over_a_size_1_dim": (LogSumExpOfOne, lambda: (torch.randn(512, 1, device="cuda"),
                                                              torch.randn(512, 4096, device="cuda"))),
     # sibling reductions: the two distances of a triplet loss folded in one pass
