@@ -15,7 +15,7 @@ from codegen_cards import EDGES, card_for, pointwise_overloads
 from kforge import compiler
 from kforge.cards import TensorMeta
 from kforge.codegen import build, card_program, interp, ops
-from kforge.codegen.ir import Node, Ref, broadcast_strides
+from kforge.codegen.ir import Expr, Node, Ref, broadcast_strides
 from kforge.hardware import H200
 from kforge.proposers.builtin import BuiltinProposer, generated
 from kforge.proposers.builtin import space as knob_space
@@ -835,3 +835,17 @@ def test_broadcasting_drops_leading_size_1_dims_beyond_the_domain_and_only_those
     assert broadcast_strides(tuple(mask.shape), mask.stride(), (4, 3, 16, 16)) == (256, 0, 16, 1)
     assert broadcast_strides((2, 4, 1, 16, 16), (1024, 256, 256, 16, 1), (4, 3, 16, 16)) is None
     assert broadcast_strides((3, 1), (1, 1), (2, 3, 5)) == (0, 1, 0)
+
+
+def test_rounding_a_value_the_half_type_already_holds_is_no_node():
+    """relu of a bf16-rounded batch norm is exact in bf16: eager's second rounding changes nothing,
+    so the IR has none (two instructions an element in ResNet's regions); a value the type may
+    not hold (a product, 0.1, a bf16 value into fp16) still rounds."""
+    x = Expr.load(0, "bfloat16")
+    bn = (x * 1.5 + 0.25).cast("bfloat16")
+    relu = Expr("where", (bn < 0.0, Expr.const(0.0, "float32"), bn), "float32")
+    assert x.cast("bfloat16") is x and bn.cast("bfloat16") is bn and relu.cast("bfloat16") is relu
+    assert (x * 3.0).cast("bfloat16").op == "cast" and Expr.const(0.1, "float32").cast("bfloat16").op == "cast"
+    assert bn.cast("float16").op == "cast"
+    assert Expr.const(-0.0, "float32").cast("bfloat16").op == "const"
+    assert Expr.const(65504.0, "float32").cast("bfloat16").op == "cast"  # fp16's max is not a bf16 value

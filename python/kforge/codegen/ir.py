@@ -45,6 +45,7 @@ nodes after it its epilogue (over the whole domain after a keepdim reduction or 
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -111,8 +112,8 @@ class Expr:
     def cast(self, dtype: str) -> "Expr":
         """To compute dtype `dtype` (a storage dtype rounds: cast(x, "bfloat16") is x rounded to
         bf16 and held as float32)."""
-        if dtype in ("float16", "bfloat16"):
-            return Expr("cast", (self,), "float32", ("round", dtype))
+        if dtype in ("float16", "bfloat16"):  # a value already exact in it rounds to itself
+            return self if _exact_in(self, dtype) else Expr("cast", (self,), "float32", ("round", dtype))
         return self if dtype == self.dtype else Expr("cast", (self,), dtype)
 
     def _lift(self, x) -> "Expr":
@@ -408,3 +409,33 @@ class Node:
     op: str  # "aten::name.overload"
     args: dict  # schema argument name -> Ref, a list of Refs, or a plain value
     metas: list  # TensorMeta per output
+
+
+def _exact_in(e: Expr, dtype: str) -> bool:
+    """Whether value `e` is exactly representable in half type `dtype` by construction: a load
+    of a `dtype` tensor, a rounding to it, a constant it holds, or a choice among such values
+    (max, min, where's branches, neg, abs: relu after a rounded batch norm)."""
+    if e.op == "load":
+        return e.value[1] == dtype
+    if e.op == "cast":
+        return e.value == ("round", dtype)
+    if e.op == "const":
+        return e.dtype in FLOATS and _holds(dtype, float(e.value))
+    if e.op in ("max", "min", "neg", "abs"):
+        return all(_exact_in(a, dtype) for a in e.args)
+    if e.op == "where":
+        return _exact_in(e.args[1], dtype) and _exact_in(e.args[2], dtype)
+    return False
+
+
+def _holds(dtype: str, v: float) -> bool:
+    """Whether half type `dtype` holds the number v exactly (NaN and the infinities included)."""
+    if v != v:
+        return True
+    try:
+        if dtype == "float16":
+            return struct.unpack("e", struct.pack("e", v))[0] == v
+        f32 = struct.unpack("f", struct.pack("f", v))[0]
+    except OverflowError:
+        return False
+    return f32 == v and struct.unpack("I", struct.pack("f", f32))[0] & 0xFFFF == 0

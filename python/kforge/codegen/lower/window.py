@@ -48,16 +48,16 @@ def _span(prog: Program, th: int, tw: int) -> tuple[int, int]:
 
 def window_tiles(prog: Program) -> dict[str, tuple[int, ...]]:
     """gen_window_tile's tile rows (`th`) and columns (`tw`), every pair's staged span within
-    SMEM_MAX; empty where the form does not apply: not a 2-D pooling, or the first output not
+    SMEM_MAX and 16 points a thread; empty where the form does not apply: not a 2-D pooling, or the first output not
     contiguous along the last pooled dim (channels-last pools vectors of channels instead)."""
     nd = len(prog.domain)
     if len(prog.window.kernel) != 2 or prog.out_strides[0][nd - 1] != 1:
         return {}
     size = 8 if CTYPE[prog.window.operand.dtype] == "double" else 4  # a half type's staged value takes 2
 
-    def fits(th: int, tw: int) -> bool:
+    def fits(th: int, tw: int) -> bool:  # in shared memory, and at most 16 span points a thread
         ih, iw = _span(prog, th, tw)
-        return ih * iw * size <= SMEM_MAX
+        return ih * iw * size <= SMEM_MAX and ih * iw <= 16 * th * tw
     tws = tuple(tw for tw in (16, 32, 64) if fits(2, tw))
     ths = tuple(th for th in (2, 4, 8, 16) if tws and fits(th, tws[-1]))
     return {"th": ths, "tw": tws} if ths else {}
@@ -157,14 +157,28 @@ def lower_window(prog: Program, knobs: dict) -> Built:
     if tiled:
         # stage: the prologue once per input point of the tile's span (points in the padding are
         # never read back: the fold skips them as gen_window does), then this thread's output point
+        # every load of the thread's share of the span first (in flight together; a load per
+        # point and iteration left one DRAM latency a point: 100 us for ResNet's stem on the H100),
+        # an input read the same at every point (batch norm's parameters) once, then the prologue
+        n_it = ceil_div(ih * iw, nt)
+        once = [i for i in loaded if not any(prog.in_strides[i][nd - k:])]
+        spe = Emitter("q", {}, lambda i, stored: f"l{i}" if i in once else f"l{i}[u_]")
+        sval = spe(w.operand)
         stage = [f"  __shared__ {CTYPE[dt]} kf_tile[{ih * iw}];",
                  f"  const int y0_ = ty_ * {th} * {w.stride[0]} - {w.padding[0]}, "
                  f"x0_ = tx_ * {tw} * {w.stride[1]} - {w.padding[1]};",
-                 f"  for (int t_ = threadIdx.x; t_ < {ih * iw}; t_ += NT) {{",
-                 f"    const int i0 = y0_ + t_ / {iw}, i1 = x0_ + t_ % {iw};",
-                 "    if (i0 < 0 || i0 >= N0 || i1 < 0 || i1 >= N1) continue;",
-                 *[f"    {line}" for line in window_loads],
-                 *[f"    {line}" for line in pe.lines], f"    kf_tile[t_] = {xval};", "  }",
+                 *[f"  const {CTYPE[prog.inputs[i].dtype]} l{i} = x{i}[0];" for i in once],
+                 *[f"  {CTYPE[prog.inputs[i].dtype]} l{i}[{n_it}];" for i in loaded if i not in once],
+                 f"  bool in_[{n_it}];",
+                 "#pragma unroll",
+                 f"  for (int u_ = 0; u_ < {n_it}; ++u_) {{",
+                 f"    const int t_ = threadIdx.x + u_ * NT, i0 = y0_ + t_ / {iw}, i1 = x0_ + t_ % {iw};",
+                 f"    in_[u_] = t_ < {ih * iw} && i0 >= 0 && i0 < N0 && i1 >= 0 && i1 < N1;",
+                 *[f"    if (in_[u_]) l{i}[u_] = x{i}[{at[i]}];" for i in loaded if i not in once], "  }",
+                 "#pragma unroll",
+                 f"  for (int u_ = 0; u_ < {n_it}; ++u_) {{",
+                 "    if (!in_[u_]) continue;",
+                 *[f"    {line}" for line in spe.lines], f"    kf_tile[threadIdx.x + u_ * NT] = {sval};", "  }",
                  "  __syncthreads();",
                  f"  const int ly_ = threadIdx.x / {tw}, lx_ = threadIdx.x % {tw};",
                  f"  const int o0 = ty_ * {th} + ly_, o1 = tx_ * {tw} + lx_;",
