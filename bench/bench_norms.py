@@ -88,6 +88,10 @@ REGIONS = {
     "resnet stem bn relu maxpool bf16 32x64x112x112": (
         lambda: torch.nn.Sequential(torch.nn.BatchNorm2d(64), torch.nn.ReLU(), torch.nn.MaxPool2d(3, 2, 1)).eval().to(BF16),
         lambda: (_cuda(32, 64, 112, 112, dtype=BF16),)),
+    # the same as kforge.optimize runs it: convolution networks go channels-last (kforge.layout)
+    "resnet stem bn relu maxpool bf16 32x64x112x112 channels_last": (
+        lambda: torch.nn.Sequential(torch.nn.BatchNorm2d(64), torch.nn.ReLU(), torch.nn.MaxPool2d(3, 2, 1)).eval().to(BF16),
+        lambda: (_cuda(32, 64, 112, 112, dtype=BF16, channels_last=True),)),
     # Gemma's MLP gate: gelu(tanh) of one matmul's output times the other's
     "gemma gelu mul bf16 2048x16384": (GeluMul, lambda: (_cuda(2048, 16384, dtype=BF16), _cuda(2048, 16384, dtype=BF16))),
 }
