@@ -489,13 +489,39 @@ def test_a_pooling_of_nchw_planes_stages_its_prologue_once_per_input_point(tmp_p
     for k in (knobs, {**knobs, "th": 2, "tw": 16}, {**knobs, "th": 4, "tw": 32}):
         cand = generated.build(card, k, H200)
         assert compiler.compile(cand.source, arch="sm_90").cubin
-        assert cand.source.count("x0[") == 1 and "= kf_tile[" in cand.source
+        assert cand.source.count("x0 + (kf_idx)i0") == 1 and "= kf_tile[" in cand.source
         for got, w in zip(cuda_on_cpu.run(card, cand, inputs), want):
             torch.testing.assert_close(got, w, rtol=1e-6, atol=1e-6, msg=lambda m: f"{k}: {m}")
-    # channels-last: a vector of channels a thread instead, no tile
+    # channels-last with 5 channels: no vector of channels, so no tile
     cl = region_card(tmp_path / "cl", model, torch.randn(2, 5, 37, 35).to(memory_format=torch.channels_last))
     assert lower.window_tiles(generated.program(cl)) == {}
     assert generated.default(cl, H200)["algo"] == "gen_window"
+
+
+def test_a_channels_last_pooling_stages_vectors_of_channels(tmp_path):
+    """The stem as kforge.optimize runs it (channels-last): a staged point holds cg groups of vec
+    channels, each loaded as one vector, the parameters one vector a thread; 12 channels in chunks
+    of 8 leave the last chunk half empty. Each setting runs on the CPU as the region computes."""
+    model = nn.Sequential(nn.BatchNorm2d(12), nn.ReLU(), nn.MaxPool2d(3, 2, 1)).eval()
+    with torch.no_grad():
+        model[0].running_mean.uniform_(-1, 1)
+        model[0].running_var.uniform_(0.5, 2)
+    x = torch.randn(2, 12, 19, 17).to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        got = capture(model, (x,), tmp_path, regions=True, time_cards=False)
+    (cpu_card,) = [c for c in got.cards if c.region is not None]
+    inputs = load_sample(cpu_card, tmp_path, 0)[0]
+    card = cpu_card.retarget("cuda", "sm_90")
+    assert lower.window_tiles(generated.program(card)) == {"th": (2, 4), "tw": (4, 8), "cg": (1, 2, 4, 8), "vec": (2, 4)}
+    want = card.region.replay([t.clone() for t in inputs])
+    for k in ({"th": 2, "tw": 4, "cg": 2, "vec": 4}, {"th": 4, "tw": 8, "cg": 1, "vec": 4},
+              {"th": 2, "tw": 8, "cg": 4, "vec": 2}, {"th": 4, "tw": 4, "cg": 8, "vec": 4}):
+        cand = generated.build(card, {"algo": "gen_window_tile", **k}, H200)
+        assert compiler.compile(cand.source, arch="sm_90").cubin
+        assert cand.source.count("x0 + (kf_idx)i0") == 1 and "= kf_tile[" in cand.source
+        for got, w in zip(cuda_on_cpu.run(card, cand, inputs), want):
+            assert got.stride() == w.stride()
+            torch.testing.assert_close(got, w, rtol=1e-6, atol=1e-6, msg=lambda m: f"{k}: {m}")
 
 
 def test_gelu_tanh_rounded_to_16_bits_takes_one_exp_and_no_tanh(tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ shared memory, then folds each output's window from there.
 A 3x3 stride-2 max pool visits each input point 2.25 times: with batch norm and relu before it
 (ResNet's stem) that is 2.25 evaluations of the prologue and 2.25 loads per input point (100 us
 for 32x64x112x112 bf16 NCHW on the H100 one thread an output, 81 tiled; the input's bytes once
-take 22). Channels-last pooling (a vector of channels a thread) has no tile form yet."""
+take 22). Channels-last pooling stages a vector of `cg` x `vec` channels at each span point."""
 
 from __future__ import annotations
 
@@ -47,17 +47,23 @@ def _span(prog: Program, th: int, tw: int) -> tuple[int, int]:
 
 
 def window_tiles(prog: Program) -> dict[str, tuple[int, ...]]:
-    """gen_window_tile's tile rows (`th`) and columns (`tw`), every pair's staged span within
-    SMEM_MAX and 16 points a thread; empty where the form does not apply: not a 2-D pooling, or the first output not
-    contiguous along the last pooled dim (channels-last pools vectors of channels instead)."""
+    """gen_window_tile's knobs: tile rows (`th`) and columns (`tw`) of output points and, where the
+    channels are innermost (channels-last), `vec` channels a thread and `cg` such groups a block
+    (a staged point holds cg x vec channels); every setting's staged span within SMEM_MAX and 16
+    points a thread. Empty where the form does not apply: not a 2-D pooling, or neither the last
+    pooled dim nor a vectorizable non-pooled dim innermost."""
     nd = len(prog.domain)
-    if len(prog.window.kernel) != 2 or prog.out_strides[0][nd - 1] != 1:
+    if len(prog.window.kernel) != 2:
         return {}
     size = 8 if CTYPE[prog.window.operand.dtype] == "double" else 4  # a half type's staged value takes 2
 
-    def fits(th: int, tw: int) -> bool:  # in shared memory, and at most 16 span points a thread
+    def fits(th: int, tw: int, lanes: int = 1) -> bool:  # in shared memory, and at most 16 span points a thread
         ih, iw = _span(prog, th, tw)
-        return ih * iw * size <= SMEM_MAX and ih * iw <= 16 * th * tw
+        return ih * iw * lanes * size <= SMEM_MAX and ih * iw <= 16 * th * tw
+    if prog.out_strides[0][nd - 1] != 1:  # channels-last: a vector of channels a staged point
+        vecs = tuple(x for x in window_vecs(prog) if x > 1)
+        cgs = tuple(c for c in (1, 2, 4, 8) if vecs and fits(2, 4) and fits(4, 8, c * vecs[-1]))
+        return {"th": (2, 4), "tw": (4, 8), "cg": cgs, "vec": vecs} if cgs else {}
     tws = tuple(tw for tw in (16, 32, 64) if fits(2, tw))
     ths = tuple(th for th in (2, 4, 8, 16) if tws and fits(th, tws[-1]))
     return {"th": ths, "tw": tws} if ths else {}
@@ -79,23 +85,29 @@ def lower_window(prog: Program, knobs: dict) -> Built:
     order = sorted(range(nd), key=lambda d: -prog.out_strides[0][d])
     size = w.frame[-k:]
     pooled = range(k)  # pooled dim i is domain dim nd - k + i
-    if tiled:
-        th, tw, v, unroll = knobs["th"], knobs["tw"], 1, max(w.kernel)
-        nt = th * tw
-        ih, iw = _span(prog, th, tw)
-        grid = (math.prod(prog.domain[:nd - 2]) * ceil_div(prog.domain[nd - 2], th) * ceil_div(prog.domain[nd - 1], tw),)
-    else:
-        nt, unroll, v = knobs["threads"], knobs["unroll"], knobs.get("vec", 1)
-        grid = (ceil_div(math.prod(prog.domain) // v, nt),)
+    v = knobs.get("vec", 1)
     inner = _window_inner(prog) if v > 1 else None
+    if tiled:  # a block: th x tw output points, for cg x vec channels (channels-last) or one plane
+        th, tw, cg, unroll = knobs["th"], knobs["tw"], knobs.get("cg", 1), max(w.kernel)
+        pts = th * tw
+        nt = pts * cg
+        ih, iw = _span(prog, th, tw)
+        lead = {d: ceil_div(prog.domain[d], cg * v) if d == inner else prog.domain[d] for d in range(nd - 2)}
+        grid = (math.prod(lead.values()) * ceil_div(prog.domain[nd - 2], th) * ceil_div(prog.domain[nd - 1], tw),)
+        ragged = inner is not None and prog.domain[inner] % (cg * v) != 0  # the last chunk of channels is partial
+    else:
+        nt, unroll = knobs["threads"], knobs["unroll"]
+        grid = (ceil_div(math.prod(prog.domain) // v, nt),)
     idx = _index_type(prog, 2 * nt * v)
     loaded = sorted({e.value[0] for e in w.operand.walk() if e.op == "load"})  # the rest: the epilogue's, over the domain
     if tiled:  # block b: tile column, tile row, then the leading dims in the output's memory order
         coords = [f"  {idx} e_ = blockIdx.x;",
                   f"  const int tx_ = (int)(e_ % {ceil_div(prog.domain[nd - 1], tw)}); e_ /= {ceil_div(prog.domain[nd - 1], tw)};",
                   f"  const int ty_ = (int)(e_ % {ceil_div(prog.domain[nd - 2], th)}); e_ /= {ceil_div(prog.domain[nd - 2], th)};"]
-        coords += [f"  const {idx} c{d} = e_ % {prog.domain[d]}; e_ /= {prog.domain[d]};"
-                   for d in reversed(order) if d < nd - 2]
+        coords.append(f"  const int g_ = threadIdx.x % {cg}, p_ = threadIdx.x / {cg};" if inner is not None
+                      else "  const int p_ = threadIdx.x;")  # channel group, output point of the tile
+        coords += [f"  const {idx} c{d} = (e_ % {lead[d]}) * {cg * v} + g_ * {v}; e_ /= {lead[d]};" if d == inner
+                   else f"  const {idx} c{d} = e_ % {lead[d]}; e_ /= {lead[d]};" for d in reversed(order) if d < nd - 2]
     else:  # coordinates of output point q, innermost (in the first output's memory order) first
         coords = ["  const kf_idx q = (kf_idx)blockIdx.x * NT + threadIdx.x;",
                   f"  if (q >= {math.prod(prog.domain) // v}) return;", f"  {idx} e_ = q;"]
@@ -136,13 +148,14 @@ def lower_window(prog: Program, knobs: dict) -> Built:
     flat = "(kf_i64)i0"
     for i in pooled[1:]:
         flat = f"({flat} * N{i} + i{i})"
+    def tile_at(point: str) -> str:  # the staged value of span point `point` (channel j of this thread's group)
+        return point if inner is None else f"(({point}) * {cg} + g_) * V + j"
     if tiled:  # the operand at this window point, from the tile (row, column relative to its span)
-        tile_at = (f"(ly_ * {w.stride[0]} + k0 * {w.dilation[0]}) * {iw} + lx_ * {w.stride[1]} + k1 * {w.dilation[1]}")
-        operand = [f"const {CTYPE[dt]} xv = kf_tile[{tile_at}];"]
+        at_point = f"(ly_ * {w.stride[0]} + k0 * {w.dilation[0]}) * {iw} + lx_ * {w.stride[1]} + k1 * {w.dilation[1]}"
+        operand, value = [], [f"  const {CTYPE[dt]} xv = kf_tile[{tile_at(at_point)}];"]
     else:
-        operand = window_loads
-    fold = [f"const kf_i64 ri = {flat};", "#pragma unroll", "for (int j = 0; j < V; ++j) {",
-            *([] if tiled else [f"  {line}" for line in pe.lines] + [f"  const {CTYPE[dt]} xv = {xval};"]),
+        operand, value = window_loads, [f"  {line}" for line in pe.lines] + [f"  const {CTYPE[dt]} xv = {xval};"]
+    fold = [f"const kf_i64 ri = {flat};", "#pragma unroll", "for (int j = 0; j < V; ++j) {", *value,
             *[f"  {line}" for line in em.lines],
             *[f"  {line}" for line in _merge_block(kind, dt, [f"{n}[j]" for n in st], lifted, "u")], "}"]
     inner_lines = [*operand, *fold]
@@ -160,27 +173,38 @@ def lower_window(prog: Program, knobs: dict) -> Built:
         # every load of the thread's share of the span first (in flight together; a load per
         # point and iteration left one DRAM latency a point: 100 us for ResNet's stem on the H100),
         # an input read the same at every point (batch norm's parameters) once, then the prologue
-        n_it = ceil_div(ih * iw, nt)
+        n_it = ceil_div(ih * iw, pts)
         once = [i for i in loaded if not any(prog.in_strides[i][nd - k:])]
-        spe = Emitter("q", {}, lambda i, stored: f"l{i}" if i in once else f"l{i}[u_]")
+        ctype = {i: CTYPE[prog.inputs[i].dtype] for i in loaded}
+        held = {i: f"kf_vec<{ctype[i]}, V>" if along[i] else ctype[i] for i in loaded}
+
+        def staged_load(i, stored):
+            return f"l{i}{'' if i in once else '[u_]'}{'.v[j]' if along[i] else ''}"
+        spe = Emitter("q", {}, staged_load)
         sval = spe(w.operand)
-        stage = [f"  __shared__ {CTYPE[dt]} kf_tile[{ih * iw}];",
+        live = f" && c{inner} < {prog.domain[inner]}" if ragged else ""
+        stage = [f"  __shared__ {CTYPE[dt]} kf_tile[{ih * iw * cg * v}];",
                  f"  const int y0_ = ty_ * {th} * {w.stride[0]} - {w.padding[0]}, "
                  f"x0_ = tx_ * {tw} * {w.stride[1]} - {w.padding[1]};",
-                 *[f"  const {CTYPE[prog.inputs[i].dtype]} l{i} = x{i}[0];" for i in once],
-                 *[f"  {CTYPE[prog.inputs[i].dtype]} l{i}[{n_it}];" for i in loaded if i not in once],
+                 *[f"  const {held[i]} l{i} = *reinterpret_cast<const {held[i]}*>(x{i});" for i in once],
+                 *[f"  {held[i]} l{i}[{n_it}];" for i in loaded if i not in once],
                  f"  bool in_[{n_it}];",
                  "#pragma unroll",
                  f"  for (int u_ = 0; u_ < {n_it}; ++u_) {{",
-                 f"    const int t_ = threadIdx.x + u_ * NT, i0 = y0_ + t_ / {iw}, i1 = x0_ + t_ % {iw};",
-                 f"    in_[u_] = t_ < {ih * iw} && i0 >= 0 && i0 < N0 && i1 >= 0 && i1 < N1;",
-                 *[f"    if (in_[u_]) l{i}[u_] = x{i}[{at[i]}];" for i in loaded if i not in once], "  }",
+                 f"    const int t_ = p_ + u_ * {pts}, i0 = y0_ + t_ / {iw}, i1 = x0_ + t_ % {iw};",
+                 f"    in_[u_] = t_ < {ih * iw} && i0 >= 0 && i0 < N0 && i1 >= 0 && i1 < N1{live};",
+                 *[f"    if (in_[u_]) l{i}[u_] = *reinterpret_cast<const {held[i]}*>(x{i} + {at[i]});"
+                   for i in loaded if i not in once], "  }",
                  "#pragma unroll",
                  f"  for (int u_ = 0; u_ < {n_it}; ++u_) {{",
                  "    if (!in_[u_]) continue;",
-                 *[f"    {line}" for line in spe.lines], f"    kf_tile[threadIdx.x + u_ * NT] = {sval};", "  }",
+                 "#pragma unroll",
+                 "    for (int j = 0; j < V; ++j) {",
+                 *[f"      {line}" for line in spe.lines],
+                 f"      kf_tile[{tile_at(f'p_ + u_ * {pts}')}] = {sval};", "    }", "  }",
                  "  __syncthreads();",
-                 f"  const int ly_ = threadIdx.x / {tw}, lx_ = threadIdx.x % {tw};",
+                 *([f"  if (c{inner} >= {prog.domain[inner]}) return;"] if ragged else []),
+                 f"  const int ly_ = p_ / {tw}, lx_ = p_ % {tw};",
                  f"  const int o0 = ty_ * {th} + ly_, o1 = tx_ * {tw} + lx_;",
                  f"  if (o0 >= {prog.domain[nd - 2]} || o1 >= {prog.domain[nd - 1]}) return;",
                  f"  const {idx} c{nd - 2} = o0, c{nd - 1} = o1;"]
