@@ -849,3 +849,4 @@ def test_rounding_a_value_the_half_type_already_holds_is_no_node():
     assert bn.cast("float16").op == "cast"
     assert Expr.const(-0.0, "float32").cast("bfloat16").op == "const"
     assert Expr.const(65504.0, "float32").cast("bfloat16").op == "cast"  # fp16's max is not a bf16 value
+    assert Expr.const(0.5, "float64").cast("bfloat16").dtype == "float32"  # held as float32 like any rounding

@@ -513,12 +513,15 @@ def test_a_channels_last_pooling_stages_vectors_of_channels(tmp_path):
     inputs = load_sample(cpu_card, tmp_path, 0)[0]
     card = cpu_card.retarget("cuda", "sm_90")
     assert lower.window_tiles(generated.program(card)) == {"th": (2, 4), "tw": (4, 8), "cg": (1, 2, 4, 8), "vec": (2, 4)}
+    assert generated.default(card, H200)["algo"] == "gen_window"  # searched, not the default until timed
     want = card.region.replay([t.clone() for t in inputs])
     for k in ({"th": 2, "tw": 4, "cg": 2, "vec": 4}, {"th": 4, "tw": 8, "cg": 1, "vec": 4},
               {"th": 2, "tw": 8, "cg": 4, "vec": 2}, {"th": 4, "tw": 4, "cg": 8, "vec": 4}):
         cand = generated.build(card, {"algo": "gen_window_tile", **k}, H200)
         assert compiler.compile(cand.source, arch="sm_90").cubin
         assert cand.source.count("x0 + (kf_idx)i0") == 1 and "= kf_tile[" in cand.source
+        # past the 12th channel a thread reads no parameter (chunks of 8 and 16 channels)
+        assert ("c1 >= 12 ? kf_vec" in cand.source) == (12 % (k["cg"] * k["vec"]) != 0)
         for got, w in zip(cuda_on_cpu.run(card, cand, inputs), want):
             assert got.stride() == w.stride()
             torch.testing.assert_close(got, w, rtol=1e-6, atol=1e-6, msg=lambda m: f"{k}: {m}")

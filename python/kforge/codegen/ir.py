@@ -113,7 +113,8 @@ class Expr:
         """To compute dtype `dtype` (a storage dtype rounds: cast(x, "bfloat16") is x rounded to
         bf16 and held as float32)."""
         if dtype in ("float16", "bfloat16"):  # a value already exact in it rounds to itself
-            return self if _exact_in(self, dtype) else Expr("cast", (self,), "float32", ("round", dtype))
+            exact = self.dtype == "float32" and _exact_in(self, dtype)
+            return self if exact else Expr("cast", (self,), "float32", ("round", dtype))
         return self if dtype == self.dtype else Expr("cast", (self,), dtype)
 
     def _lift(self, x) -> "Expr":

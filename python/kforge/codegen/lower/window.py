@@ -55,7 +55,7 @@ def window_tiles(prog: Program) -> dict[str, tuple[int, ...]]:
     nd = len(prog.domain)
     if len(prog.window.kernel) != 2:
         return {}
-    size = 8 if CTYPE[prog.window.operand.dtype] == "double" else 4  # a half type's staged value takes 2
+    size = 8 if prog.window.operand.dtype in ("float64", "int64") else 4  # a half type's value is staged as float
 
     def fits(th: int, tw: int, lanes: int = 1) -> bool:  # in shared memory, and at most 16 span points a thread
         ih, iw = _span(prog, th, tw)
@@ -186,7 +186,9 @@ def lower_window(prog: Program, knobs: dict) -> Built:
         stage = [f"  __shared__ {CTYPE[dt]} kf_tile[{ih * iw * cg * v}];",
                  f"  const int y0_ = ty_ * {th} * {w.stride[0]} - {w.padding[0]}, "
                  f"x0_ = tx_ * {tw} * {w.stride[1]} - {w.padding[1]};",
-                 *[f"  const {held[i]} l{i} = *reinterpret_cast<const {held[i]}*>(x{i});" for i in once],
+                 # (a thread past the last channel of a partial chunk reads nothing)
+                 *[f"  const {held[i]} l{i} = {f'c{inner} >= {prog.domain[inner]} ? {held[i]}{{}} : ' if ragged else ''}"
+                   f"*reinterpret_cast<const {held[i]}*>(x{i});" for i in once],
                  *[f"  {held[i]} l{i}[{n_it}];" for i in loaded if i not in once],
                  f"  bool in_[{n_it}];",
                  "#pragma unroll",
