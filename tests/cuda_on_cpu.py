@@ -5,13 +5,14 @@ threads do not cooperate (pointwise kernels; reductions with one thread per outp
 split or not), so the generated indexing, vector accesses, workspaces and epilogues are
 checked on a machine without a GPU. A kernel that waits at __syncthreads runs each block's
 threads as OS threads meeting at a barrier (a thread that returns leaves it, as on the GPU), so
-what one thread stages in shared memory for the others is checked too. Warp shuffles are not
-emulated. fp32, fp64, int and bool tensors only."""
+what one thread stages in shared memory for the others is checked too; shared memory starts each
+block as NaN bytes, so reading a slot nobody wrote shows. Warp shuffles are not emulated. fp32, fp64, int and bool tensors only."""
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import re
 import shutil
 import subprocess
 import tempfile
@@ -41,6 +42,11 @@ static kf_dim3 blockIdx, gridDim, blockDim;
 extern "C" void kf_set_ids(unsigned bx, unsigned by, unsigned tx, unsigned gx, unsigned gy, unsigned nx) {
   blockIdx.x = bx; blockIdx.y = by; threadIdx.x = tx; gridDim.x = gx; gridDim.y = gy; blockDim.x = nx;
 }
+// Shared memory starts each block as NaN bytes (0xff), not the zeros of static storage or the last
+// block's values, so a kernel that reads a slot no thread of its block wrote fails its check.
+static std::vector<std::pair<void*, size_t>> kf_shared;
+inline bool kf_register(void* p, size_t n) { std::memset(p, 0xff, n); kf_shared.emplace_back(p, n); return true; }
+inline void kf_poison() { for (auto& [p, n] : kf_shared) std::memset(p, 0xff, n); }
 static std::barrier<>* kf_bar = nullptr;
 inline void __syncthreads() { if (kf_bar) kf_bar->arrive_and_wait(); }
 template <class... A, std::size_t... I>
@@ -51,6 +57,7 @@ void kf_grid(void (*f)(A...), void** p, unsigned gx, unsigned gy, unsigned nt) {
   for (unsigned by = 0; by < gy; ++by)
     for (unsigned bx = 0; bx < gx; ++bx) {
       blockIdx.x = bx; blockIdx.y = by;
+      kf_poison();
       std::barrier<> bar(nt);
       kf_bar = &bar;
       std::vector<std::thread> ts;
@@ -72,7 +79,13 @@ using std::isnan; using std::isinf; using std::signbit;
 """
 
 
+# a __shared__ declaration (scalar or array): registered where it is declared, to be poisoned
+_SHARED = re.compile(r"__shared__\s+([^;]*?)\s+(\w+)((?:\[[^\]]+\])*)\s*;")
+
+
 def _library(source: str, kernels: list[str]) -> ctypes.CDLL:
+    source = _SHARED.sub(lambda m: f"static {m[1]} {m[2]}{m[3]}; static const bool {m[2]}_kf_reg = "
+                         f"kf_register(&{m[2]}, sizeof({m[2]}));", source)
     body = SHIM + source.replace('extern "C" __global__', 'extern "C"') + "".join(
         f'\nextern "C" void kf_grid_{n}(void** p, unsigned gx, unsigned gy, unsigned nt) {{ kf_grid({n}, p, gx, gy, nt); }}'
         for n in kernels)
