@@ -6,7 +6,8 @@ split or not), so the generated indexing, vector accesses, workspaces and epilog
 checked on a machine without a GPU. A kernel that waits at __syncthreads runs each block's
 threads as OS threads meeting at a barrier (a thread that returns leaves it, as on the GPU), so
 what one thread stages in shared memory for the others is checked too; shared memory starts each
-block as NaN bytes, so reading a slot nobody wrote shows. Warp shuffles are not emulated. fp32, fp64, int and bool tensors only."""
+block as NaN bytes, so reading a slot nobody wrote shows. Warp shuffles (up, down, xor, indexed, with
+their width) exchange values among the warp's threads at the warp's own barrier. fp32, fp64, int and bool tensors only."""
 
 from __future__ import annotations
 
@@ -32,7 +33,9 @@ SHIM = r"""
 #define __restrict__
 #define __launch_bounds__(n)
 #define __shared__ static
+#include <algorithm>
 #include <barrier>
+#include <memory>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -49,6 +52,34 @@ inline bool kf_register(void* p, size_t n) { std::memset(p, 0xff, n); kf_shared.
 inline void kf_poison() { for (auto& [p, n] : kf_shared) std::memset(p, 0xff, n); }
 static std::barrier<>* kf_bar = nullptr;
 inline void __syncthreads() { if (kf_bar) kf_bar->arrive_and_wait(); }
+// Warp shuffles: the warp's threads meet at the warp's barrier around an exchange of values.
+static std::vector<std::barrier<>*> kf_warp_bars;
+static unsigned char kf_xbuf[1024 * 8];
+template <class T> T kf_exchange(T v, unsigned src) {
+  std::barrier<>& b = *kf_warp_bars[threadIdx.x / 32];
+  std::memcpy(kf_xbuf + threadIdx.x * 8, &v, sizeof(T));
+  b.arrive_and_wait();
+  T r;
+  std::memcpy(&r, kf_xbuf + src * 8, sizeof(T));
+  b.arrive_and_wait();
+  return r;
+}
+template <class T> T __shfl_down_sync(unsigned, T v, unsigned o, int w = 32) {
+  const unsigned lane = threadIdx.x % 32;
+  return kf_exchange(v, lane % w + o < (unsigned)w ? threadIdx.x + o : threadIdx.x);
+}
+template <class T> T __shfl_up_sync(unsigned, T v, unsigned o, int w = 32) {
+  const unsigned lane = threadIdx.x % 32;
+  return kf_exchange(v, lane % w >= o ? threadIdx.x - o : threadIdx.x);
+}
+template <class T> T __shfl_xor_sync(unsigned, T v, int o, int w = 32) {
+  const unsigned lane = threadIdx.x % 32, s = lane ^ o;
+  return kf_exchange(v, threadIdx.x - lane + (s / w == lane / w ? s : lane));
+}
+template <class T> T __shfl_sync(unsigned, T v, int src, int w = 32) {
+  const unsigned lane = threadIdx.x % 32;
+  return kf_exchange(v, threadIdx.x - lane + (lane / w) * w + src % w);
+}
 template <class... A, std::size_t... I>
 void kf_call(void (*f)(A...), void** p, std::index_sequence<I...>) { f(static_cast<A>(p[I])...); }
 template <class... A>  // every block in turn, its threads at once (kernel parameters are all pointers)
@@ -60,9 +91,20 @@ void kf_grid(void (*f)(A...), void** p, unsigned gx, unsigned gy, unsigned nt) {
       kf_poison();
       std::barrier<> bar(nt);
       kf_bar = &bar;
+      std::vector<std::unique_ptr<std::barrier<>>> warps;
+      kf_warp_bars.clear();
+      for (unsigned w = 0; w * 32 < nt; ++w) {
+        warps.emplace_back(new std::barrier<>(std::min(32u, nt - w * 32)));
+        kf_warp_bars.push_back(warps.back().get());
+      }
       std::vector<std::thread> ts;
       for (unsigned tx = 0; tx < nt; ++tx)
-        ts.emplace_back([=, &bar] { threadIdx.x = tx; kf_call(f, p, std::index_sequence_for<A...>{}); bar.arrive_and_drop(); });
+        ts.emplace_back([=, &bar] {
+          threadIdx.x = tx;
+          kf_call(f, p, std::index_sequence_for<A...>{});
+          kf_warp_bars[tx / 32]->arrive_and_drop();
+          bar.arrive_and_drop();
+        });
       for (auto& t : ts) t.join();
       kf_bar = nullptr;
     }
@@ -104,7 +146,7 @@ def _library(source: str, kernels: list[str]) -> ctypes.CDLL:
 
 def run(card, cand, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """The candidate's outputs for CPU `inputs` (NaN-poisoned first), after every launch."""
-    barriers = "__syncthreads" in cand.source
+    barriers = "__syncthreads" in cand.source or "__shfl" in cand.source
     lib = _library(cand.source, sorted({k.name for k in cand.plan.kernels}) if barriers else [])
     outs = [inputs[card.aliases[j]] if j in card.aliases else empty_like_meta(m, "cpu") for j, m in enumerate(card.outputs)]
     for j, o in enumerate(outs):

@@ -850,3 +850,22 @@ def test_rounding_a_value_the_half_type_already_holds_is_no_node():
     assert Expr.const(-0.0, "float32").cast("bfloat16").op == "const"
     assert Expr.const(65504.0, "float32").cast("bfloat16").op == "cast"  # fp16's max is not a bf16 value
     assert Expr.const(0.5, "float64").cast("bfloat16").dtype == "float32"  # held as float32 like any rounding
+
+
+@pytest.mark.parametrize("name", ["var_mean", "argmin_flat", "logsumexp", "cumsum_rows"])
+def test_warp_cooperating_kernels_run_on_the_cpu_like_eager(name):
+    """The forms whose threads merge through warp shuffles and shared memory (gen_rows with a warp
+    or a block an output, gen_scan_block) run on the CPU, each thread an OS thread and each warp
+    meeting at its own barrier around a shuffle: the narrowest and widest lane counts match eager."""
+    import cuda_on_cpu
+
+    card = ON_CPU[name]()
+    (space,) = [s for s in generated.spaces(card, H200) if s["algo"] in (("gen_rows",), ("gen_scan_block",))]
+    configs = [k for k in knob_space.configs(space) if k["threads"] <= 256]
+    for knobs in (configs[0], configs[-1]):
+        inputs = card.random_inputs(1, "cpu")
+        want = card.call_eager([t.clone() for t in inputs], "cpu")
+        cand = generated.build(card, knobs, H200)
+        assert "__shfl" in cand.source
+        for g, w in zip(cuda_on_cpu.run(card, cand, inputs), want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"{knobs}: {m}")
