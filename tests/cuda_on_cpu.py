@@ -33,18 +33,32 @@ SHIM = r"""
 #define __restrict__
 #define __launch_bounds__(n)
 #define __shared__ static
+struct kf_dim3 { unsigned x = 0, y = 0, z = 0; };
+static KF_TLS kf_dim3 threadIdx;  // thread_local where a block's threads run at once
+static kf_dim3 blockIdx, gridDim, blockDim;
+extern "C" void kf_set_ids(unsigned bx, unsigned by, unsigned tx, unsigned gx, unsigned gy, unsigned nx) {
+  blockIdx.x = bx; blockIdx.y = by; threadIdx.x = tx; gridDim.x = gx; gridDim.y = gy; blockDim.x = nx;
+}
+inline float rsqrtf(float x) { return 1.f / sqrtf(x); }
+inline float __expf(float x) { return expf(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+inline double rsqrt(double x) { return 1.0 / sqrt(x); }
+inline float cyl_bessel_i0f(float x) { return std::cyl_bessel_i(0.f, std::fabs(x)); }
+inline float cyl_bessel_i1f(float x) { return std::copysign(std::cyl_bessel_i(1.f, std::fabs(x)), x); }
+inline double __longlong_as_double(long long v) { double d; std::memcpy(&d, &v, 8); return d; }
+inline float __int_as_float(int v) { float f; std::memcpy(&f, &v, 4); return f; }
+using std::isnan; using std::isinf; using std::signbit;
+"""
+
+# What kernels with __syncthreads or warp shuffles add (their blocks run as threads): the C++20
+# thread headers alone cost about 0.8 s of g++ a kernel, so the others go without them.
+THREADED = r"""
 #include <algorithm>
 #include <barrier>
 #include <memory>
 #include <thread>
 #include <utility>
 #include <vector>
-struct kf_dim3 { unsigned x = 0, y = 0, z = 0; };
-static thread_local kf_dim3 threadIdx;
-static kf_dim3 blockIdx, gridDim, blockDim;
-extern "C" void kf_set_ids(unsigned bx, unsigned by, unsigned tx, unsigned gx, unsigned gy, unsigned nx) {
-  blockIdx.x = bx; blockIdx.y = by; threadIdx.x = tx; gridDim.x = gx; gridDim.y = gy; blockDim.x = nx;
-}
 // Shared memory starts each block as NaN bytes (0xff), not the zeros of static storage or the last
 // block's values, so a kernel that reads a slot no thread of its block wrote fails its check.
 static std::vector<std::pair<void*, size_t>> kf_shared;
@@ -109,15 +123,6 @@ void kf_grid(void (*f)(A...), void** p, unsigned gx, unsigned gy, unsigned nt) {
       kf_bar = nullptr;
     }
 }
-inline float rsqrtf(float x) { return 1.f / sqrtf(x); }
-inline float __expf(float x) { return expf(x); }
-inline float __fdividef(float a, float b) { return a / b; }
-inline double rsqrt(double x) { return 1.0 / sqrt(x); }
-inline float cyl_bessel_i0f(float x) { return std::cyl_bessel_i(0.f, std::fabs(x)); }
-inline float cyl_bessel_i1f(float x) { return std::copysign(std::cyl_bessel_i(1.f, std::fabs(x)), x); }
-inline double __longlong_as_double(long long v) { double d; std::memcpy(&d, &v, 8); return d; }
-inline float __int_as_float(int v) { float f; std::memcpy(&f, &v, 4); return f; }
-using std::isnan; using std::isinf; using std::signbit;
 """
 
 
@@ -125,12 +130,14 @@ using std::isnan; using std::isinf; using std::signbit;
 _SHARED = re.compile(r"__shared__\s+([^;]*?)\s+(\w+)((?:\[[^\]]+\])*)\s*;")
 
 
-def _library(source: str, kernels: list[str]) -> ctypes.CDLL:
-    source = _SHARED.sub(lambda m: f"static {m[1]} {m[2]}{m[3]}; static const bool {m[2]}_kf_reg = "
-                         f"kf_register(&{m[2]}, sizeof({m[2]}));", source)
-    body = SHIM + source.replace('extern "C" __global__', 'extern "C"') + "".join(
-        f'\nextern "C" void kf_grid_{n}(void** p, unsigned gx, unsigned gy, unsigned nt) {{ kf_grid({n}, p, gx, gy, nt); }}'
-        for n in kernels)
+def _library(source: str, kernels: list[str], threaded: bool) -> ctypes.CDLL:
+    if threaded:
+        source = _SHARED.sub(lambda m: f"static {m[1]} {m[2]}{m[3]}; static const bool {m[2]}_kf_reg = "
+                             f"kf_register(&{m[2]}, sizeof({m[2]}));", source)
+    body = ("#define KF_TLS thread_local\n" if threaded else "#define KF_TLS\n") + SHIM + (THREADED if threaded else "") + \
+        source.replace('extern "C" __global__', 'extern "C"') + "".join(
+            f'\nextern "C" void kf_grid_{n}(void** p, unsigned gx, unsigned gy, unsigned nt) {{ kf_grid({n}, p, gx, gy, nt); }}'
+            for n in kernels)
     key = hashlib.sha256(body.encode()).hexdigest()[:16]
     d = Path(tempfile.gettempdir()) / "kforge_cuda_on_cpu"
     d.mkdir(exist_ok=True)
@@ -139,15 +146,15 @@ def _library(source: str, kernels: list[str]) -> ctypes.CDLL:
         src = d / f"{key}.cpp"
         src.write_text(body)
         cc = shutil.which("g++")
-        subprocess.run([cc, "-O1", "-std=c++20", "-pthread", "-shared", "-fPIC", "-w", "-o", str(so), str(src)], check=True,
-                       capture_output=True)
+        std = ["-std=c++20", "-pthread"] if threaded else ["-std=c++17"]
+        subprocess.run([cc, "-O1", *std, "-shared", "-fPIC", "-w", "-o", str(so), str(src)], check=True, capture_output=True)
     return ctypes.CDLL(str(so))
 
 
 def run(card, cand, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """The candidate's outputs for CPU `inputs` (NaN-poisoned first), after every launch."""
     barriers = "__syncthreads" in cand.source or "__shfl" in cand.source
-    lib = _library(cand.source, sorted({k.name for k in cand.plan.kernels}) if barriers else [])
+    lib = _library(cand.source, sorted({k.name for k in cand.plan.kernels}) if barriers else [], barriers)
     outs = [inputs[card.aliases[j]] if j in card.aliases else empty_like_meta(m, "cpu") for j, m in enumerate(card.outputs)]
     for j, o in enumerate(outs):
         if j not in card.aliases and o.is_floating_point():
