@@ -67,7 +67,7 @@ inline void kf_poison() { for (auto& [p, n] : kf_shared) std::memset(p, 0xff, n)
 static std::barrier<>* kf_bar = nullptr;
 inline void __syncthreads() { if (kf_bar) kf_bar->arrive_and_wait(); }
 // Warp shuffles: the warp's threads meet at the warp's barrier around an exchange of values.
-static std::vector<std::barrier<>*> kf_warp_bars;
+static std::vector<std::unique_ptr<std::barrier<>>> kf_warp_bars;
 static unsigned char kf_xbuf[1024 * 8];
 template <class T> T kf_exchange(T v, unsigned src) {
   std::barrier<>& b = *kf_warp_bars[threadIdx.x / 32];
@@ -105,12 +105,8 @@ void kf_grid(void (*f)(A...), void** p, unsigned gx, unsigned gy, unsigned nt) {
       kf_poison();
       std::barrier<> bar(nt);
       kf_bar = &bar;
-      std::vector<std::unique_ptr<std::barrier<>>> warps;
       kf_warp_bars.clear();
-      for (unsigned w = 0; w * 32 < nt; ++w) {
-        warps.emplace_back(new std::barrier<>(std::min(32u, nt - w * 32)));
-        kf_warp_bars.push_back(warps.back().get());
-      }
+      for (unsigned w = 0; w * 32 < nt; ++w) kf_warp_bars.emplace_back(new std::barrier<>(std::min(32u, nt - w * 32)));
       std::vector<std::thread> ts;
       for (unsigned tx = 0; tx < nt; ++tx)
         ts.emplace_back([=, &bar] {
@@ -130,14 +126,16 @@ void kf_grid(void (*f)(A...), void** p, unsigned gx, unsigned gy, unsigned nt) {
 _SHARED = re.compile(r"__shared__\s+([^;]*?)\s+(\w+)((?:\[[^\]]+\])*)\s*;")
 
 
-def _library(source: str, kernels: list[str], threaded: bool) -> ctypes.CDLL:
+def _library(source: str, threaded: list[str]) -> ctypes.CDLL:
+    """The candidate's source built for the CPU; `threaded`: its kernels' names where its blocks
+    run as threads (each gets a kf_grid_<name> entry), else empty."""
     if threaded:
         source = _SHARED.sub(lambda m: f"static {m[1]} {m[2]}{m[3]}; static const bool {m[2]}_kf_reg = "
                              f"kf_register(&{m[2]}, sizeof({m[2]}));", source)
     body = ("#define KF_TLS thread_local\n" if threaded else "#define KF_TLS\n") + SHIM + (THREADED if threaded else "") + \
         source.replace('extern "C" __global__', 'extern "C"') + "".join(
             f'\nextern "C" void kf_grid_{n}(void** p, unsigned gx, unsigned gy, unsigned nt) {{ kf_grid({n}, p, gx, gy, nt); }}'
-            for n in kernels)
+            for n in threaded)
     key = hashlib.sha256(body.encode()).hexdigest()[:16]
     d = Path(tempfile.gettempdir()) / "kforge_cuda_on_cpu"
     d.mkdir(exist_ok=True)
@@ -154,7 +152,7 @@ def _library(source: str, kernels: list[str], threaded: bool) -> ctypes.CDLL:
 def run(card, cand, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """The candidate's outputs for CPU `inputs` (NaN-poisoned first), after every launch."""
     barriers = "__syncthreads" in cand.source or "__shfl" in cand.source
-    lib = _library(cand.source, sorted({k.name for k in cand.plan.kernels}) if barriers else [], barriers)
+    lib = _library(cand.source, sorted({k.name for k in cand.plan.kernels}) if barriers else [])
     outs = [inputs[card.aliases[j]] if j in card.aliases else empty_like_meta(m, "cpu") for j, m in enumerate(card.outputs)]
     for j, o in enumerate(outs):
         if j not in card.aliases and o.is_floating_point():

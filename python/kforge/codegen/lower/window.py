@@ -93,7 +93,8 @@ def lower_window(prog: Program, knobs: dict) -> Built:
         nt = pts * cg
         ih, iw = _span(prog, th, tw)
         lead = {d: ceil_div(prog.domain[d], cg * v) if d == inner else prog.domain[d] for d in range(nd - 2)}
-        grid = (math.prod(lead.values()) * ceil_div(prog.domain[nd - 2], th) * ceil_div(prog.domain[nd - 1], tw),)
+        n_ty, n_tx = ceil_div(prog.domain[nd - 2], th), ceil_div(prog.domain[nd - 1], tw)  # tiles a plane
+        grid = (math.prod(lead.values()) * n_ty * n_tx,)
         ragged = inner is not None and prog.domain[inner] % (cg * v) != 0  # the last chunk of channels is partial
     else:
         nt, unroll = knobs["threads"], knobs["unroll"]
@@ -102,8 +103,8 @@ def lower_window(prog: Program, knobs: dict) -> Built:
     loaded = sorted({e.value[0] for e in w.operand.walk() if e.op == "load"})  # the rest: the epilogue's, over the domain
     if tiled:  # block b: tile column, tile row, then the leading dims in the output's memory order
         coords = [f"  {idx} e_ = blockIdx.x;",
-                  f"  const int tx_ = (int)(e_ % {ceil_div(prog.domain[nd - 1], tw)}); e_ /= {ceil_div(prog.domain[nd - 1], tw)};",
-                  f"  const int ty_ = (int)(e_ % {ceil_div(prog.domain[nd - 2], th)}); e_ /= {ceil_div(prog.domain[nd - 2], th)};"]
+                  f"  const int tx_ = (int)(e_ % {n_tx}); e_ /= {n_tx};",
+                  f"  const int ty_ = (int)(e_ % {n_ty}); e_ /= {n_ty};"]
         coords.append(f"  const int g_ = threadIdx.x % {cg}, p_ = threadIdx.x / {cg};" if inner is not None
                       else "  const int p_ = threadIdx.x;")  # channel group, output point of the tile
         coords += [f"  const {idx} c{d} = (e_ % {lead[d]}) * {cg * v} + g_ * {v}; e_ /= {lead[d]};" if d == inner
@@ -119,11 +120,9 @@ def lower_window(prog: Program, knobs: dict) -> Built:
              + " + ".join([f"c{d} * {prog.in_strides[i][d]}" for d in range(nd - k)] or ["0"]) + ");" for i in loaded]
     at = {i: " + ".join([f"(kf_idx)i{j} * {prog.in_strides[i][nd - k + j]}" for j in range(k)]) for i in loaded}
     along = {i: inner is not None and prog.in_strides[i][inner] == 1 for i in loaded}
-    window_loads = [f"const kf_vec<{CTYPE[prog.inputs[i].dtype]}, V> l{i} = "
-                    f"*reinterpret_cast<const kf_vec<{CTYPE[prog.inputs[i].dtype]}, V>*>(x{i} + {at[i]});"
-                    if along[i] else f"const {CTYPE[prog.inputs[i].dtype]} l{i} = x{i}[{at[i]}];" for i in loaded]
-    pe = Emitter("q", {}, lambda i, stored: f"l{i}.v[j]" if along[i] else f"l{i}")
-    xval = pe(w.operand)
+    # what a thread holds of each loaded input at a window point: a vector of V along the inner dim, or a value
+    held = {i: f"kf_vec<{CTYPE[prog.inputs[i].dtype]}, V>" if along[i] else CTYPE[prog.inputs[i].dtype] for i in loaded}
+    window_loads = [f"const {held[i]} l{i} = *reinterpret_cast<const {held[i]}*>(x{i} + {at[i]});" for i in loaded]
     outs = [" + ".join([f"c{d} * {st[d]}" for d in range(nd)]) for st in prog.out_strides]
     st = [f"st{c}" for c in range(len(st_types))]
     em = Emitter("p", {"ridx": "ri", "x": "xv"}, None)
@@ -154,6 +153,8 @@ def lower_window(prog: Program, knobs: dict) -> Built:
         at_point = f"(ly_ * {w.stride[0]} + k0 * {w.dilation[0]}) * {iw} + lx_ * {w.stride[1]} + k1 * {w.dilation[1]}"
         operand, value = [], [f"  const {CTYPE[dt]} xv = kf_tile[{tile_at(at_point)}];"]
     else:
+        pe = Emitter("q", {}, lambda i, stored: f"l{i}.v[j]" if along[i] else f"l{i}")
+        xval = pe(w.operand)
         operand, value = window_loads, [f"  {line}" for line in pe.lines] + [f"  const {CTYPE[dt]} xv = {xval};"]
     fold = [f"const kf_i64 ri = {flat};", "#pragma unroll", "for (int j = 0; j < V; ++j) {", *value,
             *[f"  {line}" for line in em.lines],
@@ -175,8 +176,6 @@ def lower_window(prog: Program, knobs: dict) -> Built:
         # an input read the same at every point (batch norm's parameters) once, then the prologue
         n_it = ceil_div(ih * iw, pts)
         once = [i for i in loaded if not any(prog.in_strides[i][nd - k:])]
-        ctype = {i: CTYPE[prog.inputs[i].dtype] for i in loaded}
-        held = {i: f"kf_vec<{ctype[i]}, V>" if along[i] else ctype[i] for i in loaded}
 
         def staged_load(i, stored):
             return f"l{i}{'' if i in once else '[u_]'}{'.v[j]' if along[i] else ''}"

@@ -169,9 +169,9 @@ def default(card: Card, hw: Hardware) -> Knobs:
     if prog.window is not None:
         tiles, w, ow = lower.window_tiles(prog), prog.window, prog.domain[-1]
         if tiles and "vec" not in tiles and ow >= 16 and any(kk * d > s for kk, d, s in zip(w.kernel, w.dilation, w.stride)):
-            # overlapping windows over NCHW planes (channels-last's tile is searched, not yet the
-            # default): each input point's prologue once, from a tile
-            # about as wide as the output row, ~256 threads
+            # overlapping windows over NCHW planes: each input point's prologue once, from a tile
+            # about as wide as the output row, ~256 threads (channels-last's tile is searched, not
+            # yet the default: no GPU has timed it)
             tw = pick(tiles["tw"], ow)
             return {"algo": "gen_window_tile", "th": pick(tiles["th"], 256 / tw), "tw": tw}
         vec = lower.window_vecs(prog)[-1]  # 16-byte accesses across channels where the layout allows
