@@ -498,6 +498,31 @@ def test_a_pooling_of_nchw_planes_stages_its_prologue_once_per_input_point(tmp_p
     assert generated.default(cl, H200)["algo"] == "gen_window"
 
 
+def test_a_3d_pooling_stages_one_plane_per_step_of_its_depth_window():
+    """3-D max pooling with indices (KernelBench's: 3x3x3, stride 2, padding 1, dilation 3): the
+    tile form stages the input plane of each depth step of the window (a step in the padding is
+    skipped by the whole block) and folds the plane's windows from shared memory; out-of-plane
+    threads stage but write nothing. Every setting, run on the CPU, gives eager's values and
+    indices (ties to the first, as eager's)."""
+    from codegen_cards import A, make_card, meta
+
+    card = make_card(A.max_pool3d_with_indices.default, meta(1, 2, 9, 11, 40), [3, 3, 3], [2, 2, 2], [1, 1, 1],
+                     [3, 3, 3])
+    prog = generated.program(card)
+    assert lower.window_tiles(prog) == {"th": (2, 4, 8, 16), "tw": (16, 32, 64)}
+    assert generated.default(card, H200) == {"algo": "gen_window_tile", "th": 16, "tw": 16}  # 4 x 18 outputs a plane
+    x = torch.randn(1, 2, 9, 11, 40)
+    x[0, 1, 4, 5, :10] = 3.0  # ties in a window: the first one's index
+    want = card.call_eager([x.clone()], "cpu")
+    for k in ({"th": 2, "tw": 16}, {"th": 4, "tw": 16}, {"th": 2, "tw": 32}):
+        cand = generated.build(card, {"algo": "gen_window_tile", **k}, H200)
+        assert compiler.compile(cand.source, arch="sm_90").cubin
+        assert "for (int k0 = 0; k0 < 3; ++k0)" in cand.source and "= kf_tile[" in cand.source
+        got = cuda_on_cpu.run(card, cand, [x])
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0, msg=lambda m: f"{k}: {m}")
+        assert torch.equal(got[1], want[1]), k
+
+
 def test_a_channels_last_pooling_stages_vectors_of_channels(tmp_path):
     """The stem as kforge.optimize runs it (channels-last): a staged point holds cg groups of vec
     channels, each loaded as one vector, the parameters one vector a thread; 12 channels in chunks

@@ -1,9 +1,10 @@
 """Windows (2-D and 3-D pooling, with a pointwise prologue and epilogue): `gen_window`, one
 thread per output point (or `vec` of them along channels-last's channels) folding its window
 straight from global memory, evaluating the prologue at every window point it visits; and
-`gen_window_tile` (2-D, the pooled dims innermost, as NCHW's), a block per tile of output
-points that first evaluates the prologue once per input point of the tile's window span into
-shared memory, then folds each output's window from there.
+`gen_window_tile`, a block per tile of output points of the last two pooled dims that first
+evaluates the prologue once per input point of the tile's window span into shared memory, then
+folds each output's window from there (3-D pooling: one input plane staged per step of the
+depth window, the steps' folds into the same state).
 
 A 3x3 stride-2 max pool visits each input point 2.25 times: with batch norm and relu before it
 (ResNet's stem) that is 2.25 evaluations of the prologue and 2.25 loads per input point (100 us
@@ -41,19 +42,21 @@ def window_vecs(prog: Program) -> tuple[int, ...]:
 
 
 def _span(prog: Program, th: int, tw: int) -> tuple[int, int]:
-    """The input rows and columns a th x tw tile of output points reads."""
+    """The input rows and columns (the last two pooled dims) a th x tw tile of output points reads."""
     w = prog.window
-    return tuple((t - 1) * s + (kk - 1) * d + 1 for t, s, kk, d in zip((th, tw), w.stride, w.kernel, w.dilation))
+    return tuple((t - 1) * s + (kk - 1) * d + 1
+                 for t, s, kk, d in zip((th, tw), w.stride[-2:], w.kernel[-2:], w.dilation[-2:]))
 
 
 def window_tiles(prog: Program) -> dict[str, tuple[int, ...]]:
     """gen_window_tile's knobs: tile rows (`th`) and columns (`tw`) of output points and, where the
     channels are innermost (channels-last), `vec` channels a thread and `cg` such groups a block
     (a staged point holds cg x vec channels); every setting's staged span within SMEM_MAX and 16
-    points a thread. Empty where the form does not apply: not a 2-D pooling, or neither the last
+    points a thread. A 3-D pooling tiles its last two pooled dims and stages one input plane per
+    step of its first. Empty where the form does not apply: a 1-D pooling, or neither the last
     pooled dim nor a vectorizable non-pooled dim innermost."""
     nd = len(prog.domain)
-    if len(prog.window.kernel) != 2:
+    if len(prog.window.kernel) not in (2, 3):
         return {}
     size = 8 if prog.window.operand.dtype in ("float64", "int64") else 4  # a half type's value is staged as float
 
@@ -137,12 +140,14 @@ def lower_window(prog: Program, knobs: dict) -> Built:
 
     epi = Emitter("e", {**{f"s{c}": f"{n}[j]" for c, n in enumerate(st)}, "count": "cnt"}, epi_load)
     res = [epi(e) for e in prog.results]
-    loops, pad = [], "  "
-    for i in pooled:  # one loop per pooled dim, outermost first; a point in the padding is skipped
+    ra, rb = k - 2, k - 1  # the tile form's pooled dims: rows and columns of its tile
+    loops, closing, pad = [], [], "    " if tiled else "  "
+    for i in (range(ra, k) if tiled else pooled):  # a loop per pooled dim, outermost first; a point in the padding is skipped
         loops += [f"#pragma unroll {unroll}",
                   f"{pad}for (int k{i} = 0; k{i} < {w.kernel[i]}; ++k{i}) {{",
                   f"{pad}  const int i{i} = o{i} * {w.stride[i]} - {w.padding[i]} + k{i} * {w.dilation[i]};",
                   f"{pad}  if (i{i} < 0 || i{i} >= N{i}) continue;"]
+        closing.insert(0, f"{pad}}}")
         pad += "  "
     flat = "(kf_i64)i0"
     for i in pooled[1:]:
@@ -150,7 +155,8 @@ def lower_window(prog: Program, knobs: dict) -> Built:
     def tile_at(point: str) -> str:  # the staged value of span point `point` (channel j of this thread's group)
         return point if inner is None else f"(({point}) * {cg} + g_) * V + j"
     if tiled:  # the operand at this window point, from the tile (row, column relative to its span)
-        at_point = f"(ly_ * {w.stride[0]} + k0 * {w.dilation[0]}) * {iw} + lx_ * {w.stride[1]} + k1 * {w.dilation[1]}"
+        at_point = (f"(ly_ * {w.stride[ra]} + k{ra} * {w.dilation[ra]}) * {iw} + lx_ * {w.stride[rb]} + k{rb} * "
+                    f"{w.dilation[rb]}")
         operand, value = [], [f"  const {CTYPE[dt]} xv = kf_tile[{tile_at(at_point)}];"]
     else:
         pe = Emitter("q", {}, lambda i, stored: f"l{i}.v[j]" if along[i] else f"l{i}")
@@ -160,7 +166,6 @@ def lower_window(prog: Program, knobs: dict) -> Built:
             *[f"  {line}" for line in em.lines],
             *[f"  {line}" for line in _merge_block(kind, dt, [f"{n}[j]" for n in st], lifted, "u")], "}"]
     inner_lines = [*operand, *fold]
-    closing = ["  " * (i + 1) + "}" for i in reversed(pooled)]
     cts = [CTYPE[om.dtype] for om in prog.outputs]
     stores = [*[f"  {ct} r{j}[V];" for j, ct in enumerate(cts)], "#pragma unroll", "  for (int j = 0; j < V; ++j) {",
               *[f"    {line}" for line in epi.lines],
@@ -182,49 +187,60 @@ def lower_window(prog: Program, knobs: dict) -> Built:
         spe = Emitter("q", {}, staged_load)
         sval = spe(w.operand)
         live = f" && c{inner} < {prog.domain[inner]}" if ragged else ""
-        stage = [f"  __shared__ {CTYPE[dt]} kf_tile[{ih * iw * cg * v}];",
-                 f"  const int y0_ = ty_ * {th} * {w.stride[0]} - {w.padding[0]}, "
-                 f"x0_ = tx_ * {tw} * {w.stride[1]} - {w.padding[1]};",
-                 # (a thread past the last channel of a partial chunk reads nothing)
-                 *[f"  const {held[i]} l{i} = {f'c{inner} >= {prog.domain[inner]} ? {held[i]}{{}} : ' if ragged else ''}"
-                   f"*reinterpret_cast<const {held[i]}*>(x{i});" for i in once],
-                 *[f"  {held[i]} l{i}[{n_it}];" for i in loaded if i not in once],
-                 f"  bool in_[{n_it}];",
-                 "#pragma unroll",
-                 f"  for (int u_ = 0; u_ < {n_it}; ++u_) {{",
-                 f"    const int t_ = p_ + u_ * {pts}, i0 = y0_ + t_ / {iw}, i1 = x0_ + t_ % {iw};",
-                 f"    in_[u_] = t_ < {ih * iw} && i0 >= 0 && i0 < N0 && i1 >= 0 && i1 < N1{live};",
-                 *[f"    if (in_[u_]) l{i}[u_] = *reinterpret_cast<const {held[i]}*>(x{i} + {at[i]});"
-                   for i in loaded if i not in once], "  }",
-                 "#pragma unroll",
-                 f"  for (int u_ = 0; u_ < {n_it}; ++u_) {{",
-                 "    if (!in_[u_]) continue;",
-                 "#pragma unroll",
-                 "    for (int j = 0; j < V; ++j) {",
-                 *[f"      {line}" for line in spe.lines],
-                 f"      kf_tile[{tile_at(f'p_ + u_ * {pts}')}] = {sval};", "    }", "  }",
-                 "  __syncthreads();",
-                 *([f"  if (c{inner} >= {prog.domain[inner]}) return;"] if ragged else []),
-                 f"  const int ly_ = p_ / {tw}, lx_ = p_ % {tw};",
-                 f"  const int o0 = ty_ * {th} + ly_, o1 = tx_ * {tw} + lx_;",
-                 f"  if (o0 >= {prog.domain[nd - 2]} || o1 >= {prog.domain[nd - 1]}) return;",
-                 f"  const {idx} c{nd - 2} = o0, c{nd - 1} = o1;"]
+        outer = range(ra)  # 3-D pooling's depth: a plane staged per step of its window
+        prelude = [f"  __shared__ {CTYPE[dt]} kf_tile[{ih * iw * cg * v}];",
+                   f"  const int y0_ = ty_ * {th} * {w.stride[ra]} - {w.padding[ra]}, "
+                   f"x0_ = tx_ * {tw} * {w.stride[rb]} - {w.padding[rb]};",
+                   # (a thread past the last channel of a partial chunk reads nothing)
+                   *[f"  const {held[i]} l{i} = {f'c{inner} >= {prog.domain[inner]} ? {held[i]}{{}} : ' if ragged else ''}"
+                     f"*reinterpret_cast<const {held[i]}*>(x{i});" for i in once],
+                   f"  const int ly_ = p_ / {tw}, lx_ = p_ % {tw};",
+                   *[f"  const int o{i} = (int)c{nd - k + i};" for i in outer],
+                   f"  const int o{ra} = ty_ * {th} + ly_, o{rb} = tx_ * {tw} + lx_;",
+                   # a thread past the plane's edge (or the channels) stages its share and meets the
+                   # barriers, but folds and writes nothing
+                   f"  const bool live_ = o{ra} < {prog.domain[nd - 2]} && o{rb} < {prog.domain[nd - 1]}"
+                   f"{f' && c{inner} < {prog.domain[inner]}' if ragged else ''};",
+                   f"  const {idx} c{nd - 2} = o{ra}, c{nd - 1} = o{rb};"]
+        staged = [*[f"  {held[i]} l{i}[{n_it}];" for i in loaded if i not in once],
+                  f"  bool in_[{n_it}];",
+                  "#pragma unroll",
+                  f"  for (int u_ = 0; u_ < {n_it}; ++u_) {{",
+                  f"    const int t_ = p_ + u_ * {pts}, i{ra} = y0_ + t_ / {iw}, i{rb} = x0_ + t_ % {iw};",
+                  f"    in_[u_] = t_ < {ih * iw} && i{ra} >= 0 && i{ra} < N{ra} && i{rb} >= 0 && i{rb} < N{rb}{live};",
+                  *[f"    if (in_[u_]) l{i}[u_] = *reinterpret_cast<const {held[i]}*>(x{i} + {at[i]});"
+                    for i in loaded if i not in once], "  }",
+                  "#pragma unroll",
+                  f"  for (int u_ = 0; u_ < {n_it}; ++u_) {{",
+                  "    if (!in_[u_]) continue;",
+                  "#pragma unroll",
+                  "    for (int j = 0; j < V; ++j) {",
+                  *[f"      {line}" for line in spe.lines],
+                  f"      kf_tile[{tile_at(f'p_ + u_ * {pts}')}] = {sval};", "    }", "  }",
+                  "  __syncthreads();",
+                  "  if (live_) {", *loops, *[f"{pad}{line}" for line in inner_lines], *closing, "  }"]
+        for i in reversed(outer):  # the plane of this step (the same for the whole block: the barriers hold)
+            staged = [f"  for (int k{i} = 0; k{i} < {w.kernel[i]}; ++k{i}) {{",
+                      f"  const int i{i} = o{i} * {w.stride[i]} - {w.padding[i]} + k{i} * {w.dilation[i]};",
+                      f"  if (i{i} < 0 || i{i} >= N{i}) continue;",
+                      "  __syncthreads();  // the last step's folds have read the tile",
+                      *staged, "  }"]
+        fold_all = [*staged, "  if (!live_) return;"]
     else:
-        stage = [f"  const int o{i} = (int)c{nd - k + i};" for i in pooled]
+        prelude = [f"  const int o{i} = (int)c{nd - k + i};" for i in pooled]
+        fold_all = [*loops, *[f"{pad}{line}" for line in inner_lines], *closing]
     body = [f"typedef {idx} kf_idx;",
             f"constexpr int NT = {nt}; constexpr int V = {v}; " + " ".join(f"constexpr int N{i} = {size[i]};" for i in pooled),
             f'extern "C" __global__ void __launch_bounds__(NT) kf_gen({", ".join(params)}) {{',
             *coords,
             *bases,
-            *stage,
+            *prelude,
             *[f"  {CTYPE[t]} {n}[V];" for n, t in zip(st, st_types)],
             "#pragma unroll",
             "  for (int j = 0; j < V; ++j) {",
             *[f"    {n}[j] = {_const(val)};" for n, val in zip(st, kind.identity_exprs(dt))],
             "  }",
-            *loops,
-            *[f"{pad}{line}" for line in inner_lines],
-            *closing,
+            *fold_all,
             # the window's extent along each dim, clipped to the padded input (eager's divisor)
             *[f"  const int lo{i} = o{i} * {w.stride[i]} - {w.padding[i]}, hi{i} = lo{i} + {w.kernel[i]} < N{i} + "
               f"{w.padding[i]} ? lo{i} + {w.kernel[i]} : N{i} + {w.padding[i]};" for i in pooled],
