@@ -159,8 +159,11 @@ def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
                 {"algo": ("gen_norm_split",), "threads": (128, 256, 512, 1024), "items": (1, 2, 4, 8),
                  "split": _splits(prog), "vec": lower.norm_vecs(prog)}] + ([coop] if coop else [])
     if prog.reduction is None:
-        return [{"algo": ("gen_flat",), "threads": (64, 128, 256, 512, 1024), "vec": lower.pointwise_vecs(prog),
-                 "items": (1, 2, 4, 8), "grid": ("exact", "stride")}]
+        flat = {"algo": ("gen_flat",), "threads": (64, 128, 256, 512, 1024), "vec": lower.pointwise_vecs(prog),
+                "items": (1, 2, 4, 8), "grid": ("exact", "stride")}
+        chunks = lower.stream_chunks(prog, hw.sm_count) if hw.cc >= 90 else ()
+        return [flat] + ([{"algo": ("gen_stream",), "threads": (128, 256, 512), "chunk": chunks,
+                           "stages": lower.STAGES}] if chunks else [])
     return _reduction_spaces(prog)
 
 
@@ -277,7 +280,8 @@ def build(card: Card, knobs: Knobs, hw: Hardware) -> Candidate:
                  lower.lower_norm_coop(prog, knobs, hw.sm_count) if knobs["algo"] == "gen_norm_coop"
                  else lower.lower_norm(prog, knobs))
     elif prog.reduction is None:
-        built = lower.lower_pointwise(prog, knobs, hw.sm_count)
+        built = (lower.lower_stream(prog, knobs, hw.sm_count, hw.max_threads_per_sm) if knobs["algo"] == "gen_stream"
+                 else lower.lower_pointwise(prog, knobs, hw.sm_count))
     elif knobs["algo"] == "gen_cols_block":
         built = lower.lower_cols_block(prog, knobs)
     else:
