@@ -134,6 +134,29 @@ def variants(card, hw, n: int) -> dict[str, Candidate]:
     return out
 
 
+def probe(shape, hw, variants_of) -> tuple[list[str], list]:
+    """The rows that ran correctly at `shape`: eager, torch's copy, then `variants_of(card, n)`."""
+    card = make_card(A.relu.default, meta(*shape))
+    x = torch.randn(*shape, device="cuda")
+    want = torch.relu(x)
+    y = torch.empty_like(x)
+    names, runs = ["eager relu", "torch copy_"], [lambda: torch.relu(x), lambda: y.copy_(x)]
+    for name, c in variants_of(card, x.numel()).items():
+        try:
+            r = Runner(card, c, [x])
+            r.outputs[0].fill_(float("nan"))
+            r()
+            torch.cuda.synchronize()
+            if name != "copy" and not torch.equal(r.outputs[0], want):
+                print(f"{name}: WRONG ({(r.outputs[0] != want).sum().item()} elements differ)")
+                continue
+            names.append(name)
+            runs.append(r)
+        except Exception as e:  # noqa: BLE001 - a probe reports what failed and goes on
+            print(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    return names, runs
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "probe_stream_h200.json"))
@@ -142,39 +165,24 @@ def main(argv=None) -> int:
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     hw = current()
-    card = make_card(A.relu.default, meta(*SHAPE))
-    x = torch.randn(*SHAPE, device="cuda")
-    want = torch.relu(x)
-    names, runs = ["eager relu", "torch copy_"], []
-    y = torch.empty_like(x)
-    runs += [lambda: torch.relu(x), lambda: y.copy_(x)]
-    for name, c in variants(card, hw, x.numel()).items():
-        try:
-            r = Runner(card, c, [x])
-            r.outputs[0].fill_(float("nan"))
-            r()
-            torch.cuda.synchronize()
-            ok = name == "copy" or torch.equal(r.outputs[0], want)
-            if not ok:
-                print(f"{name}: WRONG ({(r.outputs[0] != want).sum().item()} elements differ)")
-                continue
-            names.append(name)
-            runs.append(r)
-        except Exception as e:  # noqa: BLE001 - a probe reports what failed and goes on
-            print(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
     rows = []
-    for rep in range(2):  # twice: the second pass shows how much the first moved
-        flushed = timing.time_fns(runs, min_reps=50, min_ms=50.0)
-        called = timing.time_as_called([(contextlib.nullcontext, f) for f in runs])
-        for nm, f, c in zip(names, flushed, called):
-            rows.append({"pass": rep, "name": nm, "flushed_us": f.median, "flushed_iqr_us": f.iqr,
-                         "as_called_us": c.median, "as_called_iqr_us": c.iqr})
-            print(f"pass {rep} {nm:>22}: flushed {f.median:7.2f} (iqr {f.iqr:5.2f})  as called {c.median:7.2f} "
-                  f"(iqr {c.iqr:5.2f})")
-    out = Path(opts.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                               "floor_us": hw.floor_us(2 * x.numel() * 4), "rows": rows}, indent=1))
+    # KernelBench's size with every variant; then 4 and 16 MB with the generator's forms only
+    small = lambda card, n: {k: v for k, v in variants(card, hw, n).items() if k.startswith("gen")}  # noqa: E731
+    for shape, variants_of in ((SHAPE, lambda card, n: variants(card, hw, n)), ((4, 262144), small), ((16, 262144), small)):
+        names, runs = probe(shape, hw, variants_of)
+        for rep in range(2):  # twice: the second pass shows how much the first moved
+            flushed = timing.time_fns(runs, min_reps=50, min_ms=50.0)
+            called = timing.time_as_called([(contextlib.nullcontext, f) for f in runs])
+            for nm, f, c in zip(names, flushed, called):
+                rows.append({"shape": list(shape), "pass": rep, "name": nm, "flushed_us": f.median,
+                             "flushed_iqr_us": f.iqr, "as_called_us": c.median, "as_called_iqr_us": c.iqr,
+                             "floor_us": hw.floor_us(2 * 4 * shape[0] * shape[1])})
+                print(f"{shape} pass {rep} {nm:>24}: flushed {f.median:7.2f} (iqr {f.iqr:5.2f})  as called "
+                      f"{c.median:7.2f} (iqr {c.iqr:5.2f})")
+        out = Path(opts.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows},
+                                  indent=1))
     return 0
 
 
