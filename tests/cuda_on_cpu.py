@@ -33,7 +33,6 @@ SHIM = r"""
 #define __restrict__
 #define __launch_bounds__(n)
 #define __shared__ static
-#define __align__(n) __attribute__((aligned(n)))
 struct kf_dim3 { unsigned x = 0, y = 0, z = 0; };
 static KF_TLS kf_dim3 threadIdx;  // thread_local where a block's threads run at once
 static kf_dim3 blockIdx, gridDim, blockDim;
@@ -55,9 +54,7 @@ using std::isnan; using std::isinf; using std::signbit;
 # thread headers alone cost about 0.8 s of g++ a kernel, so the others go without them.
 THREADED = r"""
 #include <algorithm>
-#include <atomic>
 #include <barrier>
-#include <chrono>
 #include <memory>
 #include <thread>
 #include <utility>
@@ -97,36 +94,6 @@ template <class T> T __shfl_sync(unsigned, T v, int src, int w = 32) {
   const unsigned lane = threadIdx.x % 32;
   return kf_exchange(v, threadIdx.x - lane + (lane / w) * w + src % w);
 }
-// Hopper's bulk copies (codegen's gen_stream) as the emulator runs them: a copy happens when it is
-// issued; a stage's mbarrier holds the bytes it still expects (high half) and its completed phases
-// (low half), and a phase completes when the last expected byte has arrived.
-#define KF_EMULATED_BULK
-inline void kf_mbar_init(unsigned long long* b) { std::atomic_ref<unsigned long long>(*b).store(0); }
-inline void kf_mbar_expect(unsigned long long* b, unsigned n) {
-  std::atomic_ref<unsigned long long>(*b).fetch_add((unsigned long long)n << 32);
-}
-inline void kf_bulk_load(void* d, const void* s, unsigned n, unsigned long long* b) {
-  std::memcpy(d, s, n);
-  std::atomic_ref<unsigned long long> a(*b);
-  if ((a.fetch_sub((unsigned long long)n << 32) >> 32) == n) a.fetch_add(1);
-}
-// A phase that never completes (a stage refilled in the wrong place) would hang the test: after
-// two seconds the wait gives up, and run() reports the kernel as hung.
-static std::atomic<bool> kf_hung{false};
-extern "C" bool kf_was_hung() { return kf_hung.exchange(false); }
-inline void kf_mbar_wait(unsigned long long* b, unsigned parity) {
-  std::atomic_ref<unsigned long long> a(*b);
-  const auto t0 = std::chrono::steady_clock::now();
-  while ((a.load() & 1) == parity) {
-    if (kf_hung || std::chrono::steady_clock::now() - t0 > std::chrono::seconds(2)) { kf_hung = true; return; }
-    std::this_thread::yield();
-  }
-}
-inline void kf_bulk_store(void* d, const void* s, unsigned n) { std::memcpy(d, s, n); }
-inline void kf_bulk_commit() {}
-inline void kf_bulk_read_but_last() {}
-inline void kf_bulk_done() {}
-inline void kf_async_fence() {}
 template <class... A, std::size_t... I>
 void kf_call(void (*f)(A...), void** p, std::index_sequence<I...>) { f(static_cast<A>(p[I])...); }
 template <class... A>  // every block in turn, its threads at once (kernel parameters are all pointers)
@@ -157,16 +124,12 @@ void kf_grid(void (*f)(A...), void** p, unsigned gx, unsigned gy, unsigned nt) {
 
 # a __shared__ declaration (scalar or array): registered where it is declared, to be poisoned
 _SHARED = re.compile(r"__shared__\s+([^;]*?)\s+(\w+)((?:\[[^\]]+\])*)\s*;")
-# dynamic shared memory (extern, unsized): given the plan's size
-_DYNAMIC = re.compile(r"extern\s+__shared__\s+([^;]*?)\s+(\w+)\[\]\s*;")
 
 
-def _library(source: str, threaded: list[str], smem: int = 0) -> ctypes.CDLL:
+def _library(source: str, threaded: list[str]) -> ctypes.CDLL:
     """The candidate's source built for the CPU; `threaded`: its kernels' names where its blocks
-    run as threads (each gets a kf_grid_<name> entry), else empty; `smem`: the bytes of its
-    dynamic shared memory."""
+    run as threads (each gets a kf_grid_<name> entry), else empty."""
     if threaded:
-        source = _DYNAMIC.sub(lambda m: f"__shared__ {m[1]} {m[2]}[{max(smem, 1)}];", source)
         source = _SHARED.sub(lambda m: f"static {m[1]} {m[2]}{m[3]}; static const bool {m[2]}_kf_reg = "
                              f"kf_register(&{m[2]}, sizeof({m[2]}));", source)
     body = ("#define KF_TLS thread_local\n" if threaded else "#define KF_TLS\n") + SHIM + (THREADED if threaded else "") + \
@@ -189,8 +152,7 @@ def _library(source: str, threaded: list[str], smem: int = 0) -> ctypes.CDLL:
 def run(card, cand, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """The candidate's outputs for CPU `inputs` (NaN-poisoned first), after every launch."""
     barriers = "__syncthreads" in cand.source or "__shfl" in cand.source
-    lib = _library(cand.source, sorted({k.name for k in cand.plan.kernels}) if barriers else [],
-                   max(k.smem for k in cand.plan.kernels))
+    lib = _library(cand.source, sorted({k.name for k in cand.plan.kernels}) if barriers else [])
     outs = [inputs[card.aliases[j]] if j in card.aliases else empty_like_meta(m, "cpu") for j, m in enumerate(card.outputs)]
     for j, o in enumerate(outs):
         if j not in card.aliases and o.is_floating_point():
@@ -207,9 +169,6 @@ def run(card, cand, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
             ptrs.append(ctypes.c_void_p(t.data_ptr()))
         if barriers:
             getattr(lib, f"kf_grid_{k.name}")((ctypes.c_void_p * len(ptrs))(*ptrs), k.grid[0], k.grid[1], k.block[0])
-            lib.kf_was_hung.restype = ctypes.c_bool
-            if lib.kf_was_hung():
-                raise RuntimeError(f"{cand.knobs}: {k.name} waited on a stage barrier whose phase never completed")
             continue
         for by in range(k.grid[1]):
             for bx in range(k.grid[0]):

@@ -824,50 +824,6 @@ def test_generated_c_runs_on_the_cpu_like_eager(name):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"{knobs}: {m}")
 
 
-STREAM = {  # flat contiguous cards of 13 chunks of 1024 and a tail of 37
-    "relu": lambda n: make_card(A.relu.default, meta(n)),
-    "add float and int": lambda n: make_card(A.add.Tensor, meta(n), meta(n, dtype=I32), alpha=2),
-    "mul by a 0-dim tensor": lambda n: make_card(A.mul.Tensor, meta(n), meta()),
-    "add_ in place": lambda n: make_card(A.add_.Tensor, meta(n), meta(n)),
-    "where bool": lambda n: make_card(A.where.self, meta(n, dtype=torch.bool), meta(n), meta(n)),
-}
-
-
-@pytest.mark.parametrize("name", sorted(STREAM))
-def test_bulk_copy_streaming_runs_on_the_cpu_like_eager(name):
-    """gen_stream (chunks through the bulk copy engine and shared-memory stages, sm_90): with the
-    emulator's copies and stage barriers, every stage count walks the chunks of a persistent
-    grid and the last block's tail from global memory, and gives eager's outputs; the form is
-    offered where every chunk of every tensor is contiguous and 16-byte aligned."""
-    import cuda_on_cpu
-
-    from dataclasses import replace
-
-    card = STREAM[name](13 * 1024 + 37)
-    assert all(s["algo"] != ("gen_stream",) for s in generated.spaces(card, H200))  # 13 chunks: fewer than the SMs
-    one_sm = replace(H200, sm_count=1)  # a grid of a few blocks, each walking several chunks
-    for stages in (2, 3, 4):
-        knobs = {"algo": "gen_stream", "threads": 512, "chunk": 1024, "stages": stages}
-        cand = generated.build(card, knobs, one_sm)
-        assert cand.plan.kernels[0].grid[0] == 4 and cand.plan.kernels[0].smem % 1024 == 0
-        if stages == 2:
-            assert compiler.compile(cand.source, arch="sm_90").cubin
-        inputs = card.random_inputs(stages, "cpu")
-        want = card.call_eager([t.clone() for t in inputs], "cpu")
-        got = cuda_on_cpu.run(card, cand, inputs)
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6, msg=lambda m: f"{knobs}: {m}")
-
-
-def test_bulk_copy_streaming_is_offered_only_over_whole_aligned_chunks():
-    n = 132 * 8192
-    assert generated.spaces(make_card(A.relu.default, meta(n)), H200)[-1] == {
-        "algo": ("gen_stream",), "threads": (128, 256, 512), "chunk": (1024, 2048, 4096), "stages": (2, 3, 4)}
-    for card in (make_card(A.add.Tensor, meta(n // 1024, 1024), meta(1024)),  # a broadcast row: not one flat layout
-                 make_card(A.relu.default, meta(n), align=4)):  # a pointer 4-byte aligned: chunks not 16-byte aligned
-        assert all(s["algo"] != ("gen_stream",) for s in generated.spaces(card, H200)), card.summary()
-
-
 def test_pooling_of_integer_tensors_is_declined_since_eager_cuda_cannot_check_it():
     card = make_card(torch.ops.aten.max_pool2d_with_indices.default, meta(2, 5, 17, 13, dtype=torch.int32),
                      [3, 3], [2, 2], [1, 1], [2, 2], True)

@@ -76,10 +76,10 @@ POINTWISE = {
     "eq_int_to_bool": lambda: make_card(A.eq.Tensor, meta(6, 40, dtype=I32), meta(6, 40, dtype=I32)),
     "abs_int8": lambda: make_card(A.abs.default, meta(1000, dtype=torch.int8)),
     "to_copy_int_to_f16": lambda: make_card(A._to_copy.default, meta(64, 33, dtype=I32), dtype=F16),
-    # flat contiguous runs long enough for gen_stream (bulk copies), with tails past the last chunk
-    "mul_bf16_stream_tail": lambda: make_card(A.mul.Tensor, meta(600037, dtype=BF16), meta(600037, dtype=BF16)),
-    "add_inplace_stream": lambda: make_card(A.add_.Tensor, meta(1 << 20), meta(1 << 20)),
-    "where_bool_stream_scalar": lambda: make_card(A.where.self, meta(1 << 20, dtype=BOOL), meta(1 << 20), meta()),
+    # long flat runs with a tail past the last whole vector, in place, a bool condition and a broadcast value
+    "mul_bf16_odd_long": lambda: make_card(A.mul.Tensor, meta(600037, dtype=BF16), meta(600037, dtype=BF16)),
+    "add_inplace_long": lambda: make_card(A.add_.Tensor, meta(1 << 20), meta(1 << 20)),
+    "where_bool_broadcast_value": lambda: make_card(A.where.self, meta(1 << 20, dtype=BOOL), meta(1 << 20), meta()),
     "one_element": lambda: make_card(A.sigmoid.default, meta(1)),
     "zero_dim": lambda: make_card(A.exp.default, meta()),
 }

@@ -8,9 +8,7 @@ Shapes and strides are compile-time constants, so the index arithmetic folds.
 
 Pointwise (`algo` "flat"): each thread handles `items` vectors of `vec` elements, loads
 issued for all items before any math (16-byte accesses where a tensor is contiguous along
-the inner dim), values computed in the compute dtype and rounded once on store. `algo`
-"gen_stream" (flat contiguous tensors, sm_90+): chunks moved by the bulk copy engine through
-shared-memory stages, a persistent grid (stream.py).
+the inner dim), values computed in the compute dtype and rounded once on store.
 
 Reduction: a group of `lanes` threads folds each output's reduced elements (`items` loads
 of `vec` consecutive elements in flight per thread), merges through warp shuffles and, for groups wider than a warp,
@@ -39,9 +37,8 @@ from .pointwise import lower_pointwise, pointwise_vecs
 from .norm import coop_split, lower_norm, lower_norm_coop, lower_norm_split, norm_staging, norm_vecs
 from .reduce import cols_block_vecs, lower_cols_block, lower_reduction, reduced_is_inner, reduction_layout, reduction_vecs
 from .scan import lower_scan, lower_scan_block, scan_is_inner
-from .stream import STAGES, lower_stream, stream_chunks
 from .window import lower_window, window_tiles, window_vecs
 
-__all__ = ["cols_block_vecs", "coop_split", "lower_cols_block", "lower_norm", "lower_norm_coop", "lower_norm_split", "lower_pointwise", "lower_reduction", "lower_scan", "lower_scan_block", "lower_stream", "STAGES", "stream_chunks",
+__all__ = ["cols_block_vecs", "coop_split", "lower_cols_block", "lower_norm", "lower_norm_coop", "lower_norm_split", "lower_pointwise", "lower_reduction", "lower_scan", "lower_scan_block",
            "lower_window", "norm_staging", "norm_vecs", "pointwise_vecs", "reduced_is_inner", "reduction_layout",
            "reduction_vecs", "scan_is_inner", "window_tiles", "window_vecs"]

@@ -218,14 +218,16 @@ def lower_window(prog: Program, knobs: dict) -> Built:
                   *[f"      {line}" for line in spe.lines],
                   f"      kf_tile[{tile_at(f'p_ + u_ * {pts}')}] = {sval};", "    }", "  }",
                   "  __syncthreads();",
-                  "  if (live_) {", *loops, *[f"{pad}{line}" for line in inner_lines], *closing, "  }"]
+                  # with no depth steps to come a thread with no output leaves (the form measured on the H100)
+                  *(["  if (live_) {", *loops, *[f"{pad}{line}" for line in inner_lines], *closing, "  }"] if ra else
+                    ["  if (!live_) return;", *loops, *[f"{pad}{line}" for line in inner_lines], *closing])]
         for i in reversed(outer):  # the plane of this step (the same for the whole block: the barriers hold)
             staged = [f"  for (int k{i} = 0; k{i} < {w.kernel[i]}; ++k{i}) {{",
                       f"  const int i{i} = o{i} * {w.stride[i]} - {w.padding[i]} + k{i} * {w.dilation[i]};",
                       f"  if (i{i} < 0 || i{i} >= N{i}) continue;",
                       "  __syncthreads();  // the last step's folds have read the tile",
                       *staged, "  }"]
-        fold_all = [*staged, "  if (!live_) return;"]
+        fold_all = [*staged, "  if (!live_) return;"] if ra else staged
     else:
         prelude = [f"  const int o{i} = (int)c{nd - k + i};" for i in pooled]
         fold_all = [*loops, *[f"{pad}{line}" for line in inner_lines], *closing]

@@ -159,11 +159,8 @@ def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
                 {"algo": ("gen_norm_split",), "threads": (128, 256, 512, 1024), "items": (1, 2, 4, 8),
                  "split": _splits(prog), "vec": lower.norm_vecs(prog)}] + ([coop] if coop else [])
     if prog.reduction is None:
-        flat = {"algo": ("gen_flat",), "threads": (64, 128, 256, 512, 1024), "vec": lower.pointwise_vecs(prog),
-                "items": (1, 2, 4, 8), "grid": ("exact", "stride")}
-        chunks = lower.stream_chunks(prog, hw.sm_count) if hw.cc >= 90 else ()
-        return [flat] + ([{"algo": ("gen_stream",), "threads": (128, 256, 512), "chunk": chunks,
-                           "stages": lower.STAGES}] if chunks else [])
+        return [{"algo": ("gen_flat",), "threads": (64, 128, 256, 512, 1024), "vec": lower.pointwise_vecs(prog),
+                 "items": (1, 2, 4, 8), "grid": ("exact", "stride")}]
     return _reduction_spaces(prog)
 
 
@@ -171,10 +168,18 @@ def default(card: Card, hw: Hardware) -> Knobs:
     prog = program(card)
     if prog.window is not None:
         tiles, w, ow = lower.window_tiles(prog), prog.window, prog.domain[-1]
-        if tiles and "vec" not in tiles and ow >= 16 and any(kk * d > s for kk, d, s in zip(w.kernel, w.dilation, w.stride)):
-            # overlapping windows over NCHW planes: each input point's prologue once, from a tile
-            # about as wide as the output row, ~256 threads (channels-last's tile is searched, not
-            # yet the default: no GPU has timed it)
+        overlap = any(kk * d > s for kk, d, s in zip(w.kernel, w.dilation, w.stride))
+        if tiles and len(w.kernel) == 2 and overlap and "vec" in tiles:
+            # channels-last: 4 x 8 points of up to 8 x 8 channels a block, each input point's
+            # prologue once. ResNet's stem (bn -> relu -> max pool, 32x64x112x112 bf16) on the
+            # H100: 45 us, one thread an output 64, torch.compile 67 (bench_norms.py)
+            vec = tiles["vec"][-1]
+            return {"algo": "gen_window_tile", "th": tiles["th"][-1], "tw": tiles["tw"][-1],
+                    "cg": pick(tiles["cg"], prog.domain[len(prog.domain) - 3] / vec), "vec": vec}
+        if tiles and len(w.kernel) == 2 and overlap and ow >= 16:
+            # NCHW planes: a tile about as wide as the output row, ~256 threads. 3-D pooling's
+            # tile (a plane staged per depth step) is searched, not the default: KernelBench's
+            # dilated 3x3x3 pool reuses too little of a plane to beat one thread an output
             tw = pick(tiles["tw"], ow)
             return {"algo": "gen_window_tile", "th": pick(tiles["th"], 256 / tw), "tw": tw}
         vec = lower.window_vecs(prog)[-1]  # 16-byte accesses across channels where the layout allows
@@ -280,8 +285,7 @@ def build(card: Card, knobs: Knobs, hw: Hardware) -> Candidate:
                  lower.lower_norm_coop(prog, knobs, hw.sm_count) if knobs["algo"] == "gen_norm_coop"
                  else lower.lower_norm(prog, knobs))
     elif prog.reduction is None:
-        built = (lower.lower_stream(prog, knobs, hw.sm_count, hw.max_threads_per_sm) if knobs["algo"] == "gen_stream"
-                 else lower.lower_pointwise(prog, knobs, hw.sm_count))
+        built = lower.lower_pointwise(prog, knobs, hw.sm_count)
     elif knobs["algo"] == "gen_cols_block":
         built = lower.lower_cols_block(prog, knobs)
     else:
