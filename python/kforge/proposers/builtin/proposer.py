@@ -8,11 +8,11 @@ from __future__ import annotations
 from ...cards import Card
 from ...errors import ProposerError
 from ..base import Proposal, ProposalContext, Proposer, Tried
-from . import batch_norm, generated, group_norm, layer_norm, pointwise, pooling, rms_norm, softmax, space
+from . import batch_norm, generated, group_norm, layer_norm, pooling, rms_norm, softmax, space
 from .template import Knobs, KnobSpace, Template
 
-TEMPLATES: tuple[Template, ...] = tuple(m.TEMPLATE for m in (pointwise, softmax, layer_norm, rms_norm, group_norm,
-                                                               batch_norm, pooling, generated))
+TEMPLATES: tuple[Template, ...] = tuple(m.TEMPLATE for m in (softmax, layer_norm, rms_norm, group_norm, batch_norm,
+                                                               pooling, generated))
 TIER_WEIGHTS = {1: 4.0, 2: 2.0, 3: 1.0}  # small moves are tried more often than algorithm switches
 
 
