@@ -2,6 +2,8 @@
 # Everything GPU-side in one device call: install, the GPU tests, then the benchmarks, each
 # step under its own time limit so one slow step cannot starve the rest. Results go to $OUT.
 #   bash bench/gpu_suite.sh            (on the GPU machine, from the repo root)
+# KFORGE_COMMIT=<sha> names the commit the results record where the machine's copy of the tree
+# carries an older .git (bench/provenance.py).
 # Two lanes of items (LANE_A, LANE_B; names in `lane` below). With two GPUs the lanes run at
 # the same time, one GPU each; with one GPU, one after the other. Sizing: T_TESTS, T_BUILTIN,
 # T_MODEL (per model; T_<name> for one), T_DISPATCH seconds; BUDGET (candidates per built-in card), ITERS

@@ -361,3 +361,20 @@ def test_a_result_measured_on_a_changed_tree_says_so(tmp_path):
     text = scoreboard.render(tmp_path)
     assert "commit abc1234 with 3 tracked files changed since it; `python x`" in text
     assert text.count("commit abc1234; `python x`") == 1  # the clean one
+
+
+def test_the_commit_sent_to_a_device_is_recorded_over_its_older_git(tmp_path, monkeypatch):
+    """A device's copy of the tree may carry an older .git: KFORGE_COMMIT, set in the command
+    that runs there, is the commit recorded, and the local count of changed files is dropped."""
+    import shutil
+    import subprocess
+
+    import provenance
+
+    if shutil.which("git") is None:
+        pytest.skip("needs git")
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    monkeypatch.setenv("KFORGE_COMMIT", "5495318")
+    assert provenance.commit(tmp_path) == "5495318" and provenance.uncommitted(tmp_path) is None
+    monkeypatch.delenv("KFORGE_COMMIT")
+    assert provenance.uncommitted(tmp_path) == 0
