@@ -131,9 +131,11 @@ def region_rows(only, budget: int, with_compile: bool) -> list[dict]:
             fns = [lambda: card.call_eager(ins, "cuda")]
             if best is not None:
                 fns.append(bench_builtin.Runner(card, best, [faithful_clone(t) for t in ins]))
-            if with_compile:
+            if with_compile:  # compiled afresh and warmed in the grad mode it is timed in: a grad-mode
+                torch._dynamo.reset()  # guard miss each call, over the cases, hit dynamo's recompile limit and ran eager
                 compiled = torch.compile(bench_regions.region_fn(card))
-                compiled(*ins)
+                with torch.no_grad():
+                    compiled(*ins)
                 fns.append(lambda: compiled(*ins))
             with torch.no_grad():
                 ms = timing.time_fns(fns, device=torch.device("cuda"))
