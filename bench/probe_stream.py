@@ -36,6 +36,7 @@ from kforge import timing  # noqa: E402
 from kforge.candidate import Candidate, KernelLaunch, LaunchPlan  # noqa: E402
 from kforge.hardware import current  # noqa: E402
 from kforge.proposers.builtin import generated  # noqa: E402
+from provenance import provenance  # noqa: E402
 
 SHAPE = (64, 393216)
 
@@ -181,8 +182,7 @@ def main(argv=None) -> int:
                       f"{c.median:7.2f} (iqr {c.iqr:5.2f})")
         out = Path(opts.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows},
-                                  indent=1))
+        out.write_text(json.dumps({**provenance(), "rows": rows}, indent=1))
     return 0
 
 

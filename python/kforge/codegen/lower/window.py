@@ -165,7 +165,7 @@ def lower_window(prog: Program, knobs: dict) -> Built:
     fold = [f"const kf_i64 ri = {flat};", "#pragma unroll", "for (int j = 0; j < V; ++j) {", *value,
             *[f"  {line}" for line in em.lines],
             *[f"  {line}" for line in _merge_block(kind, dt, [f"{n}[j]" for n in st], lifted, "u")], "}"]
-    inner_lines = [*operand, *fold]
+    folds = [*loops, *[f"{pad}{line}" for line in [*operand, *fold]], *closing]  # every window point of this output
     cts = [CTYPE[om.dtype] for om in prog.outputs]
     stores = [*[f"  {ct} r{j}[V];" for j, ct in enumerate(cts)], "#pragma unroll", "  for (int j = 0; j < V; ++j) {",
               *[f"    {line}" for line in epi.lines],
@@ -219,8 +219,7 @@ def lower_window(prog: Program, knobs: dict) -> Built:
                   f"      kf_tile[{tile_at(f'p_ + u_ * {pts}')}] = {sval};", "    }", "  }",
                   "  __syncthreads();",
                   # with no depth steps to come a thread with no output leaves (the form measured on the H100)
-                  *(["  if (live_) {", *loops, *[f"{pad}{line}" for line in inner_lines], *closing, "  }"] if ra else
-                    ["  if (!live_) return;", *loops, *[f"{pad}{line}" for line in inner_lines], *closing])]
+                  *(["  if (live_) {", *folds, "  }"] if ra else ["  if (!live_) return;", *folds])]
         for i in reversed(outer):  # the plane of this step (the same for the whole block: the barriers hold)
             staged = [f"  for (int k{i} = 0; k{i} < {w.kernel[i]}; ++k{i}) {{",
                       f"  const int i{i} = o{i} * {w.stride[i]} - {w.padding[i]} + k{i} * {w.dilation[i]};",
@@ -230,7 +229,7 @@ def lower_window(prog: Program, knobs: dict) -> Built:
         fold_all = [*staged, "  if (!live_) return;"] if ra else staged
     else:
         prelude = [f"  const int o{i} = (int)c{nd - k + i};" for i in pooled]
-        fold_all = [*loops, *[f"{pad}{line}" for line in inner_lines], *closing]
+        fold_all = folds
     body = [f"typedef {idx} kf_idx;",
             f"constexpr int NT = {nt}; constexpr int V = {v}; " + " ".join(f"constexpr int N{i} = {size[i]};" for i in pooled),
             f'extern "C" __global__ void __launch_bounds__(NT) kf_gen({", ".join(params)}) {{',

@@ -168,20 +168,20 @@ def default(card: Card, hw: Hardware) -> Knobs:
     prog = program(card)
     if prog.window is not None:
         tiles, w, ow = lower.window_tiles(prog), prog.window, prog.domain[-1]
-        overlap = any(kk * d > s for kk, d, s in zip(w.kernel, w.dilation, w.stride))
-        if tiles and len(w.kernel) == 2 and overlap and "vec" in tiles:
-            # channels-last: 4 x 8 points of up to 8 x 8 channels a block, each input point's
-            # prologue once. ResNet's stem (bn -> relu -> max pool, 32x64x112x112 bf16) on the
-            # H100: 45 us, one thread an output 64, torch.compile 67 (bench_norms.py)
-            vec = tiles["vec"][-1]
-            return {"algo": "gen_window_tile", "th": tiles["th"][-1], "tw": tiles["tw"][-1],
-                    "cg": pick(tiles["cg"], prog.domain[len(prog.domain) - 3] / vec), "vec": vec}
-        if tiles and len(w.kernel) == 2 and overlap and ow >= 16:
-            # NCHW planes: a tile about as wide as the output row, ~256 threads. 3-D pooling's
-            # tile (a plane staged per depth step) is searched, not the default: KernelBench's
-            # dilated 3x3x3 pool reuses too little of a plane to beat one thread an output
-            tw = pick(tiles["tw"], ow)
-            return {"algo": "gen_window_tile", "th": pick(tiles["th"], 256 / tw), "tw": tw}
+        # Overlapping 2-D windows take the tile: each input point's prologue once. 3-D pooling's
+        # tile (a plane staged per depth step) is searched, not the default: KernelBench's dilated
+        # 3x3x3 pool reuses too little of a plane to beat one thread an output.
+        if tiles and len(w.kernel) == 2 and any(kk * d > s for kk, d, s in zip(w.kernel, w.dilation, w.stride)):
+            if "vec" in tiles:
+                # channels-last: 4 x 8 points of up to 8 x 8 channels a block. ResNet's stem (bn ->
+                # relu -> max pool, 32x64x112x112 bf16) on the H100: 45 us, one thread an output 64,
+                # torch.compile 67 (bench_norms.py)
+                vec = tiles["vec"][-1]
+                return {"algo": "gen_window_tile", "th": tiles["th"][-1], "tw": tiles["tw"][-1],
+                        "cg": pick(tiles["cg"], prog.domain[len(prog.domain) - 3] / vec), "vec": vec}
+            if ow >= 16:  # NCHW planes: a tile about as wide as the output row, ~256 threads
+                tw = pick(tiles["tw"], ow)
+                return {"algo": "gen_window_tile", "th": pick(tiles["th"], 256 / tw), "tw": tw}
         vec = lower.window_vecs(prog)[-1]  # 16-byte accesses across channels where the layout allows
         return {"algo": "gen_window", "threads": 256 if card.outputs[0].numel // vec >= 256 * 2 * hw.sm_count else 128,
                 "unroll": 2, "vec": vec}
