@@ -498,7 +498,9 @@ def test_contiguous_lines_get_a_parallel_block_scan_that_compiles_for_every_sett
     prog.scan = dataclasses.replace(prog.scan, reverse=reverse, exclusive=exclusive)
     generated._PROGRAMS[card.id] = prog
     try:
+        # 2 elements a thread: more make each warp's accesses strided (KernelBench's scans, H100)
         assert generated.default(card, H200)["algo"] == "gen_scan_block"
+        assert generated.default(card, H200)["items"] == 2
         (space,) = [s for s in generated.spaces(card, H200) if s["algo"] == ("gen_scan_block",)]
         for knobs in knob_space.configs(space)[::3]:
             cand = generated.build(card, knobs, H200)

@@ -147,6 +147,13 @@ class LogSumExpOfOnePlus(nn.Module):
         return torch.logsumexp(m, dim=1, keepdim=True) * 2 + x
 
 
+class MaskedCumsum(nn.Module):
+    """KernelBench level 1's masked cumsum: the product is the scan's prologue, one kernel."""
+
+    def forward(self, x, mask):
+        return torch.cumsum(x * mask, dim=1)
+
+
 class Pool1dThenGelu(nn.Module):
     """KernelBench level 2's Matmul_AvgPool_GELU_Scale_Max after its matmul: avg_pool1d is an
     unsqueeze, a 2-D pooling and a squeeze, and the GELU and scale follow the squeeze."""
@@ -276,6 +283,7 @@ CASES = {
     "logsumexp_over_a_size_1_dim": (LogSumExpOfOne, lambda: (torch.randn(16, 1), torch.randn(16, 48)),
                                     ["logsumexp", "gelu", "add"]),
     "avg_pool1d_squeezed_then_gelu": (Pool1dThenGelu, lambda: (torch.randn(6, 64),), ["avg_pool2d", "gelu", "mul"]),
+    "masked_cumsum": (MaskedCumsum, lambda: (torch.rand(4, 300), torch.rand(4, 300) > 0.5), ["mul", "cumsum"]),
     "sum_and_sum_of_squares": (SumTimesSquares, lambda: (torch.rand(12, 50),), ["sum", "mul", "sum", "mul"]),  # no cancellation
 }
 
@@ -509,7 +517,7 @@ def test_a_3d_pooling_stages_one_plane_per_step_of_its_depth_window():
     card = make_card(A.max_pool3d_with_indices.default, meta(1, 2, 9, 11, 40), [3, 3, 3], [2, 2, 2], [1, 1, 1],
                      [3, 3, 3])
     prog = generated.program(card)
-    assert lower.window_tiles(prog) == {"th": (2, 4, 8, 16), "tw": (16, 32, 64)}
+    assert lower.window_tiles(prog) == {"th": (2, 4), "tw": (16, 32, 64)}  # 4 x 20 outputs a plane
     assert generated.default(card, H200)["algo"] == "gen_window"  # searched, not the default: too little reuse
     x = torch.randn(1, 2, 9, 11, 40)
     x[0, 1, 4, 5, :10] = 3.0  # ties in a window: the first one's index
@@ -521,6 +529,28 @@ def test_a_3d_pooling_stages_one_plane_per_step_of_its_depth_window():
         got = cuda_on_cpu.run(card, cand, [x])
         torch.testing.assert_close(got[0], want[0], rtol=0, atol=0, msg=lambda m: f"{k}: {m}")
         assert torch.equal(got[1], want[1]), k
+
+
+def test_a_tile_is_no_taller_than_its_output_plane():
+    """A 1-D pooling runs as a 2-D pooling of one-row planes (eager's max_pool1d; KernelBench's is
+    8 wide, dilation 3, stride 1): a tile would idle all but one of its rows, so there is none and
+    one thread an output is the default. Planes of 3 output rows take tiles of 2 rows only. The
+    default runs on the CPU with eager's values and indices."""
+    from codegen_cards import A, make_card, meta
+
+    card = make_card(A.max_pool2d_with_indices.default, meta(2, 3, 1, 300), [1, 8], [1, 1], [0, 4], [1, 3])
+    assert lower.window_tiles(generated.program(card)) == {}
+    knobs = generated.default(card, H200)
+    assert knobs["algo"] == "gen_window"
+    x = torch.randn(2, 3, 1, 300)
+    x[1, 2, 0, 40:60] = 2.0  # ties: the first one's index
+    want = card.call_eager([x.clone()], "cpu")
+    got = cuda_on_cpu.run(card, generated.build(card, knobs, H200), [x])
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    assert torch.equal(got[1], want[1])
+    three = make_card(A.max_pool2d_with_indices.default, meta(2, 3, 5, 300), [3, 8], [1, 1], [0, 4], [1, 3])
+    assert generated.program(three).domain[-2] == 3
+    assert lower.window_tiles(generated.program(three))["th"] == (2,)
 
 
 def test_a_channels_last_pooling_stages_vectors_of_channels(tmp_path):

@@ -2,13 +2,13 @@
 
 Two kinds of candidates, found independently (they may overlap; the packager picks):
 
-  fused      connected chains of pointwise, reduction, normalization and pooling nodes, with
+  fused      connected chains of pointwise, reduction, scan, normalization and pooling nodes, with
              the views between them, whose intermediates are used only inside the region.
              A region ends at vendor ops (mm/addmm/conv/attention), `other` ops but cat
              (the generator cuts a cat into slabs of pointwise work), graph inputs
              and outputs, and at any value that is also used outside it (a multi-use value
              is a region output, never an intermediate). At most one reduction level: no
-             reduction (sum, mean, softmax, layer/group norm, pooling) may depend on another
+             reduction (sum, mean, softmax, layer/group norm, pooling, cumsum) may depend on another
              inside the region; the work before it is its prologue, after it its epilogue.
              Inference batch norm reduces nothing (per-channel scale and shift), so it is
              pointwise work here.
@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 
 from .cards import TensorMeta, dtype_name, encode_value, pointer_alignment, qualified_name
+from .codegen.reductions import SCAN_OPS  # the scans the generator folds: cumsum, cumprod
 from .errors import CardError
 from .families import _returns_view, family_of, packet_name
 from .subgraph import Node, Subgraph
@@ -115,7 +116,7 @@ def role(n: fx.Node) -> str | None:
         return "view" if _returns_view(op) or name in _VIEW_LIKE else None
     if family == "vendor":
         return "vendor" if name in EPILOGUE_VENDOR else None
-    if family in ("reduction", "pooling") or (family == "normalization" and name not in PER_CHANNEL):
+    if family in ("reduction", "pooling") or name in SCAN_OPS or (family == "normalization" and name not in PER_CHANNEL):
         return "reduce"
     if family in ("pointwise", "normalization") or name == "cat":  # a cat: slabs of pointwise work (codegen/concat.py)
         return "compute"
