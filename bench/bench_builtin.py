@@ -33,6 +33,7 @@ from kforge.proposers.base import ProposalContext, Tried  # noqa: E402
 from kforge.proposers.builtin import TEMPLATES, BuiltinProposer  # noqa: E402
 from kforge.proposers.builtin.proposer import template_for  # noqa: E402
 from kforge.verdict import EvalResult, Verdict  # noqa: E402
+from provenance import provenance  # noqa: E402
 
 BIG = (8192, 11008)
 # name -> (card factory, target): ("speedup", x) vs eager, or ("floor", fraction of the HBM floor).
@@ -290,9 +291,7 @@ def run_case(name: str, card, target, hw, budget: int, with_compile: bool, templ
 def save(path, rows, budget: int, hw, start: float) -> Path:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                               "budget": budget, "bandwidth_Bps": hw.bandwidth,
+    out.write_text(json.dumps({**provenance(), "budget": budget, "bandwidth_Bps": hw.bandwidth,
                                "seconds": time.perf_counter() - start, "rows": rows}, indent=1))
     return out
 

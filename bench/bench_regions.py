@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ from kforge.capturing import capture
 from kforge.card_files import load_sample
 from kforge.hardware import current
 from kforge.modelspec import load_model_spec
+from provenance import provenance
 
 
 def region_fn(card):
@@ -83,8 +83,7 @@ def main() -> None:
     args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     run_dir = Path(tempfile.mkdtemp(prefix="kforge-regions-"))
     result = capture(model, inputs, run_dir, regions=True)
-    report = {"model": a.model, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "notes": result.notes,
+    report = {**provenance(), "model": a.model, "notes": result.notes,
               "regions": per_region(result, run_dir, a.limit)}
     if a.package:
         report["forward"] = whole_model(model.eval(), args, a.package)

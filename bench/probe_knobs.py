@@ -30,6 +30,7 @@ from kforge.cards import faithful_clone  # noqa: E402
 from kforge.errors import KforgeError  # noqa: E402
 from kforge.hardware import current  # noqa: E402
 from kforge.proposers.builtin import generated, space  # noqa: E402
+from provenance import provenance  # noqa: E402
 
 KB = (64, 393216)  # level 1's elementwise problems at batch 64 (100 MB of fp32)
 CASES = {
@@ -96,8 +97,7 @@ def main(argv=None) -> int:
         rows.append(row)
         out = Path(opts.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows},
-                                  indent=1))
+        out.write_text(json.dumps({**provenance(), "rows": rows}, indent=1))
     return 0
 
 

@@ -40,6 +40,7 @@ from kforge.candidate import Candidate, KernelLaunch, LaunchPlan  # noqa: E402
 from kforge.hardware import current  # noqa: E402
 from kforge.proposers.builtin import common  # noqa: E402
 from kforge.proposers.builtin import softmax as softmax_family  # noqa: E402
+from provenance import provenance  # noqa: E402
 
 ROWS, COLS = 8, 262144
 _COPY = r"""
@@ -114,8 +115,7 @@ def main(argv=None) -> int:
     print(f"{'HBM floor':32s} {floor:8.2f} us")
     out = Path(opts.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                               "card": card.summary(), "floor_us": floor, "rows": rows}, indent=1))
+    out.write_text(json.dumps({**provenance(), "card": card.summary(), "floor_us": floor, "rows": rows}, indent=1))
     return 0
 
 
