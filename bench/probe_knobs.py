@@ -40,6 +40,7 @@ CASES = {
     "hardtanh 64x393216 fp32": lambda: make_card(A.hardtanh.default, meta(*KB)),
     "mean dim 1 2x4096x4095 fp32": lambda: make_card(A.mean.dim, meta(2, 4096, 4095), [1]),
     "sum dim 1 2x4096x4095 fp32": lambda: make_card(A.sum.dim_IntList, meta(2, 4096, 4095), [1], True),
+    "cumsum dim 1 1024x32768 fp32": lambda: make_card(A.cumsum.default, meta(1024, 32768), 1),
 }
 
 

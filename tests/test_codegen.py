@@ -856,6 +856,43 @@ def test_rounding_a_value_the_half_type_already_holds_is_no_node():
     assert Expr.const(0.5, "float64").cast("bfloat16").dtype == "float32"  # held as float32 like any rounding
 
 
+@pytest.mark.parametrize("reverse, exclusive", [(False, False), (True, True)])
+def test_a_staged_block_scan_reads_and_writes_consecutive_elements(reverse, exclusive):
+    """gen_scan_block with `stage` "smem": each round of the chunk loads (and the epilogue stores)
+    consecutive elements at consecutive threads, through a shared stage padded a word every 32;
+    without it a thread reads its own `items` consecutive elements. Run on the CPU, every width
+    and form gives eager's scan (a mutant without the barrier after the states' write-back fails:
+    the epilogue reads other threads' states); a chunk past the stage's budget is not staged."""
+    import dataclasses
+
+    import cuda_on_cpu
+    from kforge.codegen import lower
+
+    card = make_card(A.cumsum.default, meta(3, 300), 1)
+    prog = card_program.program_for_card(card)
+    prog.scan = dataclasses.replace(prog.scan, reverse=reverse, exclusive=exclusive)
+    x = torch.randn(3, 300)
+    want = x.flip(1).cumsum(1).flip(1) if reverse else x.cumsum(1)
+    if exclusive:
+        want = want - x
+    generated._PROGRAMS[card.id] = prog
+    try:
+        for items in (1, 2, 4, 8):
+            knobs = {"algo": "gen_scan_block", "threads": 32, "items": items, "stage": "smem"}
+            cand = generated.build(card, knobs, H200)
+            assert "kf_st[k + (k >> 5)]" in cand.source
+            assert "j = c0 + (int)threadIdx.x * IT + u" not in cand.source  # no thread's own consecutive loads
+            assert compiler.compile(cand.source, arch="sm_90").cubin
+            (got,) = cuda_on_cpu.run(card, cand, [x])
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{items}: {m}")
+        assert "kf_st" not in generated.build(card, {**knobs, "stage": "none"}, H200).source
+    finally:
+        del generated._PROGRAMS[card.id]
+    assert lower.scan.scan_stages(prog, {"threads": 1024, "items": 8, "stage": "smem"})  # 33 KB of fp32 states
+    wide = make_card(A.cumsum.default, meta(2, 300, dtype=torch.float64), 1)
+    assert not lower.scan.scan_stages(card_program.program_for_card(wide), {"threads": 1024, "items": 8, "stage": "smem"})
+
+
 @pytest.mark.parametrize("name", ["var_mean", "argmin_flat", "logsumexp", "cumsum_rows"])
 def test_warp_cooperating_kernels_run_on_the_cpu_like_eager(name):
     """The forms whose threads merge through warp shuffles and shared memory (gen_rows with a warp

@@ -23,7 +23,8 @@ state, waits for its row's other chunks, merges them all and normalizes its own 
 
 Scan (`algo` "gen_scan"): one thread per line along the scanned dim, walking it in order;
 `algo` "gen_scan_block" (lines contiguous in memory): one block per line, a parallel scan of
-chunks of threads x items elements carried from chunk to chunk.
+chunks of threads x items elements carried from chunk to chunk (`stage` "smem": the chunk read
+and written at consecutive elements through shared memory).
 Window (`algo` "gen_window", 2-D and 3-D pooling): one thread per output point folding its
 window (`vec` output points along a non-pooled innermost dim, channels-last's channels);
 `algo` "gen_window_tile" (2-D, pooled dims innermost): a block per th x tw tile of output points

@@ -89,17 +89,34 @@ def scan_is_inner(prog: Program) -> bool:
     return prog.out_strides[0][prog.scan.dim] == 1 and prog.domain[prog.scan.dim] > 1
 
 
+STAGE_MAX = 40 * 1024  # the staged chunk's shared memory (static: at most 48 KB a block)
+
+
+def scan_stages(prog: Program, knobs: dict) -> bool:
+    """Whether gen_scan_block's `stage` knob takes effect: its padded chunk of states fits STAGE_MAX."""
+    (st_type,) = prog.scan.kind.state(prog.scan.operand.dtype)
+    n = knobs["threads"] * knobs["items"]
+    return knobs.get("stage") == "smem" and (n + n // 32) * (8 if st_type in ("float64", "int64") else 4) <= STAGE_MAX
+
+
 def lower_scan_block(prog: Program, knobs: dict) -> Built:
     """One block per line along the scan dim (for lines contiguous in memory): in chunks of
     threads x items elements, each thread scans its `items` consecutive elements, a warp
     scans its threads' totals with shuffles, warp 0 scans the warps' totals in shared memory,
     and a carry takes the line on to the next chunk. The merge is associative, so the tree
-    gives eager's answer; floating sums fold at most `items` elements in sequence per level."""
+    gives eager's answer; floating sums fold at most `items` elements in sequence per level.
+    With `stage` "smem" (where the chunk fits STAGE_MAX), the chunk's lifted operands go through
+    shared memory: loaded by consecutive threads at consecutive elements, read back by each
+    thread as its consecutive `items`, and its states written back for the epilogue to run
+    at consecutive elements again (a thread's own consecutive elements make each warp access
+    memory `items` elements apart). Indices into the stage skip a word every 32, so neither
+    order meets a bank conflict."""
     scan = prog.scan
     kind, dt = scan.kind, scan.operand.dtype
     (st_type,) = kind.state(dt)
     T = CTYPE[st_type]
     nt, it = knobs["threads"], knobs["items"]
+    staged = scan_stages(prog, knobs)
     sl = _scan_lines(prog, 2 * nt * it)
     (ident,) = kind.identity_exprs(dt)
     zero = _const(ident)
@@ -118,6 +135,40 @@ def lower_scan_block(prog: Program, knobs: dict) -> Built:
     # the state each output reads: the elements before this one (exclusive) or up to it
     before = (["if (u > 0) {", *[f"  {line}" for line in merged("st0", "v[u - 1]", "x")], "}"] if scan.exclusive
               else merged("st0", "v[u]", "x"))
+    def lifted_at(j: str, into: str) -> list[str]:  # the lifted operand at element j (identity past the line)
+        return [f"const kf_idx j = {j};", f"{T} {into} = {zero};", "if (j < LEN) {", f"  {element}",
+                *[f"  {line}" for line in sl.operand], f"  {into} = {sl.lifted};", "}"]
+
+    own = "(int)threadIdx.x * IT + u"  # this thread's u-th consecutive element of the chunk
+    spread = "u * NT + (int)threadIdx.x"  # the chunk's element at consecutive threads, u-th round
+    if staged:  # every element of the chunk staged in order, then each thread's own read back
+        load = ["    __syncthreads();  // the last chunk's epilogue has read the stage",
+                "#pragma unroll", "    for (int u = 0; u < IT; ++u) {",
+                *[f"      {line}" for line in lifted_at(f"c0 + {spread}", "xs")],
+                f"      const int k = {spread};", "      kf_st[k + (k >> 5)] = xs;", "    }",
+                "    __syncthreads();",
+                f"    {T} v[IT];", f"    {T} tot = {zero};",
+                "#pragma unroll", "    for (int u = 0; u < IT; ++u) {",
+                f"      const int k = {own};", f"      const {T} xu = kf_st[k + (k >> 5)];",
+                *[f"      {line}" for line in merged("tot", "xu", "a")], "      v[u] = tot;", "    }"]
+    else:
+        load = [f"    {T} v[IT];", f"    {T} tot = {zero};",
+                "#pragma unroll", "    for (int u = 0; u < IT; ++u) {",
+                *[f"      {line}" for line in lifted_at(f"c0 + {own}", "xu")],
+                *[f"      {line}" for line in merged("tot", "xu", "a")], "      v[u] = tot;", "    }"]
+    epilogue_own = ["#pragma unroll", "    for (int u = 0; u < IT; ++u) {",
+                    f"      const kf_idx j = c0 + {own};", "      if (j < LEN) {", f"        {element}",
+                    f"        {T} st0 = pre;", *[f"        {line}" for line in before],
+                    *[f"        {line}" for line in sl.epilogue], "      }", "    }"]
+    # staged: each thread's states into the stage, then the epilogue at consecutive elements
+    epilogue_staged = ["#pragma unroll", "    for (int u = 0; u < IT; ++u) {",
+                       f"      {T} st0 = pre;", *[f"      {line}" for line in before],
+                       f"      const int k = {own};", "      kf_st[k + (k >> 5)] = st0;", "    }",
+                       "    __syncthreads();",
+                       "#pragma unroll", "    for (int u = 0; u < IT; ++u) {",
+                       f"      const int k = {spread};", "      const kf_idx j = c0 + k;",
+                       "      if (j < LEN) {", f"        {element}", f"        const {T} st0 = kf_st[k + (k >> 5)];",
+                       *[f"        {line}" for line in sl.epilogue], "      }", "    }"]
     body = [f"typedef {sl.idx} kf_idx;",
             f"constexpr int NT = {nt}; constexpr int IT = {it}; constexpr int NW = NT / 32; "
             f"constexpr kf_idx LEN = {sl.length};",
@@ -126,22 +177,10 @@ def lower_scan_block(prog: Program, knobs: dict) -> Built:
             *[f"  {line}" for line in sl.kofs],
             "  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;",
             f"  __shared__ {T} sw[NW];",
+            *([f"  __shared__ {T} kf_st[NT * IT + NT * IT / 32];"] if staged else []),
             f"  {T} carry = {zero};",
             "  for (kf_idx c0 = 0; c0 < LEN; c0 += (kf_idx)NT * IT) {",
-            f"    {T} v[IT];",
-            f"    {T} tot = {zero};",
-            "#pragma unroll",
-            "    for (int u = 0; u < IT; ++u) {",
-            "      const kf_idx j = c0 + (kf_idx)threadIdx.x * IT + u;",
-            f"      {T} xu = {zero};",
-            "      if (j < LEN) {",
-            f"        {element}",
-            *[f"        {line}" for line in sl.operand],
-            f"        xu = {sl.lifted};",
-            "      }",
-            *[f"      {line}" for line in merged("tot", "xu", "a")],
-            "      v[u] = tot;",
-            "    }",
+            *load,
             f"    {T} winc = tot;",
             *[f"    {line}" for line in warp_scan("winc", "w")],
             f"    {T} wexc = {_shfl('winc', st_type, 1, 32, 'up')};",
@@ -159,16 +198,7 @@ def lower_scan_block(prog: Program, knobs: dict) -> Built:
             f"    const {T} wp = warp > 0 ? sw[warp - 1] : {zero};",
             *[f"    {line}" for line in merged("pre", "wp", "p")],
             *[f"    {line}" for line in merged("pre", "wexc", "q")],
-            "#pragma unroll",
-            "    for (int u = 0; u < IT; ++u) {",
-            "      const kf_idx j = c0 + (kf_idx)threadIdx.x * IT + u;",
-            "      if (j < LEN) {",
-            f"        {element}",
-            f"        {T} st0 = pre;",
-            *[f"        {line}" for line in before],
-            *[f"        {line}" for line in sl.epilogue],
-            "      }",
-            "    }",
+            *(epilogue_staged if staged else epilogue_own),
             f"    const {T} bt = sw[NW - 1];",
             *[f"    {line}" for line in merged("carry", "bt", "c")],
             "  }",

@@ -128,7 +128,8 @@ def _scan_spaces(prog: Program) -> list[KnobSpace]:
     serial = {"algo": ("gen_scan",), "threads": (32, 64, 128, 256, 512), "unroll": (1, 2, 4)}
     if not lower.scan_is_inner(prog):
         return [serial]
-    block = {"algo": ("gen_scan_block",), "threads": (32, 64, 128, 256, 512, 1024), "items": (1, 2, 4, 8)}
+    block = {"algo": ("gen_scan_block",), "threads": (32, 64, 128, 256, 512, 1024), "items": (1, 2, 4, 8),
+             "stage": ("none", "smem")}
     if prog.scan.operand.dtype in FLOATS and prog.domain[prog.scan.dim] > SERIAL_FLOAT_SCAN_MAX:
         return [block]
     return [serial, block]
@@ -143,7 +144,8 @@ def _scan_default(prog: Program, card: Card, hw: Hardware) -> Knobs:
     length = prog.domain[prog.scan.dim]
     lines = card.outputs[0].numel // max(1, length)
     if lower.scan_is_inner(prog) and length >= 128:
-        return {"algo": "gen_scan_block", "threads": pick((32, 64, 128, 256, 512, 1024), length / 8), "items": 2}
+        return {"algo": "gen_scan_block", "threads": pick((32, 64, 128, 256, 512, 1024), length / 8), "items": 2,
+                "stage": "none"}
     return {"algo": "gen_scan", "threads": pick((32, 64, 128, 256, 512), lines / (2 * hw.sm_count)), "unroll": 2}
 
 
