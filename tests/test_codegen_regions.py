@@ -283,6 +283,9 @@ CASES = {
     "logsumexp_over_a_size_1_dim": (LogSumExpOfOne, lambda: (torch.randn(16, 1), torch.randn(16, 48)),
                                     ["logsumexp", "gelu", "add"]),
     "avg_pool1d_squeezed_then_gelu": (Pool1dThenGelu, lambda: (torch.randn(6, 64),), ["avg_pool2d", "gelu", "mul"]),
+    # a pooling alone whose indices are unused: only its values are written
+    "max_pool1d_without_its_indices": (lambda: nn.MaxPool1d(8, 1, 4, 3), lambda: (torch.randn(2, 4, 300),),
+                                       ["max_pool2d_with_indices"]),
     "masked_cumsum": (MaskedCumsum, lambda: (torch.rand(4, 300), torch.rand(4, 300) > 0.5), ["mul", "cumsum"]),
     "sum_and_sum_of_squares": (SumTimesSquares, lambda: (torch.rand(12, 50),), ["sum", "mul", "sum", "mul"]),  # no cancellation
 }

@@ -138,6 +138,18 @@ class OutputAndUse(nn.Module):
         return y, torch.exp(y * 2)
 
 
+def test_one_node_is_a_region_where_it_drops_a_quarter_of_its_bytes_unused():
+    """A max pool whose indices nobody reads (they are int64: two thirds of what the op writes) is
+    a region of its own, returning the values only; with its indices returned it is not, and
+    neither is a norm whose unused statistics are a sliver of its output."""
+    (site,) = sites(nn.MaxPool2d(3, 1, 1), torch.randn(2, 3, 9, 9))
+    assert site.subgraph.ops == ["max_pool2d_with_indices"] and site.outputs == [(site.nodes[0], 0)]
+    (site,) = sites(nn.MaxPool1d(4, 1, 2, 3), torch.randn(2, 3, 40))  # unsqueeze, 2-D pool, squeeze
+    assert site.subgraph.ops == ["max_pool2d_with_indices"] and len(site.outputs) == 1
+    assert sites(nn.MaxPool2d(3, 1, 1, return_indices=True), torch.randn(2, 3, 9, 9)) == []
+    assert sites(nn.LayerNorm(64), torch.randn(8, 64)) == [] and sites(nn.GroupNorm(2, 4), torch.randn(2, 4, 8, 8)) == []
+
+
 def test_no_region_across_a_graph_output():
     got = found(OutputAndUse(), torch.randn(4, 4))
     assert got["fused"] == [["mul", "exp"]]  # relu's value leaves the graph: the region starts after it

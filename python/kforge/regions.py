@@ -16,7 +16,9 @@ Two kinds of candidates, found independently (they may overlap; the packager pic
              the pointwise work after it (bias, scale, activation, residual, batch norm).
 
 Regions are convex (no path leaves a region and comes back), have at least two nodes that
-do work, and never hold a node that writes its inputs or draws random numbers. Each found
+do work (or one whose unused outputs are at least a quarter of the bytes it writes: a max
+pool's indices, which the op must write and a region need not), and never hold a node that
+writes its inputs or draws random numbers. Each found
 region is a Site: its graph nodes, the values it reads and returns, and its Subgraph
 (kforge.subgraph) with the metadata the trace recorded.
 """
@@ -284,12 +286,25 @@ def _works(g: _Graph, members: set[fx.Node]) -> int:
     return sum(g.roles[m] != "view" for m in members)
 
 
+DEAD_SHARE = 0.25  # of a node's output bytes, unused, that makes it a region on its own
+
+
+def _drops_outputs(g: _Graph, members: set[fx.Node]) -> bool:
+    """One node that does work, whose outputs nobody reads are DEAD_SHARE or more of its bytes."""
+    (n,) = [m for m in members if g.roles[m] != "view"]
+    outs = _tensors(n.meta.get("val")) or []
+    used = {k for k, _ in g.users[n]}
+    size = [t.numel() * t.element_size() for t in outs]
+    return sum(b for k, b in enumerate(size) if k not in used) >= DEAD_SHARE * max(1, sum(size))
+
+
 def find(graph: fx.Graph | fx.GraphModule, *, epilogues: bool = True) -> list[Site]:
     """The fused regions of an aten graph, then (with `epilogues`) the vendor-op epilogue
     candidates, each list in graph order."""
     g = _Graph(graph.graph if isinstance(graph, fx.GraphModule) else graph)
     passes: list[tuple[str, frozenset[str], Callable[[set], bool]]] = [
-        ("fused", frozenset({"view", "compute", "reduce"}), lambda ms: _works(g, ms) >= 2)]
+        ("fused", frozenset({"view", "compute", "reduce"}),
+         lambda ms: _works(g, ms) >= 2 or _works(g, ms) == 1 and _drops_outputs(g, ms))]
     if epilogues:
         passes.append(("epilogue", frozenset({"view", "compute", "vendor"}),
                        lambda ms: any(g.roles[m] == "vendor" for m in ms) and _works(g, ms) >= 2))

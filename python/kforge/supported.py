@@ -42,7 +42,8 @@ def markdown() -> str:
               "  softmax, a residual add into a norm, an activation after it), or reductions over the same",
               "  elements folded in one pass (a triplet loss's two distances) with an epilogue per output;",
               "  views of the region's inputs folded in, reshapes of computed values after a normalization,",
-              "  cats in the pointwise work; a pooling with pointwise work before it and after it.", "",
+              "  cats in the pointwise work; a pooling or a scan with pointwise work before it and after it;",
+              "  a max pool alone whose indices are unused (only its values written).", "",
               "## Pointwise ops the generator declines", "", "| op | why |", "| --- | --- |"]
     lines += [f"| `{n}` | {why} |" for n, why in sorted(ops.DECLINED.items())]
     return "\n".join(lines) + "\n"
