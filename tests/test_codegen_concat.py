@@ -58,9 +58,41 @@ def test_a_cat_of_many_pieces_is_declined():
     assert "at most 16" in card_program.program_for_card(card)
 
 
-def test_a_cat_of_a_legacy_empty_piece_is_declined():
-    card = make_card(A.cat.default, [meta(4, 2, 3), meta(0)], 0)
-    assert "do not add up" in card_program.program_for_card(card)
+def test_a_legacy_empty_piece_is_skipped_as_torch_cat_skips_it():
+    """A 1-D empty piece (transformers' caches start as torch.tensor([])) adds nothing: the cat
+    of it and one other piece is a copy of that piece."""
+    card = make_card(A.cat.default, [meta(0), meta(4, 2, 3), meta(0)], 0)
+    prog = card_program.program_for_card(card)
+    assert not isinstance(prog, str), prog
+    inputs = card.random_inputs(0, "cpu")
+    want = torch.cat(inputs, 0)
+    torch.testing.assert_close(interp.run(prog, inputs)[0], want, rtol=0, atol=0)
+    cand = generated.build(card, {**generated.default(card, H200), "threads": 64}, H200)
+    assert len(cand.plan.kernels) == 1 and compiler.compile(cand.source, arch="sm_90").cubin
+    torch.testing.assert_close(cuda_on_cpu.run(card, cand, inputs)[0], want, rtol=0, atol=0)
+
+
+def rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryIntoACache(nn.Module):
+    """Llama's attention as transformers runs it with a cache: rotate_half cuts the last dim, and
+    the rotated keys are appended to the cache (empty at first: a legacy empty piece) along the
+    sequence dim."""
+
+    def forward(self, k, cos, sin):
+        cache = torch.tensor([], dtype=k.dtype)
+        return torch.cat([cache, k * cos + rotate_half(k) * sin], dim=-2)
+
+
+class CatsAlongTwoDims(nn.Module):
+    """A cat along the last dim feeding one along the middle dim: the slabs of the first cut
+    are cut again, four slabs in all, each at its offset in the output."""
+
+    def forward(self, a, b, c):
+        return torch.cat((torch.cat((a.sigmoid(), b), -1), c), -2) * 2
 
 
 class CatThenSum(nn.Module):
@@ -89,6 +121,23 @@ def test_what_cannot_be_cut_into_slabs_is_declined_with_its_reason(tmp_path, mod
     assert "cat" in card.region.ops
     got = card_program.program_for_card(card)
     assert isinstance(got, str) and reason in got, got
+
+
+@pytest.mark.parametrize("model, inputs, offsets", [
+    (RotaryIntoACache, lambda: (torch.randn(1, 2, 16, 8), torch.randn(1, 1, 16, 8), torch.randn(1, 1, 16, 8)), [0, 4]),
+    (CatsAlongTwoDims, lambda: (torch.randn(2, 5, 3), torch.randn(2, 5, 4), torch.randn(2, 2, 7)), [0, 35, 3, 38])])
+def test_cats_along_two_dims_are_cut_slab_within_slab(tmp_path, model, inputs, offsets):
+    card = region_card(tmp_path, model(), *inputs())
+    assert card.region.ops.count("cat") == 2
+    prog = card_program.program_for_card(card)
+    assert not isinstance(prog, str), prog
+    assert [p.out_offsets[0] for p in [prog, *prog.parts]] == offsets
+    ins = card.random_inputs(0, "cpu")
+    (want,) = card.region.replay([t.clone() for t in ins])
+    torch.testing.assert_close(interp.run(prog, ins)[0], want)
+    cand = generated.build(card, {**generated.default(card, H200), "threads": 64}, H200)
+    assert compiler.compile(cand.source, arch="sm_90").cubin
+    torch.testing.assert_close(cuda_on_cpu.run(card, cand, ins)[0], want)
 
 
 def test_two_cats_cut_differently_read_each_others_pieces_slab_by_slab(tmp_path):

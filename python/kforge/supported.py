@@ -35,7 +35,7 @@ def markdown() -> str:
               + ", ".join(f"`{n}`" for n in sorted(reductions.WINDOW_OPS)),
               "- **Normalizations** (one kernel, or two passes for few long rows): "
               + ", ".join(f"`{n}`" for n in sorted(reductions.NORM_OPS)),
-              f"- **Concatenation**: `cat`, alone or in pointwise work (one kernel per slab of the output, at most"
+              f"- **Concatenation**: `cat`, alone or in pointwise work, along one dim or several (one kernel per slab of the output, at most"
               f" {concat.MAX_SLABS})",
               "- **Fused regions** (`--regions`): chains of the ops above with one reduction level: one",
               "  normalization (its prologue and an epilogue over every element: a mask add and casts around",

@@ -136,7 +136,8 @@ def _built(nodes: list[Node], inputs: list[TensorMeta], sources: list[int], refs
 def _slabbed(nodes: list[Node], inputs: list[TensorMeta], sources: list[int], refs: list[Ref],
              out_metas: list[TensorMeta], aliases: dict[int, int]) -> Program | str:
     """Work that reads cats as one pointwise program per slab of the outputs (concat.py), the
-    parts of one launch plan."""
+    parts of one launch plan; a slab that still reads cats (along another dim) is cut again, its
+    slabs' offsets counted from the slab's own."""
     cut = concat.slabs(nodes, inputs, refs, out_metas, aliases, sources)
     if isinstance(cut, str):
         return cut
@@ -146,16 +147,21 @@ def _slabbed(nodes: list[Node], inputs: list[TensorMeta], sources: list[int], re
             if r.kind == "in":  # the slab is a piece of the cat as it came in: a copy of it
                 sub.append(Node("aten::clone.default", {"self": r, "memory_format": None}, [sub_metas[k]]))
                 sub_refs[k] = Ref("node", len(sub) - 1, 0)
-        prog = _built(sub, sub_inputs, sub_sources, sub_refs, sub_metas, {})
+        again = any(concat.is_cat(n.op) for n in sub)
+        prog = (_slabbed if again else _built)(sub, sub_inputs, sub_sources, sub_refs, sub_metas, {})
         if isinstance(prog, str):
             return prog
         for p in [prog, *prog.parts]:
             if p.reduction is not None or p.scan is not None or p.window is not None:
                 return "a cat beside a reduction: cats are generated in pointwise work only"
             local = p.out_index or list(range(len(p.outputs)))
-            p.out_index, p.out_offsets = [index[j] for j in local], [offsets[j] for j in local]
+            inner = p.out_offsets or [0] * len(local)
+            p.out_index, p.out_offsets = [index[j] for j in local], [offsets[j] + o for j, o in zip(local, inner)]
+            p.card_outputs = None
             progs.append(p)
         prog.parts = []
+    if len(progs) > concat.MAX_SLABS:
+        return f"cats cut into {len(progs)} slabs: at most {concat.MAX_SLABS} are generated"
     progs[0].parts, progs[0].card_outputs = progs[1:], out_metas
     return progs[0]
 

@@ -12,7 +12,10 @@ that matters: rotate_half is cat(-x2, x1), and the angles are cat(freqs, freqs).
 
 The concatenated dim is counted from the right (pointwise values broadcast right-aligned),
 and every value between a cat and the outputs keeps it there: what moves it (a permute of
-it, a view that regroups it) is declined, as are cats of cats and cats beside a reduction.
+it, a view that regroups it) is declined, as are cats beside a reduction. Cats along another
+dim are cut in the slabs, each slab of them again (a rotary embedding along the last dim
+feeding a key cache's cat along the sequence). A 1-D empty piece is skipped, as torch.cat
+skips it (transformers' caches start as `torch.tensor([])`); a cat of one piece is that piece.
 """
 
 from __future__ import annotations
@@ -43,6 +46,11 @@ def slabs(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], out_m
         return str(d)
 
 
+def _legacy_empty(m: TensorMeta) -> bool:
+    """A 1-D piece of no elements, which torch.cat skips whatever the other pieces' shapes."""
+    return len(m.shape) == 1 and m.shape[0] == 0
+
+
 def _size(m: TensorMeta, r: int) -> int:
     """Size along the dim r from the right (1 where the tensor has no such dim: it broadcasts)."""
     return m.shape[len(m.shape) + r] if len(m.shape) + r >= 0 else 1
@@ -60,15 +68,16 @@ class _Slabs:
     def __init__(self, nodes: list[Node], inputs: list[TensorMeta], sources: list[int]):
         self.nodes, self.inputs, self.sources = nodes, inputs, sources
         cats = [n for n in nodes if is_cat(n.op)]
-        dims = set()
         for n in cats:
-            nd = len(n.metas[0].shape)
-            if nd == 0:
+            if not n.metas[0].shape:
                 raise Decline("a cat of 0-dim tensors")
-            dims.add(n.args["dim"] % nd - nd)
-        if len(dims) != 1:
-            raise Decline("cats along different dims: one dim is cut into slabs")
-        self.r = dims.pop()
+            if not all(isinstance(ref, Ref) for ref in n.args["tensors"]):
+                raise Decline("a cat of a tensor the region does not compute or read")
+        # the slabs cut the dim of the first cat of two or more pieces; cats along other dims
+        # (and cats of one piece) stay in the slabs, to be cut there
+        cut = [n for n in cats if len(self._pieces(n)) > 1] or cats
+        self.r = self._dim(cut[0])
+        cats = [n for n in cut if self._dim(n) == self.r]
         sizes = {_size(n.metas[0], self.r) for n in cats}
         if len(sizes) != 1:
             raise Decline("cats of different sizes along their dim: one size is cut into slabs")
@@ -76,19 +85,26 @@ class _Slabs:
         cuts = {0, self.n}
         for n in cats:
             start = 0
-            for ref in n.args["tensors"]:
-                if not isinstance(ref, Ref):
-                    raise Decline("a cat of a tensor the region does not compute or read")
+            for ref in self._pieces(n):
                 start += self._value_size(ref)
                 cuts.add(start)
             if start != self.n:
-                raise Decline("a cat whose pieces do not add up to its size (a legacy empty piece)")
+                raise Decline("a cat whose pieces do not add up to its size")
         self.cuts = sorted(cuts)
         if len(self.cuts) - 1 > MAX_SLABS:
             raise Decline(f"a cat cut into {len(self.cuts) - 1} slabs: at most {MAX_SLABS} are generated")
         for n in nodes:
             if family_of(n.op) not in ("pointwise", "view") and not is_cat(n.op):
                 raise Decline(f"a cat beside {packet_name(n.op)}: cats are generated in pointwise work only")
+
+    def _dim(self, n: Node) -> int:
+        """A cat's dim, counted from the right."""
+        nd = len(n.metas[0].shape)
+        return n.args["dim"] % nd - nd
+
+    def _pieces(self, n: Node) -> list[Ref]:
+        """A cat's pieces, 1-D empty ones skipped (as torch.cat skips them)."""
+        return [p for p in n.args["tensors"] if not _legacy_empty(self._meta(p))]
 
     def _meta(self, ref: Ref) -> TensorMeta:
         return self.inputs[ref.index] if ref.kind == "in" else self.nodes[ref.index].metas[ref.output]
@@ -142,9 +158,16 @@ class _Slabs:
 
     def _node(self, ref: Ref, lo: int, hi: int) -> Ref:
         n = self.nodes[ref.index]
+        if is_cat(n.op) and len(self._pieces(n)) == 1:  # a cat of one piece is that piece
+            return self.ref(self._pieces(n)[0], lo, hi)
+        if is_cat(n.op) and self._dim(n) != self.r:  # cut in the slab: its pieces over [lo, hi)
+            args = {**n.args, "tensors": [self.ref(p, lo, hi) for p in self._pieces(n)]}
+            metas = [_narrow(m, self.r, lo, hi) for m in n.metas] if (lo, hi) != (0, self._value_size(ref)) else n.metas
+            self.new_nodes.append(Node(n.op, args, list(metas)))
+            return Ref("node", len(self.new_nodes) - 1, ref.output)
         if is_cat(n.op):
             start = 0
-            for piece in n.args["tensors"]:
+            for piece in self._pieces(n):
                 size = self._value_size(piece)
                 if start <= lo and hi <= start + size:
                     return self.ref(piece, lo - start, hi - start)
