@@ -42,6 +42,21 @@ def bert():
     return BertModel(cfg), (torch.randint(0, 1000, (2, 128)),)
 
 
+def gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_embd=256, n_layer=2, n_head=4, vocab_size=1000, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg), (torch.randint(0, 1000, (2, 128)),)
+
+
+def qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=1000)
+    return Qwen2ForCausalLM(cfg), (torch.randint(0, 1000, (2, 128)),)
+
+
 def t5():
     from transformers import T5Config, T5EncoderModel
 
@@ -57,9 +72,11 @@ def _timm(name: str, size: int):
     return make
 
 
-MODELS = {"llama": llama, "bert": bert, "t5": t5, "vit": _timm("vit_tiny_patch16_224", 224),
-          "swin": _timm("swin_tiny_patch4_window7_224", 224), "convnext": _timm("convnext_atto", 128),
-          "efficientnet": _timm("efficientnet_b0", 128)}
+MODELS = {"llama": llama, "qwen2": qwen2, "gpt2": gpt2, "bert": bert, "t5": t5,
+          "vit": _timm("vit_tiny_patch16_224", 224), "swin": _timm("swin_tiny_patch4_window7_224", 224),
+          "convnext": _timm("convnext_atto", 128), "efficientnet": _timm("efficientnet_b0", 128),
+          "mobilenetv3": _timm("mobilenetv3_small_100", 128), "poolformer": _timm("poolformer_s12", 128),
+          "regnet": _timm("regnetx_002", 128)}
 
 
 def coverage(name: str) -> dict:

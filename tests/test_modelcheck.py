@@ -237,3 +237,38 @@ def test_run_records_the_compile_verdict_in_the_package(cpu_cast, tmp_path, monk
     assert recorded["use"] == "torch.compile" and recorded["compiled_cards"] == [card]
     (_, level, message), = logged_checks(tmp_path)
     assert level == "warning" and "kforge.compile runs plain torch.compile for it" in message
+
+
+class Doubled(torch.nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+def test_the_checks_compiles_leave_no_entry_against_the_users_recompile_limit():
+    """Nine compiles of one forward with as many backends (the check's six ways and its cards left
+    out) fill dynamo's per-frame cache: the user's own compile after them runs eager, its backend
+    never called. Inside compiles_forgotten, the entries go when the block ends and the user's
+    compile traces the forward."""
+    from kforge.modelcheck import compiles_forgotten
+
+    def fill(model, x):
+        for _ in range(9):
+            torch.compile(model, backend=lambda gm, ex: gm.forward)(x)  # a new backend each time
+
+    def users_compile_traces(model, x) -> bool:
+        traced = []
+
+        def backend(gm, ex):
+            traced.append(gm)
+            return gm.forward
+        torch.compile(model, backend=backend)(x)
+        return bool(traced)
+
+    x = torch.randn(4)
+    torch.compiler.reset()
+    fill(Doubled(), x)
+    assert not users_compile_traces(Doubled(), x)  # past the limit: eager
+    torch.compiler.reset()
+    with compiles_forgotten():
+        fill(Doubled(), x)
+    assert users_compile_traces(Doubled(), x)

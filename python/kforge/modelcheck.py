@@ -329,6 +329,20 @@ def _leave_one_out(model, package, compiled: dict, forward_of, cards: Sequence[s
     return {name: (m.median, m.iqr) for name, m in zip(forwards, measured)}
 
 
+@contextlib.contextmanager
+def compiles_forgotten():
+    """Dynamo's compiled entries dropped on the way out (torch.compiler.reset()). The check traces
+    the model's forward six ways and once per card left out, and dynamo keeps those entries per
+    code object for the whole process: left behind, they put the user's own torch.compile or
+    kforge.compile of that model past the recompile limit (8 a frame), and it runs eager without
+    a word (after the check, KernelBench's problems timed kforge.compile at eager's speed, dynamo's
+    "BACKEND_MATCH failure" eight times over). Whatever else was compiled recompiles on its next call."""
+    try:
+        yield
+    finally:
+        torch.compiler.reset()
+
+
 def check_model(model: torch.nn.Module, example_inputs: Any, package, *, rounds: int = 10, calls: int | None = None,
                 budget_s: float = 10.0, graphs: bool = True, with_compile: bool = False, leave_one_out: int = 0,
                 **install_options: Any) -> ModelCheck:
@@ -345,7 +359,7 @@ def check_model(model: torch.nn.Module, example_inputs: Any, package, *, rounds:
     graph_error, not raised. With `with_compile` (CUDA only), the same rounds also time the forward
     under torch.compile and kforge.compile, default and reduce-overhead (COMPILED), and the check
     says whether kforge.compile beats torch.compile; a model that does not compile is reported in
-    compile_error. With `leave_one_out` N and kforge.compile not faster, where its graphs ran 1 to N
+    compile_error; dynamo's compiled entries are dropped when the check ends (compiles_forgotten). With `leave_one_out` N and kforge.compile not faster, where its graphs ran 1 to N
     cards: kforge.compile without each of them in turn, timed in further interleaved rounds beside
     torch.compile and kforge.compile (ModelCheck.leave_one_out; compile_record() uses it)."""
     args, kwargs = as_call(example_inputs, None)
@@ -359,14 +373,15 @@ def check_model(model: torch.nn.Module, example_inputs: Any, package, *, rounds:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
-    with model_state(model, eval_mode=True), torch.inference_mode():
+    with_compile = with_compile and dev.type == "cuda"
+    with model_state(model, eval_mode=True), torch.inference_mode(), \
+            (compiles_forgotten() if with_compile else contextlib.nullcontext()):
         synced()  # warm-up
         t0 = time.perf_counter()
         synced()
         one = max(time.perf_counter() - t0, 1e-7)
         if calls is None:
             calls = max(1, min(20, math.ceil(1e-3 / one)))
-        with_compile = with_compile and dev.type == "cuda"
         # Each round runs every entry (eager, the package, and COMPILED's with_compile), each an
         # untimed call then `calls` timed ones; plus 2 warm-up rounds.
         per_round = (2 + len(COMPILED) * with_compile) * (1 + calls) * one

@@ -90,6 +90,15 @@ def test_the_model_check_times_torch_compile_and_kforge_compile_in_the_same_roun
     assert check.compile_hits == (pkg.cards[0].id,)
     assert check.compile_verdict() in ("faster", "level", "slower") and "kforge.compile" in check.message()
     assert check.hits > 0  # the eager package's own hits, counted apart from the compiled graphs'
+    # the check's compiles are gone: the user's compiles afterwards run the kernel, not eager (with the
+    # check's six entries left in dynamo's cache, the third of these would be past its limit of eight)
+    for _ in range(3):
+        before = hits(pkg)
+        with torch.inference_mode():
+            fn = kforge.compile(m, pkg, use_verdict=False)
+            for _ in range(3):
+                fn(x)
+        assert hits(pkg) > before
 
 
 def test_a_norm_inside_a_fused_chain_stays_inductors(packages):  # noqa: F811
