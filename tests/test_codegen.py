@@ -402,6 +402,9 @@ def _red_cases():
         "cumsum_dtype": (A.cumsum.default, [h], (1,), {"dtype": torch.float32}),
         "cumprod": (A.cumprod.default, [torch.rand(4, 20) + 0.5], (1,), {}),
         "max_pool_indices_pad": (A.max_pool2d_with_indices.default, [torch.randn(2, 3, 11, 9)], ([3, 3], [2, 2], [1, 1]), {}),
+        # eager's pooling takes a point where it is greater or NaN: the last NaN's index, ties to the first,
+        # the first point of a window all -inf
+        "max_pool_nans_ties_and_neg_inf": (A.max_pool2d_with_indices.default, [_pool_edges()], ([2, 3], [2, 3]), {}),
         "max_pool_dilated_ceil": (A.max_pool2d_with_indices.default, [torch.randn(1, 2, 10, 10)],
                                   ([3, 3], [1, 1], [1, 1], [2, 2], True), {}),
         "max_pool_channels_last_bf16": (A.max_pool2d.default, [torch.randn(2, 4, 8, 8).to(BF16).to(
@@ -425,6 +428,15 @@ def _red_cases():
         "avg_pool3d_divisor_4d": (A.avg_pool3d.default, [torch.randn(3, 6, 7, 8)],
                                   ([2, 3, 3], [2, 1, 2], [1, 1, 0], False, True, 5), {}),
     }
+
+
+def _pool_edges() -> torch.Tensor:
+    x = torch.randn(2, 3, 4, 9)
+    x[0, 0, 0, 0], x[0, 0, 1, 2] = float("nan"), float("nan")  # two NaNs in one window: eager keeps the last
+    x[0, 1, :2, :3] = -float("inf")  # a window all -inf: its first point
+    x[0, 2, :2, 3:6] = 1.5  # a window of ties: its first point
+    x[1, 0, 2, 6], x[1, 0, 3, 8] = float("nan"), 5.0  # NaN beats a larger value after it
+    return x
 
 
 RED = _red_cases()
@@ -826,6 +838,23 @@ def test_generated_c_runs_on_the_cpu_like_eager(name):
         for g, w in zip(got, want):
             assert g.dtype == w.dtype and g.stride() == w.stride() or g.numel() <= 1, (knobs, g.stride(), w.stride())
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"{knobs}: {m}")
+
+
+def test_a_max_pool_with_indices_folds_as_eagers_pooling_kernel_does():
+    """Each thread folds its window in order as eager's pooling kernels do (a point taken where it
+    is greater or NaN), run on the CPU as generated C: the last NaN's index, ties and all -inf
+    windows to their first point; a compare and a NaN test a point, not argmax's tie-break."""
+    import cuda_on_cpu
+
+    card = make_card(A.max_pool2d_with_indices.default, meta(2, 3, 4, 9), [2, 3], [2, 3])
+    x = _pool_edges()
+    want = card.call_eager([x.clone()], "cpu")
+    assert want[1][0, 0, 0, 0] == 9 + 2  # the second NaN's index
+    cand = generated.build(card, {**generated.default(card, H200), "threads": 64}, H200)
+    assert "st1[j]<ri" not in cand.source.replace(" ", "") and "isnan(xv)" in cand.source
+    got = cuda_on_cpu.run(card, cand, [x])
+    torch.testing.assert_close(got[0], want[0], equal_nan=True, rtol=0, atol=0)
+    assert torch.equal(got[1], want[1])
 
 
 def test_pooling_of_integer_tensors_is_declined_since_eager_cuda_cannot_check_it():

@@ -48,6 +48,23 @@ def _arg_kind(name: str, greater: bool) -> ReductionKind:
                          lambda x, r: (x, r), merge)
 
 
+NO_INDEX = 2**63 - 1  # the index of a fold that has taken no element
+
+
+def _pool_max_kind() -> ReductionKind:
+    """Max pooling's (value, index) as eager's pooling kernels fold a window, in order, one point
+    at a time: a point is taken where it is greater or NaN (the last NaN's index, where torch.max
+    keeps the first), ties keep the first, and the first point's index is taken whatever its value
+    (a window all -inf gives its first point). Windows only: a thread folds its window in order,
+    so the merge is never asked to combine two partial folds. Cheaper than argmax's merge too:
+    a compare and a NaN test a point, where argmax's tie-break by index costs a dozen ops."""
+    def merge(a, b):
+        take = (b[0] > a[0]) | isnan(b[0])
+        return (where(take, b[0], a[0]), where(take | eq(a[1], Expr.const(NO_INDEX, "int64")), b[1], a[1]))
+    return ReductionKind("pool_max", lambda d: (d, "int64"), lambda d: (_min_value(d), NO_INDEX),
+                         lambda x, r: (x, r), merge)
+
+
 def _welford_merge(a, b):
     n = a[0] + b[0]
     d = b[1] - a[1]
@@ -86,6 +103,7 @@ REDUCTIONS: dict[str, ReductionKind] = {
     "all": _sum_kind("all", lambda a, b: a & b, lambda d: True),
     "argmax": _arg_kind("argmax", True),
     "argmin": _arg_kind("argmin", False),
+    "pool_max": _pool_max_kind(),
     "welford": ReductionKind("welford", lambda d: (d, d, d), lambda d: (0.0, 0.0, 0.0),
                              lambda x, r: (_k(x, 1), x, _k(x, 0)), _welford_merge, chunk=_welford_chunk),
     "logsumexp": ReductionKind("logsumexp", lambda d: (d, d), lambda d: (-math.inf, 0.0),
@@ -459,7 +477,7 @@ def _pool(kind: str, k: int) -> Callable:
             return WindowPlan("sum", *geo, lambda s, n: [s[0] / n.cast(s[0].dtype)],
                               bool(c.s("count_include_pad", True)), c.s("divisor_override"))
         with_indices = c.name.endswith("with_indices")
-        return WindowPlan("argmax", *geo, (lambda s, n: [s[0], s[1]]) if with_indices else (lambda s, n: [s[0]]))
+        return WindowPlan("pool_max", *geo, (lambda s, n: [s[0], s[1]]) if with_indices else (lambda s, n: [s[0]]))
     return entry
 
 

@@ -58,7 +58,7 @@ def program(win: Window, domain: tuple[int, ...], views: list[tuple[int, ...]], 
     over the domain, and, read after such a view, broadcast over that view as over the domain (an
     input that would broadcast differently, (4, 1, 1) over a squeezed (4, 4, 8) against the
     domain's (4, 4, 1, 8), is declined)."""
-    if win.kind.name == "argmax" and not any(n.op == "var" and n.value == "s1" for r in results for n in r.walk()):
+    if win.kind.name == "pool_max" and not any(n.op == "var" and n.value == "s1" for r in results for n in r.walk()):
         win = replace(win, kind=reductions.REDUCTIONS["max"])  # indices unused: a max folds the same values
     out_strides = [_over(m.shape, m.stride, domain) for m in out_metas]
     if any(st is None for st in out_strides):
