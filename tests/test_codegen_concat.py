@@ -72,6 +72,20 @@ def test_a_legacy_empty_piece_is_skipped_as_torch_cat_skips_it():
     torch.testing.assert_close(cuda_on_cpu.run(card, cand, inputs)[0], want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("pieces, dim, reason", [
+    ([meta(0), meta(0)], 0, "no elements"), ([meta(4, 0), meta(4, 0)], 1, "no elements"),
+    ([meta(0, dtype=torch.int64), meta(4, 3, dtype=torch.int32)], 0, "promotes"),
+    ([meta(4, 2, dtype=torch.int32), meta(4, 3, dtype=torch.int64)], 1, "promotes")])
+def test_a_cat_of_no_elements_or_of_mixed_dtypes_is_declined(pieces, dim, reason):
+    """torch.cat promotes its pieces to one dtype, an empty piece's dtype too: a piece read as it
+    is would compute in its own (int32 where eager's product is int64). Declined, as are cats of
+    nothing, with the reason."""
+    card = make_card(A.cat.default, pieces, dim)
+    got = card_program.program_for_card(card)
+    assert isinstance(got, str) and reason in got, got
+    assert BuiltinProposer().supports(card)[0] is False
+
+
 def rotate_half(x):
     x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
     return torch.cat((-x2, x1), dim=-1)

@@ -154,6 +154,13 @@ class MaskedCumsum(nn.Module):
         return torch.cumsum(x * mask, dim=1)
 
 
+class NormalisedCDF(nn.Module):
+    """A masked cumsum over its row's sum: the sum is a fold of its own, read by the scan's epilogue."""
+
+    def forward(self, x, mask):
+        return torch.cumsum(x * mask, -1) / x.sum(-1, keepdim=True)
+
+
 class Pool1dThenGelu(nn.Module):
     """KernelBench level 2's Matmul_AvgPool_GELU_Scale_Max after its matmul: avg_pool1d is an
     unsqueeze, a 2-D pooling and a squeeze, and the GELU and scale follow the squeeze."""
@@ -287,6 +294,8 @@ CASES = {
     "max_pool1d_without_its_indices": (lambda: nn.MaxPool1d(8, 1, 4, 3), lambda: (torch.randn(2, 4, 300),),
                                        ["max_pool2d_with_indices"]),
     "masked_cumsum": (MaskedCumsum, lambda: (torch.rand(4, 300), torch.rand(4, 300) > 0.5), ["mul", "cumsum"]),
+    "cumsum_over_a_sum_read_from_outside": (NormalisedCDF, lambda: (torch.rand(4, 64), torch.rand(4, 64) > 0.5),
+                                            ["mul", "cumsum", "div"]),
     "sum_and_sum_of_squares": (SumTimesSquares, lambda: (torch.rand(12, 50),), ["sum", "mul", "sum", "mul"]),  # no cancellation
 }
 

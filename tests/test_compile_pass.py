@@ -659,3 +659,23 @@ def test_a_kept_call_inductors_table_lowers_whole_stays_without_a_warning(caplog
     assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [aten.add.Tensor, aten.relu.default]
     a, b = torch.randn(3, 4), torch.randn(3, 4)
     torch.testing.assert_close(gm(a, b), torch.relu(a + b))
+
+
+def test_a_max_pool_alone_keeps_its_op_card_though_its_unused_indices_make_it_a_region():
+    """A max pool whose indices nobody reads is a region of one node for the region finder (a
+    values-only kernel may ship for it), but it fuses with nothing: the pass judges its op card
+    alone, as any call alone, and places it."""
+    aten = torch.ops.aten
+
+    def pool_kernel(ins, outs):
+        v, i = aten.max_pool2d_with_indices.default(ins[0], [3, 3], [1, 1], [1, 1])
+        outs[0].copy_(v)
+        outs[1].copy_(i)
+
+    x = torch.randn(2, 4, 8, 8)
+    card = make_card(aten.max_pool2d_with_indices.default, x, [3, 3], [1, 1], [1, 1])
+    rewrites = inductor._rewrites(fake_package(card), FakeLauncher(pool_kernel))
+    table, _ = inductor._decompositions(rewrites)
+    gm = make_fx(lambda a, w: F.max_pool2d(a, 3, 1, 1).flatten(1) @ w, tracing_mode="fake",
+                 decomposition_table=table)(x, torch.randn(256, 4))
+    assert sum(p(gm.graph) for p in rewrites) == 1

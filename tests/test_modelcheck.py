@@ -248,7 +248,7 @@ def test_the_checks_compiles_leave_no_entry_against_the_users_recompile_limit():
     """Nine compiles of one forward with as many backends (the check's six ways and its cards left
     out) fill dynamo's per-frame cache: the user's own compile after them runs eager, its backend
     never called. Inside compiles_forgotten, the entries go when the block ends and the user's
-    compile traces the forward."""
+    compile traces the forward; a function compiled before, elsewhere, keeps its entry."""
     from kforge.modelcheck import compiles_forgotten
 
     def fill(model, x):
@@ -269,6 +269,10 @@ def test_the_checks_compiles_leave_no_entry_against_the_users_recompile_limit():
     fill(Doubled(), x)
     assert not users_compile_traces(Doubled(), x)  # past the limit: eager
     torch.compiler.reset()
-    with compiles_forgotten():
+    other = torch.compile(lambda t: t + 1, backend=lambda gm, ex: gm.forward)
+    other(x)  # compiled before the check, elsewhere: its entry stays
+    with compiles_forgotten(Doubled()):
         fill(Doubled(), x)
     assert users_compile_traces(Doubled(), x)
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    assert len(_debug_get_cache_entry_list(other._torchdynamo_orig_callable.__code__)) == 1

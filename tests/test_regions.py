@@ -150,6 +150,17 @@ def test_one_node_is_a_region_where_it_drops_a_quarter_of_its_bytes_unused():
     assert sites(nn.LayerNorm(64), torch.randn(8, 64)) == [] and sites(nn.GroupNorm(2, 4), torch.randn(2, 4, 8, 8)) == []
 
 
+class NormalisedCDF(nn.Module):
+    def forward(self, x, mask):
+        return torch.cumsum(x * mask, -1) / x.sum(-1, keepdim=True)
+
+
+def test_a_scan_is_its_regions_only_fold():
+    """cumsum takes its pointwise prologue and epilogue, but no sibling reduction: the generator
+    folds nothing beside a scan, so the sum stays outside and the region is mul -> cumsum -> div."""
+    assert found(NormalisedCDF(), torch.rand(4, 50), torch.rand(4, 50) > 0.5)["fused"] == [["mul", "cumsum", "div"]]
+
+
 def test_no_region_across_a_graph_output():
     got = found(OutputAndUse(), torch.randn(4, 4))
     assert got["fused"] == [["mul", "exp"]]  # relu's value leaves the graph: the region starts after it

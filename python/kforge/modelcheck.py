@@ -329,18 +329,39 @@ def _leave_one_out(model, package, compiled: dict, forward_of, cards: Sequence[s
     return {name: (m.median, m.iqr) for name, m in zip(forwards, measured)}
 
 
+def _dynamo_codes() -> set | None:
+    """The code objects dynamo has compiled frames of in this process (a private tracker: None
+    on a torch without it)."""
+    try:
+        from torch._dynamo.convert_frame import input_codes
+        return {ref() for ref in input_codes.seen} - {None}
+    except (ImportError, AttributeError):
+        return None
+
+
 @contextlib.contextmanager
-def compiles_forgotten():
-    """Dynamo's compiled entries dropped on the way out (torch.compiler.reset()). The check traces
+def compiles_forgotten(model: torch.nn.Module):
+    """Dynamo's compiled entries for the frames the block compiled dropped on the way out (the
+    model's forward and any frame first compiled inside; kforge.graph.forget). The check traces
     the model's forward six ways and once per card left out, and dynamo keeps those entries per
     code object for the whole process: left behind, they put the user's own torch.compile or
     kforge.compile of that model past the recompile limit (8 a frame), and it runs eager without
     a word (after the check, KernelBench's problems timed kforge.compile at eager's speed, dynamo's
-    "BACKEND_MATCH failure" eight times over). Whatever else was compiled recompiles on its next call."""
+    "BACKEND_MATCH failure" eight times over). Frames compiled before and elsewhere keep theirs; on a
+    torch without dynamo's tracker, torch.compiler.reset() drops every frame's."""
+    from .graph import forget
+
+    before = _dynamo_codes()
     try:
         yield
     finally:
-        torch.compiler.reset()
+        after = _dynamo_codes()
+        if before is None or after is None:
+            torch.compiler.reset()
+        else:
+            forward = getattr(type(model).forward, "__code__", None)
+            for code in (after - before) | ({forward} if forward is not None else set()):
+                forget(code)
 
 
 def check_model(model: torch.nn.Module, example_inputs: Any, package, *, rounds: int = 10, calls: int | None = None,
@@ -375,7 +396,7 @@ def check_model(model: torch.nn.Module, example_inputs: Any, package, *, rounds:
 
     with_compile = with_compile and dev.type == "cuda"
     with model_state(model, eval_mode=True), torch.inference_mode(), \
-            (compiles_forgotten() if with_compile else contextlib.nullcontext()):
+            (compiles_forgotten(model) if with_compile else contextlib.nullcontext()):
         synced()  # warm-up
         t0 = time.perf_counter()
         synced()

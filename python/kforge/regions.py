@@ -16,8 +16,9 @@ Two kinds of candidates, found independently (they may overlap; the packager pic
              the pointwise work after it (bias, scale, activation, residual, batch norm).
 
 Regions are convex (no path leaves a region and comes back), have at least two nodes that
-do work (or one whose unused outputs are at least a quarter of the bytes it writes: a max
-pool's indices, which the op must write and a region need not), and never hold a node that
+do work (or one pooling or reduction the code generator lowers whose unused outputs are at
+least a quarter of the bytes it writes: a max pool's indices, which the op must write and a
+region need not), and never hold a node that
 writes its inputs or draws random numbers. Each found
 region is a Site: its graph nodes, the values it reads and returns, and its Subgraph
 (kforge.subgraph) with the metadata the trace recorded.
@@ -178,6 +179,9 @@ def _eligible(g: _Graph, roles: frozenset[str]) -> set[fx.Node]:
 
 
 def _valid(g: _Graph, members: set[fx.Node], epilogue: bool) -> bool:
+    reduces = [m for m in members if g.roles[m] == "reduce"]
+    if len(reduces) > 1 and any(packet_name(m.target) in SCAN_OPS for m in reduces):
+        return False  # a scan is its region's only fold (the generator folds no sibling beside it)
     mask = 0
     for m in members:
         mask |= g.bit[m]
@@ -290,8 +294,14 @@ DEAD_SHARE = 0.25  # of a node's output bytes, unused, that makes it a region on
 
 
 def _drops_outputs(g: _Graph, members: set[fx.Node]) -> bool:
-    """One node that does work, whose outputs nobody reads are DEAD_SHARE or more of its bytes."""
+    """One node that does work, a pooling or reduction the code generator lowers (a region the
+    built-in proposer declines would cost a capture and a search for nothing), whose outputs
+    nobody reads are DEAD_SHARE or more of its bytes."""
+    from .codegen.build import entry_for
+
     (n,) = [m for m in members if g.roles[m] != "view"]
+    if entry_for(qualified_name(n.target))[0] not in ("window", "reduction"):
+        return False
     outs = _tensors(n.meta.get("val")) or []
     used = {k for k, _ in g.users[n]}
     size = [t.numel() * t.element_size() for t in outs]

@@ -71,8 +71,12 @@ class _Slabs:
         for n in cats:
             if not n.metas[0].shape:
                 raise Decline("a cat of 0-dim tensors")
+            if 0 in n.metas[0].shape:
+                raise Decline("a cat of no elements: nothing to generate")
             if not all(isinstance(ref, Ref) for ref in n.args["tensors"]):
                 raise Decline("a cat of a tensor the region does not compute or read")
+            if any(self._meta(ref).dtype != n.metas[0].dtype for ref in n.args["tensors"]):
+                raise Decline("a cat that promotes its pieces' dtypes (an empty piece's too): not generated")
         # the slabs cut the dim of the first cat of two or more pieces; cats along other dims
         # (and cats of one piece) stay in the slabs, to be cut there
         cut = [n for n in cats if len(self._pieces(n)) > 1] or cats
