@@ -41,6 +41,7 @@ extern "C" void kf_set_ids(unsigned bx, unsigned by, unsigned tx, unsigned gx, u
 }
 inline float rsqrtf(float x) { return 1.f / sqrtf(x); }
 inline float __expf(float x) { return expf(x); }
+inline float __logf(float x) { return logf(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline double rsqrt(double x) { return 1.0 / sqrt(x); }
 inline float cyl_bessel_i0f(float x) { return std::cyl_bessel_i(0.f, std::fabs(x)); }

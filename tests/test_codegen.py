@@ -840,6 +840,35 @@ def test_generated_c_runs_on_the_cpu_like_eager(name):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"{knobs}: {m}")
 
 
+@pytest.mark.parametrize("op, args", [(A.softplus.default, (1.0, 20.0)), (A.softplus.default, (2.0, 5.0)),
+                                      (A.mish.default, ())])
+def test_log1p_before_a_16_bit_output_takes_a_short_series_or_the_hardware_log(op, args, monkeypatch):
+    """softplus and mish rounded to bf16: log1p(e) is the series to e^4 where |e| < 2^-5 and __logf(1 + e)
+    past it, not log1pf; in fp32 log1pf stays. The fast form, run on the CPU in fp32 as if the output
+    were 16-bit, gives eager's values to a few fp32 ulps over the whole range (the series' edge, 0,
+    large inputs, -inf, inf and NaN)."""
+    from dataclasses import replace
+
+    import cuda_on_cpu
+    from kforge.codegen.lower import emit, pointwise
+
+    x = torch.cat([torch.linspace(-30, 30, 6001), torch.linspace(-4.0, -3.0, 501), torch.tensor(
+        [0.0, -0.0, float("inf"), -float("inf"), float("nan")])])
+    for dtype, fast in ((BF16, True), (torch.float32, False)):
+        card = make_card(op, meta(x.numel(), dtype=dtype), *args)
+        source = generated.build(card, generated.default(card, H200), H200).source
+        kernel = source[source.index('extern "C"'):]
+        assert ("log1pf(" not in kernel, "kf_log1p16(" in kernel) == (fast, fast)
+        assert compiler.compile(source, arch="sm_90").cubin
+    monkeypatch.setattr(pointwise, "fast_nodes", lambda prog, results: emit.fast_nodes(
+        replace(prog, outputs=[replace(m, dtype="bfloat16") for m in prog.outputs]), results))
+    cand = generated.build(card, {**generated.default(card, H200), "threads": 64}, H200)
+    assert "kf_log1p16(" in cand.source
+    (got,) = cuda_on_cpu.run(card, cand, [x])
+    want = card.call_eager([x.double()], "cpu")[0]
+    torch.testing.assert_close(got.double(), want, rtol=4e-6, atol=1e-30, equal_nan=True)
+
+
 def test_a_max_pool_with_indices_folds_as_eagers_pooling_kernel_does():
     """Each thread folds its window in order as eager's pooling kernels do (a point taken where it
     is greater or NaN), run on the CPU as generated C: the last NaN's index, ties and all -inf

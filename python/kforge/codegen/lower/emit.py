@@ -29,6 +29,12 @@ __device__ __forceinline__ float kf_fdiv(float a, float b) {
   const float m = fabsf(b);
   return (m >= 1.17549435e-38f && m < 8.50705917e37f) ? __fdividef(a, b) : a / b;
 }
+// log1p for a value rounded to a 16-bit float next: the series to x^4 where 1 + x would drop x's
+// low bits (|x| < 2^-5: the first term left out is under 2^-20 of the sum), the hardware's log of
+// 1 + x elsewhere (absolute error 2^-21 near 1, so at most 2^-16 of a result of 2^-5 or more).
+__device__ __forceinline__ float kf_log1p16(float x) {
+  return fabsf(x) < 0.03125f ? x * (1.0f + x * (-0.5f + x * (0.333333343f - 0.25f * x))) : __logf(1.0f + x);
+}
 """
 _HALF = r"""
 #include <cuda_fp16.h>
@@ -86,8 +92,9 @@ def convert(x: str, src: str, dst: str) -> str:
 
 class Emitter:
     """SSA statements for Expr DAGs in one scope; equal subtrees are emitted once. The nodes in
-    `fast` (float32 exp and division, fast_nodes) use the hardware's approximations (__expf,
-    __fdividef: a few ulps, against an ulp; about 3 instructions against 10), and 1 +- tanh(z)
+    `fast` (float32 exp, division and log1p, fast_nodes) use the hardware's approximations (__expf,
+    __fdividef, __logf past a short series: a few ulps, against an ulp; about 3 instructions
+    against 10, and log1pf's 20 or more), and 1 +- tanh(z)
     (GELU's tanh form) takes 2 / (1 + exp(-+2z)) through them: for values rounded to a 16-bit
     type next, whose rounding hides that difference."""
 
@@ -129,7 +136,7 @@ class Emitter:
             expr = f"kf_fdiv(2.0f, 1.0f + __expf({k:.1f}f * {self.names[z]}))"
         elif n in self.fast:
             a = [self.names[x] for x in n.args]
-            expr = f"__expf({a[0]})" if n.op == "exp" else f"kf_fdiv({a[0]}, {a[1]})"
+            expr = {"exp": f"__expf({a[0]})", "log1p": f"kf_log1p16({a[0]})"}.get(n.op) or f"kf_fdiv({a[0]}, {a[1]})"
         else:
             expr = self._prim(n, [self.names[a] for a in n.args])
         name = f"{self.prefix}{len(self.lines)}"
@@ -222,7 +229,7 @@ _STEPS = frozenset({"lt", "le", "gt", "ge", "eq", "ne", "rint", "floor", "ceil",
 
 
 def fast_nodes(prog: Program, results: list) -> frozenset:
-    """The float32 exp, division and 1 +- tanh nodes of `results` (epilogue expressions) that may take
+    """The float32 exp, division, log1p and 1 +- tanh nodes of `results` (epilogue expressions) that may take
     Emitter's fast forms: every output a 16-bit float, so each value is rounded to 8 or 11
     significant bits (a few fp32 ulps then change a rounding once in thousands of elements, by
     one ulp of the output), and no step between the node and the output (nothing under a
@@ -245,7 +252,7 @@ def fast_nodes(prog: Program, results: list) -> frozenset:
         elif n.op == "where":
             under_step(n.args[0])
     return frozenset(n for n in nodes if n.dtype == "float32" and n not in stepped and
-                     (n.op in ("exp", "div") or _one_plus_tanh(n)))
+                     (n.op in ("exp", "div", "log1p") or _one_plus_tanh(n)))
 
 
 def _one_plus_tanh(n: Expr) -> tuple[Expr, float] | None:
