@@ -177,3 +177,28 @@ def run(card, cand, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
                     lib.kf_set_ids(bx, by, tx, k.grid[0], k.grid[1], k.block[0])
                     fn(*ptrs)
     return outs
+
+
+def check_fast_forms(cards, exact: str, fast: str) -> None:
+    """Each (card, is_16_bit) pair's default kernel uses the `fast` form and not the `exact` call
+    where its outputs are 16-bit (emit.fast_nodes), the exact call otherwise; each compiles for sm_90."""
+    from kforge import compiler
+    from kforge.hardware import H200
+    from kforge.proposers.builtin import generated
+
+    for card, sixteen in cards:
+        source = generated.build(card, generated.default(card, H200), H200).source
+        kernel = source[source.index('extern "C"'):]
+        assert (exact not in kernel, fast in kernel) == (sixteen, sixteen), card.summary()
+        assert compiler.compile(source, arch="sm_90").cubin
+
+
+def fast_forms_in_fp32(monkeypatch) -> None:
+    """Pointwise kernels take the fast forms of 16-bit outputs whatever their dtype, so that the CPU
+    runs those forms in fp32 (it runs no 16-bit type)."""
+    from dataclasses import replace
+
+    from kforge.codegen.lower import emit, pointwise
+
+    monkeypatch.setattr(pointwise, "fast_nodes", lambda prog, results: emit.fast_nodes(
+        replace(prog, outputs=[replace(m, dtype="bfloat16") for m in prog.outputs]), results))

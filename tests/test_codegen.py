@@ -847,21 +847,14 @@ def test_log1p_before_a_16_bit_output_takes_a_short_series_or_the_hardware_log(o
     past it, not log1pf; in fp32 log1pf stays. The fast form, run on the CPU in fp32 as if the output
     were 16-bit, gives eager's values to a few fp32 ulps over the whole range (the series' edge, 0,
     large inputs, -inf, inf and NaN)."""
-    from dataclasses import replace
-
     import cuda_on_cpu
-    from kforge.codegen.lower import emit, pointwise
 
     x = torch.cat([torch.linspace(-30, 30, 6001), torch.linspace(-4.0, -3.0, 501), torch.tensor(
         [0.0, -0.0, float("inf"), -float("inf"), float("nan")])])
-    for dtype, fast in ((BF16, True), (torch.float32, False)):
-        card = make_card(op, meta(x.numel(), dtype=dtype), *args)
-        source = generated.build(card, generated.default(card, H200), H200).source
-        kernel = source[source.index('extern "C"'):]
-        assert ("log1pf(" not in kernel, "kf_log1p16(" in kernel) == (fast, fast)
-        assert compiler.compile(source, arch="sm_90").cubin
-    monkeypatch.setattr(pointwise, "fast_nodes", lambda prog, results: emit.fast_nodes(
-        replace(prog, outputs=[replace(m, dtype="bfloat16") for m in prog.outputs]), results))
+    card = make_card(op, meta(x.numel()), *args)
+    cuda_on_cpu.check_fast_forms([(make_card(op, meta(x.numel(), dtype=BF16), *args), True), (card, False)],
+                                 "log1pf(", "kf_log1p16(")
+    cuda_on_cpu.fast_forms_in_fp32(monkeypatch)
     cand = generated.build(card, {**generated.default(card, H200), "threads": 64}, H200)
     assert "kf_log1p16(" in cand.source
     (got,) = cuda_on_cpu.run(card, cand, [x])

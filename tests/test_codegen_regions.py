@@ -599,19 +599,12 @@ def test_gelu_tanh_rounded_to_16_bits_takes_one_exp_and_no_tanh(tmp_path, monkey
     hardware's exp and division (no tanhf, no cancellation where tanh nears -1); in fp32 the
     table's tanhf stays. The rewritten form, run on the CPU in fp32, gives eager's GELU to a
     few ulps (and eager's 0, inf and NaN at the ends)."""
-    from dataclasses import replace
-
-    from kforge.codegen.lower import emit, pointwise
     x = torch.cat([torch.linspace(-12, 12, 4001), torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan")])])
-    for dtype, fast in ((torch.bfloat16, True), (torch.float32, False)):
-        card = region_card(tmp_path / str(dtype), GeluMul(), x.to(dtype), torch.ones_like(x, dtype=dtype))
-        source = generated.build(card, generated.default(card, H200), H200).source
-        kernel = source[source.index('extern "C"'):]
-        assert ("tanhf(" not in kernel, "kf_fdiv(2.0f, 1.0f + __expf(-2.0f * " in kernel) == (fast, fast)
-        assert compiler.compile(source, arch="sm_90").cubin
-    # the fast form in fp32 on the CPU: as if the outputs were 16-bit
-    monkeypatch.setattr(pointwise, "fast_nodes", lambda prog, results: emit.fast_nodes(
-        replace(prog, outputs=[replace(m, dtype="bfloat16") for m in prog.outputs]), results))
+    cards = [(region_card(tmp_path / str(dtype), GeluMul(), x.to(dtype), torch.ones_like(x, dtype=dtype)), fast)
+             for dtype, fast in ((torch.bfloat16, True), (torch.float32, False))]
+    cuda_on_cpu.check_fast_forms(cards, "tanhf(", "kf_fdiv(2.0f, 1.0f + __expf(-2.0f * ")
+    card = cards[-1][0]
+    cuda_on_cpu.fast_forms_in_fp32(monkeypatch)  # the fast form in fp32 on the CPU: as if the outputs were 16-bit
     cand = generated.build(card, {**generated.default(card, H200), "threads": 64}, H200)
     assert "tanhf(" not in cand.source
     got = cuda_on_cpu.run(card, cand, [x, torch.ones_like(x)])[0]
