@@ -942,6 +942,7 @@ def test_a_staged_block_scan_reads_and_writes_consecutive_elements(reverse, excl
     assert lower.scan.scan_stages(prog, {"threads": 1024, "items": 8, "stage": "smem"})  # 33 KB of fp32 states
     wide = make_card(A.cumsum.default, meta(2, 300, dtype=torch.float64), 1)
     assert not lower.scan.scan_stages(card_program.program_for_card(wide), {"threads": 1024, "items": 8, "stage": "smem"})
+    assert [s["stage"] for s in generated.spaces(wide, H200) if s["algo"] == ("gen_scan_block",)] == [("none",)]
 
 
 @pytest.mark.parametrize("name", ["var_mean", "argmin_flat", "logsumexp", "cumsum_rows"])

@@ -128,8 +128,10 @@ def _scan_spaces(prog: Program) -> list[KnobSpace]:
     serial = {"algo": ("gen_scan",), "threads": (32, 64, 128, 256, 512), "unroll": (1, 2, 4)}
     if not lower.scan_is_inner(prog):
         return [serial]
+    # staged chunks for 4-byte states (every setting's stage fits; 8-byte ones would not at 1024 x 8)
+    wide = any(t in ("float64", "int64") for t in prog.scan.kind.state(prog.scan.operand.dtype))
     block = {"algo": ("gen_scan_block",), "threads": (32, 64, 128, 256, 512, 1024), "items": (1, 2, 4, 8),
-             "stage": ("none", "smem")}
+             "stage": ("none",) if wide else ("none", "smem")}
     if prog.scan.operand.dtype in FLOATS and prog.domain[prog.scan.dim] > SERIAL_FLOAT_SCAN_MAX:
         return [block]
     return [serial, block]
