@@ -331,7 +331,9 @@ def _leave_one_out(model, package, compiled: dict, forward_of, cards: Sequence[s
 
 def _dynamo_codes() -> set | None:
     """The code objects dynamo has compiled frames of in this process (a private tracker: None
-    on a torch without it)."""
+    on a torch without it, or without the reset_code that forgets one)."""
+    if not hasattr(torch._dynamo, "reset_code"):  # what kforge.graph.forget calls
+        return None
     try:
         from torch._dynamo.convert_frame import input_codes
         return {ref() for ref in input_codes.seen} - {None}
