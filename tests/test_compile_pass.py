@@ -679,3 +679,34 @@ def test_a_max_pool_alone_keeps_its_op_card_though_its_unused_indices_make_it_a_
     gm = make_fx(lambda a, w: F.max_pool2d(a, 3, 1, 1).flatten(1) @ w, tracing_mode="fake",
                  decomposition_table=table)(x, torch.randn(256, 4))
     assert sum(p(gm.graph) for p in rewrites) == 1
+
+
+def test_compiling_again_with_the_same_package_reuses_its_backend(monkeypatch):
+    """A second kforge.compile of the model with the same package and launcher is the same backend
+    to dynamo, so it reuses the compiled graph (Inductor is not called again) rather than adding a
+    version towards dynamo's limit of eight; another launcher is another backend."""
+    import functools
+
+    import torch._inductor.compile_fx as cfx
+
+    model, x, card = group_norm_model(fused=False)
+    launcher = FakeLauncher(group_norm_kernel(2, 1e-5))
+    pkg = fake_package(card)
+    calls = []
+    real = cfx.compile_fx
+
+    @functools.wraps(real)  # its signature too, which kforge checks for a decomposition table
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+    monkeypatch.setattr(cfx, "compile_fx", counted)
+    with torch.no_grad():
+        want = model(x)
+        torch.testing.assert_close(pkg.compile(model, launcher=launcher)(x), want)
+        first = len(calls)  # (compile_fx calls itself with its patches applied)
+        for _ in range(2):
+            torch.testing.assert_close(pkg.compile(model, launcher=launcher)(x), want)
+        assert first and len(calls) == first and len(launcher.calls) == 3
+        other = FakeLauncher(group_norm_kernel(2, 1e-5))
+        torch.testing.assert_close(pkg.compile(model, launcher=other)(x), want)
+    assert len(calls) > first and len(other.calls) == 1

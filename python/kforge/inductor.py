@@ -74,6 +74,13 @@ except ImportError:  # unsupported() says so before any pass is made
 
 log = logging.getLogger("kforge.inductor")
 
+# The backend each package, launcher and setting was compiled with, the last few: dynamo keeps at
+# most eight compiled versions of a function (then runs it eager, saying so only in its log), and
+# a new backend callable is a new version, so compiling the same model again with the same package
+# reuses the backend, as torch.compile reuses Inductor's.
+_BACKENDS: dict[tuple, tuple[Any, Any, Any]] = {}  # key -> (package, launcher, backend): ids stay theirs
+BACKENDS_KEPT = 8
+
 # Bumped when what the pass does to a graph changes: part of uuid(), so Inductor's caches never
 # serve a graph an older pass rewrote.
 PASS_VERSION = 4  # 2: fusion-aware op substitution, region cards, leftovers decomposed; 3: layout copies; 4: attention
@@ -247,6 +254,11 @@ def compile(model: Any, package: Any, *, launcher: Launcher | None = None, drop:
     if "post_grad_custom_post_pass" in user_options:
         raise KforgeError("kforge.compile installs its own post_grad_custom_post_pass: leave it out of options "
                           "(run your pass as post_grad_custom_pre_pass)")
+    device = torch.cuda.current_device() if torch.cuda.is_available() else -1
+    key = (id(package), id(launcher), device, tuple(sorted(drop)), mode, kwargs["dynamic"], repr(sorted(user_options.items())))
+    held = _BACKENDS.get(key)
+    if held is not None and held[0] is package and held[1] is launcher:
+        return torch.compile(model, backend=held[2], **kwargs)
     rewrites = _own() + _rewrites(package, launcher, drop=drop)
     if not rewrites:
         log.info("%s has no kernel for compiled graphs here: plain torch.compile", package.path)
@@ -259,4 +271,7 @@ def compile(model: Any, package: Any, *, launcher: Launcher | None = None, drop:
     def kforge_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence) -> Any:
         return compile_fx(gm, example_inputs, config_patches=patches, decompositions=table)
 
+    _BACKENDS[key] = (package, launcher, kforge_inductor)
+    while len(_BACKENDS) > BACKENDS_KEPT:
+        del _BACKENDS[next(iter(_BACKENDS))]  # the oldest
     return torch.compile(model, backend=kforge_inductor, **kwargs)
