@@ -7,6 +7,8 @@ on the CPU (g++) like eager; the region builder takes a chain of nodes."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -472,28 +474,34 @@ def test_reduction_compiles_for_sm90_across_its_knobs(name):
     assert len(digests) == sum(len(knob_space.configs(s)[:40]) for s in spaces)
 
 
+@contextlib.contextmanager
+def _scan_with_flags(rows: int, length: int, reverse: bool, exclusive: bool):
+    """A cumsum card over rows x length fp32 whose program carries the IR's reverse and exclusive
+    flags (registered with the generator while the block runs), an input and torch's answer."""
+    import dataclasses
+
+    card = make_card(A.cumsum.default, meta(rows, length), 1)
+    prog = card_program.program_for_card(card)
+    prog.scan = dataclasses.replace(prog.scan, reverse=reverse, exclusive=exclusive)
+    x = torch.randn(rows, length)
+    want = x.flip(1).cumsum(1).flip(1) if reverse else x.cumsum(1)
+    generated._PROGRAMS[card.id] = prog
+    try:
+        yield card, prog, x, want - x if exclusive else want
+    finally:
+        del generated._PROGRAMS[card.id]
+
+
 @pytest.mark.parametrize("reverse, exclusive", [(True, False), (False, True), (True, True)])
 def test_reversed_and_exclusive_scans(reverse, exclusive):
     """The IR's scan flags (regions lower flip + cumsum, or a shifted cumsum, to them): the
     interpreter and the generated C run on the CPU agree with torch."""
-    import dataclasses
-
     import cuda_on_cpu
 
-    card = make_card(A.cumsum.default, meta(6, 23), 1)
-    prog = card_program.program_for_card(card)
-    prog.scan = dataclasses.replace(prog.scan, reverse=reverse, exclusive=exclusive)
-    x = torch.randn(6, 23)
-    want = x.flip(1).cumsum(1).flip(1) if reverse else x.cumsum(1)
-    if exclusive:
-        want = want - x
-    (got,) = interp.run(prog, [x])
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    generated._PROGRAMS[card.id] = prog
-    try:
+    with _scan_with_flags(6, 23, reverse, exclusive) as (card, prog, x, want):
+        (got,) = interp.run(prog, [x])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         cand = generated.build(card, generated.default(card, H200), H200)
-    finally:
-        del generated._PROGRAMS[card.id]
     (ran,) = cuda_on_cpu.run(card, cand, [x])
     torch.testing.assert_close(ran, want, rtol=1e-5, atol=1e-5)
 
@@ -503,13 +511,7 @@ def test_contiguous_lines_get_a_parallel_block_scan_that_compiles_for_every_sett
     """A thread walking a contiguous line reads it a sector at a time: lines along the
     innermost dim get a block per line (the default once a line is long), strided lines keep
     a thread per line; the block scan compiles for sm_90 in every form and setting."""
-    import dataclasses
-
-    card = make_card(A.cumsum.default, meta(6, 3001), 1)
-    prog = card_program.program_for_card(card)
-    prog.scan = dataclasses.replace(prog.scan, reverse=reverse, exclusive=exclusive)
-    generated._PROGRAMS[card.id] = prog
-    try:
+    with _scan_with_flags(6, 3001, reverse, exclusive) as (card, _, _, _):
         # 2 elements a thread: more make each warp's accesses strided (KernelBench's scans, H100)
         assert generated.default(card, H200)["algo"] == "gen_scan_block"
         assert generated.default(card, H200)["items"] == 2
@@ -518,8 +520,6 @@ def test_contiguous_lines_get_a_parallel_block_scan_that_compiles_for_every_sett
             cand = generated.build(card, knobs, H200)
             assert cand.plan.kernels[0].grid[0] == 6 and cand.plan.kernels[0].block[0] == knobs["threads"]
             assert compiler.compile(cand.source, arch="sm_90").cubin
-    finally:
-        del generated._PROGRAMS[card.id]
     strided = make_card(A.cumsum.default, meta(3001, 6), 0)
     assert [s["algo"] for s in generated.spaces(strided, H200)] == [("gen_scan",)]
     assert generated.default(make_card(A.cumsum.default, meta(500, 20), 1), H200)["algo"] == "gen_scan"  # short lines
@@ -914,20 +914,10 @@ def test_a_staged_block_scan_reads_and_writes_consecutive_elements(reverse, excl
     without it a thread reads its own `items` consecutive elements. Run on the CPU, every width
     and form gives eager's scan (a mutant without the barrier after the states' write-back fails:
     the epilogue reads other threads' states); a chunk past the stage's budget is not staged."""
-    import dataclasses
-
     import cuda_on_cpu
     from kforge.codegen import lower
 
-    card = make_card(A.cumsum.default, meta(3, 300), 1)
-    prog = card_program.program_for_card(card)
-    prog.scan = dataclasses.replace(prog.scan, reverse=reverse, exclusive=exclusive)
-    x = torch.randn(3, 300)
-    want = x.flip(1).cumsum(1).flip(1) if reverse else x.cumsum(1)
-    if exclusive:
-        want = want - x
-    generated._PROGRAMS[card.id] = prog
-    try:
+    with _scan_with_flags(3, 300, reverse, exclusive) as (card, prog, x, want):
         for items in (1, 2, 4, 8):
             knobs = {"algo": "gen_scan_block", "threads": 32, "items": items, "stage": "smem"}
             cand = generated.build(card, knobs, H200)
@@ -937,8 +927,6 @@ def test_a_staged_block_scan_reads_and_writes_consecutive_elements(reverse, excl
             (got,) = cuda_on_cpu.run(card, cand, [x])
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{items}: {m}")
         assert "kf_st" not in generated.build(card, {**knobs, "stage": "none"}, H200).source
-    finally:
-        del generated._PROGRAMS[card.id]
     assert lower.scan.scan_stages(prog, {"threads": 1024, "items": 8, "stage": "smem"})  # 33 KB of fp32 states
     wide = make_card(A.cumsum.default, meta(2, 300, dtype=torch.float64), 1)
     assert not lower.scan.scan_stages(card_program.program_for_card(wide), {"threads": 1024, "items": 8, "stage": "smem"})

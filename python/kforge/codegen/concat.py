@@ -162,16 +162,17 @@ class _Slabs:
 
     def _node(self, ref: Ref, lo: int, hi: int) -> Ref:
         n = self.nodes[ref.index]
-        if is_cat(n.op) and len(self._pieces(n)) == 1:  # a cat of one piece is that piece
-            return self.ref(self._pieces(n)[0], lo, hi)
-        if is_cat(n.op) and self._dim(n) != self.r:  # cut in the slab: its pieces over [lo, hi)
-            args = {**n.args, "tensors": [self.ref(p, lo, hi) for p in self._pieces(n)]}
+        pieces = self._pieces(n) if is_cat(n.op) else []
+        if len(pieces) == 1:  # a cat of one piece is that piece
+            return self.ref(pieces[0], lo, hi)
+        if pieces and self._dim(n) != self.r:  # cut in the slab: its pieces over [lo, hi)
+            args = {**n.args, "tensors": [self.ref(p, lo, hi) for p in pieces]}
             metas = [_narrow(m, self.r, lo, hi) for m in n.metas] if (lo, hi) != (0, self._value_size(ref)) else n.metas
             self.new_nodes.append(Node(n.op, args, list(metas)))
             return Ref("node", len(self.new_nodes) - 1, ref.output)
-        if is_cat(n.op):
+        if pieces:
             start = 0
-            for piece in self._pieces(n):
+            for piece in pieces:
                 size = self._value_size(piece)
                 if start <= lo and hi <= start + size:
                     return self.ref(piece, lo - start, hi - start)

@@ -135,6 +135,7 @@ def lower_scan_block(prog: Program, knobs: dict) -> Built:
     # the state each output reads: the elements before this one (exclusive) or up to it
     before = (["if (u > 0) {", *[f"  {line}" for line in merged("st0", "v[u - 1]", "x")], "}"] if scan.exclusive
               else merged("st0", "v[u]", "x"))
+
     def lifted_at(j: str, into: str) -> list[str]:  # the lifted operand at element j (identity past the line)
         return [f"const kf_idx j = {j};", f"{T} {into} = {zero};", "if (j < LEN) {", f"  {element}",
                 *[f"  {line}" for line in sl.operand], f"  {into} = {sl.lifted};", "}"]
