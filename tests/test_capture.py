@@ -427,6 +427,22 @@ def test_skip_reasons_and_table(tmp_path):
     assert sum(line.startswith("│") for line in text.splitlines()) == 3
 
 
+class MeanAbs(torch.nn.Module):
+    def forward(self, x):
+        return x / torch.mean(torch.abs(x), dim=1, keepdim=True)
+
+
+def test_a_call_that_resizes_the_tensor_it_writes_is_not_searched(tmp_path):
+    # abs(x) runs as abs.out into an empty tensor the op resizes: a kernel handed that empty
+    # tensor wrote past its end (an illegal address on the GPU). Writes into tensors of the
+    # output's size stay searchable: abs.default, and in-place ops.
+    r = capture(MeanAbs(), torch.randn(8, 1023), tmp_path, time_cards=False)
+    resized = one(r, "aten::abs.out")
+    assert "resizes the tensor it writes (0 before, 8x1023 after)" in skip_reason(resized)
+    assert skip_reason(one(r, "aten::abs.default")) is None
+    assert skip_reason(one(r, "aten::div_.Tensor")) is None
+
+
 def test_the_table_marks_cards_whose_calls_all_run_inside_another_card(tmp_path):
     # On the CPU a cast is _to_copy -> empty_strided + copy_: those two are nested in it.
     r = capture(CastsAndNorms(), torch.randn(8, 32, dtype=torch.bfloat16), tmp_path, time_cards=False)

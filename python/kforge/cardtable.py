@@ -22,9 +22,23 @@ _SKIP_REASONS = {
 
 def skip_reason(card: Card) -> str | None:
     """Why the search leaves this card alone, or None when it is searchable."""
-    if card.family in SEARCHABLE:
-        return None
-    return _SKIP_REASONS.get(card.family, f"family {card.family!r} is not searched")
+    if card.family not in SEARCHABLE:
+        return _SKIP_REASONS.get(card.family, f"family {card.family!r} is not searched")
+    return _resized(card)
+
+
+def _resized(card: Card) -> str | None:
+    """Why a call that resizes a tensor it writes is not searched: `abs(x)` runs as `abs.out`
+    into an empty tensor that the op resizes first. A kernel writes into the tensors it is given,
+    so one for such a call would write past the end of the empty one."""
+    inputs = card.inputs
+    for j, i in card.aliases.items():
+        before, after = inputs[i], card.outputs[j]
+        if (before.shape, before.stride) != (after.shape, after.stride):
+            shape = "x".join(map(str, before.shape)) or "scalar"
+            return (f"the call resizes the tensor it writes ({shape} before, "
+                    f"{'x'.join(map(str, after.shape)) or 'scalar'} after): a kernel writes into tensors as given")
+    return None
 
 
 def search_order(cards: Sequence[Card]) -> list[Card]:
