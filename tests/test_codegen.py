@@ -512,9 +512,8 @@ def test_contiguous_lines_get_a_parallel_block_scan_that_compiles_for_every_sett
     innermost dim get a block per line (the default once a line is long), strided lines keep
     a thread per line; the block scan compiles for sm_90 in every form and setting."""
     with _scan_with_flags(6, 3001, reverse, exclusive) as (card, _, _, _):
-        # 2 elements a thread: more make each warp's accesses strided (KernelBench's scans, H100)
-        assert generated.default(card, H200)["algo"] == "gen_scan_block"
-        assert generated.default(card, H200)["items"] == 2
+        # fp32 states through the stage, 8 elements a thread (KernelBench's cumsum, H100)
+        assert generated.default(card, H200) == {"algo": "gen_scan_block", "threads": 32, "items": 8, "stage": "smem"}
         (space,) = [s for s in generated.spaces(card, H200) if s["algo"] == ("gen_scan_block",)]
         for knobs in knob_space.configs(space)[::3]:
             cand = generated.build(card, knobs, H200)
@@ -931,6 +930,7 @@ def test_a_staged_block_scan_reads_and_writes_consecutive_elements(reverse, excl
     wide = make_card(A.cumsum.default, meta(2, 300, dtype=torch.float64), 1)
     assert not lower.scan.scan_stages(card_program.program_for_card(wide), {"threads": 1024, "items": 8, "stage": "smem"})
     assert [s["stage"] for s in generated.spaces(wide, H200) if s["algo"] == ("gen_scan_block",)] == [("none",)]
+    assert generated.default(wide, H200) == {"algo": "gen_scan_block", "threads": 32, "items": 2, "stage": "none"}
 
 
 @pytest.mark.parametrize("name", ["var_mean", "argmin_flat", "logsumexp", "cumsum_rows"])

@@ -129,23 +129,32 @@ def _scan_spaces(prog: Program) -> list[KnobSpace]:
     if not lower.scan_is_inner(prog):
         return [serial]
     # staged chunks for 4-byte states (every setting's stage fits; 8-byte ones would not at 1024 x 8)
-    wide = any(t in ("float64", "int64") for t in prog.scan.kind.state(prog.scan.operand.dtype))
     block = {"algo": ("gen_scan_block",), "threads": (32, 64, 128, 256, 512, 1024), "items": (1, 2, 4, 8),
-             "stage": ("none",) if wide else ("none", "smem")}
+             "stage": ("none",) if _wide_scan(prog) else ("none", "smem")}
     if prog.scan.operand.dtype in FLOATS and prog.domain[prog.scan.dim] > SERIAL_FLOAT_SCAN_MAX:
         return [block]
     return [serial, block]
 
 
+def _wide_scan(prog: Program) -> bool:
+    """The scan's state is 8 bytes a value (float64, int64): not staged."""
+    return any(t in ("float64", "int64") for t in prog.scan.kind.state(prog.scan.operand.dtype))
+
+
 def _scan_default(prog: Program, card: Card, hw: Hardware) -> Knobs:
-    """A block per contiguous line of at least a warp's worth of 4-element chunks, sized to the
-    line, 2 elements a thread; otherwise a thread per line, with enough blocks to fill the GPU
-    before wider blocks. A thread's consecutive elements make its warp's loads and stores strided:
-    the scan of KernelBench's reverse cumsum (1024 lines of 32768 fp32) on the H100 ran 116-120 us
-    at 2 elements a thread (256-1024 threads), 169 at 4 and 349 at 8."""
+    """A block per contiguous line of at least a warp's worth of 4-element chunks; otherwise a
+    thread per line, with enough blocks to fill the GPU before wider blocks. 4-byte states go
+    through the shared-memory stage, 8 elements a thread, threads sized to the line: KernelBench's
+    cumsum (1024 lines of 32768 fp32) on the H100 ran 100.9 us that way at 512 threads (101.7 at
+    128), against 120.6 at 2 elements a thread unstaged and 169-349 at 4-8 unstaged, where a
+    thread's consecutive elements make each warp's loads and stores strided. 8-byte states (never
+    staged: 1024 x 8 of them would not fit) keep 2 elements a thread."""
     length = prog.domain[prog.scan.dim]
     lines = card.outputs[0].numel // max(1, length)
     if lower.scan_is_inner(prog) and length >= 128:
+        if not _wide_scan(prog):
+            return {"algo": "gen_scan_block", "threads": pick((32, 64, 128, 256, 512), length / 64), "items": 8,
+                    "stage": "smem"}
         return {"algo": "gen_scan_block", "threads": pick((32, 64, 128, 256, 512, 1024), length / 8), "items": 2,
                 "stage": "none"}
     return {"algo": "gen_scan", "threads": pick((32, 64, 128, 256, 512), lines / (2 * hw.sm_count)), "unroll": 2}
