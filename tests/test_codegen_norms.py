@@ -128,16 +128,20 @@ CARDS = {
 
 
 def _sample_knobs(card):
-    """The default, then one setting per staging, per lane count and the narrowest vector."""
+    """The default, then one setting per staging, per lane count and per vector of the default's
+    algorithm; every 17th setting of the others (and of the default's, where it has no staging)."""
     out = [generated.default(card, H200)]
     for s in generated.spaces(card, H200):
+        if s["algo"] != (out[0]["algo"],):
+            out += [k for k in knob_space.configs(s)[::17] if k not in out]
+            continue
         for name in ("staging", "lanes", "vec"):
             for value in s.get(name, ()):
                 k = {**out[0], name: value}
                 if k not in out:
                     out.append(k)
         if "staging" not in s:
-            out += knob_space.configs(s)[::17]
+            out += [k for k in knob_space.configs(s)[::17] if k not in out]
     return out
 
 
@@ -215,6 +219,62 @@ def test_staging_falls_back_when_the_row_does_not_fit():
     assert lower.norm_staging(prog, {**k, "vec": 4}) == "regs"  # 8 values a thread
     assert lower.norm_staging(prog, {**k, "threads": 128, "vec": 4}) == "smem"  # 64 values a thread, 32 KB a block
     assert lower.norm_staging(prog, {**k, "threads": 128, "vec": 4, "staging": "reload"}) == "reload"
+
+
+@pytest.mark.parametrize("name, make", [
+    ("softmax 5x37", lambda: _softmax(False, (5, 37), -1, F32)),
+    ("log_softmax 3x4x101", lambda: _softmax(True, (3, 4, 101), -1, F32)),
+    ("layer_norm 3x37, its weight's rows aligned where the input's are not", lambda: _layer_norm((3, 37), 1, F32)),
+    ("rms_norm 4x45", lambda: _rms_norm((4, 45), F32))])
+def test_rows_of_an_odd_length_are_peeled_to_aligned_vectors(name, make):
+    """A row of 37 fp32 starts at element 37 r: no vector width divides every row, so norm_vecs
+    allows only 1. Peeled, each row takes its elements before the first 16-byte boundary and after
+    the last whole vector one at a time and the rest as vectors: every width, a thread, a warp or a
+    block a row, matches eager on the CPU (the vector and the single-element loops both run)."""
+    card, ins, eager = make()
+    prog = card_program.program_for_card(card)
+    assert lower.norm_vecs(prog) == (1,) and 4 in lower.peel_vecs(prog)
+    want = eager()
+    want = list(want) if isinstance(want, tuple) else [want]
+    for v in lower.peel_vecs(prog):
+        for lanes, nt in ((1, 64), (32, 64), ("block", 128)):
+            cand = generated.build(card, {"algo": "gen_norm", "threads": nt, "lanes": lanes, "vec": v, "staging": "reload"}, H200)
+            assert "HD + c * V" in cand.source and "(c < HD ? c : c + NB * V)" in cand.source
+            assert compiler.compile(cand.source, arch="sm_90").cubin
+            _check_outputs(cuda_on_cpu.run(card, cand, [t.clone() for t in ins]), want, card)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_region_over_odd_rows_is_peeled_too(tmp_path):
+    """KernelBench's L1 norm, x / mean(|x|) over rows of an odd length, as one region: peeled
+    vectors in both passes, a warp a row, match eager."""
+    from test_codegen_regions import region_card
+
+    class L1Norm(torch.nn.Module):
+        def forward(self, x):
+            return x / torch.mean(torch.abs(x), dim=1, keepdim=True)
+
+    x = torch.randn(6, 1023)
+    card = region_card(tmp_path, L1Norm(), x)
+    assert card.region.ops == ["abs", "mean", "div"]
+    cand = generated.build(card, {"algo": "gen_norm", "threads": 64, "lanes": 32, "vec": 4, "staging": "reload"}, H200)
+    assert "(c < HD ? c : c + NB * V)" in cand.source
+    torch.testing.assert_close(cuda_on_cpu.run(card, cand, [x.clone()])[0], L1Norm()(x))
+
+
+def test_a_long_odd_row_defaults_to_peeled_vectors_and_the_search_can_take_them():
+    """KernelBench's L2 norm rows (65535 fp32) took one element a thread, the default's only
+    width; peeled, 4 (the widest for the output, 16 bytes). Rows of whole vectors are not peeled.
+    (Few rows take the cooperative or split forms, which are not peeled.)"""
+    card, _, _ = _softmax(False, (512, 65535), -1, F32)
+    knobs = generated.default(card, H200)
+    assert knobs == {"algo": "gen_norm", "lanes": "block", "vec": 4, "staging": "reload", "threads": 1024}
+    assert any(s["algo"] == ("gen_norm",) and s["vec"] == (2, 4) for s in generated.spaces(card, H200))
+    bf16, _, _ = _softmax(False, (512, 50257), -1, BF16)  # GPT-2's vocabulary
+    assert generated.default(bf16, H200)["vec"] == 8
+    whole, _, _ = _softmax(False, (512, 65536), -1, F32)
+    assert lower.peel_vecs(card_program.program_for_card(whole)) == ()
+    assert "HD" not in generated.build(whole, generated.default(whole, H200), H200).source
 
 
 def test_the_default_takes_more_threads_where_that_keeps_a_long_row_in_registers():

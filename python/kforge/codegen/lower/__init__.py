@@ -19,7 +19,10 @@ of the reduced elements (merged through shared memory). `split` > 1
 divides the reduced elements over that many blocks, which write their states to a workspace
 that a second kernel merges in order (two passes) before the epilogue. A normalization's split
 form may instead be one cooperative launch ("gen_norm_coop"): each block publishes its chunk's
-state, waits for its row's other chunks, merges them all and normalizes its own chunk.
+state, waits for its row's other chunks, merges them all and normalizes its own chunk. Rows
+whose length or offsets are not whole vectors ("gen_norm" with a `vec` from peel_vecs) are
+peeled: each row's elements before its first aligned vector and after its last whole one are
+taken one at a time, the rest as vectors.
 
 Scan (`algo` "gen_scan"): one thread per line along the scanned dim, walking it in order;
 `algo` "gen_scan_block" (lines contiguous in memory): one block per line, a parallel scan of
@@ -35,11 +38,11 @@ folds every window from there.
 from __future__ import annotations
 
 from .pointwise import lower_pointwise, pointwise_vecs
-from .norm import coop_split, lower_norm, lower_norm_coop, lower_norm_split, norm_staging, norm_vecs
+from .norm import coop_split, lower_norm, lower_norm_coop, lower_norm_split, norm_staging, norm_vecs, peel_vecs
 from .reduce import cols_block_vecs, lower_cols_block, lower_reduction, reduced_is_inner, reduction_layout, reduction_vecs
 from .scan import lower_scan, lower_scan_block, scan_is_inner
 from .window import lower_window, window_tiles, window_vecs
 
 __all__ = ["cols_block_vecs", "coop_split", "lower_cols_block", "lower_norm", "lower_norm_coop", "lower_norm_split", "lower_pointwise", "lower_reduction", "lower_scan", "lower_scan_block",
-           "lower_window", "norm_staging", "norm_vecs", "pointwise_vecs", "reduced_is_inner", "reduction_layout",
+           "lower_window", "norm_staging", "norm_vecs", "peel_vecs", "pointwise_vecs", "reduced_is_inner", "reduction_layout",
            "reduction_vecs", "scan_is_inner", "window_tiles", "window_vecs"]

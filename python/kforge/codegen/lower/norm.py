@@ -59,6 +59,32 @@ def norm_vecs(prog: Program) -> tuple[int, ...]:
     return tuple(out)
 
 
+def peel_vecs(prog: Program) -> tuple[int, ...]:
+    """Vector widths (elements) gen_norm reaches by peeling each row (lower_norm) where norm_vecs
+    does not allow them, a row's length or offsets not being whole vectors (softmax over a
+    vocabulary of 50257): the reduced elements one contiguous run in memory, and the first tensor
+    along it (the output, mostly) aligned to the width."""
+    lay = reduction_layout(prog)
+    runs = [(t, m) for t, m in _norm_tensors(prog) if lay.rstrides[t][-1] == 1]
+    if len(lay.rsizes) != 1 or not runs:
+        return ()
+    legal, (_, m0) = norm_vecs(prog), runs[0]
+    return tuple(v for v in (2, 4, 8, 16) if v not in legal and lay.rn >= 2 * v
+                 and v * m0.itemsize <= 16 and m0.align % (v * m0.itemsize) == 0)
+
+
+def peeled_vectors(prog: Program, v: int) -> set[int]:
+    """The tensors (layout indices) a peeled row reads or writes `v` elements at a time: those
+    contiguous along it, aligned to the width and at the same offset from it in every row as the
+    first (their kept strides its own modulo the width); the others an element at a time (a layer
+    norm's weight, whose row starts aligned where the input's does not)."""
+    lay = reduction_layout(prog)
+    runs = [(t, m) for t, m in _norm_tensors(prog) if lay.rstrides[t][-1] == 1]
+    ref = lay.kstrides[runs[0][0]]
+    return {t for t, m in runs if v * m.itemsize <= 16 and m.align % (v * m.itemsize) == 0
+            and all((a - b) % v == 0 for a, b in zip(lay.kstrides[t], ref))}
+
+
 def norm_staging(prog: Program, knobs: dict) -> str:
     """Where pass 1 keeps the row's loaded values for the epilogue: the knob's choice when it
     fits (registers: at most 32 values a thread, 16 from 512 threads up; shared memory: 40 KB
@@ -77,16 +103,16 @@ def norm_staging(prog: Program, knobs: dict) -> str:
     return "reload"
 
 
-def _chunk_load(src: str, ct: str, off: str, inner: int, v: int, dest: str) -> list[str]:
+def _chunk_load(src: str, ct: str, off: str, inner: int, v: int, dest: str, vector: bool = True) -> list[str]:
     """dest[0..v) = the v elements at src + off along a dim of stride `inner` (one vector access
-    when they are contiguous)."""
-    if inner == 1 and v > 1:
+    when they are contiguous, unless not `vector`)."""
+    if inner == 1 and v > 1 and vector:
         return [f"*reinterpret_cast<kf_vec<{ct}, {v}>*>({dest}) = *reinterpret_cast<const kf_vec<{ct}, {v}>*>({src} + {off});"]
     return ["#pragma unroll", f"for (int jj = 0; jj < {v}; ++jj) {dest}[jj] = {src}[{off} + jj * {inner}];"]
 
 
-def _chunk_store(dst: str, ct: str, off: str, inner: int, v: int, src: str) -> list[str]:
-    if inner == 1 and v > 1:
+def _chunk_store(dst: str, ct: str, off: str, inner: int, v: int, src: str, vector: bool = True) -> list[str]:
+    if inner == 1 and v > 1 and vector:
         return [f"*reinterpret_cast<kf_vec<{ct}, {v}>*>({dst} + {off}) = *reinterpret_cast<const kf_vec<{ct}, {v}>*>({src});"]
     return ["#pragma unroll", f"for (int jj = 0; jj < {v}; ++jj) {dst}[{off} + jj * {inner}] = {src}[jj];"]
 
@@ -188,16 +214,21 @@ def lower_norm(prog: Program, knobs: dict) -> Built:
     folds the prologue over the row in chunks of `vec` elements, keeping the loaded values
     (registers or shared memory when they fit); the state is merged across the group and
     broadcast to every lane; pass 2 runs the epilogue at every element of the row (from the
-    kept values, or reading the row again) and stores it; lane 0 stores the statistics."""
+    kept values, or reading the row again) and stores it; lane 0 stores the statistics.
+    A `vec` that norm_vecs does not allow but peel_vecs does (rows of an odd length) peels each
+    row: its elements before the first aligned vector and after the last whole one are taken
+    one at a time, the rest as vectors, and both passes read the row (nothing staged)."""
     red = prog.reduction
     kind, dt = red.kind, red.operand.dtype
     st_types = kind.state(dt)
     ns = len(st_types)
     lay = reduction_layout(prog)
     nt, v = knobs["threads"], knobs["vec"]
+    peel = v > 1 and v not in norm_vecs(prog)
+    assert not peel or v in peel_vecs(prog), f"vector width {v} does not fit these rows"
     lanes = nt if knobs["lanes"] == "block" else knobs["lanes"]
     rows = nt // lanes
-    staging = norm_staging(prog, knobs)
+    staging = "reload" if peel else norm_staging(prog, knobs)
     nc = lay.rn // v
     per = ceil_div(nc, lanes)
     params, args, ptr = _pointers(prog)
@@ -227,43 +258,48 @@ def lower_norm(prog: Program, knobs: dict) -> Built:
             return f"x{i}[u]" if staging == "regs" else f"sx{i}[threadIdx.x / LANES][c]"
         return f"xv{i}"
 
-    def load_chunk(i: int, dest: str) -> list[str]:
-        t = tix[i]
-        return _chunk_load(ptr[i], CTYPE[prog.inputs[i].dtype], f"k{t} + r{t}", lay.rstrides[t][-1], v, dest)
+    vectors = peeled_vectors(prog, v) if peel else None  # None: every contiguous tensor
 
-    def loop(body: list[str]) -> list[str]:
+    def load_chunk(i: int, dest: str, w: int) -> list[str]:
+        t = tix[i]
+        return _chunk_load(ptr[i], CTYPE[prog.inputs[i].dtype], f"k{t} + r{t}", lay.rstrides[t][-1], w, dest,
+                           vectors is None or t in vectors)
+
+    def loop(body: list[str], count: str) -> list[str]:
         if staged:
             head = ["#pragma unroll", "for (int u = 0; u < P; ++u) {", "  const kf_idx c = (kf_idx)u * LANES + lane;",
                     "  if (c < NC) {"]
             return head + [f"    {line}" for line in body] + ["  }", "}"]
-        return ["for (kf_idx c = lane; c < NC; c += LANES) {"] + [f"  {line}" for line in body] + ["}"]
+        return [f"for (kf_idx c = lane; c < {count}; c += LANES) {{"] + [f"  {line}" for line in body] + ["}"]
 
-    def offsets(ts: list[int]) -> list[str]:
-        return offsets_code("c * V", lay.rsizes, [lay.rstrides[t] for t in ts], [f"r{t}" for t in ts], idx)
+    def offsets(ts: list[int], first: str) -> list[str]:
+        return offsets_code(first, lay.rsizes, [lay.rstrides[t] for t in ts], [f"r{t}" for t in ts], idx)
 
     # pass 1: the fold, in one pass of the kind's merge, or (staged) one pass per phase of it
     phases = kind.phases if staged else ()
     # (kind, state names, their dtypes, the element's value from x and the earlier phases' states)
     folds = ([(kind, st, list(st_types), lambda x, _: x)] if not phases else
              [(k, [st[c]], [st_types[c]], lift) for c, (k, lift) in enumerate(phases)])
-    p1s = []
-    for f, (fk, fst, ftypes, lift) in enumerate(folds):
-        p1 = offsets([tix[i] for i in pro] + [logical_t])
+
+    def fold_pass(f: int, w: int, first: str, tag: str) -> list[str]:
+        """Pass 1's statements for fold f over `w` elements at element `first` of the row."""
+        fk, fst, ftypes, lift = folds[f]
+        W = "V" if w == v else str(w)
+        p1 = offsets([tix[i] for i in pro] + [logical_t], first)
         for i in pro:
             if not staged or held and f == 0:
-                p1.append(f"{CTYPE[prog.inputs[i].dtype]} xv{i}[V];")
+                p1.append(f"{CTYPE[prog.inputs[i].dtype]} xv{i}[{W}];")
             if f == 0:
-                p1 += load_chunk(i, arr(i, 1))
+                p1 += load_chunk(i, arr(i, 1), w)
+
         def ridx(j) -> str:  # the logical index of element j of this chunk
             return f"((kf_i64)r{logical_t} + (kf_i64){j} * {lay.rstrides[logical_t][-1]})"
-        if not phases and fk.chunk is not None and v > 1:  # a chunk's V elements folded at once
-            p1 += _chunk_block(fk, dt, fst, red.operand, v, lambda i, stored, j: f"{arr(i, 1)}[{j}]",
-                               lambda j: {"ridx": ridx(j)}, f"p{f}",
-                               after=(lambda j, name: [f"xo[u][{j}] = {name};"]) if held else None)
-            p1s.append((fk, fst, ftypes, p1))
-            continue
+        if not phases and fk.chunk is not None and w > 1:  # a chunk's V elements folded at once
+            return p1 + _chunk_block(fk, dt, fst, red.operand, w, lambda i, stored, j: f"{arr(i, 1)}[{j}]",
+                                     lambda j: {"ridx": ridx(j)}, f"{tag}{f}",
+                                     after=(lambda j, name: [f"xo[u][{j}] = {name};"]) if held else None)
         earlier = {f"kf_phase{c}": st[c] for c in range(f)}
-        em = Emitter(f"p{f}_", {"ridx": ridx("jj"), **earlier},
+        em = Emitter(f"{tag}{f}_", {"ridx": ridx("jj"), **earlier},
                      lambda i, stored: f"{arr(i, 1)}[jj]")
         if held and f > 0:
             em.bind(red.operand, "xo[u][jj]")
@@ -274,53 +310,72 @@ def lower_norm(prog: Program, knobs: dict) -> Built:
         lifted = [em(e) for e in fk.lift_exprs(value)]
         if reuse and f == len(folds) - 1:  # the epilogue's subtree, computed here, over the operand
             keep = [f"xo[u][jj] = {em.names[reuse[1]]};"]
-        p1 += ["#pragma unroll", "for (int jj = 0; jj < V; ++jj) {", *[f"  {line}" for line in em.lines + keep],
-               *[f"  {line}" for line in _merge_block(fk, dt, fst, lifted, f"u{f}")], "}"]
-        p1s.append((fk, fst, ftypes, p1))
+        return p1 + ["#pragma unroll", f"for (int jj = 0; jj < {W}; ++jj) {{", *[f"  {line}" for line in em.lines + keep],
+                     *[f"  {line}" for line in _merge_block(fk, dt, fst, lifted, f"u{f}")], "}"]
 
     # pass 2: the epilogue at every element
     outs2 = [j for j in full]
-    p2 = offsets(sorted({tix[i] for i in epi} | set(outs2)))
-    for i in epi:
-        if not (staged and i in pro):
-            p2.append(f"{CTYPE[prog.inputs[i].dtype]} xv{i}[V];")
-            p2 += load_chunk(i, f"xv{i}")
-    p2 += [f"{CTYPE[prog.outputs[j].dtype]} o{j}[V];" for j in outs2]
-    em2 = Emitter("e", {f"s{c}": n for c, n in enumerate(st)}, lambda i, stored: f"{arr(i, 2)}[jj]",
-                  fast_nodes(prog, [prog.results[j] for j in outs2]))
-    if held:
-        em2.bind(reuse[0] if reuse else red.operand, "xo[u][jj]")
-    em_row = Emitter("rw", em2.env, None)  # once a row, after the merges
-    for e in row_invariants([prog.results[j] for j in outs2]):
-        em2.bind(e, em_row(e))
-    res = {j: em2(prog.results[j]) for j in outs2}
-    p2 += ["#pragma unroll", "for (int jj = 0; jj < V; ++jj) {", *[f"  {line}" for line in em2.lines],
-           *[f"  o{j}[jj] = {convert(res[j], prog.results[j].dtype, prog.outputs[j].dtype)};" for j in outs2], "}"]
-    for j in outs2:
-        p2 += _chunk_store(f"out{j}", CTYPE[prog.outputs[j].dtype], f"k{j} + r{j}", lay.rstrides[j][-1], v, f"o{j}")
+    em_row = Emitter("rw", {f"s{c}": n for c, n in enumerate(st)}, None)  # once a row, after the merges
+
+    def epilogue_pass(w: int, first: str) -> list[str]:
+        """Pass 2's statements over `w` elements at element `first` of the row."""
+        W = "V" if w == v else str(w)
+        p2 = offsets(sorted({tix[i] for i in epi} | set(outs2)), first)
+        for i in epi:
+            if not (staged and i in pro):
+                p2.append(f"{CTYPE[prog.inputs[i].dtype]} xv{i}[{W}];")
+                p2 += load_chunk(i, f"xv{i}", w)
+        p2 += [f"{CTYPE[prog.outputs[j].dtype]} o{j}[{W}];" for j in outs2]
+        em2 = Emitter("e", {f"s{c}": n for c, n in enumerate(st)}, lambda i, stored: f"{arr(i, 2)}[jj]",
+                      fast_nodes(prog, [prog.results[j] for j in outs2]))
+        if held:
+            em2.bind(reuse[0] if reuse else red.operand, "xo[u][jj]")
+        for e in row_invariants([prog.results[j] for j in outs2]):
+            em2.bind(e, em_row(e))
+        res = {j: em2(prog.results[j]) for j in outs2}
+        p2 += ["#pragma unroll", f"for (int jj = 0; jj < {W}; ++jj) {{", *[f"  {line}" for line in em2.lines],
+               *[f"  o{j}[jj] = {convert(res[j], prog.results[j].dtype, prog.outputs[j].dtype)};" for j in outs2], "}"]
+        for j in outs2:
+            p2 += _chunk_store(f"out{j}", CTYPE[prog.outputs[j].dtype], f"k{j} + r{j}", lay.rstrides[j][-1], w, f"o{j}",
+                               vectors is None or j in vectors)
+        return p2
 
     kofs = offsets_code("q", lay.ksizes, lay.kstrides, [f"k{t}" for t in range(len(lay.kstrides))], idx)
     body = [f"typedef {idx} kf_idx;",
             f"constexpr int NT = {nt}; constexpr int LANES = {lanes}; constexpr int ROWS = {rows}; "
             f"constexpr int V = {v}; constexpr int P = {per};",
-            f"constexpr kf_idx KN = {lay.kn}; constexpr kf_idx NC = {nc};",
+            f"constexpr kf_idx KN = {lay.kn}; constexpr kf_idx NC = {nc};" + (f" constexpr kf_idx RN = {lay.rn};" if peel else ""),
             f'extern "C" __global__ void __launch_bounds__(NT) kf_gen({", ".join(params)}) {{',
             "  const int lane = threadIdx.x % LANES;",
             "  const kf_idx q = (kf_idx)blockIdx.x * ROWS + threadIdx.x / LANES;",
             "  const bool live = q < KN;",
             *[f"  {line}" for line in kofs],
             *[f"  {CTYPE[t]} {n} = {val};" for n, t, val in zip(st, st_types, ident)]]
+    # the row's vectors: NC of them from its start, or (peeled) NB from element HD, the first
+    # aligned one; the other RN - NB * V elements one at a time, the HD before and the rest after
+    if peel:
+        t0 = next(t for t, _ in _norm_tensors(prog) if lay.rstrides[t][-1] == 1)
+        body += [f"  const kf_idx HD = (kf_idx)((V - (int)(k{t0} % V)) % V) < RN ? (kf_idx)((V - (int)(k{t0} % V)) % V) : RN;",
+                 "  const kf_idx NB = (RN - HD) / V;"]
+        chunks, first = "NB", "HD + c * V"
+    else:
+        chunks, first = "NC", "c * V"
     if held:
         body.append(f"  {CTYPE[dt]} xo[P][V];")
     elif staging == "regs":
         body += [f"  {CTYPE[prog.inputs[i].dtype]} x{i}[P][V];" for i in pro]
     elif staging == "smem":
         body += [f"  __shared__ {CTYPE[prog.inputs[i].dtype]} sx{i}[ROWS][P * LANES][V];" for i in pro]
-    for f, (fk, fst, ftypes, p1) in enumerate(p1s):
-        body += ["  if (live) {", *[f"    {line}" for line in loop(p1)], "  }"]
+    single = "(c < HD ? c : c + NB * V)"  # the c-th element taken alone
+    for f, (fk, fst, ftypes, _) in enumerate(folds):
+        p1 = loop(fold_pass(f, v, first, "p"), chunks)
+        if peel:
+            p1 += loop(fold_pass(f, 1, single, "s"), "RN - NB * V")
+        body += ["  if (live) {", *[f"    {line}" for line in p1], "  }"]
         body += _group_merge(fk, dt, fst, ftypes, lanes, f"{f}_" if phases else "")
+    p2 = loop(epilogue_pass(v, first), chunks) + (loop(epilogue_pass(1, single), "RN - NB * V") if peel else [])
     body += [f"  {line}" for line in em_row.lines]
-    body += ["  if (live) {", *[f"    {line}" for line in loop(p2)], "  }"]
+    body += ["  if (live) {", *[f"    {line}" for line in p2], "  }"]
     if kept:
         em3 = Emitter("f", {f"s{c}": n for c, n in enumerate(st)}, lambda i, stored: f"{ptr[i]}[k{tix[i]}]")
         res3 = {j: em3(prog.results[j]) for j in kept}

@@ -169,11 +169,14 @@ def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
     if prog.scan is not None:
         return _scan_spaces(prog)
     if prog.normalizes:
-        coop = _coop_space(prog, hw)
+        coop, peel = _coop_space(prog, hw), lower.peel_vecs(prog)
+        # rows of an odd length: vectors from each row's first aligned element, both passes reading it
+        peeled = {"algo": ("gen_norm",), "threads": (64, 128, 256, 512, 1024), "lanes": (32, "block"), "vec": peel,
+                  "staging": ("reload",)}
         return [{"algo": ("gen_norm",), "threads": (32, 64, 128, 256, 512, 1024), "lanes": (1, 8, 32, "block"),
                  "vec": lower.norm_vecs(prog), "staging": ("regs", "smem", "reload")},
                 {"algo": ("gen_norm_split",), "threads": (128, 256, 512, 1024), "items": (1, 2, 4, 8),
-                 "split": _splits(prog), "vec": lower.norm_vecs(prog)}] + ([coop] if coop else [])
+                 "split": _splits(prog), "vec": lower.norm_vecs(prog)}] + ([coop] if coop else []) + ([peeled] if peel else [])
     if prog.reduction is None:
         return [{"algo": ("gen_flat",), "threads": (64, 128, 256, 512, 1024), "vec": lower.pointwise_vecs(prog),
                  "items": (1, 2, 4, 8), "grid": ("exact", "stride")}]
@@ -287,7 +290,12 @@ def _norm_default(prog: Program, lay, hw: Hardware) -> Knobs:
     knobs = {"algo": "gen_norm", "lanes": "block", "vec": vec, "staging": "regs"}
     fits = next((t for t in (32, 64, 128, 256, 512, 1024)
                  if t >= least and lower.norm_staging(prog, {**knobs, "threads": t}) == "regs"), None)
-    return {**knobs, "threads": fits} if fits else {**knobs, "threads": least, "staging": "reload"}
+    if fits:
+        return {**knobs, "threads": fits}
+    peel = lower.peel_vecs(prog)
+    if vec == 1 and peel:  # a long row of an odd length: peeled to its widest aligned vectors
+        return {**knobs, "threads": pick((128, 256, 512, 1024), lay.rn / peel[-1] / 8), "vec": peel[-1], "staging": "reload"}
+    return {**knobs, "threads": least, "staging": "reload"}
 
 
 def build(card: Card, knobs: Knobs, hw: Hardware) -> Candidate:
