@@ -17,13 +17,14 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "python"), str(ROOT / "tests"), str(ROOT / "bench")]
+sys.path[:0] = [str(ROOT / "python"), str(ROOT / "tests"), str(ROOT / "bench"), str(ROOT / "examples")]
 
 import bench_builtin  # noqa: E402
 import bench_regions  # noqa: E402
 from builtin_cards import BF16, F16, bn, gn, ln, meta, rms, softmax  # noqa: E402
 from norm_models import (AddLayerNormGelu, AddRMSNorm, BatchNormAddReluMean, BatchNormReluAdd, GeluMul,  # noqa: E402
                          GroupNormSilu, MaskSoftmax)
+from gemma_decoder import RMSNorm as GemmaRMSNorm  # noqa: E402
 from kforge import timing  # noqa: E402
 from kforge.capturing import capture  # noqa: E402
 from kforge.card_files import load_sample  # noqa: E402
@@ -92,6 +93,8 @@ REGIONS = {
     "resnet stem bn relu maxpool bf16 32x64x112x112 channels_last": (
         lambda: torch.nn.Sequential(torch.nn.BatchNorm2d(64), torch.nn.ReLU(), torch.nn.MaxPool2d(3, 2, 1)).eval().to(BF16),
         lambda: (_cuda(32, 64, 112, 112, dtype=BF16, channels_last=True),)),
+    # Gemma's RMS norm as examples/gemma_decoder.py writes it: fp32 inside, (1 + weight), cast back
+    "gemma rms_norm bf16 1x2048x2048": (lambda: GemmaRMSNorm(2048).to(BF16), lambda: (_cuda(1, 2048, 2048, dtype=BF16),)),
     # Gemma's MLP gate: gelu(tanh) of one matmul's output times the other's
     "gemma gelu mul bf16 2048x16384": (GeluMul, lambda: (_cuda(2048, 16384, dtype=BF16), _cuda(2048, 16384, dtype=BF16))),
 }
