@@ -43,6 +43,8 @@ CASES = {
     "cumsum dim 1 1024x32768 fp32": lambda: make_card(A.cumsum.default, meta(1024, 32768), 1),
     # rows of an odd length (KernelBench's L1 and L2 norms): peeled vectors against one element at a time
     "softmax 512x65535 fp32": lambda: make_card(A._softmax.default, meta(512, 65535), 1, False),
+    # level 1's 2-D average pool (3x3 at stride 3): windows that do not overlap, read once
+    "avg_pool2d 3x3 1x8x2048x2048 fp32": lambda: make_card(A.avg_pool2d.default, meta(1, 8, 2048, 2048), [3, 3]),
 }
 
 
