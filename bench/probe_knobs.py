@@ -45,6 +45,9 @@ CASES = {
     "softmax 512x65535 fp32": lambda: make_card(A._softmax.default, meta(512, 65535), 1, False),
     # level 1's 2-D average pool (3x3 at stride 3): windows that do not overlap, read once
     "avg_pool2d 3x3 1x8x2048x2048 fp32": lambda: make_card(A.avg_pool2d.default, meta(1, 8, 2048, 2048), [3, 3]),
+    # level 1's 1-D average pool (8 wide, stride 1, padding 4) as it reaches CUDA: one-row planes
+    "avg_pool1d 8 4x128x65536 fp32": lambda: make_card(A.avg_pool2d.default, meta(4, 128, 1, 65536), [1, 8], [1, 1],
+                                                       [0, 4]),
 }
 
 
