@@ -48,6 +48,9 @@ CASES = {
     # level 1's 1-D average pool (8 wide, stride 1, padding 4) as it reaches CUDA: one-row planes
     "avg_pool1d 8 4x128x65536 fp32": lambda: make_card(A.avg_pool2d.default, meta(4, 128, 1, 65536), [1, 8], [1, 1],
                                                        [0, 4]),
+    # level 1's 1-D max pool (8 wide, stride 1, padding 4, dilation 3), with its indices
+    "max_pool1d 8 dil 3 2x192x65536 fp32": lambda: make_card(A.max_pool2d_with_indices.default, meta(2, 192, 1, 65536),
+                                                             [1, 8], [1, 1], [0, 4], [1, 3]),
 }
 
 
