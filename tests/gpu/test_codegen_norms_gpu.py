@@ -16,6 +16,7 @@ from norm_models import (AddLayerNormGelu, AddRMSNorm, BatchNormAddReluMean, Bat
                          MaskSoftmax, ScaleAddLayerNorm2d, ScaleSoftmax, WindowMaskSoftmax)
 
 from kforge.capturing import capture
+from kforge.codegen import lower
 from kforge.evaluate import make_evaluator
 from kforge.hardware import current
 from kforge.proposers.base import ProposalContext
@@ -40,6 +41,10 @@ CASES = {
     "scale softmax 1-element rows": (ScaleSoftmax, lambda: (cuda(300, 1),)),
     "scale softmax 3x70001 (longer than a block)": (ScaleSoftmax, lambda: (cuda(3, 70001),)),
     "temperature log_softmax 257x1000": (TemperatureLogSoftmax, lambda: (cuda(257, 1000),)),
+    # rows of an odd length, each starting at another offset from a 16-byte boundary: peeled
+    "scale softmax 300x4099 (odd rows)": (ScaleSoftmax, lambda: (cuda(300, 4099),)),
+    "add layer_norm gelu 4099 bf16 (odd rows)": (lambda: _half(AddLayerNormGelu(4099)),
+                                                 lambda: (cuda(2, 33, 4099, dtype=BF16), cuda(2, 33, 4099, dtype=BF16))),
     "add layer_norm gelu 4096 bf16": (lambda: _half(AddLayerNormGelu(4096)),
                                       lambda: (cuda(3, 77, 4096, dtype=BF16), cuda(3, 77, 4096, dtype=BF16))),
     "add layer_norm gelu 33": (lambda: AddLayerNormGelu(33), lambda: (cuda(129, 33), cuda(129, 33))),
@@ -97,7 +102,10 @@ def _variants(card, hw):
         out += [{**base, name: v} for v in values if v != base[name]]
     split = [v for v in generated.spaces(card, hw)[1]["split"] if v <= 8][-1]
     out.append({"algo": "gen_norm_split", "threads": 256, "items": 4, "split": split, "vec": base["vec"]})
-    return out + [{**base, "vec": 1}]
+    # rows of an odd length: peeled to aligned vectors, a warp and a block a row
+    peeled = [{**base, "lanes": lanes, "vec": v, "staging": "reload"} for v in lower.peel_vecs(generated.program(card))
+              for lanes in (32, "block")]
+    return out + [{**base, "vec": 1}] + peeled
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
