@@ -270,3 +270,26 @@ def test_two_convex_sites_that_would_close_a_cycle_together_keep_the_first():
     assert contraction.without_cycles(gm, [a, b]) == [a]
     assert contraction.without_cycles(gm, [b, a]) == [b]
     assert contraction.without_cycles(gm, [a, b_head]) == [a, b_head]  # B's head alone closes nothing
+
+
+class AttentionThenGelu(nn.Module):
+    def forward(self, q, k, v):
+        return F.gelu(F.scaled_dot_product_attention(q, k, v) * 2.0)
+
+
+def test_a_region_reads_one_output_of_a_node_whose_others_are_not_tensors():
+    """CUDA's flash attention returns its RNG seed and offset as integers beside its tensors: a
+    region reading its output crashed the finder (ViT and Llama on the GPU). The output read is
+    a tensor, so the region stands; a member whose own value is not tensors declines its site."""
+    q = torch.randn(1, 2, 8, 16)
+    with torch.no_grad():
+        t = graph.trace(AttentionThenGelu().eval(), (q, q, q), {})
+    gm = t.graphs[0].module
+    (attn,) = [n for n in gm.graph.nodes if "scaled_dot_product" in str(n.target)]
+    assert isinstance(attn.meta["val"], (tuple, list))
+    attn.meta["val"] = (*attn.meta["val"], None, 7, 8)  # as the CUDA op's value holds them
+    (site,) = regions.find(gm, epilogues=False)
+    assert site.subgraph.ops == ["mul", "gelu"] and site.inputs[0] == (attn, 0)
+    (mul,) = [n for n in gm.graph.nodes if str(n.target).startswith("aten.mul")]
+    mul.meta["val"] = None  # a member without a traced value: no site, no error
+    assert regions.find(gm, epilogues=False) == []

@@ -93,6 +93,13 @@ def _tensors(val: Any) -> list | None:
     return vals
 
 
+def _output(val: Any, k: int) -> torch.Tensor | None:
+    """Output k of a node's value if it is a tensor of concrete shape, else None."""
+    vals = list(val) if isinstance(val, (tuple, list)) else [val]
+    t = vals[k] if k < len(vals) else None
+    return t if t is not None and _tensors(t) is not None else None
+
+
 def _node_args(n: fx.Node) -> list[fx.Node]:
     found: list[fx.Node] = []
     fx.node.map_arg((n.args, n.kwargs), lambda a: found.append(a))
@@ -271,10 +278,13 @@ def _site(g: _Graph, members: set[fx.Node], kind: str) -> Site | None:
             return [ref(x) for x in a]
         return encode_value(a)
 
+    values = [_tensors(n.meta.get("val")) for n in order]
+    if any(v is None for v in values):
+        return None  # a member whose value is not tensors of concrete shapes
     try:
         nodes = [Node(qualified_name(n.target), ref(list(n.args)),
-                      {k: ref(v) for k, v in n.kwargs.items()}, [meta_of(t) for t in _tensors(n.meta["val"])])
-                 for n in order]
+                      {k: ref(v) for k, v in n.kwargs.items()}, [meta_of(t) for t in vals])
+                 for n, vals in zip(order, values)]
     except CardError:
         return None  # an argument value cards cannot record
     outputs: list[Value] = []
@@ -282,8 +292,12 @@ def _site(g: _Graph, members: set[fx.Node], kind: str) -> Site | None:
         for k in sorted({k for k, u in g.users[n] if u not in members}):
             outputs.append((n, k))
     refs = [{"node": index[n], "out": k} for n, k in outputs]
-    metas = [meta_of(_tensors(src.meta["val"])[k]) for src, k in inputs]
-    return Site(kind, order, inputs, outputs, Subgraph(nodes, refs, kind), metas)
+    # an input is one output of its source, whose others may be anything (CUDA's flash attention
+    # returns its RNG state as integers beside its tensors)
+    ins = [_output(src.meta.get("val"), k) for src, k in inputs]
+    if any(t is None for t in ins):
+        return None
+    return Site(kind, order, inputs, outputs, Subgraph(nodes, refs, kind), [meta_of(t) for t in ins])
 
 
 def _works(g: _Graph, members: set[fx.Node]) -> int:
