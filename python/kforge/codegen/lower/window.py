@@ -53,14 +53,14 @@ def window_tiles(prog: Program) -> dict[str, tuple[int, ...]]:
     channels are innermost (channels-last), `vec` channels a thread and `cg` such groups a block
     (a staged point holds cg x vec channels); every setting's staged span within SMEM_MAX and 16
     points a thread, and no taller than the output plane. A 3-D pooling tiles its last two pooled
-    dims and stages one input plane per step of its first. A 1-D pooling (run as a 2-D pooling of
-    one-row planes, as eager's max_pool1d does) takes tiles of one row, wider: a taller tile idles
-    all but one of its rows (KernelBench's 1-D max pool, 8 wide at stride 1, ran 430 us tiled
-    4 x 64 on the H100, 222 one thread an output). Empty where the form does not apply: neither
-    the last pooled dim nor a vectorizable non-pooled dim innermost."""
+    dims and stages one input plane per step of its first. Empty where the form does not apply: a
+    1-D pooling (also one run as a 2-D pooling of one-row planes, as eager's max_pool1d does: a
+    tile taller than its plane idles most of its threads; KernelBench's 1-D max pool, 8 wide
+    at stride 1, ran 430 us tiled 4 x 64 on the H100, 222 one thread an output), or neither the
+    last pooled dim nor a vectorizable non-pooled dim innermost."""
     nd = len(prog.domain)
     rows = prog.domain[nd - 2]  # of the output plane
-    if len(prog.window.kernel) not in (2, 3) or rows < 1:
+    if len(prog.window.kernel) not in (2, 3) or rows < 2:
         return {}
     size = 8 if prog.window.operand.dtype in ("float64", "int64") else 4  # a half type's value is staged as float
 
@@ -68,16 +68,9 @@ def window_tiles(prog: Program) -> dict[str, tuple[int, ...]]:
         ih, iw = _span(prog, th, tw)
         return ih * iw * lanes * size <= SMEM_MAX and ih * iw <= 16 * th * tw
     if prog.out_strides[0][nd - 1] != 1:  # channels-last: a vector of channels a staged point
-        if rows < 2:
-            return {}
         vecs = tuple(x for x in window_vecs(prog) if x > 1)
         cgs = tuple(c for c in (1, 2, 4, 8) if vecs and fits(2, 4) and fits(4, 8, c * vecs[-1]))
         return {"th": tuple(th for th in (2, 4) if th <= rows), "tw": (4, 8), "cg": cgs, "vec": vecs} if cgs else {}
-    if rows == 1:  # one-row planes (of a 1-D pooling; a 3-D one's are not tiled)
-        if len(prog.window.kernel) == 3:
-            return {}
-        tws = tuple(tw for tw in (64, 128, 256) if fits(1, tw))
-        return {"th": (1,), "tw": tws} if tws else {}
     tws = tuple(tw for tw in (16, 32, 64) if fits(2, tw))
     ths = tuple(th for th in (2, 4, 8, 16) if tws and fits(th, tws[-1]) and th <= rows)
     return {"th": ths, "tw": tws} if ths else {}

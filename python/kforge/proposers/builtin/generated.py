@@ -198,9 +198,7 @@ def default(card: Card, hw: Hardware) -> Knobs:
                 vec = tiles["vec"][-1]
                 return {"algo": "gen_window_tile", "th": tiles["th"][-1], "tw": tiles["tw"][-1],
                         "cg": pick(tiles["cg"], prog.domain[len(prog.domain) - 3] / vec), "vec": vec}
-            # NCHW planes: a tile about as wide as the output row, ~256 threads. One-row planes (a
-            # 1-D pooling) keep one thread an output until their one-row tiles are timed.
-            if ow >= 16 and prog.domain[-2] > 1:
+            if ow >= 16:  # NCHW planes: a tile about as wide as the output row, ~256 threads
                 tw = pick(tiles["tw"], ow)
                 return {"algo": "gen_window_tile", "th": pick(tiles["th"], 256 / tw), "tw": tw}
         vec = lower.window_vecs(prog)[-1]  # 16-byte accesses across channels where the layout allows
