@@ -178,7 +178,10 @@ def render(results: Path) -> str:
         "",
         kernelbench_table(results),
         "",
-        "## Example models: µs per forward (median) and × eager in the same run",
+        "## Models: µs per forward (median) and × eager in the same run",
+        "",
+        "The four example models (`examples/`), and as `unseen_*` models kforge was never tuned on "
+        "(`bench/unseen_models.py`: timm and transformers classes from their configs, random weights).",
         "",
         models_table(results),
         END,
