@@ -610,3 +610,28 @@ def test_gelu_tanh_rounded_to_16_bits_takes_one_exp_and_no_tanh(tmp_path, monkey
     got = cuda_on_cpu.run(card, cand, [x, torch.ones_like(x)])[0]
     want = F.gelu(x.double(), approximate="tanh")
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-7, equal_nan=True)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_shared_candidate_writes_the_residual_sum_and_its_norm_like_eager(tmp_path):
+    """A residual sum read after the region too, and the layer norm it feeds: one kernel that
+    writes both (the sum before the fold, the norm after), every form of gen_norm on the CPU."""
+    from builtin_cards import fresh_inputs
+    from test_regions import ResidualStream
+
+    x, y = torch.randn(4, 37, 16), torch.randn(4, 37, 16)
+    with torch.no_grad():
+        r = capture(ResidualStream(), (x, y), tmp_path, regions=True, time_cards=False)
+    cards = [c.retarget("cuda", "sm_90") for c in r.cards if c.region is not None and c.region.kind == "shared"]
+    assert len(cards) == 2  # the first sum reads the inputs; the second, the addmm's output through a view
+    for card in cards:
+        assert card.region.ops == ["add", "native_layer_norm"] and len(card.outputs) == 2
+        assert BuiltinProposer().supports(card) == (True, "")
+        inputs = fresh_inputs(card, 0, "cpu")
+        want = card.call_eager([t.clone() for t in inputs], "cpu")
+        for knobs in (generated.default(card, H200),
+                      {"algo": "gen_norm", "threads": 64, "lanes": 1, "vec": 4, "staging": "regs"},
+                      {"algo": "gen_norm", "threads": 64, "lanes": 8, "vec": 1, "staging": "reload"}):
+            got = cuda_on_cpu.run(card, generated.build(card, knobs, H200), [t.clone() for t in inputs])
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"{knobs}: {m}")

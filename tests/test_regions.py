@@ -26,9 +26,9 @@ def sites(model: nn.Module, *inputs: torch.Tensor) -> list[regions.Site]:
 
 
 def found(model: nn.Module, *inputs: torch.Tensor) -> dict[str, list[list[str]]]:
-    out: dict[str, list[list[str]]] = {"fused": [], "epilogue": []}
+    out: dict[str, list[list[str]]] = {"fused": [], "epilogue": []}  # "shared" only where there are some
     for s in sites(model, *inputs):
-        out[s.kind].append(s.subgraph.ops)
+        out.setdefault(s.kind, []).append(s.subgraph.ops)
     return out
 
 
@@ -293,3 +293,33 @@ def test_a_region_reads_one_output_of_a_node_whose_others_are_not_tensors():
     (mul,) = [n for n in gm.graph.nodes if str(n.target).startswith("aten.mul")]
     mul.meta["val"] = None  # a member without a traced value: no site, no error
     assert regions.find(gm, epilogues=False) == []
+
+
+class ResidualStream(nn.Module):
+    """Two pre-norm blocks: each residual sum feeds the next norm and the next residual add."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.norms = nn.ModuleList([nn.LayerNorm(d), nn.LayerNorm(d)])
+        self.lins = nn.ModuleList([nn.Linear(d, d), nn.Linear(d, d)])
+
+    def forward(self, x, y):
+        h = x + y
+        for norm, lin in zip(self.norms, self.lins):
+            h = h + lin(norm(h))
+        return h
+
+
+def test_a_residual_sum_and_the_norm_it_feeds_are_a_shared_candidate():
+    """The fused pass stops at a value read outside its region, so a residual sum and its norm are
+    apart there (the first sum alone is no region; the later ones are the addmm's epilogues). The
+    shared pass offers each sum with its norm as one candidate that writes the sum out too; never
+    where the sum leaves the graph (the last one here) or where no reduction follows it."""
+    x, y = torch.randn(2, 3, 16), torch.randn(2, 3, 16)
+    got = found(ResidualStream(), x, y)
+    assert got["fused"] == []
+    assert got["shared"] == [["add", "native_layer_norm"], ["add", "native_layer_norm"]]
+    shared = [s for s in sites(ResidualStream(), x, y) if s.kind == "shared"]
+    for s in shared:  # the sum and the norm's output, each read after the region
+        assert [n.target.__name__.split(".")[0] for n, _ in s.outputs] == ["add", "native_layer_norm"]
+    assert "shared" not in found(AddRMSNorm(keep_residual=True), x, y)  # the sum is a graph output

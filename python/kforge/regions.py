@@ -248,9 +248,13 @@ def _escaping(g: _Graph, regions: list[set[fx.Node]]) -> set[fx.Node]:
     return bad
 
 
-def _partition(g: _Graph, roles: frozenset[str], epilogue: bool) -> list[set[fx.Node]]:
+def _partition(g: _Graph, roles: frozenset[str], epilogue: bool, shared: bool = False) -> list[set[fx.Node]]:
+    """Regions of the eligible nodes. Their intermediates are read only inside them, unless
+    `shared`: a member read outside too is then one of its region's outputs."""
     eligible = _eligible(g, roles)
     forbidden: set[fx.Node] = set()
+    if shared:
+        return _grow(g, eligible, forbidden, epilogue)
     while True:
         regions = _grow(g, eligible, forbidden, epilogue)
         bad = _escaping(g, regions) - forbidden
@@ -322,19 +326,38 @@ def _drops_outputs(g: _Graph, members: set[fx.Node]) -> bool:
     return sum(b for k, b in enumerate(size) if k not in used) >= DEAD_SHARE * max(1, sum(size))
 
 
+def _shares(g: _Graph, members: set[fx.Node]) -> bool:
+    """A shared candidate: a chain with a reduction in it, one of whose values before it is read
+    after the region too, by a node of the graph (not as a graph output). A transformer's residual
+    stream: each residual sum feeds the next block's norm and the next residual add, so the fused
+    pass stops at it and the sum and the norm run as two kernels (5 passes over the row); writing
+    the sum from the norm's kernel takes 4 and one launch. It overlaps the fused regions and op
+    cards it covers; what is faster where they overlap ships (choose_regions)."""
+    folds = [m for m in members if g.roles[m] == "reduce"]
+    shared = False
+    for m in members:
+        outside = [u for _, u in g.users[m] if u not in members]
+        if outside and len(outside) < len(g.users[m]):
+            if any(u.op == "output" for u in outside):
+                return False  # no region across a graph output
+            shared |= any(g.anc[r] & g.bit[m] for r in folds)
+    return shared
+
+
 def find(graph: fx.Graph | fx.GraphModule, *, epilogues: bool = True) -> list[Site]:
-    """The fused regions of an aten graph, then (with `epilogues`) the vendor-op epilogue
-    candidates, each list in graph order."""
+    """The fused regions of an aten graph, the shared candidates, then (with `epilogues`) the
+    vendor-op epilogue candidates, each list in graph order."""
     g = _Graph(graph.graph if isinstance(graph, fx.GraphModule) else graph)
+    chains = frozenset({"view", "compute", "reduce"})
     passes: list[tuple[str, frozenset[str], Callable[[set], bool]]] = [
-        ("fused", frozenset({"view", "compute", "reduce"}),
-         lambda ms: _works(g, ms) >= 2 or _works(g, ms) == 1 and _drops_outputs(g, ms))]
+        ("fused", chains, lambda ms: _works(g, ms) >= 2 or _works(g, ms) == 1 and _drops_outputs(g, ms)),
+        ("shared", chains, lambda ms: _works(g, ms) >= 2 and _shares(g, ms))]
     if epilogues:
         passes.append(("epilogue", frozenset({"view", "compute", "vendor"}),
                        lambda ms: any(g.roles[m] == "vendor" for m in ms) and _works(g, ms) >= 2))
     sites = []
     for kind, roles, keep in passes:
-        found = [ms for ms in _partition(g, roles, kind == "epilogue") if keep(ms)]
+        found = [ms for ms in _partition(g, roles, kind == "epilogue", kind == "shared") if keep(ms)]
         found.sort(key=lambda ms: min(g.position[m] for m in ms))
         sites += [s for s in (_site(g, ms, kind) for ms in found) if s is not None]
     return sites

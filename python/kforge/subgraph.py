@@ -13,8 +13,10 @@ is what a code generator or a prompt is handed:
                       a node's output    {"node": j, "out": k} (j earlier in `nodes`)
                       anything else      cards.encode_value's form (numbers, lists, dtypes)
     Subgraph.outputs  the refs the region returns, in Card.outputs order
-    Subgraph.kind     "fused" (pointwise/reduction/normalization/pooling chain) or
-                      "epilogue" (one vendor op, mm/addmm/conv, and the pointwise work after it)
+    Subgraph.kind     "fused" (pointwise/reduction/normalization/pooling chain), "shared" (the
+                      same with a reduction, writing out a value before it that is read after
+                      the region too: a residual sum and its norm) or "epilogue" (one vendor
+                      op, mm/addmm/conv, and the pointwise work after it)
 
 `replay` runs the nodes through PyTorch, one eager aten call each: the region's reference
 outputs and its eager latency come from it. `code` is the same as readable PyTorch.
@@ -32,7 +34,7 @@ from .cards import TensorMeta, decode_value
 from .errors import CardError
 from .families import _resolve, family_of, packet_name
 
-KINDS = ("fused", "epilogue")
+KINDS = ("fused", "shared", "epilogue")
 
 
 def is_ref(v: Any) -> bool:
