@@ -187,9 +187,11 @@ class OpRewrite:
 def _fused_sites(graph: torch.fx.Graph) -> dict[torch.fx.Node, regions_mod.Site]:
     """Nodes Inductor fuses with others (members of a fused region of two or more working
     nodes), each with its region. A region of one node (a max pool whose indices nobody reads)
-    fuses nothing: its op card is judged alone, as without it."""
+    fuses nothing: its op card is judged alone, as without it. Shared candidates, which overlap the
+    fused regions, are not asked here (kforge.compile judged op cards against fused regions only
+    when it was measured)."""
     return {n: site for site in regions_mod.find(graph, epilogues=False)
-            if sum(regions_mod.role(m) != "view" for m in site.nodes) >= 2 for n in site.nodes}
+            if site.kind == "fused" and sum(regions_mod.role(m) != "view" for m in site.nodes) >= 2 for n in site.nodes}
 
 
 def _call(graph: torch.fx.Graph, kernel: torch._ops.OpOverload, inputs: Sequence[torch.fx.Node]) -> torch.fx.Node:
