@@ -161,3 +161,18 @@ class GeluMul(nn.Module):
 
     def forward(self, g, u):
         return F.gelu(g, approximate="tanh") * u
+
+
+class ResidualStream(nn.Module):
+    """Two pre-norm blocks: each residual sum feeds the next norm and the next residual add."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.norms = nn.ModuleList([nn.LayerNorm(d), nn.LayerNorm(d)])
+        self.lins = nn.ModuleList([nn.Linear(d, d), nn.Linear(d, d)])
+
+    def forward(self, x, y):
+        h = x + y
+        for norm, lin in zip(self.norms, self.lins):
+            h = h + lin(norm(h))
+        return h

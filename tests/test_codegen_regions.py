@@ -617,7 +617,7 @@ def test_a_shared_candidate_writes_the_residual_sum_and_its_norm_like_eager(tmp_
     """A residual sum read after the region too, and the layer norm it feeds: one kernel that
     writes both (the sum before the fold, the norm after), every form of gen_norm on the CPU."""
     from builtin_cards import fresh_inputs
-    from test_regions import ResidualStream
+    from norm_models import ResidualStream
 
     x, y = torch.randn(4, 37, 16), torch.randn(4, 37, 16)
     with torch.no_grad():

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kforge import contraction, graph, regions
+from norm_models import ResidualStream
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -293,21 +294,6 @@ def test_a_region_reads_one_output_of_a_node_whose_others_are_not_tensors():
     (mul,) = [n for n in gm.graph.nodes if str(n.target).startswith("aten.mul")]
     mul.meta["val"] = None  # a member without a traced value: no site, no error
     assert regions.find(gm, epilogues=False) == []
-
-
-class ResidualStream(nn.Module):
-    """Two pre-norm blocks: each residual sum feeds the next norm and the next residual add."""
-
-    def __init__(self, d=16):
-        super().__init__()
-        self.norms = nn.ModuleList([nn.LayerNorm(d), nn.LayerNorm(d)])
-        self.lins = nn.ModuleList([nn.Linear(d, d), nn.Linear(d, d)])
-
-    def forward(self, x, y):
-        h = x + y
-        for norm, lin in zip(self.norms, self.lins):
-            h = h + lin(norm(h))
-        return h
 
 
 def test_a_residual_sum_and_the_norm_it_feeds_are_a_shared_candidate():

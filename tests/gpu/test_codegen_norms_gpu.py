@@ -13,7 +13,7 @@ from torch import nn
 
 from norm_models import (AddLayerNormGelu, AddRMSNorm, BatchNormAddReluMean, BatchNormReluAdd, BatchNormReluPool, FrobeniusNormalize, GroupNormSilu,
                          InstanceNormRelu, TemperatureLogSoftmax,
-                         MaskSoftmax, ScaleAddLayerNorm2d, ScaleSoftmax, WindowMaskSoftmax)
+                         MaskSoftmax, ResidualStream, ScaleAddLayerNorm2d, ScaleSoftmax, WindowMaskSoftmax)
 
 from kforge.capturing import capture
 from kforge.codegen import lower
@@ -41,6 +41,9 @@ CASES = {
     "scale softmax 1-element rows": (ScaleSoftmax, lambda: (cuda(300, 1),)),
     "scale softmax 3x70001 (longer than a block)": (ScaleSoftmax, lambda: (cuda(3, 70001),)),
     "temperature log_softmax 257x1000": (TemperatureLogSoftmax, lambda: (cuda(257, 1000),)),
+    # a residual sum read after the region too, with the layer norm it feeds (a shared region)
+    "residual add layer_norm bf16 (shared)": (lambda: _half(ResidualStream(768)),
+                                              lambda: (cuda(4, 197, 768, dtype=BF16), cuda(4, 197, 768, dtype=BF16))),
     # rows of an odd length, each starting at another offset from a 16-byte boundary: peeled
     "scale softmax 300x4099 (odd rows)": (ScaleSoftmax, lambda: (cuda(300, 4099),)),
     "add layer_norm gelu 4099 bf16 (odd rows)": (lambda: _half(AddLayerNormGelu(4099)),
@@ -113,7 +116,7 @@ def test_generated_norm_region_passes_the_evaluator(tmp_path, name):
     model, make_inputs = CASES[name]
     with torch.no_grad():
         r = capture(model().cuda(), make_inputs(), tmp_path, regions=True)
-    cards = [c for c in r.cards if c.region is not None and c.region.kind == "fused"]  # not a conv's epilogue
+    cards = [c for c in r.cards if c.region is not None and c.region.kind in ("fused", "shared")]  # not a conv's epilogue
     assert cards, f"no region captured: {[c.op for c in r.cards]} {r.notes}"
     hw = current()
     with make_evaluator(tmp_path, devices=[0], timeout_s=30.0, **FAST) as ev:
