@@ -31,13 +31,15 @@ def _resized(card: Card) -> str | None:
     """Why a call that resizes a tensor it writes is not searched: `abs(x)` runs as `abs.out`
     into an empty tensor that the op resizes first. A kernel writes into the tensors it is given,
     so one for such a call would write past the end of the empty one."""
+    def dims(m) -> str:
+        return "x".join(map(str, m.shape)) or "scalar"
+
     inputs = card.inputs
     for j, i in card.aliases.items():
         before, after = inputs[i], card.outputs[j]
         if (before.shape, before.stride) != (after.shape, after.stride):
-            shape = "x".join(map(str, before.shape)) or "scalar"
-            return (f"the call resizes the tensor it writes ({shape} before, "
-                    f"{'x'.join(map(str, after.shape)) or 'scalar'} after): a kernel writes into tensors as given")
+            return (f"the call resizes the tensor it writes ({dims(before)} before, {dims(after)} after): "
+                    "a kernel writes into tensors as given")
     return None
 
 

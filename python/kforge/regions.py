@@ -1,6 +1,6 @@
 """Fusable regions of an aten graph (kforge.graph): where one kernel can do the work of several.
 
-Two kinds of candidates, found independently (they may overlap; the packager picks):
+Three kinds of candidates, found independently (they may overlap; the packager picks):
 
   fused      connected chains of pointwise, reduction, scan, normalization and pooling nodes, with
              the views between them, whose intermediates are used only inside the region.
@@ -12,6 +12,9 @@ Two kinds of candidates, found independently (they may overlap; the packager pic
              inside the region; the work before it is its prologue, after it its epilogue.
              Inference batch norm reduces nothing (per-channel scale and shift), so it is
              pointwise work here.
+  shared     the same chains grown through values also used outside them, where such a value
+             comes before a reduction in the region and is not a graph output: it is then one
+             of the region's outputs (a residual sum, written beside the norm it feeds).
   epilogue   one vendor op (mm, addmm, bmm, baddbmm, convolution), the views feeding it, and
              the pointwise work after it (bias, scale, activation, residual, batch norm).
 
@@ -334,14 +337,10 @@ def _shares(g: _Graph, members: set[fx.Node]) -> bool:
     the sum from the norm's kernel takes 4 and one launch. It overlaps the fused regions and op
     cards it covers; what is faster where they overlap ships (choose_regions)."""
     folds = [m for m in members if g.roles[m] == "reduce"]
-    shared = False
-    for m in members:
-        outside = [u for _, u in g.users[m] if u not in members]
-        if outside and len(outside) < len(g.users[m]):
-            if any(u.op == "output" for u in outside):
-                return False  # no region across a graph output
-            shared |= any(g.anc[r] & g.bit[m] for r in folds)
-    return shared
+    exported = _escaping(g, [members])
+    if any(u.op == "output" for m in exported for _, u in g.users[m]):
+        return False  # no region across a graph output
+    return any(g.anc[r] & g.bit[m] for m in exported for r in folds)
 
 
 def find(graph: fx.Graph | fx.GraphModule, *, epilogues: bool = True) -> list[Site]:

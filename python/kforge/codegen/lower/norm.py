@@ -59,13 +59,19 @@ def norm_vecs(prog: Program) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _runs(prog: Program, lay) -> list[tuple[int, TensorMeta]]:
+    """(layout index, meta) of the tensors a normalization reads or writes contiguously along
+    the reduced elements; a peeled row's head is counted from the first one's offset."""
+    return [(t, m) for t, m in _norm_tensors(prog) if lay.rstrides[t][-1] == 1]
+
+
 def peel_vecs(prog: Program) -> tuple[int, ...]:
     """Vector widths (elements) gen_norm reaches by peeling each row (lower_norm) where norm_vecs
     does not allow them, a row's length or offsets not being whole vectors (softmax over a
     vocabulary of 50257): the reduced elements one contiguous run in memory, and the first tensor
     along it (the output, mostly) aligned to the width."""
     lay = reduction_layout(prog)
-    runs = [(t, m) for t, m in _norm_tensors(prog) if lay.rstrides[t][-1] == 1]
+    runs = _runs(prog, lay)
     if len(lay.rsizes) != 1 or not runs:
         return ()
     legal, (_, m0) = norm_vecs(prog), runs[0]
@@ -79,7 +85,7 @@ def peeled_vectors(prog: Program, v: int) -> set[int]:
     first (their kept strides its own modulo the width); the others an element at a time (a layer
     norm's weight, whose row starts aligned where the input's does not)."""
     lay = reduction_layout(prog)
-    runs = [(t, m) for t, m in _norm_tensors(prog) if lay.rstrides[t][-1] == 1]
+    runs = _runs(prog, lay)
     ref = lay.kstrides[runs[0][0]]
     return {t for t, m in runs if v * m.itemsize <= 16 and m.align % (v * m.itemsize) == 0
             and all((a - b) % v == 0 for a, b in zip(lay.kstrides[t], ref))}
@@ -354,8 +360,8 @@ def lower_norm(prog: Program, knobs: dict) -> Built:
     # the row's vectors: NC of them from its start, or (peeled) NB from element HD, the first
     # aligned one; the other RN - NB * V elements one at a time, the HD before and the rest after
     if peel:
-        t0 = next(t for t, _ in _norm_tensors(prog) if lay.rstrides[t][-1] == 1)
-        body += [f"  const kf_idx HD = (kf_idx)((V - (int)(k{t0} % V)) % V) < RN ? (kf_idx)((V - (int)(k{t0} % V)) % V) : RN;",
+        t0 = _runs(prog, lay)[0][0]
+        body += [f"  const kf_idx hd_ = (V - (int)(k{t0} % V)) % V;", "  const kf_idx HD = hd_ < RN ? hd_ : RN;",
                  "  const kf_idx NB = (RN - HD) / V;"]
         chunks, first = "NB", "HD + c * V"
     else:
