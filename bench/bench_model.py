@@ -65,6 +65,7 @@ def phase_seconds(run_dir: Path, run_id: str) -> dict:
 
 
 PROFILED = ("eager", "kforge.optimize", "torch.compile")
+SLOW_HOST_US = 40.0  # an aten op's host time per call from which its input shapes are recorded
 
 
 def host_side(entries, reps: int = 15, forwards: int = 3) -> dict:
@@ -87,13 +88,20 @@ def host_side(entries, reps: int = 15, forwards: int = 3) -> dict:
             sync()
             per_forward[name] = sorted(times)[len(times) // 2]
             if name in PROFILED:
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
                     for _ in range(forwards):
                         fn()
                     sync()
                 rows = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:20]
                 top[name] = [{"op": a.key, "calls": a.count / forwards, "self_us": a.self_cpu_time_total / forwards}
                              for a in rows]
+                # an aten op slow per call on the host (a sync, a pageable copy, a heuristic search):
+                # the shapes it was called with say which of the model's calls it is
+                slow = [a for a in prof.key_averages(group_by_input_shape=True)
+                        if a.key.startswith("aten::") and a.count and a.self_cpu_time_total / a.count >= SLOW_HOST_US]
+                for a in sorted(slow, key=lambda a: -a.self_cpu_time_total / a.count)[:8]:
+                    top[name].append({"op": a.key, "calls": a.count / forwards, "self_us": a.self_cpu_time_total / forwards,
+                                      "slow_per_call_us": a.self_cpu_time_total / a.count, "shapes": str(a.input_shapes)[:300]})
     return {"per_forward_us": per_forward, "top_ops": top}
 
 
@@ -214,6 +222,9 @@ def main(argv=None) -> None:
               + (f", host {h:.0f} us to return" if h is not None else ""))
     for name, rows in host["top_ops"].items():
         print(f"  host ops of {name}: " + ", ".join(f"{r['op']} x{r['calls']:g} {r['self_us']:.0f} us" for r in rows[:8]))
+        for r in rows:
+            if "shapes" in r:
+                print(f"    slow on the host: {r['op']} {r['slow_per_call_us']:.0f} us a call, inputs {r['shapes'][:120]}")
     for name, why in graph_errors.items():
         print(f"  {name} not replayed from a CUDA graph: {why[:200]}")
     print(f"  speedup vs eager {out['speedup_vs_eager']:.3f}x, max rel err {err:.2e}")

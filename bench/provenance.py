@@ -44,8 +44,15 @@ def uncommitted(where: Path = HERE) -> int | None:
     return None if out is None else len([line for line in out.splitlines() if line.strip()])
 
 
+def libraries() -> dict:
+    """Versions of the model libraries that are imported: a model built from transformers or timm
+    traces differently from one version to the next (its attention mask, its GQA path)."""
+    return {name: getattr(sys.modules[name], "__version__", "?") for name in ("transformers", "timm", "diffusers")
+            if name in sys.modules}
+
+
 def provenance() -> dict:
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "torch": torch.__version__, "commit": commit(), "uncommitted_files": uncommitted(),
-            "command": " ".join(["python", *sys.argv])}
+            "torch": torch.__version__, "libraries": libraries(), "commit": commit(),
+            "uncommitted_files": uncommitted(), "command": " ".join(["python", *sys.argv])}
