@@ -127,6 +127,21 @@ class FullRotary(nn.Module):
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
+class RotaryKeysRepeatedFirst(nn.Module):
+    """Llama's rotary with GQA as CUDA's trace orders it: the keys rotated and repeated (unsqueeze,
+    expand, clone: the region moves to the repeat's 5-d domain) before the queries take their own
+    unsqueeze of cos and sin. One domain cannot hold both outputs: one kernel each, per slab."""
+
+    def forward(self, freqs, q, k):
+        f = freqs.transpose(1, 2)
+        emb = torch.cat((f, f), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        ke = k * cos.unsqueeze(1) + rotate_half(k) * sin.unsqueeze(1)
+        kr = ke[:, :, None].expand(1, 2, 2, 16, 8).reshape(1, 4, 16, 8)
+        qe = q * cos[:, None] + rotate_half(q) * sin[:, None]
+        return qe @ kr.transpose(-1, -2)
+
+
 class CatOfActivations(nn.Module):
     """A cat of two pointwise values along a middle dim, then more pointwise work."""
 
@@ -270,6 +285,8 @@ CASES = {
     "rotary_whole_with_its_cats": (FullRotary, lambda: (torch.randn(4), torch.arange(16)[None], torch.randn(1, 4, 16, 8),
                                                         torch.randn(1, 2, 16, 8)),
                                    ["cat", "cos", "sin", "mul", "neg", "cat", "mul", "add", "mul", "neg", "cat", "mul", "add"]),
+    "rotary_keys_repeated_before_the_queries": (RotaryKeysRepeatedFirst, lambda: (
+        torch.randn(1, 4, 16), torch.randn(1, 4, 16, 8), torch.randn(1, 2, 16, 8)), None),
     "cat_along_a_middle_dim": (CatOfActivations, lambda: (torch.randn(4, 3, 8), torch.randn(4, 5, 8)),
                                ["sigmoid", "mul", "cat", "relu"]),
     # sibling reductions: one pass folds both (the loss's mean stays outside the region)

@@ -130,7 +130,12 @@ def program_for_card(card: Card) -> Program | str:
 def _built(nodes: list[Node], inputs: list[TensorMeta], sources: list[int], refs: list[Ref],
            out_metas: list[TensorMeta], aliases: dict[int, int]) -> Program | str:
     prog = from_nodes(nodes, inputs, refs, out_metas, aliases, sources)
-    return _by_shape(nodes, inputs, refs, out_metas, aliases, sources) if prog == DIFFERENT_SHAPES else prog
+    if prog == DIFFERENT_SHAPES:
+        return _by_shape(nodes, inputs, refs, out_metas, aliases, sources)
+    if isinstance(prog, str) and len(refs) > 1:  # outputs one domain cannot hold: one kernel each
+        alone = _parts(nodes, inputs, refs, out_metas, aliases, sources, [[j] for j in range(len(refs))])
+        return prog if isinstance(alone, str) else alone
+    return prog
 
 
 def _slabbed(nodes: list[Node], inputs: list[TensorMeta], sources: list[int], refs: list[Ref],
@@ -168,13 +173,21 @@ def _slabbed(nodes: list[Node], inputs: list[TensorMeta], sources: list[int], re
 
 def _by_shape(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], out_metas: list[TensorMeta],
               aliases: dict[int, int], sources: list[int]) -> Program | str:
-    """A region whose pointwise outputs have different shapes as one program per shape (ir.Program.parts),
-    each built from the nodes its outputs need (what two of them need is computed by both)."""
+    """A region whose pointwise outputs have different shapes as one program per shape."""
     groups: dict[tuple[int, ...], list[int]] = {}
     for j, m in enumerate(out_metas):
         groups.setdefault(lead_stripped(m.shape), []).append(j)
+    return _parts(nodes, inputs, outputs, out_metas, aliases, sources, list(groups.values()))
+
+
+def _parts(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], out_metas: list[TensorMeta],
+           aliases: dict[int, int], sources: list[int], groups: list[list[int]]) -> Program | str:
+    """Pointwise outputs as one program per group of them (ir.Program.parts), each built from the
+    nodes its outputs need (what two of them need is computed by both). A group that one domain
+    cannot hold (GQA's repeated keys beside the queries: the keys' expand regroups the heads the
+    queries index directly) is built one output at a time."""
     progs = []
-    for idx in groups.values():
+    for idx in groups:
         keep = _needed(nodes, [outputs[j] for j in idx])
         renumber = {old: new for new, old in enumerate(keep)}
 
@@ -187,6 +200,13 @@ def _by_shape(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], o
         local = {j: k for k, j in enumerate(idx)}
         prog = from_nodes(sub, list(inputs), [moved(outputs[j]) for j in idx], [out_metas[j] for j in idx],
                           {local[j]: i for j, i in aliases.items() if j in local}, list(sources))
+        if isinstance(prog, str) and len(idx) > 1:
+            alone = _parts(nodes, inputs, outputs, out_metas, aliases, sources, [[j] for j in idx])
+            if isinstance(alone, str):
+                return prog
+            progs += [alone, *alone.parts]
+            alone.parts = []
+            continue
         if isinstance(prog, str):
             return prog
         if prog.reduction is not None or prog.scan is not None or prog.window is not None:
