@@ -53,6 +53,22 @@ def test_a_cat_card_is_one_copy_per_piece_into_its_slab(dtype, dim):
             torch.testing.assert_close(ran, want, rtol=0, atol=0, msg=lambda m: f"{knobs}: {m}")
 
 
+def test_a_cat_of_a_broadcast_class_token_runs_on_fresh_inputs():
+    """ViT's cat of its class token, expanded over the batch (stride 0), and the patches: the
+    evaluator's fresh inputs are drawn over the token's storage, and the kernel reads it through
+    its strides (every sample gets the same token)."""
+    token = meta(1, 1, 8).expand(4, 1, 8)
+    card = make_card(A.cat.default, [token, meta(4, 5, 8)], 1)
+    inputs = card.random_inputs(0, "cpu")
+    assert inputs[0].stride() == (0, 8, 1) and inputs[0][0].equal(inputs[0][3]) and inputs[0].std() > 0
+    want = torch.cat(inputs, 1)
+    prog = card_program.program_for_card(card)
+    assert not isinstance(prog, str), prog
+    torch.testing.assert_close(interp.run(prog, inputs)[0], want, rtol=0, atol=0)
+    cand = generated.build(card, {**generated.default(card, H200), "threads": 64}, H200)
+    torch.testing.assert_close(cuda_on_cpu.run(card, cand, inputs)[0], want, rtol=0, atol=0)
+
+
 def test_a_cat_of_many_pieces_is_declined():
     card = make_card(A.cat.default, [meta(4, 2) for _ in range(17)], 1)
     assert "at most 16" in card_program.program_for_card(card)

@@ -463,15 +463,20 @@ def random_like(m: TensorMeta, g: torch.Generator) -> torch.Tensor:
     dev = g.device
     t = empty_like_meta(m, dev)
     dt = m.torch_dtype
+    # A tensor whose elements share memory (an expand: a class token broadcast over the batch) cannot
+    # be written through its own view: its storage span is drawn instead.
+    target = t
+    if t.numel() and torch._debug_has_internal_overlap(t) != 0:
+        target = t.as_strided((m.span(),), (1,), t.storage_offset() + _min_offset(m))
     if dt.is_floating_point or dt.is_complex:
-        vals = torch.randn(t.shape, generator=g, dtype=torch.float32, device=dev)
+        vals = torch.randn(target.shape, generator=g, dtype=torch.float32, device=dev)
     elif dt == torch.bool:
-        vals = torch.rand(t.shape, generator=g, device=dev) < 0.5
+        vals = torch.rand(target.shape, generator=g, device=dev) < 0.5
     else:
         lo = int(m.lo) if m.lo is not None else 0
         hi = int(m.hi) if m.hi is not None else 100
-        vals = torch.randint(lo, hi + 1, t.shape, generator=g, dtype=torch.int64, device=dev)
-    t.copy_(vals.to(dt))
+        vals = torch.randint(lo, hi + 1, target.shape, generator=g, dtype=torch.int64, device=dev)
+    target.copy_(vals.to(dt))
     return t
 
 
