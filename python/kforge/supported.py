@@ -12,7 +12,7 @@ from __future__ import annotations
 
 
 def markdown() -> str:
-    from .codegen import concat, ops, reductions
+    from .codegen import concat, gather, ops, reductions
     from .proposers.builtin import TEMPLATES
 
     lines = ["# Supported ops", "",
@@ -37,6 +37,8 @@ def markdown() -> str:
               + ", ".join(f"`{n}`" for n in sorted(reductions.NORM_OPS)),
               f"- **Concatenation**: `cat`, alone or in pointwise work, along one dim or several (one kernel per slab of the output, at most"
               f" {concat.MAX_SLABS})",
+              "- **Picked rows**: " + ", ".join(f"`{o.removeprefix('aten::').split('.')[0]}`" for o in gather.OPS)
+              + " (alone; an index outside the table stops the kernel, as eager's assert does)",
               "- **Fused regions** (`--regions`): chains of the ops above with one reduction level: one",
               "  normalization (its prologue and an epilogue over every element: a mask add and casts around",
               "  softmax, a residual add into a norm, an activation after it), or reductions over the same",

@@ -50,12 +50,17 @@ def settings(card, n_random: int = 2):
     return [k for i, k in enumerate(out) if k not in out[:i]]
 
 
-def positive(card, index: int):
-    """The card with input `index` drawn from 1..50 (an integer divisor)."""
+def drawn(card, index: int, lo: int, hi: int):
+    """The card with input `index` drawn from lo..hi."""
     ins = [a for a in card.args if a.kind == "tensor"]
-    args = [dataclasses.replace(a, tensor=dataclasses.replace(a.tensor, lo=1, hi=50)) if a is ins[index] else a
+    args = [dataclasses.replace(a, tensor=dataclasses.replace(a.tensor, lo=lo, hi=hi)) if a is ins[index] else a
             for a in card.args]
     return dataclasses.replace(card, args=args, id="")
+
+
+def positive(card, index: int):
+    """The card with input `index` drawn from 1..50 (an integer divisor)."""
+    return drawn(card, index, 1, 50)
 
 
 I32, I64, BOOL = torch.int32, torch.int64, torch.bool
@@ -81,6 +86,12 @@ POINTWISE = {
     "add_inplace_long": lambda: make_card(A.add_.Tensor, meta(1 << 20), meta(1 << 20)),
     "where_bool_broadcast_value": lambda: make_card(A.where.self, meta(1 << 20, dtype=BOOL), meta(1 << 20), meta()),
     "one_element": lambda: make_card(A.sigmoid.default, meta(1)),
+    # rows picked by an index (codegen/gather.py): an LLM's embedding, rows of an odd length, a middle dim
+    "embedding_llama_bf16": lambda: drawn(make_card(A.embedding.default, meta(32000, 2048, dtype=BF16),
+                                                    meta(1, 2048, dtype=I64)), 1, 0, 31999),
+    "embedding_odd_rows": lambda: drawn(make_card(A.embedding.default, meta(1000, 33), meta(4, 7, dtype=I64)), 1, 0, 999),
+    "index_select_middle_dim_int32": lambda: drawn(make_card(A.index_select.default, meta(6, 100, 8, dtype=BF16), 1,
+                                                             meta(37, dtype=I32)), 1, 0, 99),
     "zero_dim": lambda: make_card(A.exp.default, meta()),
 }
 REDUCTIONS = {

@@ -11,7 +11,7 @@ from ..errors import CardError
 from ..families import family_of, packet_name
 from ..subgraph import Node as SubNode
 from ..subgraph import is_ref
-from . import concat
+from . import concat, gather
 from .build import DIFFERENT_SHAPES, from_nodes
 from .ir import Node, Program, Ref
 from .views import lead_stripped
@@ -112,6 +112,8 @@ def program_for_card(card: Card) -> Program | str:
         return "a tensor is not on the GPU: generated kernels read CUDA memory only"
     if not card.outputs:
         return "the op returns no tensor"
+    if card.region is None and card.op in gather.OPS:
+        return gather.program(card)
     if card.region is not None:
         conv = region_nodes(card)
         if isinstance(conv, str):

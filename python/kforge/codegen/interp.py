@@ -165,6 +165,20 @@ def run(prog: Program, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     return [got[j] for j in range(len(got))]
 
 
+def _gathered(prog: Program, inputs: list[torch.Tensor], i: int, shape) -> torch.Tensor:
+    """Input i at each domain point: its strides' offset plus the index's value times the stride."""
+    j, stride, rows = prog.gathers[i]
+    t, ti = inputs[prog.source(i)], inputs[prog.source(j)]
+    index = torch.as_strided(ti, shape, prog.in_strides[j], ti.storage_offset() + prog.offset(j)).to(torch.int64)
+    if bool(((index < 0) | (index >= rows)).any()):
+        raise IndexError(f"an index outside [0, {rows})")
+    at = torch.zeros(shape, dtype=torch.int64)
+    for d, (n, st) in enumerate(zip(shape, prog.in_strides[i])):
+        at = at + torch.arange(n).reshape([-1 if k == d else 1 for k in range(len(shape))]) * st
+    flat = torch.as_strided(t, (t.untyped_storage().nbytes() // t.element_size(),), (1,), 0)
+    return flat[at + index * stride + t.storage_offset() + prog.offset(i)]
+
+
 def _run(prog: Program, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     dom = prog.domain
     red = prog.reduction
@@ -173,6 +187,8 @@ def _run(prog: Program, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     def loads_over(shape):
         def load(i, stored):
             t = inputs[prog.source(i)]
+            if i in prog.gathers:
+                return _gathered(prog, inputs, i, shape)
             return torch.as_strided(t, shape, prog.in_strides[i], t.storage_offset() + prog.offset(i))
         return load
 

@@ -341,6 +341,9 @@ class Program:
     # where output j starts, in elements past the card output's pointer (None: at it), and
     # the first program's `card_outputs` are the card's output TensorMetas the slabs make up.
     out_index: list[int] | None = None
+    # input i -> (index input j, stride, rows): input i is read at its strides over the domain
+    # plus the value of input j there times `stride` (an embedding's row: codegen/gather.py)
+    gathers: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     parts: list["Program"] = field(default_factory=list)
     out_offsets: list[int] | None = None
     card_outputs: list | None = None

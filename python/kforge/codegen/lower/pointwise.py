@@ -29,12 +29,16 @@ def pointwise_vecs(prog: Program) -> tuple[int, ...]:
 def _vecs(prog: Program) -> tuple[int, ...]:
     sizes, strides = pointwise_layout(prog)
     metas = list(prog.outputs) + [prog.inputs[i] for i in sorted(prog.in_strides)]
+    loaded = sorted(prog.in_strides)
+    no = len(prog.outputs)
     out = []
     for v in (1, 2, 4, 8, 16):
         ok = sizes[-1] % v == 0
         for m, st in zip(metas, strides):
             if st[-1] == 1 and v > 1:
                 ok &= vector_fits(v, m, st, -1)
+        for i, (j, stride, _) in prog.gathers.items():  # a picked row starts at a whole vector
+            ok &= v == 1 or strides[no + loaded.index(i)][-1] != 1 or stride % v == 0
         if ok:
             out.append(v)
     return tuple(out)
@@ -64,10 +68,14 @@ def _kernel(prog: Program, knobs: dict, sm_count: int, name: str) -> tuple[str, 
     idx = _index_type(prog, 2 * nt * it * v)
     ins_of = {i: no + k for k, i in enumerate(loaded)}
     hoist, decl, loads, body = [], [], [], []
-    for i in loaded:
+    for i in sorted(loaded, key=lambda i: i in prog.gathers):  # an index before the rows it picks
         t = ins_of[i]
         st = strides[t]
         ct = CTYPE[prog.inputs[i].dtype]
+        if i in prog.gathers:
+            decl.append(f"    {ct} x{i}[IT][V];")
+            loads += _gathered_loads(prog, i, strides, ins_of, ptr, v)
+            continue
         if not any(st):
             hoist.append(f"  const {ct} h{i} = {ptr[i]}[0];")
             continue
@@ -79,7 +87,7 @@ def _kernel(prog: Program, knobs: dict, sm_count: int, name: str) -> tuple[str, 
             loads.append(f"        for (int j = 0; j < V; ++j) x{i}[k][j] = {ptr[i]}[off[k][{t}] + j * {st[-1]}];")
 
     def load(i, stored):
-        return f"h{i}" if not any(strides[ins_of[i]]) else f"x{i}[k][j]"
+        return f"h{i}" if not any(strides[ins_of[i]]) and i not in prog.gathers else f"x{i}[k][j]"
 
     em = Emitter("v", {}, load, fast_nodes(prog, prog.results))
     res = [em(e) for e in prog.results]
@@ -133,3 +141,19 @@ def _kernel(prog: Program, knobs: dict, sm_count: int, name: str) -> tuple[str, 
         blocks = min(blocks, sm_count * max(1, 2048 // nt))
     args = [{"out": prog.card_output(a["out"])} if "out" in a else a for a in args]
     return src, (name, (blocks,), (nt,), args, 0)
+
+
+def _gathered_loads(prog: Program, i: int, strides, ins_of: dict[int, int], ptr: dict[int, str], v: int) -> list[str]:
+    """Loads of input i at the rows its index input picks (ir.Program.gathers): one vector per
+    item where the index is constant along the inner dim, else element by element. An index
+    outside the rows traps, as eager's device-side assert does."""
+    j, stride, rows = prog.gathers[i]
+    st, t, ct = strides[ins_of[i]], ins_of[i], CTYPE[prog.inputs[i].dtype]
+    index = (lambda e: f"h{j}") if not any(strides[ins_of[j]]) else (lambda e: f"x{j}[k][{e}]")
+    check = f"if ((unsigned long long)g >= {rows}ULL) __trap();"
+    if st[-1] == 1 and v > 1 and strides[ins_of[j]][-1] == 0:
+        return [f"        {{ const kf_i64 g = (kf_i64){index(0)}; {check}",
+                f"          *reinterpret_cast<kf_vec<{ct}, V>*>(x{i}[k]) = "
+                f"*reinterpret_cast<const kf_vec<{ct}, V>*>({ptr[i]} + off[k][{t}] + g * {stride}LL); }}"]
+    return [f"        for (int j = 0; j < V; ++j) {{ const kf_i64 g = (kf_i64){index('j')}; {check}",
+            f"          x{i}[k][j] = {ptr[i]}[off[k][{t}] + g * {stride}LL + j * {st[-1]}]; }}"]
