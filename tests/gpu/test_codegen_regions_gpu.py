@@ -108,6 +108,32 @@ class RotaryWhole(nn.Module):
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
+class RotaryKeysRepeatedFirst(nn.Module):
+    """Llama's rotary with GQA in the order CUDA's trace has it (H100, transformers 5.17): the keys
+    rotated and repeated before the queries take their own unsqueeze of cos and sin, bf16. One
+    kernel per output and slab."""
+
+    def forward(self, freqs, q, k):
+        f = freqs.transpose(1, 2)
+        emb = torch.cat((f, f), dim=-1)
+        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+        ke = k * cos.unsqueeze(1) + _rotate_half(k) * sin.unsqueeze(1)
+        kr = ke[:, :, None].expand(1, 2, 4, 128, 64).reshape(1, 8, 128, 64)
+        qe = q * cos[:, None] + _rotate_half(q) * sin[:, None]
+        return qe @ kr.transpose(-1, -2)
+
+
+class ClassTokenCat(nn.Module):
+    """ViT's class token expanded over the batch (stride 0) and cat before the patches."""
+
+    def __init__(self):
+        super().__init__()
+        self.token = nn.Parameter(torch.randn(1, 1, 768, device="cuda", dtype=torch.bfloat16))
+
+    def forward(self, x):
+        return torch.cat((self.token.expand(x.shape[0], -1, -1), x), dim=1)
+
+
 class CatOfThree(nn.Module):
     """A cat alone (a card of its own, and with the sigmoid before it a region), pieces of odd
     widths along a middle dim."""
@@ -144,6 +170,9 @@ CASES = {
     "cat_of_three_odd_widths": (CatOfThree, lambda: (torch.randn(16, 3, 1000, device="cuda"),
                                                      torch.randn(16, 7, 1000, device="cuda").transpose(1, 2).contiguous().transpose(1, 2),
                                                      torch.randn(16, 5, 1000, device="cuda"))),
+    "rotary_keys_repeated_before_the_queries_bf16": (RotaryKeysRepeatedFirst, lambda: (
+        torch.randn(1, 32, 128, device="cuda"), torch.randn(1, 8, 128, 64, device="cuda", dtype=torch.bfloat16),
+        torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16))),
     "rstd_bf16": (Rstd, lambda: (torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16),)),
     # a pooling's epilogue (KernelBench level 2's max pool then hardtanh) in the pooling's kernel
     "max_pool_then_hardtanh": (lambda: nn.Sequential(nn.MaxPool2d(2), nn.Hardtanh()),
@@ -180,6 +209,19 @@ def test_generated_region_kernel_passes_the_evaluator(tmp_path, name):
         for cand in [first] + others:
             res = ev.evaluate(card, cand)
             assert not res.verdict.failed, f"{card.summary()} {cand.knobs}: {res.verdict.value}: {res.message}"
+
+
+def test_a_cat_of_a_broadcast_class_token_passes_the_evaluator(tmp_path):
+    """The evaluator's fresh inputs for the expanded token are drawn over its storage (it failed
+    every candidate on the H100 writing through the expanded view)."""
+    with torch.no_grad():
+        r = capture(ClassTokenCat(), (torch.randn(32, 196, 768, device="cuda", dtype=torch.bfloat16),), tmp_path)
+    (card,) = [c for c in r.cards if c.op == "aten::cat.default"]
+    assert card.inputs[0].stride[0] == 0
+    hw = current()
+    with make_evaluator(tmp_path, devices=[0], timeout_s=20.0, **FAST) as ev:
+        res = ev.evaluate(card, generated.build(card, generated.default(card, hw), hw))
+        assert not res.verdict.failed, f"{res.verdict.value}: {res.message}"
 
 
 def test_a_generated_cat_card_passes_the_evaluator_at_every_vector_width(tmp_path):
