@@ -102,6 +102,8 @@ lane() {  # lane LOG ITEM...: run the items in order
                      --out "$OUT/probe_knobs_h200.json" ;;
       # Ways of streaming bytes (plain loads, L2 prefetch hints, the bulk copy engine) against eager and the copy (bench/probe_stream.py).
       probe_stream) step "$log" probe-stream "${T_PROBE:-90}" python3 bench/probe_stream.py --out "$OUT/probe_stream_h200.json" ;;
+      # The host time of one call alone and queued behind GPU work (bench/probe_host.py).
+      probe_host) step "$log" probe-host "${T_PROBE:-90}" python3 bench/probe_host.py --out "$OUT/probe_host_h200.json" ;;
       # SDPA's backends against the plain decomposition, per attention shape (bench/probe_attention.py).
       probe_attention) step "$log" probe-attention "${T_PROBE:-90}" python3 bench/probe_attention.py \
                          --out "$OUT/probe_attention_h200.json" ;;
