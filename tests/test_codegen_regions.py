@@ -446,8 +446,8 @@ def test_region_the_generator_cannot_do_is_declined_with_its_reason(tmp_path, na
 
 
 def test_a_region_with_outputs_of_two_shapes_is_one_kernel_per_shape(tmp_path):
-    """q and k of a GQA rotary embedding: each kernel computes what its output needs (both read
-    cos and sin) and writes only it; every output is written once."""
+    """q and k of a GQA rotary embedding: each part computes what its output needs (both read
+    cos and sin) and writes only it, in a range of blocks of one launch; every output is written once."""
     made = CASES["rotary_q_and_k_of_two_shapes"][1]()
     card = region_card(tmp_path, Rotary(), *made, ops=["mul", "mul", "add", "mul", "mul", "add"])
     prog = card_program.program_for_card(card)
@@ -455,10 +455,11 @@ def test_a_region_with_outputs_of_two_shapes_is_one_kernel_per_shape(tmp_path):
     assert len(prog.parts) == 1 and prog.out_index == [0] and prog.parts[0].out_index == [1]
     assert prog.domain == (2, 4, 16, 8) and prog.parts[0].domain == (2, 2, 16, 8)
     cand = generated.build(card, generated.default(card, H200), H200)
-    kernels = cand.plan.kernels
-    assert [k.name for k in kernels] == ["kf_gen", "kf_gen_p1"]
-    assert [[a["out"] for a in k.args if "out" in a] for k in kernels] == [[0], [1]]
-    assert sorted(a["in"] for a in kernels[1].args if "in" in a) == [0, 1, 4, 5]  # cos, sin, k, rotated k
+    (launch,) = cand.plan.kernels
+    q_part, k_part = launch.args[:5], launch.args[5:]  # out, then the four inputs each part reads
+    assert [a["out"] for a in q_part if "out" in a] == [0] and [a["out"] for a in k_part if "out" in a] == [1]
+    assert sorted(a["in"] for a in k_part if "in" in a) == [0, 1, 4, 5]  # cos, sin, k, rotated k
+    assert "kf_p0::kf_part(" in cand.source and "else if (blockIdx.x < " in cand.source
 
 
 def test_views_at_offsets_read_the_one_input_at_their_offsets(tmp_path):

@@ -35,7 +35,7 @@ def markdown() -> str:
               + ", ".join(f"`{n}`" for n in sorted(reductions.WINDOW_OPS)),
               "- **Normalizations** (one kernel, or two passes for few long rows): "
               + ", ".join(f"`{n}`" for n in sorted(reductions.NORM_OPS)),
-              f"- **Concatenation**: `cat`, alone or in pointwise work, along one dim or several (one kernel per slab of the output, at most"
+              f"- **Concatenation**: `cat`, alone or in pointwise work, along one dim or several (one part per slab of the output, one launch, at most"
               f" {concat.MAX_SLABS})",
               "- **Picked rows**: " + ", ".join(f"`{o.removeprefix('aten::').split('.')[0]}`" for o in gather.OPS)
               + " (alone; an index outside the table stops the kernel, as eager's assert does)",

@@ -134,7 +134,7 @@ def _built(nodes: list[Node], inputs: list[TensorMeta], sources: list[int], refs
     prog = from_nodes(nodes, inputs, refs, out_metas, aliases, sources)
     if prog == DIFFERENT_SHAPES:
         return _by_shape(nodes, inputs, refs, out_metas, aliases, sources)
-    if isinstance(prog, str) and len(refs) > 1:  # outputs one domain cannot hold: one kernel each
+    if isinstance(prog, str) and len(refs) > 1:  # outputs one domain cannot hold: one part each
         alone = _parts(nodes, inputs, refs, out_metas, aliases, sources, [[j] for j in range(len(refs))])
         return prog if isinstance(alone, str) else alone
     return prog

@@ -45,19 +45,39 @@ def _vecs(prog: Program) -> tuple[int, ...]:
 
 
 def lower_pointwise(prog: Program, knobs: dict, sm_count: int) -> Built:
-    """One kernel, kf_gen; a program with parts (one per output shape, or per slab of a cat)
-    adds one kernel per part, kf_gen_p1, ..., each in a namespace of its own; every kernel runs
-    at the widest vector width it allows up to the knob's."""
-    bodies, launches = [], []
-    for n, part in enumerate([prog, *prog.parts]):
+    """One kernel, kf_gen. A program with parts (one per output shape, or per slab of a cat) is
+    one launch too: each part is a device function in a namespace of its own, at the widest
+    vector width it allows up to the knob's, and kf_gen gives each its own range of blocks (the
+    parts are small pieces of one region: a rotary's two slabs, a cat's pieces, where a launch
+    each cost more than their bytes). An in-place part keeps a launch of its own, in order."""
+    progs = [prog, *prog.parts]
+    if len(progs) == 1 or any(p.aliases for p in progs):
+        bodies, launches = [], []
+        for n, part in enumerate(progs):
+            vec = max(w for w in _vecs(part) if w <= knobs["vec"])
+            src, launch = _kernel(part, {**knobs, "vec": vec}, sm_count, f"kf_gen_p{n}" if n else "kf_gen")
+            bodies.append(f"namespace kf_p{n} {{\n{src}\n}}" if n else src)
+            launches.append(launch)
+        return Built(_header("\n".join(bodies)), launches, [])
+    bodies, params, calls, args, start = [], [], [], [], 0
+    for n, part in enumerate(progs):
         vec = max(w for w in _vecs(part) if w <= knobs["vec"])
-        src, launch = _kernel(part, {**knobs, "vec": vec}, sm_count, f"kf_gen_p{n}" if n else "kf_gen")
-        bodies.append(f"namespace kf_p{n} {{\n{src}\n}}" if n else src)
-        launches.append(launch)
-    return Built(_header("\n".join(bodies)), launches, [])
+        src, (_, (blocks,), _, part_args, _) = _kernel(part, {**knobs, "vec": vec}, sm_count, "kf_part", device=True)
+        bodies.append(f"namespace kf_p{n} {{\n{src}\n}}")
+        names = [f"p{n}_{k}" for k in range(len(part_args))]
+        params += [f"{t.rsplit(' ', 1)[0]} {name}" for t, name in zip(_pointers(part)[0], names)]
+        calls.append(f"  {'else ' if n else ''}if (blockIdx.x < {start + blocks}u) "
+                     f"kf_p{n}::kf_part({', '.join(names)}, blockIdx.x - {start}u, {blocks}u);")
+        args += part_args
+        start += blocks
+    kernel = "\n".join([f'extern "C" __global__ void __launch_bounds__({knobs["threads"]}) kf_gen({", ".join(params)}) {{',
+                        *calls, "}"])
+    return Built(_header("\n".join(bodies + [kernel])), [("kf_gen", (start,), (knobs["threads"],), args, 0)], [])
 
 
-def _kernel(prog: Program, knobs: dict, sm_count: int, name: str) -> tuple[str, tuple]:
+def _kernel(prog: Program, knobs: dict, sm_count: int, name: str, device: bool = False) -> tuple[str, tuple]:
+    """The kernel `name`, or with `device` a device function of the same body that runs as block
+    kf_bid of kf_nblk (lower_pointwise's parts in one launch)."""
     nt, v, it = knobs["threads"], knobs["vec"], knobs["items"]
     sizes, strides = pointwise_layout(prog)
     numel = math.prod(sizes)
@@ -108,11 +128,13 @@ def _kernel(prog: Program, knobs: dict, sm_count: int, name: str) -> tuple[str, 
     src = "\n".join([
         f"typedef {idx} kf_idx;",
         f"constexpr int NT = {nt}; constexpr int V = {v}; constexpr int IT = {it}; constexpr kf_idx NV = {nv};",
-        f'extern "C" __global__ void __launch_bounds__(NT) {name}({", ".join(params)}) {{',
+        (f'__device__ __forceinline__ void {name}({", ".join(params + ["unsigned kf_bid", "unsigned kf_nblk"])}) {{'
+         if device else f'extern "C" __global__ void __launch_bounds__(NT) {name}({", ".join(params)}) {{'),
+        *([] if device else ["  const unsigned kf_bid = blockIdx.x, kf_nblk = gridDim.x;"]),
         *hoist,
         *[f"  out{j} += {prog.out_offset(j)};" for j in range(no) if prog.out_offset(j)],
-        "  for (kf_idx base = (kf_idx)blockIdx.x * (NT * IT) + threadIdx.x; base < NV;"
-        " base += (kf_idx)gridDim.x * (NT * IT)) {",
+        "  for (kf_idx base = (kf_idx)kf_bid * (NT * IT) + threadIdx.x; base < NV;"
+        " base += (kf_idx)kf_nblk * (NT * IT)) {",
         f"    kf_idx off[IT][{len(strides)}];",
         *decl,
         "#pragma unroll",
