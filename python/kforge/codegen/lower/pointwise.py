@@ -49,7 +49,7 @@ def lower_pointwise(prog: Program, knobs: dict, sm_count: int) -> Built:
     one launch too: each part is a device function in a namespace of its own, at the widest
     vector width it allows up to the knob's, and kf_gen gives each its own range of blocks (the
     parts are small pieces of one region: a rotary's two slabs, a cat's pieces, where a launch
-    each cost more than their bytes). An in-place part keeps a launch of its own, in order."""
+    each cost more than their bytes). A program with an in-place part runs a launch per part, in order."""
     progs = [prog, *prog.parts]
     if len(progs) == 1 or any(p.aliases for p in progs):
         bodies, launches = [], []
