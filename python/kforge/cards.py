@@ -459,13 +459,10 @@ def empty_like_meta(m: TensorMeta, device: str | torch.device) -> torch.Tensor:
 
 
 def random_like(m: TensorMeta, g: torch.Generator) -> torch.Tensor:
-    """A tensor with `m`'s metadata on the generator's device, values drawn there."""
-    dev = g.device
-    t = empty_like_meta(m, dev)
-    dt = m.torch_dtype
-    # A tensor whose elements share memory (an expand: a class token broadcast over the batch) cannot
-    # be written through its own view: its storage span is drawn instead.
-    target = t
+    """A tensor with `m`'s metadata on the generator's device, values drawn there (over its storage
+    where its elements share memory: an expand, a class token broadcast over the batch)."""
+    dev, dt = g.device, m.torch_dtype
+    target = t = empty_like_meta(m, dev)
     if t.numel() and torch._debug_has_internal_overlap(t) != 0:
         target = t.as_strided((m.span(),), (1,), t.storage_offset() + _min_offset(m))
     if dt.is_floating_point or dt.is_complex:
