@@ -1,4 +1,4 @@
-"""Rows picked by an index (codegen/gather.py): embedding and index_select as generated pointwise
+"""Rows picked by an index (codegen/gather.py): embedding, index_select and gather as generated pointwise
 kernels, checked against eager through the IR's interpreter and by running the generated C on
 the CPU, vector and element-by-element loads alike."""
 
@@ -41,6 +41,11 @@ CASES = {
     "index_select_last_dim_transposed": (lambda: drawn(make_card(A.index_select.default, meta(12, 7).t(), -1,
                                                                  meta(30, dtype=I64)), 0, 11),
                                          lambda s, i: torch.index_select(s, -1, i)),
+    "gather_rows": (lambda: drawn(make_card(A.gather.default, meta(8, 30), 1, meta(8, 5, dtype=I64)), 0, 29),
+                    lambda s, i: torch.gather(s, 1, i)),
+    "gather_dim0_narrower_index_transposed": (lambda: drawn(make_card(A.gather.default, meta(12, 9).t(), 0,
+                                                                      meta(6, 7, dtype=I64)), 0, 8),
+                                              lambda s, i: torch.gather(s, 0, i)),
 }
 
 

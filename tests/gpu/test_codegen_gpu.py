@@ -92,6 +92,8 @@ POINTWISE = {
     "embedding_odd_rows": lambda: drawn(make_card(A.embedding.default, meta(1000, 33), meta(4, 7, dtype=I64)), 1, 0, 999),
     "index_select_middle_dim_int32": lambda: drawn(make_card(A.index_select.default, meta(6, 100, 8, dtype=BF16), 1,
                                                              meta(37, dtype=I32)), 1, 0, 99),
+    "gather_rows_f16": lambda: drawn(make_card(A.gather.default, meta(64, 1000, dtype=F16), 1, meta(64, 37, dtype=I64)),
+                                     1, 0, 999),
     "zero_dim": lambda: make_card(A.exp.default, meta()),
 }
 REDUCTIONS = {

@@ -1,4 +1,4 @@
-"""Rows picked by an index tensor: embedding and index_select as pointwise programs.
+"""Rows picked by an index tensor: embedding, index_select and gather as pointwise programs.
 
 out[..., i, ...] = self[..., index[i], ...] reads one input at an address that depends on another
 input's value, which strides cannot say. The program's domain is the output's shape; the table
@@ -12,6 +12,7 @@ eager's: nothing is read out of bounds.
 
     embedding(weight (V, H), indices (*)) -> (*, H)
     index_select(self, dim, index (n,)) -> self with size n at dim
+    gather(self, dim, index) -> index's shape: self at index's value along dim
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 from ..cards import Card, decode_value
 from .ir import Expr, Program
 
-OPS = ("aten::embedding.default", "aten::index_select.default")
+OPS = ("aten::embedding.default", "aten::index_select.default", "aten::gather.default")
 
 
 def _tensor_args(card: Card) -> dict:
@@ -44,13 +45,21 @@ def program(card: Card) -> Program | str:
         # the index's dims, then the row's
         index_strides = tuple(index.stride) + (0,)
         table_strides = (0,) * len(index.shape) + (table.stride[1],)
-    else:
+    elif card.op == "aten::index_select.default":
         table, index, dim = args.get("self"), args.get("index"), args.get("dim")
         if table is None or index is None or not isinstance(dim, int) or len(index.shape) > 1 or not table.shape:
             return "an index_select of a 0-d tensor or with a multi-dim index"
         dim %= len(table.shape)
         istride = index.stride[0] if index.shape else 0
         index_strides = tuple(istride if d == dim else 0 for d in range(len(table.shape)))
+        table_strides = tuple(0 if d == dim else s for d, s in enumerate(table.stride))
+    else:  # gather: out[..., i, ...] = self[..., index[..., i, ...], ...], out shaped like the index
+        table, index, dim = args.get("self"), args.get("index"), args.get("dim")
+        if table is None or index is None or not isinstance(dim, int) or not table.shape or \
+                len(index.shape) != len(table.shape) or args.get("sparse_grad"):
+            return "a gather of a 0-d tensor, with an index of another rank, or sparse"
+        dim %= len(table.shape)
+        index_strides = tuple(index.stride)
         table_strides = tuple(0 if d == dim else s for d, s in enumerate(table.stride))
     if index.dtype not in ("int64", "int32"):
         return f"an index of dtype {index.dtype}: int64 and int32 are generated"
