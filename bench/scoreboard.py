@@ -1,7 +1,7 @@
 """The two tables docs/benchmarks.md opens with, from the result files under bench/results/:
 KernelBench fast_p per level against eager and against torch.compile (bench/kernelbench.py),
 and the example models eager / torch.compile (default and reduce-overhead) / the package /
-kforge.optimize / kforge.compile (bench/bench_model.py --compile). Every row names its file,
+kforge.optimize (op by op and from CUDA graphs) / kforge.compile (bench/bench_model.py --compile). Every row names its file,
 and the list under each table its date, device, torch, commit and command.
 
     python bench/scoreboard.py                              # print the tables
@@ -32,7 +32,8 @@ BEGIN = "<!-- scoreboard: written by bench/scoreboard.py (edit that, not this bl
 END = "<!-- /scoreboard -->"
 MODEL_COLUMNS = (("eager", "eager"), ("torch.compile", "torch.compile"),
                  ("torch.compile reduce-overhead", "torch.compile, reduce-overhead"), ("kforge", "package (`apply`)"),
-                 ("kforge.optimize", "`kforge.optimize`"), ("kforge.compile", "`kforge.compile`"),
+                 ("kforge.optimize", "`kforge.optimize`"), ("kforge.optimize cuda_graphs", "`kforge.optimize`, CUDA graphs"),
+                 ("kforge.compile", "`kforge.compile`"),
                  ("kforge.compile reduce-overhead", "`kforge.compile`, reduce-overhead"))
 
 
