@@ -710,3 +710,29 @@ def test_compiling_again_with_the_same_package_reuses_its_backend(monkeypatch):
         other = FakeLauncher(group_norm_kernel(2, 1e-5))
         torch.testing.assert_close(pkg.compile(model, launcher=other)(x), want)
     assert len(calls) > first and len(other.calls) == 1
+
+
+def test_an_embedding_whose_rows_pointwise_work_reads_is_left_to_inductor():
+    """Inductor reads an embedding's rows inside the kernel of the work that consumes them (an
+    LLM's first norm); a kernel of its own would add a pass over its output. Feeding a matmul,
+    the embedding is alone and takes the card's kernel."""
+    w, ids = torch.randn(20, 8), torch.tensor([[1, 5, 7], [0, 19, 3]])
+    card = make_card(aten.embedding.default, w, ids)
+    launcher = FakeLauncher(lambda ins, outs: outs[0].copy_(F.embedding(ins[1], ins[0])))
+    rewrites = inductor._rewrites(fake_package(card), launcher)
+
+    def fn(weight, idx, m):
+        fused = F.embedding(idx, weight).pow(2).mean(-1)  # the embedding's rows read by a reduction
+        alone = F.embedding(idx, weight) @ m
+        return fused, alone
+    inputs = (w, ids, torch.randn(8, 4))
+    gm = traced(fn, *inputs, rewrites=rewrites)
+    assert len([n for n in gm.graph.nodes if n.target is aten.embedding.default]) == 2
+    assert sum(r(gm.graph) for r in rewrites) == 1
+    gm.recompile()
+    (k,) = kernel_nodes(gm)
+    (kept,) = [n for n in gm.graph.nodes if n.target is aten.embedding.default]
+    assert [u.target for u in kept.users] == [aten.pow.Tensor_Scalar]  # the one the reduction reads stays
+    assert rewrites[0].declined == [k.target.name()]
+    for got, want in zip(gm(*inputs), fn(*inputs)):
+        torch.testing.assert_close(got, want)

@@ -19,6 +19,7 @@ from . import regions as regions_mod
 from .contraction import reader, replace_sites
 from .dispatch import Variant
 from .errors import CardError
+from .families import packet_name
 from .guards import call_values, slot_kind, traced_key
 
 log = logging.getLogger("kforge.inductor")
@@ -108,6 +109,19 @@ def _resolvable(region: Any) -> bool:
     return True
 
 
+_INDEXING = frozenset({"embedding", "index_select", "gather"})
+
+
+def _loads_into_fusion(node: torch.fx.Node) -> bool:
+    """An indexing op (an embedding) whose value pointwise or reduction work reads: Inductor
+    lowers it as loads inside that work's kernel (an LLM's embedding inside its first norm), so a
+    kernel of its own, however fast alone, adds a pass over its output. kforge's region finder
+    keeps such ops out of regions, so `_fused_sites` cannot see this."""
+    if not isinstance(node.target, torch._ops.OpOverload) or packet_name(node.target) not in _INDEXING:
+        return False
+    return any(regions_mod.role(u) in ("compute", "reduce") for u in node.users)
+
+
 class OpRewrite:
     """Nodes whose call hits a single-op card's guard, each replaced by the card's custom op.
     `fusion_aware` (compiled graphs): a node inside a fusable region only where `evidence`
@@ -160,6 +174,11 @@ class OpRewrite:
                 continue
             kernel, v = hit
             site = site_of.get(node)
+            if self.fusion_aware and _loads_into_fusion(node):
+                self.declined.append(kernel.name())
+                log.info("%s stays Inductor's at %s: Inductor reads its rows inside the next kernel", kernel.name(),
+                         node.name)
+                continue
             if site is not None and not self.evidence.wins_inside(v.card.id, node, site):
                 self.declined.append(kernel.name())
                 log.info("%s stays Inductor's at %s: it fuses with its neighbours there", kernel.name(), node.name)
