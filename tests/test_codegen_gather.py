@@ -46,6 +46,11 @@ CASES = {
     "gather_dim0_narrower_index_transposed": (lambda: drawn(make_card(A.gather.default, meta(12, 9).t(), 0,
                                                                       meta(6, 7, dtype=I64)), 0, 8),
                                               lambda s, i: torch.gather(s, 0, i)),
+    "gather_transposed_int32_table": (lambda: drawn(make_card(A.gather.default, meta(30, 4, dtype=I32).t(), 1,
+                                                              meta(4, 7, dtype=I64)), 0, 29),
+                                      lambda s, i: torch.gather(s, 1, i)),
+    "embedding_one_element_rows": (lambda: drawn(make_card(A.embedding.default, meta(10, 1), meta(3, 5, dtype=I64)), 0, 9),
+                                   lambda w, i: torch.embedding(w, i)),
 }
 
 

@@ -94,6 +94,10 @@ POINTWISE = {
                                                              meta(37, dtype=I32)), 1, 0, 99),
     "gather_rows_f16": lambda: drawn(make_card(A.gather.default, meta(64, 1000, dtype=F16), 1, meta(64, 37, dtype=I64)),
                                      1, 0, 999),
+    "gather_transposed_int32_table": lambda: drawn(make_card(A.gather.default, meta(300, 40, dtype=I32).t(), 1,
+                                                             meta(40, 17, dtype=I64)), 1, 0, 299),
+    "embedding_one_element_rows": lambda: drawn(make_card(A.embedding.default, meta(100, 1), meta(3, 5, dtype=I64)),
+                                                1, 0, 99),
     "zero_dim": lambda: make_card(A.exp.default, meta()),
 }
 REDUCTIONS = {
