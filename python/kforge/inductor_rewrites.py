@@ -16,10 +16,11 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from . import regions as regions_mod
+from .cards import qualified_name
+from .codegen import gather
 from .contraction import reader, replace_sites
 from .dispatch import Variant
 from .errors import CardError
-from .families import packet_name
 from .guards import call_values, slot_kind, traced_key
 
 log = logging.getLogger("kforge.inductor")
@@ -109,15 +110,12 @@ def _resolvable(region: Any) -> bool:
     return True
 
 
-_INDEXING = frozenset({"embedding", "index_select", "gather"})
-
-
 def _loads_into_fusion(node: torch.fx.Node) -> bool:
     """An indexing op (an embedding) whose value pointwise or reduction work reads: Inductor
     lowers it as loads inside that work's kernel (an LLM's embedding inside its first norm), so a
     kernel of its own, however fast alone, adds a pass over its output. kforge's region finder
     keeps such ops out of regions, so `_fused_sites` cannot see this."""
-    if not isinstance(node.target, torch._ops.OpOverload) or packet_name(node.target) not in _INDEXING:
+    if not isinstance(node.target, torch._ops.OpOverload) or qualified_name(node.target) not in gather.OPS:
         return False
     return any(regions_mod.role(u) in ("compute", "reduce") for u in node.users)
 

@@ -113,7 +113,7 @@ def program_for_card(card: Card) -> Program | str:
     if not card.outputs:
         return "the op returns no tensor"
     if card.region is None and card.op in gather.OPS:
-        return gather.program(card)
+        return gather.program(node_of_card(card), list(card.inputs), list(card.outputs))
     if card.region is not None:
         conv = region_nodes(card)
         if isinstance(conv, str):

@@ -17,48 +17,37 @@ eager's: nothing is read out of bounds.
 
 from __future__ import annotations
 
-from ..cards import Card, decode_value
-from .ir import Expr, Program
+from ..cards import TensorMeta
+from .ir import Expr, Node, Program, Ref
 
 OPS = ("aten::embedding.default", "aten::index_select.default", "aten::gather.default")
+_OPERANDS = {"aten::embedding.default": ("weight", "indices")}  # (table, index); the others: self, index
 
 
-def _tensor_args(card: Card) -> dict:
-    out, k = {}, 0
-    for a in card.args:
-        if a.kind == "tensor":
-            out[a.name] = card.inputs[k]
-            k += 1
-        elif a.kind != "tensors":
-            out[a.name] = decode_value(a.value)
-    return out
-
-
-def program(card: Card) -> Program | str:
-    """The card's program, or why not."""
-    args = _tensor_args(card)
-    (out,) = card.outputs
-    if card.op == "aten::embedding.default":
-        table, index, dim = args.get("weight"), args.get("indices"), 0
-        if table is None or index is None or len(table.shape) != 2:
+def program(node: Node, inputs: list[TensorMeta], outputs: list[TensorMeta]) -> Program | str:
+    """The program of one call (card_program.node_of_card: its tensors are refs to `inputs`), or why not."""
+    table_ref, index_ref = (node.args.get(a) for a in _OPERANDS.get(node.op, ("self", "index")))
+    if not isinstance(table_ref, Ref) or not isinstance(index_ref, Ref):
+        return "the table or the index is not a tensor"
+    table, index, dim, (out,) = inputs[table_ref.index], inputs[index_ref.index], node.args.get("dim", 0), outputs
+    if not table.shape or not isinstance(dim, int):
+        return "a 0-d table, or a dim that is not a number"
+    dim %= len(table.shape)
+    if node.op == "aten::embedding.default":
+        if len(table.shape) != 2:
             return "an embedding of a table that is not 2-d"
         # the index's dims, then the row's
         index_strides = tuple(index.stride) + (0,)
         table_strides = (0,) * len(index.shape) + (table.stride[1],)
-    elif card.op == "aten::index_select.default":
-        table, index, dim = args.get("self"), args.get("index"), args.get("dim")
-        if table is None or index is None or not isinstance(dim, int) or len(index.shape) > 1 or not table.shape:
-            return "an index_select of a 0-d tensor or with a multi-dim index"
-        dim %= len(table.shape)
+    elif node.op == "aten::index_select.default":
+        if len(index.shape) > 1:
+            return "an index_select with a multi-dim index"
         istride = index.stride[0] if index.shape else 0
         index_strides = tuple(istride if d == dim else 0 for d in range(len(table.shape)))
         table_strides = tuple(0 if d == dim else s for d, s in enumerate(table.stride))
     else:  # gather: out[..., i, ...] = self[..., index[..., i, ...], ...], out shaped like the index
-        table, index, dim = args.get("self"), args.get("index"), args.get("dim")
-        if table is None or index is None or not isinstance(dim, int) or not table.shape or \
-                len(index.shape) != len(table.shape) or args.get("sparse_grad"):
-            return "a gather of a 0-d tensor, with an index of another rank, or sparse"
-        dim %= len(table.shape)
+        if len(index.shape) != len(table.shape) or node.args.get("sparse_grad"):
+            return "a gather with an index of another rank, or sparse"
         index_strides = tuple(index.stride)
         table_strides = tuple(0 if d == dim else s for d, s in enumerate(table.stride))
     if index.dtype not in ("int64", "int32"):
@@ -74,6 +63,7 @@ def program(card: Card) -> Program | str:
     domain = tuple(out.shape)
     if len(table_strides) != len(domain):
         return "an output whose rank is not the table's and the index's"
-    return Program(domain=domain, inputs=[table, index], outputs=[out],
-                   in_strides={0: table_strides, 1: index_strides}, out_strides=[tuple(out.stride)],
-                   results=[Expr.load(0, table.dtype)], gathers={0: (1, table.stride[dim], rows)})
+    t, i = table_ref.index, index_ref.index
+    return Program(domain=domain, inputs=list(inputs), outputs=[out], in_strides={t: table_strides, i: index_strides},
+                   out_strides=[tuple(out.stride)], results=[Expr.load(t, table.dtype)],
+                   gathers={t: (i, table.stride[dim], rows)})

@@ -172,11 +172,9 @@ def _gathered(prog: Program, inputs: list[torch.Tensor], i: int, shape) -> torch
     index = torch.as_strided(ti, shape, prog.in_strides[j], ti.storage_offset() + prog.offset(j)).to(torch.int64)
     if bool(((index < 0) | (index >= rows)).any()):
         raise IndexError(f"an index outside [0, {rows})")
-    at = torch.zeros(shape, dtype=torch.int64)
-    for d, (n, st) in enumerate(zip(shape, prog.in_strides[i])):
-        at = at + torch.arange(n).reshape([-1 if k == d else 1 for k in range(len(shape))]) * st
-    flat = torch.as_strided(t, (t.untyped_storage().nbytes() // t.element_size(),), (1,), 0)
-    return flat[at + index * stride + t.storage_offset() + prog.offset(i)]
+    n = t.untyped_storage().nbytes() // t.element_size()
+    at = torch.as_strided(torch.arange(n), shape, prog.in_strides[i], t.storage_offset() + prog.offset(i))
+    return torch.as_strided(t, (n,), (1,), 0)[at + index * stride]
 
 
 def _run(prog: Program, inputs: list[torch.Tensor]) -> list[torch.Tensor]:

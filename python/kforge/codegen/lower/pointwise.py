@@ -51,28 +51,28 @@ def lower_pointwise(prog: Program, knobs: dict, sm_count: int) -> Built:
     parts are small pieces of one region: a rotary's two slabs, a cat's pieces, where a launch
     each cost more than their bytes). A program with an in-place part runs a launch per part, in order."""
     progs = [prog, *prog.parts]
-    if len(progs) == 1 or any(p.aliases for p in progs):
-        bodies, launches = [], []
-        for n, part in enumerate(progs):
-            vec = max(w for w in _vecs(part) if w <= knobs["vec"])
-            src, launch = _kernel(part, {**knobs, "vec": vec}, sm_count, f"kf_gen_p{n}" if n else "kf_gen")
-            bodies.append(f"namespace kf_p{n} {{\n{src}\n}}" if n else src)
-            launches.append(launch)
-        return Built(_header("\n".join(bodies)), launches, [])
-    bodies, params, calls, args, start = [], [], [], [], 0
+    one = len(progs) > 1 and not any(p.aliases for p in progs)  # the parts in one launch
+    bodies, launches, params, calls, args, start = [], [], [], [], [], 0
     for n, part in enumerate(progs):
         vec = max(w for w in _vecs(part) if w <= knobs["vec"])
-        src, (_, (blocks,), _, part_args, _) = _kernel(part, {**knobs, "vec": vec}, sm_count, "kf_part", device=True)
-        bodies.append(f"namespace kf_p{n} {{\n{src}\n}}")
+        name = "kf_part" if one else f"kf_gen_p{n}" if n else "kf_gen"
+        src, launch = _kernel(part, {**knobs, "vec": vec}, sm_count, name, device=one)
+        bodies.append(f"namespace kf_p{n} {{\n{src}\n}}" if n or one else src)
+        if not one:
+            launches.append(launch)
+            continue
+        (blocks,), part_args = launch[1], launch[3]
         names = [f"p{n}_{k}" for k in range(len(part_args))]
-        params += [f"{t.rsplit(' ', 1)[0]} {name}" for t, name in zip(_pointers(part)[0], names)]
+        params += [f"{t.rsplit(' ', 1)[0]} {p}" for t, p in zip(_pointers(part)[0], names)]
         calls.append(f"  {'else ' if n else ''}if (blockIdx.x < {start + blocks}u) "
                      f"kf_p{n}::kf_part({', '.join(names)}, blockIdx.x - {start}u, {blocks}u);")
         args += part_args
         start += blocks
-    kernel = "\n".join([f'extern "C" __global__ void __launch_bounds__({knobs["threads"]}) kf_gen({", ".join(params)}) {{',
-                        *calls, "}"])
-    return Built(_header("\n".join(bodies + [kernel])), [("kf_gen", (start,), (knobs["threads"],), args, 0)], [])
+    if one:
+        bodies.append("\n".join([f'extern "C" __global__ void __launch_bounds__({knobs["threads"]}) kf_gen('
+                                 f'{", ".join(params)}) {{', *calls, "}"]))
+        launches = [("kf_gen", (start,), (knobs["threads"],), args, 0)]
+    return Built(_header("\n".join(bodies)), launches, [])
 
 
 def _kernel(prog: Program, knobs: dict, sm_count: int, name: str, device: bool = False) -> tuple[str, tuple]:
