@@ -839,6 +839,30 @@ def test_generated_c_runs_on_the_cpu_like_eager(name):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"{knobs}: {m}")
 
 
+def test_narrow_tensors_beside_wide_ones_may_take_vectors_of_several_16_byte_pieces():
+    """int64 + fp32 -> fp32: the default keeps every access to 16 bytes (2 elements: the int64
+    operand's width); the search may also take 4 to 16 elements a thread, the int64 operand read
+    as 16-byte pieces and the fp32 ones 16 bytes at a time. Each compiles and runs like eager; a
+    tensor aligned to 8 bytes only is never given a piece of 16."""
+    import cuda_on_cpu
+    from kforge.codegen import lower
+
+    card = make_card(A.add.Tensor, meta(6, 64, dtype=torch.int64), meta(6, 64))
+    prog = generated.program(card)
+    assert generated.default(card, H200)["vec"] == 2 == lower.pointwise_vecs(prog, wide=False)[-1]
+    assert lower.pointwise_vecs(prog) == (1, 2, 4, 8, 16)
+    for v in (4, 8, 16):
+        knobs = {**generated.default(card, H200), "vec": v}
+        cand = generated.build(card, knobs, H200)
+        assert "kf_vec<long long, 2>" in cand.source and ("kf_vec<float, 4>" in cand.source) == (v > 4)
+        assert compiler.compile(cand.source, arch="sm_90").cubin
+        inputs = card.random_inputs(v, "cpu")
+        want = card.call_eager([t.clone() for t in inputs], "cpu")
+        torch.testing.assert_close(cuda_on_cpu.run(card, cand, inputs)[0], want[0])
+    assert lower.pointwise_vecs(generated.program(make_card(A.add.Tensor, meta(6, 64, dtype=torch.int64), meta(6, 64),
+                                                            align=8))) == (1,)
+
+
 @pytest.mark.parametrize("op, args", [(A.softplus.default, (1.0, 20.0)), (A.softplus.default, (2.0, 5.0)),
                                       (A.mish.default, ())])
 def test_log1p_before_a_16_bit_output_takes_a_short_series_or_the_hardware_log(op, args, monkeypatch):

@@ -86,6 +86,8 @@ POINTWISE = {
     "add_inplace_long": lambda: make_card(A.add_.Tensor, meta(1 << 20), meta(1 << 20)),
     "where_bool_broadcast_value": lambda: make_card(A.where.self, meta(1 << 20, dtype=BOOL), meta(1 << 20), meta()),
     "one_element": lambda: make_card(A.sigmoid.default, meta(1)),
+    # tensors of different widths: the search's wider vectors read the int64 operand in 16-byte pieces
+    "int64_plus_bf16_wide_vectors": lambda: make_card(A.add.Tensor, meta(33, 4096, dtype=I64), meta(33, 4096, dtype=BF16)),
     # rows picked by an index (codegen/gather.py): an LLM's embedding, rows of an odd length, a middle dim
     "embedding_llama_bf16": lambda: drawn(make_card(A.embedding.default, meta(32000, 2048, dtype=BF16),
                                                     meta(1, 2048, dtype=I64)), 1, 0, 31999),

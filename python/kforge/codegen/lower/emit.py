@@ -190,12 +190,25 @@ def coalesce(sizes: list[int], strides: list[list[int]], order: list[int]) -> tu
     return out_sizes, out
 
 
-def vector_fits(v: int, m, st: tuple[int, ...] | list[int], inner: int, offset: int = 0) -> bool:
+def vector_fits(v: int, m, st: tuple[int, ...] | list[int], inner: int, offset: int = 0, wide: bool = False) -> bool:
     """Whether a tensor (meta m, strides st over the layout) contiguous along dim `inner` can be
-    read or written `v` elements at a time: 16 bytes at most, aligned, and every other stride
-    (and its offset) a multiple of v."""
-    return v * m.itemsize <= 16 and m.align % (v * m.itemsize) == 0 and offset % v == 0 and \
+    read or written `v` elements at a time: 16 bytes at most (with `wide`, any whole number of
+    16-byte pieces: vector_copy), aligned, and every other stride (and its offset) a multiple of v."""
+    size = v * m.itemsize
+    return (size <= 16 or wide and size % 16 == 0) and m.align % min(size, 16) == 0 and offset % v == 0 and \
         all(s % v == 0 for d, s in enumerate(st) if d != inner % len(st))
+
+
+def vector_copy(ct: str, itemsize: int, dst: str, src: str, v: int = 0) -> str:
+    """C statement copying V elements of type `ct` from `src` to `dst` (pointers) as one vector
+    access, or, where V elements (`v`, the kernel's V) are wider than 16 bytes, as 16-byte pieces:
+    a program whose tensors differ in width (int64 positions into a bf16 mask, an fp32 -> bf16
+    cast) reads and writes its narrow tensors 16 bytes at a time too."""
+    piece = 16 // itemsize
+    if v * itemsize <= 16:
+        return f"*reinterpret_cast<kf_vec<{ct}, V>*>({dst}) = *reinterpret_cast<const kf_vec<{ct}, V>*>({src});"
+    return (f"_Pragma(\"unroll\") for (int c_ = 0; c_ < V; c_ += {piece}) *reinterpret_cast<kf_vec<{ct}, {piece}>*>({dst} + c_) = "
+            f"*reinterpret_cast<const kf_vec<{ct}, {piece}>*>({src} + c_);")
 
 
 def offsets_code(var: str, sizes: list[int], strides: list[list[int]], names: list[str], idx: str,

@@ -8,7 +8,7 @@ import math
 from ...proposers.builtin.common import ceil_div
 from ..ir import Program
 from .emit import (CTYPE, Built, Emitter, _header, _index_type, _pointers, coalesce, convert, fast_nodes, offsets_code,
-                   vector_fits)
+                   vector_copy, vector_fits)
 
 # ---- pointwise -----------------------------------------------------------------------
 
@@ -19,14 +19,15 @@ def pointwise_layout(prog: Program):
     return coalesce(list(prog.domain), tensors, order)
 
 
-def pointwise_vecs(prog: Program) -> tuple[int, ...]:
+def pointwise_vecs(prog: Program, wide: bool = True) -> tuple[int, ...]:
     """Vector widths (elements) along the inner coalesced dim legal in some kernel of the plan
     (a program and its parts), narrowest first: each kernel runs at the widest it allows up to
-    the knob's (_vecs)."""
-    return tuple(sorted(set().union(*(_vecs(p) for p in [prog, *prog.parts]))))
+    the knob's (_vecs). With `wide`, a tensor's vector may be several 16-byte pieces (its
+    elements wider than another tensor's); without, every access is one of 16 bytes at most."""
+    return tuple(sorted(set().union(*(_vecs(p, wide) for p in [prog, *prog.parts]))))
 
 
-def _vecs(prog: Program) -> tuple[int, ...]:
+def _vecs(prog: Program, wide: bool = True) -> tuple[int, ...]:
     sizes, strides = pointwise_layout(prog)
     metas = list(prog.outputs) + [prog.inputs[i] for i in sorted(prog.in_strides)]
     loaded = sorted(prog.in_strides)
@@ -36,7 +37,7 @@ def _vecs(prog: Program) -> tuple[int, ...]:
         ok = sizes[-1] % v == 0
         for m, st in zip(metas, strides):
             if st[-1] == 1 and v > 1:
-                ok &= vector_fits(v, m, st, -1)
+                ok &= vector_fits(v, m, st, -1, wide=wide)
         for i, (j, stride, _) in prog.gathers.items():  # a picked row starts at a whole vector
             ok &= v == 1 or strides[no + loaded.index(i)][-1] != 1 or stride % v == 0
         if ok:
@@ -101,8 +102,7 @@ def _kernel(prog: Program, knobs: dict, sm_count: int, name: str, device: bool =
             continue
         decl.append(f"    {ct} x{i}[IT][V];")
         if st[-1] == 1 and v > 1:
-            loads.append(f"        *reinterpret_cast<kf_vec<{ct}, V>*>(x{i}[k]) = "
-                         f"*reinterpret_cast<const kf_vec<{ct}, V>*>({ptr[i]} + off[k][{t}]);")
+            loads.append("        " + vector_copy(ct, prog.inputs[i].itemsize, f"x{i}[k]", f"{ptr[i]} + off[k][{t}]", v))
         else:
             loads.append(f"        for (int j = 0; j < V; ++j) x{i}[k][j] = {ptr[i]}[off[k][{t}] + j * {st[-1]}];")
 
@@ -119,8 +119,7 @@ def _kernel(prog: Program, knobs: dict, sm_count: int, name: str, device: bool =
         ct = CTYPE[m.dtype]
         body.append(f"          r{j}[j] = {convert(r, prog.results[j].dtype, m.dtype)};")
         if strides[j][-1] == 1 and v > 1:
-            stores.append(f"        *reinterpret_cast<kf_vec<{ct}, V>*>(out{j} + off[k][{j}]) = "
-                          f"*reinterpret_cast<const kf_vec<{ct}, V>*>(r{j});")
+            stores.append("        " + vector_copy(ct, m.itemsize, f"out{j} + off[k][{j}]", f"r{j}", v))
         else:
             stores.append(f"        for (int j = 0; j < V; ++j) out{j}[off[k][{j}] + j * {strides[j][-1]}] = r{j}[j];")
     rdecl = [f"        {CTYPE[m.dtype]} r{j}[V];" for j, m in enumerate(prog.outputs) if m.numel]
@@ -175,7 +174,7 @@ def _gathered_loads(prog: Program, i: int, strides, ins_of: dict[int, int], ptr:
     check = f"if ((unsigned long long)g >= {rows}ULL) __trap();"
     if st[-1] == 1 and v > 1 and strides[ins_of[j]][-1] == 0:
         return [f"        {{ const kf_i64 g = (kf_i64){index(0)}; {check}",
-                f"          *reinterpret_cast<kf_vec<{ct}, V>*>(x{i}[k]) = "
-                f"*reinterpret_cast<const kf_vec<{ct}, V>*>({ptr[i]} + off[k][{t}] + g * {stride}LL); }}"]
+                "          " + vector_copy(ct, prog.inputs[i].itemsize, f"x{i}[k]", f"{ptr[i]} + off[k][{t}] + g * {stride}LL", v)
+                + " }"]
     return [f"        for (int j = 0; j < V; ++j) {{ const kf_i64 g = (kf_i64){index('j')}; {check}",
             f"          x{i}[k][j] = {ptr[i]}[off[k][{t}] + g * {stride}LL + j * {st[-1]}]; }}"]

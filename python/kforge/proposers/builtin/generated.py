@@ -210,7 +210,7 @@ def default(card: Card, hw: Hardware) -> Knobs:
     if prog.scan is not None:
         return _scan_default(prog, card, hw)
     if prog.reduction is None:
-        vec = lower.pointwise_vecs(prog)[-1]
+        vec = lower.pointwise_vecs(prog, wide=False)[-1]  # wider vectors of narrow tensors: the search's to try
         nvec = card.outputs[0].numel // vec
         # One vector a thread: on the H200 at 100 MB of fp32 (KernelBench's relu, sigmoid, gelu and
         # hardtanh), items 1 at 128-256 threads ran 50.8-52.5 us as called against eager's
