@@ -168,6 +168,21 @@ def test_wall_time_budget(tmp_path):
     assert outcome.stop_reason == "wall_time" and 1 <= outcome.iterations < 30
 
 
+def test_a_card_whose_time_ran_out_before_any_candidate_says_so_in_its_package(tmp_path):
+    """A run's shared wall time can end before a card's first candidate: the card says which
+    budget ran out and what to change, where it said 'no candidate was evaluated'; a later
+    search of it that evaluates something clears that."""
+    from kforge.winners import choose
+
+    outcome, log = _search(tmp_path, budget=Budget(iterations=40, wall_time_s=0.0))
+    row = log.card(RUN, outcome.card_id)
+    assert outcome.stop_reason == "wall_time" and row.status == "done" and not log.candidates(RUN, outcome.card_id)
+    assert choose([], row.skip_reason).reason == ("not searched: the run's wall time ran out before its turn (give it "
+                                                  "more --wall-time, or search fewer cards with a higher --min-share)")
+    outcome, log = _search(tmp_path, log=log, budget=Budget(iterations=3))
+    assert log.candidates(RUN, outcome.card_id) and log.card(RUN, outcome.card_id).skip_reason is None
+
+
 def test_cost_budget_and_llm_accounting(tmp_path):
     proposer = FakeProposer(cost_usd=0.01, tokens=100)
     outcome, log = _search(tmp_path, proposer=proposer, budget=Budget(iterations=100, max_cost_usd=0.035))

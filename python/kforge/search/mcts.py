@@ -356,8 +356,21 @@ def search_card(card: Card, proposer: Proposer, evaluator: Evaluator, log: Searc
     if outcome.stop_reason == "unavailable":
         log.set_card_status(run_id, card.id, "failed", f"the proposer gave no answer: {outcome.stop_detail}")
     elif outcome.stop_reason != "interrupted":
-        log.set_card_status(run_id, card.id, "done")
+        log.set_card_status(run_id, card.id, "done", None if outcome.tree.digests else _nothing_tried(outcome.stop_reason))
     return outcome
+
+
+_STOPPED = {"wall_time": "the run's wall time ran out before its turn (give it more --wall-time, or search fewer "
+                         "cards with a higher --min-share)",
+            "cost": "the LLM cost budget ran out before its turn (--max-cost)",
+            "tokens": "the LLM token budget ran out before its turn",
+            "exhausted": "the proposer had no candidate for it",
+            "iterations": "its iteration budget was spent before a candidate was evaluated"}
+
+
+def _nothing_tried(stop: str) -> str:
+    """Why a card whose search ended has no candidate at all (what the package says of it)."""
+    return _STOPPED.get(stop, f"the search stopped ({stop}) before a candidate was evaluated")
 
 
 __all__ = ["Budget", "CardLog", "Policy", "Search", "SearchOutcome", "SearchProgress", "State", "run_search", "search_card",
