@@ -397,6 +397,33 @@ def test_the_reduction_region_has_its_cast_and_square_as_prologue(tmp_path):
             assert compiler.compile(generated.build(card, knobs, H200).source, arch="sm_90").cubin
 
 
+class PartsOfTwoWidths(nn.Module):
+    """Two outputs of different shapes (two parts): one reads fp32 only, the other int64 too."""
+
+    def forward(self, a, c):
+        t = torch.sigmoid(a)
+        return t * 2, t + c
+
+
+def test_parts_of_different_widths_keep_16_byte_accesses_unless_the_knob_asks_for_more(tmp_path):
+    """The default width (4: the fp32 part's 16 bytes) reaches the int64 part as its own 16-byte
+    width, 2, not as two pieces of 2; a width no part reaches in 16 bytes (8) is pieces in both."""
+    import cuda_on_cpu
+
+    a, c = torch.randn(6, 64), torch.randint(-5, 5, (2, 6, 64))
+    card = region_card(tmp_path, PartsOfTwoWidths(), a, c)
+    prog = card_program.program_for_card(card)
+    assert not isinstance(prog, str) and len(prog.parts) == 1, prog
+    default = generated.default(card, H200)
+    assert default["vec"] == 4
+    for knobs, pieces in ((default, False), ({**default, "vec": 8}, True)):
+        cand = generated.build(card, knobs, H200)
+        assert ("kf_vec<long long, 2>" in cand.source) == pieces, knobs
+        want = card.region.replay([a.clone(), c.clone()])
+        for got, w in zip(cuda_on_cpu.run(card, cand, [a, c]), want):
+            torch.testing.assert_close(got, w)
+
+
 def test_views_of_inputs_are_read_in_place_through_the_real_inputs(tmp_path):
     """view and unsqueeze+expand become program inputs of their own, launched with the card's
     input they view: the plan passes only in0 and in1."""

@@ -48,14 +48,16 @@ def _vecs(prog: Program, wide: bool = True) -> tuple[int, ...]:
 def lower_pointwise(prog: Program, knobs: dict, sm_count: int) -> Built:
     """One kernel, kf_gen. A program with parts (one per output shape, or per slab of a cat) is
     one launch too: each part is a device function in a namespace of its own, at the widest
-    vector width it allows up to the knob's, and kf_gen gives each its own range of blocks (the
+    vector width it allows up to the knob's (in 16-byte pieces only where the knob's width is
+    one no part reaches in 16-byte accesses), and kf_gen gives each its own range of blocks (the
     parts are small pieces of one region: a rotary's two slabs, a cat's pieces, where a launch
     each cost more than their bytes). A program with an in-place part runs a launch per part, in order."""
     progs = [prog, *prog.parts]
     one = len(progs) > 1 and not any(p.aliases for p in progs)  # the parts in one launch
+    wide = knobs["vec"] not in pointwise_vecs(prog, wide=False)  # else every part keeps to 16-byte accesses
     bodies, launches, params, calls, args, start = [], [], [], [], [], 0
     for n, part in enumerate(progs):
-        vec = max(w for w in _vecs(part) if w <= knobs["vec"])
+        vec = max(w for w in _vecs(part, wide) if w <= knobs["vec"])
         name = "kf_part" if one else f"kf_gen_p{n}" if n else "kf_gen"
         src, launch = _kernel(part, {**knobs, "vec": vec}, sm_count, name, device=one)
         bodies.append(f"namespace kf_p{n} {{\n{src}\n}}" if n or one else src)
