@@ -364,7 +364,7 @@ _STOPPED = {"wall_time": "the run's wall time ran out before its turn (give it m
                          "cards with a higher --min-share)",
             "cost": "the LLM cost budget ran out before its turn (--max-cost)",
             "tokens": "the LLM token budget ran out before its turn",
-            "exhausted": "the proposer had no candidate for it",
+            "exhausted": "the proposer had nothing new for it (no candidate, or only repeats and errors)",
             "iterations": "its iteration budget was spent before a candidate was evaluated"}
 
 
