@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import random
 import sys
@@ -48,6 +49,11 @@ CASES = {
     # level 1's 1-D average pool (8 wide, stride 1, padding 4) as it reaches CUDA: one-row planes
     "avg_pool1d 8 4x128x65536 fp32": lambda: make_card(A.avg_pool2d.default, meta(4, 128, 1, 65536), [1, 8], [1, 1],
                                                        [0, 4]),
+    # tensors of different widths (an LLM's causal mask compares int64 positions; its casts narrow fp32):
+    # 16-byte accesses of the widest tensor (the default) against wider vectors in 16-byte pieces
+    "le int64 -> bool 2048x2048": lambda: make_card(A.le.Tensor, meta(2048, 2048, dtype=torch.int64),
+                                                    meta(2048, 2048, dtype=torch.int64)),
+    "to_copy fp32 -> bf16 4096x4096": lambda: make_card(A._to_copy.default, meta(4096, 4096), dtype=torch.bfloat16),
     # level 1's 1-D max pool (8 wide, stride 1, padding 4, dilation 3), with its indices
     "max_pool1d 8 dil 3 2x192x65536 fp32": lambda: make_card(A.max_pool2d_with_indices.default, meta(2, 192, 1, 65536),
                                                              [1, 8], [1, 1], [0, 4], [1, 3]),
@@ -55,13 +61,19 @@ CASES = {
 
 
 def grid(card, hw, most: int, rng: random.Random) -> list[dict]:
-    """The default first, then up to `most` - 1 other settings drawn from the knob spaces, those
-    at the default's vector width first."""
+    """The default first, then up to `most` - 1 other settings drawn from the knob spaces: half of
+    them at the default's vector width, the rest taking the other widths in turn."""
     first = generated.default(card, hw)
     every = [k for sp in generated.spaces(card, hw) for k in space.configs(sp) if k != first]
     rng.shuffle(every)
-    every.sort(key=lambda k: k.get("vec") != first.get("vec"))  # the default's vector width first
-    return [first] + every[:most - 1]
+    same = [k for k in every if k.get("vec") == first.get("vec")]
+    by_width: dict = {}
+    for k in every:
+        if k.get("vec") != first.get("vec"):
+            by_width.setdefault(k.get("vec"), []).append(k)
+    others = [k for turn in itertools.zip_longest(*by_width.values()) for k in turn if k is not None]
+    take = same[:max((most - 1) // 2, most - 1 - len(others))]
+    return [first] + (take + others)[:most - 1]
 
 
 def main(argv=None) -> int:
