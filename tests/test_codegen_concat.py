@@ -17,7 +17,7 @@ from kforge import compiler
 from kforge.codegen import card_program, interp
 from kforge.hardware import H200
 from kforge.proposers.builtin import BuiltinProposer, generated
-from test_codegen_regions import region_card
+from test_codegen_regions import region_card, rotate_half
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -101,11 +101,6 @@ def test_a_cat_of_no_elements_or_of_mixed_dtypes_is_declined(pieces, dim, reason
     got = card_program.program_for_card(card)
     assert isinstance(got, str) and reason in got, got
     assert BuiltinProposer().supports(card)[0] is False
-
-
-def rotate_half(x):
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
-    return torch.cat((-x2, x1), dim=-1)
 
 
 class RotaryIntoACache(nn.Module):

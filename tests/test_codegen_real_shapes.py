@@ -15,26 +15,10 @@ import torch
 from torch import nn
 
 import cuda_on_cpu
-from test_codegen_regions import rotate_half
+from test_codegen_regions import RotaryKeysRepeatedFirst
 from kforge.capturing import capture
 from kforge.hardware import H200
 from kforge.proposers.builtin import BuiltinProposer, generated
-
-
-class LlamaRotary(nn.Module):
-    """Llama-3.2-1B's rotary embedding over 2048 tokens (32 query heads, 8 key heads of 64), the
-    keys rotated and repeated before the queries, as the CUDA trace orders it."""
-
-    def forward(self, freqs, q_proj, k_proj):
-        q = q_proj.view(1, 2048, 32, 64).transpose(1, 2)
-        k = k_proj.view(1, 2048, 8, 64).transpose(1, 2)
-        f = freqs.transpose(1, 2)
-        emb = torch.cat((f, f), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
-        keys = k * cos.unsqueeze(1) + rotate_half(k) * sin.unsqueeze(1)
-        keys = keys[:, :, None].expand(1, 8, 4, 2048, 64).reshape(1, 32, 2048, 64)
-        queries = q * cos[:, None] + rotate_half(q) * sin[:, None]
-        return queries @ keys.transpose(-1, -2)
 
 
 class LlamaEmbedding(nn.Module):
@@ -61,7 +45,10 @@ class ViTClassToken(nn.Module):
 
 
 CASES = {
-    "llama_rotary": (LlamaRotary, lambda: (torch.randn(1, 32, 2048), torch.randn(1, 2048, 2048), torch.randn(1, 2048, 512)),
+    # Llama-3.2-1B over 2048 tokens: 32 query heads and 8 key heads of 64, each the transposed view
+    # of its projection's output
+    "llama_rotary": (RotaryKeysRepeatedFirst, lambda: (torch.randn(1, 32, 2048), torch.randn(1, 2048, 32, 64).transpose(1, 2),
+                                                       torch.randn(1, 2048, 8, 64).transpose(1, 2)),
                      {"region::cat+cos+sin+mul+neg+cat+mul+add+clone+mul+neg+cat+mul+add"}),
     "llama_embedding": (LlamaEmbedding, lambda: (torch.randint(0, 32000, (1, 2048)),),
                         {"aten::embedding.default", "aten::index_select.default"}),

@@ -130,14 +130,16 @@ class FullRotary(nn.Module):
 class RotaryKeysRepeatedFirst(nn.Module):
     """Llama's rotary with GQA as CUDA's trace orders it: the keys rotated and repeated (unsqueeze,
     expand, clone: the region moves to the repeat's 5-d domain) before the queries take their own
-    unsqueeze of cos and sin. One domain cannot hold both outputs: one kernel each, per slab."""
+    unsqueeze of cos and sin (in the queries' dtype). One domain cannot hold both outputs: one
+    kernel each, per slab. Any sizes: the keys' heads are repeated to the queries'."""
 
     def forward(self, freqs, q, k):
         f = freqs.transpose(1, 2)
         emb = torch.cat((f, f), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
         ke = k * cos.unsqueeze(1) + rotate_half(k) * sin.unsqueeze(1)
-        kr = ke[:, :, None].expand(1, 2, 2, 16, 8).reshape(1, 4, 16, 8)
+        b, heads, seq, dim = k.shape
+        kr = ke[:, :, None].expand(b, heads, q.shape[1] // heads, seq, dim).reshape(q.shape)
         qe = q * cos[:, None] + rotate_half(q) * sin[:, None]
         return qe @ kr.transpose(-1, -2)
 

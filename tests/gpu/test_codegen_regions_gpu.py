@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from norm_models import BatchNormReluPool, GeluMul
+from test_codegen_regions import RotaryKeysRepeatedFirst, rotate_half
 from kforge.capturing import capture
 from kforge.evaluate import make_evaluator
 from kforge.hardware import current
@@ -91,11 +92,6 @@ class QKVSplit(nn.Module):
         return (q * 0.125).contiguous(), k.contiguous(), v.contiguous()
 
 
-def _rotate_half(x):
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class RotaryWhole(nn.Module):
     """transformers' rotary embedding from the positions on, bf16, GQA: the angles' outer product,
     cat(freqs, freqs), cos and sin cast down, rotate_half's cat(-x2, x1) of q and k: two slabs of
@@ -105,22 +101,7 @@ class RotaryWhole(nn.Module):
         freqs = (inv_freq[None, :, None].float() @ pos[:, None, :].float()).transpose(1, 2)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(q.dtype).unsqueeze(1), emb.sin().to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-class RotaryKeysRepeatedFirst(nn.Module):
-    """Llama's rotary with GQA in the order CUDA's trace has it (H100, transformers 5.17): the keys
-    rotated and repeated before the queries take their own unsqueeze of cos and sin, bf16. One
-    kernel per output and slab."""
-
-    def forward(self, freqs, q, k):
-        f = freqs.transpose(1, 2)
-        emb = torch.cat((f, f), dim=-1)
-        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
-        ke = k * cos.unsqueeze(1) + _rotate_half(k) * sin.unsqueeze(1)
-        kr = ke[:, :, None].expand(1, 2, 4, 128, 64).reshape(1, 8, 128, 64)
-        qe = q * cos[:, None] + _rotate_half(q) * sin[:, None]
-        return qe @ kr.transpose(-1, -2)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
 class ClassTokenCat(nn.Module):

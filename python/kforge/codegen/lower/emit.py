@@ -199,9 +199,9 @@ def vector_fits(v: int, m, st: tuple[int, ...] | list[int], inner: int, offset: 
         all(s % v == 0 for d, s in enumerate(st) if d != inner % len(st))
 
 
-def vector_copy(ct: str, itemsize: int, dst: str, src: str, v: int = 0) -> str:
-    """C statement copying V elements of type `ct` from `src` to `dst` (pointers) as one vector
-    access, or, where V elements (`v`, the kernel's V) are wider than 16 bytes, as 16-byte pieces:
+def vector_copy(ct: str, itemsize: int, v: int, dst: str, src: str) -> str:
+    """C statement copying the kernel's V (= `v`) elements of type `ct` from `src` to `dst`
+    (pointers) as one vector access, or, where they are wider than 16 bytes, as 16-byte pieces:
     a program whose tensors differ in width (int64 positions into a bf16 mask, an fp32 -> bf16
     cast) reads and writes its narrow tensors 16 bytes at a time too."""
     piece = 16 // itemsize

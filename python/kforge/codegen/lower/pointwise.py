@@ -54,10 +54,11 @@ def lower_pointwise(prog: Program, knobs: dict, sm_count: int) -> Built:
     each cost more than their bytes). A program with an in-place part runs a launch per part, in order."""
     progs = [prog, *prog.parts]
     one = len(progs) > 1 and not any(p.aliases for p in progs)  # the parts in one launch
-    wide = knobs["vec"] not in pointwise_vecs(prog, wide=False)  # else every part keeps to 16-byte accesses
+    narrow = [_vecs(p, wide=False) for p in progs]
+    wide = all(knobs["vec"] not in n for n in narrow)  # else every part keeps to 16-byte accesses
     bodies, launches, params, calls, args, start = [], [], [], [], [], 0
     for n, part in enumerate(progs):
-        vec = max(w for w in _vecs(part, wide) if w <= knobs["vec"])
+        vec = max(w for w in (_vecs(part) if wide else narrow[n]) if w <= knobs["vec"])
         name = "kf_part" if one else f"kf_gen_p{n}" if n else "kf_gen"
         src, launch = _kernel(part, {**knobs, "vec": vec}, sm_count, name, device=one)
         bodies.append(f"namespace kf_p{n} {{\n{src}\n}}" if n or one else src)
@@ -104,7 +105,7 @@ def _kernel(prog: Program, knobs: dict, sm_count: int, name: str, device: bool =
             continue
         decl.append(f"    {ct} x{i}[IT][V];")
         if st[-1] == 1 and v > 1:
-            loads.append("        " + vector_copy(ct, prog.inputs[i].itemsize, f"x{i}[k]", f"{ptr[i]} + off[k][{t}]", v))
+            loads.append("        " + vector_copy(ct, prog.inputs[i].itemsize, v, f"x{i}[k]", f"{ptr[i]} + off[k][{t}]"))
         else:
             loads.append(f"        for (int j = 0; j < V; ++j) x{i}[k][j] = {ptr[i]}[off[k][{t}] + j * {st[-1]}];")
 
@@ -121,7 +122,7 @@ def _kernel(prog: Program, knobs: dict, sm_count: int, name: str, device: bool =
         ct = CTYPE[m.dtype]
         body.append(f"          r{j}[j] = {convert(r, prog.results[j].dtype, m.dtype)};")
         if strides[j][-1] == 1 and v > 1:
-            stores.append("        " + vector_copy(ct, m.itemsize, f"out{j} + off[k][{j}]", f"r{j}", v))
+            stores.append("        " + vector_copy(ct, m.itemsize, v, f"out{j} + off[k][{j}]", f"r{j}"))
         else:
             stores.append(f"        for (int j = 0; j < V; ++j) out{j}[off[k][{j}] + j * {strides[j][-1]}] = r{j}[j];")
     rdecl = [f"        {CTYPE[m.dtype]} r{j}[V];" for j, m in enumerate(prog.outputs) if m.numel]
@@ -176,7 +177,7 @@ def _gathered_loads(prog: Program, i: int, strides, ins_of: dict[int, int], ptr:
     check = f"if ((unsigned long long)g >= {rows}ULL) __trap();"
     if st[-1] == 1 and v > 1 and strides[ins_of[j]][-1] == 0:
         return [f"        {{ const kf_i64 g = (kf_i64){index(0)}; {check}",
-                "          " + vector_copy(ct, prog.inputs[i].itemsize, f"x{i}[k]", f"{ptr[i]} + off[k][{t}] + g * {stride}LL", v)
+                "          " + vector_copy(ct, prog.inputs[i].itemsize, v, f"x{i}[k]", f"{ptr[i]} + off[k][{t}] + g * {stride}LL")
                 + " }"]
     return [f"        for (int j = 0; j < V; ++j) {{ const kf_i64 g = (kf_i64){index('j')}; {check}",
             f"          x{i}[k][j] = {ptr[i]}[off[k][{t}] + g * {stride}LL + j * {st[-1]}]; }}"]
