@@ -7,6 +7,8 @@ its reason. Normalization regions (rms_norm, softmax, group norm, ...): test_cod
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -682,3 +684,16 @@ def test_a_shared_candidate_writes_the_residual_sum_and_its_norm_like_eager(tmp_
             got = cuda_on_cpu.run(card, generated.build(card, knobs, H200), [t.clone() for t in inputs])
             for g, w in zip(got, want):
                 torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"{knobs}: {m}")
+
+
+def test_sin_and_cos_of_one_angle_share_one_sincos(tmp_path):
+    """A rotary region takes the sine and the cosine of each angle: one sincosf per angle (the
+    compiler does not merge sinf and cosf, which reduce the argument twice), in every part."""
+    model, make_inputs, ops = CASES["rotary_whole_with_its_cats"]
+    made = make_inputs()
+    card = region_card(tmp_path, model(), *made, ops=ops)
+    cand = generated.build(card, generated.default(card, H200), H200)
+    assert cand.source.count("sincosf(") >= 2 and not re.search(r"\b(?:sin|cos)f\(", cand.source)
+    inputs = card.random_inputs(0, "cpu")
+    for got, want in zip(cuda_on_cpu.run(card, cand, inputs), card.region.replay([t.clone() for t in inputs])):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

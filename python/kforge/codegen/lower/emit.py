@@ -137,11 +137,25 @@ class Emitter:
         elif n in self.fast:
             a = [self.names[x] for x in n.args]
             expr = {"exp": f"__expf({a[0]})", "log1p": f"kf_log1p16({a[0]})"}.get(n.op) or f"kf_fdiv({a[0]}, {a[1]})"
+        elif n.op in ("sin", "cos") and n.args[0].dtype in ("float32", "float64"):
+            return self._sincos(n)
         else:
             expr = self._prim(n, [self.names[a] for a in n.args])
         name = f"{self.prefix}{len(self.lines)}"
         self.lines.append(f"const {CTYPE[n.dtype]} {name} = {expr};")
         return name
+
+    def _sincos(self, n: Expr) -> str:
+        """sin and cos of one value share their argument reduction (a rotary embedding takes both
+        of each angle; the compiler does not merge sinf and cosf). Both are named: the other one,
+        if nothing asks for it, is dead code the compiler drops."""
+        x = n.args[0]
+        name = f"{self.prefix}{len(self.lines)}"
+        fn = "sincosf" if x.dtype == "float32" else "sincos"
+        self.lines.append(f"{CTYPE[n.dtype]} {name}s, {name}c; {fn}({self.names[x]}, &{name}s, &{name}c);")
+        self.names[Expr("sin", n.args, n.dtype, n.value)] = f"{name}s"
+        self.names[Expr("cos", n.args, n.dtype, n.value)] = f"{name}c"
+        return f"{name}{n.op[0]}"
 
     @staticmethod
     def _prim(n: Expr, a: list[str]) -> str:
