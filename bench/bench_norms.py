@@ -22,8 +22,8 @@ sys.path[:0] = [str(ROOT / "python"), str(ROOT / "tests"), str(ROOT / "bench"), 
 import bench_builtin  # noqa: E402
 import bench_regions  # noqa: E402
 from builtin_cards import BF16, F16, bn, gn, ln, meta, rms, softmax  # noqa: E402
-from norm_models import (AddLayerNormGelu, AddRMSNorm, BatchNormAddReluMean, BatchNormReluAdd, GeluMul,  # noqa: E402
-                         GroupNormSilu, MaskSoftmax)
+from norm_models import (AddLayerNormGelu, AddRMSNorm, BatchNormAddReluMean, BatchNormReluAdd,  # noqa: E402
+                         ClassTokenOfPatches, GeluMul, GroupNormSilu, MaskSoftmax)
 from gemma_decoder import RMSNorm as GemmaRMSNorm  # noqa: E402
 from kforge import timing  # noqa: E402
 from kforge.capturing import capture  # noqa: E402
@@ -97,6 +97,9 @@ REGIONS = {
     "gemma rms_norm bf16 1x2048x2048": (lambda: GemmaRMSNorm(2048).to(BF16), lambda: (_cuda(1, 2048, 2048, dtype=BF16),)),
     # Gemma's MLP gate: gelu(tanh) of one matmul's output times the other's
     "gemma gelu mul bf16 2048x16384": (GeluMul, lambda: (_cuda(2048, 16384, dtype=BF16), _cuda(2048, 16384, dtype=BF16))),
+    # ViT-B/16's tokens: class token, NCHW patches read transposed (gen_tile), position embedding
+    "vit class token patches bf16 32x768x14x14": (lambda: ClassTokenOfPatches(768, 196).to(BF16),
+                                                  lambda: (_cuda(32, 768, 14, 14, dtype=BF16),)),
 }
 
 

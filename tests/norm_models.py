@@ -1,6 +1,7 @@
 """Small modules with the normalization chains real models have (Gemma's masked softmax,
 Llama's residual rms_norm, the SD-VAE's group_norm → silu, ResNet's batch norm → relu → add,
-instance norm), shared by the CPU and GPU code generator tests and bench/bench_norms.py."""
+instance norm) and the other region chains the benches time (Gemma's gelu * up, ViT's class token
+beside its patches), shared by the CPU and GPU code generator tests and bench/bench_norms.py."""
 
 from __future__ import annotations
 
@@ -176,3 +177,17 @@ class ResidualStream(nn.Module):
         for norm, lin in zip(self.norms, self.lins):
             h = h + lin(norm(h))
         return h
+
+
+class ClassTokenOfPatches(nn.Module):
+    """ViT's tokens: the class token, then the patches (the convolution's NCHW output read as
+    (batch, tokens, channels): transposed to the output), plus the position embedding."""
+
+    def __init__(self, channels: int, tokens: int):
+        super().__init__()
+        self.cls = nn.Parameter(torch.randn(1, 1, channels))
+        self.pos = nn.Parameter(torch.randn(1, tokens + 1, channels))
+
+    def forward(self, patches):
+        x = patches.flatten(2).transpose(1, 2)
+        return torch.cat((self.cls.expand(x.shape[0], -1, -1), x), dim=1) + self.pos

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cuda_on_cpu
-from norm_models import BatchNormAddReluMean, GeluMul
+from norm_models import BatchNormAddReluMean, ClassTokenOfPatches, GeluMul
 from kforge import compiler
 from kforge.capturing import capture
 from kforge.card_files import load_sample
@@ -151,6 +151,13 @@ class CatOfActivations(nn.Module):
 
     def forward(self, a, b):
         return torch.cat((torch.sigmoid(a), b * 2), dim=1).relu()
+
+
+class AddTransposed(nn.Module):
+    """A contiguous tensor plus three times one whose last two dims are swapped."""
+
+    def forward(self, y, x):
+        return y + x.transpose(1, 2) * 3
 
 
 class LogSumExpOfOne(nn.Module):
@@ -317,6 +324,11 @@ CASES = {
     "masked_cumsum": (MaskedCumsum, lambda: (torch.rand(4, 300), torch.rand(4, 300) > 0.5), ["mul", "cumsum"]),
     "cumsum_over_a_sum_read_from_outside": (NormalisedCDF, lambda: (torch.rand(4, 64), torch.rand(4, 64) > 0.5),
                                             ["mul", "cumsum", "div"]),
+    # inputs transposed to the outputs: 32 x 32 tiles through shared memory (edges of 4 and 18 or 8)
+    "class_token_beside_nchw_patches": (lambda: ClassTokenOfPatches(100, 49), lambda: (torch.randn(2, 100, 7, 7),),
+                                        ["cat", "add"]),
+    "add_of_a_transposed_int64": (AddTransposed, lambda: (torch.randint(-9, 9, (3, 50, 40)), torch.randint(-9, 9, (3, 40, 50))),
+                                  None),
     "sum_and_sum_of_squares": (SumTimesSquares, lambda: (torch.rand(12, 50),), ["sum", "mul", "sum", "mul"]),  # no cancellation
 }
 
@@ -697,3 +709,26 @@ def test_sin_and_cos_of_one_angle_share_one_sincos(tmp_path):
     inputs = card.random_inputs(0, "cpu")
     for got, want in zip(cuda_on_cpu.run(card, cand, inputs), card.region.replay([t.clone() for t in inputs])):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["class_token_beside_nchw_patches", "add_of_a_transposed_int64"])
+def test_an_input_transposed_to_the_outputs_is_tiled_through_shared_memory(tmp_path, name):
+    """The default stages the transposed input's 32 x 32 tiles (read along its own contiguous dim)
+    and writes along the outputs'; every other input is read as the flat kernel reads it."""
+    model, make_inputs, ops = CASES[name]
+    made = make_inputs()
+    card = region_card(tmp_path, model(), *made, ops=ops)
+    knobs = generated.default(card, H200)
+    assert knobs["algo"] == "gen_tile" and {s["algo"] for s in generated.spaces(card, H200)} == {("gen_flat",), ("gen_tile",)}
+    inputs = card.random_inputs(0, "cpu")
+    want = card.region.replay([t.clone() for t in inputs])
+    for threads in (128, 512):
+        cand = generated.build(card, {**knobs, "threads": threads}, H200)
+        assert cand.source.count("__shared__") == 1 and cand.source.count("__syncthreads()") == 2
+        for got, w in zip(cuda_on_cpu.run(card, cand, inputs), want):
+            torch.testing.assert_close(got, w, rtol=1e-6, atol=1e-6)
+
+
+def test_nothing_transposed_is_not_tiled(tmp_path):
+    card = region_card(tmp_path, AddTransposed(), torch.randn(3, 50, 40), torch.randn(3, 50, 40).transpose(1, 2))  # x's view
+    assert generated.default(card, H200)["algo"] == "gen_flat" and len(generated.spaces(card, H200)) == 1

@@ -5,7 +5,8 @@ computed value, a GQA rotary chain whose outputs have two shapes (one kernel eac
 rotary embedding with its cats (one kernel per slab and shape), a cat of three odd-width pieces,
 q/k/v unbound at three offsets of one tensor, a reduction with a prologue, a pooling with its
 epilogue, and two reductions over the same elements folded in one pass; a 1-D pooling (squeezed
-before its epilogue) and a reduction over a size-1 dim (pointwise)."""
+before its epilogue) and a reduction over a size-1 dim (pointwise); inputs transposed to the outputs
+(tiled through shared memory)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from norm_models import BatchNormReluPool, GeluMul
-from test_codegen_regions import RotaryKeysRepeatedFirst, rotate_half
+from norm_models import BatchNormReluPool, ClassTokenOfPatches, GeluMul
+from test_codegen_regions import AddTransposed, RotaryKeysRepeatedFirst, rotate_half
 from kforge.capturing import capture
 from kforge.evaluate import make_evaluator
 from kforge.hardware import current
@@ -154,6 +155,14 @@ CASES = {
     "rotary_keys_repeated_before_the_queries_bf16": (RotaryKeysRepeatedFirst, lambda: (
         torch.randn(1, 32, 128, device="cuda"), torch.randn(1, 8, 128, 64, device="cuda", dtype=torch.bfloat16),
         torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16))),
+    # inputs transposed to the outputs, tiled through shared memory: ViT-B/16's patches at batch 8
+    # (edge tiles of 4 tokens), an odd channels-last permute in fp32, and int64
+    "class_token_beside_nchw_patches_bf16": (lambda: ClassTokenOfPatches(768, 196).to("cuda", torch.bfloat16), lambda: (
+        torch.randn(8, 768, 14, 14, device="cuda", dtype=torch.bfloat16),)),
+    "add_of_a_channels_last_transpose": (AddTransposed, lambda: (torch.randn(4, 1000, 99, device="cuda"),
+                                                                 torch.randn(4, 99, 1000, device="cuda"))),
+    "add_of_a_transposed_int64": (AddTransposed, lambda: (torch.randint(-9, 9, (3, 333, 65), device="cuda"),
+                                                          torch.randint(-9, 9, (3, 65, 333), device="cuda"))),
     "rstd_bf16": (Rstd, lambda: (torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16),)),
     # a pooling's epilogue (KernelBench level 2's max pool then hardtanh) in the pooling's kernel
     "max_pool_then_hardtanh": (lambda: nn.Sequential(nn.MaxPool2d(2), nn.Hardtanh()),

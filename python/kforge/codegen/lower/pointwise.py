@@ -9,6 +9,7 @@ from ...proposers.builtin.common import ceil_div
 from ..ir import Program
 from .emit import (CTYPE, Built, Emitter, _header, _index_type, _pointers, coalesce, convert, fast_nodes, offsets_code,
                    vector_copy, vector_fits)
+from .tile import tile_kernel, transposed_dim
 
 # ---- pointwise -----------------------------------------------------------------------
 
@@ -45,13 +46,19 @@ def _vecs(prog: Program, wide: bool = True) -> tuple[int, ...]:
     return tuple(out)
 
 
+def tileable(prog: Program) -> bool:
+    """Whether some kernel of the plan reads an input transposed to its outputs (lower/tile.py)."""
+    return any(transposed_dim(p, pointwise_layout(p)) is not None for p in [prog, *prog.parts])
+
+
 def lower_pointwise(prog: Program, knobs: dict, sm_count: int) -> Built:
     """One kernel, kf_gen. A program with parts (one per output shape, or per slab of a cat) is
     one launch too: each part is a device function in a namespace of its own, at the widest
     vector width it allows up to the knob's (in 16-byte pieces only where the knob's width is
     one no part reaches in 16-byte accesses), and kf_gen gives each its own range of blocks (the
     parts are small pieces of one region: a rotary's two slabs, a cat's pieces, where a launch
-    each cost more than their bytes). A program with an in-place part runs a launch per part, in order."""
+    each cost more than their bytes). A program with an in-place part runs a launch per part, in order.
+    With `algo` "gen_tile", a part reading an input transposed to its outputs is tiled (lower/tile.py)."""
     progs = [prog, *prog.parts]
     one = len(progs) > 1 and not any(p.aliases for p in progs)  # the parts in one launch
     narrow = [_vecs(p, wide=False) for p in progs]
@@ -60,7 +67,10 @@ def lower_pointwise(prog: Program, knobs: dict, sm_count: int) -> Built:
     for n, part in enumerate(progs):
         vec = max(w for w in (_vecs(part) if wide else narrow[n]) if w <= knobs["vec"])
         name = "kf_part" if one else f"kf_gen_p{n}" if n else "kf_gen"
-        src, launch = _kernel(part, {**knobs, "vec": vec}, sm_count, name, device=one)
+        layout = pointwise_layout(part)
+        b = transposed_dim(part, layout) if knobs["algo"] == "gen_tile" else None
+        src, launch = (tile_kernel(part, layout, b, knobs["threads"], name, device=one) if b is not None
+                       else _kernel(part, {**knobs, "vec": vec}, sm_count, name, device=one))
         bodies.append(f"namespace kf_p{n} {{\n{src}\n}}" if n or one else src)
         if not one:
             launches.append(launch)

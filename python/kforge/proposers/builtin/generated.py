@@ -178,8 +178,11 @@ def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
                 {"algo": ("gen_norm_split",), "threads": (128, 256, 512, 1024), "items": (1, 2, 4, 8),
                  "split": _splits(prog), "vec": lower.norm_vecs(prog)}] + ([coop] if coop else []) + ([peeled] if peel else [])
     if prog.reduction is None:
-        return [{"algo": ("gen_flat",), "threads": (64, 128, 256, 512, 1024), "vec": lower.pointwise_vecs(prog),
-                 "items": (1, 2, 4, 8), "grid": ("exact", "stride")}]
+        flat = {"algo": ("gen_flat",), "threads": (64, 128, 256, 512, 1024), "vec": lower.pointwise_vecs(prog),
+                "items": (1, 2, 4, 8), "grid": ("exact", "stride")}
+        # an input transposed to the outputs: its parts tiled (their other parts as gen_flat's)
+        tile = {**flat, "algo": ("gen_tile",), "threads": (128, 256, 512), "items": (1, 2), "grid": ("exact",)}
+        return [flat] + ([tile] if lower.tileable(prog) else [])
     return _reduction_spaces(prog)
 
 
@@ -216,7 +219,11 @@ def default(card: Card, hw: Hardware) -> Knobs:
         # hardtanh), items 1 at 128-256 threads ran 50.8-52.5 us as called against eager's
         # 51.9-52.1 and items 4 at 256 threads 53.3-53.7 (bench/probe_knobs.py); batch norm ->
         # relu -> add (six tensors read, 8-wide) ran 41 us at 1 item and 63 at 4.
-        return {"algo": "gen_flat", "threads": 256 if nvec >= 256 * hw.sm_count else 128, "vec": vec,
+        # A transposed input read flat uses a quarter to an eighth of each sector a warp fetches
+        # (ViT's class token beside its NCHW patches: 21.5 us on the H100 against Inductor's
+        # tiled 12.5, round 27): tiled by default.
+        return {"algo": "gen_tile" if lower.tileable(prog) else "gen_flat",
+                "threads": 256 if nvec >= 256 * hw.sm_count or lower.tileable(prog) else 128, "vec": vec,
                 "items": 1, "grid": "exact"}
     lay = lower.reduction_layout(prog)
     if prog.normalizes:
