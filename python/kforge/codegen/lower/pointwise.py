@@ -9,7 +9,7 @@ from ...proposers.builtin.common import ceil_div
 from ..ir import Program
 from .emit import (CTYPE, Built, Emitter, _header, _index_type, _pointers, coalesce, convert, fast_nodes, offsets_code,
                    vector_copy, vector_fits)
-from .tile import tile_kernel, transposed_dim
+from .tile import tile_kernel, transposed_dim, transposed_share
 
 # ---- pointwise -----------------------------------------------------------------------
 
@@ -46,9 +46,10 @@ def _vecs(prog: Program, wide: bool = True) -> tuple[int, ...]:
     return tuple(out)
 
 
-def tileable(prog: Program) -> bool:
-    """Whether some kernel of the plan reads an input transposed to its outputs (lower/tile.py)."""
-    return any(transposed_dim(p, pointwise_layout(p)) is not None for p in [prog, *prog.parts])
+def tileable(prog: Program) -> float:
+    """The largest share of a kernel's bytes that tiles would stage, over the plan's kernels: 0
+    where none reads an input transposed to its outputs (lower/tile.py)."""
+    return max(transposed_share(p, pointwise_layout(p)) for p in [prog, *prog.parts])
 
 
 def lower_pointwise(prog: Program, knobs: dict, sm_count: int) -> Built:

@@ -25,6 +25,22 @@ MIN_SIDE = 16  # both dims at least this long: a tile mostly used
 def transposed_dim(prog: Program, layout) -> int | None:
     """The dim (of the coalesced layout, not the last) along which the largest loaded input
     that is not read along the last dim is contiguous, if the program can be tiled; else None."""
+    found = _transposed(prog, layout)
+    return None if found is None else found[1]
+
+
+def transposed_share(prog: Program, layout) -> float:
+    """The share of the bytes a kernel moves that its tiles would stage (0 if none)."""
+    found = _transposed(prog, layout)
+    if found is None:
+        return 0.0
+    moved = sum(m.span() * m.itemsize for m in prog.outputs) + \
+        sum(prog.inputs[i].span() * prog.inputs[i].itemsize for i in prog.in_strides)
+    return found[0] / max(1, moved)
+
+
+def _transposed(prog: Program, layout) -> tuple[int, int] | None:
+    """(bytes, dim) of the largest input transposed to the outputs, or None."""
     sizes, strides = layout
     if len(sizes) < 2 or prog.gathers or prog.aliases or prog.reduction is not None or sizes[-1] < MIN_SIDE:
         return None
@@ -39,7 +55,7 @@ def transposed_dim(prog: Program, layout) -> int | None:
         span = prog.inputs[i].span() * prog.inputs[i].itemsize
         if inner and (best is None or span > best[0]):
             best = (span, inner[0])
-    return None if best is None else best[1]
+    return best
 
 
 def tile_kernel(prog: Program, layout, b: int, threads: int, name: str, device: bool) -> tuple[str, tuple]:

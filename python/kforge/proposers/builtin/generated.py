@@ -20,6 +20,7 @@ from .template import Knobs, KnobSpace, Template, launch, pick
 
 _PROGRAMS: dict[str, Program | str] = {}  # card id -> its program (cards are immutable once made)
 SPLITS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+TILE_SHARE = 0.25  # of a kernel's bytes in a transposed input: gen_tile by default
 
 
 def program(card: Card) -> Program | str:
@@ -220,11 +221,12 @@ def default(card: Card, hw: Hardware) -> Knobs:
         # 51.9-52.1 and items 4 at 256 threads 53.3-53.7 (bench/probe_knobs.py); batch norm ->
         # relu -> add (six tensors read, 8-wide) ran 41 us at 1 item and 63 at 4.
         # A transposed input read flat uses a quarter to an eighth of each sector a warp fetches
-        # (ViT's class token beside its NCHW patches: 21.5 us on the H100 against Inductor's
-        # tiled 12.5, round 27): tiled by default.
-        return {"algo": "gen_tile" if lower.tileable(prog) else "gen_flat",
-                "threads": 256 if nvec >= 256 * hw.sm_count or lower.tileable(prog) else 128, "vec": vec,
-                "items": 1, "grid": "exact"}
+        # (ViT's class token beside its NCHW patches, half the bytes: 21.5 us on the H100 against
+        # Inductor's tiled 12.5, round 27): tiled by default where it is a quarter of the bytes
+        # or more. Llama's angles (256 KB beside 20 MB of heads, read from L2) stay flat.
+        tiled = lower.tileable(prog) >= TILE_SHARE
+        return {"algo": "gen_tile" if tiled else "gen_flat",
+                "threads": 256 if nvec >= 256 * hw.sm_count or tiled else 128, "vec": vec, "items": 1, "grid": "exact"}
     lay = lower.reduction_layout(prog)
     if prog.normalizes:
         return _norm_default(prog, lay, hw)
