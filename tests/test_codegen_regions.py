@@ -160,6 +160,11 @@ class AddTransposed(nn.Module):
         return y + x.transpose(1, 2) * 3
 
 
+class CatOfTransposed(nn.Module):
+    def forward(self, *xs):
+        return torch.cat([x.transpose(1, 2) for x in xs], 1) * 2
+
+
 class LogSumExpOfOne(nn.Module):
     """KernelBench level 2's Gemm_Subtract_GlobalAvgPool_LogSumExp_GELU_ResidualAdd after its mean:
     a logsumexp over a dim of size 1 folds one element (pointwise), then a residual broadcast over rows."""
@@ -725,6 +730,7 @@ def test_an_input_transposed_to_the_outputs_is_tiled_through_shared_memory(tmp_p
     for threads in (128, 512):
         cand = generated.build(card, {**knobs, "threads": threads}, H200)
         assert cand.source.count("__shared__") == 1 and cand.source.count("__syncthreads()") == 2
+        assert compiler.compile(cand.source, arch="sm_90").cubin
         for got, w in zip(cuda_on_cpu.run(card, cand, inputs), want):
             torch.testing.assert_close(got, w, rtol=1e-6, atol=1e-6)
 
@@ -732,3 +738,17 @@ def test_an_input_transposed_to_the_outputs_is_tiled_through_shared_memory(tmp_p
 def test_nothing_transposed_is_not_tiled(tmp_path):
     card = region_card(tmp_path, AddTransposed(), torch.randn(3, 50, 40), torch.randn(3, 50, 40).transpose(1, 2))  # x's view
     assert generated.default(card, H200)["algo"] == "gen_flat" and len(generated.spaces(card, H200)) == 1
+
+
+def test_tiles_past_the_shared_memory_a_kernel_may_declare_are_read_flat(tmp_path):
+    """One launch of twelve tiled parts: every block declares every part's tiles, 4224 bytes each
+    in fp32, and a kernel may declare 48 KB: eleven parts are tiled, the twelfth reads flat."""
+    xs = [torch.randn(1, 40, 20) for _ in range(12)]
+    card = region_card(tmp_path, CatOfTransposed(), *xs)
+    knobs = generated.default(card, H200)
+    assert knobs["algo"] == "gen_tile"
+    cand = generated.build(card, knobs, H200)
+    assert cand.source.count("__shared__") == 11
+    assert compiler.compile(cand.source, arch="sm_90").cubin
+    for got, want in zip(cuda_on_cpu.run(card, cand, xs), card.region.replay([t.clone() for t in xs])):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

@@ -9,7 +9,7 @@ from ...proposers.builtin.common import ceil_div
 from ..ir import Program
 from .emit import (CTYPE, Built, Emitter, _header, _index_type, _pointers, coalesce, convert, fast_nodes, offsets_code,
                    vector_copy, vector_fits)
-from .tile import tile_kernel, transposed_dim, transposed_share
+from .tile import SMEM, tile_kernel, transposed_dim, transposed_share
 
 # ---- pointwise -----------------------------------------------------------------------
 
@@ -64,14 +64,18 @@ def lower_pointwise(prog: Program, knobs: dict, sm_count: int) -> Built:
     one = len(progs) > 1 and not any(p.aliases for p in progs)  # the parts in one launch
     narrow = [_vecs(p, wide=False) for p in progs]
     wide = all(knobs["vec"] not in n for n in narrow)  # else every part keeps to 16-byte accesses
-    bodies, launches, params, calls, args, start = [], [], [], [], [], 0
+    bodies, launches, params, calls, args, start, smem = [], [], [], [], [], 0, SMEM
     for n, part in enumerate(progs):
         vec = max(w for w in (_vecs(part) if wide else narrow[n]) if w <= knobs["vec"])
         name = "kf_part" if one else f"kf_gen_p{n}" if n else "kf_gen"
         layout = pointwise_layout(part)
         b = transposed_dim(part, layout) if knobs["algo"] == "gen_tile" else None
-        src, launch = (tile_kernel(part, layout, b, knobs["threads"], name, device=one) if b is not None
-                       else _kernel(part, {**knobs, "vec": vec}, sm_count, name, device=one))
+        tiled = tile_kernel(part, layout, b, knobs["threads"], name, one, smem) if b is not None else None
+        if tiled:
+            src, launch, used = tiled
+            smem -= used if one else 0  # one launch: every block declares every part's tiles
+        else:
+            src, launch = _kernel(part, {**knobs, "vec": vec}, sm_count, name, device=one)
         bodies.append(f"namespace kf_p{n} {{\n{src}\n}}" if n or one else src)
         if not one:
             launches.append(launch)

@@ -20,27 +20,12 @@ from .emit import CTYPE, Emitter, _index_type, _pointers, convert, fast_nodes, o
 
 T = 32  # tile side: a warp's width along either dim
 MIN_SIDE = 16  # both dims at least this long: a tile mostly used
+SMEM = 47 * 1024  # static shared memory a kernel may declare (48 KB), with room to spare
 
 
 def transposed_dim(prog: Program, layout) -> int | None:
     """The dim (of the coalesced layout, not the last) along which the largest loaded input
     that is not read along the last dim is contiguous, if the program can be tiled; else None."""
-    found = _transposed(prog, layout)
-    return None if found is None else found[1]
-
-
-def transposed_share(prog: Program, layout) -> float:
-    """The share of the bytes a kernel moves that its tiles would stage (0 if none)."""
-    found = _transposed(prog, layout)
-    if found is None:
-        return 0.0
-    moved = sum(m.span() * m.itemsize for m in prog.outputs) + \
-        sum(prog.inputs[i].span() * prog.inputs[i].itemsize for i in prog.in_strides)
-    return found[0] / max(1, moved)
-
-
-def _transposed(prog: Program, layout) -> tuple[int, int] | None:
-    """(bytes, dim) of the largest input transposed to the outputs, or None."""
     sizes, strides = layout
     if len(sizes) < 2 or prog.gathers or prog.aliases or prog.reduction is not None or sizes[-1] < MIN_SIDE:
         return None
@@ -52,15 +37,44 @@ def _transposed(prog: Program, layout) -> tuple[int, int] | None:
         if st[-1] == 1 or not st[-1]:
             continue  # read along the inner dim, or broadcast along it
         inner = [d for d in range(len(sizes) - 1) if st[d] == 1 and sizes[d] >= MIN_SIDE]
-        span = prog.inputs[i].span() * prog.inputs[i].itemsize
-        if inner and (best is None or span > best[0]):
-            best = (span, inner[0])
-    return best
+        if inner and (best is None or _bytes(prog, i) > best[0]):
+            best = (_bytes(prog, i), inner[0])
+    return None if best is None else best[1]
 
 
-def tile_kernel(prog: Program, layout, b: int, threads: int, name: str, device: bool) -> tuple[str, tuple]:
+def _bytes(prog: Program, i: int) -> int:
+    return prog.inputs[i].span() * prog.inputs[i].itemsize
+
+
+def staged_inputs(prog: Program, layout, b: int, budget: int = SMEM) -> list[int]:
+    """The inputs contiguous along b (and read along the last dim) whose tiles a kernel stages,
+    largest first while their tiles fit in `budget` bytes of shared memory; the rest are read flat."""
+    sizes, strides = layout
+    a, no = len(sizes) - 1, len(prog.outputs)
+    cands = [i for k, i in enumerate(sorted(prog.in_strides)) if strides[no + k][b] == 1 and strides[no + k][a] not in (0, 1)]
+    out, used = [], 0
+    for i in sorted(cands, key=lambda i: -_bytes(prog, i)):
+        if used + T * (T + 1) * prog.inputs[i].itemsize <= budget:
+            out.append(i)
+            used += T * (T + 1) * prog.inputs[i].itemsize
+    return sorted(out)
+
+
+def transposed_share(prog: Program, layout) -> float:
+    """The share of the bytes a kernel moves that its tiles would stage (0 if none)."""
+    b = transposed_dim(prog, layout)
+    if b is None:
+        return 0.0
+    moved = sum(m.numel * m.itemsize for m in prog.outputs) + sum(_bytes(prog, i) for i in prog.in_strides)
+    return sum(_bytes(prog, i) for i in staged_inputs(prog, layout, b)) / max(1, moved)
+
+
+def tile_kernel(prog: Program, layout, b: int, threads: int, name: str, device: bool,
+                budget: int = SMEM) -> tuple[str, tuple, int] | None:
     """The tiled kernel `name` (or device function, as pointwise._kernel) over dims a (the
-    last) and b of `layout`, `threads` (a multiple of 32) a block."""
+    last) and b of `layout`, `threads` a block (4, 8 or 16 rows of the tile a step), and the
+    shared memory it declares; None where no tile fits in `budget` bytes."""
+    assert threads % 32 == 0 and T % (threads // 32) == 0, threads
     sizes, strides = layout
     a = len(sizes) - 1
     rows = threads // 32
@@ -68,10 +82,12 @@ def tile_kernel(prog: Program, layout, b: int, threads: int, name: str, device: 
     no = len(prog.outputs)
     loaded = sorted(prog.in_strides)
     ins_of = {i: no + k for k, i in enumerate(loaded)}
-    staged = [i for i in loaded if strides[ins_of[i]][b] == 1 and strides[ins_of[i]][a] not in (0, 1)]
+    staged = staged_inputs(prog, layout, b, budget)
+    if not staged:
+        return None
     outer = [d for d in range(len(sizes)) if d not in (a, b)]
     nta, ntb = ceil_div(sizes[a], T), ceil_div(sizes[b], T)
-    blocks = nta * ntb * math.prod(sizes[d] for d in outer)
+    blocks = max(1, nta * ntb * math.prod(sizes[d] for d in outer))
     idx = _index_type(prog, blocks)
 
     def at(t: int, av: str, bv: str) -> str:
@@ -106,19 +122,19 @@ def tile_kernel(prog: Program, layout, b: int, threads: int, name: str, device: 
         *[f"  out{j} += {prog.out_offset(j)};" for j in range(no) if prog.out_offset(j)],
         "  const int tx = threadIdx.x % 32, ty = threadIdx.x / 32;",
         f"  for (kf_idx bid = kf_bid; bid < {blocks}; bid += kf_nblk) {{",
-        f"    const int a0 = (int)(bid % {nta}) * {T};",
-        f"    const int b0 = (int)((bid / {nta}) % {ntb}) * {T};",
+        f"    const kf_idx a0 = (bid % {nta}) * {T};",
+        f"    const kf_idx b0 = ((bid / {nta}) % {ntb}) * {T};",
         f"    const kf_idx rest_ = bid / {nta * ntb};",
         *[f"    {line}" for line in offs],
         *([f"    for (int r_ = 0; r_ < {T}; r_ += {rows}) {{",  # the staged tiles, read along b
-           "      const int ea = a0 + ty + r_, eb = b0 + tx;",
+           "      const kf_idx ea = a0 + ty + r_, eb = b0 + tx;",
            f"      if (ea < {sizes[a]} && eb < {sizes[b]}) {{",
            *[f"        s{i}[ty + r_][tx] = {ptr[i]}[{at(ins_of[i], 'ea', 'eb')}];" for i in staged],
            "      }",
            "    }",
            "    __syncthreads();"] if staged else []),
         f"    for (int r_ = 0; r_ < {T}; r_ += {rows}) {{",  # the outputs, written along a
-        "      const int ea = a0 + tx, eb = b0 + ty + r_;",
+        "      const kf_idx ea = a0 + tx, eb = b0 + ty + r_;",
         f"      if (ea < {sizes[a]} && eb < {sizes[b]}) {{",
         *[f"          {line}" for line in em.lines],
         *stores,
@@ -129,4 +145,4 @@ def tile_kernel(prog: Program, layout, b: int, threads: int, name: str, device: 
         "}",
     ])
     args = [{"out": prog.card_output(a_["out"])} if "out" in a_ else a_ for a_ in args]
-    return src, (name, (blocks,), (threads,), args, 0)
+    return src, (name, (blocks,), (threads,), args, 0), sum(T * (T + 1) * prog.inputs[i].itemsize for i in staged)
