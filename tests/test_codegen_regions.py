@@ -752,3 +752,27 @@ def test_tiles_past_the_shared_memory_a_kernel_may_declare_are_read_flat(tmp_pat
     assert compiler.compile(cand.source, arch="sm_90").cubin
     for got, want in zip(cuda_on_cpu.run(card, cand, xs), card.region.replay([t.clone() for t in xs])):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_the_angles_sines_are_taken_once_for_several_heads(tmp_path):
+    """A rotary region that computes its angles' sine and cosine reads them at every head: with
+    grid "heads" (the default there) a thread takes `items` heads of one position and evaluates
+    the sines once (one sincosf per part, outside the heads' loop); items that do not divide a
+    part's heads leave that part flat. Regions with no such work do not offer it."""
+    model, make_inputs, _ = CASES["rotary_keys_repeated_before_the_queries"]
+    made = make_inputs()
+    card = region_card(tmp_path, model(), *made)
+    knobs = generated.default(card, H200)
+    assert (knobs["grid"], knobs["items"]) == ("heads", 2) and "heads" in generated.spaces(card, H200)[0]["grid"]
+    inputs = card.random_inputs(0, "cpu")
+    want = card.region.replay([t.clone() for t in inputs])
+    for items in (2, 4):
+        cand = generated.build(card, {**knobs, "items": items}, H200)
+        src = cand.source
+        if items == 2:
+            assert src.count("sincosf(") == src.count("namespace kf_p") and src.count("hv1[j] = ") == src.count("namespace kf_p")
+        assert compiler.compile(src, arch="sm_90").cubin
+        for got, w in zip(cuda_on_cpu.run(card, cand, inputs), want):
+            torch.testing.assert_close(got, w, rtol=1e-6, atol=1e-6)
+    plain = region_card(tmp_path / "silu", SiluMul(), torch.randn(64, 48), torch.randn(64, 48))
+    assert "heads" not in generated.spaces(plain, H200)[0]["grid"] and generated.default(plain, H200)["grid"] == "exact"

@@ -10,6 +10,10 @@ Pointwise (`algo` "flat"): each thread handles `items` vectors of `vec` elements
 issued for all items before any math (16-byte accesses where a tensor is contiguous along
 the inner dim), values computed in the compute dtype and rounded once on store.
 
+Pointwise with costly work on inputs read the same along the outermost dim (`grid` "heads": a rotary
+embedding's sines and cosines per position, beside its heads): each thread takes `items` indices of
+that dim, computing that work once.
+
 Pointwise with an input contiguous along another dim than the outputs (`algo` "gen_tile"):
 32 x 32 tiles of those two dims staged through shared memory, read along one, written along
 the other (lower/tile.py).
@@ -41,12 +45,12 @@ folds every window from there.
 
 from __future__ import annotations
 
-from .pointwise import lower_pointwise, pointwise_vecs, tileable
+from .pointwise import heads_items, lower_pointwise, pointwise_vecs, tileable
 from .norm import coop_split, lower_norm, lower_norm_coop, lower_norm_split, norm_staging, norm_vecs, peel_vecs
 from .reduce import cols_block_vecs, lower_cols_block, lower_reduction, reduced_is_inner, reduction_layout, reduction_vecs
 from .scan import lower_scan, lower_scan_block, scan_is_inner
 from .window import lower_window, window_tiles, window_vecs
 
-__all__ = ["cols_block_vecs", "coop_split", "lower_cols_block", "lower_norm", "lower_norm_coop", "lower_norm_split", "lower_pointwise", "lower_reduction", "lower_scan", "lower_scan_block",
+__all__ = ["cols_block_vecs", "heads_items", "coop_split", "lower_cols_block", "lower_norm", "lower_norm_coop", "lower_norm_split", "lower_pointwise", "lower_reduction", "lower_scan", "lower_scan_block",
            "lower_window", "norm_staging", "norm_vecs", "peel_vecs", "pointwise_vecs", "reduced_is_inner", "reduction_layout",
            "reduction_vecs", "scan_is_inner", "tileable", "window_tiles", "window_vecs"]

@@ -94,6 +94,57 @@ def lower_pointwise(prog: Program, knobs: dict, sm_count: int) -> Built:
     return Built(_header("\n".join(bodies)), launches, [])
 
 
+EXPENSIVE = frozenset({"sin", "cos", "tan", "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "pow", "tanh",
+                       "sinh", "cosh", "erf", "erfc", "erfinv", "atan", "atan2", "asin", "acos", "lgamma"})
+
+
+def _outer_invariants(prog: Program, strides, ins_of) -> tuple[set, list]:
+    """Inputs read the same at every index of the layout's outermost dim (stride 0 there, not
+    everywhere), and the largest subexpressions of the results computed from them alone."""
+    inv = {i for i in prog.in_strides if i not in prog.gathers and any(strides[ins_of[i]]) and not strides[ins_of[i]][0]}
+    memo: dict = {}
+
+    def fixed(e) -> bool:
+        if e not in memo:
+            memo[e] = (e.value[0] in inv or not any(strides[ins_of[e.value[0]]])) if e.op == "load" else \
+                e.op != "var" and all(fixed(a) for a in e.args)
+        return memo[e]
+
+    roots: list = []
+    seen: set = set()
+
+    def walk(e) -> None:
+        if e in seen:
+            return
+        seen.add(e)
+        if fixed(e):
+            if e.op not in ("load", "const"):
+                roots.append(e)
+            return
+        for a in e.args:
+            walk(a)
+    for r in prog.results:
+        walk(r)
+    return inv, roots
+
+
+def heads_items(prog: Program) -> int:
+    """Items a thread takes along the outermost dim where results compute something costly (a
+    transcendental) from inputs read the same at each of its indices (a rotary embedding's angles,
+    per position, beside its heads): the most of 8, 4, 2 dividing that dim in every kernel of the
+    plan that has such work; 0 where none does."""
+    def costly(e) -> bool:
+        return e.op in EXPENSIVE or any(costly(a) for a in e.args)
+
+    outer = []
+    for part in [prog, *prog.parts]:
+        sizes, strides = pointwise_layout(part)
+        ins_of = {i: len(part.outputs) + k for k, i in enumerate(sorted(part.in_strides))}
+        if len(sizes) > 1 and not part.aliases and any(costly(r) for r in _outer_invariants(part, strides, ins_of)[1]):
+            outer.append(sizes[0])
+    return next((n for n in (8, 4, 2) if outer and all(h % n == 0 for h in outer)), 0)
+
+
 def _kernel(prog: Program, knobs: dict, sm_count: int, name: str, device: bool = False) -> tuple[str, tuple]:
     """The kernel `name`, or with `device` a device function of the same body that runs as block
     kf_bid of kf_nblk (lower_pointwise's parts in one launch)."""
@@ -106,6 +157,11 @@ def _kernel(prog: Program, knobs: dict, sm_count: int, name: str, device: bool =
     loaded = sorted(prog.in_strides)
     idx = _index_type(prog, 2 * nt * it * v)
     ins_of = {i: no + k for k, i in enumerate(loaded)}
+    inv, roots = _outer_invariants(prog, strides, ins_of) if knobs.get("grid") == "heads" else (set(), [])
+    heads = bool(roots) and len(sizes) > 1 and sizes[0] % it == 0 and not prog.aliases
+    if not heads:
+        inv, roots = set(), []
+    ni = nv // sizes[0] if heads else nv  # vectors in one index of the outermost dim
     hoist, decl, loads, body = [], [], [], []
     for i in sorted(loaded, key=lambda i: i in prog.gathers):  # an index before the rows it picks
         t = ins_of[i]
@@ -119,15 +175,25 @@ def _kernel(prog: Program, knobs: dict, sm_count: int, name: str, device: bool =
             hoist.append(f"  const {ct} h{i} = {ptr[i]}[0];")
             continue
         decl.append(f"    {ct} x{i}[IT][V];")
+        first = "if (k == 0) " if i in inv else ""  # the same at every item: read once
         if st[-1] == 1 and v > 1:
-            loads.append("        " + vector_copy(ct, prog.inputs[i].itemsize, v, f"x{i}[k]", f"{ptr[i]} + off[k][{t}]"))
+            loads.append(f"        {first}" + vector_copy(ct, prog.inputs[i].itemsize, v, f"x{i}[k]", f"{ptr[i]} + off[k][{t}]"))
         else:
-            loads.append(f"        for (int j = 0; j < V; ++j) x{i}[k][j] = {ptr[i]}[off[k][{t}] + j * {st[-1]}];")
+            loads.append(f"        {first}for (int j = 0; j < V; ++j) x{i}[k][j] = {ptr[i]}[off[k][{t}] + j * {st[-1]}];")
 
     def load(i, stored):
-        return f"h{i}" if not any(strides[ins_of[i]]) and i not in prog.gathers else f"x{i}[k][j]"
+        if not any(strides[ins_of[i]]) and i not in prog.gathers:
+            return f"h{i}"
+        return f"x{i}[0][j]" if i in inv else f"x{i}[k][j]"
 
-    em = Emitter("v", {}, load, fast_nodes(prog, prog.results))
+    fast = fast_nodes(prog, prog.results)
+    once = Emitter("u", {}, load, fast)  # the outer dim's invariant work, once a thread (grid "heads")
+    for e in roots:
+        once(e)
+    pre = [f"      {line}" for line in once.lines] + [f"      hv{m}[j] = {once.names[e]};" for m, e in enumerate(roots)]
+    em = Emitter("v", {}, load, fast)
+    for m, e in enumerate(roots):
+        em.bind(e, f"hv{m}[j]")
     res = [em(e) for e in prog.results]
     body += [f"          {line}" for line in em.lines]
     stores = []
@@ -141,29 +207,37 @@ def _kernel(prog: Program, knobs: dict, sm_count: int, name: str, device: bool =
         else:
             stores.append(f"        for (int j = 0; j < V; ++j) out{j}[off[k][{j}] + j * {strides[j][-1]}] = r{j}[j];")
     rdecl = [f"        {CTYPE[m.dtype]} r{j}[V];" for j, m in enumerate(prog.outputs) if m.numel]
-    offs = offsets_code("(base + k * NT) * V", sizes, strides, [f"off[k][{t}]" for t in range(len(strides))], idx, False)
+    item = "((base / NI) * IT + k) * NI + base % NI" if heads else "base + k * NT"
+    offs = offsets_code(f"({item}) * V", sizes, strides, [f"off[k][{t}]" for t in range(len(strides))], idx, False)
+    valid = "base < NB" if heads else "base + k * NT < NV"
+    step = "NT" if heads else "(NT * IT)"
+    hvs = [f"    {CTYPE[e.dtype]} hv{m}[V];" for m, e in enumerate(roots)]
+    once_loop = ["#pragma unroll", "    for (int j = 0; j < V; ++j) {", *pre, "    }"] if roots else []
     src = "\n".join([
         f"typedef {idx} kf_idx;",
         f"constexpr int NT = {nt}; constexpr int V = {v}; constexpr int IT = {it}; constexpr kf_idx NV = {nv};",
+        *([f"constexpr kf_idx NI = {ni}; constexpr kf_idx NB = NI * {sizes[0] // it};"] if heads else []),
         (f'__device__ __forceinline__ void {name}({", ".join(params + ["unsigned kf_bid", "unsigned kf_nblk"])}) {{'
          if device else f'extern "C" __global__ void __launch_bounds__(NT) {name}({", ".join(params)}) {{'),
         *([] if device else ["  const unsigned kf_bid = blockIdx.x, kf_nblk = gridDim.x;"]),
         *hoist,
         *[f"  out{j} += {prog.out_offset(j)};" for j in range(no) if prog.out_offset(j)],
-        "  for (kf_idx base = (kf_idx)kf_bid * (NT * IT) + threadIdx.x; base < NV;"
-        " base += (kf_idx)kf_nblk * (NT * IT)) {",
+        f"  for (kf_idx base = (kf_idx)kf_bid * {step} + threadIdx.x; base < {'NB' if heads else 'NV'};"
+        f" base += (kf_idx)kf_nblk * {step}) {{",
         f"    kf_idx off[IT][{len(strides)}];",
         *decl,
+        *hvs,
         "#pragma unroll",
         "    for (int k = 0; k < IT; ++k) {",
-        "      if (base + k * NT < NV) {",
+        f"      if ({valid}) {{",
         *[f"        {line}" for line in offs],
         *loads,
         "      }",
         "    }",
+        *once_loop,
         "#pragma unroll",
         "    for (int k = 0; k < IT; ++k) {",
-        "      if (base + k * NT < NV) {",
+        f"      if ({valid}) {{",
         *rdecl,
         "#pragma unroll",
         "        for (int j = 0; j < V; ++j) {",
@@ -175,7 +249,7 @@ def _kernel(prog: Program, knobs: dict, sm_count: int, name: str, device: bool =
         "  }",
         "}",
     ])
-    blocks = max(1, ceil_div(nv, nt * it))
+    blocks = max(1, ceil_div(ni * sizes[0] // it, nt) if heads else ceil_div(nv, nt * it))
     if knobs.get("grid") == "stride":
         blocks = min(blocks, sm_count * max(1, 2048 // nt))
     args = [{"out": prog.card_output(a["out"])} if "out" in a else a for a in args]

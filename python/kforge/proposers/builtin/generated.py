@@ -180,7 +180,7 @@ def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
                  "split": _splits(prog), "vec": lower.norm_vecs(prog)}] + ([coop] if coop else []) + ([peeled] if peel else [])
     if prog.reduction is None:
         flat = {"algo": ("gen_flat",), "threads": (64, 128, 256, 512, 1024), "vec": lower.pointwise_vecs(prog),
-                "items": (1, 2, 4, 8), "grid": ("exact", "stride")}
+                "items": (1, 2, 4, 8), "grid": ("exact", "stride") + (("heads",) if lower.heads_items(prog) else ())}
         # an input transposed to the outputs: its parts tiled (their other parts as gen_flat's)
         tile = {**flat, "algo": ("gen_tile",), "threads": (128, 256, 512), "items": (1, 2), "grid": ("exact",)}
         return [flat] + ([tile] if lower.tileable(prog) else [])
@@ -225,8 +225,12 @@ def default(card: Card, hw: Hardware) -> Knobs:
         # Inductor's tiled 12.5, round 27): tiled by default where it is a quarter of the bytes
         # or more. Llama's angles (256 KB beside 20 MB of heads, read from L2) stay flat.
         tiled = lower.tileable(prog) >= TILE_SHARE
-        return {"algo": "gen_tile" if tiled else "gen_flat",
-                "threads": 256 if nvec >= 256 * hw.sm_count or tiled else 128, "vec": vec, "items": 1, "grid": "exact"}
+        knobs = {"algo": "gen_tile" if tiled else "gen_flat",
+                 "threads": 256 if nvec >= 256 * hw.sm_count or tiled else 128, "vec": vec, "items": 1, "grid": "exact"}
+        # A rotary region computing its angles' sines and cosines for every head: 51.2 us on the
+        # H100 against 20 MB of traffic (round 29); a thread takes several heads, the sines once.
+        heads = lower.heads_items(prog)
+        return {**knobs, "algo": "gen_flat", "items": heads, "grid": "heads"} if heads and not tiled else knobs
     lay = lower.reduction_layout(prog)
     if prog.normalizes:
         return _norm_default(prog, lay, hw)
