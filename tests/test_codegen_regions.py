@@ -776,3 +776,28 @@ def test_the_angles_sines_are_taken_once_for_several_heads(tmp_path):
             torch.testing.assert_close(got, w, rtol=1e-6, atol=1e-6)
     plain = region_card(tmp_path / "silu", SiluMul(), torch.randn(64, 48), torch.randn(64, 48))
     assert "heads" not in generated.spaces(plain, H200)[0]["grid"] and generated.default(plain, H200)["grid"] == "exact"
+
+
+def test_heads_read_gathered_rows_and_their_indices_at_every_head():
+    """A gather's rows and its index are read at every item even where they are the same at every
+    head, and a cast alone is not worth taking heads for."""
+    from kforge.cards import TensorMeta
+    from kforge.codegen.ir import Expr, Program, prim
+
+    heads, seq, dim, rows = 4, 16, 8, 32
+    angles = TensorMeta((seq, dim), (dim, 1), "float32", "cuda")
+    index = TensorMeta((seq,), (1,), "int64", "cuda", lo=0, hi=rows - 1)
+    out = TensorMeta((heads, seq, dim), (seq * dim, dim, 1), "float32", "cuda")
+    for table, strides, stride in ((TensorMeta((rows, dim), (dim, 1), "float32", "cuda"), (0, 0, 1), dim),
+                                   (TensorMeta((rows,), (1,), "float32", "cuda"), (0, 0, 0), 1)):
+        prog = Program(domain=(heads, seq, dim), inputs=[angles, index, table], outputs=[out],
+                       in_strides={0: (0, dim, 1), 1: (0, 1, 0), 2: strides}, out_strides=[out.stride],
+                       results=[prim("sin", Expr.load(2, "float32")) * prim("sin", Expr.load(0, "float32"))],
+                       gathers={2: (1, stride, rows)})
+        assert lower.heads_items(prog) == 4
+        src = lower.lower_pointwise(prog, {"algo": "gen_flat", "threads": 64, "vec": 4, "items": 2, "grid": "heads"}, 132).source
+        assert "if (k == 0) for (int j = 0; j < V; ++j) x1" not in src  # the index, at every head
+        assert compiler.compile(src, arch="sm_90").cubin
+    cast = Program(domain=(heads, seq, dim), inputs=[angles], outputs=[out], in_strides={0: (0, dim, 1)},
+                   out_strides=[out.stride], results=[Expr.load(0, "float32") * 2])
+    assert lower.heads_items(cast) == 0

@@ -101,13 +101,16 @@ EXPENSIVE = frozenset({"sin", "cos", "tan", "exp", "exp2", "expm1", "log", "log2
 def _outer_invariants(prog: Program, strides, ins_of) -> tuple[set, list]:
     """Inputs read the same at every index of the layout's outermost dim (stride 0 there, not
     everywhere), and the largest subexpressions of the results computed from them alone."""
-    inv = {i for i in prog.in_strides if i not in prog.gathers and any(strides[ins_of[i]]) and not strides[ins_of[i]][0]}
+    picks = {j for j, _, _ in prog.gathers.values()}  # gathers and their indices are read at every item
+    inv = {i for i in prog.in_strides if i not in prog.gathers and i not in picks and any(strides[ins_of[i]])
+           and not strides[ins_of[i]][0]}
     memo: dict = {}
 
     def fixed(e) -> bool:
         if e not in memo:
-            memo[e] = (e.value[0] in inv or not any(strides[ins_of[e.value[0]]])) if e.op == "load" else \
-                e.op != "var" and all(fixed(a) for a in e.args)
+            i = e.value[0] if e.op == "load" else None
+            memo[e] = (i in inv or i not in prog.gathers and i not in picks and not any(strides[ins_of[i]])) \
+                if e.op == "load" else e.op != "var" and all(fixed(a) for a in e.args)
         return memo[e]
 
     roots: list = []
@@ -128,19 +131,21 @@ def _outer_invariants(prog: Program, strides, ins_of) -> tuple[set, list]:
     return inv, roots
 
 
+def _costly(e) -> bool:
+    return e.op in EXPENSIVE or any(_costly(a) for a in e.args)
+
+
 def heads_items(prog: Program) -> int:
     """Items a thread takes along the outermost dim where results compute something costly (a
     transcendental) from inputs read the same at each of its indices (a rotary embedding's angles,
     per position, beside its heads): the most of 8, 4, 2 dividing that dim in every kernel of the
     plan that has such work; 0 where none does."""
-    def costly(e) -> bool:
-        return e.op in EXPENSIVE or any(costly(a) for a in e.args)
-
     outer = []
     for part in [prog, *prog.parts]:
         sizes, strides = pointwise_layout(part)
         ins_of = {i: len(part.outputs) + k for k, i in enumerate(sorted(part.in_strides))}
-        if len(sizes) > 1 and not part.aliases and any(costly(r) for r in _outer_invariants(part, strides, ins_of)[1]):
+        if len(sizes) > 1 and sizes[0] and not part.aliases and \
+                any(_costly(r) for r in _outer_invariants(part, strides, ins_of)[1]):
             outer.append(sizes[0])
     return next((n for n in (8, 4, 2) if outer and all(h % n == 0 for h in outer)), 0)
 
@@ -158,7 +163,7 @@ def _kernel(prog: Program, knobs: dict, sm_count: int, name: str, device: bool =
     idx = _index_type(prog, 2 * nt * it * v)
     ins_of = {i: no + k for k, i in enumerate(loaded)}
     inv, roots = _outer_invariants(prog, strides, ins_of) if knobs.get("grid") == "heads" else (set(), [])
-    heads = bool(roots) and len(sizes) > 1 and sizes[0] % it == 0 and not prog.aliases
+    heads = any(_costly(r) for r in roots) and len(sizes) > 1 and sizes[0] and sizes[0] % it == 0 and not prog.aliases
     if not heads:
         inv, roots = set(), []
     ni = nv // sizes[0] if heads else nv  # vectors in one index of the outermost dim
