@@ -98,19 +98,21 @@ EXPENSIVE = frozenset({"sin", "cos", "tan", "exp", "exp2", "expm1", "log", "log2
                        "sinh", "cosh", "erf", "erfc", "erfinv", "atan", "atan2", "asin", "acos", "lgamma"})
 
 
-def _outer_invariants(prog: Program, strides, ins_of) -> tuple[set, list]:
-    """Inputs read the same at every index of the layout's outermost dim (stride 0 there, not
-    everywhere), and the largest subexpressions of the results computed from them alone."""
+def _outer_invariants(prog: Program, sizes, strides, ins_of) -> tuple[set, list]:
+    """Where results compute something costly from inputs read the same at every index of the
+    layout's outermost dim (stride 0 there, not everywhere): those inputs and the largest
+    subexpressions of the results computed from them alone; else nothing."""
+    if len(sizes) < 2 or not sizes[0] or prog.aliases:
+        return set(), []
     picks = {j for j, _, _ in prog.gathers.values()}  # gathers and their indices are read at every item
-    inv = {i for i in prog.in_strides if i not in prog.gathers and i not in picks and any(strides[ins_of[i]])
-           and not strides[ins_of[i]][0]}
+    free = [i for i in prog.in_strides if i not in prog.gathers and i not in picks]
+    inv = {i for i in free if any(strides[ins_of[i]]) and not strides[ins_of[i]][0]}
+    same = inv | {i for i in free if not any(strides[ins_of[i]])}
     memo: dict = {}
 
     def fixed(e) -> bool:
         if e not in memo:
-            i = e.value[0] if e.op == "load" else None
-            memo[e] = (i in inv or i not in prog.gathers and i not in picks and not any(strides[ins_of[i]])) \
-                if e.op == "load" else e.op != "var" and all(fixed(a) for a in e.args)
+            memo[e] = e.value[0] in same if e.op == "load" else e.op != "var" and all(fixed(a) for a in e.args)
         return memo[e]
 
     roots: list = []
@@ -128,7 +130,7 @@ def _outer_invariants(prog: Program, strides, ins_of) -> tuple[set, list]:
             walk(a)
     for r in prog.results:
         walk(r)
-    return inv, roots
+    return (inv, roots) if any(_costly(r) for r in roots) else (set(), [])
 
 
 def _costly(e) -> bool:
@@ -144,8 +146,7 @@ def heads_items(prog: Program) -> int:
     for part in [prog, *prog.parts]:
         sizes, strides = pointwise_layout(part)
         ins_of = {i: len(part.outputs) + k for k, i in enumerate(sorted(part.in_strides))}
-        if len(sizes) > 1 and sizes[0] and not part.aliases and \
-                any(_costly(r) for r in _outer_invariants(part, strides, ins_of)[1]):
+        if _outer_invariants(part, sizes, strides, ins_of)[1]:
             outer.append(sizes[0])
     return next((n for n in (8, 4, 2) if outer and all(h % n == 0 for h in outer)), 0)
 
@@ -162,8 +163,8 @@ def _kernel(prog: Program, knobs: dict, sm_count: int, name: str, device: bool =
     loaded = sorted(prog.in_strides)
     idx = _index_type(prog, 2 * nt * it * v)
     ins_of = {i: no + k for k, i in enumerate(loaded)}
-    inv, roots = _outer_invariants(prog, strides, ins_of) if knobs.get("grid") == "heads" else (set(), [])
-    heads = any(_costly(r) for r in roots) and len(sizes) > 1 and sizes[0] and sizes[0] % it == 0 and not prog.aliases
+    inv, roots = _outer_invariants(prog, sizes, strides, ins_of) if knobs.get("grid") == "heads" else (set(), [])
+    heads = bool(roots) and sizes[0] % it == 0
     if not heads:
         inv, roots = set(), []
     ni = nv // sizes[0] if heads else nv  # vectors in one index of the outermost dim
