@@ -73,3 +73,18 @@ def test_forced_rewrite_under_kforge_compile_equals_eager(monkeypatch):
             for _ in range(3):
                 got = compiled(x)
             torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_a_traced_constant_mask_that_masks_nothing_leaves_sdpa_fused():
+    """transformers' traced BERT mask (`q_idx >= 0`, stride 0 along the keys) keeps every fused
+    kernel off the call, and SDPA ran its math path (fp32 scores, _safe_softmax); dropped, the
+    call runs a fused kernel, as eager's call without a mask does."""
+    from test_masks import ConstantMask
+
+    x = torch.randn(2, 16, 32, device="cuda", dtype=torch.bfloat16)
+    _, g = _trace(ConstantMask("all_true").cuda(), x)
+    ops = [str(n.target) for n in g.module.graph.nodes if n.op == "call_function"]
+    assert not any("_safe_softmax" in o or "bmm" in o for o in ops), ops
+    assert sum("_scaled_dot_product_" in o for o in ops) == 2
+    with torch.no_grad():
+        torch.testing.assert_close(g.module(*g.inputs)[0], ConstantMask("all_true").cuda()(x), rtol=2e-2, atol=2e-2)
