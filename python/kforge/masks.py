@@ -103,22 +103,24 @@ def apply(gm: fx.GraphModule, notes: list[str] | None = None) -> int:
     One note where any was dropped."""
     dropped = 0
     unused: list[fx.Node] = []  # the dropped masks' computations
+    nothing: dict[fx.Node, bool] = {}  # mask -> whether it masks nothing
     for node in list(gm.graph.nodes):
         found = _mask(node)
         if found is None:
             continue
         where, mask = found
         nodes = constant_nodes(mask)
-        if nodes is not None:
+        if nodes is None:
+            continue
+        if mask not in nothing:  # one mask, often shared by every layer's call, evaluated once
             try:
-                nothing = masks_nothing(evaluate(nodes))
+                nothing[mask] = masks_nothing(evaluate(nodes))
             except Exception:  # noqa: BLE001 (not evaluable here: the mask stays)
-                nothing = False
-            if nothing:
-                _set_mask(node, where, None)
-                unused.extend(nodes)
-                dropped += 1
-                continue
+                nothing[mask] = False
+        if nothing[mask]:
+            _set_mask(node, where, None)
+            unused.extend(nodes)
+            dropped += 1
     if dropped:
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
         for node in sorted(set(unused), key=order.__getitem__, reverse=True):
