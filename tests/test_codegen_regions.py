@@ -735,6 +735,30 @@ def test_an_input_transposed_to_the_outputs_is_tiled_through_shared_memory(tmp_p
             torch.testing.assert_close(got, w, rtol=1e-6, atol=1e-6)
 
 
+def test_tiled_threads_read_and_write_vectors_where_both_dims_are_whole_vectors(tmp_path):
+    """`tvec` 2 and 4: a thread reads 2 (4) consecutive elements of the transposed input and
+    writes as many of the output, over tiles 64 (128) a side, partial at the edges (100 channels,
+    64 tokens); fp32 tiles 128 a side take 66 KB, past the shared memory a kernel declares: 4
+    runs as 2. bf16 defaults to pairs (4-byte accesses); 49 tokens take no vectors."""
+    card = region_card(tmp_path, ClassTokenOfPatches(100, 64), torch.randn(2, 100, 8, 8))
+    assert lower.tile_vecs(generated.program(card)) == (1, 2, 4) and generated.default(card, H200)["tvec"] == 1  # fp32
+    inputs = card.random_inputs(0, "cpu")
+    want = card.region.replay([t.clone() for t in inputs])
+    for tvec in (2, 4):
+        cand = generated.build(card, {**generated.default(card, H200), "tvec": tvec}, H200)
+        assert "s4[64][65];" in cand.source and "kf_vec<float, 2>" in cand.source
+        assert compiler.compile(cand.source, arch="sm_90").cubin
+        for got, w in zip(cuda_on_cpu.run(card, cand, inputs), want):
+            torch.testing.assert_close(got, w, rtol=1e-6, atol=1e-6)
+    bf16 = region_card(tmp_path / "bf16", ClassTokenOfPatches(100, 64).to(torch.bfloat16),
+                       torch.randn(2, 100, 8, 8, dtype=torch.bfloat16))
+    assert generated.default(bf16, H200)["tvec"] == 2
+    cand = generated.build(bf16, {**generated.default(bf16, H200), "tvec": 4}, H200)
+    assert "s4[128][129];" in cand.source and compiler.compile(cand.source, arch="sm_90").cubin  # 33 KB: fits
+    odd = region_card(tmp_path / "odd", ClassTokenOfPatches(100, 49), torch.randn(2, 100, 7, 7))
+    assert lower.tile_vecs(generated.program(odd)) == (1,) and generated.default(odd, H200)["tvec"] == 1
+
+
 def test_nothing_transposed_is_not_tiled(tmp_path):
     card = region_card(tmp_path, AddTransposed(), torch.randn(3, 50, 40), torch.randn(3, 50, 40).transpose(1, 2))  # x's view
     assert generated.default(card, H200)["algo"] == "gen_flat" and len(generated.spaces(card, H200)) == 1

@@ -15,8 +15,8 @@ embedding's sines and cosines per position, beside its heads): each thread takes
 that dim, computing that work once.
 
 Pointwise with an input contiguous along another dim than the outputs (`algo` "gen_tile"):
-32 x 32 tiles of those two dims staged through shared memory, read along one, written along
-the other (lower/tile.py).
+square tiles of those two dims (32 x `tvec` a side) staged through shared memory, read along
+one and written along the other, `tvec` consecutive elements a thread (lower/tile.py).
 
 Reduction: a group of `lanes` threads folds each output's reduced elements (`items` loads
 of `vec` consecutive elements in flight per thread), merges through warp shuffles and, for groups wider than a warp,
@@ -45,7 +45,7 @@ folds every window from there.
 
 from __future__ import annotations
 
-from .pointwise import heads_items, lower_pointwise, pointwise_vecs, tileable
+from .pointwise import heads_items, lower_pointwise, pointwise_vecs, tile_vecs, tileable
 from .norm import coop_split, lower_norm, lower_norm_coop, lower_norm_split, norm_staging, norm_vecs, peel_vecs
 from .reduce import cols_block_vecs, lower_cols_block, lower_reduction, reduced_is_inner, reduction_layout, reduction_vecs
 from .scan import lower_scan, lower_scan_block, scan_is_inner
@@ -53,4 +53,4 @@ from .window import lower_window, window_tiles, window_vecs
 
 __all__ = ["cols_block_vecs", "heads_items", "coop_split", "lower_cols_block", "lower_norm", "lower_norm_coop", "lower_norm_split", "lower_pointwise", "lower_reduction", "lower_scan", "lower_scan_block",
            "lower_window", "norm_staging", "norm_vecs", "peel_vecs", "pointwise_vecs", "reduced_is_inner", "reduction_layout",
-           "reduction_vecs", "scan_is_inner", "tileable", "window_tiles", "window_vecs"]
+           "reduction_vecs", "scan_is_inner", "tile_vecs", "tileable", "window_tiles", "window_vecs"]

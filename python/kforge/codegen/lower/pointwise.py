@@ -9,7 +9,7 @@ from ...proposers.builtin.common import ceil_div
 from ..ir import Program
 from .emit import (CTYPE, Built, Emitter, _header, _index_type, _pointers, coalesce, convert, fast_nodes, offsets_code,
                    vector_copy, vector_fits)
-from .tile import SMEM, tile_kernel, transposed_dim, transposed_share
+from .tile import SMEM, tile_kernel, tiled_vecs, transposed_dim, transposed_share
 
 # ---- pointwise -----------------------------------------------------------------------
 
@@ -46,6 +46,11 @@ def _vecs(prog: Program, wide: bool = True) -> tuple[int, ...]:
     return tuple(out)
 
 
+def tile_vecs(prog: Program) -> tuple[int, ...]:
+    """Tile vector widths (knob `tvec`) some tiled kernel of the plan takes (lower/tile.py)."""
+    return tuple(sorted(set().union(*(tiled_vecs(p, pointwise_layout(p)) for p in [prog, *prog.parts]))))
+
+
 def tileable(prog: Program) -> float:
     """The largest share of a kernel's bytes that tiles would stage, over the plan's kernels: 0
     where none reads an input transposed to its outputs (lower/tile.py)."""
@@ -70,7 +75,7 @@ def lower_pointwise(prog: Program, knobs: dict, sm_count: int) -> Built:
         name = "kf_part" if one else f"kf_gen_p{n}" if n else "kf_gen"
         layout = pointwise_layout(part)
         b = transposed_dim(part, layout) if knobs["algo"] == "gen_tile" else None
-        tiled = tile_kernel(part, layout, b, knobs["threads"], name, one, smem) if b is not None else None
+        tiled = tile_kernel(part, layout, b, knobs["threads"], name, one, smem, knobs.get("tvec", 1)) if b is not None else None
         if tiled:
             src, launch, used = tiled
             smem -= used if one else 0  # one launch: every block declares every part's tiles

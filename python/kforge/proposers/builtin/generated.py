@@ -182,7 +182,8 @@ def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
         flat = {"algo": ("gen_flat",), "threads": (64, 128, 256, 512, 1024), "vec": lower.pointwise_vecs(prog),
                 "items": (1, 2, 4, 8), "grid": ("exact", "stride") + (("heads",) if lower.heads_items(prog) else ())}
         # an input transposed to the outputs: its parts tiled (their other parts as gen_flat's)
-        tile = {**flat, "algo": ("gen_tile",), "threads": (128, 256, 512), "items": (1, 2), "grid": ("exact",)}
+        tile = {**flat, "algo": ("gen_tile",), "threads": (128, 256, 512), "items": (1, 2), "grid": ("exact",),
+                "tvec": lower.tile_vecs(prog)}
         return [flat] + ([tile] if lower.tileable(prog) else [])
     return _reduction_spaces(prog)
 
@@ -224,9 +225,14 @@ def default(card: Card, hw: Hardware) -> Knobs:
         # (ViT's class token beside its NCHW patches, half the bytes: 21.5 us on the H100 against
         # Inductor's tiled 12.5, round 27): tiled by default where it is a quarter of the bytes
         # or more. Llama's angles (256 KB beside 20 MB of heads, read from L2) stay flat.
+        # A tiled thread reads and writes 4 bytes at a time where the layout allows (bf16 pairs:
+        # 128 bytes a warp instead of 64).
         tiled = lower.tileable(prog) >= TILE_SHARE
         knobs = {"algo": "gen_tile" if tiled else "gen_flat",
                  "threads": 256 if nvec >= 256 * hw.sm_count or tiled else 128, "vec": vec, "items": 1, "grid": "exact"}
+        if tiled:
+            wide = [t for t in lower.tile_vecs(prog) if t * min(m.itemsize for m in prog.outputs) <= 4]
+            knobs["tvec"] = wide[-1] if wide else 1
         # A rotary region computing its angles' sines and cosines for every head: 51.2 us on the
         # H100 against 20 MB of traffic (round 29); a thread takes several heads, the sines once.
         heads = lower.heads_items(prog)
