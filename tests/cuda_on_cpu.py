@@ -139,16 +139,18 @@ def _library(source: str, threaded: list[str]) -> ctypes.CDLL:
         source.replace('extern "C" __global__', 'extern "C"') + "".join(
             f'\nextern "C" void kf_grid_{n}(void** p, unsigned gx, unsigned gy, unsigned nt) {{ kf_grid({n}, p, gx, gy, nt); }}'
             for n in threaded)
-    key = hashlib.sha256(body.encode()).hexdigest()[:16]
+    # -fno-gnu-unique: a function-local static (shared memory) of an inline function is otherwise
+    # one object across every library the process loads, sized by the first: a later kernel with
+    # the same part signature and a larger tile wrote past it
+    flags = ["-O1", *(["-std=c++20", "-pthread"] if threaded else ["-std=c++17"]), "-fno-gnu-unique", "-shared", "-fPIC", "-w"]
+    key = hashlib.sha256((" ".join(flags) + body).encode()).hexdigest()[:16]
     d = Path(tempfile.gettempdir()) / "kforge_cuda_on_cpu"
     d.mkdir(exist_ok=True)
     so = d / f"{key}.so"
     if not so.exists():
         src = d / f"{key}.cpp"
         src.write_text(body)
-        cc = shutil.which("g++")
-        std = ["-std=c++20", "-pthread"] if threaded else ["-std=c++17"]
-        subprocess.run([cc, "-O1", *std, "-shared", "-fPIC", "-w", "-o", str(so), str(src)], check=True, capture_output=True)
+        subprocess.run([shutil.which("g++"), *flags, "-o", str(so), str(src)], check=True, capture_output=True)
     return ctypes.CDLL(str(so))
 
 
