@@ -1,5 +1,6 @@
 """Graph capture drops the attention masks built from no input that mask nothing (transformers
-builds one only while it is traced; eager passes none), and keeps every other mask."""
+builds one only while it is traced; eager passes none), runs those that are SDPA's causal mask
+as is_causal=True (Llama's, traced), and keeps every other mask."""
 
 from __future__ import annotations
 
@@ -34,6 +35,15 @@ class ConstantMask(nn.Module):
             return torch.zeros(16, 16, device=x.device, dtype=x.dtype)
         if self.kind == "causal":
             return q_idx[None, :] <= q_idx[:, None]
+        if self.kind == "additive_causal":  # transformers' form: the dtype's lowest value where masked
+            keep = (q_idx[None, :] <= q_idx[:, None]).expand(2, 1, 16, 16)
+            return torch.where(keep, torch.tensor(0.0), torch.tensor(torch.finfo(x.dtype).min))
+        if self.kind == "causal_minus_inf":
+            return torch.zeros(16, 16, device=x.device).masked_fill(q_idx[None, :] > q_idx[:, None], float("-inf"))
+        if self.kind == "strictly_causal":  # the diagonal masked too: not SDPA's causal mask
+            return q_idx[None, :] < q_idx[:, None] + (q_idx[:, None] == 0)
+        if self.kind == "causal_but_additive_minus_one":  # -1 where masked: scores move, are not dropped
+            return torch.where(q_idx[None, :] <= q_idx[:, None], torch.tensor(0.0), torch.tensor(-1.0))
         if self.kind == "random":
             return torch.rand(16, 16, device=x.device) > -1.0
         if self.kind == "buffer":
@@ -73,7 +83,19 @@ def test_a_constant_mask_that_masks_nothing_is_dropped(kind):
         torch.testing.assert_close(g.module(*g.inputs)[0], ConstantMask(kind)(x))
 
 
-@pytest.mark.parametrize("kind", ["causal", "random", "buffer", "from_input"])
+@pytest.mark.parametrize("kind", ["causal", "additive_causal", "causal_minus_inf"])
+def test_a_constant_causal_mask_becomes_is_causal(kind):
+    x = torch.randn(2, 16, 32)
+    t = trace(ConstantMask(kind), x)
+    assert sdpa_masks(t) == [None, None] and any("is_causal=True" in n for n in t.notes)
+    nodes = [n for g in t.graphs for n in g.module.graph.nodes if "scaled_dot_product" in str(n.target)]
+    assert all(n.args[4] is True for n in nodes)  # (q, k, v, dropout_p, is_causal)
+    (g,) = t.graphs
+    with torch.no_grad():
+        torch.testing.assert_close(g.module(*g.inputs)[0], ConstantMask(kind)(x))
+
+
+@pytest.mark.parametrize("kind", ["strictly_causal", "causal_but_additive_minus_one", "random", "buffer", "from_input"])
 def test_masks_that_mask_something_or_are_not_constants_are_kept(kind):
     x = torch.randn(2, 16, 32)
     t = trace(ConstantMask(kind), x)

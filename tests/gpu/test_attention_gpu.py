@@ -75,16 +75,21 @@ def test_forced_rewrite_under_kforge_compile_equals_eager(monkeypatch):
             torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
-def test_a_traced_constant_mask_that_masks_nothing_leaves_sdpa_fused():
+@pytest.mark.parametrize("kind", ["all_true", "additive_causal"])
+def test_a_traced_constant_mask_leaves_sdpa_fused_as_eager(kind):
     """transformers' traced BERT mask (`q_idx >= 0`, stride 0 along the keys) keeps every fused
     kernel off the call, and SDPA ran its math path (fp32 scores, _safe_softmax); dropped, the
-    call runs a fused kernel, as eager's call without a mask does."""
+    call runs a fused kernel, as eager's call without a mask does. Llama's traced causal mask
+    (additive, the dtype's lowest value above the diagonal) becomes is_causal=True."""
     from test_masks import ConstantMask
 
     x = torch.randn(2, 16, 32, device="cuda", dtype=torch.bfloat16)
-    _, g = _trace(ConstantMask("all_true").cuda(), x)
+    _, g = _trace(ConstantMask(kind).cuda(), x)
     ops = [str(n.target) for n in g.module.graph.nodes if n.op == "call_function"]
-    assert not any("_safe_softmax" in o or "bmm" in o for o in ops), ops
-    assert sum("_scaled_dot_product_" in o for o in ops) == 2
+    assert not any("_safe_softmax" in o or "bmm" in o or "where" in o for o in ops), ops
+    sdpa = [n for n in g.module.graph.nodes if "_scaled_dot_product_" in str(n.target)]
+    bound = [attention._bound(n) for n in sdpa]
+    assert len(sdpa) == 2 and all(b.get("attn_mask") is None and b.get("attn_bias") is None for b in bound)
+    assert all(bool(b.get("is_causal")) == (kind == "additive_causal") for b in bound)
     with torch.no_grad():
-        torch.testing.assert_close(g.module(*g.inputs)[0], ConstantMask("all_true").cuda()(x), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(g.module(*g.inputs)[0], ConstantMask(kind).cuda()(x), rtol=2e-2, atol=2e-2)
