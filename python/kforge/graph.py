@@ -8,8 +8,9 @@ _softmax, linear becomes t + addmm. The graphs are functional (relu_ is recorded
 Inference graphs with 2-D convolutions on CUDA are laid out channels-last
 as torch.compile lays them out (kforge.layout), and a fused attention call runs as
 matmul-softmax-matmul where that is measured faster (kforge.attention); before that, an
-attention mask that would keep SDPA off the fused kernel eager runs is dropped or made
-contiguous (kforge.masks). Every node carries its value's metadata in node.meta["val"] (a fake tensor: shape, stride,
+attention mask built from no input is dropped, or made SDPA's is_causal, where that is what
+it is (kforge.masks), and repeated keys and values of such a call become grouped ones
+(kforge.gqa), as eager calls SDPA. Every node carries its value's metadata in node.meta["val"] (a fake tensor: shape, stride,
 dtype), its scalar arguments in node.args, and its module in node.meta["nn_module_stack"].
 
 What runs: the callable the graph compiler returns for each graph, called by dynamo's code with
@@ -35,7 +36,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import attention, layout, masks
+from . import attention, gqa, layout, masks
 
 ROOT = "(root)"  # module path of nodes run by the model's own forward (as capture names it)
 
@@ -182,6 +183,7 @@ def aten_backend(compile_graph: GraphCompiler, notes: list[str], finish: Finishe
         lower = _aot(fw_compiler, inference_compiler)
         if lower is not None:
             masks.apply(gm, notes)  # masks that keep SDPA off eager's fused kernels, before it picks one
+            gqa.apply(gm, notes)  # and its grouped keys and values, not repeated copies, where it takes no mask
         if lower is None:
             message = (f"torch {torch.__version__} has no torch._dynamo.backends.common.aot_autograd: "
                        "graphs are not lowered to aten, regions are not captured")

@@ -61,7 +61,7 @@ from typing import Any, Collection, Sequence
 
 import torch
 
-from . import attention, customops, env, masks
+from . import attention, customops, env, gqa, masks
 from .dispatch import Launcher
 from .errors import KforgeError
 from .inductor_decompose import Decompose, _decompositions
@@ -269,7 +269,8 @@ def compile(model: Any, package: Any, *, launcher: Launcher | None = None, drop:
                "post_grad_custom_post_pass": KforgePass(package.digest, passes, keeps_whole=True)}
 
     def kforge_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence) -> Any:
-        masks.apply(gm)  # SDPA's mask as eager's call passes it, before SDPA picks its kernel
+        masks.apply(gm)  # SDPA's mask and grouped heads as eager's call passes them, before SDPA picks its kernel
+        gqa.apply(gm)
         return compile_fx(gm, example_inputs, config_patches=patches, decompositions=table)
 
     _BACKENDS[key] = (package, launcher, kforge_inductor)
