@@ -93,3 +93,19 @@ def test_a_traced_constant_mask_leaves_sdpa_fused_as_eager(kind):
     assert all(bool(b.get("is_causal")) == (kind == "additive_causal") for b in bound)
     with torch.no_grad():
         torch.testing.assert_close(g.module(*g.inputs)[0], ConstantMask(kind).cuda()(x), rtol=2e-2, atol=2e-2)
+
+
+def test_traced_repeated_keys_and_values_reach_sdpa_grouped():
+    """transformers' repeat_kv, traced: with no mask left the fused call takes the two grouped
+    key/value heads (enable_gqa) and nothing copies them to six."""
+    from test_gqa import Grouped
+
+    q, k, v = (torch.randn(1, h, 16, 8, device="cuda", dtype=torch.bfloat16) for h in (6, 2, 2))
+    with torch.no_grad():
+        t = graph.trace(Grouped("causal").eval(), (q, k, v), {})
+    (g,) = t.graphs
+    (call,) = [n for n in g.module.graph.nodes if "_scaled_dot_product_" in str(n.target)]
+    assert attention._bound(call)["key"].meta["val"].shape[1] == 2, g.module.code
+    assert not [n for n in g.module.graph.nodes if "clone" in str(n.target) or "expand" in str(n.target)]
+    with torch.no_grad():
+        torch.testing.assert_close(g.module(*g.inputs)[0], Grouped("causal")(q, k, v), rtol=2e-2, atol=2e-2)
