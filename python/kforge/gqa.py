@@ -18,7 +18,7 @@ with a mask), on the devices given (CUDA by default: the CPU's fused kernel take
 from __future__ import annotations
 
 import operator
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -73,10 +73,9 @@ def repeated(node: Any) -> tuple[fx.Node, int] | None:
     return x, n
 
 
-def apply(gm: fx.GraphModule, notes: list[str] | None = None, devices: Iterable[str] = ("cuda",)) -> int:
+def apply(gm: fx.GraphModule, notes: list[str] | None = None) -> int:
     """Rewrite the graph's SDPA calls on repeated keys and values (module doc); how many. A note
     where any was."""
-    devices = set(devices)
     count = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in SDPA:
@@ -85,7 +84,7 @@ def apply(gm: fx.GraphModule, notes: list[str] | None = None, devices: Iterable[
         if bound.get("attn_mask") is not None or bound.get("enable_gqa") or len(node.args) > 3:
             continue
         k, v, q = repeated(bound.get("key")), repeated(bound.get("value")), _val(bound.get("query"))
-        if k is None or v is None or q is None or k[1] != v[1] or q.device.type not in devices:
+        if k is None or v is None or q is None or k[1] != v[1]:
             continue
         if q.dim() != 4 or q.shape[1] != _val(k[0]).shape[1] * k[1]:
             continue
