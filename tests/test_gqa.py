@@ -19,13 +19,15 @@ def repeat_kv(x, n):  # transformers' form
 
 
 class Grouped(nn.Module):
-    def __init__(self, mask: str = "none", unsqueeze: bool = False):
+    def __init__(self, mask: str = "none", unsqueeze: bool = False, interleave: bool = False):
         super().__init__()
-        self.mask, self.unsqueeze = mask, unsqueeze
+        self.mask, self.unsqueeze, self.interleave = mask, unsqueeze, interleave
 
     def forward(self, q, k, v):
         if self.unsqueeze:
             kr, vr = (x.unsqueeze(2).expand(1, 2, 3, 16, 8).reshape(1, 6, 16, 8) for x in (k, v))
+        elif self.interleave:
+            kr, vr = k.repeat_interleave(3, dim=1), torch.repeat_interleave(v, 3, dim=1)
         else:
             kr, vr = repeat_kv(k, 3), repeat_kv(v, 3)
         if self.mask == "none":
@@ -54,15 +56,16 @@ def inputs():
     return torch.randn(1, 6, 16, 8), torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 8)
 
 
-@pytest.mark.parametrize("model", [Grouped(), Grouped(unsqueeze=True), Grouped("causal")],
-                         ids=["repeat_kv", "unsqueeze", "constant_causal_mask"])
+@pytest.mark.parametrize("model", [Grouped(), Grouped(unsqueeze=True), Grouped(interleave=True), Grouped("causal")],
+                         ids=["repeat_kv", "unsqueeze", "repeat_interleave", "constant_causal_mask"])
 def test_repeated_keys_and_values_become_grouped(model):
     q, k, v = inputs()
     out, seen = compiled(model, q, k, v)
     (call,) = seen["calls"]
     assert seen["count"] == 1 and call.kwargs.get("enable_gqa") is True
     assert [a.meta["example_value"].shape[1] for a in call.args[1:3]] == [2, 2]  # the grouped heads
-    assert not [n for n in call.graph.nodes if n.op == "call_method" and n.target in ("expand", "reshape")]
+    assert not [n for n in call.graph.nodes if "expand" in str(n.target) or "reshape" in str(n.target)
+                or "repeat_interleave" in str(n.target)]
     assert any("enable_gqa" in n for n in seen["notes"])
     torch.testing.assert_close(out, model(q, k, v))
 
@@ -91,11 +94,22 @@ def test_graph_capture_hands_the_fused_call_grouped_heads():
 
 
 def test_a_repeat_that_is_not_repeat_kv_is_left_alone():
-    """Heads repeated in blocks (repeat, not repeat_interleave) are not what enable_gqa means."""
+    """Heads repeated in blocks (repeat, not repeat_interleave), or interleaved along another dim,
+    are not what enable_gqa means."""
     class Tiled(nn.Module):
         def forward(self, q, k, v):
             kr, vr = (x[:, None].expand(1, 3, 2, 16, 8).reshape(1, 6, 16, 8) for x in (k, v))
             return F.scaled_dot_product_attention(q, kr, vr)
+
+    class Sideways(nn.Module):  # keys repeated along the sequence: a different attention
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q[:, :2].repeat_interleave(3, dim=2), k.repeat_interleave(3, dim=2),
+                                                  v.repeat_interleave(3, dim=2))
+
+    q, k, v = inputs()
+    out, seen = compiled(Sideways(), q, k, v)
+    assert seen["count"] == 0
+    torch.testing.assert_close(out, Sideways()(q, k, v))
 
     q, k, v = inputs()
     out, seen = compiled(Tiled(), q, k, v)

@@ -5,7 +5,7 @@ Gemma) repeats each key and value head for its group of queries before attention
 to (`enable_gqa=True`). transformers asks SDPA only where it passes no mask, and it passes one
 while it is traced; so the traced graph repeats them (`x[:, :, None].expand(b, h, n, s, d)
 .reshape(b, h * n, s, d)`: a copy of each, n times its size, written and then read by the
-attention kernel). Once kforge.masks has taken the traced mask away (it was constant), eager's
+attention kernel); other models repeat them with `repeat_interleave(n, dim=1)`, the same copy. Once kforge.masks has taken the traced mask away (it was constant), eager's
 call is SDPA on the grouped heads with enable_gqa=True, and this pass makes the call that
 one: the repeat's copies are gone, and the fused kernels read each key and value head once.
 
@@ -54,10 +54,29 @@ def _unsqueezed(node: Any) -> fx.Node | None:
     return x if tuple(uv.shape) == (*xv.shape[:2], 1, *xv.shape[2:]) else None
 
 
+def _interleaved(node: fx.Node) -> tuple[fx.Node, int] | None:
+    """(x, n) where `node` is x.repeat_interleave(n, dim=1) (or torch.repeat_interleave) of a 4-D x."""
+    if not ((node.op == "call_method" and node.target == "repeat_interleave")
+            or (node.op == "call_function" and node.target is torch.repeat_interleave)):
+        return None
+    args = dict(zip(("input", "repeats", "dim"), node.args)) | dict(node.kwargs)
+    x, n, dim = args.get("input"), args.get("repeats"), args.get("dim")
+    xv = _val(x)
+    if xv is None or xv.dim() != 4 or not isinstance(n, int) or n < 2 or dim not in (1, -3) \
+            or set(args) - {"input", "repeats", "dim"}:
+        return None
+    return x, n
+
+
 def repeated(node: Any) -> tuple[fx.Node, int] | None:
     """(x, n) where `node` repeats each head of x (batch, heads, seq, dim) n times, as repeat_kv:
-    x[:, :, None].expand(b, h, n, s, d).reshape(b, h * n, s, d); else None."""
-    if not isinstance(node, fx.Node) or node.op != "call_method" or node.target not in ("reshape", "view"):
+    x[:, :, None].expand(b, h, n, s, d).reshape(b, h * n, s, d), or x.repeat_interleave(n, dim=1);
+    else None."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op in ("call_method", "call_function") and _interleaved(node):
+        return _interleaved(node)
+    if node.op != "call_method" or node.target not in ("reshape", "view"):
         return None
     e = node.args[0]
     if not isinstance(e, fx.Node) or e.op != "call_method" or e.target != "expand":
@@ -91,8 +110,9 @@ def apply(gm: fx.GraphModule, notes: list[str] | None = None) -> int:
         repeats = {bound["key"]: None, bound["value"]: None}
         node.args = (node.args[0], k[0], v[0])
         node.kwargs = {**node.kwargs, "enable_gqa": True}
-        for r in repeats:  # reshape, expand, unsqueeze: erased where nothing else reads them
-            for c in (r, r.args[0], r.args[0].args[0]):
+        for r in repeats:  # reshape, expand, unsqueeze (or repeat_interleave): erased where nothing else reads them
+            chain = [r] if _interleaved(r) else [r, r.args[0], r.args[0].args[0]]
+            for c in chain:
                 if not c.users:
                     gm.graph.erase_node(c)
         count += 1
