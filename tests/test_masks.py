@@ -48,6 +48,19 @@ class ConstantMask(nn.Module):
             return torch.rand(16, 16, device=x.device) > -1.0
         if self.kind == "buffer":
             return self.ones & (q_idx[:, None] >= 0)
+        if self.kind == "written_in_place":  # a constant the graph then writes: the write must count
+            m = torch.ones(16, 16, dtype=torch.bool, device=x.device)
+            m[:, 8:] = False
+            return m
+        if self.kind == "tril_in_place":
+            m = torch.ones(16, 16, dtype=torch.bool, device=x.device)
+            m.tril_()
+            return m
+        if self.kind == "padding_written_into_causal":  # transformers 4.4x: causal, then the padding written in
+            m = torch.zeros(16, 16, device=x.device).masked_fill(q_idx[None, :] > q_idx[:, None], float("-inf"))
+            m = m[None, None].expand(2, 1, 16, 16).clone()
+            m[..., :4] = m[..., :4].masked_fill(x[:, None, None, :4, 0] < 0, float("-inf"))
+            return m
         if self.kind == "from_input":
             return (x[:, :, :1] > -1e9).transpose(1, 2).unsqueeze(1).expand(2, 1, 16, 16)
         raise ValueError(self.kind)
@@ -95,7 +108,8 @@ def test_a_constant_causal_mask_becomes_is_causal(kind):
         torch.testing.assert_close(g.module(*g.inputs)[0], ConstantMask(kind)(x))
 
 
-@pytest.mark.parametrize("kind", ["strictly_causal", "causal_but_additive_minus_one", "random", "buffer", "from_input"])
+@pytest.mark.parametrize("kind", ["strictly_causal", "causal_but_additive_minus_one", "random", "buffer", "from_input",
+                                  "written_in_place", "tril_in_place", "padding_written_into_causal"])
 def test_masks_that_mask_something_or_are_not_constants_are_kept(kind):
     x = torch.randn(2, 16, 32)
     t = trace(ConstantMask(kind), x)

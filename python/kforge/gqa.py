@@ -12,7 +12,7 @@ one: the repeat's copies are gone, and the fused kernels read each key and value
 SDPA's enable_gqa repeats each key and value head for q_heads / kv_heads consecutive query
 heads, which is what the pattern computes, so no result changes. Only calls with no mask are
 rewritten (with one, transformers keeps the repeat: some fused kernels take no grouped heads
-with a mask), on the devices given (CUDA by default: the CPU's fused kernel takes none).
+with a mask).
 """
 
 from __future__ import annotations

@@ -59,9 +59,59 @@ def _set_mask(node: fx.Node, where: Any, value: Any) -> None:
         node.kwargs = {**node.kwargs, "attn_mask": value}
 
 
+FACTORIES = frozenset({"arange", "ones", "zeros", "full", "eye", "tensor", "scalar_tensor", "linspace", "tril_indices",
+                       "triu_indices"})  # ops with no tensor input whose values are a constant
+# ops that return a view of their first argument: an in-place write to one writes the argument
+VIEWS = frozenset({"getitem", "view", "reshape", "expand", "expand_as", "transpose", "permute", "unsqueeze", "squeeze",
+                   "narrow", "select", "t", "as_strided", "diagonal", "unflatten", "flatten", "view_as", "movedim",
+                   "swapaxes", "swapdims", "unbind", "split", "chunk", "detach", "contiguous", "to", "type_as",
+                   "float", "bool", "int", "long", "half", "bfloat16"})
+
+
+def _pure(n: fx.Node) -> bool:
+    """A call of torch's or Python's operators (no custom op, no function of the model's own,
+    which may read state), drawing no random numbers."""
+    name = _target_name(n).lower()
+    if any(r in name for r in RANDOM):
+        return False
+    if n.op == "call_method":
+        return True
+    module = getattr(n.target, "__module__", None) or ""
+    return module in ("torch", "_operator", "operator", "torch.functional", "torch.nn.functional", "torch._C._nn",
+                      "torch._C._VariableFunctions") or module.startswith("torch._ops.aten")
+
+
+def _writes(n: fx.Node) -> bool:
+    """An in-place op: it writes its first argument."""
+    name = _target_name(n)
+    return name in ("setitem", "__setitem__") or (name.endswith("_") and not name.endswith("__")) or "out" in n.kwargs
+
+
+def _written(nodes: set[fx.Node]) -> bool:
+    """Whether any of `nodes`, or a view of one, is written in place by an op of the graph
+    (other than one of `nodes` writing a value only it reads)."""
+    stack, seen = list(nodes), set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for u in n.users:
+            if u.op not in ("call_function", "call_method"):
+                continue
+            target = u.kwargs["out"] if "out" in u.kwargs else u.args[0] if u.args else None
+            if _writes(u) and target is n and not (u in nodes and len(n.users) == 1):
+                return True
+            if _target_name(u) in VIEWS and u.args and u.args[0] is n:
+                stack.append(u)
+    return False
+
+
 def constant_nodes(mask: fx.Node) -> list[fx.Node] | None:
     """The nodes computing `mask`, in graph order, where none reads a graph input or a module's
-    state, draws random numbers or holds a value over CONSTANT_BYTES; else None."""
+    state, calls anything but torch's and Python's operators, draws random numbers, creates a
+    tensor other than by a factory of known values, holds a value over CONSTANT_BYTES, or is
+    written in place by another op (a write the mask's own chain does not see); else None."""
     order = {n: i for i, n in enumerate(mask.graph.nodes)}
     seen: set[fx.Node] = set()
     stack = [mask]
@@ -70,12 +120,16 @@ def constant_nodes(mask: fx.Node) -> list[fx.Node] | None:
         if n in seen:
             continue
         seen.add(n)
-        if n.op not in ("call_function", "call_method") or any(r in _target_name(n).lower() for r in RANDOM):
+        if n.op not in ("call_function", "call_method") or not _pure(n):
+            return None
+        if not n.all_input_nodes and _target_name(n) not in FACTORIES:
             return None
         val = n.meta.get("example_value")
         if isinstance(val, torch.Tensor) and val.numel() * val.element_size() > CONSTANT_BYTES:
             return None
         stack.extend(n.all_input_nodes)
+    if _written(seen):
+        return None
     return sorted(seen, key=order.__getitem__)
 
 
@@ -124,14 +178,26 @@ def is_causal(mask: Any) -> bool:
     return bool(((dropped == float("-inf")) | (dropped == torch.finfo(mask.dtype).min)).all())
 
 
-def _causal_args(node: fx.Node) -> bool:
-    """Whether the call can take is_causal=True for its mask: not causal already, its queries and
-    keys as long as the mask's last two dims (else it broadcasts, and means something else)."""
+def _call(node: fx.Node) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The traced (query, key, mask) of a call eager would run as it is: not already causal, its
+    mask bool, fp32 or of the queries' dtype, and broadcasting to the scores without growing them
+    (eager refuses the others: dropping their mask would run what eager does not); else None."""
     bound = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal"), node.args)) | dict(node.kwargs)
-    q, k = (bound[n].meta.get("example_value") if isinstance(bound.get(n), fx.Node) else None for n in ("query", "key"))
-    m = bound["attn_mask"].meta.get("example_value")
-    return (not bound.get("is_causal") and all(isinstance(t, torch.Tensor) and t.dim() >= 2 for t in (q, k, m))
-            and tuple(m.shape[-2:]) == (q.shape[-2], k.shape[-2]))
+    q, k, m = (bound[n].meta.get("example_value") if isinstance(bound.get(n), fx.Node) else None
+               for n in ("query", "key", "attn_mask"))
+    if bound.get("is_causal") or not all(isinstance(t, torch.Tensor) and t.dim() >= 2 for t in (q, k, m)):
+        return None
+    scores = (*q.shape[:-1], k.shape[-2])
+    if m.dim() > len(scores) or any(a not in (1, b) for a, b in zip(reversed(m.shape), reversed(scores))):
+        return None
+    return (q, k, m) if m.dtype in (torch.bool, torch.float32, q.dtype) else None
+
+
+def _causal_args(node: fx.Node) -> bool:
+    """Whether the call can take is_causal=True for its mask: its queries and keys as long as the
+    mask's last two dims (else the mask broadcasts, and means something else)."""
+    q, k, m = _call(node)
+    return tuple(m.shape[-2:]) == (q.shape[-2], k.shape[-2])
 
 
 def _set_causal(node: fx.Node) -> None:
@@ -152,7 +218,7 @@ def apply(gm: fx.GraphModule, notes: list[str] | None = None) -> int:
         if found is None:
             continue
         where, mask = found
-        nodes = constant_nodes(mask)
+        nodes = constant_nodes(mask) if _call(node) is not None else None
         if nodes is None:
             continue
         if mask not in kinds:  # one mask, often shared by every layer's call, evaluated once
@@ -173,7 +239,7 @@ def apply(gm: fx.GraphModule, notes: list[str] | None = None) -> int:
     if dropped or causal:
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
         for node in sorted(set(unused), key=order.__getitem__, reverse=True):
-            if not node.users:
+            if not node.users and not _writes(node):  # a write's effect stays, whoever reads it
                 gm.graph.erase_node(node)
         gm.graph.lint()
         gm.recompile()
