@@ -23,14 +23,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .masks import SDPA
-
-ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-
-
-def _val(node: Any) -> torch.Tensor | None:
-    v = node.meta.get("example_value") if isinstance(node, fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
+from .masks import SDPA, bound, example
 
 
 def _unsqueezed(node: Any) -> fx.Node | None:
@@ -48,7 +41,7 @@ def _unsqueezed(node: Any) -> fx.Node | None:
         ok = node.args[1:] == (2,) or node.kwargs.get("dim") == 2
     else:
         return None
-    xv, uv = _val(x), _val(node)
+    xv, uv = example(x), example(node)
     if not ok or xv is None or uv is None or xv.dim() != 4:
         return None
     return x if tuple(uv.shape) == (*xv.shape[:2], 1, *xv.shape[2:]) else None
@@ -61,35 +54,36 @@ def _interleaved(node: fx.Node) -> tuple[fx.Node, int] | None:
         return None
     args = dict(zip(("input", "repeats", "dim"), node.args)) | dict(node.kwargs)
     x, n, dim = args.get("input"), args.get("repeats"), args.get("dim")
-    xv = _val(x)
+    xv = example(x)
     if xv is None or xv.dim() != 4 or not isinstance(n, int) or n < 2 or dim not in (1, -3) \
             or set(args) - {"input", "repeats", "dim"}:
         return None
     return x, n
 
 
-def repeated(node: Any) -> tuple[fx.Node, int] | None:
-    """(x, n) where `node` repeats each head of x (batch, heads, seq, dim) n times, as repeat_kv:
-    x[:, :, None].expand(b, h, n, s, d).reshape(b, h * n, s, d), or x.repeat_interleave(n, dim=1);
-    else None."""
+def repeated(node: Any) -> tuple[fx.Node, int, list[fx.Node]] | None:
+    """(x, n, the nodes that repeat it, last first) where `node` repeats each head of x (batch,
+    heads, seq, dim) n times, as repeat_kv: x[:, :, None].expand(b, h, n, s, d).reshape(b, h * n,
+    s, d), or x.repeat_interleave(n, dim=1); else None."""
     if not isinstance(node, fx.Node):
         return None
-    if node.op in ("call_method", "call_function") and _interleaved(node):
-        return _interleaved(node)
+    interleaved = _interleaved(node)
+    if interleaved:
+        return (*interleaved, [node])
     if node.op != "call_method" or node.target not in ("reshape", "view"):
         return None
     e = node.args[0]
     if not isinstance(e, fx.Node) or e.op != "call_method" or e.target != "expand":
         return None
     x = _unsqueezed(e.args[0])
-    xv, ev, rv = _val(x), _val(e), _val(node)
+    xv, ev, rv = example(x), example(e), example(node)
     if x is None or ev is None or rv is None:
         return None
     b, h, s, d = xv.shape
     n = ev.shape[2]
     if tuple(ev.shape) != (b, h, n, s, d) or tuple(rv.shape) != (b, h * n, s, d) or n < 2:
         return None
-    return x, n
+    return x, n, [node, e, e.args[0]]
 
 
 def apply(gm: fx.GraphModule, notes: list[str] | None = None) -> int:
@@ -99,22 +93,19 @@ def apply(gm: fx.GraphModule, notes: list[str] | None = None) -> int:
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in SDPA:
             continue
-        bound = dict(zip(ARGS, node.args)) | dict(node.kwargs)
-        if bound.get("attn_mask") is not None or bound.get("enable_gqa") or len(node.args) > 3:
+        args = bound(node)
+        if args.get("attn_mask") is not None or args.get("enable_gqa") or len(node.args) > 3:
             continue
-        k, v, q = repeated(bound.get("key")), repeated(bound.get("value")), _val(bound.get("query"))
+        k, v, q = repeated(args.get("key")), repeated(args.get("value")), example(args.get("query"))
         if k is None or v is None or q is None or k[1] != v[1]:
             continue
-        if q.dim() != 4 or q.shape[1] != _val(k[0]).shape[1] * k[1]:
+        if q.dim() != 4 or q.shape[1] != example(k[0]).shape[1] * k[1]:
             continue
-        repeats = {bound["key"]: None, bound["value"]: None}
         node.args = (node.args[0], k[0], v[0])
         node.kwargs = {**node.kwargs, "enable_gqa": True}
-        for r in repeats:  # reshape, expand, unsqueeze (or repeat_interleave): erased where nothing else reads them
-            chain = [r] if _interleaved(r) else [r, r.args[0], r.args[0].args[0]]
-            for c in chain:
-                if not c.users:
-                    gm.graph.erase_node(c)
+        for c in dict.fromkeys(k[2] + v[2]):  # the repeats (last first), where nothing else reads them
+            if not c.users:
+                gm.graph.erase_node(c)
         count += 1
     if count:
         gm.graph.lint()

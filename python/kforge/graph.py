@@ -147,6 +147,14 @@ def _break_note(gm: torch.fx.GraphModule, index: int) -> str | None:
     return f"graph break after graph {index}{where}: {why}"
 
 
+def sdpa_as_eager(gm: torch.fx.GraphModule, notes: list[str] | None = None) -> None:
+    """Dynamo's graph with its SDPA calls as eager makes them, before aot_autograd lowers it
+    (where SDPA picks its kernel): constant masks dropped or made is_causal (kforge.masks), then
+    the grouped keys and values of calls left with no mask (kforge.gqa)."""
+    masks.apply(gm, notes)
+    gqa.apply(gm, notes)
+
+
 def aten_backend(compile_graph: GraphCompiler, notes: list[str], finish: Finisher | None = None) -> Callable:
     """A torch.compile backend that lowers each dynamo graph to aten (see the module doc) and
     runs what `compile_graph` returns for it, through `finish` if given. A graph that cannot be
@@ -181,9 +189,6 @@ def aten_backend(compile_graph: GraphCompiler, notes: list[str], finish: Finishe
             return finish(fn, runs["pure"]) if finish is not None else fn
 
         lower = _aot(fw_compiler, inference_compiler)
-        if lower is not None:
-            masks.apply(gm, notes)  # masks that keep SDPA off eager's fused kernels, before it picks one
-            gqa.apply(gm, notes)  # and its grouped keys and values, not repeated copies, where it takes no mask
         if lower is None:
             message = (f"torch {torch.__version__} has no torch._dynamo.backends.common.aot_autograd: "
                        "graphs are not lowered to aten, regions are not captured")
@@ -191,6 +196,7 @@ def aten_backend(compile_graph: GraphCompiler, notes: list[str], finish: Finishe
             notes.append(message)
             return done(gm.forward)
         try:
+            sdpa_as_eager(gm, notes)
             lowered = lower(gm, example_inputs)
         except Exception as e:  # noqa: BLE001 (the graph then runs eagerly; the note says why)
             notes.append(f"graph {index} could not be lowered to aten ({type(e).__name__}: "

@@ -61,7 +61,8 @@ from typing import Any, Collection, Sequence
 
 import torch
 
-from . import attention, customops, env, gqa, masks
+from . import attention, customops, env
+from .graph import sdpa_as_eager
 from .dispatch import Launcher
 from .errors import KforgeError
 from .inductor_decompose import Decompose, _decompositions
@@ -269,8 +270,7 @@ def compile(model: Any, package: Any, *, launcher: Launcher | None = None, drop:
                "post_grad_custom_post_pass": KforgePass(package.digest, passes, keeps_whole=True)}
 
     def kforge_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence) -> Any:
-        masks.apply(gm)  # SDPA's mask and grouped heads as eager's call passes them, before SDPA picks its kernel
-        gqa.apply(gm)
+        sdpa_as_eager(gm)
         return compile_fx(gm, example_inputs, config_patches=patches, decompositions=table)
 
     _BACKENDS[key] = (package, launcher, kforge_inductor)

@@ -39,24 +39,31 @@ RANDOM = ("rand", "normal", "bernoulli", "dropout", "empty", "multinomial", "uni
 CONSTANT_BYTES = 1 << 28  # the most memory one value of a constant mask may take to be evaluated
 
 
+ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")  # F.sdpa's
+
+
+def bound(node: fx.Node) -> dict[str, Any]:
+    """An SDPA call's arguments by name (those it was given)."""
+    return dict(zip(ARGS, node.args)) | dict(node.kwargs)
+
+
+def set_arg(node: fx.Node, name: str, value: Any) -> None:
+    """Give the SDPA call `value` for argument `name`, where the call holds it."""
+    i = ARGS.index(name)
+    if len(node.args) > i:
+        node.args = (*node.args[:i], value, *node.args[i + 1:])
+    else:
+        node.kwargs = {**node.kwargs, name: value}
+
+
+def example(x: Any) -> torch.Tensor | None:
+    """The traced value (a fake tensor) of a node of dynamo's graph, if it is a tensor."""
+    v = x.meta.get("example_value") if isinstance(x, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
 def _target_name(node: fx.Node) -> str:
     return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-
-
-def _mask(node: fx.Node) -> tuple[Any, fx.Node] | None:
-    """(where the call holds its mask: a position or "attn_mask", the mask's node), or None."""
-    if node.op != "call_function" or node.target not in SDPA:
-        return None
-    where: Any = 3 if len(node.args) > 3 else "attn_mask"
-    mask = node.args[3] if where == 3 else node.kwargs.get("attn_mask")
-    return (where, mask) if isinstance(mask, fx.Node) else None
-
-
-def _set_mask(node: fx.Node, where: Any, value: Any) -> None:
-    if where == 3:
-        node.args = (*node.args[:3], value, *node.args[4:])
-    else:
-        node.kwargs = {**node.kwargs, "attn_mask": value}
 
 
 FACTORIES = frozenset({"arange", "ones", "zeros", "full", "eye", "tensor", "scalar_tensor", "linspace", "tril_indices",
@@ -182,29 +189,14 @@ def _call(node: fx.Node) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | No
     """The traced (query, key, mask) of a call eager would run as it is: not already causal, its
     mask bool, fp32 or of the queries' dtype, and broadcasting to the scores without growing them
     (eager refuses the others: dropping their mask would run what eager does not); else None."""
-    bound = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal"), node.args)) | dict(node.kwargs)
-    q, k, m = (bound[n].meta.get("example_value") if isinstance(bound.get(n), fx.Node) else None
-               for n in ("query", "key", "attn_mask"))
-    if bound.get("is_causal") or not all(isinstance(t, torch.Tensor) and t.dim() >= 2 for t in (q, k, m)):
+    args = bound(node)
+    q, k, m = (example(args.get(n)) for n in ("query", "key", "attn_mask"))
+    if args.get("is_causal") or not all(t is not None and t.dim() >= 2 for t in (q, k, m)):
         return None
     scores = (*q.shape[:-1], k.shape[-2])
     if m.dim() > len(scores) or any(a not in (1, b) for a, b in zip(reversed(m.shape), reversed(scores))):
         return None
     return (q, k, m) if m.dtype in (torch.bool, torch.float32, q.dtype) else None
-
-
-def _causal_args(node: fx.Node) -> bool:
-    """Whether the call can take is_causal=True for its mask: its queries and keys as long as the
-    mask's last two dims (else the mask broadcasts, and means something else)."""
-    q, k, m = _call(node)
-    return tuple(m.shape[-2:]) == (q.shape[-2], k.shape[-2])
-
-
-def _set_causal(node: fx.Node) -> None:
-    if len(node.args) > 5:
-        node.args = (*node.args[:5], True, *node.args[6:])
-    else:
-        node.kwargs = {**node.kwargs, "is_causal": True}
 
 
 def apply(gm: fx.GraphModule, notes: list[str] | None = None) -> int:
@@ -214,13 +206,11 @@ def apply(gm: fx.GraphModule, notes: list[str] | None = None) -> int:
     unused: list[fx.Node] = []  # the dropped masks' computations
     kinds: dict[fx.Node, str | None] = {}  # mask -> "nothing", "causal" or None
     for node in list(gm.graph.nodes):
-        found = _mask(node)
-        if found is None:
-            continue
-        where, mask = found
-        nodes = constant_nodes(mask) if _call(node) is not None else None
+        call = _call(node) if node.op == "call_function" and node.target in SDPA else None
+        nodes = constant_nodes(bound(node)["attn_mask"]) if call is not None else None
         if nodes is None:
             continue
+        mask = nodes[-1]
         if mask not in kinds:  # one mask, often shared by every layer's call, evaluated once
             try:
                 value = evaluate(nodes)
@@ -229,12 +219,12 @@ def apply(gm: fx.GraphModule, notes: list[str] | None = None) -> int:
                 kinds[mask] = None
         if kinds[mask] == "nothing":
             dropped += 1
-        elif kinds[mask] == "causal" and _causal_args(node):
-            _set_causal(node)
+        elif kinds[mask] == "causal" and tuple(call[2].shape[-2:]) == (call[0].shape[-2], call[1].shape[-2]):
+            set_arg(node, "is_causal", True)  # (a mask shorter than the scores broadcasts: something else)
             causal += 1
         else:
             continue
-        _set_mask(node, where, None)
+        set_arg(node, "attn_mask", None)
         unused.extend(nodes)
     if dropped or causal:
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
