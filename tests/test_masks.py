@@ -33,11 +33,16 @@ class ConstantMask(nn.Module):
             return (q_idx[None, None, :, None] >= 0).expand(2, -1, 16, 16)
         if self.kind == "additive_zero":
             return torch.zeros(16, 16, device=x.device, dtype=x.dtype)
+        if self.kind == "additive_zero_fp32":  # fp32 whatever the queries' dtype
+            return torch.zeros(16, 16, device=x.device)
         if self.kind == "causal":
             return q_idx[None, :] <= q_idx[:, None]
         if self.kind == "additive_causal":  # transformers' form: the dtype's lowest value where masked
             keep = (q_idx[None, :] <= q_idx[:, None]).expand(2, 1, 16, 16)
-            return torch.where(keep, torch.tensor(0.0), torch.tensor(torch.finfo(x.dtype).min))
+            return torch.where(keep, torch.tensor(0.0, dtype=x.dtype), torch.tensor(torch.finfo(x.dtype).min, dtype=x.dtype))
+        if self.kind == "bf16_lowest_in_fp32":  # a bf16 model's finfo.min in an fp32 mask (as on the GPU)
+            keep = q_idx[None, :] <= q_idx[:, None]
+            return torch.where(keep, torch.tensor(0.0), torch.tensor(torch.finfo(torch.bfloat16).min))
         if self.kind == "causal_minus_inf":
             return torch.zeros(16, 16, device=x.device).masked_fill(q_idx[None, :] > q_idx[:, None], float("-inf"))
         if self.kind == "strictly_causal":  # the diagonal masked too: not SDPA's causal mask
@@ -96,7 +101,7 @@ def test_a_constant_mask_that_masks_nothing_is_dropped(kind):
         torch.testing.assert_close(g.module(*g.inputs)[0], ConstantMask(kind)(x))
 
 
-@pytest.mark.parametrize("kind", ["causal", "additive_causal", "causal_minus_inf"])
+@pytest.mark.parametrize("kind", ["causal", "additive_causal", "bf16_lowest_in_fp32", "causal_minus_inf"])
 def test_a_constant_causal_mask_becomes_is_causal(kind):
     x = torch.randn(2, 16, 32)
     t = trace(ConstantMask(kind), x)
@@ -115,6 +120,18 @@ def test_masks_that_mask_something_or_are_not_constants_are_kept(kind):
     t = trace(ConstantMask(kind), x)
     assert all(m is not None for m in sdpa_masks(t))
     assert not any("mask nothing" in n for n in t.notes)
+
+
+def test_an_fp32_causal_mask_on_half_precision_queries_is_left_to_eager():
+    """SDPA takes an fp32 mask with bf16 queries, and on Hopper its cuDNN kernel reads the mask as
+    bf16: a causal one means whatever eager makes of it, so kforge leaves it as it is. Zeros read
+    as zeros in any dtype: an fp32 mask that masks nothing is dropped as ever."""
+    x = torch.randn(2, 16, 32, dtype=torch.bfloat16)
+    t = trace(ConstantMask("bf16_lowest_in_fp32"), x)
+    assert all(m is not None for m in sdpa_masks(t))
+    assert not any("is_causal=True" in n for n in t.notes)
+    t = trace(ConstantMask("additive_zero_fp32"), x)
+    assert sdpa_masks(t) == [None, None]
 
 
 def test_masks_nothing_reads_bool_and_additive_masks():

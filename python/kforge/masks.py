@@ -172,8 +172,9 @@ def masks_nothing(mask: Any) -> bool:
 def is_causal(mask: Any) -> bool:
     """An attention mask that is SDPA's own causal one, `is_causal=True`: over its last two dims
     (queries, keys) the lower triangle from the first key, the same for every batch and head, and
-    where additive, exactly zero where kept and -inf or its dtype's lowest value elsewhere (a
-    score plus either is zero after the softmax)."""
+    where additive, exactly zero where kept and elsewhere -inf, its dtype's lowest value, or one
+    at most bf16's lowest (-3.39e38: a bf16 model's `finfo.min` held in an fp32 mask); a score
+    plus any of them is zero after the softmax."""
     if not isinstance(mask, torch.Tensor) or mask.dim() < 2 or not (mask.dtype == torch.bool or mask.is_floating_point()):
         return False
     tril = torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril()
@@ -182,7 +183,7 @@ def is_causal(mask: Any) -> bool:
     if mask.dtype == torch.bool:
         return True
     dropped = mask.masked_select(~tril.expand(mask.shape))
-    return bool(((dropped == float("-inf")) | (dropped == torch.finfo(mask.dtype).min)).all())
+    return bool(((dropped <= torch.finfo(torch.bfloat16).min) | (dropped == torch.finfo(mask.dtype).min)).all())
 
 
 def _call(node: fx.Node) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -197,6 +198,15 @@ def _call(node: fx.Node) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | No
     if m.dim() > len(scores) or any(a not in (1, b) for a, b in zip(reversed(m.shape), reversed(scores))):
         return None
     return (q, k, m) if m.dtype in (torch.bool, torch.float32, q.dtype) else None
+
+
+def _takes_causal(q: torch.Tensor, m: torch.Tensor) -> bool:
+    """A causal mask that becomes is_causal=True: bool or of the queries' dtype. SDPA takes an
+    fp32 mask with half-precision queries, and on Hopper its cuDNN kernel reads that mask as the
+    queries' dtype (pytorch/pytorch#191612; torch 2.11 on an H100: a causal one gave garbage), so
+    what that call means is eager's to keep. A mask of zeros reads as zeros in any dtype: dropping
+    one that masks nothing is what eager computes either way."""
+    return m.dtype in (torch.bool, q.dtype)
 
 
 def apply(gm: fx.GraphModule, notes: list[str] | None = None) -> int:
@@ -219,7 +229,8 @@ def apply(gm: fx.GraphModule, notes: list[str] | None = None) -> int:
                 kinds[mask] = None
         if kinds[mask] == "nothing":
             dropped += 1
-        elif kinds[mask] == "causal" and tuple(call[2].shape[-2:]) == (call[0].shape[-2], call[1].shape[-2]):
+        elif kinds[mask] == "causal" and tuple(call[2].shape[-2:]) == (call[0].shape[-2], call[1].shape[-2]) \
+                and _takes_causal(call[0], call[2]):
             set_arg(node, "is_causal", True)  # (a mask shorter than the scores broadcasts: something else)
             causal += 1
         else:
