@@ -105,6 +105,57 @@ def host_side(entries, reps: int = 15, forwards: int = 3) -> dict:
     return {"per_forward_us": per_forward, "top_ops": top}
 
 
+VENDOR_KERNELS = ("gemm", "cutlass", "xmma", "cudnn", "conv", "fmha", "flash", "attention", "cublas", "nchw", "nhwc")
+
+
+def gpu_side(entries, forwards: int = 3, top: int = 25) -> dict:
+    """Where a forward's GPU time goes, per PROFILED entry: its kernels by GPU time per forward
+    (torch.profiler, CUDA activity), and that time split into vendor kernels (cuBLAS, cuDNN, the
+    attention kernels: by name) and the rest (what kforge or Inductor generate, and eager's own).
+    Two entries' lists side by side say which kernels one loses on."""
+    if not torch.cuda.is_available():
+        return {}
+    out = {}
+    for name, ctx, fn in entries:
+        if name not in PROFILED:
+            continue
+        with ctx():
+            fn()
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(forwards):
+                    fn()
+                torch.cuda.synchronize()
+        kernels = [(e.key, e.count / forwards, getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)))
+                   for e in prof.key_averages()]
+        kernels = sorted(((k, n, us / forwards) for k, n, us in kernels if us > 0), key=lambda r: -r[2])
+        vendor = sum(us for k, _, us in kernels if any(v in k.lower() for v in VENDOR_KERNELS))
+        out[name] = {"total_us": sum(us for _, _, us in kernels), "vendor_us": vendor,
+                     "kernels": [{"kernel": k[:160], "calls": n, "us": us} for k, n, us in kernels[:top]]}
+        if name.startswith("kforge"):  # its kernels by card: the GPU time under each kforge op
+            with ctx():
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                        torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    for _ in range(forwards):
+                        fn()
+                    torch.cuda.synchronize()
+            out[name]["cards"] = by_card([(e.key, e.count, getattr(e, "device_time_total", 0) or 0)
+                                          for e in prof.key_averages()], forwards)
+    return out
+
+
+def by_card(events, forwards: int) -> list[dict]:
+    """GPU time per forward under each kforge op (`kforge::k_<card id>_<kernel digest>`, an op
+    card's custom op; `kforge::k_<card id>_region`, a region's launch under the profiler), most
+    first, from (profiler key, calls, GPU µs of the kernels it launched) rows."""
+    rows = []
+    for key, calls, us in events:
+        if key.startswith("kforge::k_") and us > 0:
+            rows.append({"card": key[len("kforge::k_"):].split("_")[0], "op": key, "calls": calls / forwards,
+                         "us": us / forwards})
+    return sorted(rows, key=lambda r: -r["us"])
+
+
 def fastest(model_us: dict) -> tuple[str, float, str]:
     """(the fastest row, how many times faster than the runner-up, the runner-up)."""
     (best, b), (second, t) = sorted(((k, m["median_us"]) for k, m in model_us.items()), key=lambda kv: kv[1])[:2]
@@ -165,6 +216,11 @@ def main(argv=None) -> None:
     ms = timing.time_as_called([(ctx, fn) for _, ctx, fn in entries], calls=3, rounds=15)
     model_us = {name: m.summary() for (name, _, _), m in zip(entries, ms)}
     host = host_side(entries)
+    try:
+        gpu = gpu_side(entries)
+    except Exception as e:  # noqa: BLE001 (a profiler that fails keeps the timings above)
+        print(f"  GPU kernels not profiled: {type(e).__name__}: {e}")
+        gpu = {}
     # The same forward replayed from CUDA graphs: no host overhead, so what the kernels do in a
     # forward bound by launch overhead (torch.compile's own graphs are the reduce-overhead rows above).
     graph_errors = {}
@@ -198,7 +254,7 @@ def main(argv=None) -> None:
         **provenance(), "model": args.model,
         "iterations": args.iterations, "search_wall_s": wall_s, "run_dir": str(run_dir),
         "dispatched": report["dispatched"], "cards_total": len(result.table),
-        "model_us": model_us, "host": host, "compile_s": compile_s, "kforge_compile_max_rel_err_vs_eager": compile_err,
+        "model_us": model_us, "host": host, "gpu_kernels": gpu, "compile_s": compile_s, "kforge_compile_max_rel_err_vs_eager": compile_err,
         "kforge_compile_speedup_vs_torch_compile": (
             model_us["torch.compile"]["median_us"] / model_us["kforge.compile"]["median_us"] if args.compile else None),
         "kforge_compile_graph_speedup_vs_torch_compile": (
@@ -225,6 +281,12 @@ def main(argv=None) -> None:
         for r in rows:
             if "shapes" in r:
                 print(f"    slow on the host: {r['op']} {r['slow_per_call_us']:.0f} us a call, inputs {r['shapes'][:120]}")
+    for name, g in gpu.items():
+        print(f"  GPU kernels of {name}: {g['total_us']:.0f} us a forward, {g['vendor_us']:.0f} in vendor kernels; "
+              + ", ".join(f"{r['kernel'][:48]} x{r['calls']:g} {r['us']:.1f}" for r in g["kernels"][:12]))
+        ops = {c["card"]: c["op"] for c in cards}
+        for r in g.get("cards", [])[:12]:
+            print(f"    {r['us']:7.1f} us x{r['calls']:g}  {ops.get(r['card'], r['card'])[:100]}")
     for name, why in graph_errors.items():
         print(f"  {name} not replayed from a CUDA graph: {why[:200]}")
     print(f"  speedup vs eager {out['speedup_vs_eager']:.3f}x, max rel err {err:.2e}")

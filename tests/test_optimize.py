@@ -64,6 +64,21 @@ def region_cards(model, x, tmp_path, kind: str | None = None):
     return [c for c in cards if kind is None or c.region.kind == kind]
 
 
+def test_a_profile_names_the_card_of_each_region_kernel(tmp_path):
+    """Under torch.profiler a region's launch runs inside `kforge::k_<card id>_region`, so a
+    profile says which card each kernel is (bench_model's GPU time per card); with no profiler
+    running, nothing is recorded."""
+    model, x = resnet(), torch.randn(2, 4, 8, 8)
+    cards = region_cards(model, x, tmp_path, "fused")
+    fast = optimize(model, fake_package(cards, {c.id: (1.0, 5.0) for c in cards}), launcher=FakeLauncher(cards))
+    with torch.no_grad():
+        fast(x)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            fast(x)
+    names = {e.key for e in prof.key_averages()}
+    assert {f"kforge::k_{c.id}_region" for c in cards} <= names
+
+
 def test_replaces_exactly_the_matched_regions_and_matches_eager(tmp_path):
     model, x = resnet(), torch.randn(2, 4, 8, 8)
     cards = region_cards(model, x, tmp_path, "fused")
