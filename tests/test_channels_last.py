@@ -124,6 +124,34 @@ def test_ops_that_need_the_traced_layout_get_it_back(on_cpu, monkeypatch):
         torch.testing.assert_close(fast(x), model(x))
 
 
+class StemNorm(nn.Module):
+    """ConvNeXt's stem: a convolution, its output permuted to channels last for a layer norm, and
+    back for the next convolution."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem, self.norm, self.next = nn.Conv2d(3, 8, 2, stride=2), nn.LayerNorm(8), nn.Conv2d(8, 8, 1)
+
+    def forward(self, x):
+        return self.next(self.norm(self.stem(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2))
+
+
+def test_a_layer_norm_reads_the_channels_last_convolution_as_it_is(on_cpu):
+    """native_layer_norm takes any strides and writes contiguous output: no copy back to the
+    traced permute's strides, which would be copied again inside the norm."""
+    model, x = StemNorm().eval(), torch.randn(2, 3, 8, 8)
+    (g,) = traced(model, x).graphs
+    assert g.module.meta[layout.CHANGED] == 2
+    assert not any(isinstance(n.target, layout.Restrided) for n in g.module.graph.nodes)
+    (norm,) = calls(g.module, torch.ops.aten.native_layer_norm.default)
+    assert norm.args[0].meta["val"].is_contiguous()  # the permute of a channels-last convolution
+    check = Strides(g.module)
+    with torch.no_grad():
+        check.run(*g.inputs)
+        assert check.wrong == []
+        torch.testing.assert_close(g.module(*g.inputs)[0], model(x))
+
+
 def test_many_copies_back_keep_the_traced_layout_with_a_note(on_cpu):
     t = traced(NormAfterConv().eval(), torch.randn(2, 3, 6, 6))  # 2 copies back > 0.25 x 4 convolutions
     assert layout.CHANGED not in t.graphs[0].module.meta

@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import attention, gqa, layout, masks
+from . import attention, conv_bias, gqa, layout, masks
 
 ROOT = "(root)"  # module path of nodes run by the model's own forward (as capture names it)
 
@@ -177,10 +177,12 @@ def aten_backend(compile_graph: GraphCompiler, notes: list[str], finish: Finishe
 
         def inference_compiler(agm: torch.fx.GraphModule, _inputs: list) -> Callable:
             runs["pure"], direct = _inference_meta(agm, example_inputs)
-            if attention.apply(agm.graph, notes):  # matmul-softmax-matmul where faster than the fused call
+            changed = attention.apply(agm.graph, notes)  # matmul-softmax-matmul where faster than the fused call
+            layout.apply(agm, notes)  # channels-last convolutions, as torch.compile lays them out
+            changed = conv_bias.split(agm.graph) or changed  # cuDNN's bias adds, for the regions after them to take in
+            if changed:
                 agm.graph.lint()
                 agm.recompile()
-            layout.apply(agm, notes)  # channels-last convolutions, as torch.compile lays them out
             fn = compile_graph(agm, index, note)
             runs["fn"] = gm.forward if fn is None else fn if direct else None
             return agm if fn is None else fn

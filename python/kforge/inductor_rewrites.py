@@ -15,6 +15,7 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
+from . import conv_bias
 from . import regions as regions_mod
 from .cards import qualified_name
 from .codegen import gather
@@ -296,10 +297,13 @@ class RegionRewrite:
             if seen != k.card.region:
                 self._by_match.setdefault(regions_mod.match_key(seen, k.card.inputs), []).append(k)
         self.whole = {n.overload() for k, _ in kernels for n in k.card.region.nodes}
-        self.key = "regions:" + ",".join(sorted(op.name() for op in self._op.values()))
+        self.key = "regions:conv_bias:" + ",".join(sorted(op.name() for op in self._op.values()))
 
     def __call__(self, graph: torch.fx.Graph) -> int:
         from .optimize import match_regions
+
+        # biases as adds, as the cards were captured (and as Inductor lowers them), views as reshapes
+        conv_bias.split(graph, every=True, view_op=torch.ops.aten.reshape.default)
 
         def pays(site: regions_mod.Site, ks: list) -> bool:  # before choosing: an overlapping region may pay
             k = _aligned(site, ks)

@@ -19,8 +19,8 @@ card's inputs have the strides the optimized model gives them:
 - every node's traced value (node.meta["val"]) is propagated anew, so regions are found and
   matched on the strides that will run.
 
-An op outside a short list of layout-agnostic ones (pointwise ops, views, batch norm, pooling,
-mean, convolution) that reads a relaid value gets it back in its traced strides, a copy; where
+An op outside a short list of layout-agnostic ones (pointwise ops, views, batch norm, layer norm,
+pooling, mean, convolution) that reads a relaid value gets it back in its traced strides, a copy; where
 those copies would be many (a group norm after every convolution, as in a diffusion VAE) the
 graph keeps its layout. The pass applies to a graph with 2-D convolutions on CUDA, unless grouped
 convolutions (whose channels-last kernels are slower) are most of them. KFORGE_LAYOUT=keep turns it off for capture
@@ -124,9 +124,13 @@ def wanted(graph: fx.Graph) -> list[fx.Node]:
 # Ops whose kernels take any layout and whose traced strides are the ones they produce: a value
 # they read channels-last stays channels-last. Any other op reading a value the pass relaid
 # gets it back in its traced strides (a copy): native_group_norm's CUDA kernel, for one, takes
-# only contiguous input, which its traced call never had to ask for.
+# only contiguous input, which its traced call never had to ask for. native_layer_norm makes its
+# input contiguous itself and writes a contiguous output whatever it reads: ConvNeXt's norm of
+# its stem (the convolution's output permuted to channels last) is contiguous once the
+# convolution is channels-last, where a copy back to the traced permute copied 19 MB twice,
+# once here and once inside the norm (ConvNeXt-T, batch 32, round 31).
 KEEPS_LAYOUT = frozenset({"convolution", "_native_batch_norm_legit_no_training", "max_pool2d_with_indices",
-                          "avg_pool2d", "mean"})
+                          "avg_pool2d", "mean", "native_layer_norm"})
 _FAMILIES = frozenset({"pointwise", "view"})
 RESTORED_PER_CONV = 0.25  # more copies back than this per convolution: the pass does not pay
 

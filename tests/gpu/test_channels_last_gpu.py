@@ -51,3 +51,42 @@ def test_traced_strides_are_the_real_ones_and_outputs_match_eager(dtype, monkeyp
     for w, o in zip(want, got):
         assert o.stride() == w.stride()
         torch.testing.assert_close(o, w, atol=2e-2 if dtype == torch.bfloat16 else 1e-3, rtol=2e-2)
+
+
+def test_cudnn_convolutions_add_their_bias_after_them_and_outputs_match_eager():
+    """ConvNeXt's depthwise convolution, on a channels-last input in bf16 (the previous block's
+    output permuted back), runs on cuDNN: it takes no bias, an add of it follows (for the layer
+    norm's region to take in), and the forward is eager's. (On an NCHW input, CUDA's own
+    depthwise kernel runs it, bias inside, and the convolution keeps it.)"""
+    from kforge import conv_bias
+    from test_conv_bias import Block as ConvNeXtBlock
+
+    model = ConvNeXtBlock(64).to(device="cuda", dtype=torch.bfloat16).eval()
+    x = torch.randn(4, 14, 14, 64, device="cuda", dtype=torch.bfloat16).permute(0, 3, 1, 2)
+    with torch.no_grad():
+        (g,) = graph.trace(model, (x,), {}).graphs
+        (conv,) = [n for n in g.module.graph.nodes if n.target is torch.ops.aten.convolution.default]
+        assert conv.args[2] is None and conv_bias.backend(conv) in conv_bias.CUDNN
+        check = Strides(g.module)
+        check.run(*g.inputs)
+        assert check.wrong == []
+        fast = optimize(model, CastPackage(None, {}, []))
+        torch.testing.assert_close(fast(x), model(x), atol=2e-2, rtol=2e-2)
+
+
+def test_a_layer_norm_of_a_channels_last_convolution_reads_it_as_it_is():
+    """ConvNeXt's stem in bf16: the layer norm reads the channels-last convolution's permute,
+    contiguous, with no copy back to the traced strides; strides and values as eager's."""
+    from test_channels_last import StemNorm
+
+    model = StemNorm().to(device="cuda", dtype=torch.bfloat16).eval()
+    x = torch.randn(4, 3, 32, 32, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        (g,) = graph.trace(model, (x,), {}).graphs
+        assert g.module.meta[layout.CHANGED] == 2
+        assert not any(isinstance(n.target, layout.Restrided) for n in g.module.graph.nodes)
+        check = Strides(g.module)
+        check.run(*g.inputs)
+        assert check.wrong == []
+        fast = optimize(model, CastPackage(None, {}, []))
+        torch.testing.assert_close(fast(x), model(x), atol=2e-2, rtol=2e-2)
