@@ -373,6 +373,24 @@ def region_package(tmp_path):
     return model, x, card, pkg
 
 
+def test_a_lone_batch_norm_region_stays_out_of_compiled_graphs(tmp_path):
+    """A lone batch norm is a region because eager runs it as two kernels; Inductor runs it as
+    one, fused with what it can: the region is kforge.optimize's only."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(4, 4, 1), torch.nn.BatchNorm2d(4), torch.nn.Conv2d(4, 4, 1)).eval()
+    x = torch.randn(2, 4, 3, 3)
+    (card,) = [c for c in capture(model, x, tmp_path, regions=True, time_cards=False).cards
+               if c.region and c.region.kind == "fused"]
+    assert card.region.ops == ["_native_batch_norm_legit_no_training"]
+    _, _, _, pkg = region_package(tmp_path / "gn")
+    lone = PackagedCard(card, "dispatched", "test", "custom", {"id": card.id, "compile": {"kernel_us": 1.0, "compile_us": 5.0}},
+                        Candidate(f'extern "C" __global__ void k() {{}} // {card.id}', PLAN),
+                        compile_decision="dispatched", compile_reason="test")
+    both = CastPackage(Path("region.cast"), {**pkg.manifest, "cards": [{"id": c.id} for c in (pkg.cards[0].card, card)]},
+                       [pkg.cards[0], lone])
+    (rewrite,) = inductor._rewrites(both, RegionLauncher(pkg.cards[0].card))
+    assert rewrite.key.count("k_") == 1 and card.id not in rewrite.key
+
+
 class RegionLauncher:
     """Variant 0 is the region card: its replay, plus 1 (so that its use shows)."""
 

@@ -151,6 +151,16 @@ def test_one_node_is_a_region_where_it_drops_a_quarter_of_its_bytes_unused():
     assert sites(nn.LayerNorm(64), torch.randn(8, 64)) == [] and sites(nn.GroupNorm(2, 4), torch.randn(2, 4, 8, 8)) == []
 
 
+def test_an_inference_batch_norm_alone_is_a_region_as_eager_runs_it_in_two_kernels():
+    """CUDA's inference batch norm is two kernels (the inverse deviations, then the transform):
+    alone, between two convolutions, it is a region of its own; a lone relu is not."""
+    model = nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4), nn.Conv2d(4, 4, 1)).eval()
+    (site,) = [s for s in sites(model, torch.randn(2, 4, 5, 5)) if s.kind == "fused"]
+    assert site.subgraph.ops == ["_native_batch_norm_legit_no_training"] and len(site.outputs) == 1
+    relu = nn.Sequential(nn.Conv2d(4, 4, 1), nn.ReLU(), nn.Conv2d(4, 4, 1))
+    assert [s for s in sites(relu, torch.randn(2, 4, 5, 5)) if s.kind == "fused"] == []
+
+
 class NormalisedCDF(nn.Module):
     def forward(self, x, mask):
         return torch.cumsum(x * mask, -1) / x.sum(-1, keepdim=True)

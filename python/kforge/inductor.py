@@ -12,7 +12,9 @@ compiled alone by torch.compile; kforge.package):
   regions   each fusable region of the graph (kforge.regions, the partition capture uses) whose
             structure and input metadata match a region card becomes one call of the card's
             custom op; where matched regions overlap, the set that saves the most against
-            torch.compile's time of each region alone (package.choose_regions).
+            torch.compile's time of each region alone (package.choose_regions). CUDA
+            convolutions first give their bias to an add after them, as the cards were
+            captured and as Inductor lowers them (kforge.conv_bias).
   ops       each node whose call hits a single-op card's guard becomes the card's custom op,
             where the node is alone in its fusable region. Inside a chain Inductor fuses
             (add -> cast -> softmax -> cast) the unit a kernel must beat is the fused kernel,
@@ -67,6 +69,7 @@ from .dispatch import Launcher
 from .errors import KforgeError
 from .inductor_decompose import Decompose, _decompositions
 from .inductor_rewrites import Evidence, OpRewrite, RegionRewrite, Rewrite, _resolvable
+from .regions import SEVERAL_KERNELS
 
 try:
     from torch._inductor.custom_graph_pass import CustomGraphPass as _PassBase
@@ -154,7 +157,7 @@ def _rewrites(package: Any, launcher: Launcher | None, *, compiled: bool = True,
 
         regions = [(k, customops.region_op(k, kernels[k.card.id].digest()))
                    for k in region_kernels(package, launcher, compiled=True)
-                   if k.card.id not in drop and _resolvable(k.card.region)]
+                   if k.card.id not in drop and _resolvable(k.card.region) and not _eagers_kernels_only(k.card.region)]
         if regions:
             out.append(RegionRewrite(regions))
     sites = []
@@ -168,6 +171,14 @@ def _rewrites(package: Any, launcher: Launcher | None, *, compiled: bool = True,
         sites.append((v, customops.kernel_op(v, kernels[v.card.id].digest())))
     return out + ([OpRewrite(sites, fusion_aware=compiled, evidence=Evidence.of(package) if compiled else None)]
                   if sites else [])
+
+
+def _eagers_kernels_only(region: Any) -> bool:
+    """A region of one op that is a region only for the kernels eager runs beside it (a lone
+    inference batch norm: kforge.regions.SEVERAL_KERNELS). Inductor runs it as one kernel and
+    fuses it with what it can (a padding before a convolution), which the region would split:
+    it stays out of compiled graphs."""
+    return len(region.ops) == 1 and region.ops[0] in SEVERAL_KERNELS
 
 
 def _own() -> list[Rewrite]:

@@ -21,7 +21,7 @@ Three kinds of candidates, found independently (they may overlap; the packager p
 Regions are convex (no path leaves a region and comes back), have at least two nodes that
 do work (or one pooling or reduction the code generator lowers whose unused outputs are at
 least a quarter of the bytes it writes: a max pool's indices, which the op must write and a
-region need not), and never hold a node that
+region need not; or one op eager runs as several kernels, an inference batch norm), and never hold a node that
 writes its inputs or draws random numbers. Each found
 region is a Site: its graph nodes, the values it reads and returns, and its Subgraph
 (kforge.subgraph) with the metadata the trace recorded.
@@ -312,6 +312,11 @@ def _works(g: _Graph, members: set[fx.Node]) -> int:
 
 
 DEAD_SHARE = 0.25  # of a node's output bytes, unused, that makes it a region on its own
+# Ops eager runs as more than one kernel where one would do, each a region on its own: CUDA's
+# inference batch norm computes its inverse deviations in one kernel, then normalizes in another
+# (EfficientNet-B0's 20 batch norms with nothing fusable after them: 168 + 31 µs a forward on the
+# H100, round 31).
+SEVERAL_KERNELS = frozenset({"_native_batch_norm_legit_no_training"})
 
 
 def _drops_outputs(g: _Graph, members: set[fx.Node]) -> bool:
@@ -327,6 +332,12 @@ def _drops_outputs(g: _Graph, members: set[fx.Node]) -> bool:
     used = {k for k, _ in g.users[n]}
     size = [t.numel() * t.element_size() for t in outs]
     return sum(b for k, b in enumerate(size) if k not in used) >= DEAD_SHARE * max(1, sum(size))
+
+
+def _several_kernels(g: _Graph, members: set[fx.Node]) -> bool:
+    """One node that does work, of an op eager runs as several kernels (SEVERAL_KERNELS)."""
+    (n,) = [m for m in members if g.roles[m] != "view"]
+    return isinstance(n.target, torch._ops.OpOverload) and packet_name(n.target) in SEVERAL_KERNELS
 
 
 def _shares(g: _Graph, members: set[fx.Node]) -> bool:
@@ -349,7 +360,8 @@ def find(graph: fx.Graph | fx.GraphModule, *, epilogues: bool = True) -> list[Si
     g = _Graph(graph.graph if isinstance(graph, fx.GraphModule) else graph)
     chains = frozenset({"view", "compute", "reduce"})
     passes: list[tuple[str, frozenset[str], Callable[[set], bool]]] = [
-        ("fused", chains, lambda ms: _works(g, ms) >= 2 or _works(g, ms) == 1 and _drops_outputs(g, ms)),
+        ("fused", chains, lambda ms: _works(g, ms) >= 2 or _works(g, ms) == 1 and (_drops_outputs(g, ms)
+                                                                                   or _several_kernels(g, ms))),
         ("shared", chains, lambda ms: _works(g, ms) >= 2 and _shares(g, ms))]
     if epilogues:
         passes.append(("epilogue", frozenset({"view", "compute", "vendor"}),
