@@ -23,7 +23,7 @@ import bench_builtin  # noqa: E402
 import bench_regions  # noqa: E402
 from builtin_cards import BF16, F16, bn, gn, ln, meta, rms, softmax  # noqa: E402
 from norm_models import (AddLayerNormGelu, AddRMSNorm, BatchNormAddReluMean, BatchNormReluAdd,  # noqa: E402
-                         ClassTokenOfPatches, GeluMul, GroupNormSilu, MaskSoftmax)
+                         ClassTokenOfPatches, GeluMul, GroupNormSilu, MaskSoftmax, SqueezeExcite)
 from gemma_decoder import RMSNorm as GemmaRMSNorm  # noqa: E402
 from kforge import timing  # noqa: E402
 from kforge.capturing import capture  # noqa: E402
@@ -78,6 +78,13 @@ REGIONS = {
                                                   lambda: (_cuda(1, 512, 128, 128, dtype=BF16),)),
     "sd-vae group_norm silu 1x256x256x256 channels_last": (
         lambda: GroupNormSilu(256, 32), lambda: (_cuda(1, 256, 256, 256, channels_last=True),)),
+    # EfficientNet-B0's squeeze-and-excite, channels-last: batch norm -> SiLU written beside its mean
+    "efficientnet se bn silu mean bf16 64x32x112x112 channels_last": (
+        lambda: SqueezeExcite(32).eval().to(BF16), lambda: (_cuda(64, 32, 112, 112, dtype=BF16, channels_last=True),)),
+    "efficientnet se bn silu mean bf16 64x144x56x56 channels_last": (
+        lambda: SqueezeExcite(144).eval().to(BF16), lambda: (_cuda(64, 144, 56, 56, dtype=BF16, channels_last=True),)),
+    "efficientnet se bn silu mean bf16 64x672x14x14 channels_last": (
+        lambda: SqueezeExcite(672).eval().to(BF16), lambda: (_cuda(64, 672, 14, 14, dtype=BF16, channels_last=True),)),
     "resnet bn add relu mean bf16 32x2048x7x7 channels_last": (
         lambda: BatchNormAddReluMean(2048).eval().to(BF16),
         lambda: (_cuda(32, 2048, 7, 7, dtype=BF16, channels_last=True), _cuda(32, 2048, 7, 7, dtype=BF16, channels_last=True))),

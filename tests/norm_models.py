@@ -157,6 +157,22 @@ class BatchNormAddReluMean(nn.Module):
         return torch.relu(self.bn(x) + r).mean((2, 3))
 
 
+class SqueezeExcite(nn.Module):
+    """EfficientNet's block around its squeeze-and-excite: batch norm, SiLU, the mean over the
+    pixels, two 1x1 convolutions and the gate times the SiLU's output (used twice: written beside
+    its mean)."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.bn = nn.BatchNorm2d(c)
+        self.reduce, self.expand = nn.Conv2d(c, c // 4, 1), nn.Conv2d(c // 4, c, 1)
+
+    def forward(self, x):
+        y = torch.nn.functional.silu(self.bn(x))
+        gate = torch.sigmoid(self.expand(torch.nn.functional.silu(self.reduce(y.mean((2, 3), keepdim=True)))))
+        return y * gate
+
+
 class GeluMul(nn.Module):
     """Gemma's MLP gate: gelu(tanh) of the gate projection times the up projection."""
 

@@ -522,6 +522,22 @@ def test_views_at_offsets_read_the_one_input_at_their_offsets(tmp_path):
     assert "+ 16)" in cand.source and "+ 32)" in cand.source
 
 
+def _cols_block_settings(card, inputs, extra):
+    """The default (gen_cols_block, 4 channels a thread) and each of `extra` over it: every one
+    compiles for sm_90 and computes, on the CPU, what the region does; yields (knobs, candidate)."""
+    knobs = generated.default(card, H200)
+    assert knobs["algo"] == "gen_cols_block" and knobs["vec"] == 4
+    want = card.region.replay([t.clone() for t in inputs])
+    for k in [knobs] + [{**knobs, **e} for e in extra]:
+        cand = generated.build(card, k, H200)
+        assert compiler.compile(cand.source, arch="sm_90").cubin
+        got = cuda_on_cpu.run(card, cand, inputs)
+        assert len(got) == len(want)
+        for o, w in zip(got, want):
+            torch.testing.assert_close(o, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"{k}: {m}")
+        yield k, cand
+
+
 def test_a_channels_last_global_pool_reads_a_vector_of_channels_a_thread(tmp_path):
     """bn -> add -> relu -> mean over 7x7, channels-last (ResNet-50's last block at a batch that fills
     the GPU): by default each thread folds a slice of the pixels for 4 neighbouring channels (16-byte
@@ -538,20 +554,120 @@ def test_a_channels_last_global_pool_reads_a_vector_of_channels_a_thread(tmp_pat
     (cpu_card,) = [c for c in got.cards if c.region is not None]
     inputs = load_sample(cpu_card, tmp_path, 0)[0]  # x, the parameters, r
     card = cpu_card.retarget("cuda", "sm_90")
-    knobs = generated.default(card, H200)
-    assert knobs["algo"] == "gen_cols_block" and knobs["vec"] == 4
-    want = card.region.replay([t.clone() for t in inputs])
-    for k in (knobs, {**knobs, "ty": 2, "items": 1, "vec": 1}, {**knobs, "ty": 16, "items": 4, "vec": 2},
-              {**knobs, "threads": 128, "ty": 4}):
-        cand = generated.build(card, k, H200)
-        assert compiler.compile(cand.source, arch="sm_90").cubin
+    for k, cand in _cols_block_settings(card, inputs, ({"ty": 2, "items": 1, "vec": 1}, {"ty": 16, "items": 4, "vec": 2},
+                                                        {"threads": 128, "ty": 4})):
         if k["vec"] > 1:  # the parameters: one vector load each, before the reduced loop
             assert cand.source.count("v) = *reinterpret_cast") == 4
-        for got, w in zip(cuda_on_cpu.run(card, cand, inputs), want):
-            torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"{k}: {m}")
     # NCHW: the pixels of a channel are contiguous; rows, not columns
     card = region_card(tmp_path / "nchw", model, x.contiguous(), r.contiguous())
     assert lower.cols_block_vecs(generated.program(card)) == ()
+
+
+def test_a_channels_last_mean_writes_its_prologue_beside_it_a_vector_of_channels_a_thread(tmp_path):
+    """EfficientNet's squeeze-and-excite, channels-last: batch norm -> SiLU written beside its mean
+    over the pixels (a shared region). A block per (sample, channel) row read its pixels a channel
+    apart and ran slower than eager on the H100; by default the columns-of-channels kernel folds
+    the mean and stores the SiLU a vector of channels at a time, as it reads. Each setting runs on
+    the CPU as the region computes."""
+    from norm_models import SqueezeExcite
+
+    model = SqueezeExcite(64).eval()
+    with torch.no_grad():
+        model.bn.running_mean.uniform_(-1, 1)
+        model.bn.running_var.uniform_(0.5, 2)
+    x = torch.randn(3, 64, 10, 9).to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        got = capture(model, (x,), tmp_path, regions=True, time_cards=False)
+    (cpu_card,) = [c for c in got.cards if c.region is not None and c.region.kind == "shared"]
+    assert cpu_card.region.ops == ["_native_batch_norm_legit_no_training", "silu", "mean"]
+    inputs = load_sample(cpu_card, tmp_path, 0)[0]
+    card = cpu_card.retarget("cuda", "sm_90")
+    prog = generated.program(card)
+    assert prog.normalizes and len(lower.prologue_outputs(prog)) == 1  # the SiLU, over every pixel
+    assert len(card.outputs) == 2
+    list(_cols_block_settings(card, inputs, ({"ty": 2, "items": 1, "vec": 1}, {"ty": 4, "items": 4, "vec": 2},
+                                             {"threads": 128, "ty": 8}, {"ty": 64, "items": 1})))
+
+
+def test_an_inference_batch_norm_alone_is_one_kernel(tmp_path):
+    """Eager's CUDA batch norm is two kernels; alone, it is a region the generator makes one
+    pointwise kernel of, channels-last as the layout pass gives it."""
+    bn = nn.BatchNorm2d(16).eval()
+    with torch.no_grad():
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2)
+        got = capture(bn, (torch.randn(2, 16, 5, 7).to(memory_format=torch.channels_last),), tmp_path, regions=True,
+                      time_cards=False)
+    (cpu_card,) = [c for c in got.cards if c.region is not None]
+    assert cpu_card.region.ops == ["_native_batch_norm_legit_no_training"]
+    inputs = load_sample(cpu_card, tmp_path, 0)[0]
+    card = cpu_card.retarget("cuda", "sm_90")
+    assert BuiltinProposer().supports(card) == (True, "")
+    want = card.region.replay([t.clone() for t in inputs])
+    for knobs in _knobs(card):
+        cand = generated.build(card, knobs, H200)
+        for o, w in zip(cuda_on_cpu.run(card, cand, inputs), want):
+            torch.testing.assert_close(o, w, rtol=1e-6, atol=1e-6, msg=lambda m: f"{knobs}: {m}")
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_the_columns_kernel_split_into_runs_merges_them_in_order(tmp_path, shared):
+    """gen_cols_block with `split`: the pixels cut into runs, a block each, their states merged in
+    order by a second kernel, for the squeeze-and-excite region (the SiLU written beside its mean)
+    and for a plain channels-last global pool; every setting runs on the CPU as the region does."""
+    from norm_models import SqueezeExcite
+
+    model = SqueezeExcite(64).eval() if shared else BatchNormAddReluMean(64).eval()
+    with torch.no_grad():
+        model.bn.running_mean.uniform_(-1, 1)
+        model.bn.running_var.uniform_(0.5, 2)
+    x = [torch.randn(2, 64, 16, 16).to(memory_format=torch.channels_last) for _ in range(1 if shared else 2)]
+    with torch.no_grad():
+        got = capture(model, tuple(x), tmp_path, regions=True, time_cards=False)
+    (cpu_card,) = [c for c in got.cards if c.region is not None and c.region.kind == ("shared" if shared else "fused")]
+    inputs = load_sample(cpu_card, tmp_path, 0)[0]
+    card = cpu_card.retarget("cuda", "sm_90")
+    (space,) = [s for s in generated.spaces(card, H200) if s["algo"] == ("gen_cols_block",)]
+    assert space["split"] == (1, 2, 4)  # runs of 64 pixels at least
+    want = card.region.replay([t.clone() for t in inputs])
+    base = {"algo": "gen_cols_block", "threads": 256, "ty": 8, "items": 2, "vec": 4}
+    for k in ({**base, "split": 2}, {**base, "split": 4, "ty": 2, "items": 1}, {**base, "split": 4, "vec": 1, "ty": 64}):
+        cand = generated.build(card, k, H200)
+        assert [kk.name for kk in cand.plan.kernels] == ["kf_gen", "kf_gen_finish"]
+        assert compiler.compile(cand.source, arch="sm_90").cubin
+        got = cuda_on_cpu.run(card, cand, inputs)
+        for o, w in zip(got, want):
+            torch.testing.assert_close(o, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"{k}: {m}")
+
+
+class SiluTimesBesideMean(nn.Module):
+    def forward(self, x, z):
+        y = F.silu(x)
+        return y * z, y.mean((2, 3))
+
+
+def test_a_value_written_beside_the_fold_that_reads_another_input_keeps_the_row_kernels(tmp_path):
+    """silu(x) * z beside the mean of silu(x): the columns kernel loads only what the fold reads,
+    so it is not offered; the default builds and computes the region (review of 4a36330: it
+    raised a KeyError)."""
+    x, z = (torch.randn(2, 64, 10, 9).to(memory_format=torch.channels_last) for _ in range(2))
+    card = region_card(tmp_path, SiluTimesBesideMean(), x, z)
+    prog = generated.program(card)
+    assert lower.prologue_outputs(prog) is None and lower.cols_block_vecs(prog) == ()
+    knobs = generated.default(card, H200)
+    assert knobs["algo"] != "gen_cols_block"
+    assert compiler.compile(generated.build(card, knobs, H200).source, arch="sm_90").cubin
+
+
+def test_a_layer_norm_keeps_its_row_kernels(tmp_path):
+    """A normalization's outputs read the reduction's state: the columns kernel, which writes
+    only its prologue's values beside the fold, is not offered."""
+    from norm_models import AddLayerNormGelu
+
+    card = region_card(tmp_path, AddLayerNormGelu(48).eval(), torch.randn(4, 48), torch.randn(4, 48))
+    prog = generated.program(card)
+    assert prog.normalizes and lower.prologue_outputs(prog) is None and lower.cols_block_vecs(prog) == ()
+    assert all(s["algo"] != ("gen_cols_block",) for s in generated.spaces(card, H200))
 
 
 def test_a_pooling_of_nchw_planes_stages_its_prologue_once_per_input_point(tmp_path):

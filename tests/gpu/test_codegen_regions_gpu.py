@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from norm_models import BatchNormReluPool, ClassTokenOfPatches, GeluMul
+from norm_models import BatchNormReluPool, ClassTokenOfPatches, GeluMul, SqueezeExcite
 from test_codegen_regions import AddTransposed, RotaryKeysRepeatedFirst, rotate_half
 from kforge.capturing import capture
 from kforge.evaluate import make_evaluator
@@ -229,3 +229,22 @@ def test_a_generated_cat_card_passes_the_evaluator_at_every_vector_width(tmp_pat
             cand = generated.build(card, {**generated.default(card, hw), "vec": vec}, hw)
             res = ev.evaluate(card, cand)
             assert not res.verdict.failed, f"vec {vec}: {res.verdict.value}: {res.message}"
+
+
+def test_a_squeeze_excite_mean_with_its_silu_written_beside_it_passes_the_evaluator(tmp_path):
+    """EfficientNet-B0's third stage at batch 8, channels-last bf16: batch norm -> SiLU written
+    beside its mean over the pixels (a shared region), by default one column kernel that stores
+    the SiLU a vector of channels at a time; every gen_cols_block setting's widest, too."""
+    model = SqueezeExcite(144).eval().to(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(8, 144, 56, 56, device="cuda", dtype=torch.bfloat16).to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        r = capture(model, (x,), tmp_path, regions=True)
+    (card,) = [c for c in r.cards if c.region is not None and c.region.kind == "shared"]
+    hw = current()
+    knobs = generated.default(card, hw)
+    assert knobs["algo"] == "gen_cols_block"
+    (block,) = [s for s in generated.spaces(card, hw) if s["algo"] == ("gen_cols_block",)]
+    with make_evaluator(tmp_path, devices=[0], timeout_s=20.0, **FAST) as ev:
+        for k in (knobs, knob_space.configs(block)[-1]):
+            res = ev.evaluate(card, generated.build(card, k, hw))
+            assert not res.verdict.failed, f"{k}: {res.verdict.value}: {res.message}"

@@ -47,10 +47,11 @@ from __future__ import annotations
 
 from .pointwise import heads_items, lower_pointwise, pointwise_vecs, tile_vecs, tileable
 from .norm import coop_split, lower_norm, lower_norm_coop, lower_norm_split, norm_staging, norm_vecs, peel_vecs
-from .reduce import cols_block_vecs, lower_cols_block, lower_reduction, reduced_is_inner, reduction_layout, reduction_vecs
+from .reduce import (cols_block_vecs, lower_cols_block, lower_reduction, prologue_outputs, reduced_is_inner, reduction_layout,
+                     reduction_vecs)
 from .scan import lower_scan, lower_scan_block, scan_is_inner
 from .window import lower_window, window_tiles, window_vecs
 
-__all__ = ["cols_block_vecs", "heads_items", "coop_split", "lower_cols_block", "lower_norm", "lower_norm_coop", "lower_norm_split", "lower_pointwise", "lower_reduction", "lower_scan", "lower_scan_block",
+__all__ = ["cols_block_vecs", "prologue_outputs", "heads_items", "coop_split", "lower_cols_block", "lower_norm", "lower_norm_coop", "lower_norm_split", "lower_pointwise", "lower_reduction", "lower_scan", "lower_scan_block",
            "lower_window", "norm_staging", "norm_vecs", "peel_vecs", "pointwise_vecs", "reduced_is_inner", "reduction_layout",
            "reduction_vecs", "scan_is_inner", "tile_vecs", "tileable", "window_tiles", "window_vecs"]

@@ -90,6 +90,27 @@ def reduction_vecs(prog: Program, splits: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _ws_state(st_types: list[str], c: int, split: int, kn: int, base: int = 0) -> str:
+    """State c's array in the workspace: `split` runs of `kn` states, 8 bytes a slot, `base` bytes in."""
+    return f"reinterpret_cast<{CTYPE[st_types[c]]}*>(ws + {base + c * split * kn * 8}LL)"
+
+
+def _finish(params: list[str], kind, dt: str, st: list[str], st_types: list[str], split: int, kn: int,
+            kofs: list[str], epilogue: list[str]) -> list[str]:
+    """kf_gen_finish: a thread a kept output q (kofs: its offsets), the runs' states merged in
+    order from the workspace, then `epilogue` (which writes the outputs from the states `st`)."""
+    ws = [_ws_state(st_types, c, split, kn) for c in range(len(st))]
+    return [f'extern "C" __global__ void __launch_bounds__(256) kf_gen_finish({", ".join(params)}) {{',
+            "  const kf_idx q = (kf_idx)blockIdx.x * 256 + threadIdx.x;",
+            f"  if (q >= {kn}) return;",
+            *[f"  {line}" for line in kofs],
+            *[f"  {CTYPE[t]} {n} = {w}[q];" for n, t, w in zip(st, st_types, ws)],
+            f"  for (int s = 1; s < {split}; ++s) {{",
+            *[f"    const {CTYPE[t]} o{c} = {w}[(kf_idx)s * {kn} + q];" for c, (t, w) in enumerate(zip(st_types, ws))],
+            *[f"    {line}" for line in _merge_block(kind, dt, st, [f"o{c}" for c in range(len(st))], "f")],
+            "  }", *epilogue, "}"]
+
+
 def lower_reduction(prog: Program, knobs: dict, sm_count: int, then: list[str] | None = None) -> Built:
     """With `then` (a normalization's per-element epilogue over the block's chunk, in statements
     that read the row's state st0, st1, ... and the chunk's bounds lo and hi), one cooperative
@@ -125,7 +146,7 @@ def lower_reduction(prog: Program, knobs: dict, sm_count: int, then: list[str] |
     counters = 0 if then is None else lay.kn * 128
 
     def ws_ptr(c: int) -> str:
-        return f"reinterpret_cast<{CTYPE[st_types[c]]}*>(ws + {counters + c * split * lay.kn * 8}LL)"
+        return _ws_state(st_types, c, split, lay.kn, counters)
 
     # kept offsets of every tensor for output q
     kofs = offsets_code("q", lay.ksizes, lay.kstrides, [f"k{t}" for t in range(len(lay.kstrides))], idx)
@@ -262,18 +283,7 @@ def lower_reduction(prog: Program, knobs: dict, sm_count: int, then: list[str] |
         body += ["  if (live && lane == 0) {"]
         body += [f"    {ws_ptr(c)}[(kf_idx)blockIdx.y * KN + q] = {n};" for c, n in enumerate(st)]
         body += ["  }", "}"]
-        fin_params = [p for p in params]
-        body += [f'extern "C" __global__ void __launch_bounds__(256) kf_gen_finish({", ".join(fin_params)}) {{',
-                 "  const kf_idx q = (kf_idx)blockIdx.x * 256 + threadIdx.x;",
-                 "  if (q >= KN) return;",
-                 *[f"  {line}" for line in kofs],
-                 *[f"  {CTYPE[t]} {n} = {ws_ptr(c)}[q];" for c, (n, t) in enumerate(zip(st, st_types))],
-                 f"  for (int s = 1; s < {split}; ++s) {{",
-                 *[f"    const {CTYPE[t]} o{c} = {ws_ptr(c)}[(kf_idx)s * KN + q];" for c, t in enumerate(st_types)],
-                 *[f"    {line}" for line in _merge_block(kind, dt, st, [f"o{c}" for c in range(ns)], "f")],
-                 "  }",
-                 *epilogue(st, "  "),
-                 "}"]
+        body += _finish(params, kind, dt, st, st_types, split, lay.kn, kofs, epilogue(st, "  "))
     src = "\n".join(lines + body)
     grid = (ceil_div(lay.kn, rows), split)
     staged = split > 1 or prog.normalizes
@@ -290,12 +300,28 @@ def lower_reduction(prog: Program, knobs: dict, sm_count: int, then: list[str] |
 
 # ---- columns a block: reduced elements strided, kept ones contiguous ------------------
 
+def prologue_outputs(prog: Program) -> tuple[int, ...] | None:
+    """The outputs written at every reduced element (they vary over the reduced dims), where each
+    is a value of the prologue, reading no state of the reduction: a shared region's value
+    written beside the reduction it feeds (EfficientNet's SiLU beside its squeeze-and-excite
+    mean). None where one reads the state (a normalization's epilogue) or an input the reduction
+    does not read (silu(x) * z beside the mean of silu(x))."""
+    dims = prog.reduce_dims
+    full = tuple(j for j, st in enumerate(prog.out_strides) if any(st[d] for d in dims))
+    read = set(prog.reduction.loads())
+    if any(e.op == "var" and e.value != "ridx" or e.op == "load" and e.value[0] not in read
+           for j in full for e in prog.results[j].walk()):
+        return None  # the state, or an input the fold does not read (the kernel loads only those)
+    return full
+
+
 def cols_block_vecs(prog: Program) -> tuple[int, ...]:
     """Legal widths (kept outputs a thread) for gen_cols_block, narrowest first; () where its
-    layout does not hold: a reduction (not a normalization) whose innermost kept dim every
-    tensor reads or writes contiguously or not at all (a channels-last global pool: channels)."""
+    layout does not hold: a reduction whose innermost kept dim every tensor reads or writes
+    contiguously or not at all (a channels-last global pool: channels), and whose outputs over
+    the reduced dims, if any, are values of its prologue (prologue_outputs)."""
     red = prog.reduction
-    if prog.normalizes or red is None:
+    if red is None or (prog.normalizes and prologue_outputs(prog) is None):
         return ()
     lay = reduction_layout(prog)
     no = len(prog.outputs)
@@ -319,14 +345,22 @@ def lower_cols_block(prog: Program, knobs: dict) -> Built:
     elements; each thread folds its slice (every ty-th element, `items` in flight, one state per
     item), then the slices merge in order through shared memory and the last writes the outputs.
     A channels-last global pool reads 16 bytes of channels a load, where a thread per output
-    (gen_cols) reads 2."""
+    (gen_cols) reads 2. Outputs of the prologue's values (prologue_outputs) are written as the
+    slice reads: one vector store a tensor a reduced element. With `split` > 1 the reduced
+    elements are cut into that many runs, a block each (a grid row each): each block writes its
+    columns' states to a workspace, and a second kernel merges them in order and writes the
+    outputs, for reductions too few columns would leave most SMs idle on (EfficientNet's first
+    squeeze-and-excite: 64x32 channels over 112x112 pixels)."""
     red = prog.reduction
     kind, dt = red.kind, red.operand.dtype
     st_types = kind.state(dt)
     lay = reduction_layout(prog)
     nt, ty, it, v = knobs["threads"], knobs["ty"], knobs["items"], knobs["vec"]
+    split = knobs.get("split", 1)
     tx = nt // ty
     params, args, ptr = _pointers(prog)
+    if split > 1:
+        params = params + ["unsigned char* __restrict__ ws"]
     no = len(prog.outputs)
     loaded = sorted(prog.in_strides)
     tix = {i: no + k for k, i in enumerate(loaded)}
@@ -339,8 +373,10 @@ def lower_cols_block(prog: Program, knobs: dict) -> Built:
     # loaded once, before the loop
     once_read = [i for i in sorted(red.loads()) if not any(lay.rstrides[tix[i]])]
     pro = [i for i in sorted(red.loads()) if i not in once_read]
-    rofs = offsets_code("r", lay.rsizes, [lay.rstrides[tix[i]] for i in pro] + [lay.rstrides[logical_t]],
-                        [f"ro{i}" for i in pro] + ["rl"], idx)
+    written = prologue_outputs(prog) or ()
+    rofs = offsets_code("r", lay.rsizes, [lay.rstrides[tix[i]] for i in pro] + [lay.rstrides[logical_t]]
+                        + [lay.rstrides[j] for j in written], [f"ro{i}" for i in pro] + ["rl"]
+                        + [f"rw{j}" for j in written], idx)
     wide = {i: lay.kstrides[tix[i]][-1] == 1 and v > 1 for i in red.loads()}  # else one value for the whole column
 
     def load(i: int, dest: str, off: str) -> str:
@@ -356,15 +392,26 @@ def lower_cols_block(prog: Program, knobs: dict) -> Built:
     for x, o in zip(xs, red.operands):
         em.env[x.value] = em(o)
     lifted = [em(e) for e in lift]
+    wvals = {j: convert(em(prog.results[j]), prog.results[j].dtype, prog.outputs[j].dtype) for j in written}
+
+    def store(j: int) -> str:
+        ct = CTYPE[prog.outputs[j].dtype]
+        if v == 1:
+            return f"out{j}[k{j} + rw{j}u[u]] = w{j}[0];"
+        return (f"*reinterpret_cast<kf_vec<{ct}, {v}>*>(out{j} + k{j} + rw{j}u[u]) = "
+                f"*reinterpret_cast<const kf_vec<{ct}, {v}>*>(w{j});")
+
     st = [f"st{c}" for c in range(ns)]
     body = [f"typedef {idx} kf_idx;",
             f"constexpr int NT = {nt}; constexpr int TX = {tx}; constexpr int TY = {ty}; constexpr int IT = {it}; "
             f"constexpr int V = {v};",
-            f"constexpr kf_idx KQ = {lay.kn // v}; constexpr kf_idx RN = {lay.rn};",
+            f"constexpr kf_idx KQ = {lay.kn // v}; constexpr kf_idx RN = {lay.rn}; "
+            f"constexpr kf_idx CH = {ceil_div(lay.rn, split)};  // reduced elements a grid row",
             f'extern "C" __global__ void __launch_bounds__(NT) kf_gen({", ".join(params)}) {{',
             "  const int tx = threadIdx.x % TX, ty = threadIdx.x / TX;",
             "  const kf_idx q = (kf_idx)blockIdx.x * TX + tx;  // the column of V kept outputs",
             "  const bool live = q < KQ;",
+            "  const kf_idx rb = (kf_idx)blockIdx.y * CH, re = rb + CH < RN ? rb + CH : RN;  // this row's run",
             *[f"  {line}" for line in kofs],
             *[f"  {CTYPE[t]} {n}u[IT][V];" for n, t in zip(st, st_types)],
             "#pragma unroll", "  for (int u = 0; u < IT; ++u)", "#pragma unroll", "    for (int j = 0; j < V; ++j) {",
@@ -372,17 +419,19 @@ def lower_cols_block(prog: Program, knobs: dict) -> Built:
             "  if (live) {",
             *[f"    {CTYPE[prog.inputs[i].dtype]} x{i}v[V];" for i in once_read],
             *[f"    {load(i, f'x{i}v', '')}" for i in once_read],
-            "    for (kf_idx r0 = ty; r0 < RN; r0 += (kf_idx)TY * IT) {",
+            "    for (kf_idx r0 = rb + ty; r0 < re; r0 += (kf_idx)TY * IT) {",
             *[f"      {CTYPE[prog.inputs[i].dtype]} x{i}[IT][V];" for i in pro],
-            "      kf_i64 ri[IT];",
+            "      kf_i64 ri[IT];", *[f"      kf_i64 rw{j}u[IT];" for j in written],
             "#pragma unroll", "      for (int u = 0; u < IT; ++u) {", "        const kf_idx r = r0 + (kf_idx)u * TY;",
-            "        if (r < RN) {", *[f"          {line}" for line in rofs],
+            "        if (r < re) {", *[f"          {line}" for line in rofs],
             *[f"          {load(i, f'x{i}[u]', f' + ro{i}')}" for i in pro],
-            "          ri[u] = rl;", "        }", "      }",
-            "#pragma unroll", "      for (int u = 0; u < IT; ++u) {", "        if (r0 + (kf_idx)u * TY < RN) {",
+            "          ri[u] = rl;", *[f"          rw{j}u[u] = rw{j};" for j in written], "        }", "      }",
+            "#pragma unroll", "      for (int u = 0; u < IT; ++u) {", "        if (r0 + (kf_idx)u * TY < re) {",
+            *[f"          {CTYPE[prog.outputs[j].dtype]} w{j}[V];" for j in written],
             "#pragma unroll", "          for (int j = 0; j < V; ++j) {", *[f"            {line}" for line in em.lines],
+            *[f"            w{j}[j] = {val};" for j, val in wvals.items()],
             *[f"            {line}" for line in _merge_block(kind, dt, [f"{n}u[u][j]" for n in st], lifted, "u")],
-            "          }", "        }", "      }", "    }", "  }",
+            "          }", *[f"          {store(j)}" for j in written], "        }", "      }", "    }", "  }",
             # items, then slices in order (shared memory), each column's V outputs apart
             *[f"  __shared__ {CTYPE[t]} sm{c}[TY][TX][V];" for c, t in enumerate(st_types)],
             "#pragma unroll", "  for (int j = 0; j < V; ++j) {",
@@ -392,15 +441,30 @@ def lower_cols_block(prog: Program, knobs: dict) -> Built:
             *[f"    sm{c}[ty][tx][j] = {n};" for c, n in enumerate(st)], "  }",
             "  __syncthreads();",
             "  if (!live || ty != TY - 1) return;  // the last slice's threads: the others' states are all written"]
-    once = [j for j, m in enumerate(prog.outputs) if m.numel]
-    em2 = Emitter("e", {f"s{c}": n for c, n in enumerate(st)},
-                  lambda i, stored: f"{ptr[i]}[k{tix[i]} + j * {lay.kstrides[tix[i]][-1]}]")
-    res = {j: em2(prog.results[j]) for j in once}
+    once = [j for j, m in enumerate(prog.outputs) if m.numel and j not in written]
+
+    def epilogue(pad: str, at: str) -> list[str]:  # the outputs of kept point `at` (j: its place in the column)
+        em2 = Emitter("e", {f"s{c}": n for c, n in enumerate(st)},
+                      lambda i, stored: f"{ptr[i]}[k{tix[i]} + {at} * {lay.kstrides[tix[i]][-1]}]")
+        res = {j: em2(prog.results[j]) for j in once}
+        return [*[f"{pad}{line}" for line in em2.lines],
+                *[f"{pad}out{j}[k{j} + {at}] = {convert(res[j], prog.results[j].dtype, prog.outputs[j].dtype)};"
+                  for j in once]]
+
     body += ["#pragma unroll", "  for (int j = 0; j < V; ++j) {",
              *[f"    {CTYPE[t]} {n} = sm{c}[0][tx][j];" for c, (n, t) in enumerate(zip(st, st_types))],
              "    for (int y = 1; y < TY; ++y) {",
              *[f"      {line}" for line in _merge_block(kind, dt, st, [f"sm{c}[y][tx][j]" for c in range(ns)], "y")],
-             "    }", *[f"    {line}" for line in em2.lines],
-             *[f"    out{j}[k{j} + j] = {convert(res[j], prog.results[j].dtype, prog.outputs[j].dtype)};" for j in once],
+             "    }",
+             *(epilogue("    ", "j") if split == 1 else
+               [f"    {_ws_state(st_types, c, split, lay.kn)}[(kf_idx)blockIdx.y * {lay.kn} + q * V + j] = {n};"
+                for c, n in enumerate(st)]),
              "  }", "}"]
-    return Built(_header("\n".join(body)), [("kf_gen", (ceil_div(lay.kn // v, tx),), (nt,), args, 0)], [])
+    grid = (ceil_div(lay.kn // v, tx), split)
+    if split == 1:
+        return Built(_header("\n".join(body)), [("kf_gen", grid, (nt,), args, 0)], [])
+    kept = offsets_code("q", lay.ksizes, lay.kstrides, [f"k{t}" for t in range(len(lay.kstrides))], idx)
+    body += _finish(params, kind, dt, st, st_types, split, lay.kn, kept, epilogue("  ", "0"))
+    return Built(_header("\n".join(body)), [("kf_gen", grid, (nt,), args + [{"ws": 0}], 0),
+                                            ("kf_gen_finish", (ceil_div(lay.kn, 256),), (256,), args + [{"ws": 0}], 0)],
+                 [ns * split * lay.kn * 8])

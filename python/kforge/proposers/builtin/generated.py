@@ -89,11 +89,14 @@ def _reduction_spaces(prog: Program) -> list[KnobSpace]:
 
 def _cols_block_space(prog: Program) -> list[KnobSpace]:
     """gen_cols_block where its layout holds and every slice's chain is short: at most CHAIN
-    elements a thread at its fewest slices (2)."""
-    vecs = lower.cols_block_vecs(prog)
-    if not vecs or lower.reduction_layout(prog).rn > 2 * CHAIN:
+    elements a thread at its fewest slices (2) of a run; `split` cuts the reduced elements into
+    that many runs of 64 at least, a block each."""
+    vecs, rn = lower.cols_block_vecs(prog), lower.reduction_layout(prog).rn
+    splits = tuple(s for s in (1, 2, 4, 8, 16, 32) if -(-rn // s) <= 2 * CHAIN and (s == 1 or rn // s >= 64))
+    if not vecs or not splits:
         return []
-    return [{"algo": ("gen_cols_block",), "threads": (128, 256), "ty": (2, 4, 8, 16), "items": (1, 2, 4), "vec": vecs}]
+    return [{"algo": ("gen_cols_block",), "threads": (128, 256), "ty": (2, 4, 8, 16, 32, 64), "items": (1, 2, 4),
+             "vec": vecs, "split": splits}]
 
 
 def _within(knobs: Knobs, spaces: list[KnobSpace]) -> Knobs:
@@ -177,7 +180,8 @@ def spaces(card: Card, hw: Hardware) -> list[KnobSpace]:
         return [{"algo": ("gen_norm",), "threads": (32, 64, 128, 256, 512, 1024), "lanes": (1, 8, 32, "block"),
                  "vec": lower.norm_vecs(prog), "staging": ("regs", "smem", "reload")},
                 {"algo": ("gen_norm_split",), "threads": (128, 256, 512, 1024), "items": (1, 2, 4, 8),
-                 "split": _splits(prog), "vec": lower.norm_vecs(prog)}] + ([coop] if coop else []) + ([peeled] if peel else [])
+                 "split": _splits(prog), "vec": lower.norm_vecs(prog)}] + ([coop] if coop else []) + ([peeled] if peel else []) \
+            + _cols_block_space(prog)
     if prog.reduction is None:
         flat = {"algo": ("gen_flat",), "threads": (64, 128, 256, 512, 1024), "vec": lower.pointwise_vecs(prog),
                 "items": (1, 2, 4, 8), "grid": ("exact", "stride") + (("heads",) if lower.heads_items(prog) else ())}
@@ -252,7 +256,7 @@ def default(card: Card, hw: Hardware) -> Knobs:
             # for ResNet-50's channels-last global pool (32x2048 outputs of 7x7). Scalar columns (an
             # odd kept dim) stay with gen_cols, whose split measured well on KernelBench's sums.
             return {"algo": "gen_cols_block", "threads": 256, "ty": pick(block[0]["ty"], lay.rn / 8), "items": 2,
-                    "vec": block[0]["vec"][-1]}
+                    "vec": block[0]["vec"][-1], "split": 1}
         knobs = {"algo": "gen_cols", "threads": 256, "items": 4}
         rows = 256
     blocks = -(-lay.kn // rows)
@@ -281,6 +285,18 @@ def _norm_default(prog: Program, lay, hw: Hardware) -> Knobs:
     registers, else a block with the fewest threads that keep it there; a thread per row where the
     reduced elements are strided and the kept ones are not (the loads coalesce across rows);
     the two-pass split form where long rows are too few for a block each."""
+    block = _cols_block_space(prog)
+    if block and block[0]["vec"][-1] > 1 and lay.rn > 64:
+        # The prologue's values written beside a reduction over strided elements (EfficientNet's
+        # SiLU beside its squeeze-and-excite mean, channels-last): a block per row would read its
+        # row's elements a channel apart, 2 bytes of each sector; columns of channels read 16.
+        # Its rows are long and few (64x144 over 56x56): up to 16 slices a block (16 columns of
+        # 16 bytes, 256 contiguous bytes a pixel), then runs enough for two blocks an SM.
+        vec, space = block[0]["vec"][-1], block[0]
+        ty = min(16, pick(space["ty"], lay.rn / 8))
+        blocks = -(-(lay.kn // vec) // (256 // ty))
+        split = next((s for s in space["split"] if blocks * s >= 2 * hw.sm_count), space["split"][-1])
+        return {"algo": "gen_cols_block", "threads": 256, "items": 2, "vec": vec, "ty": ty, "split": split}
     vec = lower.norm_vecs(prog)[-1]
     nc = lay.rn // vec
     if lay.kn < 2 * hw.sm_count and lay.rn >= 16384:  # too few rows to fill the GPU a block each
@@ -326,14 +342,14 @@ def build(card: Card, knobs: Knobs, hw: Hardware) -> Candidate:
         built = lower.lower_window(prog, knobs)
     elif prog.scan is not None:
         built = (lower.lower_scan_block if knobs["algo"] == "gen_scan_block" else lower.lower_scan)(prog, knobs)
+    elif knobs["algo"] == "gen_cols_block" and prog.reduction is not None:  # its prologue's values written beside it too
+        built = lower.lower_cols_block(prog, knobs)
     elif prog.normalizes:
         built = (lower.lower_norm_split(prog, knobs, hw.sm_count) if knobs["algo"] == "gen_norm_split" else
                  lower.lower_norm_coop(prog, knobs, hw.sm_count) if knobs["algo"] == "gen_norm_coop"
                  else lower.lower_norm(prog, knobs))
     elif prog.reduction is None:
         built = lower.lower_pointwise(prog, knobs, hw.sm_count)
-    elif knobs["algo"] == "gen_cols_block":
-        built = lower.lower_cols_block(prog, knobs)
     else:
         built = lower.lower_reduction(prog, knobs, hw.sm_count)
     title = f"// kforge builtin: generated {card.op} knobs={json.dumps(knobs, sort_keys=True)}\n"
