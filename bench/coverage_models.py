@@ -7,6 +7,12 @@ share of the captured time its cards cover and the cards and regions it declines
 reason, largest share first (CPU shares: vendor ops weigh more than on a GPU).
 
     python bench/coverage_models.py llama convnext --out coverage.json
+    python bench/coverage_models.py --check        # and build what it takes
+
+With --check, each template's default kernel for every card taken is built and compiled by
+NVRTC for sm_90, and from a checkout the generated ones run on the CPU (tests/cuda_on_cpu.py:
+every thread of every block, fp32 models) against the card's eager call. A failure at any step
+is listed with the card and knobs; a kernel the CPU cannot run (a cooperative one) is counted apart.
 
 Needs transformers and timm (`pip install transformers timm`); no GPU.
 """
@@ -22,8 +28,13 @@ from pathlib import Path
 
 import torch
 
+from kforge import compiler
 from kforge.capturing import capture
-from kforge.proposers.builtin import BuiltinProposer
+from kforge.cardtable import skip_reason
+from kforge.hardware import H200
+from kforge.proposers.builtin import BuiltinProposer, templates_for
+
+TESTS = Path(__file__).resolve().parent.parent / "tests"
 
 
 def llama():
@@ -79,32 +90,91 @@ MODELS = {"llama": llama, "qwen2": qwen2, "gpt2": gpt2, "bert": bert, "t5": t5,
           "regnet": _timm("regnetx_002", 128)}
 
 
-def coverage(name: str) -> dict:
+def _what(card) -> str:
+    return "region " + "+".join(card.region.ops) if card.region is not None else card.op.split("(")[0]
+
+
+def _cpu_runner():
+    """tests/cuda_on_cpu.py's runner where this is a checkout with g++, else None."""
+    if not (TESTS / "cuda_on_cpu.py").is_file():
+        return None
+    sys.path.insert(0, str(TESTS))
+    import cuda_on_cpu
+
+    return cuda_on_cpu.run
+
+
+def check(card, run_on_cpu, counts: collections.Counter) -> list[dict]:
+    """Build each template's default kernel for `card` (taken, retargeted to sm_90), compile it
+    with NVRTC, and run the generated ones on the CPU against eager; the failures."""
+    failures = []
+    for template in templates_for(card):
+        knobs, stage = None, "build"
+        try:
+            knobs = template.default(card, H200)
+            cand = template.build(card, knobs, H200)
+            cand.plan.validate(len(card.inputs), len(card.outputs))
+            stage = "nvrtc"
+            compiler.compile(cand.source, arch="sm_90")
+            counts["compiled"] += 1
+            if template.name != "generated" or run_on_cpu is None:
+                continue
+            if any(k.cooperative for k in cand.plan.kernels):
+                counts["not run on the CPU (cooperative)"] += 1
+                continue
+            stage = "cpu run"
+            inputs = card.random_inputs(0, "cpu")
+            clones = [t.clone() for t in inputs]
+            want = card.region.replay(clones) if card.region is not None else card.call_eager(clones, "cpu")
+            got = run_on_cpu(card, cand, inputs)
+            stage = "wrong"
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, equal_nan=True)
+            counts["ran on the CPU, equal to eager"] += 1
+        except Exception as e:  # noqa: BLE001 (every failure is the report's)
+            counts[f"failed: {stage}"] += 1
+            failures.append({"what": _what(card), "template": template.name, "knobs": knobs, "stage": stage,
+                             "message": f"{type(e).__name__}: {e}"[:600]})
+    return failures
+
+
+def coverage(name: str, checking: bool = False) -> dict:
     torch.manual_seed(0)
     model, inputs = MODELS[name]()
     with torch.no_grad(), tempfile.TemporaryDirectory() as tmp:
         r = capture(model.eval(), inputs, Path(tmp), regions=True, max_sample_bytes=0)
     declined: dict[str, float] = collections.defaultdict(float)
     covered = total = 0.0
+    counts: collections.Counter = collections.Counter()
+    failures: list[dict] = []
+    run_on_cpu = _cpu_runner() if checking else None
     for card in r.cards:
         if card.family in ("vendor", "view"):
             continue
-        ok, why = BuiltinProposer().supports(card.retarget("cuda", "sm_90"))
+        card = card.retarget("cuda", "sm_90")
+        why = skip_reason(card)  # as the search skips it (a call that resizes what it writes)
+        ok, why = (False, why) if why else BuiltinProposer().supports(card)
         share = card.share or 0.0
         if card.region is None:
             total += share
             covered += share if ok else 0.0
         if not ok:
-            what = "region " + "+".join(card.region.ops) if card.region is not None else card.op
-            declined[f"{what}: {why}"] += share
-    return {"model": name, "cards": len(r.cards), "op_share_covered": covered, "op_share": total,
-            "declined": [{"what": k, "share": v} for k, v in sorted(declined.items(), key=lambda kv: -kv[1])]}
+            declined[f"{_what(card)}: {why}"] += share
+        elif checking:
+            failures += check(card, run_on_cpu, counts)
+    row = {"model": name, "cards": len(r.cards), "op_share_covered": covered, "op_share": total,
+           "declined": [{"what": k, "share": v} for k, v in sorted(declined.items(), key=lambda kv: -kv[1])]}
+    if checking:
+        row.update(checked=dict(counts), failures=failures)
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("models", nargs="*", default=list(MODELS), help=f"some of {', '.join(MODELS)}")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--check", action="store_true",
+                    help="build and compile each taken card's default kernels; run the generated ones on the CPU")
     args = ap.parse_args(argv)
     unknown = [m for m in args.models if m not in MODELS]
     if unknown:
@@ -112,15 +182,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows = []
     for name in args.models:
-        row = coverage(name)
+        row = coverage(name, args.check)
         rows.append(row)
         print(f"{name}: {row['cards']} cards; op cards covered {row['op_share_covered']:.2f} of {row['op_share']:.2f} "
               "of the captured time")
         for d in row["declined"][:12]:
             print(f"  {d['share']:.3f}  {d['what'][:150]}")
+        if args.check:
+            print("  checked: " + ", ".join(f"{k} {v}" for k, v in sorted(row["checked"].items())))
+            for f in row["failures"]:
+                print(f"  FAILED ({f['stage']}) {f['template']} {f['knobs']} {f['what'][:100]}: {f['message'][:200]}")
     if args.out:
         args.out.write_text(json.dumps({"torch": torch.__version__, "models": rows}, indent=1) + "\n")
-    return 0
+    return 1 if any(row.get("failures") for row in rows) else 0
 
 
 if __name__ == "__main__":

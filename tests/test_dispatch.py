@@ -712,6 +712,17 @@ def test_cards_with_inputs_on_two_device_types_are_not_dispatched():
     assert "more than one device type" in dispatch_blocker(card)
 
 
+def test_a_card_whose_call_resizes_its_out_tensor_is_not_dispatched():
+    """abs(x) as abs.out into an empty tensor the op resizes: a kernel would write past its end, so
+    a package carrying such a card (its search never makes one) gets it refused; an out= tensor of
+    the output's size is dispatched as any other."""
+    resized = make_card(aten.abs.out, torch.randn(8, 16), out=torch.empty(0), aliases={0: 1})
+    assert "resizes the tensor it writes (0 before, 8x16 after)" in dispatch_blocker(resized)
+    with pytest.raises(DispatchError, match="resizes"):
+        Variant(resized, 0, FakeLauncher())
+    assert dispatch_blocker(make_card(aten.abs.out, torch.randn(8, 16), out=torch.empty(8, 16), aliases={0: 1})) is None
+
+
 def test_differences_are_listed_most_fundamental_first():
     a = ((4, 8), (8, 1), torch.float32, "cpu", 16)
     assert differences((a,), (a,), ("tensor",)) == []

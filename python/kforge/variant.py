@@ -81,6 +81,8 @@ def dispatch_blocker(card: Card) -> str | None:
         return "cannot dispatch: its inputs are on more than one device type (a CPU scalar tensor beside GPU tensors)"
     if any(not 0 <= i < len(card.inputs) for i in card.aliases.values()):
         return f"cannot dispatch: aliases {card.aliases} name inputs the card does not have"
+    if card.resizes():
+        return f"cannot dispatch: {card.resizes()}"
     names = {a.name for a in schema.arguments}
     if any(a.name not in names for a in card.args):
         return f"cannot dispatch: card arguments do not match the schema of {card.op} in torch {torch.__version__}"
