@@ -146,9 +146,24 @@ def gpu_side(entries, forwards: int = 3, top: int = 25) -> dict:
             with ctx():
                 prof = profiled(fn, forwards, [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
                                 torch.cuda.synchronize)
-            out[name]["cards"] = by_card([(e.key, e.count, getattr(e, "device_time_total", 0) or 0)
-                                          for e in prof.key_averages()], forwards)
+            out[name]["cards"] = by_card(host_ops(prof.events()), forwards)
     return out
+
+
+def host_ops(events) -> list[tuple[str, int, float]]:
+    """(name, calls, GPU µs of the kernels it launched) of each op or range the host recorded.
+    Events on the device side are left out: a record_function range has a GPU-side twin of the
+    same name spanning its kernels (pytorch#130730), which key_averages() would add to it, so a
+    region card's range would count twice what an op card's op counts once."""
+    from torch.autograd import DeviceType
+
+    rows: dict[str, list] = {}
+    for e in events:
+        if e.device_type == DeviceType.CPU:
+            row = rows.setdefault(e.key, [0, 0.0])
+            row[0] += 1
+            row[1] += getattr(e, "device_time_total", 0) or 0
+    return [(key, n, us) for key, (n, us) in rows.items()]
 
 
 def by_card(events, forwards: int) -> list[dict]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -96,7 +97,7 @@ def _what(card) -> str:
 
 def _cpu_runner():
     """tests/cuda_on_cpu.py's runner where this is a checkout with g++, else None."""
-    if not (TESTS / "cuda_on_cpu.py").is_file():
+    if not (TESTS / "cuda_on_cpu.py").is_file() or shutil.which("g++") is None:
         return None
     sys.path.insert(0, str(TESTS))
     import cuda_on_cpu
@@ -117,7 +118,10 @@ def check(card, run_on_cpu, counts: collections.Counter) -> list[dict]:
             stage = "nvrtc"
             compiler.compile(cand.source, arch="sm_90")
             counts["compiled"] += 1
-            if template.name != "generated" or run_on_cpu is None:
+            if template.name != "generated":
+                continue
+            if run_on_cpu is None:
+                counts["not run on the CPU (no g++, or not a checkout)"] += 1
                 continue
             if any(k.cooperative for k in cand.plan.kernels):
                 counts["not run on the CPU (cooperative)"] += 1
@@ -128,6 +132,7 @@ def check(card, run_on_cpu, counts: collections.Counter) -> list[dict]:
             want = card.region.replay(clones) if card.region is not None else card.call_eager(clones, "cpu")
             got = run_on_cpu(card, cand, inputs)
             stage = "wrong"
+            assert len(got) == len(want), f"{len(got)} outputs, eager has {len(want)}"
             for g, w in zip(got, want):
                 torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, equal_nan=True)
             counts["ran on the CPU, equal to eager"] += 1

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cuda_on_cpu
+from builtin_cards import make_card as builtin_card, meta as builtin_meta
 from norm_models import BatchNormAddReluMean, ClassTokenOfPatches, GeluMul
 from kforge import compiler
 from kforge.capturing import capture
@@ -638,6 +639,18 @@ def test_the_columns_kernel_split_into_runs_merges_them_in_order(tmp_path, share
         got = cuda_on_cpu.run(card, cand, inputs)
         for o, w in zip(got, want):
             torch.testing.assert_close(o, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"{k}: {m}")
+
+
+def test_a_long_channels_last_mean_defaults_to_the_columns_kernel_within_its_space():
+    """A global mean over 96x96 channels-last pixels (9216 a channel): its columns kernel takes at
+    most 2 * CHAIN pixels a run, so its default has the fewest runs its space holds (4), not one,
+    and the search's moves start from a setting it knows (review of round 31: split 1, outside)."""
+    x = builtin_meta(64, 1024, 96, 96, dtype=torch.float32, channels_last=True)
+    card = builtin_card(torch.ops.aten.mean.dim, x, [2, 3])
+    knobs = generated.default(card, H200)
+    space = knob_space.space_of(generated.spaces(card, H200), knobs)
+    assert knobs["algo"] == "gen_cols_block" and knobs["split"] == 4 and 1 not in space["split"]
+    assert all(knobs[name] in values for name, values in space.items() if name != "algo")
 
 
 class SiluTimesBesideMean(nn.Module):

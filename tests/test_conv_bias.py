@@ -70,16 +70,24 @@ def test_the_bias_add_is_in_the_region_of_the_ops_after_it_and_optimize_matches_
 
 
 def test_in_compiled_graphs_every_cuda_convolution_is_split_with_a_reshape(monkeypatch):
-    """kforge.compile's region matching splits every CUDA convolution, with the bias reshaped as
-    Inductor's post-grad graphs spell every view (region cards are matched there so)."""
-    from kforge import inductor_rewrites
+    """kforge.compile's pass splits every CUDA convolution first, before the package's rewrites
+    (whatever they are: regions and the fusions single-op cards weigh are then the graph Inductor
+    fuses), with the bias reshaped as Inductor's post-grad graphs spell every view; a package with
+    nothing for compiled graphs gets no split."""
+    from kforge import inductor, inductor_rewrites
 
     seen = []
     monkeypatch.setattr(conv_bias, "split", lambda graph, **kw: seen.append(kw) or 0)
+    monkeypatch.setattr(inductor, "_own", lambda: [])
+    ops = inductor_rewrites.OpRewrite([])
+    monkeypatch.setattr(inductor, "_rewrites", lambda package, launcher, drop: [ops])
+    split, rewrite = inductor._pass_rewrites(None, None, ())
+    assert isinstance(split, inductor_rewrites.ConvBiasSplit) and rewrite is ops
     empty = torch.fx.Graph()
     empty.output(empty.placeholder("x"))
-    inductor_rewrites.RegionRewrite([])(empty)
-    assert seen == [{"every": True, "view_op": torch.ops.aten.reshape.default}]
+    assert split(empty) == 0 and seen == [{"every": True, "view_op": torch.ops.aten.reshape.default}]
+    monkeypatch.setattr(inductor, "_rewrites", lambda package, launcher, drop: [])
+    assert inductor._pass_rewrites(None, None, ()) == []
     (g,) = traced(Block(), torch.randn(2, 8, 6, 5)).graphs
     monkeypatch.undo()
     monkeypatch.setattr(conv_bias, "DEVICES", ("cpu",))
@@ -131,3 +139,14 @@ def test_a_convolution_without_a_bias_is_left_alone(as_cudnn):
     (g,) = traced(model, torch.randn(1, 3, 8, 8)).graphs
     (conv,) = convs(g.module)
     assert conv.args[2] is None and not any(n.target is torch.ops.aten.add.Tensor for n in g.module.graph.nodes)
+
+
+def test_a_convolution_read_by_another_convolution_keeps_its_bias(as_cudnn):
+    """Read once, but by an op no region takes the add into (a vendor op): the add would run alone,
+    out of place, one more call; a convolution read by a view before a norm is split."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 4, 1), nn.ReLU()).eval()
+    (g,) = traced(model, torch.randn(1, 3, 8, 8)).graphs
+    first, second = convs(g.module)
+    assert first.args[2] is not None and second.args[2] is None
+    (g,) = traced(Block(), torch.randn(2, 8, 6, 5)).graphs
+    assert convs(g.module)[0].args[2] is None

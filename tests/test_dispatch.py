@@ -721,6 +721,9 @@ def test_a_card_whose_call_resizes_its_out_tensor_is_not_dispatched():
     with pytest.raises(DispatchError, match="resizes"):
         Variant(resized, 0, FakeLauncher())
     assert dispatch_blocker(make_card(aten.abs.out, torch.randn(8, 16), out=torch.empty(8, 16), aliases={0: 1})) is None
+    for aliases in ({3: 1}, {-1: 1}, {0: 2}):  # a package's aliases naming what the card does not have
+        card = make_card(aten.abs.out, torch.randn(8, 16), out=torch.empty(8, 16), aliases=aliases)
+        assert "name inputs or outputs the card does not have" in dispatch_blocker(card)
 
 
 def test_differences_are_listed_most_fundamental_first():

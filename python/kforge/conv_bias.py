@@ -14,8 +14,8 @@ residual add after the convolution. In the graphs kforge.optimize runs and captu
 traced values): their results are eager's, the same two kernels' arithmetic; and only those read
 by one op, which a region can take the add into. Elsewhere (CUDA's
 depthwise kernels, the CPU's) the bias is added inside the convolution, whose rounding a split
-would change. kforge.compile's region matching splits every CUDA convolution (`every=True`)
-before it looks for regions, as Inductor's lowering of a convolution would have.
+would change. kforge.compile's pass splits every CUDA convolution (`every=True`) before its
+other rewrites (inductor_rewrites.ConvBiasSplit), as Inductor's lowering of a convolution would.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+
+from . import regions
 
 _CONV = torch.ops.aten.convolution.default
 DEVICES = ("cuda",)
@@ -56,11 +58,12 @@ def _splittable(n: fx.Node, every: bool) -> bool:
         return False
     if every:
         return True
-    # One reader, the op a region may take the add into: a convolution read twice (ConvNeXt's
-    # downsampling, read by the next convolution and the residual add) keeps its bias, as its
-    # add would be a region of its own and one more call from Python
+    # One reader, an op a region may take the add into (a view, pointwise work, a norm): a
+    # convolution read twice (ConvNeXt's downsampling, read by the next convolution and the
+    # residual add), or read by a vendor op or a layout copy, keeps its bias, as its add would be
+    # a region of its own and one more call from Python
     (user,) = n.users if len(n.users) == 1 else (None,)
-    return user is not None and user.op == "call_function" and backend(n) in CUDNN
+    return user is not None and regions.role(user) in ("view", "compute", "reduce") and backend(n) in CUDNN
 
 
 def split(graph: fx.Graph, *, every: bool = False, view_op: Any = torch.ops.aten.view.default) -> int:

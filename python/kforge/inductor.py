@@ -12,9 +12,11 @@ compiled alone by torch.compile; kforge.package):
   regions   each fusable region of the graph (kforge.regions, the partition capture uses) whose
             structure and input metadata match a region card becomes one call of the card's
             custom op; where matched regions overlap, the set that saves the most against
-            torch.compile's time of each region alone (package.choose_regions). CUDA
-            convolutions first give their bias to an add after them, as the cards were
-            captured and as Inductor lowers them (kforge.conv_bias).
+            torch.compile's time of each region alone (package.choose_regions). First, every
+            CUDA convolution gives its bias to an add after it, as Inductor lowers it anyway
+            (kforge.conv_bias), so that regions and fusions are those Inductor will see; capture
+            splits cuDNN's convolutions read by one op only, so a card captured after another
+            convolution (CUDA's NCHW depthwise kernel, one read twice) may not match here.
   ops       each node whose call hits a single-op card's guard becomes the card's custom op,
             where the node is alone in its fusable region. Inside a chain Inductor fuses
             (add -> cast -> softmax -> cast) the unit a kernel must beat is the fused kernel,
@@ -68,7 +70,7 @@ from .graph import sdpa_as_eager
 from .dispatch import Launcher
 from .errors import KforgeError
 from .inductor_decompose import Decompose, _decompositions
-from .inductor_rewrites import Evidence, OpRewrite, RegionRewrite, Rewrite, _resolvable
+from .inductor_rewrites import ConvBiasSplit, Evidence, OpRewrite, RegionRewrite, Rewrite, _resolvable
 from .regions import SEVERAL_KERNELS
 
 try:
@@ -173,6 +175,13 @@ def _rewrites(package: Any, launcher: Launcher | None, *, compiled: bool = True,
                   if sites else [])
 
 
+def _pass_rewrites(package: Any, launcher: Launcher | None, drop: Collection[str]) -> list[Rewrite]:
+    """What kforge.compile's pass runs: kforge's own rewrites, then, where the package has any for
+    compiled graphs, the convolutions' biases split off (ConvBiasSplit) and the package's."""
+    theirs = _rewrites(package, launcher, drop=drop)
+    return _own() + ([ConvBiasSplit(), *theirs] if theirs else [])
+
+
 def _eagers_kernels_only(region: Any) -> bool:
     """A region of one op that is a region only for the kernels eager runs beside it (a lone
     inference batch norm: kforge.regions.SEVERAL_KERNELS). Inductor runs it as one kernel and
@@ -229,7 +238,7 @@ def options(package: Any, *, launcher: Launcher | None = None) -> dict:
     plain, drop = _verdict(package)
     if plain:
         return {}
-    return {"post_grad_custom_post_pass": KforgePass(package.digest, _own() + _rewrites(package, launcher, drop=drop),
+    return {"post_grad_custom_post_pass": KforgePass(package.digest, _pass_rewrites(package, launcher, drop),
                                                      keeps_whole=False)}
 
 
@@ -271,7 +280,7 @@ def compile(model: Any, package: Any, *, launcher: Launcher | None = None, drop:
     held = _BACKENDS.get(key)
     if held is not None and held[0] is package and held[1] is launcher:
         return torch.compile(model, backend=held[2], **kwargs)
-    rewrites = _own() + _rewrites(package, launcher, drop=drop)
+    rewrites = _pass_rewrites(package, launcher, drop)
     if not rewrites:
         log.info("%s has no kernel for compiled graphs here: plain torch.compile", package.path)
         return torch.compile(model, **torch_compile_options)

@@ -282,6 +282,20 @@ def pays_for_relayout(what: str, at: str, moved: int, kernel_us: float | None, c
     return False
 
 
+class ConvBiasSplit:
+    """Every CUDA convolution's bias as an add after it (kforge.conv_bias, `every=True`), views
+    spelled as reshapes as in Inductor's post-grad graphs: what Inductor's lowering of a
+    convolution does anyway, done first so that the regions the other rewrites match and the
+    fusions OpRewrite weighs are the graph Inductor will fuse, whatever else the package holds."""
+
+    key = "conv_bias"
+    whole: set = frozenset()
+
+    def __call__(self, graph: torch.fx.Graph) -> int:
+        conv_bias.split(graph, every=True, view_op=torch.ops.aten.reshape.default)
+        return 0  # nothing replaced by a kforge kernel
+
+
 class RegionRewrite:
     """Regions of the graph that match a region card (kforge.optimize's matching: structure and
     input metadata), each replaced by one call of the card's custom op. `kernels`: the region
@@ -297,13 +311,10 @@ class RegionRewrite:
             if seen != k.card.region:
                 self._by_match.setdefault(regions_mod.match_key(seen, k.card.inputs), []).append(k)
         self.whole = {n.overload() for k, _ in kernels for n in k.card.region.nodes}
-        self.key = "regions:conv_bias:" + ",".join(sorted(op.name() for op in self._op.values()))
+        self.key = "regions:" + ",".join(sorted(op.name() for op in self._op.values()))
 
     def __call__(self, graph: torch.fx.Graph) -> int:
         from .optimize import match_regions
-
-        # biases as adds, as the cards were captured (and as Inductor lowers them), views as reshapes
-        conv_bias.split(graph, every=True, view_op=torch.ops.aten.reshape.default)
 
         def pays(site: regions_mod.Site, ks: list) -> bool:  # before choosing: an overlapping region may pay
             k = _aligned(site, ks)

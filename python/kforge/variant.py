@@ -79,8 +79,9 @@ def dispatch_blocker(card: Card) -> str | None:
         return "cannot dispatch: the op has no tensor inputs to guard on"
     if len({m.device for m in card.inputs}) > 1:
         return "cannot dispatch: its inputs are on more than one device type (a CPU scalar tensor beside GPU tensors)"
-    if any(not 0 <= i < len(card.inputs) for i in card.aliases.values()):
-        return f"cannot dispatch: aliases {card.aliases} name inputs the card does not have"
+    if any(not 0 <= i < len(card.inputs) for i in card.aliases.values()) or \
+            any(not 0 <= j < len(card.outputs) for j in card.aliases):
+        return f"cannot dispatch: aliases {card.aliases} name inputs or outputs the card does not have"
     if card.resizes():
         return f"cannot dispatch: {card.resizes()}"
     names = {a.name for a in schema.arguments}

@@ -255,8 +255,10 @@ def default(card: Card, hw: Hardware) -> Knobs:
             # a column of the widest vector a thread, ~8 elements a slice: 256 blocks of 32 columns
             # for ResNet-50's channels-last global pool (32x2048 outputs of 7x7). Scalar columns (an
             # odd kept dim) stay with gen_cols, whose split measured well on KernelBench's sums.
-            return {"algo": "gen_cols_block", "threads": 256, "ty": pick(block[0]["ty"], lay.rn / 8), "items": 2,
-                    "vec": block[0]["vec"][-1], "split": 1}
+            # Runs as few as the space allows (one, up to 2 * CHAIN reduced elements).
+            split = block[0]["split"][0]
+            return {"algo": "gen_cols_block", "threads": 256, "ty": pick(block[0]["ty"], lay.rn / split / 8), "items": 2,
+                    "vec": block[0]["vec"][-1], "split": split}
         knobs = {"algo": "gen_cols", "threads": 256, "items": 4}
         rows = 256
     blocks = -(-lay.kn // rows)
