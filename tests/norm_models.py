@@ -207,3 +207,32 @@ class ClassTokenOfPatches(nn.Module):
     def forward(self, patches):
         x = patches.flatten(2).transpose(1, 2)
         return torch.cat((self.cls.expand(x.shape[0], -1, -1), x), dim=1) + self.pos
+
+
+class WindowReverseNorm(nn.Module):
+    """Swin's window reverse (its windows permuted back and made contiguous, viewed whole), the
+    residual add and the block's norm; the windows come out of a linear layer as in the block."""
+
+    def __init__(self, c: int = 16, ws: int = 3):
+        super().__init__()
+        self.ws, self.proj, self.norm = ws, nn.Linear(c, c), nn.LayerNorm(c)
+
+    def forward(self, windows, shortcut):
+        b, h, w, c = shortcut.shape
+        x = self.proj(windows).view(-1, h // self.ws, w // self.ws, self.ws, self.ws, c)
+        x = x.permute(0, 1, 3, 2, 4, 5).contiguous().view(-1, h, w, c)
+        return self.norm(shortcut + x).relu()
+
+
+class PatchMerging(nn.Module):
+    """Swin's patch merging as timm writes it: each 2x2 neighbourhood's channels gathered by a
+    reshape, a permute and a flatten, then normalized over all of them."""
+
+    def __init__(self, c: int = 8):
+        super().__init__()
+        self.lin, self.norm = nn.Linear(c, c), nn.LayerNorm(4 * c)
+
+    def forward(self, x):
+        x = self.lin(x)
+        b, h, w, c = x.shape
+        return self.norm(x.reshape(b, h // 2, 2, w // 2, 2, c).permute(0, 1, 3, 4, 2, 5).flatten(3))

@@ -653,6 +653,52 @@ def test_a_long_channels_last_mean_defaults_to_the_columns_kernel_within_its_spa
     assert all(knobs[name] in values for name, values in space.items() if name != "algo")
 
 
+@pytest.mark.parametrize("name", ["window_reverse", "patch_merging"])
+def test_a_view_that_merges_a_permuted_copys_dims_keeps_the_finer_domain(tmp_path, name):
+    """Swin's window reverse (a permuted copy of the windows viewed as the image, a residual add, a
+    norm) and its patch merging (a reshape, a permute, a flatten, a norm): the permuted input cannot
+    be read through strides at the merged view's points, so the domain stays the finer shape and the
+    nodes after the view read their inputs split to it. Every algorithm's default runs on the CPU as
+    the region does; a value from before such a view read after it is declined."""
+    from norm_models import PatchMerging, WindowReverseNorm
+
+    if name == "window_reverse":
+        card = region_card(tmp_path, WindowReverseNorm().eval(), torch.randn(2 * 2 * 3, 9, 16), torch.randn(2, 6, 9, 16),
+                           ops=["clone", "add", "native_layer_norm", "relu"])
+        domain = (2, 2, 3, 3, 3, 16)
+    else:
+        card = region_card(tmp_path, PatchMerging().eval(), torch.randn(2, 6, 10, 8), ops=["clone", "native_layer_norm"])
+        domain = (2, 3, 5, 2, 2, 8)
+    prog = generated.program(card)
+    assert prog.domain == domain and prog.reduction.dims == ((5,) if name == "window_reverse" else (3, 4, 5))
+    inputs = card.random_inputs(0, "cpu")
+    want = card.region.replay([t.clone() for t in inputs])
+    for space in generated.spaces(card, H200):
+        knobs = {k: v[0] for k, v in space.items()}
+        cand = generated.build(card, knobs, H200)
+        assert compiler.compile(cand.source, arch="sm_90").cubin
+        if any(k.cooperative for k in cand.plan.kernels):
+            continue
+        for got, w in zip(cuda_on_cpu.run(card, cand, inputs), want):
+            torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"{knobs}: {m}")
+
+
+class SumOfTheCopyAfterItsView(nn.Module):
+    def forward(self, x, y):
+        a = x.exp()
+        return (a.permute(0, 2, 1, 3).contiguous().view(2, 12, 5) + y) * a.sum()
+
+
+def test_a_value_from_before_a_merging_view_used_after_it_is_declined(tmp_path):
+    from kforge.codegen.views import merged_groups
+
+    card = region_card(tmp_path, SumOfTheCopyAfterItsView(), torch.randn(2, 4, 3, 5), torch.randn(2, 12, 5))
+    assert "a value from before a reshape that merges dims is used after it" in BuiltinProposer().supports(card)[1]
+    assert merged_groups((1, 2, 7, 2, 7, 384), (1, 14, 14, 384)) == ((1,), (2, 7), (2, 7), (384,))
+    assert merged_groups((2, 1, 7), (14,)) == ((2, 1, 7),) and merged_groups((14,), (2, 7)) is None
+    assert merged_groups((2, 3), (2, 3)) is None
+
+
 class SiluTimesBesideMean(nn.Module):
     def forward(self, x, z):
         y = F.silu(x)

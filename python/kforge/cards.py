@@ -290,20 +290,6 @@ class Card:
         parts = [f"{'x'.join(map(str, m.shape)) or 'scalar'}:{m.dtype}" for m in self.inputs]
         return f"{self.name}({', '.join(parts)})"
 
-    def resizes(self) -> str | None:
-        """Why no kernel can serve this call, where it resizes a tensor it writes: `abs(x)` runs as
-        `abs.out` into an empty tensor that the op resizes first. A kernel writes into the tensors it
-        is given, so one for such a call would write past the end of the empty one."""
-        def dims(m) -> str:
-            return "x".join(map(str, m.shape)) or "scalar"
-
-        for j, i in self.aliases.items():
-            before, after = self.inputs[i], self.outputs[j]
-            if (before.shape, before.stride) != (after.shape, after.stride):
-                return (f"the call resizes the tensor it writes ({dims(before)} before, {dims(after)} after): "
-                        "a kernel writes into tensors as given")
-        return None
-
     def io_bytes(self) -> int:
         """Fewest bytes a kernel must move: every input it reads read once (not an out= argument
         or copy_'s destination), every output written once."""

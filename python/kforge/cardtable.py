@@ -24,7 +24,23 @@ def skip_reason(card: Card) -> str | None:
     """Why the search leaves this card alone, or None when it is searchable."""
     if card.family not in SEARCHABLE:
         return _SKIP_REASONS.get(card.family, f"family {card.family!r} is not searched")
-    return card.resizes()
+    return resizes(card)
+
+
+def resizes(card: Card) -> str | None:
+    """Why no kernel can serve this call, where it resizes a tensor it writes: `abs(x)` runs as
+    `abs.out` into an empty tensor that the op resizes first. A kernel writes into the tensors it
+    is given, so one for such a call would write past the end of the empty one (the search skips
+    it; a package that carries one is not dispatched)."""
+    def dims(m) -> str:
+        return "x".join(map(str, m.shape)) or "scalar"
+
+    for j, i in card.aliases.items():
+        before, after = card.inputs[i], card.outputs[j]
+        if (before.shape, before.stride) != (after.shape, after.stride):
+            return (f"the call resizes the tensor it writes ({dims(before)} before, {dims(after)} after): "
+                    "a kernel writes into tensors as given")
+    return None
 
 
 def search_order(cards: Sequence[Card]) -> list[Card]:

@@ -82,8 +82,10 @@ def dispatch_blocker(card: Card) -> str | None:
     if any(not 0 <= i < len(card.inputs) for i in card.aliases.values()) or \
             any(not 0 <= j < len(card.outputs) for j in card.aliases):
         return f"cannot dispatch: aliases {card.aliases} name inputs or outputs the card does not have"
-    if card.resizes():
-        return f"cannot dispatch: {card.resizes()}"
+    from .cardtable import resizes
+
+    if resizes(card):
+        return f"cannot dispatch: {resizes(card)}"
     names = {a.name for a in schema.arguments}
     if any(a.name not in names for a in card.args):
         return f"cannot dispatch: card arguments do not match the schema of {card.op} in torch {torch.__version__}"

@@ -22,7 +22,8 @@ from . import ops, reductions, windows
 from .call import Call, Val
 from .ir import FLOATS, Expr, Node, opmath, Program, Reduction, Ref, Scan, Window, broadcast_strides, siblings
 from .order import prologue_first
-from .views import Decline, lead_stripped, moved_strides, moved_to, reshaped
+from .views import (Decline, lead_stripped, merged_groups, moved_strides, moved_to, overlaps, remappable, reshaped,
+                    split_domain, split_merged, split_strides)
 
 IR_DTYPES = FLOATS + ("int64", "int32", "int16", "int8", "uint8", "bool")
 
@@ -100,14 +101,6 @@ def _channel_input(ref, ndim: int, inputs: list[TensorMeta], sources: list[int],
     return Ref("in", len(inputs) - 1)
 
 
-def _split(strides: tuple[int, ...], frame: tuple[int, ...], split) -> tuple[int, ...]:
-    """Strides over `frame` -> over the domain, where dim d of the frame is split in (g, size // g)."""
-    if split is None:
-        return strides
-    d, g = split
-    return strides[:d] + (strides[d] * (frame[d] // g), strides[d]) + strides[d + 1:]
-
-
 def _view_strides(m: TensorMeta, shape: tuple[int, ...]) -> tuple[int, ...] | None:
     return reshaped(m.shape, m.stride, shape)
 
@@ -148,6 +141,13 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
     # move. After the reduction, a permute may only be a region output: written permuted.
     moved: dict[tuple[int, int], tuple[tuple[int, ...], tuple[int, ...]]] = {}
     stale: set[tuple[int, int]] = set()
+    # A reshape that merges dims an input read before it cannot be read merged through (Swin's
+    # window reverse: a permuted copy viewed whole): the domain stays the finer shape, the later
+    # nodes' shape split back to it (`merge`: (fine shape, the nodes' shape, each of its dims'
+    # factors)); the inputs read before it are read over the fine shape (`fine_inputs`).
+    merge: tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, ...], ...]] | None = None
+    fine_inputs: set[int] = set()
+    pre_merge: set[tuple[int, int]] = set()  # values computed before it, other than the one it views
     written_permuted: dict[tuple[int, int], tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
     def val(ref: Ref) -> Val:
@@ -169,6 +169,8 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
                     sources.append(sources[i])
                     in_frame[(i, f)] = len(inputs) - 1
                 i = in_frame[(i, f)]
+            if merge is not None and i in fine_inputs:
+                raise Decline(f"input {i} is read both before and after a reshape that merges dims")
             m = inputs[i]
             load_frame[i] = f
             loads.setdefault(i, phase)
@@ -179,12 +181,23 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
             raise Decline("a node uses a normalization's statistics (mean, rstd): not generated")
         if (ref.index, ref.output) in stale:
             raise Decline("a value from before a permute, of a shape it does not broadcast to, is used after it")
+        if (ref.index, ref.output) in pre_merge:
+            raise Decline("a value from before a reshape that merges dims is used after it: not generated")
         if (ref.index, ref.output) in written_permuted:
             raise Decline("a permute after the reduction is read by another node: only a region output may be one")
         if frames and frame_of.get((ref.index, ref.output), 0) != len(frames) - 1:
             raise Decline("a value from before a reshape is used after it: not generated")
         e, m = values[(ref.index, ref.output)]
         return Val(e, m.dtype, len(m.shape))
+
+    def merge_into(j: int, src: Ref, shape, to, groups, out: TensorMeta) -> None:
+        """Keep the domain at `shape` under the later nodes' `to` (from_nodes' `merge`): the values
+        so far stay functions of the fine domain, and only the view's is used after it."""
+        nonlocal merge
+        merge = (shape, to, groups)
+        fine_inputs.update(loads)
+        pre_merge.update(values)  # the viewed value included: only the view's own is used after
+        values[(j, 0)] = (values[(src.index, src.output)][0], out)
 
     def reshape(j: int, node: Node) -> str | None:
         """A view of a computed value that keeps its elements' order: later nodes see its shape."""
@@ -210,6 +223,12 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
                 return (f"{packet_name(node.op)} of a computed value from {shape} to {to}: before a reduction, views "
                         "that keep the number of elements, permutes and expands are generated")
             val(src)
+            groups = merged_groups(shape, to) if table_key(node.op)[0] != "permute" else None
+            if groups is not None and merge is None and not remappable(loads, inputs, shape, remap):
+                merge_into(j, src, shape, to, groups, out)
+                return None
+            if merge is not None:
+                raise Decline(f"a view from {shape} to {to} after a merging reshape: not generated")
             moved_to(shape, to, remap, values, moved, stale, inputs, sources, loads, load_frame)
             values[(j, 0)] = (values[(src.index, src.output)][0], out)
             return None
@@ -240,7 +259,7 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
         """The node's outputs from its fold's state, which starts at state var s<offset>."""
         kind_ = reductions.REDUCTIONS[plan.kind]
         refs = tuple(Expr.var(f"s{offset + i}", d) for i, d in enumerate(kind_.state(plan.operand.dtype)))
-        dom = _domain(frame, plan.split)
+        dom = split_domain(frame, plan.split)
         n = math.prod(dom[d] for d in plan.dims) if dom else 1
         for k, (e, m) in enumerate(zip(plan.outputs(refs, n), node.metas)):
             values[(j, k)] = (e.cast(m.dtype), m)
@@ -389,17 +408,30 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
             return DIFFERENT_SHAPES
         if scan is not None and not frame:
             return "a scan of a 0-dim tensor is a copy"
-    domain = _domain(frame, split)
-    dims = red.dims if red is not None else ()
+    if merge is not None:
+        fine, frame_merged, groups = merge
+        if frame != frame_merged or split is not None or frames or scan is not None or (red is not None and not red.keepdim):
+            return (f"a reshape from {fine} to {frame_merged} that merges dims, then a domain of {frame}: "
+                    "generated only where the nodes after it keep its shape (pointwise work, a normalization)")
+        starts = [sum(len(g) for g in groups[:d]) for d in range(len(groups))]
+        domain = fine
+        dims = tuple(starts[d] + k for d in (red.dims if red is not None else ()) for k in range(len(groups[d])))
+    else:
+        domain = split_domain(frame, split)
+        dims = red.dims if red is not None else ()
     keep_dom = tuple(1 if d in dims else n for d, n in enumerate(domain))
     results = results_of(values, outputs)
     def to_frame(st, f: int):  # strides over frames[f] -> over the domain
         st = st if st is None or not f else reshaped(frames[f], st, frame)
-        return st if st is None else _split(st, frame, split)
+        if st is not None and merge is not None:
+            return split_merged(st, merge[2])
+        return st if st is None else split_strides(st, frame, split)
 
     for i in loads:
         m = inputs[i]
-        if loads[i] == "pro" or red.keepdim:
+        if i in fine_inputs:  # read before a merging reshape: over the fine domain as it is
+            st = broadcast_strides(m.shape, m.stride, domain)
+        elif loads[i] == "pro" or red.keepdim:
             f = load_frame.get(i, 0)
             st = to_frame(broadcast_strides(m.shape, m.stride, frames[f] if f else frame), f)
         else:
@@ -414,13 +446,15 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
         key = (r.index, r.output)
         if key in stale:
             return "a region output from before a permute has a shape it does not broadcast to"
+        if key in pre_merge:
+            return "a region output from before a reshape that merges dims: not generated"
         if not m.numel:
             out_strides.append((0,) * len(domain))
         elif key in moved or key in written_permuted:
             st = moved_strides(m, moved.get(key), written_permuted.get(key), frame)
             if st is None:
                 return f"output of shape {m.shape} is not a permutation of the region's {frame}"
-            out_strides.append(_split(st, frame, split))
+            out_strides.append(split_strides(st, frame, split))
         elif f:
             st = to_frame(tuple(m.stride), f)
             if st is None:
@@ -428,7 +462,7 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
             out_strides.append(st)
         elif red is None or tuple(m.shape) == frame:
             lead = len(frame) - len(m.shape)  # an output with fewer (leading size-1) dims than the domain
-            out_strides.append(_split((0,) * lead + tuple(m.stride), frame, split))
+            out_strides.append(to_frame((0,) * lead + tuple(m.stride), 0))
         else:
             st = _view_strides(m, keep_dom)
             if st is None:
@@ -436,16 +470,16 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
             out_strides.append(st)
     if any(s < 0 for st in list(in_strides.values()) + out_strides for s in st):
         return "negative strides are not generated"
-    if any(_overlaps(m) for m in live):  # gaps are fine: a slab of a cat's output has them
+    if any(overlaps(m) for m in live):  # gaps are fine: a slab of a cat's output has them
         return "an output overlaps itself (an expanded view): not generated"
     reduction = None
     if red is not None:
         kind_ = reductions.REDUCTIONS[red.kind]
         if sibs:
-            if any(st[d] for st in out_strides for d in red.dims):
+            if any(st[d] for st in out_strides for d in dims):
                 return "sibling reductions under a normalization are not generated"
             kind_ = siblings([(reductions.REDUCTIONS[p.kind], p.operand.dtype) for p in [red, *sibs]])
-        reduction = Reduction(kind_, red.operand, red.dims, tuple(p.operand for p in sibs))
+        reduction = Reduction(kind_, red.operand, dims, tuple(p.operand for p in sibs))
     if reduction is not None and not red.dims:
         return "a reduction over no dims"
     scan_ = Scan(reductions.REDUCTIONS[scan.kind], scan.operand, scan.dim) if scan is not None else None
@@ -453,27 +487,9 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
                    scan_, sources=None if sources == list(range(len(inputs))) else sources)
 
 
-def _overlaps(m: TensorMeta) -> bool:
-    """Two indices of `m` name one element: some dim's stride is less than the extent of the
-    dims inside it."""
-    extent = 1
-    for size, st in sorted(((sz, abs(st)) for sz, st in zip(m.shape, m.stride) if sz > 1), key=lambda d: d[1]):
-        if st < extent:
-            return True
-        extent = st * size
-    return False
-
-
 def results_of(values, outputs: list[Ref]) -> list[Expr]:
     """The values of the region's outputs."""
     return [values[(r.index, r.output)][0] for r in outputs]
-
-
-def _domain(frame: tuple[int, ...], split) -> tuple[int, ...]:
-    if split is None:
-        return frame
-    d, g = split
-    return frame[:d] + (g, frame[d] // g) + frame[d + 1:]
 
 
 def _meta_of(ref, inputs, values) -> TensorMeta:

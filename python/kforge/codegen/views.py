@@ -1,9 +1,11 @@
 """Views of computed values in the builder (build.from_nodes): which views keep a value the
-same function of the domain, and moving a region's values to the domain a view puts them on
-(each load then read through remapped strides; the outputs written through theirs)."""
+same function of the domain, moving a region's values to the domain a view puts them on (each
+load then read through remapped strides; the outputs written through theirs), a reshape that
+merges dims kept on the finer domain, and strides over a domain that splits a dim."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
@@ -100,3 +102,70 @@ def contiguous(shape) -> tuple[int, ...]:
         st.append(acc)
         acc *= max(n, 1)
     return tuple(reversed(st))
+
+
+def merged_groups(shape: tuple[int, ...], to: tuple[int, ...]) -> tuple[tuple[int, ...], ...] | None:
+    """For each dim of `to`, the consecutive dims of `shape` it merges, where `to` is `shape`
+    with runs of its dims merged (size-1 dims of `shape` go with the run they are in, or the next
+    dim); else None. A split of a dim of `shape` is not a merge."""
+    groups, k = [], 0
+    for n in to:
+        run, size = [], 1
+        while k < len(shape) and (size < n or not run):
+            run.append(shape[k])
+            size *= shape[k]
+            k += 1
+        if size != n:
+            return None
+        groups.append(tuple(run))
+    if k < len(shape):
+        if math.prod(shape[k:]) != 1 or not groups:
+            return None
+        groups[-1] += tuple(shape[k:])
+    return tuple(groups) if any(len(g) > 1 for g in groups) else None
+
+
+def remappable(loads: dict, inputs: list[TensorMeta], shape: tuple[int, ...], remap) -> bool:
+    """Whether every input read so far can be read at a view's points through strides."""
+    for i in loads:
+        st = broadcast_strides(tuple(inputs[i].shape), tuple(inputs[i].stride), shape)
+        if st is None or remap(st) is None:
+            return False
+    return True
+
+
+def split_merged(strides: tuple[int, ...], groups: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
+    """Strides over the merged shape -> over the fine one (each dim split into its factors)."""
+    out = []
+    for st, group in zip(strides, groups):
+        inner = math.prod(group)
+        for n in group:
+            inner //= n
+            out.append(0 if n == 1 else st * inner)
+    return tuple(out)
+
+
+def split_strides(strides: tuple[int, ...], frame: tuple[int, ...], split) -> tuple[int, ...]:
+    """Strides over `frame` -> over the domain, where dim d of the frame is split in (g, size // g)."""
+    if split is None:
+        return strides
+    d, g = split
+    return strides[:d] + (strides[d] * (frame[d] // g), strides[d]) + strides[d + 1:]
+
+
+def split_domain(frame: tuple[int, ...], split) -> tuple[int, ...]:
+    if split is None:
+        return frame
+    d, g = split
+    return frame[:d] + (g, frame[d] // g) + frame[d + 1:]
+
+
+def overlaps(m: TensorMeta) -> bool:
+    """Two indices of `m` name one element: some dim's stride is less than the extent of the
+    dims inside it."""
+    extent = 1
+    for size, st in sorted(((sz, abs(st)) for sz, st in zip(m.shape, m.stride) if sz > 1), key=lambda d: d[1]):
+        if st < extent:
+            return True
+        extent = st * size
+    return False
