@@ -651,3 +651,21 @@ def test_kforge_capture_stays_the_function_after_the_capture_modules_are_importe
     assert kforge.capture is lazy is kforge.capturing.capture
     r = kforge.capture(nn.ReLU(), torch.randn(4), tmp_path / "r", time_cards=False)
     assert isinstance(r, CaptureResult) and one(r, "aten::relu.default").calls == 1
+
+
+class ScalarFirst(torch.nn.Module):
+    """Composite ops whose parts take a scalar as a tensor: `idx % 49` (remainder.Scalar ->
+    remainder.Tensor) and `2 ** x` (pow.Scalar -> pow.Tensor_Tensor_out)."""
+
+    def forward(self, idx, x):
+        return idx % 49, torch.pow(2, x)
+
+
+def test_a_composites_scalar_handed_on_as_a_tensor_is_captured(tmp_path):
+    # The composite is decomposed with the capture's mode on; its part's wrapped number reached the
+    # mode as a plain int, which the part's schema refused: the model failed under capture alone.
+    idx, x = torch.randint(0, 169, (6,)), torch.randn(6)
+    with torch.inference_mode():
+        r = capture(ScalarFirst(), (idx, x), tmp_path, time_cards=False)
+    assert one(r, "aten::remainder.Tensor").call_eager([idx, torch.tensor(49)])[0].equal(idx % 49)
+    assert by_op(r, "aten::pow.Scalar")

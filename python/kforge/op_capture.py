@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_mode
 
 from . import composite
-from .boxing import call_original
+from .boxing import call_original, rewrap
 from .callspec import arg_specs, cpu_copy, output_aliases
 from .cards import Card, TensorMeta, flatten_outputs, qualified_name
 from .errors import CaptureError, CardError
@@ -300,6 +300,17 @@ class _SeeOps(TorchDispatchMode):
                 # one (dropout, matmul, one_hot, ...), which makes calls that eager does not.
                 with self:
                     return func._op_dk(torch._C.DispatchKey.CompositeImplicitAutograd, *args, **kwargs)
+            try:
+                return func(*args, **kwargs)
+            except RuntimeError as e:
+                # A composite's part (`idx % 49`: remainder.Tensor; `2 ** x`) takes its scalar as a
+                # wrapped-number tensor, which reaches this mode as a plain number; ops other than
+                # arithmetic's refuse one where their schema says Tensor. Nothing ran: the call is
+                # made again with the tensor (made quietly: it is not the model's call).
+                if not is_op or "Expected a value of type 'Tensor'" not in str(e):
+                    raise
+            with self.rec._quietly():
+                args, kwargs = rewrap(func, args, kwargs)
             return func(*args, **kwargs)
         except Exception as e:
             if is_op:
