@@ -12,6 +12,7 @@ import torch
 import cuda_on_cpu
 from builtin_cards import A, BF16, make_card, meta
 from kforge import compiler
+from kforge.capturing import capture
 from kforge.codegen import card_program, interp
 from kforge.hardware import H200
 from kforge.proposers.builtin import BuiltinProposer, generated
@@ -94,3 +95,33 @@ def test_picked_rows_are_declined_without_a_known_index_range():
         inputs = card.random_inputs(0, "cpu")
         inputs[1][0, 0] = 50
         interp.run(prog, inputs)
+
+
+class RelativePositionBias(torch.nn.Module):
+    """Swin's relative position bias, `table[index]` (index.Tensor with one index), and an index
+    into the last dim with the others whole (`x[:, :, idx]`)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.table = torch.nn.Parameter(torch.randn(169, 3))
+        self.register_buffer("index", torch.randint(0, 169, (49 * 49,)))
+        self.register_buffer("cols", torch.tensor([4, 0, 48, 7, 7]))
+
+    def forward(self, attn):
+        bias = self.table[self.index].view(49, 49, 3).permute(2, 0, 1)
+        return attn + bias, attn[:, :, self.cols]
+
+
+def test_index_with_one_index_tensor_is_a_gather_and_runs_as_eager(tmp_path):
+    with torch.no_grad():
+        cards = capture(RelativePositionBias().eval(), (torch.randn(2, 3, 49, 49),), tmp_path, time_cards=False).cards
+    picked = [c.retarget("cuda", "sm_90") for c in cards if c.op.startswith("aten::index.Tensor")]
+    assert len(picked) == 2
+    for card in picked:
+        assert BuiltinProposer().supports(card) == (True, "")
+        cand = generated.build(card, generated.default(card, H200), H200)
+        assert compiler.compile(cand.source, arch="sm_90").cubin
+        inputs = card.random_inputs(0, "cpu")
+        (got,) = cuda_on_cpu.run(card, cand, inputs)
+        torch.testing.assert_close(got, card.call_eager([t.clone() for t in inputs], "cpu")[0], rtol=0, atol=0)

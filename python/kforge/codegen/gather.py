@@ -13,6 +13,9 @@ eager's: nothing is read out of bounds.
     embedding(weight (V, H), indices (*)) -> (*, H)
     index_select(self, dim, index (n,)) -> self with size n at dim
     gather(self, dim, index) -> index's shape: self at index's value along dim
+    index.Tensor(self, [None, ..., index (*)]) -> self with the index's dims at its one indexed
+        dim (`table[idx]`, `x[:, idx]`: Swin's relative position bias); several index tensors,
+        or a bool mask, are not generated
 """
 
 from __future__ import annotations
@@ -20,16 +23,25 @@ from __future__ import annotations
 from ..cards import TensorMeta
 from .ir import Expr, Node, Program, Ref
 
-OPS = ("aten::embedding.default", "aten::index_select.default", "aten::gather.default")
+OPS = ("aten::embedding.default", "aten::index_select.default", "aten::gather.default", "aten::index.Tensor")
 _OPERANDS = {"aten::embedding.default": ("weight", "indices")}  # (table, index); the others: self, index
 
 
 def program(node: Node, inputs: list[TensorMeta], outputs: list[TensorMeta]) -> Program | str:
     """The program of one call (card_program.node_of_card: its tensors are refs to `inputs`), or why not."""
-    table_ref, index_ref = (node.args.get(a) for a in _OPERANDS.get(node.op, ("self", "index")))
+    dim = node.args.get("dim", 0)
+    if node.op == "aten::index.Tensor":  # one index tensor, at `dim`: the indexed dim
+        indices = node.args.get("indices") or []
+        picked = [k for k, r in enumerate(indices) if r is not None]
+        if len(picked) != 1:
+            return "an index with several index tensors (or none): one is generated"
+        dim = picked[0]
+        table_ref, index_ref = node.args.get("self"), indices[dim]
+    else:
+        table_ref, index_ref = (node.args.get(a) for a in _OPERANDS.get(node.op, ("self", "index")))
     if not isinstance(table_ref, Ref) or not isinstance(index_ref, Ref):
         return "the table or the index is not a tensor"
-    table, index, dim, (out,) = inputs[table_ref.index], inputs[index_ref.index], node.args.get("dim", 0), outputs
+    table, index, (out,) = inputs[table_ref.index], inputs[index_ref.index], outputs
     if not table.shape or not isinstance(dim, int):
         return "a 0-d table, or a dim that is not a number"
     dim %= len(table.shape)
@@ -45,6 +57,10 @@ def program(node: Node, inputs: list[TensorMeta], outputs: list[TensorMeta]) -> 
         istride = index.stride[0] if index.shape else 0
         index_strides = tuple(istride if d == dim else 0 for d in range(len(table.shape)))
         table_strides = tuple(0 if d == dim else s for d, s in enumerate(table.stride))
+    elif node.op == "aten::index.Tensor":  # the table's dims before `dim`, the index's, the table's after
+        lead, trail = dim, len(table.shape) - dim - 1
+        index_strides = (0,) * lead + tuple(index.stride) + (0,) * trail
+        table_strides = tuple(table.stride[:dim]) + (0,) * len(index.shape) + tuple(table.stride[dim + 1:])
     else:  # gather: out[..., i, ...] = self[..., index[..., i, ...], ...], out shaped like the index
         if len(index.shape) != len(table.shape) or node.args.get("sparse_grad"):
             return "a gather with an index of another rank, or sparse"
