@@ -99,7 +99,8 @@ def _cpu_runner():
     """tests/cuda_on_cpu.py's runner where this is a checkout with g++, else None."""
     if not (TESTS / "cuda_on_cpu.py").is_file() or shutil.which("g++") is None:
         return None
-    sys.path.insert(0, str(TESTS))
+    if str(TESTS) not in sys.path:
+        sys.path.insert(0, str(TESTS))
     import cuda_on_cpu
 
     return cuda_on_cpu.run

@@ -10,6 +10,7 @@ from typing import Any, Sequence
 import torch
 
 from .cards import Card
+from .cardtable import resizes
 from .errors import CardError, KforgeError, LaunchRefused
 from .guards import REASONS, GuardSpec
 from .launchers import Launcher, NotPrepared
@@ -82,10 +83,9 @@ def dispatch_blocker(card: Card) -> str | None:
     if any(not 0 <= i < len(card.inputs) for i in card.aliases.values()) or \
             any(not 0 <= j < len(card.outputs) for j in card.aliases):
         return f"cannot dispatch: aliases {card.aliases} name inputs or outputs the card does not have"
-    from .cardtable import resizes
-
-    if resizes(card):
-        return f"cannot dispatch: {resizes(card)}"
+    resized = resizes(card)
+    if resized:
+        return f"cannot dispatch: {resized}"
     names = {a.name for a in schema.arguments}
     if any(a.name not in names for a in card.args):
         return f"cannot dispatch: card arguments do not match the schema of {card.op} in torch {torch.__version__}"

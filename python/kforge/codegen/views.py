@@ -46,8 +46,7 @@ def moved_to(shape, to, remap, values, moved, stale, inputs, sources, loads, loa
 
     def load_of(i: int) -> int:
         if i not in made:
-            st = broadcast_strides(tuple(inputs[i].shape), tuple(inputs[i].stride), shape)
-            st = remap(st) if st is not None else None
+            st = remapped(inputs[i], shape, remap)
             if st is None:
                 raise Decline(f"input {i} of shape {tuple(inputs[i].shape)}, read before a view from {shape} to {to}, "
                                "cannot be read at the view's points through strides")
@@ -125,13 +124,16 @@ def merged_groups(shape: tuple[int, ...], to: tuple[int, ...]) -> tuple[tuple[in
     return tuple(groups) if any(len(g) > 1 for g in groups) else None
 
 
+def remapped(m: TensorMeta, shape: tuple[int, ...], remap) -> tuple[int, ...] | None:
+    """The strides an input read over domain `shape` has at a view's points (`remap`: strides over
+    `shape` -> over the view's shape), or None where strides cannot say them."""
+    st = broadcast_strides(tuple(m.shape), tuple(m.stride), shape)
+    return remap(st) if st is not None else None
+
+
 def remappable(loads: dict, inputs: list[TensorMeta], shape: tuple[int, ...], remap) -> bool:
     """Whether every input read so far can be read at a view's points through strides."""
-    for i in loads:
-        st = broadcast_strides(tuple(inputs[i].shape), tuple(inputs[i].stride), shape)
-        if st is None or remap(st) is None:
-            return False
-    return True
+    return all(remapped(inputs[i], shape, remap) is not None for i in loads)
 
 
 def split_merged(strides: tuple[int, ...], groups: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
