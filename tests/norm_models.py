@@ -213,14 +213,17 @@ class WindowReverseNorm(nn.Module):
     """Swin's window reverse (its windows permuted back and made contiguous, viewed whole), the
     residual add and the block's norm; the windows come out of a linear layer as in the block."""
 
-    def __init__(self, c: int = 16, ws: int = 3):
+    def __init__(self, c: int = 16, ws: int = 3, flat: bool = False):
         super().__init__()
-        self.ws, self.proj, self.norm = ws, nn.Linear(c, c), nn.LayerNorm(c)
+        self.ws, self.proj, self.norm, self.flat = ws, nn.Linear(c, c), nn.LayerNorm(c), flat
 
     def forward(self, windows, shortcut):
         b, h, w, c = shortcut.shape
         x = self.proj(windows).view(-1, h // self.ws, w // self.ws, self.ws, self.ws, c)
         x = x.permute(0, 1, 3, 2, 4, 5).contiguous().view(-1, h, w, c)
+        if self.flat:  # timm's block: the sum viewed as (B, H*W, C), normed and kept for the next residual
+            x = (shortcut + x).view(b, h * w, c)
+            return x + self.proj(self.norm(x))
         return self.norm(shortcut + x).relu()
 
 

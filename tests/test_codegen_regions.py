@@ -653,24 +653,26 @@ def test_a_long_channels_last_mean_defaults_to_the_columns_kernel_within_its_spa
     assert all(knobs[name] in values for name, values in space.items() if name != "algo")
 
 
-@pytest.mark.parametrize("name", ["window_reverse", "patch_merging"])
+@pytest.mark.parametrize("name", ["window_reverse", "window_reverse_flat", "patch_merging"])
 def test_a_view_that_merges_a_permuted_copys_dims_keeps_the_finer_domain(tmp_path, name):
     """Swin's window reverse (a permuted copy of the windows viewed as the image, a residual add, a
     norm) and its patch merging (a reshape, a permute, a flatten, a norm): the permuted input cannot
     be read through strides at the merged view's points, so the domain stays the finer shape and the
-    nodes after the view read their inputs split to it. Every algorithm's default runs on the CPU as
-    the region does; a value from before such a view read after it is declined."""
+    nodes after the view read their inputs split to it. timm's block views the sum again, as
+    (B, H*W, C), before its norm: the residual read between the two views is then read over the
+    finer shape too. Every algorithm's default runs on the CPU as the region does."""
     from norm_models import PatchMerging, WindowReverseNorm
 
-    if name == "window_reverse":
-        card = region_card(tmp_path, WindowReverseNorm().eval(), torch.randn(2 * 2 * 3, 9, 16), torch.randn(2, 6, 9, 16),
-                           ops=["clone", "add", "native_layer_norm", "relu"])
+    if name.startswith("window_reverse"):
+        flat = name.endswith("flat")
+        card = region_card(tmp_path, WindowReverseNorm(flat=flat).eval(), torch.randn(2 * 2 * 3, 9, 16),
+                           torch.randn(2, 6, 9, 16), ops=["clone", "add", "native_layer_norm"] + ([] if flat else ["relu"]))
         domain = (2, 2, 3, 3, 3, 16)
     else:
         card = region_card(tmp_path, PatchMerging().eval(), torch.randn(2, 6, 10, 8), ops=["clone", "native_layer_norm"])
         domain = (2, 3, 5, 2, 2, 8)
     prog = generated.program(card)
-    assert prog.domain == domain and prog.reduction.dims == ((5,) if name == "window_reverse" else (3, 4, 5))
+    assert prog.domain == domain and prog.reduction.dims == ((3, 4, 5) if name == "patch_merging" else (5,))
     inputs = card.random_inputs(0, "cpu")
     want = card.region.replay([t.clone() for t in inputs])
     for space in generated.spaces(card, H200):

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from norm_models import BatchNormReluPool, ClassTokenOfPatches, GeluMul, SqueezeExcite
+from norm_models import BatchNormReluPool, ClassTokenOfPatches, GeluMul, PatchMerging, SqueezeExcite, WindowReverseNorm
 from test_codegen_regions import AddTransposed, RotaryKeysRepeatedFirst, rotate_half
 from kforge.capturing import capture
 from kforge.evaluate import make_evaluator
@@ -177,6 +177,13 @@ CASES = {
                                              torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16))),
     "logsumexp_over_a_size_1_dim": (LogSumExpOfOne, lambda: (torch.randn(512, 1, device="cuda"),
                                                              torch.randn(512, 4096, device="cuda"))),
+    # Swin-T's first stage at batch 4: the window reverse's merging views (the second to (B, H*W, C))
+    # with the residual add and the norm, and the patch merging, on the finer domain
+    "window_reverse_flat_norm_bf16": (lambda: WindowReverseNorm(96, 7, flat=True).eval().to("cuda", torch.bfloat16), lambda: (
+        torch.randn(4 * 64, 49, 96, device="cuda", dtype=torch.bfloat16),
+        torch.randn(4, 56, 56, 96, device="cuda", dtype=torch.bfloat16))),
+    "patch_merging_bf16": (lambda: PatchMerging(96).eval().to("cuda", torch.bfloat16), lambda: (
+        torch.randn(4, 56, 56, 96, device="cuda", dtype=torch.bfloat16),)),
     # sibling reductions: the two distances of a triplet loss folded in one pass
     "triplet_margin_loss_distances": (lambda: nn.TripletMarginLoss(margin=1.0),
                                       lambda: tuple(torch.rand(1024, 1000, device="cuda") for _ in range(3))),

@@ -22,8 +22,8 @@ from . import ops, reductions, windows
 from .call import Call, Val
 from .ir import FLOATS, Expr, Node, opmath, Program, Reduction, Ref, Scan, Window, broadcast_strides, siblings
 from .order import prologue_first
-from .views import (Decline, lead_stripped, merged_groups, moved_strides, moved_to, overlaps, remappable, reshaped,
-                    split_domain, split_merged, split_strides)
+from .views import (Decline, composed, lead_stripped, merged_groups, moved_strides, moved_to, overlaps, read_fine,
+                    remappable, reshaped, split_domain, split_merged, split_strides)
 
 IR_DTYPES = FLOATS + ("int64", "int32", "int16", "int8", "uint8", "bool")
 
@@ -127,24 +127,22 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
     out_shape: tuple[int, ...] | None = None  # a plain reduction's output shape
     in_strides: dict[int, tuple[int, ...]] = {}
     loads: dict[int, str] = {}  # input -> the phase that loads it
-    # Reshapes of computed values after the reduction (instance norm's view back to (N, C, ...)):
-    # frames[f] is the shape nodes see after the f-th; frames[0] is `frame`. A value and an
-    # input belong to one frame (an input read in two is two program inputs of one source).
+    # Reshapes after the reduction (instance norm's view back to (N, C, ...)): frames[f] is the shape
+    # nodes see after the f-th, frames[0] `frame`; an input read in two frames is two program inputs.
     frames: list[tuple[int, ...]] = []
     frame_of: dict[tuple[int, int], int] = {}
     load_frame: dict[int, int] = {}
     in_frame: dict[tuple[int, int], int] = {}
-    # Views of computed values that reorder or regroup them (a channels-last layer norm: permute,
-    # norm, permute back). Before the reduction, such a view moves every value to its domain
-    # (_moved_to); `moved` holds each moved value's shape before and the stride maps since (its
-    # output is written through its own strides, remapped), `stale` the values it could not
-    # move. After the reduction, a permute may only be a region output: written permuted.
+    # Views that reorder or regroup computed values (channels-last layer norm: permute, norm, permute
+    # back). Before the reduction one moves every value to its domain (moved_to); `moved`: each moved
+    # value's shape before and the stride maps since, `stale`: values it could not move. After the
+    # reduction, a permute may only be a region output: written permuted.
     moved: dict[tuple[int, int], tuple[tuple[int, ...], tuple[int, ...]]] = {}
     stale: set[tuple[int, int]] = set()
-    # A reshape that merges dims an input read before it cannot be read merged through (Swin's
-    # window reverse: a permuted copy viewed whole): the domain stays the finer shape, the later
-    # nodes' shape split back to it (`merge`: (fine shape, the nodes' shape, each of its dims'
-    # factors)); the inputs read before it are read over the fine shape (`fine_inputs`).
+    # A reshape that merges dims an input read before it cannot be read merged through (Swin's window
+    # reverse; then its view to (B, H*W, C)): the domain stays the finer shape, the later nodes' split
+    # back to it (`merge`: (fine shape, their shape, its dims' factors)); the inputs read before it
+    # are read over the fine shape (`fine_inputs`).
     merge: tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, ...], ...]] | None = None
     fine_inputs: set[int] = set()
     pre_merge: set[tuple[int, int]] = set()  # values computed before it, other than the one it views
@@ -203,10 +201,9 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
         """A view of a computed value that keeps its elements' order: later nodes see its shape."""
         src = node.args.get("self")
         if src is not None and red is None and scan is None and not frames and src.kind == "node":
-            # Before any reduction every value is a function of the domain's trailing dims (its
-            # loads broadcast right-aligned), so a view that only adds or drops leading size-1
-            # dims, or an expand (a broadcast), leaves it that same function: repeat_kv's
-            # unsqueeze + expand of the rotated keys, for one.
+            # Before any reduction every value is a function of the domain's trailing dims (loads broadcast
+            # right-aligned): a view that only adds or drops leading size-1 dims, or an expand, leaves it
+            # that function (repeat_kv's unsqueeze + expand of the rotated keys).
             m, out = values[(src.index, src.output)][1], node.metas[0]
             if lead_stripped(m.shape) == lead_stripped(out.shape) or (
                     table_key(node.op)[0] == "expand" and broadcast_strides(m.shape, m.stride, tuple(out.shape)) is not None):
@@ -224,6 +221,10 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
                         "that keep the number of elements, permutes and expands are generated")
             val(src)
             groups = merged_groups(shape, to) if table_key(node.op)[0] != "permute" else None
+            if groups is not None and merge is not None and shape == merge[1]:  # merged again: (B, H, W, C) to (B, H*W, C)
+                read_fine(loads, inputs, fine_inputs, merge)
+                merge_into(j, src, merge[0], to, composed(merge[2], groups), out)
+                return None
             if groups is not None and merge is None and not remappable(loads, inputs, shape, remap):
                 merge_into(j, src, shape, to, groups, out)
                 return None

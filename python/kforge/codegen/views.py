@@ -124,6 +124,28 @@ def merged_groups(shape: tuple[int, ...], to: tuple[int, ...]) -> tuple[tuple[in
     return tuple(groups) if any(len(g) > 1 for g in groups) else None
 
 
+def composed(fine: tuple[tuple[int, ...], ...], groups: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+    """The factors of each dim of a second merging reshape over the fine shape of the first
+    (`fine`: each merged dim's factors; `groups`: the merged dims each new dim joins)."""
+    out, k = [], 0
+    for g in groups:
+        out.append(sum(fine[k:k + len(g)], ()))
+        k += len(g)
+    return tuple(out)
+
+
+def read_fine(loads: dict, inputs: list[TensorMeta], fine_inputs: set[int], merge) -> None:
+    """From a second merging reshape on, the inputs read over the first one's merged shape are
+    read over its fine shape, their strides split to it (merge: (fine, merged, factors))."""
+    fine, shape, groups = merge
+    for i in loads:
+        if i not in fine_inputs:
+            st = broadcast_strides(tuple(inputs[i].shape), tuple(inputs[i].stride), shape)
+            if st is None:
+                raise Decline(f"input {i} of shape {tuple(inputs[i].shape)} does not broadcast to {shape}")
+            inputs[i] = replace(inputs[i], shape=fine, stride=split_merged(st, groups))
+
+
 def remapped(m: TensorMeta, shape: tuple[int, ...], remap) -> tuple[int, ...] | None:
     """The strides an input read over domain `shape` has at a view's points (`remap`: strides over
     `shape` -> over the view's shape), or None where strides cannot say them."""
