@@ -37,11 +37,13 @@ model() {  # model LOG NAME FILE [bench_model.py args...]; DTYPE etc. pass throu
     ${WALL:+--wall-time "$WALL"} $compile_flag $regions_flag --out "$OUT/model_${name}_h200.json" "$@"
 }
 # The A/B of issue 23 on one example model, in one process: eager, the package, torch.compile,
-# kforge.compile, and both compiles with mode="reduce-overhead" (T_AB seconds per model). With
+# kforge.compile, and both compiles with mode="reduce-overhead" (T_AB seconds per model; Swin-T's and
+# EfficientNet-B0's six compiles need about 200 s with a 40 s search). With
 # RUNS_DIR set, each model's run directory is kept there (for the dashboard's screenshots).
-ab() {  # ab LOG NAME FILE [bench_model.py args...]
+ab() {  # ab LOG NAME FILE [bench_model.py args...]; T_AB_<name> (T_AB_unseen_swin=280) overrides T_AB for one model
   local log=$1 name=$2 file=$3; shift 3
-  step "$log" "ab-$name" "${T_AB:-300}" python3 bench/bench_model.py "$file" --iterations "${ITERS:-6}" \
+  local limit_var="T_AB_$name"
+  step "$log" "ab-$name" "${!limit_var:-${T_AB:-300}}" python3 bench/bench_model.py "$file" --iterations "${ITERS:-6}" \
     ${WALL:+--wall-time "$WALL"} --compile $regions_flag ${RUNS_DIR:+--run-dir "$RUNS_DIR/$name"} \
     --out "$OUT/ab_${name}${REGIONS:+_regions}_h200.json" "$@"
 }
