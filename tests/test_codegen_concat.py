@@ -180,3 +180,41 @@ def test_two_cats_cut_differently_read_each_others_pieces_slab_by_slab(tmp_path)
         assert compiler.compile(cand.source, arch="sm_90").cubin
         (ran,) = cuda_on_cpu.run(card, cand, inputs)
         torch.testing.assert_close(ran, want)
+
+
+@pytest.mark.parametrize("shape, shifts, dims, channels_last", [
+    ((2, 6, 9, 4), (-3, -3), (1, 2), False),  # Swin's shifted windows: two dims, one launch of four blocks
+    ((2, 4, 6, 9), (3, -2), (2, 3), True),    # channels-last, written as eager writes it
+    ((8, 5), (7,), (0,), False),              # a shift past the size wraps
+    ((3, 4), (4, 1), (1, 0), False),          # whole turns along one dim: only the other is cut
+    ((3, 4), (4,), (1,), False),              # whole turns only: a copy
+])
+def test_a_roll_card_is_a_cat_of_its_inputs_slices(shape, shifts, dims, channels_last):
+    """torch.roll (an `other` op) is generated as cats of its input's slices (concat.roll_nodes):
+    one launch whose parts copy each block of the input to where the roll puts it, equal to eager
+    through the interpreter and through the generated C on the CPU, and compiled by NVRTC."""
+    x = meta(*shape)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    card = make_card(A.roll.default, x, list(shifts), list(dims))
+    prog = card_program.program_for_card(card)
+    assert not isinstance(prog, str), prog
+    cut = sum(1 for d, s in zip(dims, shifts) if s % shape[d])
+    assert len(prog.parts) + 1 == 2 ** cut
+    assert BuiltinProposer().supports(card) == (True, "")
+    inputs = card.random_inputs(0, "cpu")
+    want = torch.roll(inputs[0], shifts, dims)
+    (got,) = interp.run(prog, inputs)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for vec in (1, 4):
+        knobs = {**generated.default(card, H200), "vec": vec}
+        cand = generated.build(card, knobs, H200)
+        assert compiler.compile(cand.source, arch="sm_90").cubin
+        (ran,) = cuda_on_cpu.run(card, cand, inputs)
+        assert ran.stride() == tuple(card.outputs[0].stride)
+        torch.testing.assert_close(ran, want, rtol=0, atol=0, msg=lambda m: f"{knobs}: {m}")
+
+
+def test_a_roll_of_the_flattened_tensor_is_declined():
+    card = make_card(A.roll.default, meta(3, 4), [1], [])
+    assert "flattened" in BuiltinProposer().supports(card)[1]

@@ -238,6 +238,31 @@ def test_a_generated_cat_card_passes_the_evaluator_at_every_vector_width(tmp_pat
             assert not res.verdict.failed, f"vec {vec}: {res.verdict.value}: {res.message}"
 
 
+class ShiftedWindows(nn.Module):
+    def forward(self, x):
+        return torch.roll(x, shifts=(-3, -3), dims=(1, 2))
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_a_generated_roll_card_passes_the_evaluator_at_every_vector_width(tmp_path, channels_last):
+    """Swin-T's shifted windows at batch 4 (bf16, 56x56x96): the roll along two dims as four block
+    copies in one launch; and the same roll of an NCHW-shaped channels-last tensor."""
+    x = torch.randn(4, 56, 56, 96, device="cuda", dtype=torch.bfloat16)
+    if channels_last:
+        x = x.permute(0, 3, 1, 2)  # (4, 96, 56, 56), channels-last in memory; rolled along dims 1, 2
+    with torch.no_grad():
+        r = capture(ShiftedWindows(), (x,), tmp_path)
+    (card,) = [c for c in r.cards if c.op == "aten::roll.default"]
+    hw = current()
+    assert BuiltinProposer().supports(card) == (True, "")
+    with make_evaluator(tmp_path, devices=[0], timeout_s=20.0, **FAST) as ev:
+        for space in generated.spaces(card, hw):
+            for vec in space["vec"]:
+                knobs = {**{k: v[0] for k, v in space.items()}, "vec": vec}
+                res = ev.evaluate(card, generated.build(card, knobs, hw))
+                assert not res.verdict.failed, f"{knobs}: {res.verdict.value}: {res.message}"
+
+
 def test_a_squeeze_excite_mean_with_its_silu_written_beside_it_passes_the_evaluator(tmp_path):
     """EfficientNet-B0's third stage at batch 8, channels-last bf16: batch norm -> SiLU written
     beside its mean over the pixels (a shared region), by default one column kernel that stores

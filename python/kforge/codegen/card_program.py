@@ -114,6 +114,14 @@ def program_for_card(card: Card) -> Program | str:
         return "the op returns no tensor"
     if card.region is None and card.op in gather.OPS:
         return gather.program(node_of_card(card), list(card.inputs), list(card.outputs))
+    if card.region is None and card.op == concat.ROLL:
+        rolled = concat.roll_nodes(node_of_card(card), list(card.inputs), card.outputs[0])
+        if isinstance(rolled, str):
+            return rolled
+        nodes, inputs, sources, ref = rolled
+        if not any(concat.is_cat(n.op) for n in nodes):
+            return from_nodes(nodes, inputs, [ref], list(card.outputs), card.aliases)
+        return _slabbed(nodes, inputs, sources, [ref], list(card.outputs), card.aliases)
     if card.region is not None:
         conv = region_nodes(card)
         if isinstance(conv, str):

@@ -25,13 +25,55 @@ from dataclasses import replace
 from ..cards import TensorMeta, pointer_alignment
 from ..families import family_of, packet_name
 from .ir import Node, Ref
-from .views import Decline
+from .views import Decline, contiguous
 
 MAX_SLABS = 16  # a cat of many pieces is many small kernels: not worth generating
+ROLL = "aten::roll.default"
 
 
 def is_cat(op: str) -> bool:
     return op.removeprefix("aten::").partition(".")[0] == "cat"
+
+
+def roll_nodes(node: Node, inputs: list[TensorMeta], out: TensorMeta) -> tuple[list[Node], list[TensorMeta], list[int], Ref] | str:
+    """torch.roll as cats of its input's slices: along a dim rolled by s (mod its size n), the
+    output is the input's last s elements, then its first n - s; a roll along several dims is a
+    cat of such cats, each piece an input narrowed along every rolled dim, so one launch copies
+    each of the 2^k blocks once (eager rolls one dim at a time: a pass over the tensor each;
+    Swin's shifted windows roll two). (nodes, program inputs, their launch-plan inputs, the
+    output's ref), or why not."""
+    src, shifts, dims = node.args.get("self"), list(node.args.get("shifts") or []), list(node.args.get("dims") or [])
+    if not isinstance(src, Ref) or src.kind != "in":
+        return "a roll of a value the card does not read"
+    x = inputs[src.index]
+    if not dims or len(dims) != len(shifts) or not x.shape:
+        return "a roll of the flattened tensor (no dims): not generated"
+    nd = len(x.shape)
+    dims = [d % nd for d in dims]
+    if len(set(dims)) != len(dims):
+        return "a roll along one dim twice: not generated"
+    rolled = [(d, s % x.shape[d]) for d, s in zip(dims, shifts) if x.shape[d] and s % x.shape[d]]
+    if 0 in x.shape or x.dtype != out.dtype or tuple(out.shape) != tuple(x.shape):
+        return "a roll of no elements, or into another dtype or shape"
+    nodes: list[Node] = []
+    ins, sources = list(inputs), list(range(len(inputs)))
+
+    def piece(m: TensorMeta, k: int) -> Ref:
+        if k == len(rolled):
+            ins.append(m)
+            sources.append(src.index)
+            return Ref("in", len(ins) - 1)
+        d, s = rolled[k]
+        n, r = m.shape[d], d - nd
+        parts = [piece(_narrow(m, r, n - s, n), k + 1), piece(_narrow(m, r, 0, n - s), k + 1)]
+        made = out if not k else replace(out, shape=m.shape, stride=contiguous(m.shape), storage_offset=0)
+        nodes.append(Node("aten::cat.default", {"tensors": parts, "dim": d}, [made]))
+        return Ref("node", len(nodes) - 1, 0)
+
+    if not rolled:  # whole turns: a copy
+        nodes.append(Node("aten::clone.default", {"self": src, "memory_format": None}, [out]))
+        return nodes, ins, sources, Ref("node", 0, 0)
+    return nodes, ins, sources, piece(x, 0)
 
 
 def slabs(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], out_metas: list[TensorMeta],
