@@ -281,6 +281,15 @@ def region_card(tmp_path, model, *inputs, ops=None):
     return card.retarget("cuda", "sm_90")
 
 
+class NormalizeLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(50, 50)
+
+    def forward(self, x):
+        return self.lin(F.normalize(self.lin(x), dim=-1))
+
+
 CASES = {
     "silu_mul": (SiluMul, lambda: (torch.randn(64, 48), torch.randn(64, 48)), ["silu", "mul"]),
     "add_mul_broadcast": (AddMul, lambda: (torch.randn(16, 48), torch.randn(48), torch.randn(16, 1)), ["add", "mul"]),
@@ -336,6 +345,9 @@ CASES = {
     "add_of_a_transposed_int64": (AddTransposed, lambda: (torch.randint(-9, 9, (3, 50, 40)), torch.randint(-9, 9, (3, 40, 50))),
                                   None),
     "sum_and_sum_of_squares": (SumTimesSquares, lambda: (torch.rand(12, 50),), ["sum", "mul", "sum", "mul"]),  # no cancellation
+    # F.normalize: the norm, kept, expanded back over the rows it divides (EdgeNeXt's attention)
+    "normalize_expands_its_norm_back": (lambda: NormalizeLinear(), lambda: (torch.randn(12, 50),),
+                                        ["linalg_vector_norm", "clamp_min", "div"]),
 }
 
 

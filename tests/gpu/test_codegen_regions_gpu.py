@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from norm_models import BatchNormReluPool, ClassTokenOfPatches, GeluMul, PatchMerging, SqueezeExcite, WindowReverseNorm
-from test_codegen_regions import AddTransposed, RotaryKeysRepeatedFirst, rotate_half
+from test_codegen_regions import AddTransposed, NormalizeLinear, RotaryKeysRepeatedFirst, rotate_half
 from kforge.capturing import capture
 from kforge.cards import decode_value
 from kforge.evaluate import make_evaluator
@@ -185,6 +185,8 @@ CASES = {
         torch.randn(4, 56, 56, 96, device="cuda", dtype=torch.bfloat16))),
     "patch_merging_bf16": (lambda: PatchMerging(96).eval().to("cuda", torch.bfloat16), lambda: (
         torch.randn(4, 56, 56, 96, device="cuda", dtype=torch.bfloat16),)),
+    # F.normalize: the row's norm expanded back over the row it divides
+    "normalize_rows": (lambda: NormalizeLinear().cuda(), lambda: (torch.randn(4096, 50, device="cuda"),)),
     # sibling reductions: the two distances of a triplet loss folded in one pass
     "triplet_margin_loss_distances": (lambda: nn.TripletMarginLoss(margin=1.0),
                                       lambda: tuple(torch.rand(1024, 1000, device="cuda") for _ in range(3))),

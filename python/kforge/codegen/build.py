@@ -101,10 +101,6 @@ def _channel_input(ref, ndim: int, inputs: list[TensorMeta], sources: list[int],
     return Ref("in", len(inputs) - 1)
 
 
-def _view_strides(m: TensorMeta, shape: tuple[int, ...]) -> tuple[int, ...] | None:
-    return reshaped(m.shape, m.stride, shape)
-
-
 def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], out_metas: list[TensorMeta],
                aliases: dict[int, int], sources: list[int] | None = None) -> Program | str:
     """`sources`: the launch-plan input each of `inputs` reads (region_nodes); the builder
@@ -242,10 +238,12 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
             values[(j, 0)] = (e, out)
             written_permuted[(j, 0)] = (tuple(d % len(m.shape) for d in node.args["dims"]), tuple(m.shape))
             return None
-        if out.numel != m.numel or reshaped(m.shape, m.stride, tuple(out.shape)) != reshaped(
-                out.shape, out.stride, tuple(out.shape)):
+        # an expand back over the reduced operand's shape only broadcasts what the reduction kept (F.normalize)
+        back = table_key(node.op)[0] == "expand" and not frames and lead_stripped(out.shape) == lead_stripped(frame)
+        if not back and (out.numel != m.numel or reshaped(m.shape, m.stride, tuple(out.shape)) != reshaped(
+                out.shape, out.stride, tuple(out.shape))):
             return f"{packet_name(node.op)} of a computed value reorders its elements: not generated"
-        if tuple(out.shape) == tuple(m.shape):  # restrides only size-1 dims (as_strided after a keepdim mean)
+        if back or tuple(out.shape) == tuple(m.shape):  # or restrides only size-1 dims (as_strided after a keepdim mean)
             values[(j, 0)] = (e, out)
             frame_of[(j, 0)] = frame_of.get((src.index, src.output), 0)
             return None
@@ -465,7 +463,7 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
             lead = len(frame) - len(m.shape)  # an output with fewer (leading size-1) dims than the domain
             out_strides.append(to_frame((0,) * lead + tuple(m.stride), 0))
         else:
-            st = _view_strides(m, keep_dom)
+            st = reshaped(m.shape, m.stride, keep_dom)
             if st is None:
                 return f"output of shape {m.shape}: neither the reduced operand's {frame} nor its reduction's {keep_dom}"
             out_strides.append(st)
