@@ -508,3 +508,27 @@ def test_norm_region_is_one_program_that_matches_its_replay(tmp_path, name):
     want = card.region.replay([t.clone() for t in inputs])
     _check_outputs(interp.run(prog, inputs), want, card)
     _compile_and_run(card, inputs, want)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_safe_softmax_is_zero_on_a_row_that_is_all_minus_inf(dtype):
+    """_safe_softmax (what SDPA's math path calls under a mask: MaxViT's attention) is softmax but
+    for a row masked whole, where softmax gives NaN and it gives 0; a row masked in part, and a NaN,
+    stay softmax's. Every algorithm's default compiles; those the CPU runs match eager exactly."""
+    x = torch.randn(6, 33).to(dtype)
+    x[1] = -math.inf
+    x[2, :5] = -math.inf
+    x[3, 7] = math.nan
+    card = make_card(A._safe_softmax.default, meta(6, 33, dtype=dtype), -1)
+    assert BuiltinProposer().supports(card) == (True, "")
+    want = torch.ops.aten._safe_softmax(x, -1)
+    assert torch.equal(want[1], torch.zeros(33, dtype=dtype))
+    (got,) = interp.run(card_program.program_for_card(card), [x])
+    torch.testing.assert_close(got, want, equal_nan=True)
+    for space in generated.spaces(card, H200):
+        knobs = {k: v[0] for k, v in space.items()}
+        cand = generated.build(card, knobs, H200)
+        assert compiler.compile(cand.source, arch="sm_90").cubin
+        if dtype == F32 and knobs["algo"] not in ("gen_rows", "gen_norm_coop"):
+            (ran,) = cuda_on_cpu.run(card, cand, [x])
+            torch.testing.assert_close(ran, want, equal_nan=True, msg=lambda m: f"{knobs}: {m}")

@@ -317,7 +317,9 @@ def _affine(y: Expr, w: Expr | None, b: Expr | None) -> Expr:
     return y + b if b is not None else y
 
 
-def _softmax(log: bool) -> Callable:
+def _softmax(log: bool, safe: bool = False) -> Callable:
+    """softmax and log_softmax over dims; `safe`: _safe_softmax (SDPA's masked rows), 0 on a row
+    that is all -inf where softmax gives NaN (the row's max is -inf exactly then)."""
     def entry(c: Call):
         x = c.v("self")
         if x.dtype not in FLOATS:
@@ -331,6 +333,9 @@ def _softmax(log: bool) -> Callable:
             # eager divides by the sum; its reciprocal, taken once a row, differs by an ulp at most
             # and cannot overflow: the sum is at least 1 (the max's exp(0)) unless it is NaN
             outs = lambda s, n: [prim("exp", e - s[0]) * (1.0 / s[1])]  # noqa: E731
+        if safe:
+            soft = outs
+            outs = lambda s, n: [where(eq(s[0], _k(s[0], -math.inf)), _k(s[0], 0.0), soft(s, n)[0])]  # noqa: E731
         return ReductionPlan("logsumexp", e, dims, True, outs)
     return entry
 
@@ -413,7 +418,7 @@ def _batch_norm(c: Call):
 # a tuple of pointwise Exprs (one per output; outputs that are empty tensors get none), or a reason)
 NORM_OPS: dict[str, tuple[tuple[str, ...], Callable]] = {
     "_softmax": ((), _softmax(False)), "_log_softmax": ((), _softmax(True)),
-    "softmax": ((), _softmax(False)), "log_softmax": ((), _softmax(True)),
+    "softmax": ((), _softmax(False)), "log_softmax": ((), _softmax(True)), "_safe_softmax": ((), _softmax(False, True)),
     "native_layer_norm": ((), _last_dims_norm(False)), "_fused_rms_norm": ((), _last_dims_norm(True)),
     "native_group_norm": (("weight", "bias"), _group_norm),
     **{k: (("weight", "bias", "running_mean", "running_var"), _batch_norm)
