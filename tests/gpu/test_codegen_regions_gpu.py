@@ -10,6 +10,8 @@ before its epilogue) and a reduction over a size-1 dim (pointwise); inputs trans
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -185,6 +187,10 @@ CASES = {
         torch.randn(4, 56, 56, 96, device="cuda", dtype=torch.bfloat16))),
     "patch_merging_bf16": (lambda: PatchMerging(96).eval().to("cuda", torch.bfloat16), lambda: (
         torch.randn(4, 56, 56, 96, device="cuda", dtype=torch.bfloat16),)),
+    # SDPA's masked softmax (its math path): rows masked whole come out 0
+    "safe_softmax_of_a_masked_sum": (lambda: MaskedSafeSoftmax(), lambda: (
+        torch.randn(64, 4, 49, 49, device="cuda", dtype=torch.bfloat16),
+        torch.where(torch.rand(4, 49, 49, device="cuda") > 0.9, -math.inf, 0.0).to(torch.bfloat16))),
     # F.normalize: the row's norm expanded back over the row it divides
     "normalize_rows": (lambda: NormalizeLinear().cuda(), lambda: (torch.randn(4096, 50, device="cuda"),)),
     # sibling reductions: the two distances of a triplet loss folded in one pass
@@ -239,6 +245,11 @@ def test_a_generated_cat_card_passes_the_evaluator_at_every_vector_width(tmp_pat
             cand = generated.build(card, {**generated.default(card, hw), "vec": vec}, hw)
             res = ev.evaluate(card, cand)
             assert not res.verdict.failed, f"vec {vec}: {res.verdict.value}: {res.message}"
+
+
+class MaskedSafeSoftmax(nn.Module):
+    def forward(self, x, mask):
+        return torch.ops.aten._safe_softmax(x + mask, -1)
 
 
 class ShiftedWindows(nn.Module):
