@@ -281,6 +281,17 @@ def region_card(tmp_path, model, *inputs, ops=None):
     return card.retarget("cuda", "sm_90")
 
 
+class ChannelsLastNormBack(nn.Module):
+    """A layer norm over the channels of an NCHW sum, permuted back and made contiguous (MaxViT's)."""
+
+    def __init__(self, c: int = 16):
+        super().__init__()
+        self.norm, self.conv = nn.LayerNorm(c), nn.Conv2d(c, c, 1)
+
+    def forward(self, x, y):
+        return self.conv(self.norm((x + y).permute(0, 2, 3, 1)).permute(0, 3, 1, 2).contiguous())
+
+
 class NormalizeLinear(nn.Module):
     def __init__(self):
         super().__init__()
@@ -345,6 +356,9 @@ CASES = {
     "add_of_a_transposed_int64": (AddTransposed, lambda: (torch.randint(-9, 9, (3, 50, 40)), torch.randint(-9, 9, (3, 40, 50))),
                                   None),
     "sum_and_sum_of_squares": (SumTimesSquares, lambda: (torch.rand(12, 50),), ["sum", "mul", "sum", "mul"]),  # no cancellation
+    # a permute after a norm made contiguous: the copy is written permuted, as the permute would be
+    "norm_permuted_back_and_made_contiguous": (ChannelsLastNormBack, lambda: (torch.randn(2, 16, 5, 7), torch.randn(2, 16, 5, 7)),
+                                               ["add", "native_layer_norm", "clone"]),
     # F.normalize: the norm, kept, expanded back over the rows it divides (EdgeNeXt's attention)
     "normalize_expands_its_norm_back": (lambda: NormalizeLinear(), lambda: (torch.randn(12, 50),),
                                         ["linalg_vector_norm", "clamp_min", "div"]),

@@ -238,8 +238,7 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
             values[(j, 0)] = (e, out)
             written_permuted[(j, 0)] = (tuple(d % len(m.shape) for d in node.args["dims"]), tuple(m.shape))
             return None
-        # an expand back over the reduced operand's shape only broadcasts what the reduction kept (F.normalize)
-        back = table_key(node.op)[0] == "expand" and not frames and lead_stripped(out.shape) == lead_stripped(frame)
+        back = table_key(node.op)[0] == "expand" and not frames and lead_stripped(out.shape) == lead_stripped(frame)  # F.normalize
         if not back and (out.numel != m.numel or reshaped(m.shape, m.stride, tuple(out.shape)) != reshaped(
                 out.shape, out.stride, tuple(out.shape))):
             return f"{packet_name(node.op)} of a computed value reorders its elements: not generated"
@@ -291,8 +290,11 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
         entries = [entry_for(n.op) for n in nodes]
         for j in prologue_first(nodes, [j for j, (k, _) in enumerate(entries) if k in ("reduction", "norm")]):
             node, (kind, entry) = nodes[j], entries[j]
+            src = node.args.get("self")
+            if packet_name(node.op) == "clone" and isinstance(src, Ref) and (key := (src.index, src.output)) in written_permuted:
+                values[(j, 0)], written_permuted[(j, 0)] = (values[key][0], node.metas[0]), written_permuted[key]
+                continue  # the permute made contiguous: written permuted as well
             if win is not None and kind != "pointwise":  # a pooling's epilogue: pointwise maps of what it computes
-                src = node.args.get("self")
                 if kind is None and isinstance(src, Ref) and src.kind == "node" and windows.ones_view(
                         packet_name(node.op), values[(src.index, src.output)][1], node.metas[0]):
                     values[(j, 0)] = (val(src).expr, node.metas[0])  # 1-D pooling's squeeze: the same points
