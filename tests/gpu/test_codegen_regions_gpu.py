@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from norm_models import BatchNormReluPool, ClassTokenOfPatches, GeluMul, PatchMerging, SqueezeExcite, WindowReverseNorm
-from test_codegen_regions import AddTransposed, NormalizeLinear, RotaryKeysRepeatedFirst, rotate_half
+from test_codegen_regions import AddTransposed, ChannelsLastNormBack, NormalizeLinear, RotaryKeysRepeatedFirst, rotate_half
 from kforge.capturing import capture
 from kforge.cards import decode_value
 from kforge.evaluate import make_evaluator
@@ -191,6 +191,10 @@ CASES = {
     "safe_softmax_of_a_masked_sum": (lambda: MaskedSafeSoftmax(), lambda: (
         torch.randn(64, 4, 49, 49, device="cuda", dtype=torch.bfloat16),
         torch.where(torch.rand(4, 49, 49, device="cuda") > 0.9, -math.inf, 0.0).to(torch.bfloat16))),
+    # a layer norm over an NCHW sum's channels, permuted back and made contiguous (MaxViT's)
+    "norm_permuted_back_and_made_contiguous_bf16": (lambda: ChannelsLastNormBack(64).to("cuda", torch.bfloat16), lambda: (
+        torch.randn(8, 64, 56, 56, device="cuda", dtype=torch.bfloat16),
+        torch.randn(8, 64, 56, 56, device="cuda", dtype=torch.bfloat16))),
     # F.normalize: the row's norm expanded back over the row it divides
     "normalize_rows": (lambda: NormalizeLinear().cuda(), lambda: (torch.randn(4096, 50, device="cuda"),)),
     # sibling reductions: the two distances of a triplet loss folded in one pass
