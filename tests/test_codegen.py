@@ -16,7 +16,7 @@ from builtin_cards import A, BF16, F16, make_card, meta
 from codegen_cards import EDGES, card_for, pointwise_overloads
 from kforge import compiler
 from kforge.cards import TensorMeta
-from kforge.codegen import build, card_program, interp, ops
+from kforge.codegen import build, card_program, entries, interp, ops
 from kforge.codegen.ir import Expr, Node, Ref, broadcast_strides
 from kforge.hardware import H200
 from kforge.proposers.builtin import BuiltinProposer, generated
@@ -26,7 +26,7 @@ TAGGED = pointwise_overloads()
 
 
 def test_every_tagged_pointwise_op_is_in_the_table_or_declined_and_the_declined_list_is_printed(capsys):
-    missing = [n for n in TAGGED if build.table_key(f"aten::{n}.default")[0] not in {**ops.POINTWISE, **ops.DECLINED}]
+    missing = [n for n in TAGGED if entries.table_key(f"aten::{n}.default")[0] not in {**ops.POINTWISE, **ops.DECLINED}]
     assert not missing, f"tagged pointwise but neither in ops.POINTWISE nor ops.DECLINED: {missing}"
     with capsys.disabled():
         print(f"\n{len(ops.DECLINED)} pointwise ops declined by the code generator:")
@@ -52,7 +52,7 @@ def _generated_card(op):
 
 @pytest.mark.parametrize("name", sorted(TAGGED))
 def test_tagged_pointwise_op_compiles_from_the_table(name):
-    key = build.table_key(f"aten::{name}.default")[0]
+    key = entries.table_key(f"aten::{name}.default")[0]
     for op in TAGGED[name]:
         card, why = _generated_card(op)
         if key in ops.DECLINED:
@@ -149,12 +149,12 @@ def test_torch_211s_untagged_leaky_relu_and_hardtanh_inplace_are_generated(monke
         def overloads(self):
             return ["default"]
 
-    assert build.entry_for("aten::where.default")[0] is None  # tagged in where.self: the tag decides
-    real_build, real_families = build._overload, families._resolve
-    monkeypatch.setattr(build, "_overload", lambda op: Untagged(real_build(op)))
+    assert entries.entry_for("aten::where.default")[0] is None  # tagged in where.self: the tag decides
+    real_entries, real_families = entries.overload_of, families._resolve
+    monkeypatch.setattr(entries, "overload_of", lambda op: Untagged(real_entries(op)))
     monkeypatch.setattr(families, "_resolve", lambda op: Untagged(real_families(op)))
     for op in ("aten::leaky_relu.default", "aten::hardtanh_.default"):
-        assert build.entry_for(op)[0] == "pointwise", build.entry_for(op)
+        assert entries.entry_for(op)[0] == "pointwise", entries.entry_for(op)
         assert families.family_of(op) == "pointwise"
     assert families.family_of("aten::cumsum.default") == "other"  # not in the table: no tag, no pointwise
 

@@ -292,6 +292,22 @@ class ChannelsLastNormBack(nn.Module):
         return self.conv(self.norm((x + y).permute(0, 2, 3, 1)).permute(0, 3, 1, 2).contiguous())
 
 
+class WindowPartitionAfterNorm(nn.Module):
+    """A layer norm, then its windows: Swin's partition (a view, a permute, a copy) or MaxViT's (a
+    view, a transpose, a reshape that copies)."""
+
+    def __init__(self, transpose: bool = False, c: int = 16, ws: int = 3):
+        super().__init__()
+        self.norm, self.lin, self.transpose, self.ws = nn.LayerNorm(c), nn.Linear(c, c), transpose, ws
+
+    def forward(self, x):
+        b, h, w, c = x.shape
+        x = self.norm(x).view(b, h // self.ws, self.ws, w // self.ws, self.ws, c)
+        if self.transpose:
+            return self.lin(x.transpose(2, 3).reshape(-1, self.ws, self.ws, c))
+        return self.lin(x.permute(0, 1, 3, 2, 4, 5).contiguous().view(-1, self.ws * self.ws, c))
+
+
 class NormalizeLinear(nn.Module):
     def __init__(self):
         super().__init__()
@@ -359,6 +375,11 @@ CASES = {
     # a permute after a norm made contiguous: the copy is written permuted, as the permute would be
     "norm_permuted_back_and_made_contiguous": (ChannelsLastNormBack, lambda: (torch.randn(2, 16, 5, 7), torch.randn(2, 16, 5, 7)),
                                                ["add", "native_layer_norm", "clone"]),
+    # a norm's output split into windows and permuted: the domain is the split shape, the copy written permuted
+    "window_partition_after_a_norm": (WindowPartitionAfterNorm, lambda: (torch.randn(2, 6, 9, 16),),
+                                      ["native_layer_norm", "clone"]),
+    "window_partition_after_a_norm_by_transpose": (lambda: WindowPartitionAfterNorm(True), lambda: (torch.randn(2, 6, 9, 16),),
+                                                   ["native_layer_norm", "clone"]),
     # F.normalize: the norm, kept, expanded back over the rows it divides (EdgeNeXt's attention)
     "normalize_expands_its_norm_back": (lambda: NormalizeLinear(), lambda: (torch.randn(12, 50),),
                                         ["linalg_vector_norm", "clamp_min", "div"]),

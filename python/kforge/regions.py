@@ -323,7 +323,7 @@ def _drops_outputs(g: _Graph, members: set[fx.Node]) -> bool:
     """One node that does work, a pooling or reduction the code generator lowers (a region the
     built-in proposer declines would cost a capture and a search for nothing), whose outputs
     nobody reads are DEAD_SHARE or more of its bytes."""
-    from .codegen.build import entry_for
+    from .codegen.entries import entry_for
 
     (n,) = [m for m in members if g.roles[m] != "view"]
     if entry_for(qualified_name(n.target))[0] not in ("window", "reduction"):

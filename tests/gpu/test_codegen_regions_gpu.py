@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from norm_models import BatchNormReluPool, ClassTokenOfPatches, GeluMul, PatchMerging, SqueezeExcite, WindowReverseNorm
-from test_codegen_regions import AddTransposed, ChannelsLastNormBack, NormalizeLinear, RotaryKeysRepeatedFirst, rotate_half
+from test_codegen_regions import (AddTransposed, ChannelsLastNormBack, NormalizeLinear, RotaryKeysRepeatedFirst,
+                                  WindowPartitionAfterNorm, rotate_half)
 from kforge.capturing import capture
 from kforge.cards import decode_value
 from kforge.evaluate import make_evaluator
@@ -195,6 +196,11 @@ CASES = {
     "norm_permuted_back_and_made_contiguous_bf16": (lambda: ChannelsLastNormBack(64).to("cuda", torch.bfloat16), lambda: (
         torch.randn(8, 64, 56, 56, device="cuda", dtype=torch.bfloat16),
         torch.randn(8, 64, 56, 56, device="cuda", dtype=torch.bfloat16))),
+    # Swin-T's and MaxViT's window partitions after a layer norm (batch 4, 56x56x96, 7x7 windows)
+    "window_partition_after_a_norm_bf16": (lambda: WindowPartitionAfterNorm(False, 96, 7).to("cuda", torch.bfloat16), lambda: (
+        torch.randn(4, 56, 56, 96, device="cuda", dtype=torch.bfloat16),)),
+    "window_partition_by_transpose_bf16": (lambda: WindowPartitionAfterNorm(True, 96, 7).to("cuda", torch.bfloat16), lambda: (
+        torch.randn(4, 56, 56, 96, device="cuda", dtype=torch.bfloat16),)),
     # F.normalize: the row's norm expanded back over the row it divides
     "normalize_rows": (lambda: NormalizeLinear().cuda(), lambda: (torch.randn(4096, 50, device="cuda"),)),
     # sibling reductions: the two distances of a triplet loss folded in one pass

@@ -17,53 +17,16 @@ from dataclasses import replace
 import torch
 
 from ..cards import TensorMeta
-from ..families import family_of, out_form_of_pointwise, packet_name, tagged_nowhere
-from . import ops, reductions, windows
+from ..families import family_of, packet_name
+from . import reductions, windows
 from .call import Call, Val
+from .entries import entry_for, overload_of, table_key
 from .ir import FLOATS, Expr, Node, opmath, Program, Reduction, Ref, Scan, Window, broadcast_strides, siblings
 from .order import prologue_first
-from .views import (Decline, composed, lead_stripped, merged_groups, moved_strides, moved_to, overlaps, read_fine,
-                    remappable, reshaped, split_domain, split_merged, split_strides)
+from .views import (Decline, composed, lead_stripped, merged_groups, moved_strides, moved_to, overlaps, permute_dims,
+                    read_fine, remappable, reshaped, split_domain, split_merged, split_strides)
 
 IR_DTYPES = FLOATS + ("int64", "int32", "int16", "int8", "uint8", "bool")
-
-
-def table_key(op: str) -> tuple[str, str]:
-    """'aten::add_.Tensor' -> ('add', 'Tensor'): in-place and out= forms share the entry."""
-    name, _, overload = op.removeprefix("aten::").partition(".")
-    if not name.startswith("__") and name.endswith("_"):
-        name = name[:-1]
-    return name, overload or "default"
-
-
-def _overload(op: str):
-    name, _, ov = op.removeprefix("aten::").partition(".")
-    try:
-        return getattr(getattr(torch.ops.aten, name), ov or "default")
-    except AttributeError:
-        return None
-
-
-def entry_for(op: str):
-    """('pointwise' | 'reduction' | 'norm' | 'scan' | 'window', entry) for an op overload, or (None, why)."""
-    name, overload = table_key(op)
-    ov = _overload(op)
-    if ov is not None and (torch.Tag.pointwise in ov.tags or out_form_of_pointwise(ov)
-                           or name in ops.POINTWISE and tagged_nowhere(ov)) \
-            or name in ("_to_copy", "copy"):
-        if name in ops.POINTWISE:
-            return "pointwise", ops.POINTWISE[name]
-        return None, ops.DECLINED.get(name, f"{name} is not in the op table (kforge/codegen/ops.py)")
-    if name in reductions.SCAN_OPS:
-        return "scan", reductions.SCAN_OPS[name]
-    if name in reductions.WINDOW_OPS:
-        return "window", reductions.WINDOW_OPS[name]
-    if name in reductions.NORM_OPS:
-        return "norm", reductions.NORM_OPS[name]
-    entry = reductions.REDUCTION_OPS.get(f"{name}.{overload}") or reductions.REDUCTION_OPS.get(name)
-    if entry is not None and (f"{name}.{overload}" in reductions.REDUCTION_OPS or name not in ("max", "min")):
-        return "reduction", entry
-    return None, f"no builtin template or generated kernel for {op}: not a pointwise op or reduction of the table"
 
 
 def _to_domain(strides: tuple[int, ...], domain: tuple[int, ...], dims: tuple[int, ...], keepdim: bool):
@@ -184,12 +147,13 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
         e, m = values[(ref.index, ref.output)]
         return Val(e, m.dtype, len(m.shape))
 
-    def merge_into(j: int, src: Ref, shape, to, groups, out: TensorMeta) -> None:
-        """Keep the domain at `shape` under the later nodes' `to` (from_nodes' `merge`): the values
-        so far stay functions of the fine domain, and only the view's is used after it."""
+    def merge_into(j: int, src: Ref, shape, to, groups, out: TensorMeta, fine: bool = True) -> None:
+        """Keep the domain at the finer of `shape` and `to` (from_nodes' `merge`: `fine` when the
+        view merges, else it splits the reduced operand's shape): the values so far stay functions
+        of the fine domain, and only the view's is used after it."""
         nonlocal merge
-        merge = (shape, to, groups)
-        fine_inputs.update(loads)
+        merge = (shape, to, groups) if fine else (to, shape, groups)
+        fine_inputs.update(loads if fine else ())
         pre_merge.update(values)  # the viewed value included: only the view's own is used after
         values[(j, 0)] = (values[(src.index, src.output)][0], out)
 
@@ -234,9 +198,15 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
                     "(or a keepdim reduction) only")
         e, m = val(src).expr, values[(src.index, src.output)][1]
         out = node.metas[0]
-        if table_key(node.op)[0] == "permute" and not frames:
+        dims = permute_dims(table_key(node.op)[0], node.args, len(m.shape))
+        if dims is not None and not frames:
             values[(j, 0)] = (e, out)
-            written_permuted[(j, 0)] = (tuple(d % len(m.shape) for d in node.args["dims"]), tuple(m.shape))
+            written_permuted[(j, 0)] = (dims, tuple(m.shape))
+            return None
+        groups = merged_groups(tuple(out.shape), frame) if merge is None and not frames and tuple(m.shape) == frame else None
+        if groups is not None and red.split is None and any(  # a window partition: split, then permuted
+                n.args.get("self") == Ref("node", j, 0) and table_key(n.op)[0] in ("permute", "transpose") for n in nodes):
+            merge_into(j, src, frame, tuple(out.shape), groups, out, fine=False)
             return None
         back = table_key(node.op)[0] == "expand" and not frames and lead_stripped(out.shape) == lead_stripped(frame)  # F.normalize
         if not back and (out.numel != m.numel or reshaped(m.shape, m.stride, tuple(out.shape)) != reshaped(
@@ -321,7 +291,7 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
             if kind == "reduction" and red is not None and not one:
                 phase = "pro"  # a sibling reduction's operand is read over the reduced elements
             bound = {}
-            ov = _overload(node.op)  # its out= arguments are written, never read (nor broadcast)
+            ov = overload_of(node.op)  # its out= arguments are written, never read (nor broadcast)
             written_only = {a.name for a in ov._schema.arguments if a.is_out} if ov is not None else set()
             for k, v in node.args.items():
                 if k in written_only:
@@ -451,11 +421,12 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
             return "a region output from before a reshape that merges dims: not generated"
         if not m.numel:
             out_strides.append((0,) * len(domain))
-        elif key in moved or key in written_permuted:
-            st = moved_strides(m, moved.get(key), written_permuted.get(key), frame)
+        elif key in moved or key in written_permuted:  # permuted over the fine domain of a split after the norm, or the frame
+            over = domain if len(written_permuted.get(key, ((), ()))[1]) == len(domain) != len(frame) else frame
+            st = moved_strides(m, moved.get(key), written_permuted.get(key), over)
             if st is None:
                 return f"output of shape {m.shape} is not a permutation of the region's {frame}"
-            out_strides.append(split_strides(st, frame, split))
+            out_strides.append(st if over is domain else to_frame(st, 0))
         elif f:
             st = to_frame(tuple(m.stride), f)
             if st is None:

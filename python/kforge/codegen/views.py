@@ -95,6 +95,18 @@ def moved_strides(m: TensorMeta, moved, written, frame) -> tuple[int, ...] | Non
     return tuple(0 if src[e] == 1 else m.stride[inverse[e]] for e in range(len(frame)))
 
 
+def permute_dims(name: str, args: dict, ndim: int) -> tuple[int, ...] | None:
+    """The dims a permute or a transpose puts in each place, or None for another view."""
+    if name == "permute":
+        return tuple(d % ndim for d in args["dims"])
+    if name == "transpose" and ndim:
+        dims = list(range(ndim))
+        a, b = args["dim0"] % ndim, args["dim1"] % ndim
+        dims[a], dims[b] = b, a
+        return tuple(dims)
+    return None
+
+
 def contiguous(shape) -> tuple[int, ...]:
     st, acc = [], 1
     for n in reversed(shape):
