@@ -165,22 +165,22 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
             # right-aligned): a view that only adds or drops leading size-1 dims, or an expand, leaves it
             # that function (repeat_kv's unsqueeze + expand of the rotated keys).
             m, out = values[(src.index, src.output)][1], node.metas[0]
-            if lead_stripped(m.shape) == lead_stripped(out.shape) or (
-                    table_key(node.op)[0] == "expand" and broadcast_strides(m.shape, m.stride, tuple(out.shape)) is not None):
+            shape, to = tuple(m.shape), tuple(out.shape)
+            keeps_order = reshaped(shape, m.stride, to) == reshaped(to, out.stride, to)  # (a permute of equal sizes does not)
+            if lead_stripped(shape) == lead_stripped(to) and keeps_order or (
+                    table_key(node.op)[0] == "expand" and broadcast_strides(m.shape, m.stride, to) is not None):
                 values[(j, 0)] = (val(src).expr, out)
                 return None
-            shape, to = tuple(m.shape), tuple(out.shape)
-            if table_key(node.op)[0] == "permute":
-                dims = tuple(d % len(shape) for d in node.args["dims"])
+            dims = permute_dims(table_key(node.op)[0], node.args, len(shape))
+            if dims is not None:
                 remap = lambda st: tuple(st[d] for d in dims)  # noqa: E731
-            elif out.numel == m.numel and table_key(node.op)[0] != "expand" and \
-                    reshaped(shape, m.stride, to) == reshaped(to, out.stride, to):  # keeps the elements' order (as_strided may not)
+            elif out.numel == m.numel and table_key(node.op)[0] != "expand" and keeps_order:  # (as_strided may not)
                 remap = lambda st: reshaped(shape, st, to)  # noqa: E731
             else:
                 return (f"{packet_name(node.op)} of a computed value from {shape} to {to}: before a reduction, views "
                         "that keep the number of elements, permutes and expands are generated")
             val(src)
-            groups = merged_groups(shape, to) if table_key(node.op)[0] != "permute" else None
+            groups = merged_groups(shape, to) if dims is None else None
             if groups is not None and merge is not None and shape == merge[1]:  # merged again: (B, H, W, C) to (B, H*W, C)
                 read_fine(loads, inputs, fine_inputs, merge)
                 merge_into(j, src, merge[0], to, composed(merge[2], groups), out)
