@@ -308,6 +308,38 @@ class WindowPartitionAfterNorm(nn.Module):
         return self.lin(x.permute(0, 1, 3, 2, 4, 5).contiguous().view(-1, self.ws * self.ws, c))
 
 
+class SwinWindows(nn.Module):
+    """timm's Swin block up to its windows: norm1, the cyclic shift (a roll) where the block has one,
+    F.pad to whole windows (of zeros where they fit), then the partition."""
+
+    def __init__(self, shift: bool = False, pad: int = 0, c: int = 16):
+        super().__init__()
+        self.norm, self.lin, self.shift, self.pad = nn.LayerNorm(c), nn.Linear(c, c), shift, pad
+
+    def forward(self, x):
+        b, h, w, c = x.shape
+        x = self.norm(x)
+        if self.shift:
+            x = torch.roll(x, (-1, -1), (1, 2))
+        x = F.pad(x, (0, 0, 0, self.pad, 0, self.pad))
+        h, w = h + self.pad, w + self.pad
+        return self.lin(x.view(b, h // 3, 3, w // 3, 3, c).permute(0, 1, 3, 2, 4, 5).contiguous().view(-1, 9, c))
+
+
+class WindowsOfAProduct(nn.Module):
+    """A pointwise value split into 3x3 windows of a 6x9 map: the permute swaps two dims of size 3,
+    so its shape is its operand's (a shape test alone took it for a view that keeps the order)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        x = self.lin(x) * 2.0
+        b, h, w, c = x.shape
+        return self.lin(x.view(b, h // 3, 3, w // 3, 3, c).permute(0, 1, 3, 2, 4, 5).contiguous().view(-1, 9, c))
+
+
 class NormalizeLinear(nn.Module):
     def __init__(self):
         super().__init__()
@@ -380,6 +412,12 @@ CASES = {
                                       ["native_layer_norm", "clone"]),
     "window_partition_after_a_norm_by_transpose": (lambda: WindowPartitionAfterNorm(True), lambda: (torch.randn(2, 6, 9, 16),),
                                                    ["native_layer_norm", "clone"]),
+    "permute_of_equal_sizes_of_a_computed_value": (WindowsOfAProduct, lambda: (torch.randn(2, 6, 9, 16),), ["mul", "clone"]),
+    # timm's Swin: a pad of zeros is a copy inside the region, after the norm or after the shift's roll
+    "swin_norm_zero_pad_and_partition": (SwinWindows, lambda: (torch.randn(2, 6, 9, 16),),
+                                         ["native_layer_norm", "constant_pad_nd", "clone"]),
+    "swin_zero_pad_and_partition_after_the_roll": (lambda: SwinWindows(True), lambda: (torch.randn(2, 6, 9, 16),),
+                                                   ["constant_pad_nd", "clone"]),
     # F.normalize: the norm, kept, expanded back over the rows it divides (EdgeNeXt's attention)
     "normalize_expands_its_norm_back": (lambda: NormalizeLinear(), lambda: (torch.randn(12, 50),),
                                         ["linalg_vector_norm", "clamp_min", "div"]),
@@ -1049,3 +1087,22 @@ def test_heads_read_gathered_rows_and_their_indices_at_every_head():
     cast = Program(domain=(heads, seq, dim), inputs=[angles], outputs=[out], in_strides={0: (0, dim, 1)},
                    out_strides=[out.stride], results=[Expr.load(0, "float32") * 2])
     assert lower.heads_items(cast) == 0
+
+
+def test_a_pad_that_pads_ends_a_region_and_its_card_is_declined(tmp_path):
+    """Only a pad of zeros is a copy the generator takes: a real one (Conv2dSame's, here after batch
+    norm and SiLU) stays outside the region before it, which is generated, and its card is declined."""
+    class BnSiluPadConv(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn, self.conv = nn.BatchNorm2d(8), nn.Conv2d(8, 8, 3)
+
+        def forward(self, x):
+            return self.conv(F.pad(F.silu(self.bn(x)), (1, 1, 1, 1)))
+
+    with torch.no_grad():
+        r = capture(BnSiluPadConv().eval(), (torch.randn(2, 8, 6, 6),), tmp_path, regions=True, time_cards=False)
+    regions = [c.region.ops for c in r.cards if c.region is not None and c.region.kind == "fused"]
+    assert regions == [["_native_batch_norm_legit_no_training", "silu"]]
+    (pad,) = [c.retarget("cuda", "sm_90") for c in r.cards if c.op == "aten::constant_pad_nd.default"]
+    assert "a pad that pads or crops" in BuiltinProposer().supports(pad)[1]

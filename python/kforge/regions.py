@@ -131,6 +131,8 @@ def role(n: fx.Node) -> str | None:
         return "vendor" if name in EPILOGUE_VENDOR else None
     if family in ("reduction", "pooling") or name in SCAN_OPS or (family == "normalization" and name not in PER_CHANNEL):
         return "reduce"
+    if name == "constant_pad_nd" and any(n.args[1] if len(n.args) > 1 else n.kwargs.get("pad", ())):  # a copy, of zeros only
+        return None
     if family in ("pointwise", "normalization") or name == "cat":  # a cat: slabs of pointwise work (codegen/concat.py)
         return "compute"
     return None

@@ -28,7 +28,8 @@ def markdown() -> str:
     lines += ["", "## Code generator (`kforge.codegen`)", "",
               "Any layout (strides, broadcasting), in-place and `out=` forms, float, integer and bool dtypes",
               "where eager supports them, 16-bit floats computed in fp32 and rounded once.", "",
-              f"- **Pointwise** ({len(ops.POINTWISE)} ops): " + ", ".join(f"`{n}`" for n in sorted(ops.POINTWISE)),
+              f"- **Pointwise** ({len(ops.POINTWISE)} ops): " + ", ".join(f"`{n}`" for n in sorted(ops.POINTWISE))
+              + " (`constant_pad_nd` where it pads nothing: a copy)",
               "- **Reductions** over any set of dims: " + ", ".join(f"`{n}`" for n in sorted(reductions.REDUCTION_OPS)),
               "- **Scans**: " + ", ".join(f"`{n}`" for n in sorted(reductions.SCAN_OPS)),
               "- **Windows** (2-D and 3-D pooling; 1-D reaches CUDA as 2-D): "

@@ -19,7 +19,7 @@ from torch import nn
 
 from norm_models import BatchNormReluPool, ClassTokenOfPatches, GeluMul, PatchMerging, SqueezeExcite, WindowReverseNorm
 from test_codegen_regions import (AddTransposed, ChannelsLastNormBack, NormalizeLinear, RotaryKeysRepeatedFirst,
-                                  WindowPartitionAfterNorm, rotate_half)
+                                  SwinWindows, WindowPartitionAfterNorm, rotate_half)
 from kforge.capturing import capture
 from kforge.cards import decode_value
 from kforge.evaluate import make_evaluator
@@ -201,6 +201,9 @@ CASES = {
         torch.randn(4, 56, 56, 96, device="cuda", dtype=torch.bfloat16),)),
     "window_partition_by_transpose_bf16": (lambda: WindowPartitionAfterNorm(True, 96, 7).to("cuda", torch.bfloat16), lambda: (
         torch.randn(4, 56, 56, 96, device="cuda", dtype=torch.bfloat16),)),
+    # timm's Swin-T block up to its windows (norm1, F.pad of zeros, the partition), 3x3 windows here
+    "swin_norm_zero_pad_and_partition_bf16": (lambda: SwinWindows(c=96).to("cuda", torch.bfloat16), lambda: (
+        torch.randn(32, 57, 57, 96, device="cuda", dtype=torch.bfloat16),)),
     # F.normalize: the row's norm expanded back over the row it divides
     "normalize_rows": (lambda: NormalizeLinear().cuda(), lambda: (torch.randn(4096, 50, device="cuda"),)),
     # sibling reductions: the two distances of a triplet loss folded in one pass

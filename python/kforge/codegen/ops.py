@@ -354,10 +354,6 @@ def _bessel_i(name: str, x: Expr) -> Expr:
     return where(prim("isinf", x), _k(x, math.nan), where(big, over, prim(name, x)))
 
 
-def _frac(x: Expr) -> Expr:
-    return x - prim("trunc", x)
-
-
 def _same(x: Expr) -> Expr:
     return x
 
@@ -366,6 +362,8 @@ POINTWISE: dict[str, Entry] = {
     # identities and copies
     "clone": _unary(_same), "positive": _unary(_same), "conj_physical": _unary(_same),
     "_to_copy": _unary(_same), "copy": lambda c: c.v("src").at(c.v("src").dtype),
+    # a pad of zeros is a copy (timm's Swin pads its windows by 0 where they fit); a real one reads out of bounds
+    "constant_pad_nd": lambda c: "a pad that pads or crops: not generated" if any(c.s("pad")) else c.v("self").at(c.v("self").dtype),
     # float maps (integers promote to float32)
     **{n: _unary(lambda x, n=n: prim(n, x), INT_TO_FLOAT) for n in (
         "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt", "sin", "cos", "tan", "asin",
@@ -392,7 +390,7 @@ POINTWISE: dict[str, Entry] = {
     "floor": _unary(lambda x: prim("floor", x) if x.dtype in FLOATS else x),
     "trunc": _unary(lambda x: prim("trunc", x) if x.dtype in FLOATS else x),
     "round": _round,
-    "frac": _unary(_frac, floats_only=True),
+    "frac": _unary(lambda x: x - prim("trunc", x), floats_only=True),
     "sign": _unary(_sign), "sgn": _unary(_sign),
     "signbit": _unary(lambda x: prim("signbit", x) if x.dtype in FLOATS else x < 0, ALWAYS_BOOL),
     "isnan": _unary(isnan, ALWAYS_BOOL),
