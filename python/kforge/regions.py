@@ -131,11 +131,20 @@ def role(n: fx.Node) -> str | None:
         return "vendor" if name in EPILOGUE_VENDOR else None
     if family in ("reduction", "pooling") or name in SCAN_OPS or (family == "normalization" and name not in PER_CHANNEL):
         return "reduce"
-    if name == "constant_pad_nd" and any(n.args[1] if len(n.args) > 1 else n.kwargs.get("pad", ())):  # a copy, of zeros only
+    if family == "pointwise" and not _broadcasts(n, args):  # a pad that pads (the op table's pad is a copy)
         return None
     if family in ("pointwise", "normalization") or name == "cat":  # a cat: slabs of pointwise work (codegen/concat.py)
         return "compute"
     return None
+
+
+def _broadcasts(n: fx.Node, args: list[fx.Node]) -> bool:
+    """Whether the node's first output has its tensor inputs' broadcast shape, as pointwise work's does."""
+    shapes = [tuple(t[0].shape) for t in (_tensors(a.meta.get("val")) for a in args) if t is not None and len(t) == 1]
+    try:
+        return tuple(_tensors(n.meta.get("val"))[0].shape) == tuple(torch.broadcast_shapes(*shapes))
+    except RuntimeError:
+        return False
 
 
 def traced_value(node: fx.Node, k: int) -> Any:

@@ -422,7 +422,7 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
         if not m.numel:
             out_strides.append((0,) * len(domain))
         elif key in moved or key in written_permuted:  # permuted over the fine domain of a split after the norm, or the frame
-            over = domain if len(written_permuted.get(key, ((), ()))[1]) == len(domain) != len(frame) else frame
+            over = domain if merge is not None and written_permuted.get(key, ((), ()))[1] == merge[0] else frame
             st = moved_strides(m, moved.get(key), written_permuted.get(key), over)
             if st is None:
                 return f"output of shape {m.shape} is not a permutation of the region's {frame}"

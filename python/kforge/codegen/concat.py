@@ -52,9 +52,9 @@ def roll_nodes(node: Node, inputs: list[TensorMeta], out: TensorMeta) -> tuple[l
     dims = [d % nd for d in dims]
     if len(set(dims)) != len(dims):
         return "a roll along one dim twice: not generated"
-    rolled = [(d, s % x.shape[d]) for d, s in zip(dims, shifts) if x.shape[d] and s % x.shape[d]]
     if 0 in x.shape or x.dtype != out.dtype or tuple(out.shape) != tuple(x.shape):
         return "a roll of no elements, or into another dtype or shape"
+    rolled = [(d, s % x.shape[d]) for d, s in zip(dims, shifts) if s % x.shape[d]]
     nodes: list[Node] = []
     ins, sources = list(inputs), list(range(len(inputs)))
 
