@@ -2,10 +2,12 @@
 kernels cost next to nothing, so what is left is what each path adds on the host (a forward bound
 by launch overhead on the GPU pays exactly that). The package is a fake one, as the tests build
 it (tests/test_optimize.py): its region and op cards from the CPU capture, all dispatched, each
-kernel a stand-in that writes nothing. Rows: eager; the package applied (its op cards through
-the aten overrides); kforge.optimize with the package (regions and op cards in the graphs); and
-kforge.optimize with an empty package (a graph with no hits must cost what eager costs), timed
-in rounds of its own with eager again.
+kernel a stand-in that writes nothing, launched from C++ where kforge._dispatch is built with its
+test launcher (as a package's kernels launch). Rows: eager; the package applied (its op cards
+through the aten overrides); kforge.optimize with the package (regions and op cards in the
+graphs); the same with every kernel launched from Python (no native() launcher: RegionCall);
+and kforge.optimize with an empty package (a graph with no hits must cost what eager costs),
+each optimized model timed in rounds of its own with eager again.
 
     python bench/bench_optimize_host.py --out bench/results/optimize_host_cpu.json
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import statistics
 import sys
@@ -40,10 +43,26 @@ from provenance import provenance  # noqa: E402
 
 
 class NullLauncher:
-    """Launches nothing: a hit costs what the host path around a kernel costs."""
+    """Launches nothing: a hit costs what the host path around a kernel costs, launched from Python."""
 
     def launch(self, vid, inputs, outputs, workspaces, device):
         pass
+
+
+class NativeNullLauncher(NullLauncher):
+    """The same from C++, where kforge._dispatch is built with its test launcher (copies 0 bytes):
+    kforge._dispatch guards and launches op cards and, in kforge.optimize, region cards."""
+
+    def native(self, vid):
+        from kforge import _dispatch_test
+
+        return _dispatch_test.test_launcher_address(), 0, lambda index: 0
+
+
+def launchers() -> dict:
+    if importlib.util.find_spec("kforge._dispatch_test") is None:
+        return {"": NullLauncher()}
+    return {"": NativeNullLauncher(), ", Python launches": NullLauncher()}
 
 
 def models() -> dict:
@@ -77,19 +96,25 @@ def bench(model, args, *, calls: int, rounds: int) -> dict:
     cards = [c for c in cards if (c.region.kind == "fused" if c.region else dispatch_blocker(c) is None
                                   and family_of(c.op) in ("pointwise", "reduction", "normalization"))]
     pkg = fake_package(cards, {c.id: (1.0, 5.0) for c in cards})
-    launcher = NullLauncher()
     cpu = Dispatcher("CPU")
+    rows: dict = {}
+    report: dict = {}
     # Two optimized models of one class share its code objects, so dynamo would check the other's
-    # guards on every call too: the one with no hits is timed apart, each group with eager again.
+    # guards on every call too: each optimized model is timed in rounds of its own, with eager again.
     with torch.inference_mode():
-        torch.compiler.reset()
-        fast = kforge.optimize(model, pkg, launcher=launcher)
-        fast(*args)
-        rows = interleaved({
-            "eager": (contextlib.nullcontext, lambda: model(*args)),
-            "pkg.apply()": (lambda: pkg.apply(dispatcher=cpu, launcher=launcher), lambda: model(*args)),
-            "kforge.optimize": (contextlib.nullcontext, lambda: fast(*args)),
-        }, calls=calls, rounds=rounds)
+        for suffix, launcher in launchers().items():
+            torch.compiler.reset()
+            fast = kforge.optimize(model, fake_package(cards, {c.id: (1.0, 5.0) for c in cards}), launcher=launcher)
+            fast(*args)
+            group = {"eager": (contextlib.nullcontext, lambda: model(*args)),
+                     "kforge.optimize" + suffix: (contextlib.nullcontext, lambda: fast(*args))}
+            if not suffix:
+                group["pkg.apply()"] = (lambda: pkg.apply(dispatcher=cpu, launcher=launcher), lambda: model(*args))
+            timed = interleaved(group, calls=calls, rounds=rounds)
+            rows.update({k if k != "eager" or not rows else f"eager, timed with kforge.optimize{suffix}": v
+                         for k, v in timed.items()})
+            if not suffix:
+                report = fast.report()
         torch.compiler.reset()
         empty = kforge.optimize(model, fake_package([], {}))
         empty(*args)
@@ -98,7 +123,6 @@ def bench(model, args, *, calls: int, rounds: int) -> dict:
                             calls=calls, rounds=rounds)
         rows["eager, timed with no hits"] = apart["eager"]
         rows["kforge.optimize, no hits"] = apart["kforge.optimize, no hits"]
-    report = fast.report()
     return {"us": rows, "regions_replaced": len(report["replaced"]), "ops_replaced": report["ops_replaced"],
             "cards": len(cards)}
 

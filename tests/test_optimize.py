@@ -4,6 +4,7 @@ equal to eager, a new shape falls back."""
 from __future__ import annotations
 
 import collections
+import math
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from torch import nn
 import kforge
 from kforge.candidate import Candidate, LaunchPlan
 from kforge.capturing import capture
-from kforge.optimize import RegionCall, RegionKernel, optimize
+from kforge.optimize import RegionCall, RegionKernel, native_op, optimize
 from kforge.package import CastPackage, PackagedCard
 from test_graph import Branchy
 from test_regions import BasicBlock
@@ -158,6 +159,73 @@ def test_a_guard_miss_runs_the_region_eagerly_and_says_why(tmp_path):
     (got,) = call(*ins)
     assert torch.equal(got, card.region.replay(ins)[0]) and launcher.calls == []
     assert dict(kernel.counters.fallbacks) == {"alignment": 1}
+
+
+try:
+    from kforge import _dispatch_test  # built beside kforge._dispatch (KFORGE_TESTING)
+except ImportError:
+    _dispatch_test = None
+needs_cpp = pytest.mark.skipif(_dispatch_test is None, reason="kforge._dispatch is not built; build with "
+                               "`pip install --no-build-isolation -e .`")
+RELU_MODE = 1  # kforge._dispatch_test's C launcher: relu of `context / 4` floats of input 0 into output 0
+
+
+class CLauncher(FakeLauncher):
+    """FakeLauncher with kforge._dispatch_test's C launcher behind native(): each kernel writes
+    relu of its input 0 into output 0, from C++; launch() is the Python path's same kernel."""
+
+    def __init__(self, cards):
+        super().__init__(cards, fns={i: (lambda ins: [torch.relu(ins[0])]) for i in range(len(cards))})
+
+    def native(self, vid):
+        nbytes = 4 * math.prod(self.cards[vid].outputs[0].shape)
+        return _dispatch_test.test_launcher_address(), RELU_MODE, lambda index: nbytes
+
+
+def relu_cards(model, x, tmp_path):
+    """The model's fused regions whose first input and first output are float tensors of one shape."""
+    return [c for c in region_cards(model, x, tmp_path, "fused")
+            if c.inputs[0].shape == c.outputs[0].shape and c.outputs[0].dtype == "float32"]
+
+
+@needs_cpp
+def test_a_region_kernel_that_launches_natively_is_called_as_its_op_with_no_python_around_it(tmp_path):
+    model, x = resnet(), torch.randn(2, 4, 8, 8)
+    cards = relu_cards(model, x, tmp_path)
+    assert len(cards) == 2
+    python = CLauncher(cards)
+    python.native = None  # the same kernels, launched from Python through RegionCall
+    want = optimize(model, fake_package(cards, {c.id: (1.0, 5.0) for c in cards}), launcher=python)
+    launcher = CLauncher(cards)
+    fast = optimize(model, fake_package(cards, {c.id: (1.0, 5.0) for c in cards}), launcher=launcher)
+    with torch.no_grad():
+        expected = want(x)
+        before = _dispatch_test.test_launcher_log()["calls"]
+        got = fast(x)
+        launched = _dispatch_test.test_launcher_log()["calls"] - before
+    assert sorted(python.calls) == [0, 0, 1, 1] and not torch.equal(expected, model(x))
+    assert torch.equal(got, expected)
+    assert launched == 4 and launcher.calls == []  # all four sites from C++, none through launch()
+    targets = [n.target for n in fast.graphs[0].graph.nodes if n.op == "call_function"]
+    assert not [t for t in targets if isinstance(t, RegionCall)]
+    assert len([t for t in targets if getattr(t, "namespace", None) == "kforge"]) == 4
+    assert {r["id"]: (r["hits"], r["fallbacks"]) for r in fast.report()["regions"]} == {c.id: (2, {}) for c in cards}
+
+
+@needs_cpp
+def test_a_native_region_ops_guard_miss_replays_the_region_and_counts_it(tmp_path):
+    model, x = resnet(), torch.randn(2, 4, 8, 8)
+    card = next(c for c in relu_cards(model, x, tmp_path) if c.region.ops == [BN, "relu"])
+    launcher = CLauncher([card])
+    kernel = RegionKernel(card, lambda ins: [], launch=(0, launcher, ()), digest="nativemiss")
+    op = native_op([kernel])
+    assert op is not None and op.namespace == "kforge"
+    ins = [torch.rand(m.shape) + 0.5 for m in card.inputs]
+    assert torch.equal(op(*ins), torch.relu(ins[0])) and kernel.counters.hits == 1
+    ins[0] = torch.randn(ins[0].numel() + 1)[1:].view(ins[0].shape)  # 4-byte aligned, the card says 16
+    assert torch.equal(op(*ins), card.region.replay(ins)[0]) and launcher.calls == []
+    assert dict(kernel.counters.fallbacks) == {"alignment": 1}
+    assert native_op([kernel, kernel]) is None  # several kernels at a site: RegionCall picks by alignment
 
 
 def test_overlapping_regions_keep_the_larger_saving(tmp_path):

@@ -149,14 +149,17 @@ class Backend(abc.ABC):
     def _time_region_dispatched(self, card: Card, kernel: Any, inputs: list[torch.Tensor],
                                 ws: list[int]) -> tuple[Measurement, Measurement]:
         """A region is dispatched by kforge.optimize, not by an aten override: as dispatched is
-        its guarded call (kforge.optimize.RegionCall) against the replay of its aten calls."""
-        from .optimize import RegionCall, RegionKernel, fits, launch_kernel
+        the call kforge.optimize makes (its region op from C++, else kforge.optimize.RegionCall:
+        the guard, then the kernel) against the replay of its aten calls. Every candidate of a
+        card is timed through one op, rebound to it (the op holds no kernel timed before)."""
+        from .optimize import RegionCall, RegionKernel, fits, launch_kernel, native_op
 
         if not fits(card, inputs):
             raise NotDispatched("the region's guard did not take the kernel (the inputs are not the card's shapes, "
                                 "strides and dtypes)")
-        k = RegionKernel(card, launch_kernel(card, self.dispatch_launcher(kernel), 0, ws))
-        call = RegionCall(card.region, [k])
+        launcher = self.dispatch_launcher(kernel)
+        k = RegionKernel(card, launch_kernel(card, launcher, 0, ws), launch=(0, launcher, tuple(ws)), digest="timed")
+        call = native_op([k]) or RegionCall(card.region, [k])
         eager, dispatched = self.time_as_called([(contextlib.nullcontext, lambda: card.call_eager(inputs, self.device)),
                                                  (contextlib.nullcontext, lambda: call(*inputs))])
         if k.counters.fallbacks or not k.counters.hits:

@@ -17,9 +17,9 @@ misses the C++ guard has already counted.
 Only functional cards become ops: a compiled graph is functional, so an in-place or out= call
 never appears in it as the card recorded it.
 
-A region card's op (region_op) is the same but for the C++ front: it launches the region's
-kernel (kforge.optimize.RegionKernel), and an input whose alignment is not the card's replays
-the region's aten calls.
+A region card's op (region_op) is the same: it launches the region's kernel
+(kforge.optimize.RegionKernel), behind the same C++ front where the kernel says how to launch it
+(RegionKernel.launch), and a call the guard misses replays the region's aten calls.
 """
 
 from __future__ import annotations
@@ -71,6 +71,11 @@ class _KernelOp:
     def take(self, other: "_KernelOp") -> None:
         self.bind(other.variant)
 
+    def native_launch(self) -> tuple[Card, tuple | None]:
+        """(the card, (vid, launcher, workspace, counters)): what the C++ front launches."""
+        v = self.variant
+        return v.card, (v.vid, v.launcher, v.workspace, v.counters)
+
     def __call__(self, *ins: torch.Tensor):
         v = self.variant
         if self.native:
@@ -99,6 +104,7 @@ class _RegionOp:
     """A region op's binding: the region kernel that serves it (the last package to bind it)."""
 
     kernel: Any  # kforge.optimize.RegionKernel
+    native: bool = False  # kforge._dispatch's kernel is in front: calls reaching this one missed, and are counted
     guard: GuardSpec = field(init=False)  # the region's inputs
 
     def __post_init__(self) -> None:
@@ -107,9 +113,16 @@ class _RegionOp:
     def take(self, other: "_RegionOp") -> None:
         self.kernel, self.guard = other.kernel, GuardSpec.of_inputs(other.kernel.card.inputs)
 
+    def native_launch(self) -> tuple[Card, tuple | None]:
+        """(the card, (vid, launcher, workspace, counters) or None): what the C++ front launches."""
+        k = self.kernel
+        return k.card, (*k.launch, k.counters) if k.launch is not None else None
+
     def __call__(self, *ins: torch.Tensor):
         k = self.kernel
-        if (key := tuple(tensor_key(t) for t in ins)) != self.guard.key:  # alignment: the graph could not see it
+        if self.native:
+            outs = k.card.call_eager(list(ins))
+        elif (key := tuple(tensor_key(t) for t in ins)) != self.guard.key:  # alignment: the graph could not see it
             k.counters.fell_back(self.guard.differences(key)[0])
             outs = k.card.call_eager(list(ins))
         else:
@@ -141,12 +154,21 @@ def kernel_op(variant: Variant, kernel_digest: str) -> torch._ops.OpOverload:
 
 def region_op(kernel: Any, kernel_digest: str) -> torch._ops.OpOverload:
     """The custom op of a region card's kernel (kforge.optimize.RegionKernel), defined on first
-    use and now launched through `kernel`, as kernel_op() does for single-op cards."""
+    use and now launched through `kernel`, as kernel_op() does for single-op cards, natively
+    where it can (served_natively() says whether)."""
     card = kernel.card
     if not card.inputs or not card.outputs or card.device_type not in ("cuda", "cpu"):
         raise DispatchError(f"region card {card.id} has no custom op: it needs tensor inputs and outputs on CUDA or CPU")
     with _lock:
-        return _bind(card, kernel_digest, _RegionOp(kernel))[1]
+        bound, op = _bind(card, kernel_digest, _RegionOp(kernel))
+        _serve_natively(bound, op)
+    return op
+
+
+def served_natively(op: torch._ops.OpOverload) -> bool:
+    """Whether kforge._dispatch's C++ kernel is in front of kforge op `op`."""
+    bound = _ops.get(op._schema.name.split("::")[-1])
+    return bound is not None and bound.native
 
 
 def _bind(card: Card, kernel_digest: str, fresh: "_KernelOp | _RegionOp") -> tuple:
@@ -177,19 +199,21 @@ def _define(name: str, card: Card, bound: "_KernelOp | _RegionOp") -> "_KernelOp
     return bound
 
 
-def _serve_natively(bound: _KernelOp, op: torch._ops.OpOverload) -> None:
+def _serve_natively(bound: "_KernelOp | _RegionOp", op: torch._ops.OpOverload) -> None:
     """Put kforge._dispatch's kernel in front of the op's Python one, guarding the op's own
-    arguments (the card's tensors), where it can serve the bound variant; else leave the Python one."""
-    v = bound.variant
-    key = "CUDA" if v.card.device_type == "cuda" else "CPU"
+    arguments (the card's tensors), where it can serve the bound kernel; else leave the Python one."""
+    card, launch = bound.native_launch()
+    key = "CUDA" if card.device_type == "cuda" else "CPU"
     dispatcher = _native.setdefault(key, Dispatcher(key))
     if dispatcher.owns(bound):
         dispatcher.remove(bound)
     bound.native = False
+    if launch is None:  # a region kernel with no launcher to hand the C++ kernel
+        return
     schema = op._schema
-    own = Card(op=f"{schema.name}.default", schema=str(schema), outputs=list(v.card.outputs), arch=v.card.arch,
-               args=[ArgSpec(a.name, "tensor", tensor=m) for a, m in zip(schema.arguments, v.card.inputs)])
-    variant = Variant(own, v.vid, v.launcher, v.workspace, v.counters)
+    own = Card(op=f"{schema.name}.default", schema=str(schema), outputs=list(card.outputs), arch=card.arch,
+               args=[ArgSpec(a.name, "tensor", tensor=m) for a, m in zip(schema.arguments, card.inputs)])
+    variant = Variant(own, *launch)
     if native_variants([variant], key)[0] is None:
         return
     dispatcher.add(bound, [variant])

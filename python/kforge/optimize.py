@@ -7,10 +7,12 @@ in place of the regions they match, and everything else as eager runs it (no Ind
 How: torch.compile with kforge's aten backend (kforge.graph), which runs convolutions
 channels-last as torch.compile does (kforge.layout). In each graph, the regions are
 found as capture found them (kforge.regions); a region whose structure and input metadata
-match a dispatched region card of the package is contracted into one call of a plain Python
-callable (RegionCall), which launches the card's kernel when the inputs' pointer alignments
-are the card's (dynamo's guards fix the rest of the card's guard specification, kforge.guards), or else runs the region's
-original aten calls. Where matched regions overlap (a fused region and a vendor op's
+match a dispatched region card of the package is contracted into one call: of the card's
+region op (kforge.customops), whose C++ kernel checks the inputs' metadata, allocates the
+outputs and launches, where the site has one card and its launcher can launch from C++ (as the
+package's can); else of a plain Python callable (RegionCall), which launches the kernel of the
+card whose pointer alignments the inputs have (dynamo's guards fix the rest of the card's guard
+specification, kforge.guards). Either runs the region's original aten calls on a miss. Where matched regions overlap (a fused region and a vendor op's
 epilogue), package.choose_regions keeps the set that saves the most by the package's own
 measurements. Then each remaining node whose call hits a single-op card's guard becomes that
 card's custom op (the rewrite kforge.compile's pass runs). Nothing is installed: the model's
@@ -20,7 +22,7 @@ Host cost per forward, which a launch-bound forward pays on every call: a graph 
 and the layout pass change nothing in runs as dynamo traced it (eager's own calls); a changed graph runs with no
 aot_autograd runtime wrapper where that wrapper has nothing to do (kforge.graph), and its aten
 calls go through the bindings eager code calls (kforge.bindings), so what remains over eager is
-dynamo's guard check and one Python call per region. With cuda_graphs=True each graph is
+dynamo's guard check and one dispatcher call per region. With cuda_graphs=True each graph is
 replayed from a CUDA graph instead (kforge.replay).
 
 Guards and recompiles: dynamo guards each graph on its inputs' shapes, strides and dtypes
@@ -60,7 +62,7 @@ from . import graph as graph_mod
 from . import regions as regions_mod
 from .cards import Card
 from .contraction import replace_sites, without_cycles
-from .dispatch import Counters, Launcher
+from .dispatch import Counters, DispatchError, Launcher
 from .guards import _ALIGN, GuardSpec, TensorGuard, tensor_key
 from .replay import Replayed
 from .subgraph import Subgraph
@@ -75,6 +77,8 @@ class RegionKernel:
     kernel_us: float | None = None  # as dispatched, from the package's evidence
     baseline_us: float | None = None  # its nodes without it: their best op kernels, else eager
     counters: Counters = field(default_factory=Counters)
+    launch: tuple | None = None  # (variant id, launcher, workspace bytes): what launches it from C++ (customops)
+    digest: str = ""  # the kernel's, which names its custom op
 
     @functools.cached_property
     def guard(self) -> GuardSpec:
@@ -128,6 +132,22 @@ class RegionCall:
         return tuple(self.subgraph.replay(list(inputs)))
 
 
+def native_op(kernels: Sequence[RegionKernel]) -> torch._ops.OpOverload | None:
+    """The region op whose C++ kernel serves a site (kforge.customops), where the site has one
+    kernel and it launches natively: its guard, output allocation and launch cost one dispatcher
+    call, about a third of RegionCall's host time on a CPU (bench/bench_optimize_host.py); else None."""
+    from . import customops
+
+    if len(kernels) != 1 or kernels[0].launch is None:
+        return None
+    k = kernels[0]
+    try:
+        op = customops.region_op(k, k.digest or k.card.id)
+    except DispatchError:
+        return None
+    return op if customops.served_natively(op) else None
+
+
 def fits(card: Card, inputs: Sequence[torch.Tensor]) -> bool:
     """Whether `inputs` have the card's shapes, strides, dtypes and device type: what a RegionCall
     does not check (in a graph, dynamo's guards do), so what a caller outside a graph checks first."""
@@ -154,7 +174,8 @@ def region_kernels(package: Any, launcher: Launcher, *, compiled: bool = False) 
         else:
             kernel_us = (c.entry.get("timing") or {}).get("dispatched_us")
             baseline_us = (c.entry.get("baseline") or {}).get("baseline_us")
-        out.append(RegionKernel(c.card, launch_kernel(c.card, launcher, vid, ws), kernel_us, baseline_us, c.counters))
+        out.append(RegionKernel(c.card, launch_kernel(c.card, launcher, vid, ws), kernel_us, baseline_us, c.counters,
+                                (vid, launcher, tuple(ws)), c.candidate.digest() if c.candidate is not None else ""))
     return out
 
 
@@ -285,8 +306,10 @@ class OptimizedModel(torch.nn.Module):
         if chosen:
             def call(i: int, inputs: list[fx.Node]) -> list[fx.Node]:
                 site, ks = chosen[i]
-                node = gm.graph.call_function(RegionCall(site.subgraph, ks), tuple(inputs))
-                outs = [gm.graph.call_function(operator.getitem, (node, j)) for j in range(len(site.outputs))]
+                op = native_op(ks)
+                node = gm.graph.call_function(op or RegionCall(site.subgraph, ks), tuple(inputs))
+                outs = [node] if op is not None and len(site.outputs) == 1 else [
+                    gm.graph.call_function(operator.getitem, (node, j)) for j in range(len(site.outputs))]
                 for out, (src, k) in zip(outs, site.outputs):
                     out.meta["val"] = regions_mod.traced_value(src, k)  # later rewrites read it
                 return outs
