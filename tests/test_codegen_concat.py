@@ -71,8 +71,8 @@ def test_a_cat_of_a_broadcast_class_token_runs_on_fresh_inputs():
 
 
 def test_a_cat_of_many_pieces_is_declined():
-    card = make_card(A.cat.default, [meta(4, 2) for _ in range(17)], 1)
-    assert "at most 16" in card_program.program_for_card(card)
+    card = make_card(A.cat.default, [meta(4, 2) for _ in range(65)], 1)
+    assert "at most 64" in card_program.program_for_card(card)
 
 
 def test_a_legacy_empty_piece_is_skipped_as_torch_cat_skips_it():
@@ -180,6 +180,42 @@ def test_two_cats_cut_differently_read_each_others_pieces_slab_by_slab(tmp_path)
         assert compiler.compile(cand.source, arch="sm_90").cubin
         (ran,) = cuda_on_cpu.run(card, cand, inputs)
         torch.testing.assert_close(ran, want)
+
+
+class DenseLayerInput(nn.Module):
+    """A DenseNet layer's input: the cat of every feature map before it, into the layer's batch
+    norm (running statistics) and ReLU."""
+
+    def __init__(self, channels: int, dim: int = 1):
+        super().__init__()
+        self.dim, self.bn = dim, nn.BatchNorm2d(channels).eval()
+        with torch.no_grad():
+            self.bn.running_mean.uniform_(-1, 1)
+            self.bn.running_var.uniform_(0.5, 2)
+            self.bn.weight.uniform_(0.5, 1.5)
+            self.bn.bias.uniform_(-1, 1)
+
+    def forward(self, *features):
+        return torch.relu(self.bn(torch.cat(features, self.dim)))
+
+
+@pytest.mark.parametrize("widths, dim", [((3, 8, 5), 1), ((4,) * 49, 1), ((2, 3), 2)])
+def test_a_batch_norm_after_a_cat_reads_its_slab_of_the_channel_vectors(tmp_path, widths, dim):
+    """Inference batch norm is an affine map per channel: a slab of the cat's channels reads its
+    slab of the weight, bias and running statistics (a slab of another dim, all of them).
+    DenseNet-201's deepest cat has 49 pieces: one launch, a range of blocks each."""
+    features = [torch.randn(2, w, 5, 3) if dim == 1 else torch.randn(2, 6, w, 3) for w in widths]
+    card = region_card(tmp_path, DenseLayerInput(sum(widths) if dim == 1 else 6, dim), *features)
+    assert "cat" in card.region.ops and "relu" in card.region.ops
+    prog = card_program.program_for_card(card)
+    assert not isinstance(prog, str), prog
+    assert len([prog, *prog.parts]) == len(widths)
+    ins = [t.abs() + 0.5 if t.dim() == 1 else t for t in card.random_inputs(0, "cpu")]  # a positive variance
+    (want,) = card.region.replay([t.clone() for t in ins])
+    torch.testing.assert_close(interp.run(prog, ins)[0], want)
+    cand = generated.build(card, {**generated.default(card, H200), "threads": 64}, H200)
+    assert len(cand.plan.kernels) == 1 and compiler.compile(cand.source, arch="sm_90").cubin
+    torch.testing.assert_close(cuda_on_cpu.run(card, cand, ins)[0], want)
 
 
 @pytest.mark.parametrize("shape, shifts, dims, channels_last", [

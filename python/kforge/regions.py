@@ -37,13 +37,12 @@ import torch
 import torch.fx as fx
 
 from .cards import TensorMeta, dtype_name, encode_value, pointer_alignment, qualified_name
-from .codegen.reductions import SCAN_OPS  # the scans the generator folds: cumsum, cumprod
+from .codegen.reductions import PER_CHANNEL, SCAN_OPS  # normalization that reduces nothing; the scans the generator folds
 from .errors import CardError
 from .families import _returns_view, family_of, packet_name
 from .subgraph import Node, Subgraph
 
 EPILOGUE_VENDOR = frozenset({"mm", "addmm", "bmm", "baddbmm", "convolution"})
-PER_CHANNEL = frozenset({"_native_batch_norm_legit_no_training"})  # normalization that reduces nothing here
 _VIEW_LIKE = frozenset({"_unsafe_view", "_reshape_alias"})  # views the schema does not mark as aliases
 
 Value = tuple[fx.Node, int]  # a producing node and the index of the output (0 for one output)

@@ -36,8 +36,8 @@ def markdown() -> str:
               + ", ".join(f"`{n}`" for n in sorted(reductions.WINDOW_OPS)),
               "- **Normalizations** (one kernel, or two passes for few long rows): "
               + ", ".join(f"`{n}`" for n in sorted(reductions.NORM_OPS)),
-              f"- **Concatenation**: `cat`, alone or in pointwise work, along one dim or several (one part per slab of the output, one launch, at most"
-              f" {concat.MAX_SLABS}); `roll` (alone) as the cat of its input's blocks, every rolled dim in one launch",
+              f"- **Concatenation**: `cat`, alone or in pointwise work and inference batch norm, along one dim or several (one part per slab"
+              f" of the output, one launch, at most {concat.MAX_SLABS}); `roll` (alone) as the cat of its input's blocks, every rolled dim in one launch",
               "- **Picked rows**: " + ", ".join(f"`{o.removeprefix('aten::').split('.')[0]}`" for o in gather.OPS)
               + " (alone; an index outside the table stops the kernel, as eager's assert does)",
               "- **Fused regions** (`--regions`): chains of the ops above with one reduction level: one",

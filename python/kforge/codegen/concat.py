@@ -12,7 +12,9 @@ that matters: rotate_half is cat(-x2, x1), and the angles are cat(freqs, freqs).
 
 The concatenated dim is counted from the right (pointwise values broadcast right-aligned),
 and every value between a cat and the outputs keeps it there: what moves it (a permute of
-it, a view that regroups it) is declined, as are cats beside a reduction. Cats along another
+it, a view that regroups it) is declined, as are cats beside a reduction. An inference batch
+norm is an affine map per channel: in a slab of its channels it reads that slab of its
+per-channel vectors (DenseNet's cat of features into each layer's batch norm). Cats along another
 dim are cut in the slabs, each slab of them again (a rotary embedding along the last dim
 feeding a key cache's cat along the sequence). A 1-D empty piece is skipped, as torch.cat
 skips it (transformers' caches start as `torch.tensor([])`); a cat of one piece is that piece.
@@ -25,9 +27,13 @@ from dataclasses import replace
 from ..cards import TensorMeta, pointer_alignment
 from ..families import family_of, packet_name
 from .ir import Node, Ref
+from .reductions import NORM_OPS, PER_CHANNEL
 from .views import Decline, contiguous
 
-MAX_SLABS = 16  # a cat of many pieces is many small kernels: not worth generating
+# The slabs are one launch, each a device function over its own range of blocks, its pointers
+# kernel parameters: 64 slabs of a few tensors each stay within the 4 KB of parameters every
+# toolkit takes. DenseNet-201's deepest cat has 49 pieces.
+MAX_SLABS = 64
 ROLL = "aten::roll.default"
 
 
@@ -140,7 +146,7 @@ class _Slabs:
         if len(self.cuts) - 1 > MAX_SLABS:
             raise Decline(f"a cat cut into {len(self.cuts) - 1} slabs: at most {MAX_SLABS} are generated")
         for n in nodes:
-            if family_of(n.op) not in ("pointwise", "view") and not is_cat(n.op):
+            if family_of(n.op) not in ("pointwise", "view") and not is_cat(n.op) and packet_name(n.op) not in PER_CHANNEL:
                 raise Decline(f"a cat beside {packet_name(n.op)}: cats are generated in pointwise work only")
 
     def _dim(self, n: Node) -> int:
@@ -221,9 +227,12 @@ class _Slabs:
                 start += size
             raise Decline("a value read across a cat's piece boundary")
         full = (lo, hi) == (0, self._value_size(ref))
+        channel = NORM_OPS[packet_name(n.op)][0] if packet_name(n.op) in PER_CHANNEL else ()
         args = {}
         for name, v in n.args.items():
-            if isinstance(v, Ref):
+            if isinstance(v, Ref) and name in channel:  # a per-channel vector: over the slab's channels
+                args[name] = self._channel(n, v, lo, hi) if not full else v
+            elif isinstance(v, Ref):
                 if full:  # the whole value: its operands whole too
                     args[name] = self.ref(v, 0, self._value_size(v))
                 else:
@@ -240,6 +249,21 @@ class _Slabs:
                      for m in metas]
         self.new_nodes.append(Node(n.op, args, metas))
         return Ref("node", len(self.new_nodes) - 1, ref.output)
+
+    def _channel(self, n: Node, v: Ref, lo: int, hi: int) -> Ref:
+        """A per-channel vector (C,) of a node over a slab: [lo, hi) of it where the slabs cut
+        the node's channels (dim 1 of its input, a DenseNet's cat of features into its batch
+        norm), else the whole vector (it broadcasts over the dim cut)."""
+        if len(self._meta(n.args["input"]).shape) + self.r != 1:
+            return v
+        if v.kind != "in":
+            raise Decline(f"{packet_name(n.op)}: a computed per-channel vector cut into slabs is not generated")
+        key = (v, lo, hi, "channel")
+        if key not in self.memo:
+            self.new_inputs.append(_narrow(self.inputs[v.index], -1, lo, hi))
+            self.new_sources.append(self.sources[v.index])
+            self.memo[key] = Ref("in", len(self.new_inputs) - 1)
+        return self.memo[key]
 
     def _arg(self, n: Node, v: Ref, lo: int, hi: int) -> Ref:
         if self._value_size(v) != _size(n.metas[0], self.r):

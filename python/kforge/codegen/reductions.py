@@ -414,6 +414,8 @@ def _batch_norm(c: Call):
     return ReductionPlan("welford", e, (0,) + tuple(range(2, x.ndim)), True, outs)
 
 
+PER_CHANNEL = frozenset({"_native_batch_norm_legit_no_training"})  # normalization that reduces nothing: an affine map per channel
+
 # op packet -> (arguments that are per-channel vectors of dim 1, entry giving a ReductionPlan,
 # a tuple of pointwise Exprs (one per output; outputs that are empty tensors get none), or a reason)
 NORM_OPS: dict[str, tuple[tuple[str, ...], Callable]] = {
