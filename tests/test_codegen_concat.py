@@ -199,12 +199,16 @@ class DenseLayerInput(nn.Module):
         return torch.relu(self.bn(torch.cat(features, self.dim)))
 
 
-@pytest.mark.parametrize("widths, dim", [((3, 8, 5), 1), ((4,) * 49, 1), ((2, 3), 2)])
-def test_a_batch_norm_after_a_cat_reads_its_slab_of_the_channel_vectors(tmp_path, widths, dim):
+@pytest.mark.parametrize("widths, dim, memory_format", [
+    ((3, 8, 5), 1, torch.contiguous_format), ((4,) * 49, 1, torch.contiguous_format), ((2, 3), 2, torch.contiguous_format),
+    ((3, 8, 5), 1, torch.channels_last)])
+def test_a_batch_norm_after_a_cat_reads_its_slab_of_the_channel_vectors(tmp_path, widths, dim, memory_format):
     """Inference batch norm is an affine map per channel: a slab of the cat's channels reads its
     slab of the weight, bias and running statistics (a slab of another dim, all of them).
-    DenseNet-201's deepest cat has 49 pieces: one launch, a range of blocks each."""
-    features = [torch.randn(2, w, 5, 3) if dim == 1 else torch.randn(2, 6, w, 3) for w in widths]
+    DenseNet-201's deepest cat has 49 pieces: one launch, a range of blocks each. Channels-last
+    features (as kforge.optimize's convolutions write them) make each slab a strided one."""
+    features = [(torch.randn(2, w, 5, 3) if dim == 1 else torch.randn(2, 6, w, 3)).contiguous(memory_format=memory_format)
+                for w in widths]
     card = region_card(tmp_path, DenseLayerInput(sum(widths) if dim == 1 else 6, dim), *features)
     assert "cat" in card.region.ops and "relu" in card.region.ops
     prog = card_program.program_for_card(card)

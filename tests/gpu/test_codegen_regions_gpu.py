@@ -20,6 +20,8 @@ from torch import nn
 from norm_models import BatchNormReluPool, ClassTokenOfPatches, GeluMul, PatchMerging, SqueezeExcite, WindowReverseNorm
 from test_codegen_regions import (AddTransposed, ChannelsLastNormBack, NormalizeLinear, RotaryKeysRepeatedFirst,
                                   SwinWindows, WindowPartitionAfterNorm, rotate_half)
+from test_codegen_concat import DenseLayerInput
+
 from kforge.capturing import capture
 from kforge.cards import decode_value
 from kforge.evaluate import make_evaluator
@@ -142,6 +144,11 @@ def _rotary_inputs():
     return (torch.randn(128, 64, device="cuda"), q, k, torch.randn_like(q), torch.randn_like(k))
 
 
+def _dense_features(memory_format):
+    return tuple(torch.randn(32, c, 28, 28, device="cuda", dtype=torch.bfloat16).contiguous(memory_format=memory_format)
+                 for c in [64] + [32] * 12)
+
+
 CASES = {
     "rotary_repeat_kv_bf16": (RotaryRepeatKV, _rotary_inputs),
     "rotary_gqa_two_shapes_bf16": (RotaryGQA, _gqa_inputs),
@@ -204,6 +211,11 @@ CASES = {
     # timm's Swin-T block up to its windows (norm1, F.pad of zeros, the partition), 3x3 windows here
     "swin_norm_zero_pad_and_partition_bf16": (lambda: SwinWindows(c=96).to("cuda", torch.bfloat16), lambda: (
         torch.randn(32, 57, 57, 96, device="cuda", dtype=torch.bfloat16),)),
+    # DenseNet's layer input: the cat of 13 feature maps into batch norm and ReLU, bf16, NCHW and channels-last
+    "densenet_cat_batch_norm_relu_bf16": (lambda: DenseLayerInput(64 + 12 * 32).to("cuda", torch.bfloat16),
+                                          lambda: _dense_features(torch.contiguous_format)),
+    "densenet_cat_batch_norm_relu_channels_last_bf16": (lambda: DenseLayerInput(64 + 12 * 32).to("cuda", torch.bfloat16),
+                                                        lambda: _dense_features(torch.channels_last)),
     # F.normalize: the row's norm expanded back over the row it divides
     "normalize_rows": (lambda: NormalizeLinear().cuda(), lambda: (torch.randn(4096, 50, device="cuda"),)),
     # sibling reductions: the two distances of a triplet loss folded in one pass
