@@ -289,6 +289,8 @@ def main(argv=None) -> None:
         "graph_errors": graph_errors, "regions": args.regions, "optimize_max_rel_err_vs_eager": optimize_err,
         "fastest": fastest(model_us),
         "max_rel_err_vs_eager": err, "hits": {r["id"]: r["hits"] for r in report["cards"] if r["hits"]},
+        # calls a kernel's guard sent to eager instead, by reason (a region's C++ guard checks strides too)
+        "fallbacks": {r["id"]: r["fallbacks"] for r in report["cards"] if r["fallbacks"]},
         "hbm_bw": hw.bandwidth, "share_by_family": by_family, "eval_phase_s": phases, "cards": cards, "stop_reasons": result.stop_reasons,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
