@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -225,7 +226,27 @@ def test_a_native_region_ops_guard_miss_replays_the_region_and_counts_it(tmp_pat
     ins[0] = torch.randn(ins[0].numel() + 1)[1:].view(ins[0].shape)  # 4-byte aligned, the card says 16
     assert torch.equal(op(*ins), card.region.replay(ins)[0]) and launcher.calls == []
     assert dict(kernel.counters.fallbacks) == {"alignment": 1}
-    assert native_op([kernel, kernel]) is None  # several kernels at a site: RegionCall picks by alignment
+
+
+@needs_cpp
+def test_a_site_with_a_card_per_alignment_is_one_native_op_that_picks_the_card(tmp_path):
+    """The same region captured with its first input at two alignments is two cards; the
+    site's one op has both as variants of its C++ guard, and each call launches the one whose
+    alignments its inputs have."""
+    model, x = resnet(), torch.randn(2, 4, 8, 8)
+    card = next(c for c in relu_cards(model, x, tmp_path) if c.region.ops == [BN, "relu"])
+    first = card.args[0]
+    shifted = replace(card, args=[replace(first, tensor=replace(first.tensor, align=4)), *card.args[1:]])
+    launcher = CLauncher([card, shifted])
+    kernels = [RegionKernel(c, lambda ins: [], launch=(vid, launcher, ()), digest=f"aligned{vid}")
+               for vid, c in enumerate([card, shifted])]
+    op = native_op(kernels)
+    assert op is not None and op is not native_op(kernels[:1])
+    aligned = [torch.rand(m.shape) + 0.5 for m in card.inputs]
+    unaligned = [torch.randn(aligned[0].numel() + 1)[1:].view(aligned[0].shape), *aligned[1:]]
+    for ins in (aligned, unaligned, aligned):
+        assert torch.equal(op(*ins), torch.relu(ins[0]))
+    assert [k.counters.hits for k in kernels] == [2, 1] and launcher.calls == []
 
 
 def test_overlapping_regions_keep_the_larger_saving(tmp_path):

@@ -71,10 +71,10 @@ class _KernelOp:
     def take(self, other: "_KernelOp") -> None:
         self.bind(other.variant)
 
-    def native_launch(self) -> tuple[Card, tuple | None]:
-        """(the card, (vid, launcher, workspace, counters)): what the C++ front launches."""
+    def native_launch(self) -> list[tuple[Card, tuple | None]]:
+        """[(the card, (vid, launcher, workspace, counters))]: what the C++ front launches."""
         v = self.variant
-        return v.card, (v.vid, v.launcher, v.workspace, v.counters)
+        return [(v.card, (v.vid, v.launcher, v.workspace, v.counters))]
 
     def __call__(self, *ins: torch.Tensor):
         v = self.variant
@@ -101,37 +101,41 @@ def _fake_outputs(card: Card, ins: Sequence[torch.Tensor]):
 
 @dataclass(eq=False)
 class _RegionOp:
-    """A region op's binding: the region kernel that serves it (the last package to bind it)."""
+    """A region op's binding: the region kernels that serve it (the last package to bind it), one
+    per card the region was captured as: the same region and metadata but for the inputs'
+    alignments, so a call takes the kernel whose alignments its inputs have."""
 
-    kernel: Any  # kforge.optimize.RegionKernel
+    kernels: list  # kforge.optimize.RegionKernel
     native: bool = False  # kforge._dispatch's kernel is in front: calls reaching this one missed, and are counted
-    guard: GuardSpec = field(init=False)  # the region's inputs
+    guards: list = field(init=False)  # each kernel's: the region's inputs
 
     def __post_init__(self) -> None:
         self.take(self)
 
     def take(self, other: "_RegionOp") -> None:
-        self.kernel, self.guard = other.kernel, GuardSpec.of_inputs(other.kernel.card.inputs)
+        self.kernels, self.guards = list(other.kernels), [GuardSpec.of_inputs(k.card.inputs) for k in other.kernels]
 
-    def native_launch(self) -> tuple[Card, tuple | None]:
-        """(the card, (vid, launcher, workspace, counters) or None): what the C++ front launches."""
-        k = self.kernel
-        return k.card, (*k.launch, k.counters) if k.launch is not None else None
+    def native_launch(self) -> list[tuple[Card, tuple | None]]:
+        """Per kernel: (its card, (vid, launcher, workspace, counters) or None), what the C++ front launches."""
+        return [(k.card, (*k.launch, k.counters) if k.launch is not None else None) for k in self.kernels]
 
     def __call__(self, *ins: torch.Tensor):
-        k = self.kernel
+        k = self.kernels[0]
         if self.native:
             outs = k.card.call_eager(list(ins))
-        elif (key := tuple(tensor_key(t) for t in ins)) != self.guard.key:  # alignment: the graph could not see it
-            k.counters.fell_back(self.guard.differences(key)[0])
-            outs = k.card.call_eager(list(ins))
         else:
-            k.counters.hit()
-            outs = k.run(list(ins))
+            key = tuple(tensor_key(t) for t in ins)
+            hit = next((k for k, g in zip(self.kernels, self.guards) if g.key == key), None)
+            if hit is None:  # alignment: the graph could not see it
+                k.counters.fell_back(self.guards[0].differences(key)[0])
+                outs = k.card.call_eager(list(ins))
+            else:
+                hit.counters.hit()
+                outs = hit.run(list(ins))
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def fake(self, *ins: torch.Tensor):
-        return _fake_outputs(self.kernel.card, ins)
+        return _fake_outputs(self.kernels[0].card, ins)
 
 
 def op_name(card: Card, kernel_digest: str) -> str:
@@ -152,15 +156,16 @@ def kernel_op(variant: Variant, kernel_digest: str) -> torch._ops.OpOverload:
     return op
 
 
-def region_op(kernel: Any, kernel_digest: str) -> torch._ops.OpOverload:
-    """The custom op of a region card's kernel (kforge.optimize.RegionKernel), defined on first
-    use and now launched through `kernel`, as kernel_op() does for single-op cards, natively
+def region_op(kernels: Sequence[Any], kernel_digest: str) -> torch._ops.OpOverload:
+    """The custom op of a region's kernels (kforge.optimize.RegionKernel: one card each, the
+    same region but for its inputs' alignments; the op is named after the first), defined on
+    first use and now launched through them, as kernel_op() does for single-op cards, natively
     where it can (served_natively() says whether)."""
-    card = kernel.card
+    card = kernels[0].card
     if not card.inputs or not card.outputs or card.device_type not in ("cuda", "cpu"):
         raise DispatchError(f"region card {card.id} has no custom op: it needs tensor inputs and outputs on CUDA or CPU")
     with _lock:
-        bound, op = _bind(card, kernel_digest, _RegionOp(kernel))
+        bound, op = _bind(card, kernel_digest, _RegionOp(list(kernels)))
         _serve_natively(bound, op)
     return op
 
@@ -201,22 +206,22 @@ def _define(name: str, card: Card, bound: "_KernelOp | _RegionOp") -> "_KernelOp
 
 def _serve_natively(bound: "_KernelOp | _RegionOp", op: torch._ops.OpOverload) -> None:
     """Put kforge._dispatch's kernel in front of the op's Python one, guarding the op's own
-    arguments (the card's tensors), where it can serve the bound kernel; else leave the Python one."""
-    card, launch = bound.native_launch()
-    key = "CUDA" if card.device_type == "cuda" else "CPU"
+    arguments (the card's tensors), where it can serve every kernel bound; else leave the Python one."""
+    launches = bound.native_launch()
+    key = "CUDA" if launches[0][0].device_type == "cuda" else "CPU"
     dispatcher = _native.setdefault(key, Dispatcher(key))
     if dispatcher.owns(bound):
         dispatcher.remove(bound)
     bound.native = False
-    if launch is None:  # a region kernel with no launcher to hand the C++ kernel
+    if any(launch is None for _, launch in launches):  # a region kernel with no launcher to hand the C++ kernel
         return
     schema = op._schema
-    own = Card(op=f"{schema.name}.default", schema=str(schema), outputs=list(card.outputs), arch=card.arch,
-               args=[ArgSpec(a.name, "tensor", tensor=m) for a, m in zip(schema.arguments, card.inputs)])
-    variant = Variant(own, *launch)
-    if native_variants([variant], key)[0] is None:
+    variants = [Variant(Card(op=f"{schema.name}.default", schema=str(schema), outputs=list(card.outputs), arch=card.arch,
+                             args=[ArgSpec(a.name, "tensor", tensor=m) for a, m in zip(schema.arguments, card.inputs)]),
+                        *launch) for card, launch in launches]
+    if native_variants(variants, key)[0] is None:
         return
-    dispatcher.add(bound, [variant])
-    bound.native = dispatcher.path(own.op)[0] == "native"
+    dispatcher.add(bound, variants)
+    bound.native = dispatcher.path(variants[0].card.op)[0] == "native"
     if not bound.native:  # kforge._dispatch refused it: a Python override over the Python op would only cost time
         dispatcher.remove(bound)

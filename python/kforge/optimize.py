@@ -7,11 +7,12 @@ in place of the regions they match, and everything else as eager runs it (no Ind
 How: torch.compile with kforge's aten backend (kforge.graph), which runs convolutions
 channels-last as torch.compile does (kforge.layout). In each graph, the regions are
 found as capture found them (kforge.regions); a region whose structure and input metadata
-match a dispatched region card of the package is contracted into one call: of the card's
-region op (kforge.customops), whose C++ kernel checks the inputs' metadata, allocates the
-outputs and launches, where the site has one card and its launcher can launch from C++ (as the
-package's can); else of a plain Python callable (RegionCall), which launches the kernel of the
-card whose pointer alignments the inputs have (dynamo's guards fix the rest of the card's guard
+match a dispatched region card of the package is contracted into one call: of the region op
+of its cards (kforge.customops; a site may match several, the same region captured with its
+inputs at other alignments), whose C++ kernel checks the inputs' metadata, picks the card,
+allocates the outputs and launches, where the launcher can launch from C++ (as the package's
+can); else of a plain Python callable (RegionCall), which launches the kernel of the card whose
+pointer alignments the inputs have (dynamo's guards fix the rest of the card's guard
 specification, kforge.guards). Either runs the region's original aten calls on a miss. Where matched regions overlap (a fused region and a vendor op's
 epilogue), package.choose_regions keeps the set that saves the most by the package's own
 measurements. Then each remaining node whose call hits a single-op card's guard becomes that
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import hashlib
 import operator
 import sys
 import types
@@ -133,16 +135,20 @@ class RegionCall:
 
 
 def native_op(kernels: Sequence[RegionKernel]) -> torch._ops.OpOverload | None:
-    """The region op whose C++ kernel serves a site (kforge.customops), where the site has one
-    kernel and it launches natively: its guard, output allocation and launch cost one dispatcher
-    call, about a third of RegionCall's host time on a CPU (bench/bench_optimize_host.py); else None."""
+    """The region op whose C++ kernel serves a site (kforge.customops: every card the site
+    matches a variant of it, told apart by the inputs' alignments), where each kernel launches
+    natively: its guard, output allocation and launch cost one dispatcher call, where RegionCall
+    makes a Python call, a Python guard, an allocation per output and a Python launch (about
+    2 µs against 3-4 on a CPU); else None."""
     from . import customops
 
-    if len(kernels) != 1 or kernels[0].launch is None:
+    if not kernels or any(k.launch is None for k in kernels):
         return None
-    k = kernels[0]
+    digest = kernels[0].digest or kernels[0].card.id
+    if len(kernels) > 1:  # one op per set of kernels
+        digest = hashlib.sha256("|".join(k.digest or k.card.id for k in kernels).encode()).hexdigest()
     try:
-        op = customops.region_op(k, k.digest or k.card.id)
+        op = customops.region_op(kernels, digest)
     except DispatchError:
         return None
     return op if customops.served_natively(op) else None
