@@ -222,6 +222,35 @@ def test_a_batch_norm_after_a_cat_reads_its_slab_of_the_channel_vectors(tmp_path
     torch.testing.assert_close(cuda_on_cpu.run(card, cand, ins)[0], want)
 
 
+class GhostModuleTail(nn.Module):
+    """GhostNet's module end: the cheap features' batch norm, the cat with the primary ones, the
+    cat sliced to the output channels (whole here: traced as an alias of the cat), the shortcut added."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.channels, self.bn = channels, DenseLayerInput(channels).bn
+
+    def forward(self, primary, cheap, shortcut):
+        return torch.cat([primary, self.bn(cheap)], 1)[:, :2 * self.channels] + shortcut
+
+
+def test_a_view_of_a_cat_in_its_slabs_reads_each_piece_through_it(tmp_path):
+    """In a slab the cat is the piece the slab falls in: a view of the cat becomes a view of a
+    region input there, read through the view's strides (it was declined as a view of no
+    computed value)."""
+    card = region_card(tmp_path, GhostModuleTail(6), torch.randn(2, 6, 5, 3), torch.randn(2, 6, 5, 3),
+                       torch.randn(2, 12, 5, 3))
+    assert "cat" in card.region.ops and "add" in card.region.ops
+    prog = card_program.program_for_card(card)
+    assert not isinstance(prog, str), prog
+    ins = [t.abs() + 0.5 if t.dim() == 1 else t for t in card.random_inputs(0, "cpu")]  # a positive variance
+    (want,) = card.region.replay([t.clone() for t in ins])
+    torch.testing.assert_close(interp.run(prog, ins)[0], want)
+    cand = generated.build(card, {**generated.default(card, H200), "threads": 64}, H200)
+    assert compiler.compile(cand.source, arch="sm_90").cubin
+    torch.testing.assert_close(cuda_on_cpu.run(card, cand, ins)[0], want)
+
+
 @pytest.mark.parametrize("shape, shifts, dims, channels_last", [
     ((2, 6, 9, 4), (-3, -3), (1, 2), False),  # Swin's shifted windows: two dims, one launch of four blocks
     ((2, 4, 6, 9), (3, -2), (2, 3), True),    # channels-last, written as eager writes it

@@ -20,7 +20,7 @@ from torch import nn
 from norm_models import BatchNormReluPool, ClassTokenOfPatches, GeluMul, PatchMerging, SqueezeExcite, WindowReverseNorm
 from test_codegen_regions import (AddTransposed, ChannelsLastNormBack, NormalizeLinear, RotaryKeysRepeatedFirst,
                                   SwinWindows, WindowPartitionAfterNorm, rotate_half)
-from test_codegen_concat import DenseLayerInput
+from test_codegen_concat import DenseLayerInput, GhostModuleTail
 
 from kforge.capturing import capture
 from kforge.cards import decode_value
@@ -216,6 +216,9 @@ CASES = {
                                           lambda: _dense_features(torch.contiguous_format)),
     "densenet_cat_batch_norm_relu_channels_last_bf16": (lambda: DenseLayerInput(64 + 12 * 32).to("cuda", torch.bfloat16),
                                                         lambda: _dense_features(torch.channels_last)),
+    # GhostNet's module end: the cheap features' batch norm, their cat with the primary ones, sliced whole, plus the shortcut
+    "ghost_module_tail_bf16": (lambda: GhostModuleTail(40).to("cuda", torch.bfloat16), lambda: tuple(
+        torch.randn(32, c, 28, 28, device="cuda", dtype=torch.bfloat16) for c in (40, 40, 80))),
     # F.normalize: the row's norm expanded back over the row it divides
     "normalize_rows": (lambda: NormalizeLinear().cuda(), lambda: (torch.randn(4096, 50, device="cuda"),)),
     # sibling reductions: the two distances of a triplet loss folded in one pass

@@ -23,8 +23,8 @@ from .call import Call, Val
 from .entries import entry_for, overload_of, table_key
 from .ir import FLOATS, Expr, Node, opmath, Program, Reduction, Ref, Scan, Window, broadcast_strides, siblings
 from .order import prologue_first
-from .views import (Decline, composed, lead_stripped, merged_groups, moved_strides, moved_to, overlaps, permute_dims,
-                    read_fine, remappable, reshaped, split_domain, split_merged, split_strides)
+from .views import (Decline, composed, lead_stripped, memory_order, merged_groups, moved_strides, moved_to, overlaps,
+                    permute_dims, read_fine, remappable, reshaped, split_domain, split_merged, split_strides, viewed_strides)
 
 IR_DTYPES = FLOATS + ("int64", "int32", "int16", "int8", "uint8", "bool")
 
@@ -158,15 +158,26 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
         values[(j, 0)] = (values[(src.index, src.output)][0], out)
 
     def reshape(j: int, node: Node) -> str | None:
-        """A view of a computed value that keeps its elements' order: later nodes see its shape."""
+        """A view of a computed value that keeps its elements' order: later nodes see its shape.
+        A view of an input (a cat's piece in its slab, concat.py) is that input read through the view's strides."""
         src = node.args.get("self")
+        if isinstance(src, Ref) and src.kind == "in" and red is None and scan is None and win is None and not frames \
+                and (st := viewed_strides(inputs[src.index], table_key(node.op)[0], node.args,
+                                          tuple(node.metas[0].shape))) is not None:
+            inputs.append(replace(inputs[src.index], shape=tuple(node.metas[0].shape), stride=st))
+            sources.append(sources[src.index])
+            values[(j, 0)] = (val(Ref("in", len(inputs) - 1)).expr, node.metas[0])
+            return None
         if src is not None and red is None and scan is None and not frames and src.kind == "node":
             # Before any reduction every value is a function of the domain's trailing dims (loads broadcast
             # right-aligned): a view that only adds or drops leading size-1 dims, or an expand, leaves it
             # that function (repeat_kv's unsqueeze + expand of the rotated keys).
             m, out = values[(src.index, src.output)][1], node.metas[0]
             shape, to = tuple(m.shape), tuple(out.shape)
-            keeps_order = reshaped(shape, m.stride, to) == reshaped(to, out.stride, to)  # (a permute of equal sizes does not)
+            # (a permute of equal sizes does not; a slab's narrowed view has gaps, not another order, and
+            # only as_strided says which elements by its strides)
+            seen, own = reshaped(shape, m.stride, to), reshaped(to, out.stride, to)
+            keeps_order = seen == own or table_key(node.op)[0] != "as_strided" and memory_order(seen) == memory_order(own)
             if lead_stripped(shape) == lead_stripped(to) and keeps_order or (
                     table_key(node.op)[0] == "expand" and broadcast_strides(m.shape, m.stride, to) is not None):
                 values[(j, 0)] = (val(src).expr, out)

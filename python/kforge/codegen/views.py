@@ -205,3 +205,21 @@ def overlaps(m: TensorMeta) -> bool:
             return True
         extent = st * size
     return False
+
+
+def memory_order(strides: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    """The dims from the outermost in memory (size-1 dims, stride 0, last), or None."""
+    return None if strides is None else tuple(sorted(range(len(strides)), key=lambda d: (-strides[d], d)))
+
+
+def viewed_strides(m: TensorMeta, name: str, args: dict, out: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The strides of `m` seen through view `name` to shape `out` (a permute, an expand, or a view
+    that keeps the order of its elements), or None."""
+    dims = permute_dims(name, args, len(m.shape))
+    if dims is not None:
+        return tuple(m.stride[d] for d in dims)
+    if name == "expand":
+        return broadcast_strides(tuple(m.shape), tuple(m.stride), out)
+    if name in ("view", "_unsafe_view", "reshape", "alias", "unsqueeze", "squeeze", "flatten", "unflatten") and math.prod(out) == m.numel:
+        return reshaped(m.shape, m.stride, out)
+    return None
