@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kforge
+from kforge import customops
 from kforge.candidate import Candidate, LaunchPlan
 from kforge.capturing import capture
 from kforge.optimize import RegionCall, RegionKernel, native_op, optimize
@@ -214,6 +215,27 @@ def test_a_region_kernel_that_launches_natively_is_called_as_its_op_with_no_pyth
 
 
 @needs_cpp
+def test_a_model_optimized_with_python_launches_leaves_another_models_region_ops_native(tmp_path):
+    """Region ops are named by card and kernel, so a second package's kernels would rebind the
+    first one's ops: a launcher that cannot launch from C++ does not touch them (its sites call
+    RegionCall), and the first model keeps launching from C++ through its own launcher."""
+    model, x = resnet(), torch.randn(2, 4, 8, 8)
+    cards = relu_cards(model, x, tmp_path)
+    launcher = CLauncher(cards)
+    fast = optimize(model, fake_package(cards, {c.id: (1.0, 5.0) for c in cards}), launcher=launcher)
+    python = CLauncher(cards)
+    python.native = None
+    other = optimize(resnet(), fake_package(cards, {c.id: (1.0, 5.0) for c in cards}), launcher=python)
+    with torch.no_grad():
+        fast(x)
+        other(x)
+        before = _dispatch_test.test_launcher_log()["calls"]
+        fast(x)
+        assert _dispatch_test.test_launcher_log()["calls"] - before == 4
+    assert launcher.calls == [] and sorted(python.calls) == [0, 0, 1, 1]
+
+
+@needs_cpp
 def test_a_native_region_ops_guard_miss_replays_the_region_and_counts_it(tmp_path):
     model, x = resnet(), torch.randn(2, 4, 8, 8)
     card = next(c for c in relu_cards(model, x, tmp_path) if c.region.ops == [BN, "relu"])
@@ -226,6 +248,10 @@ def test_a_native_region_ops_guard_miss_replays_the_region_and_counts_it(tmp_pat
     ins[0] = torch.randn(ins[0].numel() + 1)[1:].view(ins[0].shape)  # 4-byte aligned, the card says 16
     assert torch.equal(op(*ins), card.region.replay(ins)[0]) and launcher.calls == []
     assert dict(kernel.counters.fallbacks) == {"alignment": 1}
+    customops.release(op)  # what the evaluation worker does after timing a candidate through it
+    assert kernel.counters.hits == 1 and dict(kernel.counters.fallbacks) == {"alignment": 1}  # the C++ counts stay
+    with pytest.raises(Exception, match="released"):
+        op(*ins)
 
 
 @needs_cpp

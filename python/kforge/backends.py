@@ -151,7 +151,8 @@ class Backend(abc.ABC):
         """A region is dispatched by kforge.optimize, not by an aten override: as dispatched is
         the call kforge.optimize makes (its region op from C++, else kforge.optimize.RegionCall:
         the guard, then the kernel) against the replay of its aten calls. Every candidate of a
-        card is timed through one op, rebound to it (the op holds no kernel timed before)."""
+        card is timed through one op, released after its timing (it keeps no candidate's kernel loaded)."""
+        from . import customops
         from .optimize import RegionCall, RegionKernel, fits, launch_kernel, native_op
 
         if not fits(card, inputs):
@@ -159,9 +160,14 @@ class Backend(abc.ABC):
                                 "strides and dtypes)")
         launcher = self.dispatch_launcher(kernel)
         k = RegionKernel(card, launch_kernel(card, launcher, 0, ws), launch=(0, launcher, tuple(ws)), digest="timed")
-        call = native_op([k]) or RegionCall(card.region, [k])
-        eager, dispatched = self.time_as_called([(contextlib.nullcontext, lambda: card.call_eager(inputs, self.device)),
-                                                 (contextlib.nullcontext, lambda: call(*inputs))])
+        op = native_op([k])
+        call = op or RegionCall(card.region, [k])
+        try:
+            eager, dispatched = self.time_as_called([(contextlib.nullcontext, lambda: card.call_eager(inputs, self.device)),
+                                                     (contextlib.nullcontext, lambda: call(*inputs))])
+        finally:
+            if op is not None:
+                customops.release(op)
         if k.counters.fallbacks or not k.counters.hits:
             raise NotDispatched(f"the region's guard did not take the kernel ({dict(k.counters.fallbacks)})")
         return eager, dispatched

@@ -120,6 +120,8 @@ class _RegionOp:
         return [(k.card, (*k.launch, k.counters) if k.launch is not None else None) for k in self.kernels]
 
     def __call__(self, *ins: torch.Tensor):
+        if not self.kernels:
+            raise DispatchError("this region op was released: it holds no kernel")
         k = self.kernels[0]
         if self.native:
             outs = k.card.call_eager(list(ins))
@@ -156,24 +158,34 @@ def kernel_op(variant: Variant, kernel_digest: str) -> torch._ops.OpOverload:
     return op
 
 
-def region_op(kernels: Sequence[Any], kernel_digest: str) -> torch._ops.OpOverload:
-    """The custom op of a region's kernels (kforge.optimize.RegionKernel: one card each, the
-    same region but for its inputs' alignments; the op is named after the first), defined on
-    first use and now launched through them, as kernel_op() does for single-op cards, natively
-    where it can (served_natively() says whether)."""
+def region_op(kernels: Sequence[Any], kernel_digest: str) -> tuple[torch._ops.OpOverload, bool]:
+    """(the custom op of a region's kernels, whether kforge._dispatch's C++ kernel serves it).
+    The kernels are kforge.optimize.RegionKernel, one card each, the same region but for its
+    inputs' alignments; the op is named after the first. Defined on first use and now launched
+    through them, as kernel_op() does for single-op cards, natively where it can."""
     card = kernels[0].card
     if not card.inputs or not card.outputs or card.device_type not in ("cuda", "cpu"):
         raise DispatchError(f"region card {card.id} has no custom op: it needs tensor inputs and outputs on CUDA or CPU")
     with _lock:
         bound, op = _bind(card, kernel_digest, _RegionOp(list(kernels)))
         _serve_natively(bound, op)
-    return op
+        return op, bound.native
 
 
-def served_natively(op: torch._ops.OpOverload) -> bool:
-    """Whether kforge._dispatch's C++ kernel is in front of kforge op `op`."""
-    bound = _ops.get(op._schema.name.split("::")[-1])
-    return bound is not None and bound.native
+def release(op: torch._ops.OpOverload) -> None:
+    """Let kforge op `op` hold no kernel (its C++ front removed): what the evaluation worker does
+    with the op it timed a region candidate through, so no candidate's loaded module outlives its
+    timing. A call of the op after this fails."""
+    with _lock:
+        bound = _ops.get(op._schema.name.split("::")[-1])
+        if bound is None:
+            return
+        for dispatcher in _native.values():
+            if dispatcher.owns(bound):
+                dispatcher.remove(bound)
+        bound.native = False
+        if isinstance(bound, _RegionOp):
+            bound.kernels, bound.guards = [], []
 
 
 def _bind(card: Card, kernel_digest: str, fresh: "_KernelOp | _RegionOp") -> tuple:

@@ -157,7 +157,7 @@ def _rewrites(package: Any, launcher: Launcher | None, *, compiled: bool = True,
     if compiled:
         from .optimize import region_kernels
 
-        regions = [(k, customops.region_op([k], kernels[k.card.id].digest()))
+        regions = [(k, customops.region_op([k], kernels[k.card.id].digest())[0])
                    for k in region_kernels(package, launcher, compiled=True)
                    if k.card.id not in drop and _resolvable(k.card.region) and not _eagers_kernels_only(k.card.region)]
         if regions:

@@ -23,7 +23,8 @@ Host cost per forward, which a launch-bound forward pays on every call: a graph 
 and the layout pass change nothing in runs as dynamo traced it (eager's own calls); a changed graph runs with no
 aot_autograd runtime wrapper where that wrapper has nothing to do (kforge.graph), and its aten
 calls go through the bindings eager code calls (kforge.bindings), so what remains over eager is
-dynamo's guard check and one dispatcher call per region. With cuda_graphs=True each graph is
+dynamo's guard check and one dispatcher call per region (a Python call where the launcher cannot
+launch from C++). With cuda_graphs=True each graph is
 replayed from a CUDA graph instead (kforge.replay).
 
 Guards and recompiles: dynamo guards each graph on its inputs' shapes, strides and dtypes
@@ -104,8 +105,8 @@ def launch_kernel(card: Card, launcher: Launcher, vid: int, workspace: Sequence[
 
 
 class RegionCall:
-    """What one region site of a graph becomes: guard hit -> the card's kernel, miss -> the
-    region's own aten calls (the evaluation worker times a region as dispatched through it).
+    """What one region site of a graph becomes where its launcher cannot launch from C++ (else the
+    region op, native_op): guard hit -> the card's kernel, miss -> the region's own aten calls.
 
     Its callers hand it inputs with the cards' shapes, strides, dtypes and device: a traced
     graph's own guards (dynamo's, on every graph input's metadata, dynamic=False) fix those of
@@ -142,16 +143,18 @@ def native_op(kernels: Sequence[RegionKernel]) -> torch._ops.OpOverload | None:
     2 µs against 3-4 on a CPU); else None."""
     from . import customops
 
-    if not kernels or any(k.launch is None for k in kernels):
+    # Only kernels that can launch from C++ take the op: binding it rebinds it for every graph that
+    # calls it (ops are named by card and kernel), which must not lose its C++ front to a Python launcher.
+    if not kernels or any(k.launch is None or not callable(getattr(k.launch[1], "native", None)) for k in kernels):
         return None
     digest = kernels[0].digest or kernels[0].card.id
     if len(kernels) > 1:  # one op per set of kernels
         digest = hashlib.sha256("|".join(k.digest or k.card.id for k in kernels).encode()).hexdigest()
     try:
-        op = customops.region_op(kernels, digest)
+        op, native = customops.region_op(kernels, digest)
     except DispatchError:
         return None
-    return op if customops.served_natively(op) else None
+    return op if native else None
 
 
 def fits(card: Card, inputs: Sequence[torch.Tensor]) -> bool:

@@ -23,7 +23,7 @@ from .call import Call, Val
 from .entries import entry_for, overload_of, table_key
 from .ir import FLOATS, Expr, Node, opmath, Program, Reduction, Ref, Scan, Window, broadcast_strides, siblings
 from .order import prologue_first
-from .views import (Decline, composed, lead_stripped, memory_order, merged_groups, moved_strides, moved_to, overlaps,
+from .views import (Decline, composed, keeps_element_order, lead_stripped, merged_groups, moved_strides, moved_to, overlaps,
                     permute_dims, read_fine, remappable, reshaped, split_domain, split_merged, split_strides, viewed_strides)
 
 IR_DTYPES = FLOATS + ("int64", "int32", "int16", "int8", "uint8", "bool")
@@ -162,8 +162,8 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
         A view of an input (a cat's piece in its slab, concat.py) is that input read through the view's strides."""
         src = node.args.get("self")
         if isinstance(src, Ref) and src.kind == "in" and red is None and scan is None and win is None and not frames \
-                and (st := viewed_strides(inputs[src.index], table_key(node.op)[0], node.args,
-                                          tuple(node.metas[0].shape))) is not None:
+                and node.metas[0].dtype == inputs[src.index].dtype and (st := viewed_strides(
+                    inputs[src.index], table_key(node.op)[0], node.args, tuple(node.metas[0].shape))) is not None:
             inputs.append(replace(inputs[src.index], shape=tuple(node.metas[0].shape), stride=st))
             sources.append(sources[src.index])
             values[(j, 0)] = (val(Ref("in", len(inputs) - 1)).expr, node.metas[0])
@@ -174,10 +174,7 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
             # that function (repeat_kv's unsqueeze + expand of the rotated keys).
             m, out = values[(src.index, src.output)][1], node.metas[0]
             shape, to = tuple(m.shape), tuple(out.shape)
-            # (a permute of equal sizes does not; a slab's narrowed view has gaps, not another order, and
-            # only as_strided says which elements by its strides)
-            seen, own = reshaped(shape, m.stride, to), reshaped(to, out.stride, to)
-            keeps_order = seen == own or table_key(node.op)[0] != "as_strided" and memory_order(seen) == memory_order(own)
+            keeps_order = keeps_element_order(table_key(node.op)[0], node.args, m, out)
             if lead_stripped(shape) == lead_stripped(to) and keeps_order or (
                     table_key(node.op)[0] == "expand" and broadcast_strides(m.shape, m.stride, to) is not None):
                 values[(j, 0)] = (val(src).expr, out)

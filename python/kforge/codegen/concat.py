@@ -30,9 +30,9 @@ from .ir import Node, Ref
 from .reductions import NORM_OPS, PER_CHANNEL
 from .views import Decline, contiguous
 
-# The slabs are one launch, each a device function over its own range of blocks, its pointers
-# kernel parameters: 64 slabs of a few tensors each stay within the 4 KB of parameters every
-# toolkit takes. DenseNet-201's deepest cat has 49 pieces.
+# The slabs are one launch, each a device function over its own range of blocks with its own
+# pointer parameters: 64 slabs of about six tensors (a piece, a batch norm's four vectors, the
+# output) are 3 KB of the 4 KB of parameters every toolkit takes. DenseNet-201's deepest cat has 49 pieces.
 MAX_SLABS = 64
 ROLL = "aten::roll.default"
 
@@ -147,7 +147,8 @@ class _Slabs:
             raise Decline(f"a cat cut into {len(self.cuts) - 1} slabs: at most {MAX_SLABS} are generated")
         for n in nodes:
             if family_of(n.op) not in ("pointwise", "view") and not is_cat(n.op) and packet_name(n.op) not in PER_CHANNEL:
-                raise Decline(f"a cat beside {packet_name(n.op)}: cats are generated in pointwise work only")
+                raise Decline(f"a cat beside {packet_name(n.op)}: cats are generated in pointwise work and inference "
+                              "batch norm only")
 
     def _dim(self, n: Node) -> int:
         """A cat's dim, counted from the right."""

@@ -207,9 +207,22 @@ def overlaps(m: TensorMeta) -> bool:
     return False
 
 
-def memory_order(strides: tuple[int, ...] | None) -> tuple[int, ...] | None:
-    """The dims from the outermost in memory (size-1 dims, stride 0, last), or None."""
-    return None if strides is None else tuple(sorted(range(len(strides)), key=lambda d: (-strides[d], d)))
+ORDER_KEEPING = frozenset({"view", "_unsafe_view", "reshape", "alias", "unsqueeze", "squeeze", "flatten", "unflatten"})
+
+
+def keeps_element_order(name: str, args: dict, m: TensorMeta, out: TensorMeta) -> bool:
+    """Whether view `name` of a value `m` gives its elements in the same (row-major) order: a view
+    of the ORDER_KEEPING kind always does, whatever its strides (a cat's slab of it has gaps); a
+    permute where it moves only size-1 dims; any other view (t, as_strided, ...) where it leaves
+    the strides as they were (a permute of equal sizes does not)."""
+    dims = permute_dims(name, args, len(m.shape))
+    if dims is not None:
+        moved = [d for d in dims if m.shape[d] != 1]
+        return moved == sorted(moved)
+    if name in ORDER_KEEPING:
+        return True
+    to = tuple(out.shape)
+    return reshaped(m.shape, m.stride, to) == reshaped(to, out.stride, to)
 
 
 def viewed_strides(m: TensorMeta, name: str, args: dict, out: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -220,6 +233,6 @@ def viewed_strides(m: TensorMeta, name: str, args: dict, out: tuple[int, ...]) -
         return tuple(m.stride[d] for d in dims)
     if name == "expand":
         return broadcast_strides(tuple(m.shape), tuple(m.stride), out)
-    if name in ("view", "_unsafe_view", "reshape", "alias", "unsqueeze", "squeeze", "flatten", "unflatten") and math.prod(out) == m.numel:
+    if name in ORDER_KEEPING and math.prod(out) == m.numel:
         return reshaped(m.shape, m.stride, out)
     return None
