@@ -106,15 +106,13 @@ def bench(model, args, *, calls: int, rounds: int) -> dict:
             torch.compiler.reset()
             fast = kforge.optimize(model, fake_package(cards, {c.id: (1.0, 5.0) for c in cards}), launcher=launcher)
             fast(*args)
-            group = {"eager": (contextlib.nullcontext, lambda: model(*args)),
+            group = {"eager" + (f", timed with kforge.optimize{suffix}" if suffix else ""):
+                     (contextlib.nullcontext, lambda: model(*args)),
                      "kforge.optimize" + suffix: (contextlib.nullcontext, lambda: fast(*args))}
             if not suffix:
                 group["pkg.apply()"] = (lambda: pkg.apply(dispatcher=cpu, launcher=launcher), lambda: model(*args))
-            timed = interleaved(group, calls=calls, rounds=rounds)
-            rows.update({k if k != "eager" or not rows else f"eager, timed with kforge.optimize{suffix}": v
-                         for k, v in timed.items()})
-            if not suffix:
                 report = fast.report()
+            rows.update(interleaved(group, calls=calls, rounds=rounds))
         torch.compiler.reset()
         empty = kforge.optimize(model, fake_package([], {}))
         empty(*args)

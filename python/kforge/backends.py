@@ -153,13 +153,12 @@ class Backend(abc.ABC):
         the guard, then the kernel) against the replay of its aten calls. Every candidate of a
         card is timed through one op, released after its timing (it keeps no candidate's kernel loaded)."""
         from . import customops
-        from .optimize import RegionCall, RegionKernel, fits, launch_kernel, native_op
+        from .optimize import RegionCall, RegionKernel, fits, native_op
 
         if not fits(card, inputs):
             raise NotDispatched("the region's guard did not take the kernel (the inputs are not the card's shapes, "
                                 "strides and dtypes)")
-        launcher = self.dispatch_launcher(kernel)
-        k = RegionKernel(card, launch_kernel(card, launcher, 0, ws), launch=(0, launcher, tuple(ws)), digest="timed")
+        k = RegionKernel.launched(card, self.dispatch_launcher(kernel), 0, ws, digest="timed")
         op = native_op([k])
         call = op or RegionCall(card.region, [k])
         try:

@@ -127,7 +127,7 @@ class _RegionOp:
             outs = k.card.call_eager(list(ins))
         else:
             key = tuple(tensor_key(t) for t in ins)
-            hit = next((k for k, g in zip(self.kernels, self.guards) if g.key == key), None)
+            hit = next((kernel for kernel, g in zip(self.kernels, self.guards) if g.key == key), None)
             if hit is None:  # alignment: the graph could not see it
                 k.counters.fell_back(self.guards[0].differences(key)[0])
                 outs = k.card.call_eager(list(ins))

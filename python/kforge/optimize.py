@@ -87,6 +87,11 @@ class RegionKernel:
     def guard(self) -> GuardSpec:
         return GuardSpec.of_inputs(self.card.inputs)
 
+    @classmethod
+    def launched(cls, card: Card, launcher: Launcher, vid: int, workspace: Sequence[int] = (), **kw: Any) -> "RegionKernel":
+        """The card's kernel as variant `vid` of `launcher`, launched from Python (run) or from C++ (launch)."""
+        return cls(card, launch_kernel(card, launcher, vid, workspace), launch=(vid, launcher, tuple(workspace)), **kw)
+
 
 def launch_kernel(card: Card, launcher: Launcher, vid: int, workspace: Sequence[int] = ()) -> Callable:
     """inputs -> outputs of variant `vid` of `launcher`: outputs allocated with the card's shapes,
@@ -183,8 +188,8 @@ def region_kernels(package: Any, launcher: Launcher, *, compiled: bool = False) 
         else:
             kernel_us = (c.entry.get("timing") or {}).get("dispatched_us")
             baseline_us = (c.entry.get("baseline") or {}).get("baseline_us")
-        out.append(RegionKernel(c.card, launch_kernel(c.card, launcher, vid, ws), kernel_us, baseline_us, c.counters,
-                                (vid, launcher, tuple(ws)), c.candidate.digest() if c.candidate is not None else ""))
+        out.append(RegionKernel.launched(c.card, launcher, vid, ws, kernel_us=kernel_us, baseline_us=baseline_us,
+                                         counters=c.counters, digest=c.candidate.digest() if c.candidate is not None else ""))
     return out
 
 
