@@ -86,7 +86,8 @@ def _timm(name: str, size: int):
 
 MODELS = {"llama": llama, "qwen2": qwen2, "gpt2": gpt2, "bert": bert, "t5": t5,
           "vit": _timm("vit_tiny_patch16_224", 224), "swin": _timm("swin_tiny_patch4_window7_224", 224),
-          "convnext": _timm("convnext_atto", 128), "efficientnet": _timm("efficientnet_b0", 128),
+          "convnext": _timm("convnext_atto", 128), "convnextv2": _timm("convnextv2_atto", 128),
+          "efficientnet": _timm("efficientnet_b0", 128),
           "mobilenetv3": _timm("mobilenetv3_small_100", 128), "poolformer": _timm("poolformer_s12", 128),
           "regnet": _timm("regnetx_002", 128), "mixer": _timm("mixer_s16_224", 224), "levit": _timm("levit_128s", 224),
           "ghostnet": _timm("ghostnet_100", 224), "mobilevit": _timm("mobilevit_xxs", 256),

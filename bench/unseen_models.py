@@ -7,7 +7,7 @@ inference server would use; on the CPU, or with SMALL=1, at toy sizes so tests c
 
     UNSEEN=vit python bench/bench_model.py bench/unseen_models.py --regions --compile --out vit.json
 
-Needs timm (vit, swin, convnext, efficientnet, maxvit, densenet) or transformers (llama, bert).
+Needs timm (vit, swin, convnext, convnextv2, efficientnet, maxvit, densenet) or transformers (llama, bert).
 """
 
 from __future__ import annotations
@@ -79,6 +79,8 @@ def _tokens(config, batch: int, seq: int):
 MODELS = {"vit": _timm("vit_base_patch16_224", 32, 224, small_size=32, img_size=32),
           "swin": _timm("swin_tiny_patch4_window7_224", 32, 224, small_size=224),  # its windows need 224
           "convnext": _timm("convnext_tiny", 32, 224),
+          # ConvNeXt with a global response norm in every block's MLP
+          "convnextv2": _timm("convnextv2_tiny", 32, 224),
           "efficientnet": _timm("efficientnet_b0", 64, 224),
           # window and grid attention after layer norms, MBConv blocks, SDPA's masked _safe_softmax
           "maxvit": _timm("maxvit_tiny_tf_224", 32, 224, small_size=224),  # its windows need 224

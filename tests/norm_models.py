@@ -239,3 +239,17 @@ class PatchMerging(nn.Module):
         x = self.lin(x)
         b, h, w, c = x.shape
         return self.norm(x.reshape(b, h // 2, 2, w // 2, 2, c).permute(0, 1, 3, 4, 2, 5).flatten(3))
+
+
+class GlobalResponseNorm(nn.Module):
+    """ConvNeXt-V2's global response norm of an NCHW map: each channel's L2 norm over the pixels,
+    divided by the mean of those norms over the channels, scales the map (timm's GlobalResponseNorm)."""
+
+    def __init__(self, c: int):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.randn(c) * 0.1), nn.Parameter(torch.randn(c) * 0.1)
+
+    def forward(self, x):
+        g = x.norm(p=2, dim=(2, 3), keepdim=True)
+        n = g / (g.mean(dim=1, keepdim=True) + 1e-6)
+        return x + torch.addcmul(self.bias.view(1, -1, 1, 1), self.weight.view(1, -1, 1, 1), x * n)

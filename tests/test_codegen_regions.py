@@ -16,7 +16,7 @@ from torch import nn
 
 import cuda_on_cpu
 from builtin_cards import make_card as builtin_card, meta as builtin_meta
-from norm_models import BatchNormAddReluMean, ClassTokenOfPatches, GeluMul
+from norm_models import BatchNormAddReluMean, ClassTokenOfPatches, GeluMul, GlobalResponseNorm
 from kforge import compiler
 from kforge.capturing import capture
 from kforge.card_files import load_sample
@@ -418,6 +418,12 @@ CASES = {
                                          ["native_layer_norm", "constant_pad_nd", "clone"]),
     "swin_zero_pad_and_partition_after_the_roll": (lambda: SwinWindows(True), lambda: (torch.randn(2, 6, 9, 16),),
                                                    ["constant_pad_nd", "clone"]),
+    # a keepdim mean of per-channel norms scales the whole map: each pixel folds the channels' norms
+    # (ConvNeXt-V2's global response norm; the norms over the pixels are a card of their own)
+    "global_response_norm": (lambda: GlobalResponseNorm(16), lambda: (torch.randn(2, 16, 5, 7),),
+                             ["mean", "add", "div", "mul", "addcmul", "add"]),
+    "global_response_norm_channels_last": (lambda: GlobalResponseNorm(16), lambda: (
+        torch.randn(2, 16, 5, 7).to(memory_format=torch.channels_last),), ["mean", "add", "div", "mul", "addcmul", "add"]),
     # F.normalize: the norm, kept, expanded back over the rows it divides (EdgeNeXt's attention)
     "normalize_expands_its_norm_back": (lambda: NormalizeLinear(), lambda: (torch.randn(12, 50),),
                                         ["linalg_vector_norm", "clamp_min", "div"]),

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from norm_models import BatchNormReluPool, ClassTokenOfPatches, GeluMul, PatchMerging, SqueezeExcite, WindowReverseNorm
+from norm_models import (BatchNormReluPool, ClassTokenOfPatches, GeluMul, GlobalResponseNorm, PatchMerging, SqueezeExcite,
+                         WindowReverseNorm)
 from test_codegen_regions import (AddTransposed, ChannelsLastNormBack, NormalizeLinear, RotaryKeysRepeatedFirst,
                                   SwinWindows, WindowPartitionAfterNorm, rotate_half)
 from test_codegen_concat import DenseLayerInput, GhostModuleTail
@@ -219,6 +220,10 @@ CASES = {
     # GhostNet's module end: the cheap features' batch norm, their cat with the primary ones, sliced whole, plus the shortcut
     "ghost_module_tail_bf16": (lambda: GhostModuleTail(40).to("cuda", torch.bfloat16), lambda: tuple(
         torch.randn(32, c, 28, 28, device="cuda", dtype=torch.bfloat16) for c in (40, 40, 80))),
+    # ConvNeXt-V2-T's first global response norm (channels-last, as the 1x1 conv before it writes it):
+    # the mean of the channels' norms, folded again at each pixel, scales the map
+    "convnextv2_global_response_norm_bf16": (lambda: GlobalResponseNorm(384).to("cuda", torch.bfloat16), lambda: (
+        torch.randn(32, 384, 56, 56, device="cuda", dtype=torch.bfloat16).to(memory_format=torch.channels_last),)),
     # F.normalize: the row's norm expanded back over the row it divides
     "normalize_rows": (lambda: NormalizeLinear().cuda(), lambda: (torch.randn(4096, 50, device="cuda"),)),
     # sibling reductions: the two distances of a triplet loss folded in one pass

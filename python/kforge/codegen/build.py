@@ -24,7 +24,8 @@ from .entries import entry_for, overload_of, table_key
 from .ir import FLOATS, Expr, Node, opmath, Program, Reduction, Ref, Scan, Window, broadcast_strides, siblings
 from .order import prologue_first
 from .views import (Decline, composed, keeps_element_order, lead_stripped, merged_groups, moved_strides, moved_to, overlaps,
-                    permute_dims, read_fine, remappable, reshaped, split_domain, split_merged, split_strides, viewed_strides)
+                    permute_dims, read_fine, remappable, reshaped, split_domain, split_merged, split_strides, viewed_strides,
+                    widened)
 
 IR_DTYPES = FLOATS + ("int64", "int32", "int16", "int8", "uint8", "bool")
 
@@ -387,6 +388,8 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
             return DIFFERENT_SHAPES
         if scan is not None and not frame:
             return "a scan of a 0-dim tensor is a copy"
+    if red is not None and red.keepdim and red.split is None and merge is None and not frames:
+        frame = widened(frame, [inputs[i].shape for i, p in loads.items() if p == "epi"] + [m.shape for m in live], red.dims)
     if merge is not None:
         fine, frame_merged, groups = merge
         if frame != frame_merged or split is not None or frames or scan is not None or (red is not None and not red.keepdim):

@@ -196,6 +196,25 @@ def split_domain(frame: tuple[int, ...], split) -> tuple[int, ...]:
     return frame[:d] + (g, frame[d] // g) + frame[d + 1:]
 
 
+def widened(frame: tuple[int, ...], shapes, fixed: tuple[int, ...]) -> tuple[int, ...]:
+    """`frame` with its size-1 dims outside `fixed` grown to the sizes `shapes` (right-aligned)
+    have there: a keepdim reduction's result read by pointwise work over a larger shape
+    (ConvNeXt-V2's global response norm: the mean over the channels of a per-channel norm, then
+    the feature map times it). Each kept point of the wider frame folds the same elements. The
+    frame as it is where a shape has more dims, or a size other than 1 or the frame's."""
+    out = list(frame)
+    for shape in shapes:
+        lead = len(frame) - len(shape)
+        if lead < 0:
+            return frame
+        for d, n in enumerate(shape, lead):
+            if n != 1 and n != out[d]:
+                if frame[d] != 1 or out[d] != 1 or d in fixed:
+                    return frame
+                out[d] = n
+    return tuple(out)
+
+
 def overlaps(m: TensorMeta) -> bool:
     """Two indices of `m` name one element: some dim's stride is less than the extent of the
     dims inside it."""
