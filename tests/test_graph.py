@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kforge import graph
@@ -55,6 +56,35 @@ def test_real_inputs_of_each_graph_are_kept():
     t = traced(Mixed(), x)
     ins = t.graphs[0].inputs
     assert ins is not None and any(i is x for i in ins)
+
+
+class Upsampling(nn.Module):
+    """A feature pyramid's merge: nearest twice the size, then bilinear to another size."""
+
+    def forward(self, x, y):
+        up = F.interpolate(x, scale_factor=2, mode="nearest") + y
+        return F.interpolate(up, size=(7, 9), mode="bilinear", align_corners=False)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_upsampling_is_traced_as_the_op_eager_calls(channels_last):
+    """Not torch's Python decomposition (index tensors built by arange, then _unsafe_index; four of
+    them and a blend for bilinear): the one aten op eager calls, with its output's strides."""
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x, y = torch.randn(2, 3, 4, 5).to(memory_format=fmt), torch.randn(2, 3, 8, 10).to(memory_format=fmt)
+    t = traced(Upsampling(), x, y)
+    (g,) = t.graphs
+    ops = targets(g)
+    assert "aten.upsample_nearest2d.default" in ops and "aten.upsample_bilinear2d.default" in ops
+    assert not any("index" in o or "arange" in o for o in ops), ops
+    with torch.no_grad():
+        want = Upsampling()(x, y)
+        (got,) = g.module(*g.inputs)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    last = next(n for n in g.module.graph.nodes if n.target == torch.ops.aten.upsample_bilinear2d.default)
+    assert last.meta["val"].stride() == want.stride()
+    # torch's decomposition is back in place once the trace is done
+    assert torch._C.DispatchKey.CompositeImplicitAutograd in torch.ops.aten.upsample_nearest2d.vec.py_kernels
 
 
 class Branchy(nn.Module):

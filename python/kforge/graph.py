@@ -4,7 +4,8 @@ How: torch.compile with a backend of kforge's own (no Inductor). Dynamo splits t
 into graphs at its graph breaks; each graph is lowered to aten by aot_autograd with no
 decompositions of kforge's choosing, so only the CompositeImplicitAutograd ops decompose,
 exactly as they do in eager: native_group_norm stays native_group_norm, softmax becomes
-_softmax, linear becomes t + addmm. The graphs are functional (relu_ is recorded as relu).
+_softmax, linear becomes t + addmm, and upsampling stays the op eager calls (torch decomposes it
+in Python into index tensors and gathers: kforge.eager_composites). The graphs are functional (relu_ is recorded as relu).
 Inference graphs with 2-D convolutions on CUDA are laid out channels-last
 as torch.compile lays them out (kforge.layout), and a fused attention call runs as
 matmul-softmax-matmul where that is measured faster (kforge.attention); before that, an
@@ -36,7 +37,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import attention, conv_bias, gqa, layout, masks
+from . import attention, conv_bias, eager_composites, gqa, layout, masks
 
 ROOT = "(root)"  # module path of nodes run by the model's own forward (as capture names it)
 
@@ -199,7 +200,8 @@ def aten_backend(compile_graph: GraphCompiler, notes: list[str], finish: Finishe
             return done(gm.forward)
         try:
             sdpa_as_eager(gm, notes)
-            lowered = lower(gm, example_inputs)
+            with eager_composites.as_eager():  # upsampling as eager calls it, not torch's decomposition
+                lowered = lower(gm, example_inputs)
         except Exception as e:  # noqa: BLE001 (the graph then runs eagerly; the note says why)
             notes.append(f"graph {index} could not be lowered to aten ({type(e).__name__}: "
                          f"{(str(e).splitlines() or [''])[0]}); it runs eagerly")
