@@ -326,6 +326,18 @@ class SwinWindows(nn.Module):
         return self.lin(x.view(b, h // 3, 3, w // 3, 3, c).permute(0, 1, 3, 2, 4, 5).contiguous().view(-1, 9, c))
 
 
+class UpsampledSum(nn.Module):
+    """A feature pyramid's top-down merge: the coarser map, scaled, upsampled by a whole factor
+    (nearest), plus the finer one, through a sigmoid."""
+
+    def __init__(self, **interpolate):
+        super().__init__()
+        self.interpolate = interpolate or dict(scale_factor=2, mode="nearest")
+
+    def forward(self, x, y):
+        return torch.sigmoid(F.interpolate(x * 2, **self.interpolate) + y)
+
+
 class WindowsOfAProduct(nn.Module):
     """A pointwise value split into 3x3 windows of a 6x9 map: the permute swaps two dims of size 3,
     so its shape is its operand's (a shape test alone took it for a view that keeps the order)."""
@@ -424,6 +436,15 @@ CASES = {
                              ["mean", "add", "div", "mul", "addcmul", "add"]),
     "global_response_norm_channels_last": (lambda: GlobalResponseNorm(16), lambda: (
         torch.randn(2, 16, 5, 7).to(memory_format=torch.channels_last),), ["mean", "add", "div", "mul", "addcmul", "add"]),
+    # nearest upsampling inside a region: the input viewed with a size-1 dim after each upsampled
+    # one, expanded, copied and merged back (codegen/resample.py)
+    "upsampled_sum": (UpsampledSum, lambda: (torch.randn(2, 3, 5, 7), torch.randn(2, 3, 10, 14)),
+                      ["mul", "upsample_nearest2d", "add", "sigmoid"]),
+    "upsampled_sum_channels_last": (UpsampledSum, lambda: (torch.randn(2, 3, 5, 7).to(memory_format=torch.channels_last),
+                                                           torch.randn(2, 3, 10, 14).to(memory_format=torch.channels_last)),
+                                    ["mul", "upsample_nearest2d", "add", "sigmoid"]),
+    "upsampled_sum_by_three_and_two_exact": (lambda: UpsampledSum(size=(15, 14), mode="nearest-exact"), lambda: (
+        torch.randn(2, 3, 5, 7), torch.randn(2, 3, 15, 14)), ["mul", "_upsample_nearest_exact2d", "add", "sigmoid"]),
     # F.normalize: the norm, kept, expanded back over the rows it divides (EdgeNeXt's attention)
     "normalize_expands_its_norm_back": (lambda: NormalizeLinear(), lambda: (torch.randn(12, 50),),
                                         ["linalg_vector_norm", "clamp_min", "div"]),
@@ -575,6 +596,11 @@ DECLINED = {
 DECLINED["an_input_broadcast_over_a_squeezed_pooling_by_sample"] = (
     Pool1dThenPerSampleBias, lambda: (torch.randn(4, 4, 32), torch.randn(4, 1, 1)),
     "broadcasts otherwise over a view of the pooling's output")
+
+
+DECLINED["an_upsampling_by_a_factor_that_is_not_whole"] = (
+    lambda: UpsampledSum(scale_factor=1.5, mode="nearest"), lambda: (torch.randn(2, 3, 6, 8), torch.randn(2, 3, 9, 12)),
+    "other than a whole factor")
 
 
 @pytest.mark.parametrize("name", sorted(DECLINED))
@@ -1112,3 +1138,31 @@ def test_a_pad_that_pads_ends_a_region_and_its_card_is_declined(tmp_path):
     assert regions == [["_native_batch_norm_legit_no_training", "silu"]]
     (pad,) = [c.retarget("cuda", "sm_90") for c in r.cards if c.op == "aten::constant_pad_nd.default"]
     assert "a pad that pads or crops" in BuiltinProposer().supports(pad)[1]
+
+
+@pytest.mark.parametrize("mode,scale,shape", [("nearest", 2, (2, 3, 5, 7)), ("nearest", 3, (2, 3, 5, 7)),
+                                              ("nearest-exact", 2, (2, 3, 9)), ("nearest", 2, (1, 2, 3, 4, 5))])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_a_nearest_upsampling_card_is_generated_over_the_finer_domain(tmp_path, mode, scale, shape, channels_last):
+    """The op alone (1-, 2- and 3-D): one copy over the domain with a dim of the factor's size after
+    each upsampled dim, the input read with stride 0 along it, the output written in its own layout."""
+    x = torch.randn(*shape)
+    if channels_last and len(shape) == 4:
+        x = x.to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        r = capture(UpsampledSum(scale_factor=scale, mode=mode), (x, torch.zeros(())), tmp_path, time_cards=False)
+        want = F.interpolate(x, scale_factor=scale, mode=mode)
+    (card,) = [c for c in r.cards if "upsample" in c.op]
+    card = card.retarget("cuda", "sm_90")
+    prog = card_program.program_for_card(card)
+    assert not isinstance(prog, str), prog
+    fine = [n for d in shape[2:] for n in (d, scale)]
+    assert prog.domain == tuple(shape[:2]) + tuple(fine)
+    assert all(prog.in_strides[i][3::2] == (0,) * (len(shape) - 2) for i in prog.in_strides)
+    (got,) = interp.run(prog, [x])
+    assert torch.equal(got, want)
+    assert BuiltinProposer().supports(card) == (True, "")
+    cand = generated.build(card, generated.default(card, H200), H200)
+    assert compiler.compile(cand.source, arch="sm_90").cubin
+    (ran,) = cuda_on_cpu.run(card, cand, [x])
+    assert torch.equal(ran, want) and ran.stride() == want.stride()

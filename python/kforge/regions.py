@@ -5,7 +5,8 @@ Three kinds of candidates, found independently (they may overlap; the packager p
   fused      connected chains of pointwise, reduction, scan, normalization and pooling nodes, with
              the views between them, whose intermediates are used only inside the region.
              A region ends at vendor ops (mm/addmm/conv/attention), `other` ops but cat
-             (the generator cuts a cat into slabs of pointwise work), graph inputs
+             (the generator cuts a cat into slabs of pointwise work) and nearest upsampling
+             (views and a copy to the generator), graph inputs
              and outputs, and at any value that is also used outside it (a multi-use value
              is a region output, never an intermediate). At most one reduction level: no
              reduction (sum, mean, softmax, layer/group norm, pooling, cumsum) may depend on another
@@ -38,6 +39,7 @@ import torch.fx as fx
 
 from .cards import TensorMeta, dtype_name, encode_value, pointer_alignment, qualified_name
 from .codegen.reductions import PER_CHANNEL, SCAN_OPS  # normalization that reduces nothing; the scans the generator folds
+from .codegen.resample import NEAREST
 from .errors import CardError
 from .families import _returns_view, family_of, packet_name
 from .subgraph import Node, Subgraph
@@ -133,6 +135,8 @@ def role(n: fx.Node) -> str | None:
     if family == "pointwise" and not _broadcasts(n, args):  # a pad that pads (the op table's pad is a copy)
         return None
     if family in ("pointwise", "normalization") or name == "cat":  # a cat: slabs of pointwise work (codegen/concat.py)
+        return "compute"
+    if qualified_name(op) in NEAREST:  # nearest upsampling: views and a copy (codegen/resample.py)
         return "compute"
     return None
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 
 def markdown() -> str:
-    from .codegen import concat, gather, ops, reductions
+    from .codegen import concat, gather, ops, reductions, resample
     from .proposers.builtin import TEMPLATES
 
     lines = ["# Supported ops", "",
@@ -40,6 +40,8 @@ def markdown() -> str:
               f" of the output, one launch, at most {concat.MAX_SLABS}); `roll` (alone) as the cat of its input's blocks, every rolled dim in one launch",
               "- **Picked rows**: " + ", ".join(f"`{o.removeprefix('aten::').split('.')[0]}`" for o in gather.OPS)
               + " (alone; an index outside the table stops the kernel, as eager's assert does)",
+              "- **Nearest upsampling** by a whole factor per dim, alone or in pointwise work: "
+              + ", ".join(f"`{o.removeprefix('aten::').split('.')[0]}`" for o in sorted(resample.NEAREST)),
               "- **Fused regions** (`--regions`): chains of the ops above with one reduction level: one",
               "  normalization (its prologue and an epilogue over every element: a mask add and casts around",
               "  softmax, a residual add into a norm, an activation after it), or reductions over the same",

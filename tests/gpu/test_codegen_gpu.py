@@ -101,6 +101,12 @@ POINTWISE = {
     "embedding_one_element_rows": lambda: drawn(make_card(A.embedding.default, meta(100, 1), meta(3, 5, dtype=I64)),
                                                 1, 0, 99),
     "zero_dim": lambda: make_card(A.exp.default, meta()),
+    # nearest upsampling by whole factors (codegen/resample.py): a UNet's x2 in channels-last bf16, x3 by
+    # nearest-exact of an odd NCHW map, a 1-D x2 with a scale eager passes
+    "upsample_nearest_x2_channels_last_bf16": lambda: make_card(
+        A.upsample_nearest2d.default, meta(8, 320, 32, 32, dtype=BF16, channels_last=True), [64, 64], 2.0, 2.0),
+    "upsample_nearest_exact_x3_odd": lambda: make_card(A._upsample_nearest_exact2d.default, meta(2, 5, 7, 9), [21, 27]),
+    "upsample_nearest1d_x2_scaled": lambda: make_card(A.upsample_nearest1d.default, meta(4, 64, 1001), [2002], 2.0),
 }
 REDUCTIONS = {
     "sum_rows_odd": lambda: make_card(A.sum.dim_IntList, meta(33, 3001), [-1]),

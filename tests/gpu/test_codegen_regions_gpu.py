@@ -20,7 +20,7 @@ from torch import nn
 from norm_models import (BatchNormReluPool, ClassTokenOfPatches, GeluMul, GlobalResponseNorm, PatchMerging, SqueezeExcite,
                          WindowReverseNorm)
 from test_codegen_regions import (AddTransposed, ChannelsLastNormBack, NormalizeLinear, RotaryKeysRepeatedFirst,
-                                  SwinWindows, WindowPartitionAfterNorm, rotate_half)
+                                  SwinWindows, UpsampledSum, WindowPartitionAfterNorm, rotate_half)
 from test_codegen_concat import DenseLayerInput, GhostModuleTail
 
 from kforge.capturing import capture
@@ -224,6 +224,10 @@ CASES = {
     # the mean of the channels' norms, folded again at each pixel, scales the map
     "convnextv2_global_response_norm_bf16": (lambda: GlobalResponseNorm(384).to("cuda", torch.bfloat16), lambda: (
         torch.randn(32, 384, 56, 56, device="cuda", dtype=torch.bfloat16).to(memory_format=torch.channels_last),)),
+    # a feature pyramid's top-down merge: the coarser map upsampled x2 (nearest) plus the finer, channels-last
+    "fpn_upsampled_sum_bf16": (lambda: UpsampledSum(), lambda: tuple(
+        torch.randn(32, 256, s, s, device="cuda", dtype=torch.bfloat16).to(memory_format=torch.channels_last)
+        for s in (28, 56))),
     # F.normalize: the row's norm expanded back over the row it divides
     "normalize_rows": (lambda: NormalizeLinear().cuda(), lambda: (torch.randn(4096, 50, device="cuda"),)),
     # sibling reductions: the two distances of a triplet loss folded in one pass

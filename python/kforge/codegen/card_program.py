@@ -11,7 +11,7 @@ from ..errors import CardError
 from ..families import family_of, packet_name
 from ..subgraph import Node as SubNode
 from ..subgraph import is_ref
-from . import concat, gather
+from . import concat, gather, resample
 from .build import DIFFERENT_SHAPES, from_nodes
 from .ir import Node, Program, Ref
 from .views import lead_stripped
@@ -99,6 +99,14 @@ def region_nodes(card: Card) -> tuple[list[Node], list[TensorMeta], list[int], l
                 return made
             refs.update({(j, k): r for k, r in enumerate(made)})
             continue
+        if n.op in resample.NEAREST and isinstance(src, Ref):  # views and a copy (codegen/resample.py)
+            x = inputs[src.index] if src.kind == "in" else nodes[src.index].metas[src.output]
+            made = resample.nearest_nodes(Node(n.op, args, list(n.outputs)), x, n.outputs[0], len(nodes))
+            if isinstance(made, str):
+                return made
+            nodes += made
+            refs[(j, 0)] = Ref("node", len(nodes) - 1, 0)
+            continue
         refs.update({(j, k): Ref("node", len(nodes), k) for k in range(len(n.outputs))})
         nodes.append(Node(n.op, args, list(n.outputs)))
     outputs = [refs[(r["node"], r["out"])] for r in card.region.outputs]
@@ -114,6 +122,11 @@ def program_for_card(card: Card) -> Program | str:
         return "the op returns no tensor"
     if card.region is None and card.op in gather.OPS:
         return gather.program(node_of_card(card), list(card.inputs), list(card.outputs))
+    if card.region is None and card.op in resample.NEAREST:
+        made = resample.nearest_nodes(node_of_card(card), card.inputs[0], card.outputs[0], 0)
+        if isinstance(made, str):
+            return made
+        return from_nodes(made, list(card.inputs), [Ref("node", len(made) - 1, 0)], list(card.outputs), card.aliases)
     if card.region is None and card.op == concat.ROLL:
         rolled = concat.roll_nodes(node_of_card(card), list(card.inputs), card.outputs[0])
         if isinstance(rolled, str):
