@@ -326,6 +326,23 @@ class SwinWindows(nn.Module):
         return self.lin(x.view(b, h // 3, 3, w // 3, 3, c).permute(0, 1, 3, 2, 4, 5).contiguous().view(-1, 9, c))
 
 
+class SwinResidualWindows(nn.Module):
+    """timm's Swin between two blocks: the residual sum (viewed as the image) is a region output,
+    the next block's norm1 of it is padded (by nothing) and split into windows; the attention's
+    windows come back and are added to the sum."""
+
+    def __init__(self, c: int = 16, h: int = 6, w: int = 9, ws: int = 3):
+        super().__init__()
+        self.norm, self.lin, self.hw, self.ws = nn.LayerNorm(c), nn.Linear(c, c), (h, w), ws
+
+    def forward(self, x, y):
+        (b, _, c), (h, w), ws = x.shape, self.hw, self.ws
+        x = (x + y).view(b, h, w, c)
+        win = F.pad(self.norm(x), (0, 0, 0, 0, 0, 0)).view(b, h // ws, ws, w // ws, ws, c).permute(0, 1, 3, 2, 4, 5)
+        out = self.lin(win.contiguous().view(-1, ws * ws, c))
+        return x + out.view(b, h // ws, w // ws, ws, ws, c).permute(0, 1, 3, 2, 4, 5).reshape(b, h, w, c)
+
+
 class UpsampledSum(nn.Module):
     """A feature pyramid's top-down merge: the coarser map, scaled, upsampled by a whole factor
     (nearest), plus the finer one, through a sigmoid."""
@@ -436,6 +453,9 @@ CASES = {
                              ["mean", "add", "div", "mul", "addcmul", "add"]),
     "global_response_norm_channels_last": (lambda: GlobalResponseNorm(16), lambda: (
         torch.randn(2, 16, 5, 7).to(memory_format=torch.channels_last),), ["mean", "add", "div", "mul", "addcmul", "add"]),
+    # the residual sum is written over the windows' split domain beside them (a region output from before the split)
+    "swin_residual_sum_beside_its_windows": (SwinResidualWindows, lambda: (torch.randn(2, 54, 16), torch.randn(2, 54, 16)),
+                                             ["add", "native_layer_norm", "constant_pad_nd", "clone"]),
     # nearest upsampling inside a region: the input viewed with a size-1 dim after each upsampled
     # one, expanded, copied and merged back (codegen/resample.py)
     "upsampled_sum": (UpsampledSum, lambda: (torch.randn(2, 3, 5, 7), torch.randn(2, 3, 10, 14)),

@@ -20,7 +20,8 @@ from torch import nn
 from norm_models import (BatchNormReluPool, ClassTokenOfPatches, GeluMul, GlobalResponseNorm, PatchMerging, SqueezeExcite,
                          WindowReverseNorm)
 from test_codegen_regions import (AddTransposed, ChannelsLastNormBack, NormalizeLinear, RotaryKeysRepeatedFirst,
-                                  SwinWindows, UpsampledSum, WindowPartitionAfterNorm, rotate_half)
+                                  SwinResidualWindows, SwinWindows, UpsampledSum, WindowPartitionAfterNorm,
+                                  rotate_half)
 from test_codegen_concat import DenseLayerInput, GhostModuleTail
 
 from kforge.capturing import capture
@@ -224,6 +225,11 @@ CASES = {
     # the mean of the channels' norms, folded again at each pixel, scales the map
     "convnextv2_global_response_norm_bf16": (lambda: GlobalResponseNorm(384).to("cuda", torch.bfloat16), lambda: (
         torch.randn(32, 384, 56, 56, device="cuda", dtype=torch.bfloat16).to(memory_format=torch.channels_last),)),
+    # Swin-T's third stage between blocks (batch 32, 14x14 tokens of 384, bf16): the residual sum written
+    # beside its norm's windows
+    "swin_residual_sum_beside_its_windows_bf16": (
+        lambda: SwinResidualWindows(384, 14, 14, ws=7).to("cuda", torch.bfloat16),
+        lambda: tuple(torch.randn(32, 196, 384, device="cuda", dtype=torch.bfloat16) for _ in range(2))),
     # a feature pyramid's top-down merge: the coarser map upsampled x2 (nearest) plus the finer, channels-last
     "fpn_upsampled_sum_bf16": (lambda: UpsampledSum(), lambda: tuple(
         torch.randn(32, 256, s, s, device="cuda", dtype=torch.bfloat16).to(memory_format=torch.channels_last)

@@ -106,6 +106,7 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
     merge: tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, ...], ...]] | None = None
     fine_inputs: set[int] = set()
     pre_merge: set[tuple[int, int]] = set()  # values computed before it, other than the one it views
+    split_view = False  # the reshape splits the frame (a window partition): values before it are over the frame
     written_permuted: dict[tuple[int, int], tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
     def val(ref: Ref) -> Val:
@@ -152,8 +153,8 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
         """Keep the domain at the finer of `shape` and `to` (from_nodes' `merge`: `fine` when the
         view merges, else it splits the reduced operand's shape): the values so far stay functions
         of the fine domain, and only the view's is used after it."""
-        nonlocal merge
-        merge = (shape, to, groups) if fine else (to, shape, groups)
+        nonlocal merge, split_view
+        merge, split_view = ((shape, to, groups) if fine else (to, shape, groups)), not fine
         fine_inputs.update(loads if fine else ())
         pre_merge.update(values)  # the viewed value included: only the view's own is used after
         values[(j, 0)] = (values[(src.index, src.output)][0], out)
@@ -428,7 +429,7 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
         key = (r.index, r.output)
         if key in stale:
             return "a region output from before a permute has a shape it does not broadcast to"
-        if key in pre_merge:
+        if key in pre_merge and not (split_view and tuple(m.shape) == frame):  # a split's: over the frame, split too
             return "a region output from before a reshape that merges dims: not generated"
         if not m.numel:
             out_strides.append((0,) * len(domain))
