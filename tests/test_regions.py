@@ -319,3 +319,26 @@ def test_a_residual_sum_and_the_norm_it_feeds_are_a_shared_candidate():
     for s in shared:  # the sum and the norm's output, each read after the region
         assert [n.target.__name__.split(".")[0] for n, _ in s.outputs] == ["add", "native_layer_norm"]
     assert "shared" not in found(AddRMSNorm(keep_residual=True), x, y)  # the sum is a graph output
+
+
+class ViewedStream(nn.Module):
+    """Swin between blocks: the residual stream, an input here, viewed as the image; the view feeds
+    the next block's norm (and the permuted copy of its windows) and the residual add after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.lin = nn.LayerNorm(8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        img = x.view(2, 4, 4, 8)
+        windows = self.norm(img).view(2, 2, 2, 2, 2, 8).permute(0, 1, 3, 2, 4, 5).contiguous()
+        return img + self.lin(windows).view(2, 4, 4, 8)
+
+
+def test_no_region_returns_a_view_of_its_own_input():
+    """The view stays a graph node that the region reads: as a region output the kernel would have
+    to return an alias of its input (the generator declines that), and it is no work."""
+    for s in sites(ViewedStream(), torch.randn(2, 16, 8)):
+        assert all(n.target not in (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+                   for n, _ in s.outputs), (s.kind, s.subgraph.ops)
+    assert found(ViewedStream(), torch.randn(2, 16, 8))["fused"] == [["native_layer_norm", "clone"]]

@@ -271,13 +271,27 @@ def _partition(g: _Graph, roles: frozenset[str], epilogue: bool, shared: bool = 
     eligible = _eligible(g, roles)
     forbidden: set[fx.Node] = set()
     if shared:
-        return _grow(g, eligible, forbidden, epilogue)
+        return [_without_leading_views(g, ms) for ms in _grow(g, eligible, forbidden, epilogue)]
     while True:
         regions = _grow(g, eligible, forbidden, epilogue)
         bad = _escaping(g, regions) - forbidden
         if not bad:
             return regions
         forbidden |= bad
+
+
+def _without_leading_views(g: _Graph, members: set[fx.Node]) -> set[fx.Node]:
+    """The region less its views of its own inputs that are read outside it too (Swin's residual
+    stream viewed as the image, read by the next block's norm and by its residual add): such a
+    view is no work, and as a region output the kernel would have to return an alias of its input.
+    It stays a graph node; the region reads its result."""
+    members = set(members)
+    while True:
+        lead = {m for m in members if g.roles[m] == "view" and not any(p in members for p in g.producers[m])
+                and any(u not in members for _, u in g.users[m])}
+        if not lead:
+            return members
+        members -= lead
 
 
 # ---- from members to a site -------------------------------------------------------------
