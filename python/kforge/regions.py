@@ -15,7 +15,8 @@ Three kinds of candidates, found independently (they may overlap; the packager p
              pointwise work here.
   shared     the same chains grown through values also used outside them, where such a value
              comes before a reduction in the region and is not a graph output: it is then one
-             of the region's outputs (a residual sum, written beside the norm it feeds).
+             of the region's outputs (a residual sum, written beside the norm it feeds); never
+             a view of the region's own input (it stays a graph node the region reads).
   epilogue   one vendor op (mm, addmm, bmm, baddbmm, convolution), the views feeding it, and
              the pointwise work after it (bias, scale, activation, residual, batch norm).
 
