@@ -70,3 +70,60 @@ def test_what_could_change_or_be_written_is_not_folded(monkeypatch):
     assert fold.fold(gm.graph) == 1
     gm.recompile()
     assert "triu.default" in _calls(gm) and "arange.start_step" not in _calls(gm)
+
+
+def standardized(w, x):
+    """A weight standardization (NFNet's, BiT's) before a matmul, and the weight's transpose."""
+    ws = (w - w.mean(1, keepdim=True)) / (w.var(1, keepdim=True, unbiased=False) + 1e-5).sqrt()
+    return x @ ws.t() + x @ w.t()
+
+
+def test_a_value_of_weights_is_computed_again_only_when_a_weight_changes():
+    w, x = torch.randn(6, 5), torch.randn(3, 5)
+    gm = _traced(standardized, w, x)
+    assert fold.fold(gm.graph) == 0  # no weights named: both are inputs like any other
+    assert fold.fold(gm.graph, [0]) == 1  # the standardized weight; the transpose alone is a view, left
+    gm.recompile()
+    assert "t.default" in _calls(gm) and "var.correction" not in _calls(gm)
+    torch.testing.assert_close(gm(w, x), standardized(w, x), rtol=0, atol=0)
+    with _Ops() as seen:
+        gm(w, 2 * x)
+    assert "var" not in seen.names and "mean" not in seen.names, seen.names  # the second forward reuses it
+    with torch.no_grad():
+        w.mul_(3).add_(1)  # written in place (load_state_dict copies into the parameter so)
+    with _Ops() as seen:
+        torch.testing.assert_close(gm(w, x), standardized(w, x), rtol=0, atol=0)
+    assert "var" in seen.names
+    other = torch.randn(6, 5)  # another tensor (a parameter replaced)
+    torch.testing.assert_close(gm(other, x), standardized(other, x), rtol=0, atol=0)
+    with torch.inference_mode():  # no version counter: computed on every call
+        frozen = torch.randn(6, 5)
+    for _ in range(2):
+        with _Ops() as seen:
+            torch.testing.assert_close(gm(frozen, x), standardized(frozen, x), rtol=0, atol=0)
+        assert "var" in seen.names
+
+
+def test_values_of_weights_stay_within_their_budget(monkeypatch):
+    monkeypatch.setattr(fold, "WEIGHT_BYTES", 6 * 5 * 4 - 1)  # the standardized weight is 120 bytes
+    gm = _traced(standardized, torch.randn(6, 5), torch.randn(3, 5))
+    assert fold.fold(gm.graph, [0]) == 0
+
+
+def scaled_standardized(w, g, x):
+    """timm's ScaledStdConv2d: the weight standardized by a batch norm in training form (three outputs)."""
+    ws = torch.nn.functional.batch_norm(w.reshape(1, 6, -1), None, None, weight=g.view(-1), training=True,
+                                        momentum=0.0, eps=1e-5).reshape_as(w)
+    return x @ ws.t()
+
+
+def test_one_output_of_a_node_with_several_is_folded():
+    w, g, x = torch.randn(6, 5), torch.randn(6), torch.randn(3, 5)
+    gm = _traced(scaled_standardized, w, g, x)
+    assert fold.fold(gm.graph, [0, 1]) == 1
+    gm.recompile()
+    assert not any("batch_norm" in c for c in _calls(gm)), _calls(gm)
+    torch.testing.assert_close(gm(w, g, x), scaled_standardized(w, g, x), rtol=0, atol=0)
+    with torch.no_grad():
+        g.mul_(2)
+    torch.testing.assert_close(gm(w, g, x), scaled_standardized(w, g, x), rtol=0, atol=0)

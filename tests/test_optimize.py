@@ -509,3 +509,35 @@ def test_without_dynamos_private_frame_apis_the_model_still_runs_as_before(tmp_p
     with torch.no_grad():
         assert torch.allclose(fast(x), model(x))
     monkeypatch.undo()  # before fresh_dynamo's reset, which calls reset_code
+
+
+class StdConvBlock(nn.Module):
+    """A convolution whose weight is standardized on every forward (timm's StdConv2d: BiT, NFNet),
+    then batch norm and ReLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        w = self.conv.weight
+        w = (w - w.mean((1, 2, 3), keepdim=True)) / (w.var((1, 2, 3), keepdim=True) + 1e-5).sqrt()
+        return torch.relu(self.bn(F.conv2d(x, w, padding=1)))
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_a_changed_graph_standardizes_its_weights_once_until_they_change(tmp_path, cuda_graphs):
+    """The weight's standardization is a value of the model's parameters alone: computed on the first
+    forward, again after the weight is written; not folded where the graph may be replayed from a
+    CUDA graph (a replay would not see the weight change)."""
+    torch.manual_seed(0)
+    model, x = StdConvBlock().eval(), torch.randn(2, 4, 8, 8)
+    cards = [c for c in region_cards(model, x, tmp_path, "fused") if "relu" in c.region.ops]  # the norm's, not the weight's
+    fast = optimize(model, fake_package(cards, {c.id: (1.0, 5.0) for c in cards}), launcher=FakeLauncher(cards),
+                    cuda_graphs=cuda_graphs, use_verdict=False)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x))
+        calls = aten_calls(fast, x)
+        assert (calls["aten::var"] == 0) != cuda_graphs, calls
+        model.conv.weight.mul_(-2)  # as load_state_dict writes a parameter
+        torch.testing.assert_close(fast(x), model(x))

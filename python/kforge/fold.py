@@ -12,37 +12,68 @@ op draws no random numbers, writes none of its arguments and is not an allocatio
 contents are undefined (empty); each folded value is a single tensor of at most
 MAX_BYTES, not a graph output (the caller could write it) and not written by its readers.
 The holder keeps the tensor alive as long as the graph: a mask of 2048 x 2048 fp32 is 16 MB.
+
+Values computed from the model's weights alone (`weights`: the graph inputs dynamo marks static,
+its parameters and buffers) are folded too, where they do work: NFNet's and BiT's weight
+standardization before every convolution, a weight norm, Swin's relative position bias picked
+from its table. Their holder takes the weights as arguments and computes the value again when one
+of them is another tensor or has been written since (`_version`: load_state_dict, an optimizer
+step); where a weight's version says nothing (an inference-mode tensor, one autograd records), it
+is computed on every call.
+These values take at most WEIGHT_BYTES a graph in all, and a value that is only a view of a
+weight (a linear's transpose) is left as it is.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import operator
+import weakref
+from typing import Any, Iterable
 
 import torch
 import torch.fx as fx
 
+from .families import family_of
+
 MAX_BYTES = 64 << 20
+WEIGHT_BYTES = 256 << 20  # weight-derived values kept, per graph
 _UNDEFINED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
                         "empty_permuted"})
 
 
 class Folded:
-    """A constant value of a graph: its subgraph, run on the first call, the result kept."""
+    """A constant value of a graph: its subgraph, run on the first call, the result kept; for a
+    value of weights (its arguments), run again when a weight is another tensor or was written."""
 
     reads_only = True
 
     def __init__(self, make: fx.GraphModule, name: str):
         self.make, self.value = make, None
+        self._memo: tuple | None = None  # per weight: (weak ref, version)
         self.__name__ = f"kforge_folded_{name}"
 
-    def __call__(self) -> torch.Tensor:
+    def __call__(self, *weights: torch.Tensor) -> torch.Tensor:
+        memo = self._memo
+        if weights and not (memo is not None and all(r() is w and v == w._version for (r, v), w in zip(memo, weights))):
+            self.value = None
         if self.value is None:
-            self.value = self.make()
+            self.value = self.make(*weights)
+            self._memo = tuple((weakref.ref(w), w._version) for w in weights) if all(map(memoizable, weights)) else None
         return self.value
+
+
+def memoizable(t: torch.Tensor) -> bool:
+    """A real tensor whose version counter says when it changes, read outside autograd."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return (not isinstance(t, FakeTensor) and t.device.type != "meta" and not t.is_inference()
+            and not (t.requires_grad and torch.is_grad_enabled()))
 
 
 def _foldable_op(n: fx.Node) -> bool:
     op = n.target
+    if n.op == "call_function" and op is operator.getitem:  # one output of a folded node
+        return True
     if n.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
         return False
     if torch.Tag.nondeterministic_seeded in op.tags or op._schema.name.split("::")[-1] in _UNDEFINED:
@@ -51,6 +82,9 @@ def _foldable_op(n: fx.Node) -> bool:
 
 
 def _static_tensor(v: Any) -> bool:
+    """A tensor of concrete shape and strides, or a tuple of them (a batch norm's three outputs)."""
+    if isinstance(v, (tuple, list)):
+        return bool(v) and all(_static_tensor(t) for t in v)
     return isinstance(v, torch.Tensor) and all(isinstance(x, int) for x in (*v.shape, *v.stride()))
 
 
@@ -67,37 +101,47 @@ def _writes(user: fx.Node, node: fx.Node) -> bool:
                                   False) for key, v in user.kwargs.items())
 
 
-def fold(graph: fx.Graph) -> int:
-    """Replace the graph's input-free values by Folded calls; returns how many."""
+def fold(graph: fx.Graph, weights: Iterable[int] = ()) -> int:
+    """Replace the graph's input-free values, and its values of the placeholders numbered in
+    `weights` alone, by Folded calls; returns how many."""
+    places = [n for n in graph.nodes if n.op == "placeholder"]
+    static = {places[i] for i in weights if 0 <= i < len(places)}
     const: set[fx.Node] = set()
     for n in graph.nodes:
         if not _foldable_op(n) or not _static_tensor(n.meta.get("val")):
             continue
         deps: list[fx.Node] = []
         fx.node.map_arg((n.args, n.kwargs), deps.append)
-        if all(d in const for d in deps):
+        if all(d in const or d in static for d in deps):
             const.add(n)
-    done = 0
+    done, kept = 0, 0
     for n in [n for n in graph.nodes if n in const]:
         readers = [u for u in n.users if u not in const]
         if not readers:
             continue
         val = n.meta["val"]
-        if (any(u.op == "output" or _writes(u, n) for u in readers)
-                or val.numel() * val.element_size() > MAX_BYTES):
+        if not isinstance(val, torch.Tensor):
+            continue  # (several outputs: their getitems are folded, each its own value)
+        size = val.numel() * val.element_size()
+        if any(u.op == "output" or _writes(u, n) for u in readers) or size > MAX_BYTES:
             continue
         sub = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
-        for m in graph.nodes:  # n's ancestors, in graph order
-            if m in const and (m is n or _feeds(m, n)):
-                env[m] = sub.node_copy(m, lambda a: env[a])
+        ancestors = [m for m in graph.nodes if (m in const or m in static) and (m is n or _feeds(m, n))]
+        sources = [m for m in ancestors if m in static]
+        if sources and (all(family_of(m.target) == "view" for m in ancestors if m in const)
+                        or kept + size > WEIGHT_BYTES):
+            continue  # a view of weights, left as it is; or past the budget
+        for m in ancestors:  # in graph order
+            env[m] = sub.placeholder(m.name) if m in static else sub.node_copy(m, lambda a: env[a])
         sub.output(env[n])
         with graph.inserting_before(_first(graph, readers)):
-            new = graph.call_function(Folded(fx.GraphModule(torch.nn.Module(), sub), n.name), ())
+            new = graph.call_function(Folded(fx.GraphModule(torch.nn.Module(), sub), n.name), tuple(sources))
         new.meta["val"] = val
         for u in readers:
             u.replace_input_with(n, new)
         done += 1
+        kept += size if sources else 0
     for n in reversed(list(graph.nodes)):
         if n in const and not n.users:
             graph.erase_node(n)

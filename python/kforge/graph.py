@@ -138,6 +138,18 @@ def _inference_meta(agm: torch.fx.GraphModule, example_inputs: list) -> tuple[bo
     return pure, direct
 
 
+WEIGHTS = "kforge_weights"  # agm.meta: the placeholders (by number) that hold the model's parameters and buffers
+
+
+def _weights() -> tuple[int, ...]:
+    """The inputs of the graph aot_autograd is compiling that dynamo marked static (parameters and
+    buffers); none where this torch does not say (private API)."""
+    from torch._guards import TracingContext
+
+    meta = getattr(TracingContext.try_get(), "fw_metadata", None)
+    return tuple(getattr(meta, "static_input_indices", None) or ())
+
+
 def _break_note(gm: torch.fx.GraphModule, index: int) -> str | None:
     reason = getattr(gm, "compile_subgraph_reason", None)
     if reason is None or not getattr(reason, "graph_break", False):
@@ -178,6 +190,7 @@ def aten_backend(compile_graph: GraphCompiler, notes: list[str], finish: Finishe
 
         def inference_compiler(agm: torch.fx.GraphModule, _inputs: list) -> Callable:
             runs["pure"], direct = _inference_meta(agm, example_inputs)
+            agm.meta[WEIGHTS] = _weights()
             changed = attention.apply(agm.graph, notes)  # matmul-softmax-matmul where faster than the fused call
             layout.apply(agm, notes)  # channels-last convolutions, as torch.compile lays them out
             changed = conv_bias.split(agm.graph) or changed  # cuDNN's bias adds, for the regions after them to take in

@@ -39,6 +39,7 @@ import torch
 import torch.fx as fx
 
 from . import env
+from .fold import memoizable
 
 DEVICES = ("cuda",)  # where the pass applies (tests add "cpu")
 CHANGED = "kforge_channels_last"  # GraphModule.meta key: how many convolutions the pass laid out
@@ -65,19 +66,11 @@ class ConvertedOnce:
             return memo[2]
         if t.is_contiguous(memory_format=_CL):
             return t
-        if not _memoizable(t):
+        if not memoizable(t):
             return channels_last(t)
         out = channels_last(t)
         self._memo = (weakref.ref(t), t._version, out)
         return out
-
-
-def _memoizable(t: torch.Tensor) -> bool:
-    """A real tensor whose version counter says when it changes, read outside autograd."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return (not isinstance(t, FakeTensor) and t.device.type != "meta" and not t.is_inference()
-            and not (t.requires_grad and torch.is_grad_enabled()))
 
 
 class Restrided:

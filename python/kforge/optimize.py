@@ -288,6 +288,7 @@ class OptimizedModel(torch.nn.Module):
         self.model = model
         self.package = package
         self.kernels = kernels
+        self.cuda_graphs = cuda_graphs
         self.notes: list[str] = []
         self.replaced: list[Replaced] = []
         self.ops_replaced = 0  # graph nodes given a single-op card's kernel
@@ -337,7 +338,8 @@ class OptimizedModel(torch.nn.Module):
         if idle:
             self.graphs.append(None)
             return None  # nothing of the package here: dynamo's graph runs, as eager would
-        fold.fold(gm.graph)
+        # values of weights only: computed again when a weight changes, which a CUDA graph's replay would not do
+        fold.fold(gm.graph, () if self.cuda_graphs else gm.meta.get(graph_mod.WEIGHTS, ()))
         eager_batch_norms(gm.graph)
         linears.recompose(gm.graph)
         restride.collapse(gm.graph)
