@@ -92,3 +92,30 @@ def test_without_cuda_graphs_the_region_kernel_runs_op_by_op(tmp_path):
         for _ in range(2):
             torch.testing.assert_close(fast(a, b), SiluMul()(a, b))
     assert pc.counters.hits == 2 and fast.report()["cuda_graphs"] == [] and fast.graphs[0] is not None
+
+
+class WeightNormed(nn.Module):
+    """SiluMul, then a product with a weight-normed parameter (g * v / |v|, computed every forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.v = nn.Parameter(torch.randn(64, 4096, device="cuda"))
+        self.g = nn.Parameter(torch.rand(64, 1, device="cuda") + 0.5)
+
+    def forward(self, a, b):
+        return SiluMul()(a, b) * (self.g * self.v / self.v.norm(dim=1, keepdim=True))
+
+
+def test_a_value_of_weights_is_computed_once_until_a_weight_is_written(tmp_path):
+    from test_optimize import aten_calls  # the profiler's count: a dispatch mode would make dynamo run eagerly
+
+    a, b = (torch.randn(64, 4096, device="cuda") for _ in range(2))
+    pkg, pc = silu_mul_package(tmp_path, a, b)
+    model = WeightNormed()
+    fast = optimize(model, pkg)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(a, b), model(a, b))
+        assert aten_calls(fast, b, a)["aten::linalg_vector_norm"] == 0  # the first forward's value, reused
+        model.v.mul_(-0.5)  # written in place, as load_state_dict writes it
+        torch.testing.assert_close(fast(a, b), model(a, b))
+    assert pc.counters.hits == 3
