@@ -191,3 +191,31 @@ def test_mostly_grouped_convolutions_and_cpu_graphs_by_default_are_left_alone(on
     assert layout.CHANGED not in traced(depthwise, torch.randn(1, 8, 9, 9)).graphs[0].module.meta
     monkeypatch.setattr(layout, "DEVICES", ("cuda",))
     assert layout.CHANGED not in traced(resnet(), torch.randn(2, 4, 8, 8)).graphs[0].module.meta
+
+
+class StandardizedConvs(nn.Module):
+    """Two convolutions whose weights are standardized on every forward (timm's StdConv2d)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        for conv in (self.a, self.b):
+            w = conv.weight
+            w = (w - w.mean((1, 2, 3), keepdim=True)) / (w.var((1, 2, 3), keepdim=True) + 1e-5).sqrt()
+            x = torch.relu(torch.nn.functional.conv2d(x, w, conv.bias, padding=conv.padding))
+        return x
+
+
+def test_a_computed_weights_channels_last_copy_is_kept_with_it(on_cpu):
+    """The standardized weight is a value of the weights alone, and so is its channels-last copy:
+    both are computed on the first forward and kept (kforge.fold); the input's conversion stays."""
+    model, x = StandardizedConvs().eval(), torch.randn(2, 3, 6, 6)
+    fast = optimize(model, fake_package([], {}), launcher=FakeLauncher([]))
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x))
+        (g,) = [g for g in fast.graphs if g is not None]
+        assert len(calls(g, layout.channels_last)) == 1  # the first convolution's input; the weights' are folded
+        model.a.weight.mul_(2)
+        torch.testing.assert_close(fast(x), model(x))

@@ -127,3 +127,16 @@ def test_one_output_of_a_node_with_several_is_folded():
     with torch.no_grad():
         g.mul_(2)
     torch.testing.assert_close(gm(w, g, x), scaled_standardized(w, g, x), rtol=0, atol=0)
+
+
+def test_views_of_weights_alone_are_left_as_they_are():
+    """A weight split in three and transposed (a fused qkv projection's weight) is views only."""
+    def qkv(w, x):
+        q, k, v = w.unbind(0)
+        return x @ q.t() + x @ k.t() + x @ v.t()
+
+    gm = _traced(qkv, torch.randn(3, 4, 5), torch.randn(2, 5))
+    before = _calls(gm)
+    assert fold.fold(gm.graph, [0]) == 0
+    gm.recompile()
+    assert _calls(gm) == before

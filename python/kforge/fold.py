@@ -72,8 +72,8 @@ def memoizable(t: torch.Tensor) -> bool:
 
 def _foldable_op(n: fx.Node) -> bool:
     op = n.target
-    if n.op == "call_function" and op is operator.getitem:  # one output of a folded node
-        return True
+    if n.op == "call_function" and (op is operator.getitem or getattr(op, "kforge_pure", False)):
+        return True  # one output of a folded node; a function of its arguments alone (layout.channels_last)
     if n.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
         return False
     if torch.Tag.nondeterministic_seeded in op.tags or op._schema.name.split("::")[-1] in _UNDEFINED:
@@ -129,7 +129,7 @@ def fold(graph: fx.Graph, weights: Iterable[int] = ()) -> int:
         env: dict[fx.Node, fx.Node] = {}
         ancestors = [m for m in graph.nodes if (m in const or m in static) and (m is n or _feeds(m, n))]
         sources = [m for m in ancestors if m in static]
-        if sources and (all(family_of(m.target) == "view" for m in ancestors if m in const)
+        if sources and (all(m.target is operator.getitem or family_of(m.target) == "view" for m in ancestors if m in const)
                         or kept + size > WEIGHT_BYTES):
             continue  # a view of weights, left as it is; or past the budget
         for m in ancestors:  # in graph order
