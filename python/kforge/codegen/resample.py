@@ -11,9 +11,10 @@ The builder reads the expanded input with stride 0 along the k dims and keeps th
 through the merging view (build.from_nodes' `merge`), so the same nodes generate the op alone and
 inside a region (an add before it, a sigmoid after it), over any layout of the output.
 
-Eager's CUDA kernels pick the source index as floor(dst * scale) in float32, scale being
-1 / scales where the call passes one and in / out otherwise (the `_exact` ops: floor((dst + 0.5)
-* scale)); an output twice the input takes dst >> 1. Where a whole factor k meets every index
+Eager's CUDA kernels pick the source index as min(floor(dst * scale), in - 1) in float32, scale
+being 1 / scales where the call passes one and in / out otherwise (the `_exact` ops: floor((dst +
+0.5) * scale)); a scale of 2.05 with an output of exactly twice the input does not pick dst // 2
+everywhere. Where a whole factor k meets every index
 of the output as dst // k (checked index by index here, in float32 as eager computes it), the
 views are exact; other sizes and scales are declined.
 """
@@ -37,11 +38,10 @@ def _factor(n_in: int, n_out: int, scale: float | None, exact: bool) -> int | No
     if n_in <= 0 or n_out % n_in:
         return None
     k = n_out // n_in
-    if k == 1 and scale is None:
-        return 1
-    if n_out == 2 * n_in and not exact:  # eager's shortcut: dst >> 1, whatever the scale
-        return 2
-    f = torch.tensor(1.0 / scale if scale is not None and scale > 0 else n_in / n_out, dtype=torch.float32)
+    if scale is not None and scale > 0:  # 1 / scale in double, then float (compute_scales_value)
+        f = torch.tensor(1.0 / scale, dtype=torch.float32)
+    else:  # (float)in / out
+        f = torch.tensor(n_in, dtype=torch.float32) / torch.tensor(n_out, dtype=torch.float32)
     dst = torch.arange(n_out, dtype=torch.float32) + (0.5 if exact else 0.0)
     src = torch.clamp(torch.floor(dst * f).to(torch.int64), max=n_in - 1)
     return k if torch.equal(src, torch.arange(n_out) // k) else None
