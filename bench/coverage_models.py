@@ -92,7 +92,8 @@ MODELS = {"llama": llama, "qwen2": qwen2, "gpt2": gpt2, "bert": bert, "t5": t5,
           "regnet": _timm("regnetx_002", 128), "mixer": _timm("mixer_s16_224", 224), "levit": _timm("levit_128s", 224),
           "ghostnet": _timm("ghostnet_100", 224), "mobilevit": _timm("mobilevit_xxs", 256),
           "edgenext": _timm("edgenext_xx_small", 256), "densenet": _timm("densenet121", 128),
-          "hrnet": _timm("hrnet_w18_small", 128)}  # nearest upsampling added to the finer maps
+          "hrnet": _timm("hrnet_w18_small", 128),  # nearest upsampling added to the finer maps
+          "efficientformerv2": _timm("efficientformerv2_s0", 224)}  # attention out viewed to the map, split and merged
 
 
 def _what(card) -> str:

@@ -343,6 +343,20 @@ class SwinResidualWindows(nn.Module):
         return x + out.view(b, h // ws, w // ws, ws, ws, c).permute(0, 1, 3, 2, 4, 5).reshape(b, h, w, c)
 
 
+class AttentionOutPlusLocal(nn.Module):
+    """EfficientFormerV2's attention output: (B, heads, N, d) transposed and reshaped to the (B,
+    heads*d, H, W) map (the view splits N into H, W and merges heads with d), plus the local value
+    scaled per channel (its batch norm's affine map), through a GELU."""
+
+    def __init__(self, heads: int = 2, d: int = 4, h: int = 3, w: int = 5):
+        super().__init__()
+        self.scale, self.shape = nn.Parameter(torch.randn(heads * d)), (heads, d, h, w)
+
+    def forward(self, a, v):
+        heads, d, h, w = self.shape
+        return F.gelu((a * 2).transpose(2, 3).reshape(a.shape[0], heads * d, h, w) + v * self.scale.view(1, -1, 1, 1))
+
+
 class UpsampledSum(nn.Module):
     """A feature pyramid's top-down merge: the coarser map, scaled, upsampled by a whole factor
     (nearest), plus the finer one, through a sigmoid."""
@@ -453,6 +467,9 @@ CASES = {
                              ["mean", "add", "div", "mul", "addcmul", "add"]),
     "global_response_norm_channels_last": (lambda: GlobalResponseNorm(16), lambda: (
         torch.randn(2, 16, 5, 7).to(memory_format=torch.channels_last),), ["mean", "add", "div", "mul", "addcmul", "add"]),
+    # a view that splits one dim and merges two others: split first, then the finer-domain merge
+    "a_view_that_splits_and_merges": (lambda: AttentionOutPlusLocal().eval(), lambda: (
+        torch.randn(2, 2, 15, 4), torch.randn(2, 8, 3, 5)), ["mul", "clone", "mul", "add", "gelu"]),
     # the residual sum is written over the windows' split domain beside them (a region output from before the split)
     "swin_residual_sum_beside_its_windows": (SwinResidualWindows, lambda: (torch.randn(2, 54, 16), torch.randn(2, 54, 16)),
                                              ["add", "native_layer_norm", "constant_pad_nd", "clone"]),

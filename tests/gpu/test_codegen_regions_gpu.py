@@ -19,7 +19,7 @@ from torch import nn
 
 from norm_models import (BatchNormReluPool, ClassTokenOfPatches, GeluMul, GlobalResponseNorm, PatchMerging, SqueezeExcite,
                          WindowReverseNorm)
-from test_codegen_regions import (AddTransposed, ChannelsLastNormBack, NormalizeLinear, RotaryKeysRepeatedFirst,
+from test_codegen_regions import (AddTransposed, AttentionOutPlusLocal, ChannelsLastNormBack, NormalizeLinear, RotaryKeysRepeatedFirst,
                                   SwinResidualWindows, SwinWindows, UpsampledSum, WindowPartitionAfterNorm,
                                   rotate_half)
 from test_codegen_concat import DenseLayerInput, GhostModuleTail
@@ -230,6 +230,11 @@ CASES = {
     "swin_residual_sum_beside_its_windows_bf16": (
         lambda: SwinResidualWindows(384, 14, 14, ws=7).to("cuda", torch.bfloat16),
         lambda: tuple(torch.randn(32, 196, 384, device="cuda", dtype=torch.bfloat16) for _ in range(2))),
+    # EfficientFormerV2-S0's last-stage attention output at batch 32: 8 heads x 128 dims over 7x7, split and
+    # merged into the map, plus the local value scaled per channel
+    "efficientformerv2_attention_out_bf16": (lambda: AttentionOutPlusLocal(8, 128, 7, 7).to("cuda", torch.bfloat16),
+                                             lambda: (torch.randn(32, 8, 49, 128, device="cuda", dtype=torch.bfloat16),
+                                                      torch.randn(32, 1024, 7, 7, device="cuda", dtype=torch.bfloat16))),
     # a feature pyramid's top-down merge: the coarser map upsampled x2 (nearest) plus the finer, channels-last
     "fpn_upsampled_sum_bf16": (lambda: UpsampledSum(), lambda: tuple(
         torch.randn(32, 256, s, s, device="cuda", dtype=torch.bfloat16).to(memory_format=torch.channels_last)

@@ -24,8 +24,8 @@ from .entries import entry_for, overload_of, table_key
 from .ir import FLOATS, Expr, Node, opmath, Program, Reduction, Ref, Scan, Window, broadcast_strides, siblings
 from .order import prologue_first
 from .views import (Decline, composed, keeps_element_order, lead_stripped, merged_groups, moved_strides, moved_to, overlaps,
-                    permute_dims, read_fine, remappable, reshaped, split_domain, split_merged, split_strides, viewed_strides,
-                    widened)
+                    permute_dims, read_fine, refinement, remappable, reshaped, split_domain, split_merged, split_strides,
+                    viewed_strides, widened)
 
 IR_DTYPES = FLOATS + ("int64", "int32", "int16", "int8", "uint8", "bool")
 
@@ -191,6 +191,12 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
                         "that keep the number of elements, permutes and expands are generated")
             val(src)
             groups = merged_groups(shape, to) if dims is None else None
+            fine = refinement(shape, to) if groups is None and dims is None and merge is None else None
+            if fine not in (None, shape, to) and merged_groups(fine, to) is not None \
+                    and not remappable(loads, inputs, shape, remap):  # it splits, then merges: split first
+                moved_to(shape, fine, lambda st: reshaped(shape, st, fine), values, moved, stale, inputs, sources,
+                         loads, load_frame)
+                shape, groups, remap = fine, merged_groups(fine, to), lambda st: reshaped(fine, st, to)  # noqa: E731
             if groups is not None and merge is not None and shape == merge[1]:  # merged again: (B, H, W, C) to (B, H*W, C)
                 read_fine(loads, inputs, fine_inputs, merge)
                 merge_into(j, src, merge[0], to, composed(merge[2], groups), out)

@@ -136,6 +136,29 @@ def merged_groups(shape: tuple[int, ...], to: tuple[int, ...]) -> tuple[tuple[in
     return tuple(groups) if any(len(g) > 1 for g in groups) else None
 
 
+def refinement(shape: tuple[int, ...], to: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The coarsest shape both `shape` and `to` merge runs of (a view that splits some dims and
+    merges others: EfficientFormerV2's (B, heads, d, H*W) to (B, heads*d, H, W) has (B, heads, d,
+    H, W)), or None where a dim of one straddles two of the other's."""
+    a, b, out, i, j = list(shape), list(to), [], 0, 0
+    while i < len(a) and j < len(b):
+        x, y = a[i], b[j]
+        if x == y:
+            out.append(x)
+            i, j = i + 1, j + 1
+        elif y and x % y == 0:
+            out.append(y)
+            a[i], j = x // y, j + 1
+        elif x and y % x == 0:
+            out.append(x)
+            b[j], i = y // x, i + 1
+        else:
+            return None
+    if any(n != 1 for n in a[i:] + b[j:]):
+        return None
+    return tuple(out)
+
+
 def composed(fine: tuple[tuple[int, ...], ...], groups: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
     """The factors of each dim of a second merging reshape over the fine shape of the first
     (`fine`: each merged dim's factors; `groups`: the merged dims each new dim joins)."""
