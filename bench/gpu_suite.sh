@@ -132,7 +132,7 @@ lane() {  # lane LOG ITEM...: run the items in order
       ab_resnet50_bf16) DTYPE=bfloat16 ab "$log" resnet50_bf16 examples/resnet50.py --min-share 0.003 ;;
       ab_qwen_moe) ab "$log" qwen_moe examples/qwen_moe.py --ops softmax ;;
       # The same A/B on a model nobody tuned kforge for (bench/unseen_models.py: vit, swin, convnext, convnextv2,
-      # efficientnet, maxvit, densenet, llama, bert), at 0.3 % of runtime and up.
+      # efficientnet, maxvit, densenet, nfnet, llama, bert), at 0.3 % of runtime and up.
       unseen_*) UNSEEN=${item#unseen_} ab "$log" "unseen_${item#unseen_}" bench/unseen_models.py --min-share 0.003 ;;
       *) echo "unknown item $item" | tee -a "$log" ;;
     esac

@@ -7,7 +7,7 @@ inference server would use; on the CPU, or with SMALL=1, at toy sizes so tests c
 
     UNSEEN=vit python bench/bench_model.py bench/unseen_models.py --regions --compile --out vit.json
 
-Needs timm (vit, swin, convnext, convnextv2, efficientnet, maxvit, densenet) or transformers (llama, bert).
+Needs timm (vit, swin, convnext, convnextv2, efficientnet, maxvit, densenet, nfnet) or transformers (llama, bert).
 """
 
 from __future__ import annotations
@@ -86,6 +86,8 @@ MODELS = {"vit": _timm("vit_base_patch16_224", 32, 224, small_size=32, img_size=
           "maxvit": _timm("maxvit_tiny_tf_224", 32, 224, small_size=224),  # its windows need 224
           # every layer's input the cat of all feature maps before it, into a batch norm and ReLU
           "densenet": _timm("densenet121", 32, 224),
+          # every convolution's weight standardized on every forward (ScaledStdConv2d): values of weights alone
+          "nfnet": _timm("eca_nfnet_l0", 32, 224),
           "llama": (_llama, _tokens(_llama_config, 1, 2048)),
           "bert": (_bert, _tokens(_bert_config, 8, 512))}
 
