@@ -96,6 +96,8 @@ def test_a_value_of_weights_is_computed_again_only_when_a_weight_changes():
     assert "var" in seen.names
     other = torch.randn(6, 5)  # another tensor (a parameter replaced)
     torch.testing.assert_close(gm(other, x), standardized(other, x), rtol=0, atol=0)
+    other.data = torch.randn(6, 5)  # other memory, the same version
+    torch.testing.assert_close(gm(other, x), standardized(other, x), rtol=0, atol=0)
     with torch.inference_mode():  # no version counter: computed on every call
         frozen = torch.randn(6, 5)
     for _ in range(2):

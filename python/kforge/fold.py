@@ -17,9 +17,10 @@ Values computed from the model's weights alone (`weights`: the graph inputs dyna
 its parameters and buffers) are folded too, where they do work: NFNet's and BiT's weight
 standardization before every convolution, a weight norm, Swin's relative position bias picked
 from its table. Their holder takes the weights as arguments and computes the value again when one
-of them is another tensor or has been written since (`_version`: load_state_dict, an optimizer
-step); where a weight's version says nothing (an inference-mode tensor, one autograd records), it
-is computed on every call.
+of them is another tensor, has been written since (`_version`: load_state_dict, an optimizer
+step) or holds other memory (`param.data = ...`, which keeps the version); where a weight's
+version says nothing (an inference-mode tensor, one autograd records), it is computed on every
+call.
 These values take at most WEIGHT_BYTES a graph in all, and a value that is only a view of a
 weight (a linear's transpose) is left as it is.
 """
@@ -49,16 +50,18 @@ class Folded:
 
     def __init__(self, make: fx.GraphModule, name: str):
         self.make, self.value = make, None
-        self._memo: tuple | None = None  # per weight: (weak ref, version)
+        self._memo: tuple | None = None  # per weight: (weak ref, version, data pointer: `.data =` keeps the version)
         self.__name__ = f"kforge_folded_{name}"
 
     def __call__(self, *weights: torch.Tensor) -> torch.Tensor:
         memo = self._memo
-        if weights and not (memo is not None and all(r() is w and v == w._version for (r, v), w in zip(memo, weights))):
+        if weights and not (memo is not None and all(r() is w and v == w._version and p == w.data_ptr()
+                                                     for (r, v, p), w in zip(memo, weights))):
             self.value = None
         if self.value is None:
             self.value = self.make(*weights)
-            self._memo = tuple((weakref.ref(w), w._version) for w in weights) if all(map(memoizable, weights)) else None
+            self._memo = (tuple((weakref.ref(w), w._version, w.data_ptr()) for w in weights)
+                          if all(map(memoizable, weights)) else None)
         return self.value
 
 

@@ -59,20 +59,20 @@ class ConvertedOnce:
     """A convolution weight in channels-last layout, copied once per tensor and version."""
 
     def __init__(self) -> None:
-        self._memo: tuple[Any, int, torch.Tensor] | None = None  # (weak ref to the source, its version, copy)
+        self._memo: tuple[Any, int, int, torch.Tensor] | None = None  # (weak ref to the source, its version, data, copy)
         self.__name__ = "kforge_channels_last_weight"
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         memo = self._memo  # the hit first, as cheap as can be: it runs once per convolution per forward
-        if memo is not None and memo[0]() is t and memo[1] == t._version \
+        if memo is not None and memo[0]() is t and memo[1] == t._version and memo[2] == t.data_ptr() \
                 and not (t.requires_grad and torch.is_grad_enabled()):  # autograd must see the copy made
-            return memo[2]
+            return memo[3]
         if t.is_contiguous(memory_format=_CL):
             return t
         if not memoizable(t):
             return channels_last(t)
         out = channels_last(t)
-        self._memo = (weakref.ref(t), t._version, out)
+        self._memo = (weakref.ref(t), t._version, t.data_ptr(), out)
         return out
 
 
