@@ -50,19 +50,28 @@ class Folded:
 
     def __init__(self, make: fx.GraphModule, name: str):
         self.make, self.value = make, None
-        self._memo: tuple | None = None  # per weight: (weak ref, version, data pointer: `.data =` keeps the version)
+        self._memo: tuple | None = None  # weight_key of each weight
         self.__name__ = f"kforge_folded_{name}"
 
     def __call__(self, *weights: torch.Tensor) -> torch.Tensor:
         memo = self._memo
-        if weights and not (memo is not None and all(r() is w and v == w._version and p == w.data_ptr()
-                                                     for (r, v, p), w in zip(memo, weights))):
+        if weights and not (memo is not None and all(map(unchanged, memo, weights))):
             self.value = None
         if self.value is None:
             self.value = self.make(*weights)
-            self._memo = (tuple((weakref.ref(w), w._version, w.data_ptr()) for w in weights)
-                          if all(map(memoizable, weights)) else None)
+            self._memo = tuple(map(weight_key, weights)) if all(map(memoizable, weights)) else None
         return self.value
+
+
+def weight_key(t: torch.Tensor) -> tuple:
+    """What says a weight is still the one a kept value was made from: the tensor (a weak ref),
+    its version (written in place since?) and its memory (`param.data = ...` keeps the version)."""
+    return weakref.ref(t), t._version, t.data_ptr()
+
+
+def unchanged(key: tuple, t: torch.Tensor) -> bool:
+    """Whether `t` is the weight `key` (weight_key) was taken of, unchanged."""
+    return key[0]() is t and key[1] == t._version and key[2] == t.data_ptr()
 
 
 def memoizable(t: torch.Tensor) -> bool:
@@ -130,7 +139,8 @@ def fold(graph: fx.Graph, weights: Iterable[int] = ()) -> int:
             continue
         sub = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
-        ancestors = [m for m in graph.nodes if (m in const or m in static) and (m is n or _feeds(m, n))]
+        above = _ancestors(n)
+        ancestors = [m for m in graph.nodes if (m in const or m in static) and (m is n or m in above)]
         sources = [m for m in ancestors if m in static]
         if sources and (all(m.target is operator.getitem or family_of(m.target) == "view" for m in ancestors if m in const)
                         or kept + size > WEIGHT_BYTES):
@@ -151,18 +161,15 @@ def fold(graph: fx.Graph, weights: Iterable[int] = ()) -> int:
     return done
 
 
-def _feeds(m: fx.Node, n: fx.Node) -> bool:
-    """Whether n depends on m."""
+def _ancestors(n: fx.Node) -> set[fx.Node]:
+    """Every node n depends on (one walk, where asking node by node walked once per node)."""
     todo, seen = [n], set()
     while todo:
-        x = todo.pop()
-        for d in x.all_input_nodes:
-            if d is m:
-                return True
+        for d in todo.pop().all_input_nodes:
             if d not in seen:
                 seen.add(d)
                 todo.append(d)
-    return False
+    return seen
 
 
 def _first(graph: fx.Graph, nodes: list[fx.Node]) -> fx.Node | None:

@@ -32,14 +32,13 @@ was, with a note.
 from __future__ import annotations
 
 import operator
-import weakref
 from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
 
 from . import env
-from .fold import memoizable
+from .fold import memoizable, unchanged, weight_key
 
 DEVICES = ("cuda",)  # where the pass applies (tests add "cpu")
 CHANGED = "kforge_channels_last"  # GraphModule.meta key: how many convolutions the pass laid out
@@ -59,20 +58,20 @@ class ConvertedOnce:
     """A convolution weight in channels-last layout, copied once per tensor and version."""
 
     def __init__(self) -> None:
-        self._memo: tuple[Any, int, int, torch.Tensor] | None = None  # (weak ref to the source, its version, data, copy)
+        self._memo: tuple[tuple, torch.Tensor] | None = None  # (fold.weight_key of the source, its copy)
         self.__name__ = "kforge_channels_last_weight"
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         memo = self._memo  # the hit first, as cheap as can be: it runs once per convolution per forward
-        if memo is not None and memo[0]() is t and memo[1] == t._version and memo[2] == t.data_ptr() \
+        if memo is not None and unchanged(memo[0], t) \
                 and not (t.requires_grad and torch.is_grad_enabled()):  # autograd must see the copy made
-            return memo[3]
+            return memo[1]
         if t.is_contiguous(memory_format=_CL):
             return t
         if not memoizable(t):
             return channels_last(t)
         out = channels_last(t)
-        self._memo = (weakref.ref(t), t._version, t.data_ptr(), out)
+        self._memo = (weight_key(t), out)
         return out
 
 

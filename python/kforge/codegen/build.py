@@ -192,11 +192,11 @@ def from_nodes(nodes: list[Node], inputs: list[TensorMeta], outputs: list[Ref], 
             val(src)
             groups = merged_groups(shape, to) if dims is None else None
             fine = refinement(shape, to) if groups is None and dims is None and merge is None else None
-            if fine not in (None, shape, to) and merged_groups(fine, to) is not None \
-                    and not remappable(loads, inputs, shape, remap):  # it splits, then merges: split first
+            fine_groups = merged_groups(fine, to) if fine not in (None, shape, to) else None
+            if fine_groups is not None and not remappable(loads, inputs, shape, remap):  # it splits, then merges: split first
                 moved_to(shape, fine, lambda st: reshaped(shape, st, fine), values, moved, stale, inputs, sources,
                          loads, load_frame)
-                shape, groups, remap = fine, merged_groups(fine, to), lambda st: reshaped(fine, st, to)  # noqa: E731
+                shape, groups, remap = fine, fine_groups, lambda st: reshaped(fine, st, to)  # noqa: E731
             if groups is not None and merge is not None and shape == merge[1]:  # merged again: (B, H, W, C) to (B, H*W, C)
                 read_fine(loads, inputs, fine_inputs, merge)
                 merge_into(j, src, merge[0], to, composed(merge[2], groups), out)

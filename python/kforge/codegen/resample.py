@@ -21,13 +21,13 @@ views are exact; other sizes and scales are declined.
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import torch
 
 from ..cards import TensorMeta
 from .ir import Node, Ref
+from .views import contiguous
 
 NEAREST = {f"aten::{p}upsample_nearest{e}{d}d.default": d for d in (1, 2, 3) for p, e in (("", ""), ("_", "_exact"))}
 _SCALES = {1: ("scales",), 2: ("scales_h", "scales_w"), 3: ("scales_d", "scales_h", "scales_w")}
@@ -47,10 +47,6 @@ def _factor(n_in: int, n_out: int, scale: float | None, exact: bool) -> int | No
     return k if torch.equal(src, torch.arange(n_out) // k) else None
 
 
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
-
-
 def nearest_nodes(node: Node, x: TensorMeta, out: TensorMeta, first: int) -> list[Node] | str:
     """The upsampling `node` (an op of NEAREST) of the tensor x as builder nodes, numbered from
     `first` (the last one's output 0 is the upsampled value), or why not."""
@@ -64,20 +60,15 @@ def nearest_nodes(node: Node, x: TensorMeta, out: TensorMeta, first: int) -> lis
     if tuple(out.shape[:2]) != lead or None in factors:
         return ("an upsampling by other than a whole factor per dim (or a scale that does not pick "
                 "dst // k): not generated")
-    ones, wide = list(lead), list(lead)
-    ones_st = list(x.stride[:2])
-    for n, k, st in zip(x.shape[2:], factors, x.stride[2:]):
-        ones += [n, 1]
-        wide += [n, k]
-        ones_st += [st, 0]
-    ones, wide = tuple(ones), tuple(wide)
-    exp_st = tuple(ones_st)
-    src = node.args.get("self", node.args.get("input"))
+    ones, wide, st = list(lead), list(lead), list(x.stride[:2])  # the k dims: stride 0 in the view and the expand
+    for n, k, s in zip(x.shape[2:], factors, x.stride[2:]):
+        ones, wide, st = ones + [n, 1], wide + [n, k], st + [s, 0]
+    ones, wide, st, shape = tuple(ones), tuple(wide), tuple(st), tuple(out.shape)
     r = lambda j: Ref("node", first + j, 0)  # noqa: E731
-    return [Node("aten::view.default", {"self": src, "size": list(ones)}, [replace(x, shape=ones, stride=tuple(ones_st))]),
+    return [Node("aten::view.default", {"self": node.args["self"], "size": list(ones)}, [replace(x, shape=ones, stride=st)]),
             Node("aten::expand.default", {"self": r(0), "size": list(wide), "implicit": False},
-                 [replace(x, shape=wide, stride=exp_st)]),
+                 [replace(x, shape=wide, stride=st)]),
             Node("aten::clone.default", {"self": r(1), "memory_format": None},
-                 [replace(x, shape=wide, stride=_contiguous(wide), storage_offset=0)]),
-            Node("aten::view.default", {"self": r(2), "size": list(out.shape)},
-                 [replace(x, shape=tuple(out.shape), stride=_contiguous(tuple(out.shape)), storage_offset=0)])]
+                 [replace(x, shape=wide, stride=contiguous(wide), storage_offset=0)]),
+            Node("aten::view.default", {"self": r(2), "size": list(shape)},
+                 [replace(x, shape=shape, stride=contiguous(shape), storage_offset=0)])]
