@@ -66,6 +66,7 @@ def test_pdl_kernels_round_trip_and_are_not_also_cooperative():
     (lambda p: p["kernels"][0]["args"].append({"i32": 2**40}), "32 bits"),
     (lambda p: p["kernels"][0]["args"].append({"f32": "x"}), "needs a number"),
     (lambda p: p["kernels"][0]["args"].append({"bogus": 1}), "kind in"),
+    (lambda p: p["kernels"][0]["args"].extend([{"in": 0}] * 510), "513 arguments; at most 512"),
     (lambda p: p["kernels"][0].update(args=[{"in": 0}]), "never passed"),
     (lambda p: p["kernels"][0].update(cooperative="yes"), "cooperative"),
 ])

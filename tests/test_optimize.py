@@ -76,7 +76,7 @@ def test_a_profile_names_the_card_of_each_region_kernel(tmp_path):
     fast = optimize(model, fake_package(cards, {c.id: (1.0, 5.0) for c in cards}), launcher=FakeLauncher(cards))
     with torch.no_grad():
         fast(x)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], acc_events=True) as prof:
             fast(x)
     names = {e.key for e in prof.key_averages()}
     assert {f"kforge::k_{c.id}_region" for c in cards} <= names
@@ -328,7 +328,7 @@ class NullLauncher:
 def aten_calls(fn, *args) -> collections.Counter:
     """How many times `fn(*args)` called each aten op, nested calls included (the profiler sees
     compiled graphs' calls too; a dispatch mode would make dynamo run the model eagerly)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], acc_events=True) as prof:
         fn(*args)
     return collections.Counter(e.name for e in prof.events() if e.name.startswith("aten::"))
 

@@ -26,6 +26,7 @@ from .sourcebox import SourceRefused, check_options
 ARG_KINDS = ("in", "out", "ws", "i32", "i64", "f32", "f64")
 KINDS = ("custom", "vendor")  # custom CUDA, or a wrapper of a vendor library (audited as such)
 MAX_THREADS = 1024
+MAX_ARGS = 512  # 8 bytes each: CUDA's 4 KB of kernel parameters, the launcher's slots
 MAX_GRID = (2**31 - 1, 65535, 65535)
 # Far above what any kernel here needs (partial sums, counters), far below a GPU that could
 # not hold it: a plan from a package or an LLM reply asking more is refused when parsed,
@@ -164,6 +165,9 @@ class LaunchPlan:
                 raise PlanError(f"kernel {k.name}: block {k.block} has {threads} threads; 1 to {MAX_THREADS} allowed")
             if min(k.grid) < 1 or any(g > m for g, m in zip(k.grid, MAX_GRID)):
                 raise PlanError(f"kernel {k.name}: grid {k.grid} outside CUDA's limits {MAX_GRID}")
+            if len(k.args) > MAX_ARGS:
+                raise PlanError(f"kernel {k.name}: {len(k.args)} arguments; at most {MAX_ARGS} (CUDA's 4 KB of "
+                                f"kernel parameters): pass fewer")
             for a in k.args:
                 kind, v = next(iter(a.items()))
                 limit = {"in": n_inputs, "out": n_outputs, "ws": n_ws}.get(kind)
