@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kforge import graph, layout
+from kforge import fold, graph, layout
 from kforge.optimize import optimize
 from test_optimize import FakeLauncher, fake_package, region_cards, resnet
 from torch import nn
@@ -164,10 +164,28 @@ def test_a_weight_is_converted_once_per_version():
     first = convert(w)
     assert first.is_contiguous(memory_format=torch.channels_last) and convert(w) is first
     with torch.no_grad():
-        w.mul_(2)  # an in-place update is a new version: converted anew
+        w.mul_(2)  # an in-place update is a new version: converted anew, into the copy's memory
     again = convert(w)
-    assert again is not first and torch.equal(again, w)
-    assert convert(torch.randn(8, 4, 3, 3)) is not again  # another tensor is never the memo's
+    assert again.data_ptr() == first.data_ptr() and torch.equal(again, w)
+    other = torch.randn(8, 4, 3, 3)  # another tensor is never the memo's
+    assert torch.equal(convert(other), other)
+
+
+def test_a_kept_weight_copy_is_refreshed_in_place_before_a_graph_replay():
+    """What a CUDA graph reads at its address (kforge.replay): the holder, recorded while the
+    graph's forward ran, copies a weight written since into the same memory."""
+    convert, w = layout.ConvertedOnce(), torch.randn(8, 4, 3, 3)
+    with fold.recording() as held:
+        copy = convert(w)
+        convert(w)  # a hit is recorded too: the memo may predate the capture
+    assert held == [convert, convert]
+    assert convert.refresh() and torch.equal(copy, w)  # nothing written: nothing done
+    with torch.no_grad():
+        w.add_(1)
+    assert convert.refresh() and torch.equal(copy, w) and convert(w) is copy
+    w.data = torch.randn(8, 4, 3, 3)  # other memory: the replay cannot read it, the graph runs op by op
+    assert not convert.refresh()
+    assert convert(w).data_ptr() == copy.data_ptr() and torch.equal(copy, w)
 
 
 def test_a_weight_autograd_must_see_is_converted_on_every_call():

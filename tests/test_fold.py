@@ -106,6 +106,31 @@ def test_a_value_of_weights_is_computed_again_only_when_a_weight_changes():
         assert "var" in seen.names
 
 
+def test_a_value_of_weights_is_recomputed_in_its_own_memory_before_a_graph_replay():
+    """A CUDA graph reads the kept value at its address (kforge.replay): a weight written since is
+    recomputed into that memory, by the call or, before a replay, by refresh() of each holder the
+    graph's capture recorded."""
+    w, x = torch.randn(6, 5), torch.randn(3, 5)
+    gm = _traced(standardized, w, x)
+    fold.fold(gm.graph, [0])
+    gm.recompile()
+    (holder,) = [n.target for n in gm.graph.nodes if isinstance(n.target, fold.Folded)]
+    with fold.recording() as held:
+        gm(w, x)
+    assert held == [holder] and holder.refresh()
+    kept = holder.value
+    with torch.no_grad():
+        w.mul_(-2)
+    with _Ops() as seen:
+        assert holder.refresh()
+    assert "var" in seen.names and holder.value is kept
+    torch.testing.assert_close(gm(w, x), standardized(w, x), rtol=0, atol=0)
+    w.data = torch.randn(6, 5)  # other memory: the graph must run op by op, which recomputes in place
+    assert not holder.refresh()
+    torch.testing.assert_close(gm(w, x), standardized(w, x), rtol=0, atol=0)
+    assert holder.value is kept and holder.refresh()
+
+
 def test_values_of_weights_stay_within_their_budget(monkeypatch):
     monkeypatch.setattr(fold, "WEIGHT_BYTES", 6 * 5 * 4 - 1)  # the standardized weight is 120 bytes
     gm = _traced(standardized, torch.randn(6, 5), torch.randn(3, 5))

@@ -23,6 +23,10 @@ version says nothing (an inference-mode tensor, one autograd records), it is com
 call.
 These values take at most WEIGHT_BYTES a graph in all, and a value that is only a view of a
 weight (a linear's transpose) is left as it is.
+
+A kept value of weights is recomputed into its own memory, never a new tensor: a CUDA graph
+(kforge.replay) reads it at its address. Before each replay, `refresh()` of every holder the
+graph called at capture (`recording()`) recomputes the values whose weights were written since.
 """
 
 from __future__ import annotations
@@ -54,13 +58,54 @@ class Folded:
         self.__name__ = f"kforge_folded_{name}"
 
     def __call__(self, *weights: torch.Tensor) -> torch.Tensor:
+        if _recording is not None:
+            _recording.append(self)
         memo = self._memo
-        if weights and not (memo is not None and all(map(unchanged, memo, weights))):
-            self.value = None
-        if self.value is None:
-            self.value = self.make(*weights)
-            self._memo = tuple(map(weight_key, weights)) if all(map(memoizable, weights)) else None
+        if self.value is not None and (not weights or (memo is not None and all(map(unchanged, memo, weights)))):
+            return self.value
+        value = self.make(*weights)
+        if self._memo is not None and _same_layout(self.value, value):
+            self.value.copy_(value)  # where a CUDA graph reads it
+        else:
+            self.value = value
+        self._memo = tuple(map(weight_key, weights)) if weights and all(map(memoizable, weights)) else None
         return self.value
+
+    def refresh(self) -> bool:
+        """Before a CUDA graph replay that reads the kept value: recompute it in place if a weight
+        was written since. False where a weight is gone or holds other memory (the graph then runs
+        op by op). A value never memoized is a constant, or recomputed by the graph itself."""
+        if self._memo is None:
+            return True
+        weights = [k[0]() for k in self._memo]
+        if any(w is None or w.data_ptr() != k[2] for w, k in zip(weights, self._memo)):
+            return False  # another weight's memory: the replay's own address check runs the graph op by op
+        if not all(map(unchanged, self._memo, weights)):
+            self.value.copy_(self.make(*weights))
+            self._memo = tuple(map(weight_key, weights))
+        return True
+
+
+_recording: list | None = None  # holders called while a CUDA graph's forward is recorded
+
+
+class recording:
+    """`with recording() as held:` lists every kept-value holder (Folded, layout.ConvertedOnce)
+    the block calls, for a CUDA graph to refresh before each replay."""
+
+    def __enter__(self) -> list:
+        global _recording
+        self._outer, _recording = _recording, []
+        return _recording
+
+    def __exit__(self, *exc: Any) -> None:
+        global _recording
+        _recording = self._outer
+
+
+def _same_layout(a: torch.Tensor | None, b: torch.Tensor) -> bool:
+    return (a is not None and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+            and a.device == b.device)
 
 
 def weight_key(t: torch.Tensor) -> tuple:

@@ -37,7 +37,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from . import env
+from . import env, fold
 from .fold import memoizable, unchanged, weight_key
 
 DEVICES = ("cuda",)  # where the pass applies (tests add "cpu")
@@ -62,6 +62,8 @@ class ConvertedOnce:
         self.__name__ = "kforge_channels_last_weight"
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        if fold._recording is not None:
+            fold._recording.append(self)
         memo = self._memo  # the hit first, as cheap as can be: it runs once per convolution per forward
         if memo is not None and unchanged(memo[0], t) \
                 and not (t.requires_grad and torch.is_grad_enabled()):  # autograd must see the copy made
@@ -70,9 +72,26 @@ class ConvertedOnce:
             return t
         if not memoizable(t):
             return channels_last(t)
-        out = channels_last(t)
+        if memo is not None and memo[1].shape == t.shape and memo[1].dtype == t.dtype and memo[1].device == t.device:
+            out = memo[1].copy_(t)  # in its own memory, where a CUDA graph reads it
+        else:
+            out = channels_last(t)
         self._memo = (weight_key(t), out)
         return out
+
+    def refresh(self) -> bool:
+        """Before a CUDA graph replay that reads the copy: copy the weight again if it was written
+        since (fold.Folded.refresh)."""
+        if self._memo is None:
+            return True  # nothing kept: the graph converts or reads the weight itself
+        key, out = self._memo
+        t = key[0]()
+        if t is None or t.data_ptr() != key[2]:
+            return False
+        if t._version != key[1]:
+            out.copy_(t)
+            self._memo = (weight_key(t), out)
+        return True
 
 
 class Restrided:

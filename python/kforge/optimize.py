@@ -338,8 +338,7 @@ class OptimizedModel(torch.nn.Module):
         if idle:
             self.graphs.append(None)
             return None  # nothing of the package here: dynamo's graph runs, as eager would
-        # values of weights only: computed again when a weight changes, which a CUDA graph's replay would not do
-        fold.fold(gm.graph, () if self.cuda_graphs else gm.meta.get(graph_mod.WEIGHTS, ()))
+        fold.fold(gm.graph, gm.meta.get(graph_mod.WEIGHTS, ()))  # with values of weights alone
         eager_batch_norms(gm.graph)
         linears.recompose(gm.graph)
         restride.collapse(gm.graph)

@@ -12,6 +12,9 @@ What a replay assumes, and how each call checks it:
   - the model's parameters and buffers (the inputs found among them at capture) are where
     they were: one compare of their addresses per call; a moved one (a parameter replaced,
     `.data` reassigned, the model moved) runs the graph op by op, counted in `misses`;
+  - the values kept from weights that the graph reads (kforge.fold's folded values, layout's
+    channels-last weights) are current: each holder the capture called recomputes its value
+    in place if a weight was written since (load_state_dict, an optimizer step);
   - every other input is copied into the graph's own copy of it before the replay.
 Outputs are copies of the graph's, so they stay valid after the next call (the graph writes its
 own each replay).
@@ -29,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import timing
+from . import fold, timing
 
 
 class Replayed:
@@ -44,7 +47,8 @@ class Replayed:
         if self.graph is None:
             if self.failed or not self._capture(inputs):
                 return self.fn(*inputs)
-        if tuple([inputs[i].data_ptr() for i in self.static]) != self.static_at:
+        if tuple([inputs[i].data_ptr() for i in self.static]) != self.static_at \
+                or not all([k.refresh() for k in self.kept]):
             self.misses += 1
             return self.fn(*inputs)
         for i, buf in self.copies:
@@ -83,7 +87,7 @@ class Replayed:
             held[:] = [self.fn(*args)]
 
         try:
-            with torch.cuda.device(inputs[0].device):
+            with torch.cuda.device(inputs[0].device), fold.recording() as kept:
                 graph = graphed(run)
         except GraphUnsupported as e:
             return self._refuse(str(e))
@@ -93,6 +97,7 @@ class Replayed:
             return self._refuse("not every output is a tensor")
         outputs, self.kind = list(held[0]), type(held[0])
         self.graph, self.outputs, self._args = graph, outputs, args  # the graph reads args' memory
+        self.kept = list(dict.fromkeys(kept))  # and these holders' values of weights
         return True
 
 

@@ -119,3 +119,32 @@ def test_a_value_of_weights_is_computed_once_until_a_weight_is_written(tmp_path)
         model.v.mul_(-0.5)  # written in place, as load_state_dict writes it
         torch.testing.assert_close(fast(a, b), model(a, b))
     assert pc.counters.hits == 3
+
+
+def test_values_of_weights_a_cuda_graph_reads_are_refreshed_after_a_weight_is_written(tmp_path):
+    """With cuda_graphs the graph reads the kept values at their addresses: the weight-normed
+    product (kforge.fold) and a convolution's channels-last weight (kforge.layout) follow a weight
+    written in place, replayed, with no miss; a weight moved elsewhere runs op by op."""
+    a, b = (torch.randn(64, 4096, device="cuda") for _ in range(2))
+    pkg, pc = silu_mul_package(tmp_path, a, b)
+    model = WeightNormed()
+    fast = optimize(model, pkg, cuda_graphs=True)
+    conv = nn.Conv2d(16, 32, 3, padding=1, bias=False).cuda()
+    fast_conv = optimize(conv, pkg, cuda_graphs=True)
+    x = torch.randn(8, 16, 20, 20, device="cuda")
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(fast(a, b), model(a, b))
+            torch.testing.assert_close(fast_conv(x), conv(x), rtol=1e-2, atol=1e-2)
+        model.v.mul_(-0.5)  # written in place, as load_state_dict writes it
+        conv.weight.mul_(-1)
+        torch.testing.assert_close(fast(a, b), model(a, b))
+        torch.testing.assert_close(fast_conv(x), conv(x), rtol=1e-2, atol=1e-2)
+    for m in (fast, fast_conv):
+        graphs = m.report()["cuda_graphs"]
+        assert graphs and all(r["captured"] for r in graphs), m.notes
+        assert sum(r["replays"] for r in graphs) >= 2 and sum(r["misses"] for r in graphs) == 0, (graphs, m.notes)
+    with torch.no_grad():
+        model.v.data = torch.randn_like(model.v)  # other memory: op by op
+        torch.testing.assert_close(fast(a, b), model(a, b))
+    assert sum(r["misses"] for r in fast.report()["cuda_graphs"]) == 1
