@@ -93,7 +93,8 @@ MODELS = {"llama": llama, "qwen2": qwen2, "gpt2": gpt2, "bert": bert, "t5": t5,
           "ghostnet": _timm("ghostnet_100", 224), "mobilevit": _timm("mobilevit_xxs", 256),
           "edgenext": _timm("edgenext_xx_small", 256), "densenet": _timm("densenet121", 128),
           "hrnet": _timm("hrnet_w18_small", 128),  # nearest upsampling added to the finer maps
-          "efficientformerv2": _timm("efficientformerv2_s0", 224)}  # attention out viewed to the map, split and merged
+          "efficientformerv2": _timm("efficientformerv2_s0", 224),  # attention out viewed to the map, split and merged
+          "nfnet": _timm("eca_nfnet_l0", 128)}  # weight standardization; ECA's gate viewed after the block's values
 
 
 def _what(card) -> str:

@@ -369,6 +369,20 @@ class UpsampledSum(nn.Module):
         return torch.sigmoid(F.interpolate(x * 2, **self.interpolate) + y)
 
 
+class EcaGateAfterBias(nn.Module):
+    """NFNet's block end: the bias the split convolution left (conv_bias), then ECA's gate (the
+    sigmoid of a (B, 1, C) 1-D convolution, viewed to (B, C, 1, 1)) and the skip gains, plus the shortcut."""
+
+    def __init__(self, c: int = 16):
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(c))
+
+    def forward(self, x, g, shortcut):
+        out = x + self.bias.view(1, -1, 1, 1)
+        out = 2.0 * (out * torch.sigmoid(g).view(x.shape[0], -1, 1, 1))
+        return out * 0.2 + shortcut
+
+
 class WindowsOfAProduct(nn.Module):
     """A pointwise value split into 3x3 windows of a 6x9 map: the permute swaps two dims of size 3,
     so its shape is its operand's (a shape test alone took it for a view that keeps the order)."""
@@ -482,6 +496,13 @@ CASES = {
                                     ["mul", "upsample_nearest2d", "add", "sigmoid"]),
     "upsampled_sum_by_three_and_two_exact": (lambda: UpsampledSum(size=(15, 14), mode="nearest-exact"), lambda: (
         torch.randn(2, 3, 5, 7), torch.randn(2, 3, 15, 14)), ["mul", "_upsample_nearest_exact2d", "add", "sigmoid"]),
+    # ECA's gate viewed from (B, 1, C) to (B, C, 1, 1) after an unrelated value (the bias add): the
+    # view and what it reads come first (card_program.views_early)
+    "eca_gate_after_a_bias_add": (EcaGateAfterBias, lambda: (torch.randn(2, 16, 5, 7), torch.randn(2, 1, 16),
+                                                             torch.randn(2, 16, 5, 7)), None),
+    "eca_gate_after_a_bias_add_channels_last": (EcaGateAfterBias, lambda: tuple(
+        t.to(memory_format=torch.channels_last) if t.dim() == 4 else t
+        for t in (torch.randn(2, 16, 5, 7), torch.randn(2, 1, 16), torch.randn(2, 16, 5, 7))), None),
     # F.normalize: the norm, kept, expanded back over the rows it divides (EdgeNeXt's attention)
     "normalize_expands_its_norm_back": (lambda: NormalizeLinear(), lambda: (torch.randn(12, 50),),
                                         ["linalg_vector_norm", "clamp_min", "div"]),

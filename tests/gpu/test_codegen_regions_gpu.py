@@ -19,9 +19,9 @@ from torch import nn
 
 from norm_models import (BatchNormReluPool, ClassTokenOfPatches, GeluMul, GlobalResponseNorm, PatchMerging, SqueezeExcite,
                          WindowReverseNorm)
-from test_codegen_regions import (AddTransposed, AttentionOutPlusLocal, ChannelsLastNormBack, NormalizeLinear, RotaryKeysRepeatedFirst,
-                                  SwinResidualWindows, SwinWindows, UpsampledSum, WindowPartitionAfterNorm,
-                                  rotate_half)
+from test_codegen_regions import (AddTransposed, AttentionOutPlusLocal, ChannelsLastNormBack, EcaGateAfterBias,
+                                  NormalizeLinear, RotaryKeysRepeatedFirst, SwinResidualWindows, SwinWindows,
+                                  UpsampledSum, WindowPartitionAfterNorm, rotate_half)
 from test_codegen_concat import DenseLayerInput, GhostModuleTail
 
 from kforge.capturing import capture
@@ -239,6 +239,13 @@ CASES = {
     "fpn_upsampled_sum_bf16": (lambda: UpsampledSum(), lambda: tuple(
         torch.randn(32, 256, s, s, device="cuda", dtype=torch.bfloat16).to(memory_format=torch.channels_last)
         for s in (28, 56))),
+    # ECA-NFNet-L0's second-stage block end (batch 32, 512 x 28 x 28, channels-last bf16): the bias add,
+    # ECA's gate viewed from (B, 1, C) to (B, C, 1, 1), the gains and the shortcut
+    "nfnet_eca_gate_after_the_bias_bf16": (lambda: EcaGateAfterBias(512).to("cuda", torch.bfloat16), lambda: tuple(
+        t.to(memory_format=torch.channels_last) if t.dim() == 4 else t for t in (
+            torch.randn(32, 512, 28, 28, device="cuda", dtype=torch.bfloat16),
+            torch.randn(32, 1, 512, device="cuda", dtype=torch.bfloat16),
+            torch.randn(32, 512, 28, 28, device="cuda", dtype=torch.bfloat16)))),
     # F.normalize: the row's norm expanded back over the row it divides
     "normalize_rows": (lambda: NormalizeLinear().cuda(), lambda: (torch.randn(4096, 50, device="cuda"),)),
     # sibling reductions: the two distances of a triplet loss folded in one pass

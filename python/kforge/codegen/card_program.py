@@ -73,7 +73,8 @@ def region_nodes(card: Card) -> tuple[list[Node], list[TensorMeta], list[int], l
             return [value(x) for x in v]
         return decode_value(v)
 
-    for j, n in enumerate(card.region.nodes):
+    for j in views_early(card.region.nodes):
+        n = card.region.nodes[j]
         try:
             schema = n.overload()._schema.arguments
         except CardError as e:
@@ -113,6 +114,52 @@ def region_nodes(card: Card) -> tuple[list[Node], list[TensorMeta], list[int], l
     if any(r.kind == "in" for r in outputs):
         return "a region output is a view of an input: there is nothing to compute"
     return nodes, inputs, sources, outputs
+
+
+def _reads(v, out: set[int]) -> set[int]:
+    """The region nodes `v` (an argument) refers to, added to `out`."""
+    if is_ref(v) and "node" in v:
+        out.add(v["node"])
+    elif isinstance(v, list):
+        for x in v:
+            _reads(x, out)
+    return out
+
+
+def views_early(nodes: list[SubNode]) -> list[int]:
+    """An order of the region's nodes (a topological one) in which each view of a computed value
+    with no reduction, pooling or scan before it comes right after the nodes it depends on.
+
+    The builder moves every value computed before a view into the view's shape (build.py); a
+    value the view does not read, of another shape, cannot move, and was declined where used
+    after it. ECA's gate (NFNet, ECA-ResNet): the sigmoid of a (B, 1, C) convolution viewed to
+    (B, C, 1, 1), after the bias added to the (B, C, H, W) map it scales. Values the view does
+    not depend on are computed after it, in its shape's terms, as torch broadcasts them."""
+    deps = [_reads(n.kwargs, _reads(n.args, set())) for n in nodes]
+    order: list[int] = []
+    placed: set[int] = set()
+
+    def place(j: int) -> None:
+        if j not in placed:
+            for d in sorted(deps[j]):
+                place(d)
+            placed.add(j)
+            order.append(j)
+
+    def before(j: int, seen: set[int]) -> set[int]:  # j and every node it depends on
+        if j not in seen:
+            seen.add(j)
+            for d in deps[j]:
+                before(d, seen)
+        return seen
+
+    for j, n in enumerate(nodes):
+        families = {family_of(nodes[d].op) for d in before(j, set())}
+        if family_of(n.op) == "view" and families == {"pointwise", "view"}:  # a view of a computed value
+            place(j)
+    for j in range(len(nodes)):
+        place(j)
+    return order
 
 
 def program_for_card(card: Card) -> Program | str:
