@@ -272,6 +272,29 @@ def test_region_cards_are_searched_before_single_op_cards(tmp_path):
     assert [c.region is not None for c in order] == [True] * len(regions) + [False] * len(ops)
 
 
+def test_cards_are_searched_by_the_time_a_kernel_at_the_memory_floor_would_save(tmp_path):
+    """Given the GPU, a card's rank is its share times the part of its eager time above its bytes'
+    floor: a slow pooling with a smaller share goes before an add that runs at the floor."""
+    from kforge.hardware import H200
+
+    cards = capture(_AddThenPool(), (torch.randn(8, 16, 32, 32),) * 2, tmp_path / "cap", time_cards=False).cards
+    add, pool = (next(c for c in cards if name in c.op) for name in ("add.Tensor", "avg_pool2d"))
+    add = add.retarget("cuda", "sm_90")
+    pool = pool.retarget("cuda", "sm_90")
+    add.share, pool.share = 0.3, 0.1
+    add.eager_us = 1.1 * H200.floor_us(add.io_bytes())  # 9 % above its floor
+    pool.eager_us = 4.0 * H200.floor_us(pool.io_bytes())
+    assert cardtable.search_order([add, pool]) == [add, pool]  # by share alone
+    assert cardtable.search_order([add, pool], H200) == [pool, add]
+    assert cardtable.headroom(add, H200) == pytest.approx(0.3 * cardtable.HEADROOM_MIN)
+    assert cardtable.headroom(pool, H200) == pytest.approx(0.1 * 0.75)
+
+
+class _AddThenPool(torch.nn.Module):
+    def forward(self, x, y):
+        return torch.nn.functional.avg_pool2d(x + y, 2)
+
+
 def test_a_card_whose_calls_all_run_inside_another_chosen_card_is_searched_last(tmp_path, monkeypatch):
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(inplace=True)).eval()
     captured = {c.op: c for c in capture(model, torch.randn(4, 8), tmp_path / "cap", time_cards=False).cards}

@@ -304,7 +304,7 @@ def search_run(run_dir: str | Path, *, out: str | Path | None = None, proposer: 
                     log.event(run_id, "skip", why, card_id=card.id)
                 else:
                     chosen.append(card)
-            outcomes = _search_all(search_order(chosen), first, proposer, proposer_options or {}, pool, run_dir, run_id,
+            outcomes = _search_all(search_order(chosen, hardware), first, proposer, proposer_options or {}, pool, run_dir, run_id,
                                    budget, spend, hardware, seed, progress, console, log)
         finally:
             first.close()
