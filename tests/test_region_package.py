@@ -60,13 +60,24 @@ def test_overlapping_regions_ship_the_larger_saving_with_evidence(run, tmp_path)
     assert entries[fused.id]["decision"] == "dispatched"  # saves 4 µs against eager
     assert entries[epilogue.id]["decision"] == "fallback"  # would save 2 µs, and overlaps it
     assert "overlapping regions" in entries[epilogue.id]["reason"]
-    assert entries[fused.id]["baseline"] == {"eager_us": 10.0, "op_savings_us": {}, "baseline_us": 10.0}
+    assert entries[fused.id]["baseline"] == {"basis": "gpu", "eager_us": 10.0, "kernel_us": 5.0, "op_savings_us": {},
+                                             "baseline_us": 10.0}
     (site,) = manifest["regions"]["sites"]
     assert {o["card"]: o["chosen"] for o in site["options"]} == {fused.id: True, epilogue.id: False}
 
     pkg = load(path, arch="sm_90")
     (shipped,) = [c for c in pkg.cards if c.dispatched]
     assert shipped.card.region.ops == [BN, "add", "relu"] and shipped.card.id == fused.id
+
+
+def test_overlapping_regions_are_chosen_by_gpu_time_where_they_have_it(tmp_path, fresh_dynamo):
+    """As dispatched, the epilogue region saves more (20 µs against 12, host time included); each
+    timed alone on the GPU it saves 3 µs to the fused region's 5: the GPU times decide."""
+    run_dir, fused, epilogue = region_run(tmp_path, result(eager=20.0, kernel=17.0, dispatched=12.0))
+    manifest = json.loads(zipfile.ZipFile(write_package(run_dir, tmp_path / "m.cast")).read(MANIFEST))
+    entries = {e["id"]: e for e in manifest["cards"]}
+    assert entries[fused.id]["decision"] == "dispatched" and entries[epilogue.id]["decision"] == "fallback"
+    assert entries[epilogue.id]["baseline"]["basis"] == "gpu" and entries[epilogue.id]["baseline"]["kernel_us"] == 17.0
 
 
 def test_an_edited_subgraph_no_longer_hashes_to_its_id(run, tmp_path):

@@ -147,8 +147,10 @@ _CARD = _record({
     "guard": _record({"args": _kind(list, "a list"), "arch": _text}, required=("args", "arch")),
     "outputs": _kind(list, "a list"), "aliases": _kind(dict, "an object"),
     "region": _optional(_kind(dict, "an object")),
-    # A region card's baseline: its eager replay less what the op kernels inside it save.
-    "baseline": _optional(_record({"eager_us": _US, "op_savings_us": _plain, "baseline_us": _optional(_plain)})),
+    # A region card's baseline: its eager time less what the op kernels inside it save, and its
+    # kernel's time, on one basis (GPU times, or as dispatched; packages before it: dispatched).
+    "baseline": _optional(_record({"basis": _optional(_one_of("gpu", "dispatched")), "eager_us": _US,
+                                   "kernel_us": _US, "op_savings_us": _plain, "baseline_us": _optional(_plain)})),
     "decision": _one_of("dispatched", "fallback"), "reason": _text, "kind": _optional(_one_of(*KINDS)),
     "timing": _optional(_record({k: _US for k in ("eager_us", "kernel_us", "eager_dispatched_us", "dispatched_us",
                                                    "noise_us")})),

@@ -172,8 +172,8 @@ def fits(card: Card, inputs: Sequence[torch.Tensor]) -> bool:
 # ---- the optimized model ---------------------------------------------------------------------
 
 def region_kernels(package: Any, launcher: Launcher, *, compiled: bool = False) -> list[RegionKernel]:
-    """The package's dispatched region cards as kernels, with the evidence to choose by: eager
-    dispatch's (kernel as dispatched against its nodes without it), or with `compiled` the
+    """The package's dispatched region cards as kernels, with the evidence to choose by: the
+    package's (kernel against its nodes without it: GPU times, or as dispatched), or with `compiled` the
     cards kforge.compile dispatches and their evidence against torch.compile (the kernel's GPU
     time against the region compiled alone). Variant ids are positions among the package's
     kernel_cards() (the order of CastPackage.launcher()'s registry)."""
@@ -185,9 +185,10 @@ def region_kernels(package: Any, launcher: Launcher, *, compiled: bool = False) 
         if compiled:
             evidence = c.entry.get("compile") or {}
             kernel_us, baseline_us = evidence.get("kernel_us"), evidence.get("compile_us")
-        else:
-            kernel_us = (c.entry.get("timing") or {}).get("dispatched_us")
-            baseline_us = (c.entry.get("baseline") or {}).get("baseline_us")
+        else:  # the basis the package chose on (package_write._region_decisions)
+            baseline = c.entry.get("baseline") or {}
+            kernel_us = baseline.get("kernel_us", (c.entry.get("timing") or {}).get("dispatched_us"))
+            baseline_us = baseline.get("baseline_us")
         out.append(RegionKernel.launched(c.card, launcher, vid, ws, kernel_us=kernel_us, baseline_us=baseline_us,
                                          counters=c.counters, digest=c.candidate.digest() if c.candidate is not None else ""))
     return out
