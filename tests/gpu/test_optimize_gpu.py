@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from kforge import compiler
+from kforge import compiler, fold, layout
 from kforge.capturing import capture
 from kforge.optimize import optimize
 from kforge.package import CastPackage, PackagedCard
@@ -95,7 +95,8 @@ def test_without_cuda_graphs_the_region_kernel_runs_op_by_op(tmp_path):
 
 
 class WeightNormed(nn.Module):
-    """SiluMul, then a product with a weight-normed parameter (g * v / |v|, computed every forward)."""
+    """SiluMul, then a matmul by a weight-normed parameter (g * v / |v|, computed every forward).
+    The matmul ends the region, so the package's SiluMul region matches (a product would join it)."""
 
     def __init__(self):
         super().__init__()
@@ -103,7 +104,7 @@ class WeightNormed(nn.Module):
         self.g = nn.Parameter(torch.rand(64, 1, device="cuda") + 0.5)
 
     def forward(self, a, b):
-        return SiluMul()(a, b) * (self.g * self.v / self.v.norm(dim=1, keepdim=True))
+        return SiluMul()(a, b) @ (self.g * self.v / self.v.norm(dim=1, keepdim=True)).t()
 
 
 def test_a_value_of_weights_is_computed_once_until_a_weight_is_written(tmp_path):
@@ -140,6 +141,8 @@ def test_values_of_weights_a_cuda_graph_reads_are_refreshed_after_a_weight_is_wr
         conv.weight.mul_(-1)
         torch.testing.assert_close(fast(a, b), model(a, b))
         torch.testing.assert_close(fast_conv(x), conv(x), rtol=1e-2, atol=1e-2)
+    held = [type(n.target) for m in (fast, fast_conv) for gm in m.graphs if gm is not None for n in gm.graph.nodes]
+    assert fold.Folded in held and layout.ConvertedOnce in held  # what a replay must refresh
     for m in (fast, fast_conv):
         graphs = m.report()["cuda_graphs"]
         assert graphs and all(r["captured"] for r in graphs), m.notes
