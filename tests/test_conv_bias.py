@@ -134,6 +134,31 @@ def test_a_convolution_read_twice_keeps_its_bias_unless_every_one_is_split(as_cu
     assert conv_bias.split(g.module.graph, every=True) == 1 and down.args[2] is None
 
 
+class SqueezeExcited(nn.Module):
+    """A convolution read by a mean and by the product the mean gates (squeeze-excite, ECA)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(4, 8, 1), nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return y * torch.sigmoid(self.fc(y.mean((2, 3)))).view(y.shape[0], -1, 1, 1)
+
+
+def test_a_convolution_read_by_a_mean_and_the_product_it_gates_is_split_into_a_shared_region(as_cudnn, tmp_path):
+    """The bias add and the mean become one shared region (it writes the sum the product reads)."""
+    model, x = SqueezeExcited().eval(), torch.randn(2, 4, 6, 5)
+    (g,) = traced(model, x).graphs
+    (conv,) = convs(g.module)
+    assert conv.args[2] is None
+    cards = region_cards(model, x, tmp_path)
+    assert ["add", "mean"] in [c.region.ops for c in cards if c.region.kind == "shared"]
+    fast = optimize(model, fake_package(cards, {c.id: (1.0, 5.0) for c in cards}), launcher=FakeLauncher(cards))
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x))
+
+
 def test_a_convolution_without_a_bias_is_left_alone(as_cudnn):
     model = nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), nn.ReLU()).eval()
     (g,) = traced(model, torch.randn(1, 3, 8, 8)).graphs

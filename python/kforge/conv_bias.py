@@ -12,7 +12,8 @@ regions kforge captures and matches then take the add into the normalization, ac
 residual add after the convolution. In the graphs kforge.optimize runs and captures regions from
 (kforge.graph), only convolutions eager runs on cuDNN are split (torch's own backend choice on the
 traced values): their results are eager's, the same two kernels' arithmetic; and only those read
-by one op, which a region can take the add into. Elsewhere (CUDA's
+by one op a region can take the add into, or by several such where one is a reduction (ECA's
+gate: a shared region writes the sum and its mean). Elsewhere (CUDA's
 depthwise kernels, the CPU's) the bias is added inside the convolution, whose rounding a split
 would change. kforge.compile's pass splits every CUDA convolution (`every=True`) before its
 other rewrites (inductor_rewrites.ConvBiasSplit), as Inductor's lowering of a convolution would.
@@ -58,12 +59,14 @@ def _splittable(n: fx.Node, every: bool) -> bool:
         return False
     if every:
         return True
-    # One reader, an op a region may take the add into (a view, pointwise work, a norm): a
-    # convolution read twice (ConvNeXt's downsampling, read by the next convolution and the
-    # residual add), or read by a vendor op or a layout copy, keeps its bias, as its add would be
-    # a region of its own and one more call from Python
-    (user,) = n.users if len(n.users) == 1 else (None,)
-    return user is not None and regions.role(user) in ("view", "compute", "reduce") and backend(n) in CUDNN
+    # Read by ops a region may take the add into (a view, pointwise work, a norm): once, or by
+    # several where one reduces (ECA's and squeeze-excite's mean beside the product it gates: the
+    # add and the mean are then one shared region). A convolution read by a vendor op or a layout
+    # copy, or twice with no reduction (ConvNeXt's downsampling, read by the next convolution and
+    # the residual add), keeps its bias: its add would be one more call from Python.
+    roles = [regions.role(u) for u in n.users]
+    return (all(r in ("view", "compute", "reduce") for r in roles) and (len(roles) == 1 or "reduce" in roles)
+            and backend(n) in CUDNN)
 
 
 def split(graph: fx.Graph, *, every: bool = False, view_op: Any = torch.ops.aten.view.default) -> int:
