@@ -62,7 +62,7 @@ uint64_t pick(const std::vector<uint64_t>& v, int64_t i, const char* what, const
 void launch_one(const KernelSpec& k, const std::vector<uint64_t>& inputs, const std::vector<uint64_t>& outputs,
                 const std::vector<uint64_t>& workspaces, uint64_t stream) {
   // One 8-byte slot per argument; cuLaunchKernel reads each parameter from its slot. 512 slots are
-  // CUDA's 4 KB of kernel parameters (every arch); LaunchPlan.from_json refuses more (MAX_ARGS).
+  // CUDA's 4 KB of kernel parameters (every arch); LaunchPlan.validate refuses more (MAX_ARGS).
   constexpr size_t kMaxArgs = 512;
   if (k.args.size() > kMaxArgs) throw std::invalid_argument("kernel '" + k.fn.name + "' has more than 512 arguments");
   uint64_t slots[kMaxArgs];

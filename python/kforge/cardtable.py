@@ -64,8 +64,8 @@ def search_order(cards: Sequence[Card], hardware: Hardware | None = None) -> lis
     """The chosen cards in the order the search takes them: region cards by headroom (by share
     where `hardware` is not given), then single-op cards so, except that a card whose every call
     runs inside another chosen card's op (clamp_min_ inside relu_, copy_ inside _to_copy) comes
-    after all the others. With a deadline
-    the search time goes first to what kforge.optimize and kforge.compile replace whole: a 50 s
+    after all the others. With a deadline the search time goes first to what kforge.optimize and
+    kforge.compile replace whole: a 50 s
     ResNet-50 bf16 search on an H100 reached 20 candidates, spent many of them on single-op batch
     norms (which only pkg.apply uses) and left 8 of its 17 batch-norm regions unsearched, which then
     ran as eager runs them (kforge.optimize 0.88x torch.compile; 1.10x with all of them, in 100 s).
