@@ -25,7 +25,10 @@ from .errors import PackageError, PlanError
 # packages load, their kernels in no compiled graph (no torch.compile time to beat).
 # 3: "model_check", the whole model under torch.compile and kforge.compile, which kforge.compile
 # follows; format 1 and 2 packages load without one (kforge.compile trusts the cards' decisions).
-FORMAT = 3
+# 4: a region card's "baseline" says its basis ("gpu": each call timed alone on the GPU, or
+# "dispatched") and its kernel's time on it; kforge.optimize chooses overlapping regions by them.
+# Format 1 to 3 packages load, their overlaps chosen as dispatched.
+FORMAT = 4
 MAX_TEXT = 4000  # characters in any manifest text (reasons, notes, names); the writer cuts to it
 MAX_DEPTH = 8  # nesting of free-form evidence (tolerances, knobs)
 
