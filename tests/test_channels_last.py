@@ -178,7 +178,7 @@ def test_a_kept_weight_copy_is_refreshed_in_place_before_a_graph_replay():
     with fold.recording() as held:
         copy = convert(w)
         convert(w)  # a hit is recorded too: the memo may predate the capture
-    assert held == [convert, convert]
+    assert held == [convert, convert] and convert.weights() == [w]
     assert convert.refresh() and torch.equal(copy, w)  # nothing written: nothing done
     with torch.no_grad():
         w.add_(1)

@@ -117,7 +117,7 @@ def test_a_value_of_weights_is_recomputed_in_its_own_memory_before_a_graph_repla
     (holder,) = [n.target for n in gm.graph.nodes if isinstance(n.target, fold.Folded)]
     with fold.recording() as held:
         gm(w, x)
-    assert held == [holder] and holder.refresh()
+    assert held == [holder] and holder.refresh() and holder.weights() == [w]
     kept = holder.value
     with torch.no_grad():
         w.mul_(-2)

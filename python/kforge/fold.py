@@ -71,6 +71,10 @@ class Folded:
         self._memo = tuple(map(weight_key, weights)) if weights and all(map(memoizable, weights)) else None
         return self.value
 
+    def weights(self) -> list[torch.Tensor]:
+        """The weights the kept value was made from (none where it is not memoized)."""
+        return [t for k in self._memo or () if (t := k[0]()) is not None]
+
     def refresh(self) -> bool:
         """Before a CUDA graph replay that reads the kept value: recompute it in place if a weight
         was written since. False where a weight is gone or holds other memory (the graph then runs

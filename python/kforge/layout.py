@@ -79,6 +79,11 @@ class ConvertedOnce:
         self._memo = (weight_key(t), out)
         return out
 
+    def weights(self) -> list[torch.Tensor]:
+        """The weight the kept copy was made from (none where nothing is kept)."""
+        t = self._memo[0][0]() if self._memo is not None else None
+        return [] if t is None else [t]
+
     def refresh(self) -> bool:
         """Before a CUDA graph replay that reads the copy: copy the weight again if it was written
         since (fold.Folded.refresh)."""

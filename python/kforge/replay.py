@@ -13,8 +13,9 @@ What a replay assumes, and how each call checks it:
     they were: one compare of their addresses per call; a moved one (a parameter replaced,
     `.data` reassigned, the model moved) runs the graph op by op, counted in `misses`;
   - the values kept from weights that the graph reads (kforge.fold's folded values, layout's
-    channels-last weights) are current: each holder the capture called recomputes its value
-    in place if a weight was written since (load_state_dict, an optimizer step);
+    channels-last weights) are current: where the version of a tensor they are made from moved
+    (load_state_dict, an optimizer step), each holder the capture called recomputes its value
+    in place, after the inputs are copied in;
   - every other input is copied into the graph's own copy of it before the replay.
 Outputs are copies of the graph's, so they stay valid after the next call (the graph writes its
 own each replay).
@@ -47,12 +48,16 @@ class Replayed:
         if self.graph is None:
             if self.failed or not self._capture(inputs):
                 return self.fn(*inputs)
-        if tuple([inputs[i].data_ptr() for i in self.static]) != self.static_at \
-                or not all([k.refresh() for k in self.kept]):
+        if tuple([inputs[i].data_ptr() for i in self.static]) != self.static_at:
             self.misses += 1
             return self.fn(*inputs)
         for i, buf in self.copies:
             buf.copy_(inputs[i])
+        if [w._version for w in self._watched] != self._versions:  # a weight written (or an input copied) since
+            if not all([k.refresh() for k in self.kept]):
+                self.misses += 1
+                return self.fn(*inputs)
+            self._versions = [w._version for w in self._watched]
         self.graph.replay()
         self.replays += 1
         return self.kind(o.clone() for o in self.outputs)
@@ -98,6 +103,8 @@ class Replayed:
         outputs, self.kind = list(held[0]), type(held[0])
         self.graph, self.outputs, self._args = graph, outputs, args  # the graph reads args' memory
         self.kept = list(dict.fromkeys(kept))  # and these holders' values of weights
+        self._watched = [w for k in self.kept for w in k.weights()]  # what those values are made from
+        self._versions = [w._version for w in self._watched]
         return True
 
 

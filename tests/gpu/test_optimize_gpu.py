@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kforge import compiler, fold, layout
@@ -151,3 +152,23 @@ def test_values_of_weights_a_cuda_graph_reads_are_refreshed_after_a_weight_is_wr
         model.v.data = torch.randn_like(model.v)  # other memory: op by op
         torch.testing.assert_close(fast(a, b), model(a, b))
     assert sum(r["misses"] for r in fast.report()["cuda_graphs"]) == 1
+
+
+class ConvByInput(nn.Module):
+    def forward(self, x, w):
+        return F.conv2d(x, w, padding=1)
+
+
+def test_a_convolution_weight_passed_as_an_input_is_converted_after_it_is_copied_in(tmp_path):
+    """The replay copies an input that is not the model's into its own buffer, then refreshes the
+    channels-last copy made of that buffer: each call's weight is the one convolved."""
+    a, b = (torch.randn(64, 4096, device="cuda") for _ in range(2))
+    pkg, _ = silu_mul_package(tmp_path, a, b)
+    fast = optimize(ConvByInput(), pkg, cuda_graphs=True)
+    x = torch.randn(8, 16, 20, 20, device="cuda")
+    with torch.no_grad():
+        for _ in range(3):
+            w = torch.randn(32, 16, 3, 3, device="cuda")
+            torch.testing.assert_close(fast(x, w), F.conv2d(x, w, padding=1), rtol=1e-2, atol=1e-2)
+    graphs = fast.report()["cuda_graphs"]
+    assert graphs and all(r["captured"] for r in graphs) and sum(r["replays"] for r in graphs) >= 1, (graphs, fast.notes)
