@@ -135,30 +135,32 @@ def views_early(nodes: list[SubNode]) -> list[int]:
     after it. ECA's gate (NFNet, ECA-ResNet): the sigmoid of a (B, 1, C) convolution viewed to
     (B, C, 1, 1), after the bias added to the (B, C, H, W) map it scales. Values the view does
     not depend on are computed after it, in its shape's terms, as torch broadcasts them."""
-    deps = [_reads(n.kwargs, _reads(n.args, set())) for n in nodes]
+    deps = [sorted(d for d in _reads(n.kwargs, _reads(n.args, set())) if 0 <= d < j) for j, n in enumerate(nodes)]
     order: list[int] = []
     placed: set[int] = set()
 
-    def place(j: int) -> None:
-        if j not in placed:
-            for d in sorted(deps[j]):
-                place(d)
-            placed.add(j)
-            order.append(j)
+    def place(j: int) -> None:  # j after every node it depends on (refs point backwards: no cycle)
+        for d in sorted(before(j)):
+            if d not in placed:
+                placed.add(d)
+                order.append(d)
 
-    def before(j: int, seen: set[int]) -> set[int]:  # j and every node it depends on
-        if j not in seen:
-            seen.add(j)
-            for d in deps[j]:
-                before(d, seen)
+    def before(j: int) -> set[int]:  # j and every node it depends on
+        seen, todo = {j}, [j]
+        while todo:
+            for d in deps[todo.pop()]:
+                if d not in seen:
+                    seen.add(d)
+                    todo.append(d)
         return seen
 
     for j, n in enumerate(nodes):
-        families = {family_of(nodes[d].op) for d in before(j, set())}
-        if family_of(n.op) == "view" and families == {"pointwise", "view"}:  # a view of a computed value
-            place(j)
-    for j in range(len(nodes)):
-        place(j)
+        if family_of(n.op) == "view" and {family_of(nodes[d].op) for d in before(j)} == {"pointwise", "view"}:
+            place(j)  # a view of a computed value
+    for j in range(len(nodes)):  # the rest in graph order: what each reads is placed by then
+        if j not in placed:
+            placed.add(j)
+            order.append(j)
     return order
 
 
