@@ -290,6 +290,33 @@ def test_cards_are_searched_by_the_time_a_kernel_at_the_memory_floor_would_save(
     assert cardtable.headroom(pool, H200) == pytest.approx(0.1 * 0.75)
 
 
+class _PoolBesideNorm(torch.nn.Module):
+    """A batch norm and ReLU (a region), and a pooling of the same input alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = torch.nn.BatchNorm2d(4).eval()
+
+    def forward(self, x):
+        return torch.relu(self.bn(x)), torch.nn.functional.avg_pool2d(x, 2)
+
+
+def test_op_cards_the_traced_graphs_call_outside_regions_are_searched_beside_the_regions(tmp_path):
+    """capture records them (regions.json "alone"): the pooling is one, the ReLU inside the region
+    and eager's own batch norm call are not; they go after the region cards, the pooling among them."""
+    cards = capture(_PoolBesideNorm().eval(), torch.randn(2, 4, 8, 8), tmp_path / "cap", regions=True,
+                    time_cards=False).cards
+    alone = runner._alone(tmp_path / "cap")
+    pool, relu = (next(c for c in cards if c.region is None and name in c.op) for name in ("avg_pool2d", "relu"))
+    (region,) = [c for c in cards if c.region is not None]
+    assert pool.id in alone and relu.id not in alone
+    assert not any(c.id in alone for c in cards if "batch_norm" in c.op)
+    pool.share, relu.share, region.share = 0.2, 0.5, 0.1
+    assert cardtable.search_order([relu, region, pool], alone=alone) == [pool, region, relu]
+    assert cardtable.search_order([relu, region, pool]) == [region, relu, pool]  # a capture without it
+    assert runner._alone(tmp_path / "nowhere") == set()
+
+
 class _AddThenPool(torch.nn.Module):
     def forward(self, x, y):
         return torch.nn.functional.avg_pool2d(x + y, 2)

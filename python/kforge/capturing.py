@@ -77,7 +77,8 @@ def capture(model: torch.nn.Module, example_inputs: Any, run_dir: str | Path | N
         rec, notes = record(model, args, kwargs, target, max_samples_per_card, max_sample_bytes)
         say("timing the model's forward")
         model_us = model_wall_us(model, args, kwargs, dev)
-        region_entries = _capture_regions(model, args, kwargs, target, max_sample_bytes, notes) if regions else []
+        region_entries, alone = _capture_regions(model, args, kwargs, target, max_sample_bytes, notes) if regions \
+            else ([], set())
     cards = rec.finish()
     notes += rec.notes()
     if time_cards:
@@ -100,18 +101,19 @@ def capture(model: torch.nn.Module, example_inputs: Any, run_dir: str | Path | N
     # Made only now: a capture that fails must not leave an empty directory behind.
     run_dir = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="kforge-capture-"))
     result = CaptureResult(cards, run_dir, total_us, model_us, str(dev), notes)
-    _write(result, rec, region_entries)
+    _write(result, rec, region_entries, alone)
     return result
 
 
-def _capture_regions(model, args, kwargs, target: Target, max_sample_bytes: int, notes: list[str]) -> list:
+def _capture_regions(model, args, kwargs, target: Target, max_sample_bytes: int,
+                     notes: list[str]) -> tuple[list, set[str]]:
     from . import graph
     from .region_capture import region_cards
 
-    entries, more = region_cards(graph.trace(model, args, kwargs), target.arch, target.device_name,
-                                 max_sample_bytes=max_sample_bytes)
+    entries, more, alone = region_cards(graph.trace(model, args, kwargs), target.arch, target.device_name,
+                                        max_sample_bytes=max_sample_bytes)
     notes += more
-    return entries
+    return entries, alone
 
 
 def check_run_dir(run_dir: Path) -> None:
@@ -153,7 +155,7 @@ def _check_writable(run_dir: Path) -> None:
             d.rmdir()
 
 
-def _write(result: CaptureResult, rec: Recorder, region_entries: Sequence = ()) -> None:
+def _write(result: CaptureResult, rec: Recorder, region_entries: Sequence = (), alone: set[str] = frozenset()) -> None:
     """run_dir/cards/<id>/{card.json, sample<i>.safetensors} and run_dir/capture.json (replaced)."""
     cards_root = result.run_dir / "cards"
     if cards_root.exists():
@@ -170,5 +172,6 @@ def _write(result: CaptureResult, rec: Recorder, region_entries: Sequence = ()) 
         from .region_capture import SITES
 
         sites = [dict(site, card=e.card.id) for e in region_entries for site in e.sites]
-        (result.run_dir / SITES).write_text(json.dumps({"sites": sites}, indent=1))
+        # and which op cards the traced graphs call outside every region (the search's order)
+        (result.run_dir / SITES).write_text(json.dumps({"sites": sites, "alone": sorted(alone)}, indent=1))
     (result.run_dir / "capture.json").write_text(json.dumps(result.to_json(), indent=1))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import AbstractSet, Sequence
 
 from .cards import Card
 from .hardware import Hardware
@@ -60,19 +60,25 @@ def headroom(card: Card, hardware: Hardware | None) -> float:
     return share * max(HEADROOM_MIN, 1.0 - hardware.floor_us(card.io_bytes()) / card.eager_us)
 
 
-def search_order(cards: Sequence[Card], hardware: Hardware | None = None) -> list[Card]:
-    """The chosen cards in the order the search takes them: region cards by headroom (by share
-    where `hardware` is not given), then single-op cards so, except that a card whose every call
-    runs inside another chosen card's op (clamp_min_ inside relu_, copy_ inside _to_copy) comes
-    after all the others. With a deadline the search time goes first to what kforge.optimize and
-    kforge.compile replace whole: a 50 s
-    ResNet-50 bf16 search on an H100 reached 20 candidates, spent many of them on single-op batch
-    norms (which only pkg.apply uses) and left 8 of its 17 batch-norm regions unsearched, which then
-    ran as eager runs them (kforge.optimize 0.88x torch.compile; 1.10x with all of them, in 100 s).
+def search_order(cards: Sequence[Card], hardware: Hardware | None = None,
+                 alone: AbstractSet[str] = frozenset()) -> list[Card]:
+    """The chosen cards in the order the search takes them: region cards and the single-op cards
+    in `alone` (calls the traced graphs make outside every region: capture's regions.json) by
+    headroom (by share where `hardware` is not given), then the other single-op cards so, except
+    that a card whose every call runs inside another chosen card's op (clamp_min_ inside relu_,
+    copy_ inside _to_copy) comes after all the others. A call in `alone` is one kforge.optimize
+    runs as a single-op card (ECA-NFNet-L0's channels-last avg_pool2d, 4.5x its memory floor,
+    waited behind every region card in a 40 s H100 search). With a deadline the search time goes
+    first to what kforge.optimize and kforge.compile replace: a 50 s ResNet-50 bf16 search on an
+    H100 reached 20 candidates, spent many of them on single-op batch norms (which only
+    pkg.apply uses: eager's batch norm is not a call of the traced graphs) and left 8 of its 17
+    batch-norm regions unsearched, which then ran as eager runs them (kforge.optimize 0.88x
+    torch.compile; 1.10x with all of them, in 100 s).
     A nested card's calls run only where the outer op's kernel falls back, and its share is
     already in the outer card's."""
     ops = {c.op.removeprefix("aten::") for c in cards}
-    return sorted(cards, key=lambda c: (nested_in(c) in ops, c.region is None, -headroom(c, hardware)))
+    return sorted(cards, key=lambda c: (nested_in(c) in ops, c.region is None and c.id not in alone,
+                                        -headroom(c, hardware)))
 
 
 def cards_table(cards: list[Card], limit: int | None = None, searchable_only: bool = False):

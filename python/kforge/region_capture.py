@@ -101,12 +101,17 @@ def _replay(g: graph_mod.Graph, values: set, members: set, arch: str, keep: Any,
     return rec
 
 
-def region_cards(trace: graph_mod.Trace, arch: str, device_name: str, *, max_sample_bytes: int) -> tuple[list[RegionEntry], list[str]]:
-    """The region cards of a trace, deduplicated, in first-seen order, with notes."""
+def region_cards(trace: graph_mod.Trace, arch: str, device_name: str, *,
+                 max_sample_bytes: int) -> tuple[list[RegionEntry], list[str], set[str]]:
+    """The region cards of a trace, deduplicated, in first-seen order, with notes, and the op
+    card ids of the calls the trace's graphs make outside every region: what kforge.optimize
+    runs as single-op cards (an op eager calls and the graphs do not, an internal bias add, is
+    not among them)."""
     from .callspec import cpu_copy
 
     entries: dict[str, RegionEntry] = {}
     notes: list[str] = list(trace.notes)
+    alone: set[str] = set()
     budget = max_sample_bytes
     for g in trace.graphs:
         sites = find(g.module)
@@ -116,9 +121,12 @@ def region_cards(trace: graph_mod.Trace, arch: str, device_name: str, *, max_sam
             notes.append(f"graph {g.index} never ran: its {len(sites)} region(s) are not captured")
             continue
         values = {v for s in sites for v in (*s.inputs, *s.outputs)}
-        rec = _replay(g, values, {n for s in sites for n in s.nodes}, arch, TensorMeta.of, notes)
+        calls = {n for n in g.module.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)}
+        rec = _replay(g, values, calls, arch, TensorMeta.of, notes)
         if rec is None:
             continue
+        inside = {n for s in sites for n in s.nodes}
+        alone |= {rec.op_cards[n] for n in calls - inside if rec.op_cards.get(n)}
         sampled: list[tuple[RegionEntry, Site]] = []
         for s in sites:
             entry, first = _add_site(entries, s, g, rec, arch, device_name)
@@ -140,7 +148,7 @@ def region_cards(trace: graph_mod.Trace, arch: str, device_name: str, *, max_sam
                        f"ops' cards' shares")
         if e.sample is None:
             c.notes.append("no sample stored: the sample budget was spent (raise max_sample_bytes to keep one)")
-    return list(entries.values()), notes
+    return list(entries.values()), notes, alone
 
 
 def _add_site(entries: dict[str, RegionEntry], s: Site, g: graph_mod.Graph, rec: _Recorder, arch: str,

@@ -11,6 +11,7 @@ Three module-level functions are the seams to the GPU-side modules (tests replac
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
 import queue
@@ -304,7 +305,7 @@ def search_run(run_dir: str | Path, *, out: str | Path | None = None, proposer: 
                     log.event(run_id, "skip", why, card_id=card.id)
                 else:
                     chosen.append(card)
-            outcomes = _search_all(search_order(chosen, hardware), first, proposer, proposer_options or {}, pool, run_dir, run_id,
+            outcomes = _search_all(search_order(chosen, hardware, _alone(run_dir)), first, proposer, proposer_options or {}, pool, run_dir, run_id,
                                    budget, spend, hardware, seed, progress, console, log)
         finally:
             first.close()
@@ -492,3 +493,14 @@ def card_results(log: SQLiteStore, run_id: str) -> list[CardResult]:
         out.append(CardResult(c.card_id, c.op, c.family, c.summary, c.status, c.iterations, c.eager_us, c.best_us,
                               c.best_speedup, note, c.eval_s, c.calls, c.share, module_path(Card.from_json(c.card))))
     return out
+
+
+def _alone(run_dir: Path) -> set[str]:
+    """The op cards the capture's traced graphs call outside every region (cardtable.search_order)."""
+    from .region_capture import SITES
+
+    try:
+        alone = json.loads((run_dir / SITES).read_text()).get("alone", [])
+    except (OSError, ValueError, AttributeError):
+        return set()  # no regions captured, or a capture before the field
+    return {a for a in alone if isinstance(a, str)}
