@@ -302,11 +302,13 @@ class _PoolBesideNorm(torch.nn.Module):
 
 
 def test_op_cards_the_traced_graphs_call_outside_regions_are_searched_beside_the_regions(tmp_path):
+    from kforge.region_capture import alone_op_cards
+
     """capture records them (regions.json "alone"): the pooling is one, the ReLU inside the region
     and eager's own batch norm call are not; they go after the region cards, the pooling among them."""
     cards = capture(_PoolBesideNorm().eval(), torch.randn(2, 4, 8, 8), tmp_path / "cap", regions=True,
                     time_cards=False).cards
-    alone = runner._alone(tmp_path / "cap")
+    alone = alone_op_cards(tmp_path / "cap")
     pool, relu = (next(c for c in cards if c.region is None and name in c.op) for name in ("avg_pool2d", "relu"))
     (region,) = [c for c in cards if c.region is not None]
     assert pool.id in alone and relu.id not in alone
@@ -314,7 +316,7 @@ def test_op_cards_the_traced_graphs_call_outside_regions_are_searched_beside_the
     pool.share, relu.share, region.share = 0.2, 0.5, 0.1
     assert cardtable.search_order([relu, region, pool], alone=alone) == [pool, region, relu]
     assert cardtable.search_order([relu, region, pool]) == [region, relu, pool]  # a capture without it
-    assert runner._alone(tmp_path / "nowhere") == set()
+    assert alone_op_cards(tmp_path / "nowhere") == set()
 
 
 class _AddThenPool(torch.nn.Module):

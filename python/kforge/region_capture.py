@@ -13,7 +13,9 @@ overlaps the shares of the op cards inside it (top_calls is 0: family shares lea
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -98,6 +100,16 @@ def _replay(g: graph_mod.Graph, values: set, members: set, arch: str, keep: Any,
                      "its regions are not captured")
         return None
     return rec
+
+
+def alone_op_cards(run_dir: Path) -> set[str]:
+    """The op cards the capture in `run_dir` found its traced graphs calling outside every region
+    (cardtable.search_order); none where no regions were captured, or before the field."""
+    try:
+        alone = json.loads((Path(run_dir) / SITES).read_text()).get("alone", [])
+    except (OSError, ValueError, AttributeError):
+        return set()
+    return {a for a in alone if isinstance(a, str)} if isinstance(alone, list) else set()
 
 
 def region_cards(trace: graph_mod.Trace, arch: str, device_name: str, *,

@@ -11,7 +11,6 @@ Three module-level functions are the seams to the GPU-side modules (tests replac
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import numbers
 import queue
@@ -305,7 +304,10 @@ def search_run(run_dir: str | Path, *, out: str | Path | None = None, proposer: 
                     log.event(run_id, "skip", why, card_id=card.id)
                 else:
                     chosen.append(card)
-            outcomes = _search_all(search_order(chosen, hardware, _alone(run_dir)), first, proposer, proposer_options or {}, pool, run_dir, run_id,
+            from .region_capture import alone_op_cards
+
+            order = search_order(chosen, hardware, alone_op_cards(run_dir))
+            outcomes = _search_all(order, first, proposer, proposer_options or {}, pool, run_dir, run_id,
                                    budget, spend, hardware, seed, progress, console, log)
         finally:
             first.close()
@@ -493,14 +495,3 @@ def card_results(log: SQLiteStore, run_id: str) -> list[CardResult]:
         out.append(CardResult(c.card_id, c.op, c.family, c.summary, c.status, c.iterations, c.eager_us, c.best_us,
                               c.best_speedup, note, c.eval_s, c.calls, c.share, module_path(Card.from_json(c.card))))
     return out
-
-
-def _alone(run_dir: Path) -> set[str]:
-    """The op cards the capture's traced graphs call outside every region (cardtable.search_order)."""
-    from .region_capture import SITES
-
-    try:
-        alone = json.loads((run_dir / SITES).read_text()).get("alone", [])
-    except (OSError, ValueError, AttributeError):
-        return set()  # no regions captured, or a capture before the field
-    return {a for a in alone if isinstance(a, str)}
