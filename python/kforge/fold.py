@@ -81,12 +81,10 @@ class Folded:
         op by op). A value never memoized is a constant, or recomputed by the graph itself."""
         if self._memo is None:
             return True
-        weights = [k[0]() for k in self._memo]
-        if any(w is None or w.data_ptr() != k[2] for w, k in zip(weights, self._memo)):
+        weights = live(self._memo)
+        if weights is None:
             return False  # another weight's memory: the replay's own address check runs the graph op by op
-        if not all(map(unchanged, self._memo, weights)):
-            self.value.copy_(self.make(*weights))
-            self._memo = tuple(map(weight_key, weights))
+        self(*weights)  # a hit, or the value made again into its own memory
         return True
 
 
@@ -116,6 +114,12 @@ def weight_key(t: torch.Tensor) -> tuple:
     """What says a weight is still the one a kept value was made from: the tensor (a weak ref),
     its version (written in place since?) and its memory (`param.data = ...` keeps the version)."""
     return weakref.ref(t), t._version, t.data_ptr()
+
+
+def live(keys: Iterable[tuple]) -> list[torch.Tensor] | None:
+    """The weights `keys` (weight_key) were taken of, where each is alive in the same memory; else None."""
+    ts = [(k[0](), k) for k in keys]
+    return None if any(t is None or t.data_ptr() != k[2] for t, k in ts) else [t for t, _ in ts]
 
 
 def unchanged(key: tuple, t: torch.Tensor) -> bool:

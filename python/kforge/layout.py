@@ -89,13 +89,10 @@ class ConvertedOnce:
         since (fold.Folded.refresh)."""
         if self._memo is None:
             return True  # nothing kept: the graph converts or reads the weight itself
-        key, out = self._memo
-        t = key[0]()
-        if t is None or t.data_ptr() != key[2]:
+        t = fold.live([self._memo[0]])
+        if t is None:
             return False
-        if t._version != key[1]:
-            out.copy_(t)
-            self._memo = (weight_key(t), out)
+        self(*t)  # a hit, or the weight copied again into the kept memory
         return True
 
 

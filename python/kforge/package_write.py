@@ -197,9 +197,10 @@ def _region_decisions(run_dir: Path, entries: list[dict], members: dict[str, byt
     for e in region_entries.values():
         ops = [op for n in e["region"]["nodes"] if (op := by_id.get(n.get("op_card"))) is not None
                and op["decision"] == "dispatched"]
-        if _gpu_times(e) is not None and all(_gpu_times(op) is not None for op in ops):
-            basis, (eager, kernel) = "gpu", _gpu_times(e)
-            savings = {op["id"]: _gpu_times(op)[0] - _gpu_times(op)[1] for op in ops}
+        gpu = [_gpu_times(x) for x in (e, *ops)]
+        if all(t is not None for t in gpu):
+            basis, (eager, kernel) = "gpu", gpu[0]
+            savings = {op["id"]: eager_op - kernel_op for op, (eager_op, kernel_op) in zip(ops, gpu[1:])}
         else:
             basis, eager, kernel = "dispatched", e["timing"]["eager_dispatched_us"] or e["timing"]["eager_us"], \
                 e["timing"]["dispatched_us"]
